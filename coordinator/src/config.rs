@@ -1,0 +1,255 @@
+//! The coordinator's configuration file (`flotilla serve --config FILE`).
+//!
+//! A raw serde struct mirrors the TOML; [`Config`] is what the service uses, built through
+//! `TryFrom` so every problem is reported with the field and the value before anything starts.
+//! Relative paths resolve against the config file's directory, not the working directory, so a
+//! config behaves the same under systemd as in a shell. The commented default is embedded and
+//! printed by `flotilla serve --print-default-config`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The commented default configuration.
+pub const DEFAULT_CONFIG: &str = include_str!("../default-config.toml");
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path} is not valid TOML: {source}")]
+    Parse { path: PathBuf, source: toml::de::Error },
+    #[error("config field {field} = {value:?} is invalid: {reason}")]
+    Field { field: &'static str, value: String, reason: String },
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Holds `db/` (sled), `artifacts/` and `releases/`.
+    pub data_dir: PathBuf,
+    /// The coordinator's secret signing key (signs desired actions).
+    pub coordinator_key: PathBuf,
+    pub broker: BrokerConfig,
+    /// How long a desired action stays valid after it is issued, in seconds.
+    pub action_validity: u64,
+}
+
+/// Where the MQTT broker is, and whether to run one in-process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BrokerConfig {
+    pub host: String,
+    pub port: u16,
+    pub topic_root: String,
+    /// Run rumqttd inside the coordinator, listening here.
+    pub embedded: Option<SocketAddr>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    data_dir: String,
+    coordinator_key: String,
+    #[serde(default)]
+    broker: RawBroker,
+    #[serde(default)]
+    actions: RawActions,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawBroker {
+    host: String,
+    port: u16,
+    topic_root: String,
+    embedded: Option<String>,
+}
+
+impl Default for RawBroker {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 1883,
+            topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
+            embedded: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawActions {
+    validity: String,
+}
+
+impl Default for RawActions {
+    fn default() -> Self {
+        Self { validity: "7d".into() }
+    }
+}
+
+/// A raw config plus the directory relative paths are resolved against.
+struct Located {
+    raw: RawConfig,
+    base: PathBuf,
+}
+
+impl TryFrom<Located> for Config {
+    type Error = ConfigError;
+
+    fn try_from(located: Located) -> Result<Self, Self::Error> {
+        let Located { raw, base } = located;
+        let field = |field, value: &str, reason: &str| ConfigError::Field {
+            field,
+            value: value.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if raw.data_dir.trim().is_empty() {
+            return Err(field("data_dir", &raw.data_dir, "must not be empty"));
+        }
+        if raw.coordinator_key.trim().is_empty() {
+            return Err(field("coordinator_key", &raw.coordinator_key, "must not be empty"));
+        }
+        if raw.broker.host.trim().is_empty() {
+            return Err(field("broker.host", &raw.broker.host, "must not be empty"));
+        }
+        if raw.broker.port == 0 {
+            return Err(field("broker.port", "0", "must be between 1 and 65535"));
+        }
+        let root = &raw.broker.topic_root;
+        if root.is_empty() || root.contains(['+', '#']) || root.starts_with('/') {
+            return Err(field(
+                "broker.topic_root",
+                root,
+                "must be non-empty, not start with '/', and contain no MQTT wildcards",
+            ));
+        }
+        let embedded = match &raw.broker.embedded {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
+                field("broker.embedded", addr, &format!("expected HOST:PORT like 127.0.0.1:1883 ({e})"))
+            })?),
+        };
+        let action_validity = parse_duration(&raw.actions.validity)
+            .map_err(|reason| field("actions.validity", &raw.actions.validity, &reason))?;
+        if action_validity == 0 {
+            return Err(field("actions.validity", &raw.actions.validity, "must be longer than 0s"));
+        }
+        Ok(Config {
+            data_dir: base.join(&raw.data_dir),
+            coordinator_key: base.join(&raw.coordinator_key),
+            broker: BrokerConfig {
+                host: raw.broker.host,
+                port: raw.broker.port,
+                topic_root: raw.broker.topic_root,
+                embedded,
+            },
+            action_validity,
+        })
+    }
+}
+
+impl Config {
+    /// Parses config text; relative paths resolve against `base`.
+    pub fn from_toml(text: &str, base: &Path, origin: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|source| ConfigError::Parse { path: origin.to_owned(), source })?;
+        Config::try_from(Located { raw, base: base.to_owned() })
+    }
+
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let base = path.parent().unwrap_or(Path::new(".")).to_owned();
+        Config::from_toml(&text, &base, path)
+    }
+
+    /// The broker address, as `HOST:PORT` for messages.
+    pub fn broker_addr(&self) -> String {
+        format!("{}:{}", self.broker.host, self.broker.port)
+    }
+}
+
+/// Parses `30s`, `15m`, `12h`, `7d` (or a bare number of seconds) into seconds.
+pub fn parse_duration(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => text.split_at(i),
+        None => (text, "s"),
+    };
+    if digits.is_empty() {
+        return Err("expected a number followed by s, m, h or d, like 7d".into());
+    }
+    let n: u64 = digits.parse().map_err(|_| format!("{digits} is too large"))?;
+    let scale = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        other => return Err(format!("unknown unit {other:?}; use s, m, h or d")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("{text} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("/etc/flotilla"), Path::new("/etc/flotilla/coordinator.toml"))
+    }
+
+    #[test]
+    fn default_config_is_valid() {
+        let config = parse(DEFAULT_CONFIG).expect("the shipped default parses");
+        assert_eq!(config.broker.port, 1883);
+        assert_eq!(config.broker.topic_root, "flotilla");
+        assert_eq!(config.action_validity, 7 * 86_400);
+        assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_config_file() {
+        let config = parse(
+            "data_dir = \"data\"\ncoordinator_key = \"keys/coordinator.key\"\n[broker]\nembedded = \"127.0.0.1:18830\"\n[actions]\nvalidity = \"12h\"\n",
+        )
+        .expect("valid");
+        assert_eq!(config.data_dir, PathBuf::from("/etc/flotilla/data"));
+        assert_eq!(config.coordinator_key, PathBuf::from("/etc/flotilla/keys/coordinator.key"));
+        assert_eq!(config.broker.embedded, Some("127.0.0.1:18830".parse().expect("addr")));
+        assert_eq!(config.action_validity, 12 * 3600);
+        let abs = parse("data_dir = \"/var/lib/flotilla\"\ncoordinator_key = \"/k\"\n").expect("valid");
+        assert_eq!(abs.data_dir, PathBuf::from("/var/lib/flotilla"));
+    }
+
+    #[test]
+    fn errors_name_the_field_and_value() {
+        let cases = [
+            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nembedded = \"nowhere\"\n", "broker.embedded", "nowhere"),
+            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[actions]\nvalidity = \"7w\"\n", "actions.validity", "7w"),
+            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\ntopic_root = \"a/#\"\n", "broker.topic_root", "a/#"),
+            ("data_dir = \"\"\ncoordinator_key = \"k\"\n", "data_dir", ""),
+        ];
+        for (text, field, value) in cases {
+            let err = parse(text).expect_err(field).to_string();
+            assert!(err.contains(field) && err.contains(&format!("{value:?}")), "{err}");
+        }
+        let err = parse("data_dir = \"d\"\ncoordinator_key = \"k\"\ncolour = 1\n").expect_err("unknown");
+        assert!(err.to_string().contains("colour"), "{err}");
+        let err = parse("coordinator_key = \"k\"\n").expect_err("missing");
+        assert!(err.to_string().contains("data_dir"), "{err}");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("7d"), Ok(604_800));
+        assert_eq!(parse_duration("90"), Ok(90));
+        assert_eq!(parse_duration("15m"), Ok(900));
+        assert!(parse_duration("d").is_err());
+        assert!(parse_duration("1y").is_err());
+        assert!(parse_duration("99999999999999999999d").is_err());
+    }
+}

@@ -1,0 +1,499 @@
+//! Releases: signed manifests on disk and the content-addressed artifact store behind them.
+//!
+//! Layout under the coordinator's data directory:
+//!
+//! ```text
+//! {data_dir}/artifacts/{sha256 hex}     artifact bytes, named by their digest
+//! {data_dir}/releases/{name}.release    postcard SignedBlob of the ReleaseManifest
+//! ```
+//!
+//! Releases are plain files rather than sled entries so that `flotilla release create` works
+//! while `flotilla serve` holds the database (sled is single-process), and [`ReleaseStore`]
+//! reads them fresh on every lookup so a release created a second ago is usable at once.
+//! Every file is written through a temp file, fsync and rename: a crash leaves either the old
+//! state or the new one, never a torn manifest or a half-copied artifact under a valid digest.
+
+use std::fs::{self, File};
+use std::io::{Read, Write as _};
+use std::path::{Path, PathBuf};
+
+use flotilla_protocol::control::{ArtifactSummary, ReleaseSummary};
+use flotilla_protocol::{envelope, hex, Artifact, DecodeError, Digest, IdError, ReleaseManifest};
+use flotilla_protocol::{SignatureError, SignedBlob, SigningKey, UnixTime, VerifyingKey};
+use sha2::Digest as _;
+
+use crate::artifacts::artifact_path;
+
+/// Why a release operation failed. Every variant names the file, field or artifact involved.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    #[error("release name {name:?} is invalid: {source}")]
+    Name { name: String, source: IdError },
+    #[error("--artifact {value:?} must look like TARGET=PATH (e.g. app=build/app.bin)")]
+    ArtifactSpec { value: String },
+    #[error("--artifact {value:?}: target {target:?} is invalid: {source}")]
+    ArtifactTarget { value: String, target: String, source: IdError },
+    #[error("a release needs at least one --artifact")]
+    NoArtifacts,
+    #[error("--expires-in {value:?} is invalid: {reason}")]
+    Expiry { value: String, reason: String },
+    #[error("release {name} already exists at {path}; release names are never reused")]
+    Exists { name: String, path: PathBuf },
+    #[error("cannot read artifact {path}: {source}")]
+    ReadArtifact { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+    #[error("no release named {name} (looked for {path})")]
+    NotFound { name: String, path: PathBuf },
+    #[error("cannot read release file {path}: {source}")]
+    ReadRelease { path: PathBuf, source: std::io::Error },
+    #[error("release file {path} is malformed: {source}")]
+    Decode { path: PathBuf, source: DecodeError },
+    #[error("release file {path}: {source}")]
+    Signature { path: PathBuf, source: SignatureError },
+    #[error("release file {path} holds release {found:?}, not {expected:?}")]
+    WrongName { path: PathBuf, expected: String, found: String },
+    #[error("cannot list releases in {path}: {source}")]
+    List { path: PathBuf, source: std::io::Error },
+    #[error("artifact {name}: {path} is missing from the store")]
+    ArtifactMissing { name: String, path: PathBuf },
+    #[error("artifact {name}: size mismatch in {path} (manifest says {expected} bytes, store has {found})")]
+    ArtifactSize { name: String, path: PathBuf, expected: u64, found: u64 },
+    #[error("artifact {name}: sha256 mismatch in {path} (expected {expected}, got {found})")]
+    ArtifactDigest { name: String, path: PathBuf, expected: String, found: String },
+}
+
+/// What `flotilla release create` needs.
+#[derive(Debug, Clone)]
+pub struct NewRelease {
+    pub name: String,
+    pub version: String,
+    pub counter: u64,
+    pub hardware: Vec<String>,
+    /// `TARGET=PATH` pairs as given on the command line.
+    pub artifacts: Vec<String>,
+    /// Seconds from now until the release expires.
+    pub expires_in: u64,
+}
+
+/// The releases and artifacts under one data directory.
+#[derive(Debug, Clone)]
+pub struct ReleaseStore {
+    data_dir: PathBuf,
+}
+
+impl ReleaseStore {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self { data_dir: data_dir.into() }
+    }
+
+    pub fn artifacts_dir(&self) -> PathBuf {
+        self.data_dir.join("artifacts")
+    }
+
+    pub fn releases_dir(&self) -> PathBuf {
+        self.data_dir.join("releases")
+    }
+
+    /// The file of a release (the name must already be valid).
+    pub fn release_path(&self, name: &str) -> PathBuf {
+        self.releases_dir().join(format!("{name}.release"))
+    }
+
+    /// Where the artifact with this digest lives.
+    pub fn artifact_path(&self, sha256: &Digest) -> PathBuf {
+        artifact_path(&self.artifacts_dir(), sha256)
+    }
+
+    /// Creates a release: copies every artifact into the store, signs the manifest with `key`
+    /// and writes it. Refuses an existing name before copying anything.
+    pub fn create(&self, new: &NewRelease, key: &SigningKey, now: UnixTime) -> Result<ReleaseManifest, ReleaseError> {
+        flotilla_protocol::validate_id("release name", &new.name)
+            .map_err(|source| ReleaseError::Name { name: new.name.clone(), source })?;
+        if new.artifacts.is_empty() {
+            return Err(ReleaseError::NoArtifacts);
+        }
+        let mut sources = Vec::new();
+        for value in &new.artifacts {
+            let (target, path) = value
+                .split_once('=')
+                .filter(|(t, p)| !t.is_empty() && !p.is_empty())
+                .ok_or_else(|| ReleaseError::ArtifactSpec { value: value.clone() })?;
+            flotilla_protocol::validate_id("artifact target", target).map_err(|source| {
+                ReleaseError::ArtifactTarget { value: value.clone(), target: target.to_owned(), source }
+            })?;
+            sources.push((target.to_owned(), PathBuf::from(path)));
+        }
+        let release_path = self.release_path(&new.name);
+        if release_path.exists() {
+            return Err(ReleaseError::Exists { name: new.name.clone(), path: release_path });
+        }
+        let mut artifacts = Vec::new();
+        for (target, path) in sources {
+            let (size, sha256) = self.import_artifact(&path)?;
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| target.clone());
+            artifacts.push(Artifact { name, target, size, sha256 });
+        }
+        let manifest = ReleaseManifest {
+            name: new.name.clone(),
+            version: new.version.clone(),
+            counter: new.counter,
+            hardware: new.hardware.clone(),
+            artifacts,
+            created_at: now,
+            expires_at: now.saturating_add(new.expires_in),
+        };
+        let blob = SignedBlob::sign(key, envelope::to_bytes(&manifest));
+        // A concurrent `create` of the same name could have won since the check above; the
+        // no-clobber link makes the last step refuse instead of silently replacing it.
+        write_atomic(&release_path, &envelope::to_bytes(&blob), false).map_err(|e| match e {
+            WriteError::Exists => ReleaseError::Exists { name: new.name.clone(), path: release_path.clone() },
+            WriteError::Io(source) => ReleaseError::Write { path: release_path.clone(), source },
+        })?;
+        Ok(manifest)
+    }
+
+    /// Streams a file into the store, hashing while copying. Returns its size and digest.
+    pub fn import_artifact(&self, path: &Path) -> Result<(u64, Digest), ReleaseError> {
+        let dir = self.artifacts_dir();
+        let write_err = |source| ReleaseError::Write { path: dir.clone(), source };
+        fs::create_dir_all(&dir).map_err(write_err)?;
+        let mut input =
+            File::open(path).map_err(|source| ReleaseError::ReadArtifact { path: path.to_owned(), source })?;
+        let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(write_err)?;
+        let mut hasher = sha2::Sha256::new();
+        let mut size = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = input
+                .read(&mut buf)
+                .map_err(|source| ReleaseError::ReadArtifact { path: path.to_owned(), source })?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            tmp.write_all(&buf[..n]).map_err(write_err)?;
+            size += n as u64;
+        }
+        let sha256: Digest = hasher.finalize().into();
+        let dest = self.artifact_path(&sha256);
+        tmp.as_file().sync_all().map_err(write_err)?;
+        // Same digest means same bytes: an artifact shared by two releases is stored once.
+        tmp.persist(&dest).map_err(|e| ReleaseError::Write { path: dest.clone(), source: e.error })?;
+        fsync_dir(&dir).map_err(write_err)?;
+        Ok((size, sha256))
+    }
+
+    /// Reads a release fresh from disk: the signed blob exactly as stored (what agents verify)
+    /// and its decoded manifest. Does not check the signature: the coordinator forwards the
+    /// blob, and agents hold the release keys.
+    pub fn load(&self, name: &str) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+        flotilla_protocol::validate_id("release name", name)
+            .map_err(|source| ReleaseError::Name { name: name.to_owned(), source })?;
+        let path = self.release_path(name);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ReleaseError::NotFound { name: name.to_owned(), path })
+            }
+            Err(source) => return Err(ReleaseError::ReadRelease { path, source }),
+        };
+        let (blob, manifest) = decode_release(&path, &bytes)?;
+        if manifest.name != name {
+            return Err(ReleaseError::WrongName { path, expected: name.to_owned(), found: manifest.name });
+        }
+        Ok((blob, manifest))
+    }
+
+    /// Names of every release file, sorted.
+    pub fn list(&self) -> Result<Vec<String>, ReleaseError> {
+        let dir = self.releases_dir();
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => return Err(ReleaseError::List { path: dir, source }),
+        };
+        let mut names = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| ReleaseError::List { path: dir.clone(), source })?;
+            let file = entry.file_name();
+            let file = file.to_string_lossy();
+            if let Some(name) = file.strip_suffix(".release") {
+                if flotilla_protocol::validate_id("release name", name).is_ok() {
+                    names.push(name.to_owned());
+                }
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Summaries of every readable release; unreadable files are logged and skipped so one
+    /// corrupt file does not hide the rest.
+    pub fn summaries(&self) -> Result<Vec<ReleaseSummary>, ReleaseError> {
+        let mut out = Vec::new();
+        for name in self.list()? {
+            match self.load(&name) {
+                Ok((_, manifest)) => out.push(summary(&manifest)),
+                Err(e) => tracing::warn!(release = %name, error = %e, "skipping unreadable release"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks a release: the signature against `key` (strict), then every artifact in the
+    /// store has the declared size and sha256.
+    pub fn verify(&self, path: &Path, key: &VerifyingKey) -> Result<ReleaseManifest, ReleaseError> {
+        let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease { path: path.to_owned(), source })?;
+        let blob: SignedBlob = envelope::from_bytes("release file", &bytes)
+            .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+        blob.verify("release manifest", std::slice::from_ref(key))
+            .map_err(|source| ReleaseError::Signature { path: path.to_owned(), source })?;
+        let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
+            .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+        for artifact in &manifest.artifacts {
+            self.check_artifact(artifact)?;
+        }
+        Ok(manifest)
+    }
+
+    fn check_artifact(&self, artifact: &Artifact) -> Result<(), ReleaseError> {
+        let path = self.artifact_path(&artifact.sha256);
+        let name = artifact.name.clone();
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ReleaseError::ArtifactMissing { name, path })
+            }
+            Err(source) => return Err(ReleaseError::ReadArtifact { path, source }),
+        };
+        let found = file
+            .metadata()
+            .map_err(|source| ReleaseError::ReadArtifact { path: path.clone(), source })?
+            .len();
+        if found != artifact.size {
+            return Err(ReleaseError::ArtifactSize { name, path, expected: artifact.size, found });
+        }
+        let mut hasher = sha2::Sha256::new();
+        let mut reader = file.take(artifact.size);
+        std::io::copy(&mut reader, &mut hasher)
+            .map_err(|source| ReleaseError::ReadArtifact { path: path.clone(), source })?;
+        let digest: Digest = hasher.finalize().into();
+        if digest != artifact.sha256 {
+            return Err(ReleaseError::ArtifactDigest {
+                name,
+                path,
+                expected: hex::encode(&artifact.sha256),
+                found: hex::encode(&digest),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Decodes a release file's bytes into the blob and its manifest.
+pub fn decode_release(path: &Path, bytes: &[u8]) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+    let blob: SignedBlob = envelope::from_bytes("release file", bytes)
+        .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+    let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
+        .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+    Ok((blob, manifest))
+}
+
+/// Reads a release file anywhere on disk (for `release inspect --file`).
+pub fn read_release_file(path: &Path) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+    let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease { path: path.to_owned(), source })?;
+    decode_release(path, &bytes)
+}
+
+/// The JSON summary of a manifest.
+pub fn summary(manifest: &ReleaseManifest) -> ReleaseSummary {
+    ReleaseSummary {
+        name: manifest.name.clone(),
+        version: manifest.version.clone(),
+        counter: manifest.counter,
+        hardware: manifest.hardware.clone(),
+        artifacts: manifest
+            .artifacts
+            .iter()
+            .map(|a| ArtifactSummary {
+                name: a.name.clone(),
+                target: a.target.clone(),
+                size: a.size,
+                sha256: hex::encode(&a.sha256),
+            })
+            .collect(),
+    }
+}
+
+/// A manifest as a human-readable table.
+pub fn render_manifest(manifest: &ReleaseManifest, signer: &[u8; 32]) -> String {
+    let hardware = if manifest.hardware.is_empty() { "any".to_owned() } else { manifest.hardware.join(", ") };
+    let mut out = format!(
+        "release   {}\nversion   {}\ncounter   {}\nhardware  {}\ncreated   {}\nexpires   {}\nsigner    {}\n\n",
+        manifest.name,
+        manifest.version,
+        manifest.counter,
+        hardware,
+        manifest.created_at,
+        manifest.expires_at,
+        hex::encode(signer),
+    );
+    let name_w = manifest.artifacts.iter().map(|a| a.name.len()).max().unwrap_or(0).max(8);
+    let target_w = manifest.artifacts.iter().map(|a| a.target.len()).max().unwrap_or(0).max(6);
+    out.push_str(&format!("{:name_w$}  {:target_w$}  {:>12}  SHA256\n", "ARTIFACT", "TARGET", "SIZE"));
+    for a in &manifest.artifacts {
+        out.push_str(&format!(
+            "{:name_w$}  {:target_w$}  {:>12}  {}\n",
+            a.name,
+            a.target,
+            a.size,
+            hex::encode(&a.sha256)
+        ));
+    }
+    out
+}
+
+enum WriteError {
+    Exists,
+    Io(std::io::Error),
+}
+
+/// Writes `bytes` to `path` through a temp file in the same directory, fsync, then rename
+/// (or, with `overwrite: false`, a no-clobber persist), then fsyncs the directory.
+fn write_atomic(path: &Path, bytes: &[u8], overwrite: bool) -> Result<(), WriteError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(WriteError::Io)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(WriteError::Io)?;
+    tmp.write_all(bytes).map_err(WriteError::Io)?;
+    tmp.as_file().sync_all().map_err(WriteError::Io)?;
+    if overwrite {
+        tmp.persist(path).map_err(|e| WriteError::Io(e.error))?;
+    } else {
+        tmp.persist_noclobber(path).map_err(|e| {
+            if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+                WriteError::Exists
+            } else {
+                WriteError::Io(e.error)
+            }
+        })?;
+    }
+    fsync_dir(dir).map_err(WriteError::Io)
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    // Makes the rename itself durable; directories can be opened read-only and synced on Unix.
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        store: ReleaseStore,
+        key: SigningKey,
+        app: PathBuf,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let app = dir.path().join("app.bin");
+        fs::write(&app, vec![42u8; 100_000]).expect("write");
+        let store = ReleaseStore::new(dir.path().join("data"));
+        Fixture { store, key: SigningKey::from_bytes(&[9; 32]), app, _dir: dir }
+    }
+
+    fn new_release(name: &str, app: &Path) -> NewRelease {
+        NewRelease {
+            name: name.into(),
+            version: "2.4.0".into(),
+            counter: 24,
+            hardware: vec!["pi4".into()],
+            artifacts: vec![format!("app={}", app.display())],
+            expires_in: 3600,
+        }
+    }
+
+    #[test]
+    fn create_load_verify_round_trip() {
+        let f = fixture();
+        let made = f.store.create(&new_release("fw-2.4.0", &f.app), &f.key, 1_000).expect("create");
+        assert_eq!(made.artifacts.len(), 1);
+        assert_eq!(made.artifacts[0].size, 100_000);
+        assert_eq!(made.artifacts[0].sha256, flotilla_protocol::sha256(&[42u8; 100_000]));
+        assert_eq!(made.expires_at, 4_600);
+        assert_eq!(fs::read(f.store.artifact_path(&made.artifacts[0].sha256)).expect("stored"), vec![42u8; 100_000]);
+
+        let (blob, loaded) = f.store.load("fw-2.4.0").expect("load");
+        assert_eq!(loaded, made);
+        assert!(blob.verify("release manifest", &[f.key.verifying_key()]).is_ok());
+        assert_eq!(f.store.list().expect("list"), vec!["fw-2.4.0".to_owned()]);
+        let table = render_manifest(&loaded, &blob.signer);
+        assert!(table.contains("fw-2.4.0") && table.contains("app.bin") && table.contains("100000"), "{table}");
+
+        let path = f.store.release_path("fw-2.4.0");
+        assert_eq!(f.store.verify(&path, &f.key.verifying_key()).expect("verifies"), made);
+    }
+
+    #[test]
+    fn refuses_existing_name_and_bad_input() {
+        let f = fixture();
+        f.store.create(&new_release("fw-1", &f.app), &f.key, 0).expect("create");
+        let err = f.store.create(&new_release("fw-1", &f.app), &f.key, 0).expect_err("exists");
+        assert!(err.to_string().contains("fw-1") && err.to_string().contains("already exists"), "{err}");
+
+        let err = f.store.create(&new_release("fw/1", &f.app), &f.key, 0).expect_err("bad name");
+        assert!(err.to_string().contains("fw/1"), "{err}");
+        let mut bad = new_release("fw-2", &f.app);
+        bad.artifacts = vec!["no-equals-sign".into()];
+        let err = f.store.create(&bad, &f.key, 0).expect_err("bad artifact");
+        assert!(err.to_string().contains("no-equals-sign"), "{err}");
+        bad.artifacts = vec!["app=/does/not/exist".into()];
+        let err = f.store.create(&bad, &f.key, 0).expect_err("missing file");
+        assert!(err.to_string().contains("/does/not/exist"), "{err}");
+        assert!(!f.store.release_path("fw-2").exists(), "nothing written for a refused release");
+    }
+
+    #[test]
+    fn verify_fails_on_tampered_artifact_and_wrong_key() {
+        let f = fixture();
+        let made = f.store.create(&new_release("fw-3", &f.app), &f.key, 0).expect("create");
+        let path = f.store.release_path("fw-3");
+
+        let err = f.store.verify(&path, &SigningKey::from_bytes(&[1; 32]).verifying_key()).expect_err("wrong key");
+        assert!(err.to_string().contains("unknown key"), "{err}");
+
+        let stored = f.store.artifact_path(&made.artifacts[0].sha256);
+        let mut bytes = fs::read(&stored).expect("read");
+        bytes[10] ^= 0xff;
+        fs::write(&stored, &bytes).expect("tamper");
+        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("tampered");
+        assert!(err.to_string().contains("sha256 mismatch") && err.to_string().contains("app.bin"), "{err}");
+
+        bytes.pop();
+        fs::write(&stored, &bytes).expect("truncate");
+        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("short");
+        assert!(err.to_string().contains("size mismatch"), "{err}");
+
+        fs::remove_file(&stored).expect("remove");
+        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("missing");
+        assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn load_names_missing_and_corrupt_releases() {
+        let f = fixture();
+        let err = f.store.load("nope").expect_err("missing");
+        assert!(err.to_string().contains("no release named nope"), "{err}");
+        fs::create_dir_all(f.store.releases_dir()).expect("mkdir");
+        fs::write(f.store.release_path("junk"), b"\x01\x02garbage").expect("write");
+        let err = f.store.load("junk").expect_err("corrupt");
+        assert!(err.to_string().contains("junk.release"), "{err}");
+        assert!(f.store.summaries().expect("summaries").is_empty());
+    }
+}
