@@ -1,0 +1,98 @@
+//! The versioned envelope around every device-facing payload.
+//!
+//! Wire form: postcard of `(version: u16, message: Message)`. A receiver reads the version first
+//! and refuses versions it does not speak with an error that says so, instead of misreading the
+//! rest. Decoding never panics, whatever the bytes (see `tests/fuzz.rs`).
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::messages::{BlockReply, BlockRequest, DeviceState, Report};
+use crate::signing::SignedBlob;
+
+/// The protocol version this crate speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest payload flotilla publishes or accepts on device topics, in bytes. Brokers and clients
+/// must be configured to carry at least this much.
+pub const MAX_PACKET_SIZE: usize = 256 * 1024;
+
+/// Every device-facing message. Variants are only ever appended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Message {
+    /// A signed [`DesiredAction`](crate::DesiredAction), on `devices/{id}/desired`.
+    Desired(SignedBlob),
+    Report(Report),
+    State(DeviceState),
+    Fetch(BlockRequest),
+    Block(BlockReply),
+}
+
+impl Message {
+    /// The message's name, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Desired(_) => "desired action",
+            Message::Report(_) => "report",
+            Message::State(_) => "device state",
+            Message::Fetch(_) => "block request",
+            Message::Block(_) => "block reply",
+        }
+    }
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("empty payload")]
+    Empty,
+    #[error("unsupported protocol version {found} (this build speaks {PROTOCOL_VERSION})")]
+    Version { found: u16 },
+    #[error("malformed {what}: {reason}")]
+    Malformed { what: &'static str, reason: String },
+    #[error("malformed {what}: {count} unexpected trailing bytes")]
+    TrailingBytes { what: &'static str, count: usize },
+}
+
+/// Encodes a message in the current protocol version.
+pub fn encode(message: &Message) -> Vec<u8> {
+    to_bytes(&(PROTOCOL_VERSION, message))
+}
+
+/// Decodes an envelope, checking the version first.
+pub fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+    if bytes.is_empty() {
+        return Err(DecodeError::Empty);
+    }
+    let (version, rest): (u16, &[u8]) =
+        postcard::take_from_bytes(bytes).map_err(|e| DecodeError::Malformed {
+            what: "envelope",
+            reason: e.to_string(),
+        })?;
+    if version != PROTOCOL_VERSION {
+        return Err(DecodeError::Version { found: version });
+    }
+    from_bytes("message", rest)
+}
+
+/// Encodes a value with postcard. Used for the signed payloads (manifests, desired actions).
+pub fn to_bytes<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    // postcard only fails on types it cannot represent (sequences of unknown length), which
+    // flotilla's types never are.
+    postcard::to_stdvec(value).expect("flotilla's wire types always encode")
+}
+
+/// Decodes a value with postcard, refusing trailing bytes. `what` names it in errors.
+pub fn from_bytes<T: DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, DecodeError> {
+    let (value, rest) = postcard::take_from_bytes(bytes).map_err(|e| DecodeError::Malformed {
+        what,
+        reason: e.to_string(),
+    })?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes {
+            what,
+            count: rest.len(),
+        });
+    }
+    Ok(value)
+}

@@ -1,0 +1,43 @@
+//! # flotilla-protocol
+//!
+//! The wire protocol between the flotilla coordinator, its agents and third-party integrations.
+//! Plain data and pure functions: no I/O, no async runtime.
+//!
+//! - [`topics`]: every MQTT topic, built and parsed in one place.
+//! - [`envelope`]: the versioned postcard envelope around device-facing messages.
+//! - [`messages`]: release manifests, desired actions, reports, device states, artifact blocks.
+//! - [`signing`]: ed25519 signatures over the exact bytes received.
+//! - [`control`]: the JSON control requests, replies and status documents.
+//! - [`ids`]: the safe character set for ids that appear in topics.
+//!
+//! ```
+//! use flotilla_protocol::{envelope, DeviceId, Message, Topics, BlockRequest};
+//!
+//! let topics = Topics::default();
+//! let id = DeviceId::new("pi-17").unwrap();
+//! let bytes = envelope::encode(&Message::Fetch(BlockRequest { sha256: [0; 32], offset: 0, length: 4096 }));
+//! assert_eq!(topics.fetch(&id), "flotilla/v1/devices/pi-17/fetch");
+//! assert!(matches!(envelope::decode(&bytes), Ok(Message::Fetch(_))));
+//! ```
+
+pub mod control;
+pub mod envelope;
+pub mod hex;
+pub mod ids;
+pub mod messages;
+pub mod signing;
+pub mod topics;
+
+pub use envelope::{DecodeError, Message, MAX_PACKET_SIZE, PROTOCOL_VERSION};
+pub use ids::{validate_id, DeviceId, IdError};
+pub use messages::*;
+pub use signing::{SignatureError, SignedBlob};
+pub use topics::{Topic, Topics};
+
+pub use ed25519_dalek::{SigningKey, VerifyingKey};
+
+/// sha256 of a byte slice.
+pub fn sha256(bytes: &[u8]) -> Digest {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(bytes).into()
+}

@@ -1,0 +1,235 @@
+//! The device-facing messages. They travel as postcard inside an [`Envelope`](crate::Envelope).
+//!
+//! postcard is not self-describing, so the rules are: enums only ever gain variants at the end,
+//! struct fields are never reordered or removed, and no serde attributes that postcard cannot
+//! round-trip (no `skip_serializing_if`, no `flatten`, no untagged enums). The golden-bytes tests in
+//! `tests/golden.rs` catch any accidental change.
+
+use serde::{Deserialize, Serialize};
+
+use crate::signing::SignedBlob;
+
+/// Seconds since the Unix epoch.
+pub type UnixTime = u64;
+
+/// A sha256 digest.
+pub type Digest = [u8; 32];
+
+/// A release, signed offline with a release key. Carried inside desired actions as the exact
+/// signed bytes, so the agent verifies what the release key signed, not a re-encoding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseManifest {
+    /// Release name, unique per coordinator, e.g. `fw-2.4.0`.
+    pub name: String,
+    /// Human-readable version, e.g. `2.4.0`.
+    pub version: String,
+    /// Monotonic release counter: an agent only installs a counter higher than the installed one.
+    pub counter: u64,
+    /// Hardware ids this release may be installed on; empty means any.
+    pub hardware: Vec<String>,
+    pub artifacts: Vec<Artifact>,
+    pub created_at: UnixTime,
+    /// After this time no agent accepts the release.
+    pub expires_at: UnixTime,
+}
+
+/// One file of a release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Artifact {
+    pub name: String,
+    /// The name of the update target on the device that installs it, e.g. `app`.
+    pub target: String,
+    pub size: u64,
+    pub sha256: Digest,
+}
+
+/// What the coordinator wants one device to do. Signed online with the coordinator key and
+/// published retained on the device's `desired` topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DesiredAction {
+    /// Unique per device and rollout; the agent never applies the same action id twice.
+    pub action_id: String,
+    pub device_id: String,
+    pub rollout_id: String,
+    pub issued_at: UnixTime,
+    pub expires_at: UnixTime,
+    pub body: ActionBody,
+}
+
+/// The substance of a desired action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ActionBody {
+    /// Nothing to do: the device should stay as it is.
+    Nothing,
+    /// Install a release. `manifest` holds the release key's signature over the manifest bytes.
+    Install {
+        manifest: SignedBlob,
+        kind: ActionKind,
+        window: Option<TimeWindow>,
+    },
+    /// Stop the named action if it has not been activated yet.
+    Cancel { action_id: String },
+    /// Return to the release the device kept before the named action.
+    Rollback { action_id: String },
+}
+
+/// hawkBit's action types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ActionKind {
+    /// Install at once.
+    Forced,
+    /// Install once the device consents locally.
+    Soft,
+    /// Download and verify only.
+    DownloadOnly,
+    /// Soft until the given time, forced after it.
+    TimeForced { at: UnixTime },
+}
+
+/// A window of time in which installing is allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimeWindow {
+    pub not_before: UnixTime,
+    pub not_after: UnixTime,
+}
+
+/// An agent's progress report for one action. `seq` grows by one per report per device, so
+/// the coordinator sees duplicates and gaps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    pub device_id: String,
+    pub seq: u64,
+    pub action_id: String,
+    pub rollout_id: String,
+    pub phase: Phase,
+    pub at: UnixTime,
+}
+
+/// Where an action stands on the device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    Accepted,
+    /// Waiting for the time window or local consent.
+    Waiting {
+        reason: String,
+    },
+    Downloading {
+        done: u64,
+        total: u64,
+    },
+    Verified,
+    Staged,
+    Activated,
+    /// Health checks are running over the soak time.
+    Confirming,
+    /// Installed and healthy for the whole soak time.
+    Ready,
+    Failed {
+        reason: String,
+        rolled_back: bool,
+    },
+    Canceled,
+    /// The action was refused before anything was applied (trust checks, compatibility).
+    Refused {
+        reason: String,
+    },
+    /// Download-only actions end here.
+    Downloaded,
+}
+
+impl Phase {
+    /// Whether the action is over on the device.
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            Phase::Ready
+                | Phase::Failed { .. }
+                | Phase::Canceled
+                | Phase::Refused { .. }
+                | Phase::Downloaded
+        )
+    }
+
+    /// A short lower-case name, as shown in tables and JSON.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Accepted => "accepted",
+            Phase::Waiting { .. } => "waiting",
+            Phase::Downloading { .. } => "downloading",
+            Phase::Verified => "verified",
+            Phase::Staged => "staged",
+            Phase::Activated => "activated",
+            Phase::Confirming => "confirming",
+            Phase::Ready => "ready",
+            Phase::Failed { .. } => "failed",
+            Phase::Canceled => "canceled",
+            Phase::Refused { .. } => "refused",
+            Phase::Downloaded => "downloaded",
+        }
+    }
+
+    /// The reason carried by a failed, refused or waiting phase.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Phase::Failed { reason, .. }
+            | Phase::Refused { reason }
+            | Phase::Waiting { reason } => Some(reason),
+            _ => None,
+        }
+    }
+}
+
+/// A device's self-description, published retained on its `state` topic. The last will is the
+/// same message with `online: false`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceState {
+    pub device_id: String,
+    pub hardware_id: String,
+    pub labels: Vec<(String, String)>,
+    pub installed: Option<InstalledRelease>,
+    pub current: Option<CurrentAction>,
+    pub online: bool,
+    pub agent_version: String,
+    pub at: UnixTime,
+}
+
+/// The release a device runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstalledRelease {
+    pub name: String,
+    pub version: String,
+    pub counter: u64,
+}
+
+/// The action a device is working on, or finished last.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CurrentAction {
+    pub action_id: String,
+    pub rollout_id: String,
+    pub phase: Phase,
+}
+
+/// A request for part of an artifact, by digest. Requests are pipelined: an agent keeps several
+/// in flight and resumes at the first block it does not have.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockRequest {
+    pub sha256: Digest,
+    pub offset: u64,
+    pub length: u32,
+}
+
+/// The artifact server's answer to a [`BlockRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockReply {
+    Data {
+        sha256: Digest,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    /// The server has no artifact with that digest, or the range lies outside it.
+    Unavailable {
+        sha256: Digest,
+        offset: u64,
+        reason: String,
+    },
+}
