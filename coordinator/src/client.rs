@@ -1,0 +1,160 @@
+//! The control client: sends one JSON control request to a running coordinator over MQTT and
+//! waits for its reply. Used by `flotilla rollout …`, `flotilla devices` and tests.
+//!
+//! Each client has a unique id and its own reply topic `control/reply/{client}`. It subscribes
+//! to that topic and waits for the SubAck before publishing anything: with clean sessions and
+//! no retained replies, a reply that arrives before the subscription is lost for good.
+
+use std::time::Duration;
+
+use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
+use flotilla_protocol::Topics;
+use rumqttc::QoS;
+use tokio_util::sync::CancellationToken;
+
+use crate::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
+
+/// The default time to wait for a reply.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a control request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to the MQTT broker at {addr} within {secs}s (last error: {reason}) — is it running?")]
+    Connect { addr: String, secs: u64, reason: String },
+    #[error("request could not be sent to the broker at {addr}: {reason}")]
+    Send { addr: String, reason: String },
+    #[error("no reply from the coordinator at {addr} within {secs}s — is `flotilla serve` running?")]
+    NoReply { addr: String, secs: u64 },
+    #[error("the coordinator refused the request: {message}")]
+    Refused { message: String },
+    #[error("lost the connection to the broker at {addr} while waiting for the reply: {reason}")]
+    Lost { addr: String, reason: String },
+}
+
+/// A connected control client.
+#[derive(Debug)]
+pub struct ControlClient {
+    link: tokio::sync::Mutex<MqttLink>,
+    topics: Topics,
+    reply_topic: String,
+    addr: String,
+    shutdown: CancellationToken,
+}
+
+impl Drop for ControlClient {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl ControlClient {
+    /// Connects and subscribes to this client's reply topic, within [`DEFAULT_TIMEOUT`].
+    pub async fn connect(host: &str, port: u16, topic_root: &str) -> Result<ControlClient, ClientError> {
+        Self::connect_within(host, port, topic_root, DEFAULT_TIMEOUT).await
+    }
+
+    /// [`ControlClient::connect`] with an explicit timeout.
+    pub async fn connect_within(
+        host: &str,
+        port: u16,
+        topic_root: &str,
+        timeout: Duration,
+    ) -> Result<ControlClient, ClientError> {
+        let topics = Topics::new(topic_root);
+        let mut options = LinkOptions::new(host, port, "flotilla-cli", Vec::new());
+        let reply_topic = topics.control_reply(&options.client_id);
+        options.subscriptions = vec![reply_topic.clone()];
+        options.keep_alive = Duration::from_secs(10);
+        let addr = format!("{host}:{port}");
+        let shutdown = CancellationToken::new();
+        let mut link = mqtt::start(options, shutdown.clone());
+        let mut last = "no answer".to_owned();
+        let subscribed = tokio::time::timeout(timeout, async {
+            while let Some(event) = link.events.recv().await {
+                match event {
+                    LinkEvent::Subscribed => return true,
+                    LinkEvent::Disconnected { reason } => last = reason,
+                    _ => {}
+                }
+            }
+            false
+        })
+        .await;
+        if subscribed != Ok(true) {
+            shutdown.cancel();
+            return Err(ClientError::Connect { addr, secs: timeout.as_secs(), reason: last });
+        }
+        Ok(ControlClient { link: tokio::sync::Mutex::new(link), topics, reply_topic, addr, shutdown })
+    }
+
+    /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
+    /// [`ClientError::Refused`] carrying the coordinator's message.
+    pub async fn request(&self, command: Command, timeout: Duration) -> Result<serde_json::Value, ClientError> {
+        let id = mqtt::unique_client_id("req");
+        let request = ControlRequest { id: id.clone(), reply_to: self.reply_topic.clone(), command };
+        // Serializing plain strings and enums into JSON cannot fail.
+        let payload = serde_json::to_vec(&request).unwrap_or_default();
+        let mut link = self.link.lock().await;
+        link.client
+            .publish(self.topics.control_request(), QoS::AtLeastOnce, false, payload)
+            .await
+            .map_err(|e| ClientError::Send { addr: self.addr.clone(), reason: e.to_string() })?;
+        let reply = tokio::time::timeout(timeout, async {
+            while let Some(event) = link.events.recv().await {
+                match event {
+                    LinkEvent::Publish { topic, payload } if topic == self.reply_topic => {
+                        match serde_json::from_slice::<ControlReply>(&payload) {
+                            // Replies to earlier, timed-out requests can still trickle in.
+                            Ok(reply) if reply.id == id => return Ok(reply),
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!(error = %e, "ignoring malformed control reply"),
+                        }
+                    }
+                    LinkEvent::Disconnected { reason } => {
+                        return Err(ClientError::Lost { addr: self.addr.clone(), reason })
+                    }
+                    _ => {}
+                }
+            }
+            Err(ClientError::Lost { addr: self.addr.clone(), reason: "link stopped".into() })
+        })
+        .await
+        .map_err(|_| ClientError::NoReply { addr: self.addr.clone(), secs: timeout.as_secs() })??;
+        if reply.ok {
+            Ok(reply.result)
+        } else {
+            Err(ClientError::Refused { message: reply.error.unwrap_or_else(|| "no reason given".into()) })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::EmbeddedBroker;
+
+    #[tokio::test]
+    async fn times_out_with_a_helpful_message_when_nobody_answers() {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let _broker = EmbeddedBroker::start(addr).expect("broker");
+        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla").await.expect("connects");
+        // A short timeout keeps the test quick; the message format is what users see.
+        let err = client
+            .request(Command::ListDevices, Duration::from_secs(1))
+            .await
+            .expect_err("no coordinator");
+        let text = err.to_string();
+        assert!(text.contains(&format!("127.0.0.1:{}", addr.port())), "{text}");
+        assert!(text.contains("is `flotilla serve` running?"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn connect_fails_clearly_without_a_broker() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let err = ControlClient::connect_within("127.0.0.1", port, "flotilla", Duration::from_secs(1))
+            .await
+            .expect_err("nothing listening");
+        assert!(err.to_string().contains(&format!("127.0.0.1:{port}")), "{err}");
+    }
+}
