@@ -1,0 +1,54 @@
+//! flotilla update targets: the things an agent can update on a device, behind one trait.
+//!
+//! The agent downloads and verifies an artifact, then hands it to an [`UpdateTarget`], which
+//! takes it through `check`, `stage`, `activate`, and after the health checks either `confirm` or
+//! `rollback`. Every step can be interrupted by a kill -9 or a power cut and called again for the
+//! same action by the restarted agent; targets keep what they need on disk to make that safe.
+//!
+//! # Layout
+//!
+//! - [`target`]: the [`UpdateTarget`] trait, [`ActionContext`] and [`Activation`], with the
+//!   contract every target follows.
+//! - [`error`]: [`TargetError`], one variant per failed operation, worded for device operators.
+//! - [`file`](mod@file): [`FileTarget`], which replaces one file atomically and keeps the previous one.
+//! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
+//!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
+//!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
+//!
+//! The conformance suite in `tests/conformance.rs` runs every target through the same scenarios,
+//! including a crash between `stage` and `activate`.
+//!
+//! # Example
+//!
+//! ```
+//! use flotilla_targets::{ActionContext, Activation, FileTarget, UpdateTarget};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let dest = dir.path().join("app.conf");
+//! # let artifact = dir.path().join("app.conf.download");
+//! # std::fs::write(&dest, "workers = 4\n")?;
+//! # std::fs::write(&artifact, "workers = 8\n")?;
+//! let target = FileTarget::new(dest.clone());
+//! let ctx = ActionContext::new("act-0042", "app-2.4.0", "app.conf");
+//!
+//! target.check(&ctx)?;
+//! target.stage(&ctx, &artifact)?; // the running file is untouched
+//! assert_eq!(target.activate(&ctx)?, Activation::Done);
+//! assert_eq!(std::fs::read_to_string(&dest)?, "workers = 8\n");
+//!
+//! // Health checks failed during the soak time: go back to exactly what was there.
+//! target.rollback(&ctx)?;
+//! assert_eq!(std::fs::read_to_string(&dest)?, "workers = 4\n");
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod error;
+pub mod file;
+pub mod fs;
+pub mod target;
+
+pub use error::TargetError;
+pub use file::FileTarget;
+pub use target::{ActionContext, Activation, UpdateTarget};
