@@ -26,7 +26,9 @@ pub struct BlockServer {
 impl BlockServer {
     /// A server over `artifacts_dir` (files named by their lower-case sha256 hex).
     pub fn new(artifacts_dir: impl Into<PathBuf>) -> Self {
-        Self { dir: artifacts_dir.into() }
+        Self {
+            dir: artifacts_dir.into(),
+        }
     }
 
     /// The store path of an artifact.
@@ -65,13 +67,23 @@ impl BlockServer {
         // request for "the rest" of a finished download, looks.
         let want = u64::from(req.length.min(MAX_BLOCK)).min(size - req.offset);
         if let Err(e) = file.seek(SeekFrom::Start(req.offset)) {
-            return unavailable(format!("artifact {digest} cannot seek to {}: {e}", req.offset));
+            return unavailable(format!(
+                "artifact {digest} cannot seek to {}: {e}",
+                req.offset
+            ));
         }
         // `want` is at most MAX_BLOCK, so the cast cannot truncate.
         let mut data = Vec::with_capacity(want as usize);
         match file.take(want).read_to_end(&mut data) {
-            Ok(_) => BlockReply::Data { sha256: req.sha256, offset: req.offset, data },
-            Err(e) => unavailable(format!("artifact {digest} read failed at {}: {e}", req.offset)),
+            Ok(_) => BlockReply::Data {
+                sha256: req.sha256,
+                offset: req.offset,
+                data,
+            },
+            Err(e) => unavailable(format!(
+                "artifact {digest} read failed at {}: {e}",
+                req.offset
+            )),
         }
     }
 }
@@ -113,9 +125,17 @@ mod tests {
         let (_dir, server, sha256) = store_with(&bytes);
         let mut got = Vec::new();
         while (got.len() as u64) < bytes.len() as u64 {
-            let block = data(server.serve(&BlockRequest { sha256, offset: got.len() as u64, length: u32::MAX }));
+            let block = data(server.serve(&BlockRequest {
+                sha256,
+                offset: got.len() as u64,
+                length: u32::MAX,
+            }));
             assert!(!block.is_empty());
-            assert!(block.len() <= MAX_BLOCK as usize, "block of {} bytes", block.len());
+            assert!(
+                block.len() <= MAX_BLOCK as usize,
+                "block of {} bytes",
+                block.len()
+            );
             got.extend_from_slice(&block);
         }
         assert_eq!(got, bytes);
@@ -124,19 +144,51 @@ mod tests {
     #[test]
     fn short_and_empty_requests() {
         let (_dir, server, sha256) = store_with(b"hello world");
-        assert_eq!(data(server.serve(&BlockRequest { sha256, offset: 6, length: 100 })), b"world");
-        assert_eq!(data(server.serve(&BlockRequest { sha256, offset: 0, length: 0 })), b"");
-        assert_eq!(data(server.serve(&BlockRequest { sha256, offset: 11, length: 10 })), b"");
+        assert_eq!(
+            data(server.serve(&BlockRequest {
+                sha256,
+                offset: 6,
+                length: 100
+            })),
+            b"world"
+        );
+        assert_eq!(
+            data(server.serve(&BlockRequest {
+                sha256,
+                offset: 0,
+                length: 0
+            })),
+            b""
+        );
+        assert_eq!(
+            data(server.serve(&BlockRequest {
+                sha256,
+                offset: 11,
+                length: 10
+            })),
+            b""
+        );
     }
 
     #[test]
     fn unknown_digest_and_offsets_past_the_end_are_named() {
         let (_dir, server, sha256) = store_with(b"hello world");
-        let r = reason(server.serve(&BlockRequest { sha256: [7; 32], offset: 0, length: 10 }));
+        let r = reason(server.serve(&BlockRequest {
+            sha256: [7; 32],
+            offset: 0,
+            length: 10,
+        }));
         assert!(r.contains(&hex::encode(&[7; 32])), "{r}");
         for offset in [12, u64::MAX] {
-            let r = reason(server.serve(&BlockRequest { sha256, offset, length: 10 }));
-            assert!(r.contains(&offset.to_string()) && r.contains("past the end"), "{r}");
+            let r = reason(server.serve(&BlockRequest {
+                sha256,
+                offset,
+                length: 10,
+            }));
+            assert!(
+                r.contains(&offset.to_string()) && r.contains("past the end"),
+                "{r}"
+            );
         }
     }
 }

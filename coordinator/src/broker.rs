@@ -23,7 +23,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
     #[error("embedded broker cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("embedded broker thread could not be spawned: {source}")]
     Spawn { source: std::io::Error },
     #[error("embedded broker on {addr} did not accept connections within {}s", START_TIMEOUT.as_secs())]
@@ -147,10 +150,14 @@ mod tests {
         // A retained QoS 1 message, bigger than rumqttd's 20 KiB default, then disconnect.
         let big = vec![7u8; 100 * 1024];
         let (pub_client, mut pub_el) = client(addr, "publisher", None);
-        pub_client.publish("t/retained", QoS::AtLeastOnce, true, big.clone()).await.expect("queue");
+        pub_client
+            .publish("t/retained", QoS::AtLeastOnce, true, big.clone())
+            .await
+            .expect("queue");
         tokio::time::timeout(timeout, async {
             loop {
-                if let Event::Incoming(Packet::PubAck(_)) = pub_el.poll().await.expect("connection") {
+                if let Event::Incoming(Packet::PubAck(_)) = pub_el.poll().await.expect("connection")
+                {
                     return;
                 }
             }
@@ -161,7 +168,10 @@ mod tests {
         let _ = tokio::time::timeout(Duration::from_secs(2), pub_el.poll()).await;
 
         let (sub_client, mut sub_el) = client(addr, "late-subscriber", None);
-        sub_client.subscribe("t/#", QoS::AtLeastOnce).await.expect("subscribe");
+        sub_client
+            .subscribe("t/#", QoS::AtLeastOnce)
+            .await
+            .expect("subscribe");
         let got = tokio::time::timeout(timeout, next_publish(&mut sub_el, "t/retained"))
             .await
             .expect("retained message delivered to a late subscriber");
@@ -172,7 +182,9 @@ mod tests {
         let (_doomed_client, mut doomed_el) = client(addr, "doomed", Some(will));
         tokio::time::timeout(timeout, async {
             loop {
-                if let Event::Incoming(Packet::ConnAck(_)) = doomed_el.poll().await.expect("connection") {
+                if let Event::Incoming(Packet::ConnAck(_)) =
+                    doomed_el.poll().await.expect("connection")
+                {
                     return;
                 }
             }

@@ -21,10 +21,16 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot connect to the MQTT broker at {addr} within {secs}s (last error: {reason}) — is it running?")]
-    Connect { addr: String, secs: u64, reason: String },
+    Connect {
+        addr: String,
+        secs: u64,
+        reason: String,
+    },
     #[error("request could not be sent to the broker at {addr}: {reason}")]
     Send { addr: String, reason: String },
-    #[error("no reply from the coordinator at {addr} within {secs}s — is `flotilla serve` running?")]
+    #[error(
+        "no reply from the coordinator at {addr} within {secs}s — is `flotilla serve` running?"
+    )]
     NoReply { addr: String, secs: u64 },
     #[error("the coordinator refused the request: {message}")]
     Refused { message: String },
@@ -50,7 +56,11 @@ impl Drop for ControlClient {
 
 impl ControlClient {
     /// Connects and subscribes to this client's reply topic, within [`DEFAULT_TIMEOUT`].
-    pub async fn connect(host: &str, port: u16, topic_root: &str) -> Result<ControlClient, ClientError> {
+    pub async fn connect(
+        host: &str,
+        port: u16,
+        topic_root: &str,
+    ) -> Result<ControlClient, ClientError> {
         Self::connect_within(host, port, topic_root, DEFAULT_TIMEOUT).await
     }
 
@@ -83,23 +93,49 @@ impl ControlClient {
         .await;
         if subscribed != Ok(true) {
             shutdown.cancel();
-            return Err(ClientError::Connect { addr, secs: timeout.as_secs(), reason: last });
+            return Err(ClientError::Connect {
+                addr,
+                secs: timeout.as_secs(),
+                reason: last,
+            });
         }
-        Ok(ControlClient { link: tokio::sync::Mutex::new(link), topics, reply_topic, addr, shutdown })
+        Ok(ControlClient {
+            link: tokio::sync::Mutex::new(link),
+            topics,
+            reply_topic,
+            addr,
+            shutdown,
+        })
     }
 
     /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
     /// [`ClientError::Refused`] carrying the coordinator's message.
-    pub async fn request(&self, command: Command, timeout: Duration) -> Result<serde_json::Value, ClientError> {
+    pub async fn request(
+        &self,
+        command: Command,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, ClientError> {
         let id = mqtt::unique_client_id("req");
-        let request = ControlRequest { id: id.clone(), reply_to: self.reply_topic.clone(), command };
+        let request = ControlRequest {
+            id: id.clone(),
+            reply_to: self.reply_topic.clone(),
+            command,
+        };
         // Serializing plain strings and enums into JSON cannot fail.
         let payload = serde_json::to_vec(&request).unwrap_or_default();
         let mut link = self.link.lock().await;
         link.client
-            .publish(self.topics.control_request(), QoS::AtLeastOnce, false, payload)
+            .publish(
+                self.topics.control_request(),
+                QoS::AtLeastOnce,
+                false,
+                payload,
+            )
             .await
-            .map_err(|e| ClientError::Send { addr: self.addr.clone(), reason: e.to_string() })?;
+            .map_err(|e| ClientError::Send {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            })?;
         let reply = tokio::time::timeout(timeout, async {
             while let Some(event) = link.events.recv().await {
                 match event {
@@ -108,23 +144,36 @@ impl ControlClient {
                             // Replies to earlier, timed-out requests can still trickle in.
                             Ok(reply) if reply.id == id => return Ok(reply),
                             Ok(_) => {}
-                            Err(e) => tracing::warn!(error = %e, "ignoring malformed control reply"),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "ignoring malformed control reply")
+                            }
                         }
                     }
                     LinkEvent::Disconnected { reason } => {
-                        return Err(ClientError::Lost { addr: self.addr.clone(), reason })
+                        return Err(ClientError::Lost {
+                            addr: self.addr.clone(),
+                            reason,
+                        })
                     }
                     _ => {}
                 }
             }
-            Err(ClientError::Lost { addr: self.addr.clone(), reason: "link stopped".into() })
+            Err(ClientError::Lost {
+                addr: self.addr.clone(),
+                reason: "link stopped".into(),
+            })
         })
         .await
-        .map_err(|_| ClientError::NoReply { addr: self.addr.clone(), secs: timeout.as_secs() })??;
+        .map_err(|_| ClientError::NoReply {
+            addr: self.addr.clone(),
+            secs: timeout.as_secs(),
+        })??;
         if reply.ok {
             Ok(reply.result)
         } else {
-            Err(ClientError::Refused { message: reply.error.unwrap_or_else(|| "no reason given".into()) })
+            Err(ClientError::Refused {
+                message: reply.error.unwrap_or_else(|| "no reason given".into()),
+            })
         }
     }
 }
@@ -136,25 +185,41 @@ mod tests {
 
     #[tokio::test]
     async fn times_out_with_a_helpful_message_when_nobody_answers() {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr");
         let _broker = EmbeddedBroker::start(addr).expect("broker");
-        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla").await.expect("connects");
+        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla")
+            .await
+            .expect("connects");
         // A short timeout keeps the test quick; the message format is what users see.
         let err = client
             .request(Command::ListDevices, Duration::from_secs(1))
             .await
             .expect_err("no coordinator");
         let text = err.to_string();
-        assert!(text.contains(&format!("127.0.0.1:{}", addr.port())), "{text}");
+        assert!(
+            text.contains(&format!("127.0.0.1:{}", addr.port())),
+            "{text}"
+        );
         assert!(text.contains("is `flotilla serve` running?"), "{text}");
     }
 
     #[tokio::test]
     async fn connect_fails_clearly_without_a_broker() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-        let err = ControlClient::connect_within("127.0.0.1", port, "flotilla", Duration::from_secs(1))
-            .await
-            .expect_err("nothing listening");
-        assert!(err.to_string().contains(&format!("127.0.0.1:{port}")), "{err}");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let err =
+            ControlClient::connect_within("127.0.0.1", port, "flotilla", Duration::from_secs(1))
+                .await
+                .expect_err("nothing listening");
+        assert!(
+            err.to_string().contains(&format!("127.0.0.1:{port}")),
+            "{err}"
+        );
     }
 }

@@ -18,11 +18,21 @@ pub const DEFAULT_CONFIG: &str = include_str!("../default-config.toml");
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path} is not valid TOML: {source}")]
-    Parse { path: PathBuf, source: toml::de::Error },
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
     #[error("config field {field} = {value:?} is invalid: {reason}")]
-    Field { field: &'static str, value: String, reason: String },
+    Field {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
 }
 
 /// The validated configuration.
@@ -86,7 +96,9 @@ struct RawActions {
 
 impl Default for RawActions {
     fn default() -> Self {
-        Self { validity: "7d".into() }
+        Self {
+            validity: "7d".into(),
+        }
     }
 }
 
@@ -110,7 +122,11 @@ impl TryFrom<Located> for Config {
             return Err(field("data_dir", &raw.data_dir, "must not be empty"));
         }
         if raw.coordinator_key.trim().is_empty() {
-            return Err(field("coordinator_key", &raw.coordinator_key, "must not be empty"));
+            return Err(field(
+                "coordinator_key",
+                &raw.coordinator_key,
+                "must not be empty",
+            ));
         }
         if raw.broker.host.trim().is_empty() {
             return Err(field("broker.host", &raw.broker.host, "must not be empty"));
@@ -129,13 +145,21 @@ impl TryFrom<Located> for Config {
         let embedded = match &raw.broker.embedded {
             None => None,
             Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
-                field("broker.embedded", addr, &format!("expected HOST:PORT like 127.0.0.1:1883 ({e})"))
+                field(
+                    "broker.embedded",
+                    addr,
+                    &format!("expected HOST:PORT like 127.0.0.1:1883 ({e})"),
+                )
             })?),
         };
         let action_validity = parse_duration(&raw.actions.validity)
             .map_err(|reason| field("actions.validity", &raw.actions.validity, &reason))?;
         if action_validity == 0 {
-            return Err(field("actions.validity", &raw.actions.validity, "must be longer than 0s"));
+            return Err(field(
+                "actions.validity",
+                &raw.actions.validity,
+                "must be longer than 0s",
+            ));
         }
         Ok(Config {
             data_dir: base.join(&raw.data_dir),
@@ -154,15 +178,22 @@ impl TryFrom<Located> for Config {
 impl Config {
     /// Parses config text; relative paths resolve against `base`.
     pub fn from_toml(text: &str, base: &Path, origin: &Path) -> Result<Config, ConfigError> {
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|source| ConfigError::Parse { path: origin.to_owned(), source })?;
-        Config::try_from(Located { raw, base: base.to_owned() })
+        let raw: RawConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: origin.to_owned(),
+            source,
+        })?;
+        Config::try_from(Located {
+            raw,
+            base: base.to_owned(),
+        })
     }
 
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         let base = path.parent().unwrap_or(Path::new(".")).to_owned();
         Config::from_toml(&text, &base, path)
     }
@@ -183,7 +214,9 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
     if digits.is_empty() {
         return Err("expected a number followed by s, m, h or d, like 7d".into());
     }
-    let n: u64 = digits.parse().map_err(|_| format!("{digits} is too large"))?;
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{digits} is too large"))?;
     let scale = match unit {
         "s" => 1,
         "m" => 60,
@@ -191,7 +224,8 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
         "d" => 86_400,
         other => return Err(format!("unknown unit {other:?}; use s, m, h or d")),
     };
-    n.checked_mul(scale).ok_or_else(|| format!("{text} is too large"))
+    n.checked_mul(scale)
+        .ok_or_else(|| format!("{text} is too large"))
 }
 
 #[cfg(test)]
@@ -199,7 +233,11 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
-        Config::from_toml(text, Path::new("/etc/flotilla"), Path::new("/etc/flotilla/coordinator.toml"))
+        Config::from_toml(
+            text,
+            Path::new("/etc/flotilla"),
+            Path::new("/etc/flotilla/coordinator.toml"),
+        )
     }
 
     #[test]
@@ -218,26 +256,49 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(config.data_dir, PathBuf::from("/etc/flotilla/data"));
-        assert_eq!(config.coordinator_key, PathBuf::from("/etc/flotilla/keys/coordinator.key"));
-        assert_eq!(config.broker.embedded, Some("127.0.0.1:18830".parse().expect("addr")));
+        assert_eq!(
+            config.coordinator_key,
+            PathBuf::from("/etc/flotilla/keys/coordinator.key")
+        );
+        assert_eq!(
+            config.broker.embedded,
+            Some("127.0.0.1:18830".parse().expect("addr"))
+        );
         assert_eq!(config.action_validity, 12 * 3600);
-        let abs = parse("data_dir = \"/var/lib/flotilla\"\ncoordinator_key = \"/k\"\n").expect("valid");
+        let abs =
+            parse("data_dir = \"/var/lib/flotilla\"\ncoordinator_key = \"/k\"\n").expect("valid");
         assert_eq!(abs.data_dir, PathBuf::from("/var/lib/flotilla"));
     }
 
     #[test]
     fn errors_name_the_field_and_value() {
         let cases = [
-            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nembedded = \"nowhere\"\n", "broker.embedded", "nowhere"),
-            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[actions]\nvalidity = \"7w\"\n", "actions.validity", "7w"),
-            ("data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\ntopic_root = \"a/#\"\n", "broker.topic_root", "a/#"),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nembedded = \"nowhere\"\n",
+                "broker.embedded",
+                "nowhere",
+            ),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[actions]\nvalidity = \"7w\"\n",
+                "actions.validity",
+                "7w",
+            ),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\ntopic_root = \"a/#\"\n",
+                "broker.topic_root",
+                "a/#",
+            ),
             ("data_dir = \"\"\ncoordinator_key = \"k\"\n", "data_dir", ""),
         ];
         for (text, field, value) in cases {
             let err = parse(text).expect_err(field).to_string();
-            assert!(err.contains(field) && err.contains(&format!("{value:?}")), "{err}");
+            assert!(
+                err.contains(field) && err.contains(&format!("{value:?}")),
+                "{err}"
+            );
         }
-        let err = parse("data_dir = \"d\"\ncoordinator_key = \"k\"\ncolour = 1\n").expect_err("unknown");
+        let err =
+            parse("data_dir = \"d\"\ncoordinator_key = \"k\"\ncolour = 1\n").expect_err("unknown");
         assert!(err.to_string().contains("colour"), "{err}");
         let err = parse("coordinator_key = \"k\"\n").expect_err("missing");
         assert!(err.to_string().contains("data_dir"), "{err}");

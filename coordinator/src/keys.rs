@@ -17,17 +17,29 @@ use flotilla_protocol::{SigningKey, VerifyingKey};
 #[derive(Debug, thiserror::Error)]
 pub enum KeysError {
     #[error("cannot create key directory {path}: {source}")]
-    CreateDir { path: PathBuf, source: std::io::Error },
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path} already exists; pass --force to replace it (devices trusting the old key will refuse new signatures)")]
     Exists { path: PathBuf },
     #[error("cannot write key file {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot read key file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("key file {path} is not a valid key: {source}")]
     Parse { path: PathBuf, source: KeyError },
     #[error("key name {name:?} is invalid: {source}")]
-    Name { name: String, source: flotilla_protocol::IdError },
+    Name {
+        name: String,
+        source: flotilla_protocol::IdError,
+    },
 }
 
 /// One key pair written by [`keygen`].
@@ -44,12 +56,21 @@ pub struct WrittenKey {
 /// half-done.
 pub fn keygen(dir: &Path, names: &[String], force: bool) -> Result<Vec<WrittenKey>, KeysError> {
     let default_names = ["release".to_owned(), "coordinator".to_owned()];
-    let names = if names.is_empty() { &default_names[..] } else { names };
+    let names = if names.is_empty() {
+        &default_names[..]
+    } else {
+        names
+    };
     for name in names {
-        flotilla_protocol::validate_id("key name", name)
-            .map_err(|source| KeysError::Name { name: name.clone(), source })?;
+        flotilla_protocol::validate_id("key name", name).map_err(|source| KeysError::Name {
+            name: name.clone(),
+            source,
+        })?;
     }
-    fs::create_dir_all(dir).map_err(|source| KeysError::CreateDir { path: dir.to_owned(), source })?;
+    fs::create_dir_all(dir).map_err(|source| KeysError::CreateDir {
+        path: dir.to_owned(),
+        source,
+    })?;
     if !force {
         for name in names {
             for ext in ["key", "pub"] {
@@ -68,13 +89,20 @@ pub fn keygen(dir: &Path, names: &[String], force: bool) -> Result<Vec<WrittenKe
         write_file(&secret, signing::secret_key_to_text(&key).as_bytes(), 0o600)?;
         let public_text = signing::public_key_to_text(&key.verifying_key());
         write_file(&public, public_text.as_bytes(), 0o644)?;
-        written.push(WrittenKey { secret, public, public_hex: public_text.trim().to_owned() });
+        written.push(WrittenKey {
+            secret,
+            public,
+            public_hex: public_text.trim().to_owned(),
+        });
     }
     Ok(written)
 }
 
 fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), KeysError> {
-    let err = |source| KeysError::Write { path: path.to_owned(), source };
+    let err = |source| KeysError::Write {
+        path: path.to_owned(),
+        source,
+    };
     let mut options = fs::OpenOptions::new();
     options.write(true).create(true).truncate(true);
     #[cfg(unix)]
@@ -88,26 +116,34 @@ fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), KeysError> {
     {
         use std::os::unix::fs::PermissionsExt as _;
         // `mode` at open only applies to new files; a forced overwrite must tighten it too.
-        file.set_permissions(fs::Permissions::from_mode(mode)).map_err(err)?;
+        file.set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(err)?;
     }
     file.write_all(bytes).map_err(err)?;
     file.sync_all().map_err(err)
 }
 
 fn read_text(path: &Path) -> Result<String, KeysError> {
-    fs::read_to_string(path).map_err(|source| KeysError::Read { path: path.to_owned(), source })
+    fs::read_to_string(path).map_err(|source| KeysError::Read {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// Loads a secret key file.
 pub fn load_secret_key(path: &Path) -> Result<SigningKey, KeysError> {
-    signing::secret_key_from_text(&read_text(path)?)
-        .map_err(|source| KeysError::Parse { path: path.to_owned(), source })
+    signing::secret_key_from_text(&read_text(path)?).map_err(|source| KeysError::Parse {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// Loads a public key file.
 pub fn load_public_key(path: &Path) -> Result<VerifyingKey, KeysError> {
-    signing::public_key_from_text(&read_text(path)?)
-        .map_err(|source| KeysError::Parse { path: path.to_owned(), source })
+    signing::public_key_from_text(&read_text(path)?).map_err(|source| KeysError::Parse {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 #[cfg(test)]

@@ -89,7 +89,11 @@ pub fn unique_client_id(prefix: &str) -> String {
 /// Starts the link on the current tokio runtime. It stops when `shutdown` is cancelled or the
 /// receiver is dropped.
 pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
-    let mut mqtt = MqttOptions::new(options.client_id.clone(), options.host.clone(), options.port);
+    let mut mqtt = MqttOptions::new(
+        options.client_id.clone(),
+        options.host.clone(),
+        options.port,
+    );
     mqtt.set_clean_session(true);
     mqtt.set_keep_alive(options.keep_alive);
     mqtt.set_max_packet_size(MAX_PACKET_SIZE + 4096, MAX_PACKET_SIZE + 4096);
@@ -98,7 +102,12 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let (tx, events) = mpsc::channel(EVENT_CAPACITY);
     let client_id = options.client_id.clone();
     let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
-    MqttLink { client, events, task, client_id }
+    MqttLink {
+        client,
+        events,
+        task,
+        client_id,
+    }
 }
 
 async fn run(
@@ -125,7 +134,10 @@ async fn run(
             Ok(Event::Incoming(Packet::SubAck(_))) => Some(LinkEvent::Subscribed),
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 // Topics are UTF-8 by the MQTT spec; rumqttc has already checked.
-                Some(LinkEvent::Publish { topic: p.topic, payload: p.payload.to_vec() })
+                Some(LinkEvent::Publish {
+                    topic: p.topic,
+                    payload: p.payload.to_vec(),
+                })
             }
             Ok(_) => None,
             Err(e) => {
@@ -162,8 +174,10 @@ fn subscribe(client: &AsyncClient, filters: &[String]) {
         return;
     }
     let client = client.clone();
-    let filters: Vec<SubscribeFilter> =
-        filters.iter().map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce)).collect();
+    let filters: Vec<SubscribeFilter> = filters
+        .iter()
+        .map(|f| SubscribeFilter::new(f.clone(), QoS::AtLeastOnce))
+        .collect();
     // Spawned, not awaited: the poll loop must keep draining the request channel.
     tokio::spawn(async move {
         if let Err(e) = client.subscribe_many(filters).await {
@@ -186,17 +200,32 @@ mod tests {
 
     #[tokio::test]
     async fn subscribes_on_connect_and_forwards_publishes() {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr");
         let _broker = EmbeddedBroker::start(addr).expect("broker");
         let shutdown = CancellationToken::new();
         let options = LinkOptions::new("127.0.0.1", addr.port(), "test", vec!["a/+".into()]);
         let mut link = start(options, shutdown.clone());
         assert_eq!(next(&mut link).await, LinkEvent::Connected);
         assert_eq!(next(&mut link).await, LinkEvent::Subscribed);
-        link.client.publish("a/b", QoS::AtLeastOnce, false, b"hi".to_vec()).await.expect("queue");
-        assert_eq!(next(&mut link).await, LinkEvent::Publish { topic: "a/b".into(), payload: b"hi".to_vec() });
+        link.client
+            .publish("a/b", QoS::AtLeastOnce, false, b"hi".to_vec())
+            .await
+            .expect("queue");
+        assert_eq!(
+            next(&mut link).await,
+            LinkEvent::Publish {
+                topic: "a/b".into(),
+                payload: b"hi".to_vec()
+            }
+        );
         shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(5), link.task).await.expect("stops").expect("no panic");
+        tokio::time::timeout(Duration::from_secs(5), link.task)
+            .await
+            .expect("stops")
+            .expect("no panic");
     }
 
     #[test]

@@ -32,7 +32,11 @@ pub enum ReleaseError {
     #[error("--artifact {value:?} must look like TARGET=PATH (e.g. app=build/app.bin)")]
     ArtifactSpec { value: String },
     #[error("--artifact {value:?}: target {target:?} is invalid: {source}")]
-    ArtifactTarget { value: String, target: String, source: IdError },
+    ArtifactTarget {
+        value: String,
+        target: String,
+        source: IdError,
+    },
     #[error("a release needs at least one --artifact")]
     NoArtifacts,
     #[error("--expires-in {value:?} is invalid: {reason}")]
@@ -40,27 +44,56 @@ pub enum ReleaseError {
     #[error("release {name} already exists at {path}; release names are never reused")]
     Exists { name: String, path: PathBuf },
     #[error("cannot read artifact {path}: {source}")]
-    ReadArtifact { path: PathBuf, source: std::io::Error },
+    ReadArtifact {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot write {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("no release named {name} (looked for {path})")]
     NotFound { name: String, path: PathBuf },
     #[error("cannot read release file {path}: {source}")]
-    ReadRelease { path: PathBuf, source: std::io::Error },
+    ReadRelease {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("release file {path} is malformed: {source}")]
     Decode { path: PathBuf, source: DecodeError },
     #[error("release file {path}: {source}")]
-    Signature { path: PathBuf, source: SignatureError },
+    Signature {
+        path: PathBuf,
+        source: SignatureError,
+    },
     #[error("release file {path} holds release {found:?}, not {expected:?}")]
-    WrongName { path: PathBuf, expected: String, found: String },
+    WrongName {
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
     #[error("cannot list releases in {path}: {source}")]
-    List { path: PathBuf, source: std::io::Error },
+    List {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("artifact {name}: {path} is missing from the store")]
     ArtifactMissing { name: String, path: PathBuf },
     #[error("artifact {name}: size mismatch in {path} (manifest says {expected} bytes, store has {found})")]
-    ArtifactSize { name: String, path: PathBuf, expected: u64, found: u64 },
+    ArtifactSize {
+        name: String,
+        path: PathBuf,
+        expected: u64,
+        found: u64,
+    },
     #[error("artifact {name}: sha256 mismatch in {path} (expected {expected}, got {found})")]
-    ArtifactDigest { name: String, path: PathBuf, expected: String, found: String },
+    ArtifactDigest {
+        name: String,
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
 }
 
 /// What `flotilla release create` needs.
@@ -84,7 +117,9 @@ pub struct ReleaseStore {
 
 impl ReleaseStore {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        Self { data_dir: data_dir.into() }
+        Self {
+            data_dir: data_dir.into(),
+        }
     }
 
     pub fn artifacts_dir(&self) -> PathBuf {
@@ -107,9 +142,18 @@ impl ReleaseStore {
 
     /// Creates a release: copies every artifact into the store, signs the manifest with `key`
     /// and writes it. Refuses an existing name before copying anything.
-    pub fn create(&self, new: &NewRelease, key: &SigningKey, now: UnixTime) -> Result<ReleaseManifest, ReleaseError> {
-        flotilla_protocol::validate_id("release name", &new.name)
-            .map_err(|source| ReleaseError::Name { name: new.name.clone(), source })?;
+    pub fn create(
+        &self,
+        new: &NewRelease,
+        key: &SigningKey,
+        now: UnixTime,
+    ) -> Result<ReleaseManifest, ReleaseError> {
+        flotilla_protocol::validate_id("release name", &new.name).map_err(|source| {
+            ReleaseError::Name {
+                name: new.name.clone(),
+                source,
+            }
+        })?;
         if new.artifacts.is_empty() {
             return Err(ReleaseError::NoArtifacts);
         }
@@ -118,15 +162,24 @@ impl ReleaseStore {
             let (target, path) = value
                 .split_once('=')
                 .filter(|(t, p)| !t.is_empty() && !p.is_empty())
-                .ok_or_else(|| ReleaseError::ArtifactSpec { value: value.clone() })?;
+                .ok_or_else(|| ReleaseError::ArtifactSpec {
+                    value: value.clone(),
+                })?;
             flotilla_protocol::validate_id("artifact target", target).map_err(|source| {
-                ReleaseError::ArtifactTarget { value: value.clone(), target: target.to_owned(), source }
+                ReleaseError::ArtifactTarget {
+                    value: value.clone(),
+                    target: target.to_owned(),
+                    source,
+                }
             })?;
             sources.push((target.to_owned(), PathBuf::from(path)));
         }
         let release_path = self.release_path(&new.name);
         if release_path.exists() {
-            return Err(ReleaseError::Exists { name: new.name.clone(), path: release_path });
+            return Err(ReleaseError::Exists {
+                name: new.name.clone(),
+                path: release_path,
+            });
         }
         let mut artifacts = Vec::new();
         for (target, path) in sources {
@@ -135,7 +188,12 @@ impl ReleaseStore {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| target.clone());
-            artifacts.push(Artifact { name, target, size, sha256 });
+            artifacts.push(Artifact {
+                name,
+                target,
+                size,
+                sha256,
+            });
         }
         let manifest = ReleaseManifest {
             name: new.name.clone(),
@@ -150,8 +208,14 @@ impl ReleaseStore {
         // A concurrent `create` of the same name could have won since the check above; the
         // no-clobber link makes the last step refuse instead of silently replacing it.
         write_atomic(&release_path, &envelope::to_bytes(&blob), false).map_err(|e| match e {
-            WriteError::Exists => ReleaseError::Exists { name: new.name.clone(), path: release_path.clone() },
-            WriteError::Io(source) => ReleaseError::Write { path: release_path.clone(), source },
+            WriteError::Exists => ReleaseError::Exists {
+                name: new.name.clone(),
+                path: release_path.clone(),
+            },
+            WriteError::Io(source) => ReleaseError::Write {
+                path: release_path.clone(),
+                source,
+            },
         })?;
         Ok(manifest)
     }
@@ -159,10 +223,15 @@ impl ReleaseStore {
     /// Streams a file into the store, hashing while copying. Returns its size and digest.
     pub fn import_artifact(&self, path: &Path) -> Result<(u64, Digest), ReleaseError> {
         let dir = self.artifacts_dir();
-        let write_err = |source| ReleaseError::Write { path: dir.clone(), source };
+        let write_err = |source| ReleaseError::Write {
+            path: dir.clone(),
+            source,
+        };
         fs::create_dir_all(&dir).map_err(write_err)?;
-        let mut input =
-            File::open(path).map_err(|source| ReleaseError::ReadArtifact { path: path.to_owned(), source })?;
+        let mut input = File::open(path).map_err(|source| ReleaseError::ReadArtifact {
+            path: path.to_owned(),
+            source,
+        })?;
         let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(write_err)?;
         let mut hasher = sha2::Sha256::new();
         let mut size = 0u64;
@@ -170,7 +239,10 @@ impl ReleaseStore {
         loop {
             let n = input
                 .read(&mut buf)
-                .map_err(|source| ReleaseError::ReadArtifact { path: path.to_owned(), source })?;
+                .map_err(|source| ReleaseError::ReadArtifact {
+                    path: path.to_owned(),
+                    source,
+                })?;
             if n == 0 {
                 break;
             }
@@ -182,7 +254,10 @@ impl ReleaseStore {
         let dest = self.artifact_path(&sha256);
         tmp.as_file().sync_all().map_err(write_err)?;
         // Same digest means same bytes: an artifact shared by two releases is stored once.
-        tmp.persist(&dest).map_err(|e| ReleaseError::Write { path: dest.clone(), source: e.error })?;
+        tmp.persist(&dest).map_err(|e| ReleaseError::Write {
+            path: dest.clone(),
+            source: e.error,
+        })?;
         fsync_dir(&dir).map_err(write_err)?;
         Ok((size, sha256))
     }
@@ -191,19 +266,30 @@ impl ReleaseStore {
     /// and its decoded manifest. Does not check the signature: the coordinator forwards the
     /// blob, and agents hold the release keys.
     pub fn load(&self, name: &str) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
-        flotilla_protocol::validate_id("release name", name)
-            .map_err(|source| ReleaseError::Name { name: name.to_owned(), source })?;
+        flotilla_protocol::validate_id("release name", name).map_err(|source| {
+            ReleaseError::Name {
+                name: name.to_owned(),
+                source,
+            }
+        })?;
         let path = self.release_path(name);
         let bytes = match fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(ReleaseError::NotFound { name: name.to_owned(), path })
+                return Err(ReleaseError::NotFound {
+                    name: name.to_owned(),
+                    path,
+                })
             }
             Err(source) => return Err(ReleaseError::ReadRelease { path, source }),
         };
         let (blob, manifest) = decode_release(&path, &bytes)?;
         if manifest.name != name {
-            return Err(ReleaseError::WrongName { path, expected: name.to_owned(), found: manifest.name });
+            return Err(ReleaseError::WrongName {
+                path,
+                expected: name.to_owned(),
+                found: manifest.name,
+            });
         }
         Ok((blob, manifest))
     }
@@ -218,7 +304,10 @@ impl ReleaseStore {
         };
         let mut names = Vec::new();
         for entry in entries {
-            let entry = entry.map_err(|source| ReleaseError::List { path: dir.clone(), source })?;
+            let entry = entry.map_err(|source| ReleaseError::List {
+                path: dir.clone(),
+                source,
+            })?;
             let file = entry.file_name();
             let file = file.to_string_lossy();
             if let Some(name) = file.strip_suffix(".release") {
@@ -238,7 +327,9 @@ impl ReleaseStore {
         for name in self.list()? {
             match self.load(&name) {
                 Ok((_, manifest)) => out.push(summary(&manifest)),
-                Err(e) => tracing::warn!(release = %name, error = %e, "skipping unreadable release"),
+                Err(e) => {
+                    tracing::warn!(release = %name, error = %e, "skipping unreadable release")
+                }
             }
         }
         Ok(out)
@@ -247,13 +338,26 @@ impl ReleaseStore {
     /// Checks a release: the signature against `key` (strict), then every artifact in the
     /// store has the declared size and sha256.
     pub fn verify(&self, path: &Path, key: &VerifyingKey) -> Result<ReleaseManifest, ReleaseError> {
-        let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease { path: path.to_owned(), source })?;
-        let blob: SignedBlob = envelope::from_bytes("release file", &bytes)
-            .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+        let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease {
+            path: path.to_owned(),
+            source,
+        })?;
+        let blob: SignedBlob = envelope::from_bytes("release file", &bytes).map_err(|source| {
+            ReleaseError::Decode {
+                path: path.to_owned(),
+                source,
+            }
+        })?;
         blob.verify("release manifest", std::slice::from_ref(key))
-            .map_err(|source| ReleaseError::Signature { path: path.to_owned(), source })?;
+            .map_err(|source| ReleaseError::Signature {
+                path: path.to_owned(),
+                source,
+            })?;
         let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
-            .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+            .map_err(|source| ReleaseError::Decode {
+                path: path.to_owned(),
+                source,
+            })?;
         for artifact in &manifest.artifacts {
             self.check_artifact(artifact)?;
         }
@@ -272,15 +376,25 @@ impl ReleaseStore {
         };
         let found = file
             .metadata()
-            .map_err(|source| ReleaseError::ReadArtifact { path: path.clone(), source })?
+            .map_err(|source| ReleaseError::ReadArtifact {
+                path: path.clone(),
+                source,
+            })?
             .len();
         if found != artifact.size {
-            return Err(ReleaseError::ArtifactSize { name, path, expected: artifact.size, found });
+            return Err(ReleaseError::ArtifactSize {
+                name,
+                path,
+                expected: artifact.size,
+                found,
+            });
         }
         let mut hasher = sha2::Sha256::new();
         let mut reader = file.take(artifact.size);
-        std::io::copy(&mut reader, &mut hasher)
-            .map_err(|source| ReleaseError::ReadArtifact { path: path.clone(), source })?;
+        std::io::copy(&mut reader, &mut hasher).map_err(|source| ReleaseError::ReadArtifact {
+            path: path.clone(),
+            source,
+        })?;
         let digest: Digest = hasher.finalize().into();
         if digest != artifact.sha256 {
             return Err(ReleaseError::ArtifactDigest {
@@ -295,17 +409,29 @@ impl ReleaseStore {
 }
 
 /// Decodes a release file's bytes into the blob and its manifest.
-pub fn decode_release(path: &Path, bytes: &[u8]) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
-    let blob: SignedBlob = envelope::from_bytes("release file", bytes)
-        .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+pub fn decode_release(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+    let blob: SignedBlob =
+        envelope::from_bytes("release file", bytes).map_err(|source| ReleaseError::Decode {
+            path: path.to_owned(),
+            source,
+        })?;
     let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
-        .map_err(|source| ReleaseError::Decode { path: path.to_owned(), source })?;
+        .map_err(|source| ReleaseError::Decode {
+            path: path.to_owned(),
+            source,
+        })?;
     Ok((blob, manifest))
 }
 
 /// Reads a release file anywhere on disk (for `release inspect --file`).
 pub fn read_release_file(path: &Path) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
-    let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease { path: path.to_owned(), source })?;
+    let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease {
+        path: path.to_owned(),
+        source,
+    })?;
     decode_release(path, &bytes)
 }
 
@@ -331,7 +457,11 @@ pub fn summary(manifest: &ReleaseManifest) -> ReleaseSummary {
 
 /// A manifest as a human-readable table.
 pub fn render_manifest(manifest: &ReleaseManifest, signer: &[u8; 32]) -> String {
-    let hardware = if manifest.hardware.is_empty() { "any".to_owned() } else { manifest.hardware.join(", ") };
+    let hardware = if manifest.hardware.is_empty() {
+        "any".to_owned()
+    } else {
+        manifest.hardware.join(", ")
+    };
     let mut out = format!(
         "release   {}\nversion   {}\ncounter   {}\nhardware  {}\ncreated   {}\nexpires   {}\nsigner    {}\n\n",
         manifest.name,
@@ -342,9 +472,24 @@ pub fn render_manifest(manifest: &ReleaseManifest, signer: &[u8; 32]) -> String 
         manifest.expires_at,
         hex::encode(signer),
     );
-    let name_w = manifest.artifacts.iter().map(|a| a.name.len()).max().unwrap_or(0).max(8);
-    let target_w = manifest.artifacts.iter().map(|a| a.target.len()).max().unwrap_or(0).max(6);
-    out.push_str(&format!("{:name_w$}  {:target_w$}  {:>12}  SHA256\n", "ARTIFACT", "TARGET", "SIZE"));
+    let name_w = manifest
+        .artifacts
+        .iter()
+        .map(|a| a.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(8);
+    let target_w = manifest
+        .artifacts
+        .iter()
+        .map(|a| a.target.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
+    out.push_str(&format!(
+        "{:name_w$}  {:target_w$}  {:>12}  SHA256\n",
+        "ARTIFACT", "TARGET", "SIZE"
+    ));
     for a in &manifest.artifacts {
         out.push_str(&format!(
             "{:name_w$}  {:target_w$}  {:>12}  {}\n",
@@ -405,7 +550,12 @@ mod tests {
         let app = dir.path().join("app.bin");
         fs::write(&app, vec![42u8; 100_000]).expect("write");
         let store = ReleaseStore::new(dir.path().join("data"));
-        Fixture { store, key: SigningKey::from_bytes(&[9; 32]), app, _dir: dir }
+        Fixture {
+            store,
+            key: SigningKey::from_bytes(&[9; 32]),
+            app,
+            _dir: dir,
+        }
     }
 
     fn new_release(name: &str, app: &Path) -> NewRelease {
@@ -422,32 +572,62 @@ mod tests {
     #[test]
     fn create_load_verify_round_trip() {
         let f = fixture();
-        let made = f.store.create(&new_release("fw-2.4.0", &f.app), &f.key, 1_000).expect("create");
+        let made = f
+            .store
+            .create(&new_release("fw-2.4.0", &f.app), &f.key, 1_000)
+            .expect("create");
         assert_eq!(made.artifacts.len(), 1);
         assert_eq!(made.artifacts[0].size, 100_000);
-        assert_eq!(made.artifacts[0].sha256, flotilla_protocol::sha256(&[42u8; 100_000]));
+        assert_eq!(
+            made.artifacts[0].sha256,
+            flotilla_protocol::sha256(&[42u8; 100_000])
+        );
         assert_eq!(made.expires_at, 4_600);
-        assert_eq!(fs::read(f.store.artifact_path(&made.artifacts[0].sha256)).expect("stored"), vec![42u8; 100_000]);
+        assert_eq!(
+            fs::read(f.store.artifact_path(&made.artifacts[0].sha256)).expect("stored"),
+            vec![42u8; 100_000]
+        );
 
         let (blob, loaded) = f.store.load("fw-2.4.0").expect("load");
         assert_eq!(loaded, made);
-        assert!(blob.verify("release manifest", &[f.key.verifying_key()]).is_ok());
+        assert!(blob
+            .verify("release manifest", &[f.key.verifying_key()])
+            .is_ok());
         assert_eq!(f.store.list().expect("list"), vec!["fw-2.4.0".to_owned()]);
         let table = render_manifest(&loaded, &blob.signer);
-        assert!(table.contains("fw-2.4.0") && table.contains("app.bin") && table.contains("100000"), "{table}");
+        assert!(
+            table.contains("fw-2.4.0") && table.contains("app.bin") && table.contains("100000"),
+            "{table}"
+        );
 
         let path = f.store.release_path("fw-2.4.0");
-        assert_eq!(f.store.verify(&path, &f.key.verifying_key()).expect("verifies"), made);
+        assert_eq!(
+            f.store
+                .verify(&path, &f.key.verifying_key())
+                .expect("verifies"),
+            made
+        );
     }
 
     #[test]
     fn refuses_existing_name_and_bad_input() {
         let f = fixture();
-        f.store.create(&new_release("fw-1", &f.app), &f.key, 0).expect("create");
-        let err = f.store.create(&new_release("fw-1", &f.app), &f.key, 0).expect_err("exists");
-        assert!(err.to_string().contains("fw-1") && err.to_string().contains("already exists"), "{err}");
+        f.store
+            .create(&new_release("fw-1", &f.app), &f.key, 0)
+            .expect("create");
+        let err = f
+            .store
+            .create(&new_release("fw-1", &f.app), &f.key, 0)
+            .expect_err("exists");
+        assert!(
+            err.to_string().contains("fw-1") && err.to_string().contains("already exists"),
+            "{err}"
+        );
 
-        let err = f.store.create(&new_release("fw/1", &f.app), &f.key, 0).expect_err("bad name");
+        let err = f
+            .store
+            .create(&new_release("fw/1", &f.app), &f.key, 0)
+            .expect_err("bad name");
         assert!(err.to_string().contains("fw/1"), "{err}");
         let mut bad = new_release("fw-2", &f.app);
         bad.artifacts = vec!["no-equals-sign".into()];
@@ -456,32 +636,53 @@ mod tests {
         bad.artifacts = vec!["app=/does/not/exist".into()];
         let err = f.store.create(&bad, &f.key, 0).expect_err("missing file");
         assert!(err.to_string().contains("/does/not/exist"), "{err}");
-        assert!(!f.store.release_path("fw-2").exists(), "nothing written for a refused release");
+        assert!(
+            !f.store.release_path("fw-2").exists(),
+            "nothing written for a refused release"
+        );
     }
 
     #[test]
     fn verify_fails_on_tampered_artifact_and_wrong_key() {
         let f = fixture();
-        let made = f.store.create(&new_release("fw-3", &f.app), &f.key, 0).expect("create");
+        let made = f
+            .store
+            .create(&new_release("fw-3", &f.app), &f.key, 0)
+            .expect("create");
         let path = f.store.release_path("fw-3");
 
-        let err = f.store.verify(&path, &SigningKey::from_bytes(&[1; 32]).verifying_key()).expect_err("wrong key");
+        let err = f
+            .store
+            .verify(&path, &SigningKey::from_bytes(&[1; 32]).verifying_key())
+            .expect_err("wrong key");
         assert!(err.to_string().contains("unknown key"), "{err}");
 
         let stored = f.store.artifact_path(&made.artifacts[0].sha256);
         let mut bytes = fs::read(&stored).expect("read");
         bytes[10] ^= 0xff;
         fs::write(&stored, &bytes).expect("tamper");
-        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("tampered");
-        assert!(err.to_string().contains("sha256 mismatch") && err.to_string().contains("app.bin"), "{err}");
+        let err = f
+            .store
+            .verify(&path, &f.key.verifying_key())
+            .expect_err("tampered");
+        assert!(
+            err.to_string().contains("sha256 mismatch") && err.to_string().contains("app.bin"),
+            "{err}"
+        );
 
         bytes.pop();
         fs::write(&stored, &bytes).expect("truncate");
-        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("short");
+        let err = f
+            .store
+            .verify(&path, &f.key.verifying_key())
+            .expect_err("short");
         assert!(err.to_string().contains("size mismatch"), "{err}");
 
         fs::remove_file(&stored).expect("remove");
-        let err = f.store.verify(&path, &f.key.verifying_key()).expect_err("missing");
+        let err = f
+            .store
+            .verify(&path, &f.key.verifying_key())
+            .expect_err("missing");
         assert!(err.to_string().contains("missing"), "{err}");
     }
 

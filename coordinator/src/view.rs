@@ -12,7 +12,11 @@ pub const TRACE_LINES: usize = 5;
 
 /// `[#########---------------------]`: `done` of `total`, `#` for done, `-` for the rest.
 pub fn progress_bar(done: usize, total: usize, width: usize) -> String {
-    let filled = if total == 0 { 0 } else { (done.min(total) * width) / total };
+    let filled = if total == 0 {
+        0
+    } else {
+        (done.min(total) * width) / total
+    };
     format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
 }
 
@@ -34,8 +38,17 @@ pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
 
 /// A rollout as a header, one line per group, and the last few decisions.
 pub fn rollout_status(status: &RolloutStatus) -> String {
-    let mut out = format!("rollout {}  release {}  state {}\n", status.name, status.release, status.state);
-    let name_width = status.groups.iter().map(|g| g.name.len()).max().unwrap_or(0).max(5);
+    let mut out = format!(
+        "rollout {}  release {}  state {}\n",
+        status.name, status.release, status.state
+    );
+    let name_width = status
+        .groups
+        .iter()
+        .map(|g| g.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(5);
     if status.groups.is_empty() {
         out.push_str("  (no groups)\n");
     }
@@ -58,7 +71,11 @@ pub fn rollout_statuses(statuses: &[RolloutStatus]) -> String {
     if statuses.is_empty() {
         return "no rollouts\n".to_owned();
     }
-    statuses.iter().map(rollout_status).collect::<Vec<_>>().join("\n")
+    statuses
+        .iter()
+        .map(rollout_status)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The devices table: id, online, installed, rollout, phase, reason.
@@ -79,7 +96,14 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
             ]
         })
         .collect();
-    let header = ["DEVICE", "ONLINE", "INSTALLED", "ROLLOUT", "PHASE", "REASON"];
+    let header = [
+        "DEVICE",
+        "ONLINE",
+        "INSTALLED",
+        "ROLLOUT",
+        "PHASE",
+        "REASON",
+    ];
     let mut widths = header.map(str::len);
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -99,7 +123,9 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
     };
     let mut out = line(header);
     for row in &rows {
-        out.push_str(&line([&row[0], &row[1], &row[2], &row[3], &row[4], &row[5]]));
+        out.push_str(&line([
+            &row[0], &row[1], &row[2], &row[3], &row[4], &row[5],
+        ]));
     }
     out
 }
@@ -110,7 +136,14 @@ mod tests {
     use flotilla_protocol::control::TraceEntry;
     use std::collections::BTreeMap;
 
-    fn group(name: &str, state: &str, total: usize, ready: usize, failed: usize, running: usize) -> GroupStatus {
+    fn group(
+        name: &str,
+        state: &str,
+        total: usize,
+        ready: usize,
+        failed: usize,
+        running: usize,
+    ) -> GroupStatus {
         GroupStatus {
             name: name.into(),
             state: state.into(),
@@ -135,21 +168,46 @@ mod tests {
     #[test]
     fn status_shows_groups_counts_and_recent_trace() {
         let trace = (0..8)
-            .map(|i| TraceEntry { at: 100 + i, rollout: "fw".into(), message: format!("decision {i}") })
+            .map(|i| TraceEntry {
+                at: 100 + i,
+                rollout: "fw".into(),
+                message: format!("decision {i}"),
+            })
             .collect();
         let status = RolloutStatus {
             name: "fw-2-4".into(),
             release: "fw-2.4.0".into(),
             state: "running".into(),
-            groups: vec![group("canary", "finished", 4, 3, 1, 0), group("rest", "running", 10, 0, 0, 2)],
+            groups: vec![
+                group("canary", "finished", 4, 3, 1, 0),
+                group("rest", "running", 10, 0, 0, 2),
+            ],
             trace,
         };
         let text = rollout_status(&status);
-        assert!(text.starts_with("rollout fw-2-4  release fw-2.4.0  state running\n"), "{text}");
-        assert!(text.contains(&format!("canary  finished   {}  3/4 ready, 1 failed, 0 running, 0 scheduled", progress_bar(4, 4, BAR_WIDTH))), "{text}");
-        assert!(text.contains("0/10 ready, 0 failed, 2 running, 8 scheduled"), "{text}");
-        assert!(text.contains("decision 7") && text.contains("decision 3"), "{text}");
-        assert!(!text.contains("decision 2"), "only the last {TRACE_LINES} decisions: {text}");
+        assert!(
+            text.starts_with("rollout fw-2-4  release fw-2.4.0  state running\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "canary  finished   {}  3/4 ready, 1 failed, 0 running, 0 scheduled",
+                progress_bar(4, 4, BAR_WIDTH)
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains("0/10 ready, 0 failed, 2 running, 8 scheduled"),
+            "{text}"
+        );
+        assert!(
+            text.contains("decision 7") && text.contains("decision 3"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("decision 2"),
+            "only the last {TRACE_LINES} decisions: {text}"
+        );
     }
 
     #[test]
@@ -179,8 +237,14 @@ mod tests {
         let text = devices_table(&devices);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
-        assert!(lines[0].starts_with("DEVICE         ONLINE  INSTALLED"), "{text}");
-        assert!(lines[1].starts_with("pi-1           yes     fw-2.4.0"), "{text}");
+        assert!(
+            lines[0].starts_with("DEVICE         ONLINE  INSTALLED"),
+            "{text}"
+        );
+        assert!(
+            lines[1].starts_with("pi-1           yes     fw-2.4.0"),
+            "{text}"
+        );
         assert!(lines[2].ends_with("failed  health check failed"), "{text}");
         assert_eq!(devices_table(&[]), "no devices have reported yet\n");
     }

@@ -1,0 +1,62 @@
+//! The `flotilla` binary: parse arguments, set up logging and signals, call the library.
+
+use std::process::ExitCode;
+
+use clap::Parser as _;
+use flotilla_coordinator::cli::{self, Cli, Cmd};
+use flotilla_coordinator::demo;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cli.default_log_level()));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+
+    match run(cli) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<i32> {
+    // The demo manages its own runtime(s); starting it inside ours would nest runtimes.
+    if let Cmd::Demo(args) = cli.command {
+        return Ok(demo::run(args)?);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        Ok(cli::run(cli, shutdown).await?)
+    })
+}
+
+/// Cancels `shutdown` on SIGINT or SIGTERM so `serve` stops between effects, not in the middle.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut term) = signal(SignalKind::terminate()) else {
+            let _ = tokio::signal::ctrl_c().await;
+            shutdown.cancel();
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}
