@@ -1,0 +1,569 @@
+//! `flotilla demo`: the whole system on one machine, in one command.
+//!
+//! It starts the embedded broker on a free port, a coordinator (in this process) and N real
+//! `flotilla-agent` processes with temporary data directories and `file` targets; makes keys and
+//! a signed release; and runs a three-group rollout with live progress. The first `--fail K`
+//! agents have a health check that fails: they roll back and report Failed. One failure in a
+//! group of four stays within the 30% error threshold and the rollout goes on; two cross it and
+//! the rollout pauses before the next group starts.
+//!
+//! Exit codes: 0 when the rollout finished, 2 when it ended paused or stopped, 1 on an error.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::IsTerminal as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{BrokerError, EmbeddedBroker};
+use crate::client::{ClientError, ControlClient};
+use crate::config::{BrokerConfig, Config};
+use crate::keys::{self, KeysError};
+use crate::releases::{NewRelease, ReleaseError, ReleaseStore};
+use crate::{service, view};
+
+const ROLLOUT: &str = "demo-fw-2";
+const RELEASE: &str = "demo-fw-2.0.0";
+const ERROR_THRESHOLD: &str = "30%";
+const SUCCESS_THRESHOLD: &str = "75%";
+
+/// Arguments of `flotilla demo`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Number of agents to start.
+    #[arg(long, default_value_t = 12)]
+    pub devices: usize,
+    /// Number of agents whose health check fails (the first ones, in the canary group).
+    #[arg(long, default_value_t = 1)]
+    pub fail: usize,
+    /// Print a machine-readable summary on stdout instead of the live view.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep the temporary directory (configs, logs, data) and print its path.
+    #[arg(long)]
+    pub keep: bool,
+    /// The agent binary; by default `flotilla-agent` next to this executable.
+    #[arg(long, env = "FLOTILLA_AGENT_BIN")]
+    pub agent_bin: Option<PathBuf>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 180)]
+    pub timeout: u64,
+}
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("--devices {devices}: the demo needs at least 3 devices for its three groups")]
+    TooFewDevices { devices: usize },
+    #[error("--fail {fail} is more than --devices {devices}")]
+    TooManyFailing { fail: usize, devices: usize },
+    #[error("agent binary {path} not found; build it with `cargo build --release --bins` or pass --agent-bin")]
+    AgentBinary { path: PathBuf },
+    #[error("demo setup: {what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    #[error(transparent)]
+    Keys(#[from] KeysError),
+    #[error(transparent)]
+    Release(#[from] ReleaseError),
+    #[error(transparent)]
+    Control(#[from] ClientError),
+    #[error("the coordinator stopped: {0}")]
+    Coordinator(String),
+    #[error("timed out after {secs}s waiting for {what}")]
+    Timeout { what: String, secs: u64 },
+    #[error("unexpected reply from the coordinator: {0}")]
+    Reply(#[from] serde_json::Error),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
+    let what = what.into();
+    move |source| DemoError::Io { what, source }
+}
+
+/// The agents, killed when dropped.
+struct Agents(Vec<Child>);
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The machine-readable summary (`--json`).
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub rollout: String,
+    pub release: String,
+    pub state: String,
+    pub groups: Vec<GroupSummary>,
+    pub devices: Vec<DeviceOutcome>,
+    pub decisions: Vec<String>,
+}
+
+/// One group's final state.
+#[derive(Debug, Serialize)]
+pub struct GroupSummary {
+    pub name: String,
+    pub state: String,
+    pub devices: Vec<String>,
+}
+
+/// One device's outcome.
+#[derive(Debug, Serialize)]
+pub struct DeviceOutcome {
+    pub id: String,
+    pub group: Option<String>,
+    pub phase: String,
+    pub installed: Option<String>,
+    pub reason: Option<String>,
+}
+
+/// Runs the demo and returns the process exit code.
+pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
+    if args.devices < 3 {
+        return Err(DemoError::TooFewDevices { devices: args.devices });
+    }
+    if args.fail > args.devices {
+        return Err(DemoError::TooManyFailing { fail: args.fail, devices: args.devices });
+    }
+    let agent_bin = agent_binary(args.agent_bin.clone())?;
+    let dir = tempfile::Builder::new().prefix("flotilla-demo-").tempdir().map_err(io("temporary directory"))?;
+    let root = dir.path().to_owned();
+    let say = |line: String| {
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+
+    let port = free_port().map_err(io("find a free port"))?;
+    let addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], port));
+    let _broker = EmbeddedBroker::start(addr)?;
+    say(format!("embedded MQTT broker on {addr}"));
+
+    let keys = keys::keygen(&root.join("keys"), &[], false)?;
+    let (release_pub, coordinator_pub) = (keys[0].public_hex.clone(), keys[1].public_hex.clone());
+    let release_key = keys::load_secret_key(&keys[0].secret)?;
+    let data_dir = root.join("coordinator");
+    let artifact = root.join("app-2.0.0.bin");
+    fs::write(&artifact, demo_artifact()).map_err(io("write the demo artifact"))?;
+    let manifest = ReleaseStore::new(&data_dir).create(
+        &NewRelease {
+            name: RELEASE.into(),
+            version: "2.0.0".into(),
+            counter: 2,
+            hardware: vec!["demo-board".into()],
+            artifacts: vec![format!("app={}", artifact.display())],
+            expires_in: 30 * 24 * 3600,
+        },
+        &release_key,
+        unix_now(),
+    )?;
+    say(format!(
+        "signed release {} ({} bytes, sha256 {}…)",
+        manifest.name,
+        manifest.artifacts[0].size,
+        &flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)[..16]
+    ));
+
+    let shutdown = CancellationToken::new();
+    let config = Config {
+        data_dir: data_dir.clone(),
+        coordinator_key: keys[1].secret.clone(),
+        broker: BrokerConfig {
+            host: "127.0.0.1".into(),
+            port,
+            topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
+            embedded: None,
+        },
+        action_validity: 24 * 3600,
+    };
+    let mut coordinator = tokio::spawn(service::serve(config, shutdown.clone()));
+
+    let mut agents = Agents(Vec::new());
+    for i in 1..=args.devices {
+        let id = format!("dev-{i:02}");
+        let healthy = i > args.fail;
+        let config = write_agent_config(&root, &id, port, healthy, &release_pub, &coordinator_pub)?;
+        let log = fs::File::create(root.join(format!("{id}.log"))).map_err(io("create an agent log"))?;
+        let err = log.try_clone().map_err(io("open an agent log"))?;
+        let child = Command::new(&agent_bin)
+            .args(["run", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(io(format!("start {}", agent_bin.display())))?;
+        agents.0.push(child);
+    }
+    say(format!(
+        "started {} agents ({} with a failing health check); logs in {}",
+        args.devices,
+        args.fail,
+        root.display()
+    ));
+
+    let client = ControlClient::connect("127.0.0.1", port, flotilla_protocol::topics::DEFAULT_ROOT).await?;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
+    say(format!("all {} agents registered\n", args.devices));
+
+    let spec = demo_spec();
+    client.request(Control::CreateRollout { spec: spec.clone() }, Duration::from_secs(10)).await?;
+    client.request(Control::StartRollout { rollout: ROLLOUT.into() }, Duration::from_secs(10)).await?;
+    if !args.json {
+        println!("rollout spec:\n{}", indent(&spec));
+    }
+
+    let live = !args.json && std::io::stdout().is_terminal();
+    let mut last_view = String::new();
+    let status = loop {
+        if coordinator.is_finished() {
+            let reason = match (&mut coordinator).await {
+                Ok(Ok(())) => "it exited".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => e.to_string(),
+            };
+            return Err(DemoError::Coordinator(reason));
+        }
+        let value = client
+            .request(Control::RolloutStatus { rollout: Some(ROLLOUT.into()) }, Duration::from_secs(10))
+            .await?;
+        let status: RolloutStatus = serde_json::from_value(value)?;
+        let text = view::rollout_status(&status);
+        if text != last_view {
+            if live && !last_view.is_empty() {
+                // Move up over the previous view and redraw it in place.
+                print!("\x1b[{}A\x1b[J", last_view.lines().count());
+            }
+            if args.json {
+                eprint!("{}", progress_line(&status));
+            } else {
+                print!("{text}");
+                if !live {
+                    println!();
+                }
+            }
+            last_view = text;
+        }
+        if is_settled(&status) {
+            break status;
+        }
+        if Instant::now() > deadline {
+            return Err(DemoError::Timeout { what: "the rollout to settle".into(), secs: args.timeout });
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+
+    let devices: Vec<DeviceSummary> =
+        serde_json::from_value(client.request(Control::ListDevices, Duration::from_secs(10)).await?)?;
+    let summary = summarize(&status, &devices);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        println!("\n{}", explain(&summary));
+    }
+
+    drop(agents);
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), coordinator).await;
+    if args.keep {
+        let kept = dir.keep();
+        say(format!("kept {}", kept.display()));
+    }
+    Ok(match summary.state.as_str() {
+        "finished" => 0,
+        _ => 2,
+    })
+}
+
+fn agent_binary(given: Option<PathBuf>) -> Result<PathBuf, DemoError> {
+    let path = match given {
+        Some(path) => path,
+        None => std::env::current_exe()
+            .map_err(io("locate the flotilla executable"))?
+            .with_file_name(format!("flotilla-agent{}", std::env::consts::EXE_SUFFIX)),
+    };
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(DemoError::AgentBinary { path })
+    }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// 512 KiB of recognisable bytes: big enough that the download goes through many blocks.
+fn demo_artifact() -> Vec<u8> {
+    let mut bytes = b"flotilla demo application 2.0.0\n".to_vec();
+    bytes.extend((0..512 * 1024u32).map(|i| (i % 251) as u8));
+    bytes
+}
+
+fn demo_spec() -> String {
+    format!(
+        r#"name = "{ROLLOUT}"
+release = "{RELEASE}"
+select = "fleet=demo"
+[groups]
+count = 3
+success = {{ threshold = "{SUCCESS_THRESHOLD}", action = "next" }}
+error = {{ threshold = "{ERROR_THRESHOLD}", action = "pause" }}
+"#
+    )
+}
+
+fn write_agent_config(
+    root: &Path,
+    id: &str,
+    port: u16,
+    healthy: bool,
+    release_pub: &str,
+    coordinator_pub: &str,
+) -> Result<PathBuf, DemoError> {
+    let dir = root.join("agents").join(id);
+    fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
+    let target = dir.join("app.bin");
+    fs::write(&target, b"flotilla demo application 1.0.0\n").map_err(io("write the installed app"))?;
+    let check = if healthy {
+        format!("test -s {}", shell_quote(&target))
+    } else {
+        "echo 'self-test: app 2.0.0 crashed on start' >&2; exit 1".to_owned()
+    };
+    let text = format!(
+        r#"device_id = "{id}"
+hardware_id = "demo-board"
+data_dir = {data:?}
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[labels]
+fleet = "demo"
+[trust]
+release_keys = ["{release_pub}"]
+coordinator_keys = ["{coordinator_pub}"]
+[[target]]
+name = "app"
+kind = "file"
+path = {target:?}
+[health]
+soak = "2s"
+interval = "500ms"
+[[health.check]]
+name = "self-test"
+command = ["/bin/sh", "-c", {check:?}]
+timeout = "5s"
+[download]
+block_size = 65536
+in_flight = 4
+max_bytes_per_sec = 0
+"#,
+        data = dir.join("data"),
+    );
+    let path = dir.join("agent.toml");
+    fs::write(&path, text).map_err(io(format!("write {}", path.display())))?;
+    Ok(path)
+}
+
+fn shell_quote(path: &Path) -> String {
+    format!("'{}'", path.display().to_string().replace('\'', r"'\''"))
+}
+
+async fn wait_for_devices(
+    client: &ControlClient,
+    n: usize,
+    deadline: Instant,
+    secs: u64,
+) -> Result<(), DemoError> {
+    loop {
+        let value = client.request(Control::ListDevices, Duration::from_secs(10)).await?;
+        let devices: Vec<DeviceSummary> = serde_json::from_value(value)?;
+        if devices.iter().filter(|d| d.online).count() >= n {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(DemoError::Timeout { what: format!("{n} agents to register"), secs });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Finished or stopped; or paused with nothing left running on any device.
+fn is_settled(status: &RolloutStatus) -> bool {
+    match status.state.as_str() {
+        "finished" | "stopped" => true,
+        "paused" => status.groups.iter().all(|g| g.in_progress == 0),
+        _ => false,
+    }
+}
+
+fn progress_line(status: &RolloutStatus) -> String {
+    let groups: Vec<String> = status
+        .groups
+        .iter()
+        .map(|g| format!("{} {} {}/{}", g.name, g.state, g.ready + g.failed, g.total))
+        .collect();
+    format!("{} {}: {}\n", status.name, status.state, groups.join(", "))
+}
+
+fn summarize(status: &RolloutStatus, devices: &[DeviceSummary]) -> Summary {
+    let mut group_of: BTreeMap<&str, &str> = BTreeMap::new();
+    for g in &status.groups {
+        for id in g.devices.keys() {
+            group_of.insert(id, &g.name);
+        }
+    }
+    let phase_of = |id: &str| {
+        status.groups.iter().find_map(|g| g.devices.get(id).cloned()).unwrap_or_else(|| "not in rollout".into())
+    };
+    Summary {
+        rollout: status.name.clone(),
+        release: status.release.clone(),
+        state: status.state.clone(),
+        groups: status
+            .groups
+            .iter()
+            .map(|g| GroupSummary { name: g.name.clone(), state: g.state.clone(), devices: g.devices.keys().cloned().collect() })
+            .collect(),
+        devices: devices
+            .iter()
+            .map(|d| DeviceOutcome {
+                id: d.id.clone(),
+                group: group_of.get(d.id.as_str()).map(|g| (*g).to_owned()),
+                phase: phase_of(&d.id),
+                installed: d.installed.clone(),
+                reason: d.reason.clone(),
+            })
+            .collect(),
+        decisions: status.trace.iter().map(|t| t.message.clone()).collect(),
+    }
+}
+
+/// The human summary: what happened, and why.
+fn explain(summary: &Summary) -> String {
+    let total = summary.devices.len();
+    let updated = summary.devices.iter().filter(|d| d.installed.as_deref() == Some(summary.release.as_str())).count();
+    let mut out = match summary.state.as_str() {
+        "finished" => format!(
+            "Rollout {} finished: {updated} of {total} devices now run {}.\n",
+            summary.rollout, summary.release
+        ),
+        state => format!(
+            "Rollout {} ended {state}: {updated} of {total} devices run {}; the other groups did not start.\n",
+            summary.rollout, summary.release
+        ),
+    };
+    for d in summary.devices.iter().filter(|d| d.phase == "failed" || d.phase == "refused") {
+        out.push_str(&format!(
+            "  {} ({}) {}: {}; it rolled back and still runs {}.\n",
+            d.id,
+            d.group.as_deref().unwrap_or("-"),
+            d.phase,
+            d.reason.as_deref().unwrap_or("no reason given"),
+            d.installed.as_deref().unwrap_or("its previous release"),
+        ));
+    }
+    out.push_str(&format!(
+        "Each group needs {SUCCESS_THRESHOLD} of its devices ready before the next starts, and pauses the rollout when more than {ERROR_THRESHOLD} fail.\n"
+    ));
+    out.push_str("Decisions:\n");
+    for d in &summary.decisions {
+        out.push_str(&format!("  - {d}\n"));
+    }
+    if summary.state == "paused" {
+        out.push_str(&format!(
+            "On a real coordinator an operator would now look at the failures and run `flotilla rollout resume {}` or `flotilla rollout stop {}`.\n",
+            summary.rollout, summary.rollout
+        ));
+    }
+    out
+}
+
+fn indent(text: &str) -> String {
+    text.lines().map(|l| format!("  {l}\n")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_protocol::control::{GroupStatus, TraceEntry};
+
+    fn status(state: &str, in_progress: usize) -> RolloutStatus {
+        RolloutStatus {
+            name: ROLLOUT.into(),
+            release: RELEASE.into(),
+            state: state.into(),
+            groups: vec![GroupStatus {
+                name: "group-1".into(),
+                state: "error".into(),
+                total: 2,
+                ready: 1,
+                failed: 1,
+                in_progress,
+                scheduled: 0,
+                devices: [("dev-01".to_owned(), "failed".to_owned()), ("dev-02".to_owned(), "ready".to_owned())]
+                    .into_iter()
+                    .collect(),
+            }],
+            trace: vec![TraceEntry { at: 1, rollout: ROLLOUT.into(), message: "group group-1 paused: 1 of 2 failed > 30%".into() }],
+        }
+    }
+
+    #[test]
+    fn paused_rollout_settles_only_when_nothing_runs() {
+        assert!(!is_settled(&status("paused", 1)));
+        assert!(is_settled(&status("paused", 0)));
+        assert!(!is_settled(&status("running", 0)));
+        assert!(is_settled(&status("finished", 0)));
+    }
+
+    #[test]
+    fn summary_explains_failures_and_the_pause() {
+        let devices = vec![DeviceSummary {
+            id: "dev-01".into(),
+            hardware_id: "demo-board".into(),
+            labels: BTreeMap::new(),
+            online: true,
+            installed: None,
+            rollout: Some(ROLLOUT.into()),
+            phase: Some("failed".into()),
+            reason: Some("health check self-test failed".into()),
+        }];
+        let summary = summarize(&status("paused", 0), &devices);
+        assert_eq!(summary.devices[0].group.as_deref(), Some("group-1"));
+        let text = explain(&summary);
+        assert!(text.contains("ended paused"), "{text}");
+        assert!(text.contains("dev-01 (group-1) failed: health check self-test failed"), "{text}");
+        assert!(text.contains("1 of 2 failed > 30%"), "{text}");
+        assert!(text.contains("flotilla rollout resume"), "{text}");
+    }
+
+    #[test]
+    fn refuses_impossible_arguments() {
+        let args = DemoArgs { devices: 2, fail: 0, json: false, keep: false, agent_bin: None, timeout: 10 };
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let err = rt.block_on(run(args)).expect_err("too few devices");
+        assert!(err.to_string().contains("at least 3"), "{err}");
+    }
+}
