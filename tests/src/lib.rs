@@ -1,1 +1,75 @@
-//! placeholder
+//! # flotilla-tests
+//!
+//! The shared harness for flotilla's end-to-end tests: real brokers on free ports (the embedded
+//! rumqttd, and Mosquitto when its binary is installed), a real `flotilla serve` process and real
+//! `flotilla-agent` processes, each with its own temporary data directory and log file.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use flotilla_tests::{BrokerKind, Site, AgentOptions};
+//! let mut site = Site::new(BrokerKind::Embedded);
+//! site.release("fw-1", 1, b"new firmware");
+//! site.start_coordinator();
+//! site.add_agent("dev-1", &[("env", "prod")], AgentOptions::default());
+//! site.wait_devices(1).await;
+//! # }
+//! ```
+//!
+//! Nothing here depends on a fixed port or on services already running on the machine. When a
+//! test panics, the harness prints the tail of every process's log.
+
+pub mod mqtt;
+pub mod site;
+
+pub use mqtt::{Watcher, WatchedMessage};
+pub use site::{AgentOptions, BrokerKind, Site};
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A generous bound for anything a test waits for; tests fail with a message when it passes.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// A free TCP port on the loopback interface.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// The path of a workspace binary (`flotilla`, `flotilla-agent`), next to the test executable's
+/// target directory. `cargo test --workspace` builds them before running the tests.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current test executable");
+    // target/<profile>/deps/e2e-<hash> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target directory");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not found; build the workspace binaries first (cargo build --workspace --bins)",
+        path.display()
+    );
+    path
+}
+
+/// The Mosquitto broker binary, if installed (Debian puts it in /usr/sbin, often not on PATH).
+pub fn mosquitto_binary() -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(["/usr/sbin", "/usr/local/sbin"].map(PathBuf::from));
+    dirs.into_iter().map(|d| d.join("mosquitto")).find(|p| p.is_file())
+}
+
+/// Every broker kind the tests can run against on this machine. CI installs Mosquitto, so a
+/// missing binary there is an error rather than a silent skip.
+pub fn broker_kinds() -> Vec<BrokerKind> {
+    let mut kinds = vec![BrokerKind::Embedded];
+    if mosquitto_binary().is_some() {
+        kinds.push(BrokerKind::Mosquitto);
+    } else if std::env::var_os("CI").is_some() {
+        panic!("mosquitto is not installed; .ci/run must install it");
+    } else {
+        eprintln!("note: mosquitto not installed, testing against the embedded broker only");
+    }
+    kinds
+}

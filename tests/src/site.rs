@@ -1,0 +1,421 @@
+//! A test site: one broker, one coordinator process, any number of agent processes, keys and
+//! releases, all inside one temporary directory.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use flotilla_coordinator::broker::EmbeddedBroker;
+use flotilla_coordinator::client::ControlClient;
+use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+
+use crate::{bin, free_port, mosquitto_binary, WAIT};
+
+/// Which broker a site runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// rumqttd inside the test process.
+    Embedded,
+    /// A Mosquitto process with its own config on a free port.
+    Mosquitto,
+}
+
+/// How an agent of the site behaves.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// Whether its health check passes.
+    pub healthy: bool,
+    /// Download throttle in bytes per second (0 = unlimited).
+    pub max_bytes_per_sec: u64,
+    /// Block size of its requests.
+    pub block_size: u32,
+    /// Soak time of its health checks.
+    pub soak: &'static str,
+    /// Release keys it trusts; by default the site's release key.
+    pub release_keys: Option<Vec<String>>,
+}
+
+impl Default for AgentOptions {
+    fn default() -> Self {
+        Self { healthy: true, max_bytes_per_sec: 0, block_size: 16384, soak: "1s", release_keys: None }
+    }
+}
+
+struct Process {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Process {
+    fn spawn(mut command: Command, log: PathBuf) -> Process {
+        let out = fs::OpenOptions::new().create(true).append(true).open(&log).expect("open log file");
+        let err = out.try_clone().expect("clone log file");
+        command.stdin(Stdio::null()).stdout(out).stderr(err);
+        let child = command.spawn().unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+        Process { child, log }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One broker, coordinator and fleet in a temporary directory. Dropping it kills every process.
+pub struct Site {
+    pub dir: tempfile::TempDir,
+    pub kind: BrokerKind,
+    pub port: u16,
+    _embedded: Option<EmbeddedBroker>,
+    broker: Option<Process>,
+    coordinator: Option<Process>,
+    agents: BTreeMap<String, Process>,
+    agent_options: BTreeMap<String, AgentOptions>,
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump_logs();
+        }
+        for p in self.agents.values_mut() {
+            p.kill();
+        }
+        if let Some(p) = self.coordinator.as_mut() {
+            p.kill();
+        }
+        if let Some(p) = self.broker.as_mut() {
+            p.kill();
+        }
+    }
+}
+
+impl Site {
+    /// A site with a fresh broker of `kind` and freshly generated release and coordinator keys.
+    pub fn new(kind: BrokerKind) -> Site {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let port = free_port();
+        let (embedded, broker) = match kind {
+            BrokerKind::Embedded => {
+                let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
+                (Some(EmbeddedBroker::start(addr).expect("start embedded broker")), None)
+            }
+            BrokerKind::Mosquitto => (None, Some(start_mosquitto(dir.path(), port))),
+        };
+        let site = Site {
+            dir,
+            kind,
+            port,
+            _embedded: embedded,
+            broker,
+            coordinator: None,
+            agents: BTreeMap::new(),
+            agent_options: BTreeMap::new(),
+        };
+        site.flotilla(&["keygen", "--out", &site.path("keys").to_string_lossy()]);
+        site
+    }
+
+    /// A path inside the site's directory.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    /// Runs the `flotilla` CLI against this site's broker and returns its stdout; panics with
+    /// its output if it fails.
+    pub fn flotilla(&self, args: &[&str]) -> String {
+        let output = self.flotilla_output(args);
+        assert!(
+            output.status.success(),
+            "flotilla {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Runs the `flotilla` CLI and returns whatever happened.
+    pub fn flotilla_output(&self, args: &[&str]) -> std::process::Output {
+        Command::new(bin("flotilla"))
+            .args(["--broker", &format!("127.0.0.1:{}", self.port)])
+            .args(args)
+            .env_remove("FLOTILLA_BROKER")
+            .output()
+            .expect("run flotilla")
+    }
+
+    /// The hex text of a public key file of the site.
+    pub fn public_key(&self, name: &str) -> String {
+        fs::read_to_string(self.path(&format!("keys/{name}.pub"))).expect("read public key").trim().to_owned()
+    }
+
+    /// Creates a signed release with one artifact for target `app` in the coordinator's data
+    /// directory and returns the artifact path.
+    pub fn release(&self, name: &str, counter: u64, content: &[u8]) -> PathBuf {
+        let artifact = self.path(&format!("{name}.bin"));
+        fs::write(&artifact, content).expect("write artifact");
+        self.flotilla(&[
+            "release",
+            "create",
+            "--data-dir",
+            &self.path("coordinator").to_string_lossy(),
+            "--key",
+            &self.path("keys/release.key").to_string_lossy(),
+            "--name",
+            name,
+            "--version",
+            &format!("{counter}.0.0"),
+            "--counter",
+            &counter.to_string(),
+            "--hardware",
+            "test-board",
+            "--artifact",
+            &format!("app={}", artifact.display()),
+        ]);
+        artifact
+    }
+
+    /// Starts (or restarts) `flotilla serve`.
+    pub fn start_coordinator(&mut self) {
+        let config = self.path("coordinator.toml");
+        fs::write(
+            &config,
+            format!(
+                "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
+                self.path("coordinator"),
+                self.path("keys/coordinator.key"),
+                self.port
+            ),
+        )
+        .expect("write coordinator config");
+        let mut command = Command::new(bin("flotilla"));
+        command.args(["serve", "--config"]).arg(&config).env("RUST_LOG", "info");
+        self.coordinator = Some(Process::spawn(command, self.path("coordinator.log")));
+    }
+
+    /// Kills the coordinator with SIGKILL.
+    pub fn kill_coordinator(&mut self) {
+        if let Some(mut p) = self.coordinator.take() {
+            p.kill();
+        }
+    }
+
+    /// Writes an agent's config and starts it.
+    pub fn add_agent(&mut self, id: &str, labels: &[(&str, &str)], options: AgentOptions) {
+        self.agent_options.insert(id.to_owned(), options);
+        self.write_agent_config(id, labels);
+        self.start_agent(id);
+    }
+
+    /// The file the agent's `app` target installs to.
+    pub fn target_file(&self, id: &str) -> PathBuf {
+        self.path(&format!("agents/{id}/app.bin"))
+    }
+
+    /// The agent's config file.
+    pub fn agent_config(&self, id: &str) -> PathBuf {
+        self.path(&format!("agents/{id}/agent.toml"))
+    }
+
+    fn write_agent_config(&self, id: &str, labels: &[(&str, &str)]) {
+        let options = &self.agent_options[id];
+        let dir = self.path(&format!("agents/{id}"));
+        fs::create_dir_all(&dir).expect("agent directory");
+        let target = self.target_file(id);
+        if !target.exists() {
+            fs::write(&target, b"factory firmware\n").expect("write factory target file");
+        }
+        let release_keys = options.release_keys.clone().unwrap_or_else(|| vec![self.public_key("release")]);
+        let check = if options.healthy { "test -s \"$0\"" } else { "echo self-test failed >&2; exit 1" };
+        let mut text = format!(
+            r#"device_id = "{id}"
+hardware_id = "test-board"
+data_dir = {data:?}
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[labels]
+"#,
+            data = dir.join("data"),
+            port = self.port,
+        );
+        for (k, v) in labels {
+            text.push_str(&format!("{k} = {v:?}\n"));
+        }
+        text.push_str(&format!(
+            r#"[trust]
+release_keys = {release_keys:?}
+coordinator_keys = [{coordinator:?}]
+[[target]]
+name = "app"
+kind = "file"
+path = {target:?}
+[health]
+soak = "{soak}"
+interval = "200ms"
+[[health.check]]
+name = "self-test"
+command = ["/bin/sh", "-c", {check:?}, {target:?}]
+timeout = "5s"
+[download]
+block_size = {block}
+in_flight = 4
+max_bytes_per_sec = {rate}
+"#,
+            coordinator = self.public_key("coordinator"),
+            soak = options.soak,
+            block = options.block_size,
+            rate = options.max_bytes_per_sec,
+        ));
+        fs::write(self.agent_config(id), text).expect("write agent config");
+    }
+
+    /// Starts (or restarts) an agent process.
+    pub fn start_agent(&mut self, id: &str) {
+        let mut command = Command::new(bin("flotilla-agent"));
+        command.args(["run", "--config"]).arg(self.agent_config(id)).env("RUST_LOG", "info");
+        let log = self.path(&format!("agents/{id}/agent.log"));
+        self.agents.insert(id.to_owned(), Process::spawn(command, log));
+    }
+
+    /// Kills an agent with SIGKILL, as a power cut would.
+    pub fn kill_agent(&mut self, id: &str) {
+        if let Some(mut p) = self.agents.remove(id) {
+            p.kill();
+        }
+    }
+
+    /// A control client connected to the site's broker.
+    pub async fn client(&self) -> ControlClient {
+        ControlClient::connect("127.0.0.1", self.port, "flotilla").await.expect("connect control client")
+    }
+
+    /// Waits until the coordinator knows `n` online devices.
+    pub async fn wait_devices(&self, n: usize) -> Vec<DeviceSummary> {
+        let client = self.client().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Ok(value) = client.request(Control::ListDevices, Duration::from_secs(5)).await {
+                let devices: Vec<DeviceSummary> = serde_json::from_value(value).expect("device list JSON");
+                if devices.iter().filter(|d| d.online).count() >= n {
+                    return devices;
+                }
+            }
+            assert!(Instant::now() < deadline, "coordinator did not see {n} online devices within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Creates a rollout from spec text through the control topic and starts it.
+    pub async fn create_and_start(&self, spec: &str) -> RolloutStatus {
+        let client = self.client().await;
+        let created = client
+            .request(Control::CreateRollout { spec: spec.to_owned() }, Duration::from_secs(10))
+            .await
+            .expect("create rollout");
+        let status: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
+        client
+            .request(Control::StartRollout { rollout: status.name.clone() }, Duration::from_secs(10))
+            .await
+            .expect("start rollout");
+        status
+    }
+
+    /// The rollout's status from the coordinator, or None while it does not answer.
+    pub async fn status(&self, name: &str) -> Option<RolloutStatus> {
+        let client = self.client().await;
+        let value = client
+            .request(Control::RolloutStatus { rollout: Some(name.to_owned()) }, Duration::from_secs(5))
+            .await
+            .ok()?;
+        serde_json::from_value(value).ok()
+    }
+
+    /// Polls the rollout's status until `done` holds; panics after `timeout`.
+    pub async fn wait_status(
+        &self,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&RolloutStatus) -> bool,
+    ) -> RolloutStatus {
+        let client = self.client().await;
+        let deadline = Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            let reply = client
+                .request(Control::RolloutStatus { rollout: Some(name.to_owned()) }, Duration::from_secs(5))
+                .await;
+            if let Ok(value) = reply {
+                let status: RolloutStatus = serde_json::from_value(value).expect("rollout status JSON");
+                if done(&status) {
+                    return status;
+                }
+                last = Some(status);
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; last status: {last:#?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn dump_logs(&self) {
+        let mut logs: Vec<&Path> = self.agents.values().map(|p| p.log.as_path()).collect();
+        let coordinator_log = self.path("coordinator.log");
+        logs.push(&coordinator_log);
+        for log in logs {
+            if let Ok(text) = fs::read_to_string(log) {
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                eprintln!("---- {} (last {} lines)", log.display(), tail.len());
+                for line in tail.iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+        }
+    }
+}
+
+fn start_mosquitto(dir: &Path, port: u16) -> Process {
+    let binary = mosquitto_binary().expect("mosquitto binary");
+    let config = dir.join("mosquitto.conf");
+    fs::write(
+        &config,
+        format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n"),
+    )
+    .expect("write mosquitto config");
+    let mut command = Command::new(binary);
+    command.arg("-c").arg(&config);
+    let process = Process::spawn(command, dir.join("mosquitto.log"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "mosquitto did not listen on {port} within 10s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    process
+}
+
+impl Site {
+    /// Publishes raw bytes on a topic (QoS 1), as any client of the shared broker could.
+    pub async fn publish(&self, topic: &str, payload: Vec<u8>, retain: bool) {
+        let mut options = rumqttc::MqttOptions::new(format!("publisher-{}", crate::free_port()), "127.0.0.1", self.port);
+        options.set_max_packet_size(flotilla_protocol::MAX_PACKET_SIZE, flotilla_protocol::MAX_PACKET_SIZE);
+        let (client, mut eventloop) = rumqttc::AsyncClient::new(options, 10);
+        client
+            .publish(topic, rumqttc::QoS::AtLeastOnce, retain, payload)
+            .await
+            .expect("queue publish");
+        let acked = async {
+            loop {
+                match eventloop.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) => return,
+                    Ok(_) => {}
+                    Err(e) => panic!("publish to {topic}: {e}"),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), acked).await.expect("broker acknowledged the publish");
+        let _ = client.disconnect().await;
+    }
+}

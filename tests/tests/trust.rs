@@ -1,0 +1,175 @@
+//! The agent's trust checks, end to end: a real agent process on a shared broker receives
+//! desired actions that anyone on the broker could have published. Each bad one is refused with a
+//! reason that names what was wrong, and the device's file stays exactly as it was.
+
+use std::fs;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use flotilla_protocol::signing::{generate_key, secret_key_from_text};
+use flotilla_protocol::{
+    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, ReleaseManifest, SignedBlob,
+    SigningKey, Topics,
+};
+use flotilla_tests::{AgentOptions, BrokerKind, Site, Watcher, WAIT};
+
+const DEVICE: &str = "dev-trust";
+const FACTORY: &[u8] = b"factory firmware\n";
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_secs()
+}
+
+fn secret(site: &Site, name: &str) -> SigningKey {
+    let text = fs::read_to_string(site.path(&format!("keys/{name}.key"))).expect("read key");
+    secret_key_from_text(&text).expect("parse key")
+}
+
+/// The signed manifest blob of a release created by `flotilla release create`.
+fn release_blob(site: &Site, name: &str) -> SignedBlob {
+    let bytes = fs::read(site.path(&format!("coordinator/releases/{name}.release"))).expect("read release");
+    envelope::from_bytes("release", &bytes).expect("decode release file")
+}
+
+struct Case<'a> {
+    action_id: &'a str,
+    device_id: &'a str,
+    manifest: SignedBlob,
+    expires_at: u64,
+    signer: &'a SigningKey,
+}
+
+fn desired(case: Case<'_>) -> Vec<u8> {
+    let action = DesiredAction {
+        action_id: case.action_id.into(),
+        device_id: case.device_id.into(),
+        rollout_id: "trust-test".into(),
+        issued_at: now(),
+        expires_at: case.expires_at,
+        body: ActionBody::Install { manifest: case.manifest, kind: ActionKind::Forced, window: None },
+    };
+    envelope::encode(&Message::Desired(SignedBlob::sign(case.signer, envelope::to_bytes(&action))))
+}
+
+async fn send_and_wait(site: &Site, watcher: &Watcher, payload: Vec<u8>) -> Phase {
+    watcher.clear();
+    let topic = Topics::default().desired(&DeviceId::new(DEVICE).expect("id"));
+    site.publish(&topic, payload, true).await;
+    watcher.final_report(DEVICE, WAIT).await.phase
+}
+
+fn assert_refused(phase: &Phase, needle: &str, what: &str) {
+    let reason = phase.reason().unwrap_or_default();
+    assert!(
+        matches!(phase, Phase::Refused { .. } | Phase::Failed { .. }) && reason.contains(needle),
+        "{what}: expected a refusal naming {needle:?}, got {phase:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-5", 5, b"firmware five\n");
+    site.release("fw-3", 3, b"firmware three\n");
+    site.release("fw-9", 9, b"firmware nine\n");
+    site.start_coordinator();
+    site.add_agent(DEVICE, &[("env", "test")], AgentOptions::default());
+    site.wait_devices(1).await;
+    let watcher =
+        Watcher::start(site.port, &[Topics::default().report(&DeviceId::new(DEVICE).expect("id"))]).await;
+    let coordinator = secret(&site, "coordinator");
+    let rogue = generate_key();
+    let target = site.target_file(DEVICE);
+    let later = now() + 3600;
+
+    // A release signed by a key the device does not trust.
+    let good = release_blob(&site, "fw-5");
+    let forged = SignedBlob::sign(&rogue, good.payload.clone());
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case { action_id: "a1", device_id: DEVICE, manifest: forged, expires_at: later, signer: &coordinator }),
+    )
+    .await;
+    assert_refused(&phase, "unknown key", "release signed by an unknown key");
+    assert_eq!(fs::read(&target).expect("target"), FACTORY);
+
+    // An action signed by a key that is not the coordinator's.
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case { action_id: "a2", device_id: DEVICE, manifest: good.clone(), expires_at: later, signer: &rogue }),
+    )
+    .await;
+    assert_refused(&phase, "unknown key", "action signed by an unknown key");
+    assert_eq!(fs::read(&target).expect("target"), FACTORY);
+
+    // An expired action.
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case {
+            action_id: "a3",
+            device_id: DEVICE,
+            manifest: good.clone(),
+            expires_at: now() - 60,
+            signer: &coordinator,
+        }),
+    )
+    .await;
+    assert_refused(&phase, "expired", "expired action");
+    assert_eq!(fs::read(&target).expect("target"), FACTORY);
+
+    // An action for another device, replayed onto this device's topic.
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case {
+            action_id: "a4",
+            device_id: "dev-other",
+            manifest: good.clone(),
+            expires_at: later,
+            signer: &coordinator,
+        }),
+    )
+    .await;
+    assert_refused(&phase, "dev-other", "action for another device");
+    assert_eq!(fs::read(&target).expect("target"), FACTORY);
+
+    // A tampered artifact: the server's copy no longer matches the signed digest.
+    let nine = release_blob(&site, "fw-9");
+    let manifest: ReleaseManifest = envelope::from_bytes("manifest", &nine.payload).expect("manifest");
+    let stored = site.path(&format!(
+        "coordinator/artifacts/{}",
+        flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)
+    ));
+    fs::write(&stored, b"firmware NINE\n").expect("tamper with the stored artifact");
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case { action_id: "a5", device_id: DEVICE, manifest: nine, expires_at: later, signer: &coordinator }),
+    )
+    .await;
+    assert_refused(&phase, "sha256", "tampered artifact");
+    assert_eq!(fs::read(&target).expect("target"), FACTORY);
+
+    // A good release installs...
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case { action_id: "a6", device_id: DEVICE, manifest: good, expires_at: later, signer: &coordinator }),
+    )
+    .await;
+    assert_eq!(phase, Phase::Ready);
+    assert_eq!(fs::read(&target).expect("target"), b"firmware five\n");
+
+    // ...and a release with a lower counter is refused afterwards.
+    let three = release_blob(&site, "fw-3");
+    let phase = send_and_wait(
+        &site,
+        &watcher,
+        desired(Case { action_id: "a7", device_id: DEVICE, manifest: three, expires_at: later, signer: &coordinator }),
+    )
+    .await;
+    assert_refused(&phase, "counter", "lower release counter");
+    assert_eq!(fs::read(&target).expect("target"), b"firmware five\n");
+}
