@@ -26,13 +26,12 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
-    // The demo manages its own runtime(s); starting it inside ours would nest runtimes.
-    if let Cmd::Demo(args) = cli.command {
-        return Ok(demo::run(args)?);
-    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if let Cmd::Demo(args) = cli.command {
+        return Ok(runtime.block_on(demo::run(args))?);
+    }
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
         tokio::spawn(cancel_on_signal(shutdown.clone()));
