@@ -1,0 +1,371 @@
+//! The agent daemon: ties the store, the trust checks, the MQTT link and the state machine
+//! together.
+//!
+//! One loop owns the decisions: it reads [`LinkEvent`]s, verifies desired actions, starts one
+//! action task at a time (the state machine), routes block replies to it, and removes reports
+//! from the outbox when the broker acknowledges them. On every (re)connect it subscribes,
+//! publishes the retained device state and re-sends the outbox; the retained desired action
+//! then arrives and is reconciled (a known action id only re-reports its phase).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use flotilla_protocol::{envelope, ActionBody, DesiredAction, Message, SignedBlob};
+use flotilla_targets::{FileTarget, UpdateTarget};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, TargetKind};
+use crate::error::AgentError;
+use crate::fetch::FetchInput;
+use crate::link::{self, LinkEvent, Outgoing};
+use crate::machine::{self, ActionIo, ActionRecord, Env, State};
+use crate::store::Store;
+use crate::trust::{self, Refusal};
+
+/// Builds the configured update targets, by name.
+pub fn build_targets(config: &Config) -> HashMap<String, Arc<dyn UpdateTarget>> {
+    config
+        .targets
+        .iter()
+        .map(|t| {
+            let target: Arc<dyn UpdateTarget> = match t.kind {
+                TargetKind::File => Arc::new(FileTarget::new(t.path.clone())),
+            };
+            (t.name.clone(), target)
+        })
+        .collect()
+}
+
+/// Opens the store and merges the trust file with its mirror in sled.
+pub fn open(config: &Config) -> Result<(Store, trust::TrustState, Option<String>), AgentError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| AgentError::CreateDataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let file = trust::read_trust_file(&config.data_dir);
+    let (store, note) = Store::open(
+        &config.data_dir,
+        config.store.cache_bytes,
+        file.now(trust::system_now()),
+    )?;
+    let trust = file.merge(store.trust()?.unwrap_or_default());
+    Ok((store, trust, note))
+}
+
+struct Running {
+    action_id: String,
+    cancel: CancellationToken,
+    inputs: mpsc::Sender<FetchInput>,
+    task: JoinHandle<ActionRecord>,
+}
+
+/// Runs the agent until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), AgentError> {
+    let (store, trust_state, note) = open(&config)?;
+    if let Some(note) = &note {
+        tracing::error!("{note}");
+        store.set_last_error(note)?;
+    }
+    trust::write_trust_file(&config.data_dir, &trust_state).map_err(|source| {
+        AgentError::WriteTrustFile {
+            path: trust::trust_file(&config.data_dir),
+            source,
+        }
+    })?;
+    store.set_trust(&trust_state)?;
+
+    let link_shutdown = CancellationToken::new();
+    let (link, mut events) = link::start(&config, link_shutdown.clone());
+    let env = Arc::new(Env {
+        targets: build_targets(&config),
+        config: Arc::new(config),
+        store,
+        link,
+        trust: Mutex::new(trust_state),
+    });
+    tracing::info!(device = %env.config.device_id, "agent started");
+
+    let mut running: Option<Running> = None;
+    // Finished action tasks send their final record here.
+    let (done_tx, mut done_rx) = mpsc::channel::<ActionRecord>(4);
+    let mut pending: Option<SignedBlob> = None;
+    // Resume an action interrupted by a crash or restart.
+    if let Some(record) = env.store.current()? {
+        if !record.state.is_terminal() {
+            tracing::info!(action = record.action_id, state = ?record.state, "resuming");
+            running = Some(spawn(
+                env.clone(),
+                record,
+                true,
+                shutdown.clone(),
+                done_tx.clone(),
+            ));
+        }
+    }
+
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            Some(record) = done_rx.recv() => {
+                if running.as_ref().is_some_and(|r| r.action_id == record.action_id) {
+                    running = None;
+                }
+                tracing::info!(action = record.action_id, phase = ?record.phase(), "action finished");
+                if let Some(blob) = pending.take() {
+                    handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await;
+                }
+            }
+            event = events.recv() => match event {
+                None => break,
+                Some(LinkEvent::Connected) => {
+                    env.link.send(Outgoing::Subscribe).await;
+                    env.link.send(Outgoing::State(env.device_state(true))).await;
+                    for report in env.store.outbox() {
+                        env.link.send(Outgoing::Report(report)).await;
+                    }
+                    if let Some(r) = &running {
+                        let _ = r.inputs.try_send(FetchInput::Reconnected);
+                    }
+                }
+                Some(LinkEvent::Desired(blob)) => handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await,
+                Some(LinkEvent::Block(reply)) => {
+                    if let Some(r) = &running {
+                        // A full queue drops the block; the fetcher asks again.
+                        let _ = r.inputs.try_send(FetchInput::Reply(reply));
+                    }
+                }
+                Some(LinkEvent::ReportAcked(seq)) => {
+                    if let Err(e) = env.store.outbox_remove(seq) {
+                        tracing::warn!("{e}");
+                    }
+                }
+            }
+        }
+    }
+
+    tracing::info!("shutting down");
+    if let Some(r) = running.take() {
+        // The action task sees the shutdown token and stops at a safe point (never inside a
+        // target step, which runs to completion on the blocking pool).
+        let _ = r.task.await;
+    }
+    env.link
+        .send(Outgoing::State(env.device_state(false)))
+        .await;
+    let _ = env.store.flush();
+    // Give the writer a moment to hand the offline state to the broker; the last will covers
+    // the case where it does not make it.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    link_shutdown.cancel();
+    Ok(())
+}
+
+fn spawn(
+    env: Arc<Env>,
+    record: ActionRecord,
+    resumed: bool,
+    shutdown: CancellationToken,
+    done: mpsc::Sender<ActionRecord>,
+) -> Running {
+    let cancel = CancellationToken::new();
+    let (inputs_tx, inputs_rx) = mpsc::channel(256);
+    let (req_tx, mut req_rx) = mpsc::channel(64);
+    let link = env.link.clone();
+    tokio::spawn(async move {
+        while let Some(request) = req_rx.recv().await {
+            link.send(Outgoing::Fetch(request)).await;
+        }
+    });
+    let mut io = ActionIo {
+        fetch_requests: req_tx,
+        fetch_inputs: inputs_rx,
+        cancel: cancel.clone(),
+        shutdown,
+    };
+    let action_id = record.action_id.clone();
+    let task = tokio::spawn(async move {
+        let record = machine::drive(&env, record, &mut io, resumed).await;
+        let still_running = !record.state.is_terminal();
+        // Only a finished action is announced; one stopped by shutdown resumes after restart.
+        if !still_running {
+            let _ = done.send(record.clone()).await;
+        }
+        record
+    });
+    Running {
+        action_id,
+        cancel,
+        inputs: inputs_tx,
+        task,
+    }
+}
+
+/// Verifies and reconciles one desired action.
+async fn handle_desired(
+    env: &Arc<Env>,
+    blob: SignedBlob,
+    running: &mut Option<Running>,
+    pending: &mut Option<SignedBlob>,
+    shutdown: &CancellationToken,
+    done: &mpsc::Sender<ActionRecord>,
+) {
+    let config = &env.config;
+    let action = match trust::verify_desired(&blob, &config.trust.coordinator_keys) {
+        Ok(action) => action,
+        Err(Refusal(reason)) => {
+            // Not persisted under its action id: an unauthenticated message must not be able to
+            // mark a real action as handled. Reported so the operator sees a key mix-up.
+            tracing::warn!("refusing desired action: {reason}");
+            if let Ok(claimed) =
+                envelope::from_bytes::<DesiredAction>("desired action", &blob.payload)
+            {
+                let record = refused_record(claimed, reason);
+                env.report(&record).await;
+            }
+            return;
+        }
+    };
+
+    // A known action id is never applied again; only its phase is re-reported.
+    match env.store.action(&action.action_id) {
+        Ok(Some(record)) => {
+            if running
+                .as_ref()
+                .is_none_or(|r| r.action_id != record.action_id)
+            {
+                env.report(&record).await;
+            }
+            return;
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!("{e}"),
+    }
+
+    match &action.body {
+        ActionBody::Nothing => {
+            tracing::debug!("nothing to do");
+            return;
+        }
+        ActionBody::Cancel { action_id } => {
+            match running {
+                Some(r) if &r.action_id == action_id => {
+                    tracing::info!(action = action_id, "cancel requested");
+                    r.cancel.cancel();
+                }
+                _ => tracing::info!(
+                    action = action_id,
+                    "cancel for an action that is not running; ignored"
+                ),
+            }
+            return;
+        }
+        _ => {}
+    }
+
+    // One action at a time: a newer one supersedes a running one that has not switched over
+    // yet, and waits for one that has.
+    if let Some(r) = running {
+        tracing::info!(
+            running = r.action_id,
+            new = action.action_id,
+            "new action waits for the running one"
+        );
+        r.cancel.cancel();
+        *pending = Some(blob);
+        return;
+    }
+
+    let now = env.now();
+    let installed = env.trust_state().installed_counter;
+    let record = match trust::check_all(&blob, config, installed, now) {
+        Err(Refusal(reason)) => refused_record(action, reason),
+        Ok((action, _)) if matches!(action.body, ActionBody::Rollback { .. }) => ActionRecord {
+            action_id: action.action_id.clone(),
+            rollout_id: action.rollout_id.clone(),
+            state: State::Failed {
+                reason: "signed rollback is not supported by this agent yet".into(),
+                rolled_back: false,
+            },
+            manifest: None,
+            action,
+        },
+        Ok((action, manifest)) => {
+            env.advance_trusted_time(action.issued_at);
+            ActionRecord {
+                action_id: action.action_id.clone(),
+                rollout_id: action.rollout_id.clone(),
+                state: State::Accepted,
+                manifest,
+                action,
+            }
+        }
+    };
+    if let State::Refused { reason } = &record.state {
+        tracing::warn!(action = record.action_id, "refused: {reason}");
+    }
+    env.persist(&record);
+    env.report(&record).await;
+    if !record.state.is_terminal() {
+        *running = Some(spawn(
+            env.clone(),
+            record,
+            false,
+            shutdown.clone(),
+            done.clone(),
+        ));
+    }
+}
+
+fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
+    ActionRecord {
+        action_id: action.action_id.clone(),
+        rollout_id: action.rollout_id.clone(),
+        state: State::Refused { reason },
+        manifest: None,
+        action,
+    }
+}
+
+/// What `flotilla-agent status` prints.
+pub fn status(config: &Config) -> Result<String, AgentError> {
+    let (store, trust, _) = open(config)?;
+    let mut out = String::new();
+    match store.installed()? {
+        Some(i) => out.push_str(&format!(
+            "installed: {} {} (counter {})\n",
+            i.name, i.version, i.counter
+        )),
+        None => out.push_str("installed: nothing recorded\n"),
+    }
+    match store.current()? {
+        Some(r) => {
+            let phase = r.phase();
+            out.push_str(&format!(
+                "action: {} (rollout {})\nphase: {}\n",
+                r.action_id,
+                r.rollout_id,
+                phase.name()
+            ));
+            if let Some(reason) = phase.reason() {
+                out.push_str(&format!("reason: {reason}\n"));
+            }
+        }
+        None => out.push_str("action: none\n"),
+    }
+    if let Some(e) = store.last_error()? {
+        out.push_str(&format!("last error: {e}\n"));
+    }
+    out.push_str(&format!(
+        "unacknowledged reports: {}\n",
+        store.outbox().len()
+    ));
+    out.push_str(&format!("trusted time: {}\n", trust.last_trusted_time));
+    Ok(out)
+}
+
+/// The retained payload the agent publishes as its last will (for tests and tools).
+pub fn last_will_payload(config: &Config) -> Vec<u8> {
+    envelope::encode(&Message::State(link::offline_state(config)))
+}

@@ -1,0 +1,622 @@
+//! The block fetcher: downloads one artifact as pipelined [`BlockRequest`]s, writing each block
+//! to `<data_dir>/downloads/<sha256>.part` at its offset and hashing as it streams.
+//!
+//! It talks to the artifact server through two channels (requests out, replies in), not to
+//! MQTT, so it is tested here against an in-memory server. Rules it keeps:
+//!
+//! - `in_flight` requests outstanding; replies that arrive out of order are buffered until the
+//!   gap before them is filled, so the file and the hash only ever grow at the end.
+//! - Never more than the declared size: a reply reaching past it fails the download.
+//! - Resumable: given the number of contiguous bytes already done, it re-hashes that prefix of
+//!   the local file and asks only for what follows.
+//! - No reply for [`REPLY_TIMEOUT`]: every outstanding block is asked for again (the broker may
+//!   have dropped requests while the connection was down).
+//! - At the end the sha256 must match; the part file is then renamed to `<sha256>`.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use flotilla_protocol::{hex, BlockReply, BlockRequest, Digest};
+use sha2::Digest as _;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How long to wait for any reply before asking for outstanding blocks again.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to download, and how.
+#[derive(Debug, Clone)]
+pub struct FetchSpec {
+    /// The artifact's name in the manifest, for messages.
+    pub name: String,
+    pub sha256: Digest,
+    pub size: u64,
+    /// `<data_dir>/downloads`.
+    pub dir: PathBuf,
+    pub block_size: u32,
+    pub in_flight: usize,
+    /// 0 = unlimited.
+    pub max_bytes_per_sec: u64,
+}
+
+impl FetchSpec {
+    /// Where blocks are written while the download runs.
+    pub fn part_path(&self) -> PathBuf {
+        self.dir.join(format!("{}.part", hex::encode(&self.sha256)))
+    }
+
+    /// Where the verified artifact ends up.
+    pub fn final_path(&self) -> PathBuf {
+        self.dir.join(hex::encode(&self.sha256))
+    }
+}
+
+/// What reaches the fetcher from the link.
+#[derive(Debug, Clone)]
+pub enum FetchInput {
+    Reply(BlockReply),
+    /// The connection came back: requests sent while it was down may be lost, ask again.
+    Reconnected,
+}
+
+/// Why a download failed. The message is what the report's `Failed { reason }` says.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("artifact {artifact}: cannot create download directory {path}: {source}")]
+    CreateDir {
+        artifact: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("artifact {artifact}: cannot read partial download {path}: {source}")]
+    ReadPart {
+        artifact: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("artifact {artifact}: cannot write {path}: {source}")]
+    WritePart {
+        artifact: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("artifact {artifact}: server sent more than the declared {size} bytes")]
+    TooLarge { artifact: String, size: u64 },
+    #[error("artifact {artifact}: server sent an empty block at offset {offset}")]
+    EmptyBlock { artifact: String, offset: u64 },
+    #[error("artifact {artifact}: server cannot provide it: {reason}")]
+    Unavailable { artifact: String, reason: String },
+    #[error("artifact {artifact}: sha256 mismatch (expected {expected}, got {got})")]
+    Digest {
+        artifact: String,
+        expected: String,
+        got: String,
+    },
+    #[error("artifact {artifact}: the connection to the artifact server is gone")]
+    Closed { artifact: String },
+    #[error("download canceled")]
+    Canceled,
+}
+
+/// Downloads `spec`, starting after `done` contiguous bytes that an earlier run already wrote.
+/// `progress` is called with the new contiguous byte count after every block. Returns the path
+/// of the verified artifact.
+pub async fn fetch(
+    spec: &FetchSpec,
+    done: u64,
+    requests: &mpsc::Sender<BlockRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    progress: &mut (dyn FnMut(u64) + Send),
+    cancel: &CancellationToken,
+) -> Result<PathBuf, FetchError> {
+    let artifact = spec.name.clone();
+    std::fs::create_dir_all(&spec.dir).map_err(|source| FetchError::CreateDir {
+        artifact: artifact.clone(),
+        path: spec.dir.clone(),
+        source,
+    })?;
+    let final_path = spec.final_path();
+    // A crash between the rename and persisting "Verified" leaves the finished file: check it
+    // instead of fetching it again.
+    if let Ok(digest) = hash_file(&final_path) {
+        if digest.0 == spec.sha256 && digest.1 == spec.size {
+            progress(spec.size);
+            return Ok(final_path);
+        }
+    }
+
+    let part = spec.part_path();
+    let (mut file, mut hasher, mut expected) = open_part(spec, done)?;
+    let write_err = |source| FetchError::WritePart {
+        artifact: artifact.clone(),
+        path: part.clone(),
+        source,
+    };
+
+    // offset -> requested length, for blocks asked for and not yet received.
+    let mut outstanding: BTreeMap<u64, u32> = BTreeMap::new();
+    // offset -> data, for blocks received ahead of a gap.
+    let mut buffered: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut next_request = expected;
+    let started = Instant::now();
+    let start_bytes = expected;
+
+    loop {
+        // Keep the pipeline full.
+        while outstanding.len() < spec.in_flight && next_request < spec.size {
+            let length = (spec.size - next_request).min(u64::from(spec.block_size)) as u32;
+            send(
+                requests,
+                BlockRequest {
+                    sha256: spec.sha256,
+                    offset: next_request,
+                    length,
+                },
+                &artifact,
+            )
+            .await?;
+            outstanding.insert(next_request, length);
+            next_request += u64::from(length);
+        }
+        if expected == spec.size {
+            break;
+        }
+
+        let input = tokio::select! {
+            _ = cancel.cancelled() => return Err(FetchError::Canceled),
+            input = tokio::time::timeout(REPLY_TIMEOUT, inputs.recv()) => input,
+        };
+        let reply = match input {
+            Err(_) | Ok(Some(FetchInput::Reconnected)) => {
+                tracing::debug!(
+                    artifact,
+                    outstanding = outstanding.len(),
+                    "asking for outstanding blocks again"
+                );
+                for (&offset, &length) in &outstanding {
+                    send(
+                        requests,
+                        BlockRequest {
+                            sha256: spec.sha256,
+                            offset,
+                            length,
+                        },
+                        &artifact,
+                    )
+                    .await?;
+                }
+                continue;
+            }
+            Ok(None) => return Err(FetchError::Closed { artifact }),
+            Ok(Some(FetchInput::Reply(reply))) => reply,
+        };
+        let (offset, data) = match reply {
+            BlockReply::Data { sha256, .. } | BlockReply::Unavailable { sha256, .. }
+                if sha256 != spec.sha256 =>
+            {
+                continue; // a late answer for another download
+            }
+            BlockReply::Unavailable { reason, .. } => {
+                return Err(FetchError::Unavailable { artifact, reason })
+            }
+            BlockReply::Data { offset, data, .. } => (offset, data),
+        };
+        if offset
+            .checked_add(data.len() as u64)
+            .is_none_or(|end| end > spec.size)
+        {
+            return Err(FetchError::TooLarge {
+                artifact,
+                size: spec.size,
+            });
+        }
+        let Some(requested) = outstanding.remove(&offset) else {
+            continue; // a duplicate of a block already received (after a re-request)
+        };
+        if data.is_empty() {
+            return Err(FetchError::EmptyBlock { artifact, offset });
+        }
+        if data.len() < requested as usize {
+            // A short block: ask for the rest of it separately.
+            let rest = offset + data.len() as u64;
+            let length = requested - data.len() as u32;
+            send(
+                requests,
+                BlockRequest {
+                    sha256: spec.sha256,
+                    offset: rest,
+                    length,
+                },
+                &artifact,
+            )
+            .await?;
+            outstanding.insert(rest, length);
+        }
+        buffered.insert(offset, data);
+
+        let before = expected;
+        while let Some(data) = buffered.remove(&expected) {
+            file.write_all(&data).map_err(write_err)?;
+            hasher.update(&data);
+            expected += data.len() as u64;
+        }
+        if expected != before {
+            progress(expected);
+            throttle(
+                spec.max_bytes_per_sec,
+                expected - start_bytes,
+                started,
+                cancel,
+            )
+            .await?;
+        }
+    }
+
+    file.sync_all().map_err(write_err)?;
+    drop(file);
+    let got: Digest = hasher.finalize().into();
+    if got != spec.sha256 {
+        // Never resume from bytes that hashed wrong.
+        let _ = std::fs::remove_file(&part);
+        return Err(FetchError::Digest {
+            artifact,
+            expected: hex::encode(&spec.sha256),
+            got: hex::encode(&got),
+        });
+    }
+    flotilla_targets::fs::atomic_rename(&part, &final_path).map_err(|source| {
+        FetchError::WritePart {
+            artifact: artifact.clone(),
+            path: final_path.clone(),
+            source,
+        }
+    })?;
+    Ok(final_path)
+}
+
+async fn send(
+    requests: &mpsc::Sender<BlockRequest>,
+    request: BlockRequest,
+    artifact: &str,
+) -> Result<(), FetchError> {
+    requests
+        .send(request)
+        .await
+        .map_err(|_| FetchError::Closed {
+            artifact: artifact.to_owned(),
+        })
+}
+
+/// Opens the part file for appending after `done` bytes, re-hashing that prefix. If the file
+/// is shorter than `done` (its tail was lost in a power cut), resumes from what it has.
+fn open_part(spec: &FetchSpec, done: u64) -> Result<(File, sha2::Sha256, u64), FetchError> {
+    let path = spec.part_path();
+    let read_err = |source| FetchError::ReadPart {
+        artifact: spec.name.clone(),
+        path: path.clone(),
+        source,
+    };
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(read_err)?;
+    let len = file.metadata().map_err(read_err)?.len();
+    let keep = done.min(len).min(spec.size);
+    let mut hasher = sha2::Sha256::new();
+    let mut remaining = keep;
+    let mut buf = vec![0u8; 64 * 1024];
+    while remaining > 0 {
+        let n = buf.len().min(remaining as usize);
+        file.read_exact(&mut buf[..n]).map_err(read_err)?;
+        hasher.update(&buf[..n]);
+        remaining -= n as u64;
+    }
+    // Drop anything past the contiguous prefix: it may be a block written out of a torn order.
+    file.set_len(keep).map_err(read_err)?;
+    Ok((file, hasher, keep))
+}
+
+/// sha256 and length of a file.
+fn hash_file(path: &Path) -> std::io::Result<(Digest, u64)> {
+    let mut file = File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+    Ok((hasher.finalize().into(), total))
+}
+
+/// Sleeps long enough to keep the average rate at or below `max_bytes_per_sec`.
+async fn throttle(
+    max_bytes_per_sec: u64,
+    bytes: u64,
+    started: Instant,
+    cancel: &CancellationToken,
+) -> Result<(), FetchError> {
+    if max_bytes_per_sec == 0 {
+        return Ok(());
+    }
+    let due = started + Duration::from_secs_f64(bytes as f64 / max_bytes_per_sec as f64);
+    tokio::select! {
+        _ = cancel.cancelled() => Err(FetchError::Canceled),
+        _ = tokio::time::sleep_until(due) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
+        FetchSpec {
+            name: "app.bin".into(),
+            sha256: flotilla_protocol::sha256(data),
+            size: data.len() as u64,
+            dir: dir.join("downloads"),
+            block_size: 100,
+            in_flight: 3,
+            max_bytes_per_sec: 0,
+        }
+    }
+
+    /// An in-memory artifact server. `serve` answers each request; `reverse` answers each batch of
+    /// pending requests in reverse order to exercise the reorder buffer. Records every offset
+    /// asked for.
+    fn server(
+        data: Vec<u8>,
+        reverse: bool,
+        tamper: Option<usize>,
+    ) -> (
+        mpsc::Sender<BlockRequest>,
+        mpsc::Receiver<FetchInput>,
+        tokio::task::JoinHandle<Vec<u64>>,
+    ) {
+        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (rep_tx, rep_rx) = mpsc::channel(64);
+        let task = tokio::spawn(async move {
+            let mut asked = Vec::new();
+            while let Some(first) = req_rx.recv().await {
+                let mut batch = vec![first];
+                while let Ok(r) = req_rx.try_recv() {
+                    batch.push(r);
+                }
+                if reverse {
+                    batch.reverse();
+                }
+                for r in batch {
+                    asked.push(r.offset);
+                    let start = r.offset as usize;
+                    let end = (start + r.length as usize).min(data.len());
+                    let mut block = data[start..end].to_vec();
+                    if let Some(at) = tamper {
+                        if (start..end).contains(&at) {
+                            block[at - start] ^= 0xff;
+                        }
+                    }
+                    let reply = BlockReply::Data {
+                        sha256: flotilla_protocol::sha256(&data),
+                        offset: r.offset,
+                        data: block,
+                    };
+                    if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                        return asked;
+                    }
+                }
+            }
+            asked
+        });
+        (req_tx, rep_rx, task)
+    }
+
+    fn data(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn downloads_out_of_order_replies_in_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(1050);
+        let spec = spec(dir.path(), &bytes);
+        let (tx, mut rx, _server) = server(bytes.clone(), true, None);
+        let mut seen = Vec::new();
+        let path = fetch(
+            &spec,
+            0,
+            &tx,
+            &mut rx,
+            &mut |d| seen.push(d),
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("fetch");
+        assert_eq!(std::fs::read(&path).expect("read"), bytes);
+        assert_eq!(seen.last(), Some(&1050));
+        assert!(
+            seen.windows(2).all(|w| w[0] < w[1]),
+            "progress only grows: {seen:?}"
+        );
+        assert!(!spec.part_path().exists());
+    }
+
+    #[tokio::test]
+    async fn resume_does_not_refetch_what_it_has() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(1000);
+        let spec = spec(dir.path(), &bytes);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        // An earlier run wrote 300 contiguous bytes plus a torn partial block after them.
+        std::fs::write(spec.part_path(), &bytes[..350]).expect("write");
+        let (tx, mut rx, server) = server(bytes.clone(), false, None);
+        let path = fetch(
+            &spec,
+            300,
+            &tx,
+            &mut rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("fetch");
+        assert_eq!(std::fs::read(&path).expect("read"), bytes);
+        drop(tx);
+        let asked = server.await.expect("server");
+        assert_eq!(
+            asked.first(),
+            Some(&300),
+            "resumes at the first byte it does not have"
+        );
+        assert!(
+            asked.iter().all(|&o| o >= 300),
+            "never asks for the prefix again: {asked:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn tampered_artifact_fails_with_sha_mismatch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(500);
+        let spec = spec(dir.path(), &bytes);
+        let (tx, mut rx, _server) = server(bytes, false, Some(123));
+        let err = fetch(
+            &spec,
+            0,
+            &tx,
+            &mut rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("mismatch");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("artifact app.bin: sha256 mismatch (expected "),
+            "{msg}"
+        );
+        assert!(
+            !spec.final_path().exists() && !spec.part_path().exists(),
+            "nothing verified is left behind"
+        );
+    }
+
+    #[tokio::test]
+    async fn more_than_declared_size_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(150);
+        let spec = spec(dir.path(), &bytes);
+        let (req_tx, mut req_rx) = mpsc::channel(16);
+        let (rep_tx, mut rep_rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(r) = req_rx.recv().await {
+                let r: BlockRequest = r;
+                // A hostile server pads every block to 200 bytes.
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: vec![0; 200],
+                };
+                if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let err = fetch(
+            &spec,
+            0,
+            &req_tx,
+            &mut rep_rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("too large");
+        assert_eq!(
+            err.to_string(),
+            "artifact app.bin: server sent more than the declared 150 bytes"
+        );
+    }
+
+    #[tokio::test]
+    async fn unavailable_reply_fails_with_its_reason() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(10);
+        let spec = spec(dir.path(), &bytes);
+        let (req_tx, _req_rx) = mpsc::channel(16);
+        let (rep_tx, mut rep_rx) = mpsc::channel(16);
+        rep_tx
+            .send(FetchInput::Reply(BlockReply::Unavailable {
+                sha256: spec.sha256,
+                offset: 0,
+                reason: "no such artifact".into(),
+            }))
+            .await
+            .expect("send");
+        let err = fetch(
+            &spec,
+            0,
+            &req_tx,
+            &mut rep_rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("unavailable");
+        assert_eq!(
+            err.to_string(),
+            "artifact app.bin: server cannot provide it: no such artifact"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lost_requests_are_asked_for_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(250);
+        let spec = spec(dir.path(), &bytes);
+        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (rep_tx, mut rep_rx) = mpsc::channel(64);
+        let served = bytes.clone();
+        tokio::spawn(async move {
+            let mut dropped_first = false;
+            while let Some(r) = req_rx.recv().await {
+                if !dropped_first {
+                    dropped_first = true; // the broker lost this one
+                    continue;
+                }
+                let s = r.offset as usize;
+                let e = (s + r.length as usize).min(served.len());
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: served[s..e].to_vec(),
+                };
+                if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let path = fetch(
+            &spec,
+            0,
+            &req_tx,
+            &mut rep_rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("fetch");
+        assert_eq!(std::fs::read(path).expect("read"), bytes);
+    }
+}

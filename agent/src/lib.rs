@@ -1,0 +1,49 @@
+//! # flotilla-agent
+//!
+//! The device agent of flotilla: it receives signed desired actions over MQTT, checks them
+//! against its trusted keys, downloads the release's artifacts block by block, applies them
+//! through update targets, runs health checks over a soak time, and reports every step back.
+//!
+//! ```text
+//!          (desired action, verified)
+//! Idle ──> Accepted ──> [Waiting] ──> Downloading{done} ──> Verified ──> Staged ──> Activated
+//!   │         │                            │                   │  └──> Downloaded (download-only)
+//!   │         └──> Refused{reason}         │                   │
+//!   │                                      └──> Failed{reason} │        Confirming (health checks
+//!   │   Canceled <── (signed cancel, any state before activation)        over the soak time)
+//!   │                                                                      ├──> Ready
+//!   └── every state is persisted (sled) before its side effect runs        └──> Failed{rolled_back}
+//! ```
+//!
+//! Layout, one file per concern:
+//! - [`config`]: the TOML configuration, validated into [`Config`].
+//! - [`store`]: sled: action records, installed release, report sequence, outbox.
+//! - [`trust`]: signature, device, expiry, hardware and counter checks; the trust file.
+//! - [`machine`]: the persisted update state machine.
+//! - [`fetch`]: the pipelined, resumable block fetcher.
+//! - [`health`]: health checks over the soak time.
+//! - [`link`]: the MQTT link (owns the rumqttc event loop).
+//! - [`agent`]: ties them together: [`run`].
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = flotilla_agent::Config::load("/etc/flotilla/agent.toml".as_ref())?;
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! flotilla_agent::run(config, shutdown).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod agent;
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod health;
+pub mod link;
+pub mod machine;
+pub mod store;
+pub mod trust;
+
+pub use agent::{run, status};
+pub use config::{Config, ConfigError, DEFAULT_CONFIG};
+pub use error::AgentError;

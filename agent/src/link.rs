@@ -1,0 +1,358 @@
+//! The MQTT link: the only code that touches rumqttc.
+//!
+//! One task owns the [`rumqttc::EventLoop`] and does nothing but poll it and translate what
+//! arrives into [`LinkEvent`]s on a channel; it never publishes and waits inside that loop (a
+//! full request channel would then deadlock the client). A second task takes [`Outgoing`]
+//! messages from the domain code and hands them to the client. rumqttc reconnects when polled
+//! after an error; the poll task sleeps 1s, 2s, ... up to 10s between failed attempts.
+//!
+//! Report acknowledgements: rumqttc tells which packet id a publish got
+//! (`Outgoing::Publish(pkid)`) in the order requests were queued, and later `PubAck(pkid)`. The
+//! writer records, in queue order, whether each publish was a report (and its `seq`); the poll
+//! task pairs the two and emits [`LinkEvent::ReportAcked`]. A connection loss drops every
+//! pending publish (clean session), so the pairing restarts on each connection and the outbox
+//! is re-sent; the coordinator ignores duplicate `seq`s.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_protocol::{
+    envelope, BlockReply, BlockRequest, DeviceId, DeviceState, Message, Report, SignedBlob, Topic,
+    Topics, MAX_PACKET_SIZE,
+};
+use rumqttc::{AsyncClient, Event, LastWill, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+
+/// What the link tells the agent.
+#[derive(Debug, Clone)]
+pub enum LinkEvent {
+    /// A new connection is up (after the first connect and after every reconnect).
+    Connected,
+    Desired(SignedBlob),
+    Block(BlockReply),
+    /// The broker acknowledged the report with this `seq`.
+    ReportAcked(u64),
+}
+
+/// What the agent asks the link to send.
+#[derive(Debug, Clone)]
+pub enum Outgoing {
+    /// Subscribe to this device's desired and block topics.
+    Subscribe,
+    Report(Report),
+    /// Retained.
+    State(DeviceState),
+    Fetch(BlockRequest),
+}
+
+/// Handle for sending through the link.
+#[derive(Debug, Clone)]
+pub struct LinkHandle {
+    tx: mpsc::Sender<Outgoing>,
+    malformed: Arc<AtomicU64>,
+}
+
+impl LinkHandle {
+    /// Queues a message; waits only while the queue is full. Errors only after shutdown.
+    pub async fn send(&self, message: Outgoing) {
+        if self.tx.send(message).await.is_err() {
+            tracing::debug!("link is shut down; message dropped");
+        }
+    }
+
+    /// Queues a message without waiting; dropped (and logged) if the queue is full. For
+    /// progress reports, which the next one supersedes.
+    pub fn try_send(&self, message: Outgoing) {
+        if self.tx.try_send(message).is_err() {
+            tracing::debug!("link queue full; message dropped");
+        }
+    }
+
+    /// A handle whose messages go to `tx` instead of a broker (for tests of the domain code).
+    pub fn from_channel(tx: mpsc::Sender<Outgoing>) -> Self {
+        Self {
+            tx,
+            malformed: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Malformed payloads received so far.
+    pub fn malformed_count(&self) -> u64 {
+        self.malformed.load(Ordering::Relaxed)
+    }
+}
+
+/// The last will: this device's state with `online: false`.
+pub fn offline_state(config: &Config) -> DeviceState {
+    DeviceState {
+        device_id: config.device_id.to_string(),
+        hardware_id: config.hardware_id.clone(),
+        labels: config.labels.clone(),
+        installed: None,
+        current: None,
+        online: false,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        at: 0,
+    }
+}
+
+/// Starts the link's tasks. They stop when `shutdown` is cancelled.
+pub fn start(
+    config: &Config,
+    shutdown: CancellationToken,
+) -> (LinkHandle, mpsc::Receiver<LinkEvent>) {
+    let topics = Topics::new(&config.broker.topic_root);
+    let id = config.device_id.clone();
+    let mut options = MqttOptions::new(
+        format!("flotilla-agent-{id}"),
+        config.broker.host.clone(),
+        config.broker.port,
+    );
+    options
+        .set_clean_session(true)
+        .set_keep_alive(config.broker.keep_alive)
+        .set_max_packet_size(MAX_PACKET_SIZE, MAX_PACKET_SIZE)
+        .set_last_will(LastWill::new(
+            topics.state(&id),
+            envelope::encode(&Message::State(offline_state(config))),
+            QoS::AtLeastOnce,
+            true,
+        ));
+    let (client, eventloop) = AsyncClient::new(options, 64);
+    let (out_tx, out_rx) = mpsc::channel(64);
+    let (event_tx, event_rx) = mpsc::channel(256);
+    let malformed = Arc::new(AtomicU64::new(0));
+    let tags = Arc::new(Mutex::new(VecDeque::new()));
+
+    tokio::spawn(writer(
+        client.clone(),
+        topics.clone(),
+        id.clone(),
+        out_rx,
+        tags.clone(),
+        shutdown.clone(),
+    ));
+    tokio::spawn(poll(
+        eventloop,
+        topics,
+        id,
+        event_tx,
+        tags,
+        malformed.clone(),
+        shutdown,
+    ));
+    (
+        LinkHandle {
+            tx: out_tx,
+            malformed,
+        },
+        event_rx,
+    )
+}
+
+/// Which queued publish was which report, in queue order.
+type Tags = Arc<Mutex<VecDeque<Option<u64>>>>;
+
+async fn writer(
+    client: AsyncClient,
+    topics: Topics,
+    id: DeviceId,
+    mut rx: mpsc::Receiver<Outgoing>,
+    tags: Tags,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            m = rx.recv() => match m { Some(m) => m, None => break },
+        };
+        let (topic, retain, tag, payload) = match message {
+            Outgoing::Subscribe => {
+                for filter in topics.agent_filters(&id) {
+                    if let Err(e) = client.subscribe(filter, QoS::AtLeastOnce).await {
+                        tracing::warn!("cannot subscribe: {e}");
+                    }
+                }
+                continue;
+            }
+            Outgoing::Report(r) => (topics.report(&id), false, Some(r.seq), Message::Report(r)),
+            Outgoing::State(s) => (topics.state(&id), true, None, Message::State(s)),
+            Outgoing::Fetch(f) => (topics.fetch(&id), false, None, Message::Fetch(f)),
+        };
+        if let Ok(mut t) = tags.lock() {
+            t.push_back(tag);
+        }
+        if let Err(e) = client
+            .publish(topic, QoS::AtLeastOnce, retain, envelope::encode(&payload))
+            .await
+        {
+            tracing::warn!("cannot queue {}: {e}", payload.name());
+        }
+    }
+    // Leave cleanly so the broker does not publish the last will for an orderly stop: the
+    // agent publishes its offline state itself before this.
+    let _ = client.try_disconnect();
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn poll(
+    mut eventloop: rumqttc::EventLoop,
+    topics: Topics,
+    id: DeviceId,
+    events: mpsc::Sender<LinkEvent>,
+    tags: Tags,
+    malformed: Arc<AtomicU64>,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Duration::from_secs(1);
+    // packet id -> report seq, for publishes sent on this connection.
+    let mut pending: HashMap<u16, u64> = HashMap::new();
+    loop {
+        let event = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            e = eventloop.poll() => e,
+        };
+        let forward = match event {
+            Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                tracing::info!(code = ?ack.code, "connected to broker");
+                backoff = Duration::from_secs(1);
+                pending.clear();
+                Some(LinkEvent::Connected)
+            }
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                decode(&topics, &id, &p.topic, &p.payload, &malformed)
+            }
+            Ok(Event::Incoming(Packet::PubAck(ack))) => {
+                pending.remove(&ack.pkid).map(LinkEvent::ReportAcked)
+            }
+            Ok(Event::Outgoing(rumqttc::Outgoing::Publish(pkid))) => {
+                if let Some(Some(seq)) = tags.lock().ok().and_then(|mut t| t.pop_front()) {
+                    pending.insert(pkid, seq);
+                }
+                None
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("broker connection: {e}; retrying in {backoff:?}");
+                // Everything queued is dropped with the session; the outbox is re-sent on
+                // the next ConnAck.
+                pending.clear();
+                if let Ok(mut t) = tags.lock() {
+                    t.clear();
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                None
+            }
+        };
+        match forward {
+            // Block replies beyond a full queue are dropped rather than stalling the poll loop:
+            // the fetcher asks for them again.
+            Some(LinkEvent::Block(reply)) => {
+                if events.try_send(LinkEvent::Block(reply)).is_err() {
+                    tracing::debug!("agent is not keeping up with blocks; one dropped");
+                }
+            }
+            Some(event) => {
+                if events.send(event).await.is_err() {
+                    break;
+                }
+            }
+            None => {}
+        }
+    }
+}
+
+/// Decodes an incoming publish; malformed payloads are logged and counted, never fatal.
+fn decode(
+    topics: &Topics,
+    id: &DeviceId,
+    topic: &str,
+    payload: &[u8],
+    malformed: &AtomicU64,
+) -> Option<LinkEvent> {
+    let bad = |reason: String| {
+        let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            topic,
+            malformed_total = n,
+            "ignoring malformed payload: {reason}"
+        );
+        None
+    };
+    let expected = match topics.parse(topic) {
+        Some(t @ (Topic::Desired(_) | Topic::Block(_))) => t,
+        _ => return bad("unexpected topic".into()),
+    };
+    if payload.is_empty() && matches!(expected, Topic::Desired(_)) {
+        // A cleared retained message: nothing desired.
+        return None;
+    }
+    match (expected, envelope::decode(payload)) {
+        (Topic::Desired(d), Ok(Message::Desired(blob))) if &d == id => {
+            Some(LinkEvent::Desired(blob))
+        }
+        (Topic::Block(d), Ok(Message::Block(reply))) if &d == id => Some(LinkEvent::Block(reply)),
+        (_, Ok(other)) => bad(format!("unexpected {} on this topic", other.name())),
+        (_, Err(e)) => bad(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_payloads_are_counted_not_fatal() {
+        let topics = Topics::default();
+        let id = DeviceId::new("dev-1").expect("id");
+        let counter = AtomicU64::new(0);
+        assert!(decode(
+            &topics,
+            &id,
+            &topics.desired(&id),
+            b"\x01\x00garbage",
+            &counter
+        )
+        .is_none());
+        let report = Message::Fetch(BlockRequest {
+            sha256: [0; 32],
+            offset: 0,
+            length: 1,
+        });
+        assert!(decode(
+            &topics,
+            &id,
+            &topics.block(&id),
+            &envelope::encode(&report),
+            &counter
+        )
+        .is_none());
+        assert_eq!(counter.load(Ordering::Relaxed), 2);
+
+        let reply = Message::Block(BlockReply::Data {
+            sha256: [1; 32],
+            offset: 0,
+            data: vec![1],
+        });
+        assert!(matches!(
+            decode(
+                &topics,
+                &id,
+                &topics.block(&id),
+                &envelope::encode(&reply),
+                &counter
+            ),
+            Some(LinkEvent::Block(_))
+        ));
+        assert_eq!(counter.load(Ordering::Relaxed), 2);
+    }
+}

@@ -1,0 +1,716 @@
+//! The update state machine: one action, from accepted to a final phase.
+//!
+//! ```text
+//! Accepted -> [Waiting] -> Downloading{artifact, done} ... -> Verified -> Downloaded (download-only)
+//!          Verified -> Staging{0..n} -> Staged -> Activating{0..n} -> Activated -> Confirming
+//!          Confirming -> Ready | Failed{reason, rolled_back: true}
+//! any state before Activating{0} -> Canceled (on a signed cancel)
+//! any failing step -> Failed{reason, rolled_back}
+//! ```
+//!
+//! [`step`] is a plain `match` from one state to the next. The driver ([`drive`]) persists each
+//! new state (and reports it) *before* calling `step` on it, so whatever side effect a step
+//! performs, the state that announces it is already on disk. `Staging{i}` and `Activating{i}`
+//! are intents: finding one after a restart means the step was interrupted, and it is only run
+//! again if the target says that is safe (otherwise the action is rolled back and Failed).
+//!
+//! After a kill -9: Downloading resumes at the first byte not yet on disk; Staged activates;
+//! Activated and Confirming run the health checks again from the start of the soak.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_protocol::{
+    ActionBody, ActionKind, CurrentAction, DesiredAction, DeviceState, InstalledRelease, Phase,
+    ReleaseManifest, Report, UnixTime,
+};
+use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
+use crate::health::{self, Soak};
+use crate::link::{LinkHandle, Outgoing};
+use crate::store::{Store, StoreError};
+use crate::trust::{self, TrustState};
+
+/// The persisted state of one action. `Idle` is the absence of a running action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum State {
+    Accepted,
+    Waiting {
+        reason: String,
+    },
+    Downloading {
+        artifact: u32,
+        done: u64,
+    },
+    Verified,
+    /// Intent: about to stage (or staging) artifact `artifact`.
+    Staging {
+        artifact: u32,
+    },
+    Staged,
+    /// Intent: about to activate (or activating) artifact `artifact`.
+    Activating {
+        artifact: u32,
+    },
+    Activated,
+    Confirming,
+    Ready,
+    Failed {
+        reason: String,
+        rolled_back: bool,
+    },
+    Refused {
+        reason: String,
+    },
+    Canceled,
+    Downloaded,
+}
+
+impl State {
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            State::Ready
+                | State::Failed { .. }
+                | State::Refused { .. }
+                | State::Canceled
+                | State::Downloaded
+        )
+    }
+
+    /// A signed cancel still applies: nothing has been switched over yet.
+    pub fn is_cancelable(&self) -> bool {
+        matches!(
+            self,
+            State::Accepted
+                | State::Waiting { .. }
+                | State::Downloading { .. }
+                | State::Verified
+                | State::Staging { .. }
+                | State::Staged
+        )
+    }
+
+    /// The phase reported for this state.
+    pub fn phase(&self, manifest: Option<&ReleaseManifest>) -> Phase {
+        match self {
+            State::Accepted => Phase::Accepted,
+            State::Waiting { reason } => Phase::Waiting {
+                reason: reason.clone(),
+            },
+            State::Downloading { artifact, done } => {
+                let sizes: Vec<u64> = manifest
+                    .map(|m| m.artifacts.iter().map(|a| a.size).collect())
+                    .unwrap_or_default();
+                let before: u64 = sizes.iter().take(*artifact as usize).sum();
+                Phase::Downloading {
+                    done: before + done,
+                    total: sizes.iter().sum(),
+                }
+            }
+            State::Verified | State::Staging { .. } => Phase::Verified,
+            State::Staged | State::Activating { .. } => Phase::Staged,
+            State::Activated => Phase::Activated,
+            State::Confirming => Phase::Confirming,
+            State::Ready => Phase::Ready,
+            State::Failed {
+                reason,
+                rolled_back,
+            } => Phase::Failed {
+                reason: reason.clone(),
+                rolled_back: *rolled_back,
+            },
+            State::Refused { reason } => Phase::Refused {
+                reason: reason.clone(),
+            },
+            State::Canceled => Phase::Canceled,
+            State::Downloaded => Phase::Downloaded,
+        }
+    }
+}
+
+/// Everything the agent remembers about one action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActionRecord {
+    pub action_id: String,
+    pub rollout_id: String,
+    /// The verified desired action (or, for a refusal, what it claimed).
+    pub action: DesiredAction,
+    /// The verified release manifest, for installs.
+    pub manifest: Option<ReleaseManifest>,
+    pub state: State,
+}
+
+impl ActionRecord {
+    pub fn phase(&self) -> Phase {
+        self.state.phase(self.manifest.as_ref())
+    }
+
+    fn release_name(&self) -> &str {
+        self.manifest
+            .as_ref()
+            .map(|m| m.name.as_str())
+            .unwrap_or("")
+    }
+}
+
+/// What the machine needs from the rest of the agent; shared by the agent loop and the action
+/// task.
+pub struct Env {
+    pub config: Arc<Config>,
+    pub store: Store,
+    pub targets: HashMap<String, Arc<dyn UpdateTarget>>,
+    pub link: LinkHandle,
+    pub trust: Mutex<TrustState>,
+}
+
+impl std::fmt::Debug for Env {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Env")
+            .field("device_id", &self.config.device_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Env {
+    /// `max(system time, last trusted time)`.
+    pub fn now(&self) -> UnixTime {
+        self.trust_state().now(trust::system_now())
+    }
+
+    pub fn trust_state(&self) -> TrustState {
+        self.trust.lock().map(|t| *t).unwrap_or_default()
+    }
+
+    /// Records a time as trusted (a verified action's issue time), in sled and the trust file.
+    pub fn advance_trusted_time(&self, at: UnixTime) {
+        let mut state = self.trust_state();
+        if at > state.last_trusted_time {
+            state.last_trusted_time = at;
+            self.save_trust(state);
+        }
+    }
+
+    fn save_trust(&self, state: TrustState) {
+        if let Ok(mut t) = self.trust.lock() {
+            *t = state;
+        }
+        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
+            tracing::error!("cannot write trust file: {e}");
+        }
+        if let Err(e) = self.store.set_trust(&state) {
+            tracing::error!("{e}");
+        }
+    }
+
+    /// Persists a new state of an action (flushed).
+    pub fn persist(&self, record: &ActionRecord) {
+        if let Err(e) = self.store.save_action(record) {
+            // Keep going: the update itself is still correct, only resumption after a crash
+            // is at risk, and stopping here would strand the device mid-update.
+            tracing::error!(action = record.action_id, "{e}");
+        }
+    }
+
+    /// Publishes a report for `record`'s current phase (kept in the outbox until acknowledged),
+    /// then the retained device state.
+    pub async fn report(&self, record: &ActionRecord) {
+        if let Some(report) = self.make_report(record) {
+            self.link.send(Outgoing::Report(report)).await;
+        }
+        self.link
+            .send(Outgoing::State(self.device_state(true)))
+            .await;
+    }
+
+    /// Like [`report`](Self::report) but never waits; for download progress.
+    fn report_progress(&self, record: &ActionRecord) {
+        if let Some(report) = self.make_report(record) {
+            self.link.try_send(Outgoing::Report(report));
+        }
+    }
+
+    fn make_report(&self, record: &ActionRecord) -> Option<Report> {
+        let seq = match self.store.next_seq() {
+            Ok(seq) => seq,
+            Err(e) => {
+                tracing::error!("cannot report: {e}");
+                return None;
+            }
+        };
+        let report = Report {
+            device_id: self.config.device_id.to_string(),
+            seq,
+            action_id: record.action_id.clone(),
+            rollout_id: record.rollout_id.clone(),
+            phase: record.phase(),
+            at: self.now(),
+        };
+        tracing::info!(action = record.action_id, seq, phase = ?report.phase, "report");
+        if let Err(e) = self.store.outbox_put(&report) {
+            tracing::error!("{e}");
+        }
+        Some(report)
+    }
+
+    /// This device's self-description.
+    pub fn device_state(&self, online: bool) -> DeviceState {
+        let current = self.store.current().ok().flatten().map(|r| CurrentAction {
+            phase: r.phase(),
+            action_id: r.action_id,
+            rollout_id: r.rollout_id,
+        });
+        DeviceState {
+            device_id: self.config.device_id.to_string(),
+            hardware_id: self.config.hardware_id.clone(),
+            labels: self.config.labels.clone(),
+            installed: self.store.installed().ok().flatten(),
+            current,
+            online,
+            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            at: self.now(),
+        }
+    }
+
+    fn set_installed(&self, manifest: &ReleaseManifest) -> Result<(), StoreError> {
+        let release = InstalledRelease {
+            name: manifest.name.clone(),
+            version: manifest.version.clone(),
+            counter: manifest.counter,
+        };
+        self.store.set_installed(&release)?;
+        let mut state = self.trust_state();
+        state.installed_counter = state.installed_counter.max(manifest.counter);
+        self.save_trust(state);
+        Ok(())
+    }
+}
+
+/// The channels and tokens one running action uses.
+#[derive(Debug)]
+pub struct ActionIo {
+    pub fetch_requests: mpsc::Sender<flotilla_protocol::BlockRequest>,
+    pub fetch_inputs: mpsc::Receiver<FetchInput>,
+    /// A signed cancel for this action.
+    pub cancel: CancellationToken,
+    /// The agent is stopping: leave the state as it is, it resumes after the restart.
+    pub shutdown: CancellationToken,
+}
+
+/// What a step produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    State(State),
+    /// Shutdown: stop without changing the persisted state.
+    Interrupted,
+}
+
+/// Runs an action until it reaches a final phase or the agent shuts down. `resumed` says the
+/// persisted state was found at startup rather than reached in this process.
+pub async fn drive(
+    env: &Env,
+    mut record: ActionRecord,
+    io: &mut ActionIo,
+    mut resumed: bool,
+) -> ActionRecord {
+    while !record.state.is_terminal() {
+        if io.shutdown.is_cancelled() {
+            return record;
+        }
+        let next = if io.cancel.is_cancelled() && record.state.is_cancelable() {
+            // Discard whatever was staged; nothing was switched over yet.
+            let _ = rollback_all(env, &record).await;
+            Next::State(State::Canceled)
+        } else {
+            step(env, &record, io, resumed).await
+        };
+        resumed = false;
+        let Next::State(state) = next else {
+            return record;
+        };
+        let phase_before = record.phase();
+        record.state = state;
+        env.persist(&record);
+        if record.phase() != phase_before || matches!(record.state, State::Downloading { .. }) {
+            env.report(&record).await;
+        }
+    }
+    record
+}
+
+/// One transition. Side effects happen here, after the driver persisted `record.state`.
+pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: bool) -> Next {
+    let Some(manifest) = record.manifest.clone() else {
+        return Next::State(State::Failed {
+            reason: "action has no release manifest".into(),
+            rolled_back: false,
+        });
+    };
+    let kind = match &record.action.body {
+        ActionBody::Install { kind, .. } => *kind,
+        _ => ActionKind::Forced,
+    };
+    match &record.state {
+        State::Accepted | State::Waiting { .. } => {
+            // Check the targets before fetching anything: a target that cannot take an update
+            // now fails fast instead of after a long download.
+            for a in &manifest.artifacts {
+                let ctx = context(record, &a.name);
+                if let Some(target) = env.targets.get(&a.target) {
+                    let target = target.clone();
+                    if let Err(reason) = blocking(move || target.check(&ctx)).await {
+                        return failed(
+                            format!("target {} cannot take the update: {reason}", a.target),
+                            false,
+                        );
+                    }
+                }
+            }
+            match wait_reason(&record.action, env.now()) {
+                None => Next::State(State::Downloading {
+                    artifact: 0,
+                    done: 0,
+                }),
+                Some((reason, until)) => {
+                    if !matches!(&record.state, State::Waiting { reason: r } if *r == reason) {
+                        return Next::State(State::Waiting { reason });
+                    }
+                    // Already reported as waiting: sleep until it may change, then re-check.
+                    let wait = until.map_or(Duration::from_secs(60), |t| {
+                        Duration::from_secs(t.saturating_sub(env.now()).clamp(1, 60))
+                    });
+                    tokio::select! {
+                        _ = io.shutdown.cancelled() => Next::Interrupted,
+                        _ = io.cancel.cancelled() => Next::State(State::Canceled),
+                        _ = tokio::time::sleep(wait) => Next::State(record.state.clone()),
+                    }
+                }
+            }
+        }
+        State::Downloading { artifact, done } => {
+            download(env, record, &manifest, *artifact, *done, io).await
+        }
+        State::Verified => {
+            if kind == ActionKind::DownloadOnly {
+                Next::State(State::Downloaded)
+            } else {
+                Next::State(State::Staging { artifact: 0 })
+            }
+        }
+        State::Staging { artifact } => {
+            let Some((a, target)) = artifact_target(env, &manifest, *artifact) else {
+                return failed(
+                    format!("artifact #{artifact} has no configured target"),
+                    false,
+                );
+            };
+            if resumed && !target.stage_is_repeatable() {
+                let rolled_back = rollback_all(env, record).await.is_ok();
+                return failed(
+                    format!(
+                        "staging artifact {} was interrupted and target {} cannot repeat it",
+                        a.name, a.target
+                    ),
+                    rolled_back,
+                );
+            }
+            let ctx = context(record, &a.name);
+            let path = downloads_dir(&env.config).join(flotilla_protocol::hex::encode(&a.sha256));
+            if let Err(reason) = blocking(move || target.stage(&ctx, &path)).await {
+                let _ = rollback_all(env, record).await;
+                return failed(format!("artifact {}: {reason}", a.name), false);
+            }
+            if (*artifact as usize) + 1 < manifest.artifacts.len() {
+                Next::State(State::Staging {
+                    artifact: artifact + 1,
+                })
+            } else {
+                Next::State(State::Staged)
+            }
+        }
+        State::Staged => Next::State(State::Activating { artifact: 0 }),
+        State::Activating { artifact } => {
+            let Some((a, target)) = artifact_target(env, &manifest, *artifact) else {
+                return failed(
+                    format!("artifact #{artifact} has no configured target"),
+                    false,
+                );
+            };
+            if resumed && !target.activate_is_repeatable() {
+                let rolled_back = rollback_all(env, record).await.is_ok();
+                return failed(
+                    format!(
+                        "activating artifact {} was interrupted and target {} cannot repeat it",
+                        a.name, a.target
+                    ),
+                    rolled_back,
+                );
+            }
+            let ctx = context(record, &a.name);
+            match blocking(move || target.activate(&ctx)).await {
+                Ok(Activation::Done) => {}
+                Ok(Activation::RebootRequired) => {
+                    // Rebooting is the operator's business for now; health checks decide.
+                    tracing::warn!(
+                        artifact = a.name,
+                        "target asks for a reboot; this agent does not reboot by itself"
+                    );
+                }
+                Err(reason) => {
+                    let rolled_back = rollback_all(env, record).await.is_ok();
+                    return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+                }
+            }
+            if (*artifact as usize) + 1 < manifest.artifacts.len() {
+                Next::State(State::Activating {
+                    artifact: artifact + 1,
+                })
+            } else {
+                Next::State(State::Activated)
+            }
+        }
+        State::Activated => Next::State(State::Confirming),
+        State::Confirming => match health::soak(
+            &env.config.health,
+            &record.action_id,
+            &manifest.name,
+            &io.shutdown,
+        )
+        .await
+        {
+            Soak::Interrupted => Next::Interrupted,
+            Soak::Unhealthy(reason) => match rollback_all(env, record).await {
+                Ok(()) => failed(reason, true),
+                Err(e) => failed(format!("{reason}; {e}"), false),
+            },
+            Soak::Healthy => {
+                for a in &manifest.artifacts {
+                    let Some(target) = env.targets.get(&a.target).cloned() else {
+                        continue;
+                    };
+                    let ctx = context(record, &a.name);
+                    if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
+                        let rolled_back = rollback_all(env, record).await.is_ok();
+                        return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+                    }
+                }
+                if let Err(e) = env.set_installed(&manifest) {
+                    tracing::error!("{e}");
+                }
+                Next::State(State::Ready)
+            }
+        },
+        State::Ready
+        | State::Failed { .. }
+        | State::Refused { .. }
+        | State::Canceled
+        | State::Downloaded => Next::State(record.state.clone()),
+    }
+}
+
+fn failed(reason: String, rolled_back: bool) -> Next {
+    Next::State(State::Failed {
+        reason,
+        rolled_back,
+    })
+}
+
+fn context(record: &ActionRecord, artifact: &str) -> ActionContext {
+    ActionContext::new(record.action_id.clone(), record.release_name(), artifact)
+}
+
+fn artifact_target(
+    env: &Env,
+    manifest: &ReleaseManifest,
+    index: u32,
+) -> Option<(flotilla_protocol::Artifact, Arc<dyn UpdateTarget>)> {
+    let a = manifest.artifacts.get(index as usize)?.clone();
+    let target = env.targets.get(&a.target)?.clone();
+    Some((a, target))
+}
+
+/// Where downloads live.
+pub fn downloads_dir(config: &Config) -> PathBuf {
+    config.data_dir.join("downloads")
+}
+
+/// Runs a target step on the blocking pool; the error is the target's message.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
+) -> Result<T, String> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("target step panicked: {e}")),
+    }
+}
+
+/// Rolls back every target of the action. Targets that never activated it say
+/// `NothingToRollBack`, which is fine: they are as they were.
+async fn rollback_all(env: &Env, record: &ActionRecord) -> Result<(), String> {
+    let Some(manifest) = &record.manifest else {
+        return Ok(());
+    };
+    let mut errors = Vec::new();
+    for a in manifest.artifacts.iter().rev() {
+        let Some(target) = env.targets.get(&a.target).cloned() else {
+            continue;
+        };
+        let ctx = context(record, &a.name);
+        match tokio::task::spawn_blocking(move || target.rollback(&ctx)).await {
+            Ok(Ok(())) | Ok(Err(TargetError::NothingToRollBack { .. })) => {}
+            Ok(Err(e)) => errors.push(format!("rollback of {} failed: {e}", a.name)),
+            Err(e) => errors.push(format!("rollback of {} panicked: {e}", a.name)),
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
+/// Why an install must wait now, and until when (if a time is known).
+pub fn wait_reason(action: &DesiredAction, now: UnixTime) -> Option<(String, Option<UnixTime>)> {
+    let ActionBody::Install { kind, window, .. } = &action.body else {
+        return None;
+    };
+    if let Some(w) = window {
+        if now < w.not_before {
+            return Some((
+                format!("outside the time window: opens at {}", w.not_before),
+                Some(w.not_before),
+            ));
+        }
+        if now > w.not_after {
+            return Some((
+                format!("outside the time window: closed at {}", w.not_after),
+                None,
+            ));
+        }
+    }
+    match kind {
+        ActionKind::Forced | ActionKind::DownloadOnly => None,
+        ActionKind::Soft => Some(("waiting for local consent".into(), None)),
+        ActionKind::TimeForced { at } if now < *at => {
+            Some((format!("waiting for local consent until {at}"), Some(*at)))
+        }
+        ActionKind::TimeForced { .. } => None,
+    }
+}
+
+/// Downloads artifact `index` from `done`, persisting progress and reporting it at most about
+/// once a second and at every completed 10%.
+async fn download(
+    env: &Env,
+    record: &ActionRecord,
+    manifest: &ReleaseManifest,
+    index: u32,
+    done: u64,
+    io: &mut ActionIo,
+) -> Next {
+    let Some(a) = manifest.artifacts.get(index as usize) else {
+        return failed(format!("artifact #{index} is not in the manifest"), false);
+    };
+    let spec = FetchSpec {
+        name: a.name.clone(),
+        sha256: a.sha256,
+        size: a.size,
+        dir: downloads_dir(&env.config),
+        block_size: env.config.download.block_size,
+        in_flight: env.config.download.in_flight,
+        max_bytes_per_sec: env.config.download.max_bytes_per_sec,
+    };
+    let total: u64 = manifest
+        .artifacts
+        .iter()
+        .map(|a| a.size)
+        .sum::<u64>()
+        .max(1);
+    let before: u64 = manifest
+        .artifacts
+        .iter()
+        .take(index as usize)
+        .map(|a| a.size)
+        .sum();
+    let latest = Arc::new(AtomicU64::new(done));
+    let decile = Arc::new(Notify::new());
+    let mut last_flush = done;
+    let mut progress_record = record.clone();
+    let mut on_progress = {
+        let latest = latest.clone();
+        let decile = decile.clone();
+        let store = env.store.clone();
+        move |d: u64| {
+            let old = latest.swap(d, Ordering::Relaxed);
+            progress_record.state = State::Downloading {
+                artifact: index,
+                done: d,
+            };
+            // A cheap insert per block; a flush per MiB bounds what a power cut can lose.
+            let _ = store.save_action_unflushed(&progress_record);
+            if d - last_flush >= 1 << 20 {
+                let _ = store.flush();
+                last_flush = d;
+            }
+            if (before + old) * 10 / total != (before + d) * 10 / total {
+                decile.notify_one();
+            }
+        }
+    };
+    // Both a signed cancel and shutdown stop the download.
+    let stop = CancellationToken::new();
+    let fetch_fut = fetch::fetch(
+        &spec,
+        done,
+        &io.fetch_requests,
+        &mut io.fetch_inputs,
+        &mut on_progress,
+        &stop,
+    );
+    tokio::pin!(fetch_fut);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reported = done;
+    let result = loop {
+        tokio::select! {
+            r = &mut fetch_fut => break r,
+            _ = io.shutdown.cancelled(), if !stop.is_cancelled() => stop.cancel(),
+            _ = io.cancel.cancelled(), if !stop.is_cancelled() => stop.cancel(),
+            _ = tick.tick() => {}
+            _ = decile.notified() => {}
+        }
+        let now_done = latest.load(Ordering::Relaxed);
+        if now_done != reported {
+            reported = now_done;
+            let mut r = record.clone();
+            r.state = State::Downloading {
+                artifact: index,
+                done: now_done,
+            };
+            env.report_progress(&r);
+        }
+    };
+    match result {
+        Ok(_) if (index as usize) + 1 < manifest.artifacts.len() => {
+            Next::State(State::Downloading {
+                artifact: index + 1,
+                done: 0,
+            })
+        }
+        Ok(_) => Next::State(State::Verified),
+        Err(FetchError::Canceled) if io.shutdown.is_cancelled() => {
+            let _ = env.store.flush();
+            Next::Interrupted
+        }
+        Err(FetchError::Canceled) => Next::State(State::Canceled),
+        Err(e) => failed(e.to_string(), false),
+    }
+}

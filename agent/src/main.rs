@@ -1,0 +1,107 @@
+//! `flotilla-agent`: the device daemon's command line. Parses arguments, sets up logging, and
+//! calls the library; everything worth testing lives in `flotilla_agent`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Parser)]
+#[command(name = "flotilla-agent", version, about = "flotilla device agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the agent until SIGINT or SIGTERM.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate a config file: prints "config ok" or the error (exit status 1).
+    CheckConfig {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Print the commented default configuration.
+    PrintDefaultConfig,
+    /// Show the installed release and the current action from the local database (no broker).
+    Status {
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match real_main(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::PrintDefaultConfig => {
+            print!("{}", flotilla_agent::DEFAULT_CONFIG);
+            Ok(())
+        }
+        Command::CheckConfig { config } => {
+            flotilla_agent::Config::load(&config)?;
+            println!("config ok");
+            Ok(())
+        }
+        Command::Status { config } => {
+            let config = flotilla_agent::Config::load(&config)?;
+            let text = flotilla_agent::status(&config).context(
+                "cannot read the agent's database (is the agent running? it holds the lock)",
+            )?;
+            print!("{text}");
+            Ok(())
+        }
+        Command::Run { config } => {
+            let config = flotilla_agent::Config::load(&config)?;
+            let runtime =
+                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            runtime.block_on(async {
+                let shutdown = CancellationToken::new();
+                tokio::spawn(wait_for_signal(shutdown.clone()));
+                flotilla_agent::run(config, shutdown).await
+            })?;
+            Ok(())
+        }
+    }
+}
+
+async fn wait_for_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot listen for SIGTERM: {e}");
+            let _ = tokio::signal::ctrl_c().await;
+            shutdown.cancel();
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("signal received, shutting down");
+    shutdown.cancel();
+}
