@@ -21,10 +21,6 @@ use tokio_util::sync::CancellationToken;
 /// a reissue after a reconnect queues one retained desired action per device in flight.
 pub const REQUEST_CAPACITY: usize = 10_000;
 
-/// Incoming events buffered towards the owner. When it is full the poll loop waits, which is
-/// TCP back-pressure on the broker rather than unbounded memory.
-const EVENT_CAPACITY: usize = 16_384;
-
 const BACKOFF_START: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
@@ -69,7 +65,11 @@ impl LinkOptions {
 #[derive(Debug)]
 pub struct MqttLink {
     pub client: AsyncClient,
-    pub events: mpsc::Receiver<LinkEvent>,
+    /// Unbounded on purpose: if the poll loop could block on a full event channel while its
+    /// owner awaits `publish` on a full request channel, the two would wait on each other
+    /// forever (a reissue to a large fleet during a burst of reconnecting devices does exactly
+    /// that). Incoming traffic is bounded by the fleet's size, not by time.
+    pub events: mpsc::UnboundedReceiver<LinkEvent>,
     pub task: JoinHandle<()>,
     pub client_id: String,
 }
@@ -99,7 +99,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     mqtt.set_max_packet_size(MAX_PACKET_SIZE + 4096, MAX_PACKET_SIZE + 4096);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
     let (client, eventloop) = AsyncClient::new(mqtt, REQUEST_CAPACITY);
-    let (tx, events) = mpsc::channel(EVENT_CAPACITY);
+    let (tx, events) = mpsc::unbounded_channel();
     let client_id = options.client_id.clone();
     let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
     MqttLink {
@@ -114,7 +114,7 @@ async fn run(
     options: LinkOptions,
     client: AsyncClient,
     mut eventloop: EventLoop,
-    tx: mpsc::Sender<LinkEvent>,
+    tx: mpsc::UnboundedSender<LinkEvent>,
     shutdown: CancellationToken,
 ) {
     let addr = format!("{}:{}", options.host, options.port);
@@ -143,7 +143,7 @@ async fn run(
             Err(e) => {
                 let reason = e.to_string();
                 tracing::warn!(broker = %addr, error = %reason, retry_in = ?backoff, "MQTT connection lost");
-                if tx.send(LinkEvent::Disconnected { reason }).await.is_err() {
+                if tx.send(LinkEvent::Disconnected { reason }).is_err() {
                     break;
                 }
                 tokio::select! {
@@ -155,11 +155,7 @@ async fn run(
             }
         };
         if let Some(event) = forward {
-            let sent = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                sent = tx.send(event) => sent,
-            };
-            if sent.is_err() {
+            if tx.send(event).is_err() {
                 break;
             }
         }
