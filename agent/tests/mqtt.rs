@@ -1,0 +1,272 @@
+//! End-to-end test of the agent over a real mosquitto broker: the test plays the coordinator
+//! (signs a release and a desired action, publishes it retained, serves artifact blocks from
+//! memory) and watches the agent's reports.
+//!
+//! Skipped with a notice when `mosquitto` is not installed.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use flotilla_agent::Config;
+use flotilla_protocol::{
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message, Phase,
+    ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
+};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+fn find_mosquitto() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join("mosquitto"))
+        .find(|p| p.is_file())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Broker {
+    _child: tokio::process::Child,
+    port: u16,
+}
+
+async fn start_broker(dir: &Path) -> Option<Broker> {
+    let Some(bin) = find_mosquitto() else {
+        eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
+        return None;
+    };
+    let port = free_port();
+    let conf = dir.join("mosquitto.conf");
+    std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\n")).expect("write conf");
+    let child = tokio::process::Command::new(bin)
+        .arg("-c")
+        .arg(&conf)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start mosquitto");
+    // Wait until it accepts connections.
+    tokio::time::timeout(TIMEOUT, async {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("mosquitto did not start listening within 30s");
+    Some(Broker { _child: child, port })
+}
+
+fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+fn agent_config(port: u16, dir: &Path, device: &str, dest: &Path) -> Config {
+    let text = format!(
+        r#"
+device_id = "{device}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[labels]
+env = "test"
+[trust]
+release_keys = ["{rk}"]
+coordinator_keys = ["{ck}"]
+[[target]]
+name = "app"
+kind = "file"
+path = "{dest}"
+[health]
+soak = "300ms"
+interval = "100ms"
+[[health.check]]
+name = "app-runs"
+command = ["/bin/sh", "-c", "test -s {dest}"]
+timeout = "5s"
+[download]
+block_size = 1000
+in_flight = 3
+"#,
+        data = dir.join("agent-data").display(),
+        rk = hex::encode(key(1).verifying_key().as_bytes()),
+        ck = hex::encode(key(2).verifying_key().as_bytes()),
+        dest = dest.display(),
+    );
+    Config::from_toml(&text).expect("test config is valid")
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
+    let manifest = ReleaseManifest {
+        name: "app-2".into(),
+        version: "2.0".into(),
+        counter: 2,
+        hardware: vec!["pi4".into()],
+        artifacts: vec![Artifact {
+            name: "app.bin".into(),
+            target: "app".into(),
+            size: artifact.len() as u64,
+            sha256: flotilla_protocol::sha256(artifact),
+        }],
+        created_at: now(),
+        expires_at: now() + 3600,
+    };
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body: ActionBody::Install {
+            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+            kind: ActionKind::Forced,
+            window: None,
+        },
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
+/// artifact, and forwards the agent's reports.
+async fn coordinator(port: u16, device: &str, desired: SignedBlob, served: Vec<u8>) -> mpsc::Receiver<Report> {
+    let topics = Topics::default();
+    let id = DeviceId::new(device).expect("device id");
+    let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
+    options.set_max_packet_size(flotilla_protocol::MAX_PACKET_SIZE, flotilla_protocol::MAX_PACKET_SIZE);
+    let (client, mut eventloop) = AsyncClient::new(options, 100);
+    client.subscribe(topics.report(&id), QoS::AtLeastOnce).await.expect("subscribe");
+    client.subscribe(topics.fetch(&id), QoS::AtLeastOnce).await.expect("subscribe");
+    client
+        .publish(topics.desired(&id), QoS::AtLeastOnce, true, envelope::encode(&Message::Desired(desired)))
+        .await
+        .expect("publish desired");
+    let (tx, rx) = mpsc::channel(1000);
+    let block_topic = topics.block(&id);
+    tokio::spawn(async move {
+        loop {
+            let event = match eventloop.poll().await {
+                Ok(e) => e,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Event::Incoming(Packet::Publish(p)) = event else { continue };
+            match envelope::decode(&p.payload) {
+                Ok(Message::Report(r)) => {
+                    let _ = tx.send(r).await;
+                }
+                Ok(Message::Fetch(req)) => {
+                    let start = (req.offset as usize).min(served.len());
+                    let end = (start + req.length as usize).min(served.len());
+                    let reply = BlockReply::Data { sha256: req.sha256, offset: req.offset, data: served[start..end].to_vec() };
+                    let c = client.clone();
+                    let topic = block_topic.clone();
+                    // Publishing from a separate task: never wait on the client inside the poll loop.
+                    tokio::spawn(async move {
+                        let _ = c.publish(topic, QoS::AtLeastOnce, false, envelope::encode(&Message::Block(reply))).await;
+                    });
+                }
+                _ => {}
+            }
+        }
+    });
+    rx
+}
+
+/// Collects reports until one is terminal; returns them all.
+async fn reports_until_final(rx: &mut mpsc::Receiver<Report>) -> Vec<Report> {
+    let mut seen = Vec::new();
+    let result = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = rx.recv().await {
+            let done = r.phase.is_terminal();
+            seen.push(r);
+            if done {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(result.is_ok(), "no final report within 30s; reports so far: {seen:#?}");
+    seen
+}
+
+fn artifact() -> Vec<u8> {
+    (0..10_500u32).map(|i| (i % 253) as u8).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn installs_signed_release_and_reports_ready() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else { return };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-ok";
+    let bytes = artifact();
+    let mut reports = coordinator(broker.port, device, desired(device, "act-ok-1", &bytes), bytes.clone()).await;
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(agent_config(broker.port, dir.path(), device, &dest), shutdown.clone()));
+
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().map(|r| r.phase.clone());
+    assert_eq!(last, Some(Phase::Ready), "reports: {seen:#?}");
+    assert_eq!(std::fs::read(&dest).expect("read target"), bytes, "target holds the new artifact");
+    let phases: Vec<&str> = seen.iter().map(|r| r.phase.name()).collect();
+    for expected in ["accepted", "downloading", "verified", "staged", "activated", "confirming", "ready"] {
+        assert!(phases.contains(&expected), "missing {expected} in {phases:?}");
+    }
+    assert!(seen.windows(2).all(|w| w[0].seq < w[1].seq), "seq grows: {seen:#?}");
+
+    shutdown.cancel();
+    let result = tokio::time::timeout(TIMEOUT, agent).await.expect("agent stops within 30s").expect("agent task");
+    assert!(result.is_ok(), "agent ended with {result:?}");
+
+    // The database remembers it across a restart.
+    let status = flotilla_agent::status(&agent_config(broker.port, dir.path(), device, &dest)).expect("status");
+    assert!(status.contains("installed: app-2 2.0 (counter 2)"), "{status}");
+    assert!(status.contains("phase: ready"), "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tampered_artifact_leaves_target_untouched() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else { return };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-tampered";
+    let bytes = artifact();
+    let mut served = bytes.clone();
+    served[4321] ^= 0x55;
+    let mut reports = coordinator(broker.port, device, desired(device, "act-bad-1", &bytes), served).await;
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(agent_config(broker.port, dir.path(), device, &dest), shutdown.clone()));
+
+    let seen = reports_until_final(&mut reports).await;
+    match seen.last().map(|r| &r.phase) {
+        Some(Phase::Failed { reason, rolled_back: false }) => {
+            assert!(reason.starts_with("artifact app.bin: sha256 mismatch (expected "), "{reason}")
+        }
+        other => panic!("expected a sha256 mismatch failure, got {other:?}; reports: {seen:#?}"),
+    }
+    assert_eq!(std::fs::read(&dest).expect("read target"), b"old version", "target is untouched");
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
