@@ -116,8 +116,14 @@ impl DevicePhase {
     pub fn from_phase(phase: &Phase) -> Self {
         match phase {
             Phase::Ready | Phase::Downloaded => DevicePhase::Ready,
-            Phase::Failed { reason, rolled_back: true } => DevicePhase::Failed(format!("{reason} (rolled back)")),
-            Phase::Failed { reason, rolled_back: false } => DevicePhase::Failed(reason.clone()),
+            Phase::Failed {
+                reason,
+                rolled_back: true,
+            } => DevicePhase::Failed(format!("{reason} (rolled back)")),
+            Phase::Failed {
+                reason,
+                rolled_back: false,
+            } => DevicePhase::Failed(reason.clone()),
             Phase::Refused { reason } => DevicePhase::Refused(reason.clone()),
             Phase::Canceled => DevicePhase::Canceled,
             other => DevicePhase::InProgress(other.name().to_owned()),
@@ -137,7 +143,13 @@ impl DevicePhase {
     }
 
     pub fn is_terminal(&self) -> bool {
-        matches!(self, DevicePhase::Ready | DevicePhase::Failed(_) | DevicePhase::Refused(_) | DevicePhase::Canceled)
+        matches!(
+            self,
+            DevicePhase::Ready
+                | DevicePhase::Failed(_)
+                | DevicePhase::Refused(_)
+                | DevicePhase::Canceled
+        )
     }
 
     fn count_in(&self, counts: &mut GroupCounts, add: bool) {
@@ -195,7 +207,9 @@ pub struct Group {
 impl Group {
     /// Sets a device's phase and keeps the counters right; false when nothing changed.
     fn set_phase(&mut self, device: &str, new: DevicePhase) -> bool {
-        let Some(slot) = self.phases.get_mut(device) else { return false };
+        let Some(slot) = self.phases.get_mut(device) else {
+            return false;
+        };
         if *slot == new {
             return false;
         }
@@ -212,9 +226,18 @@ pub enum Effect {
     /// Persist the rollout with this name (read it with [`Engine::rollout`]).
     Save(String),
     /// Sign and publish (retained) a desired install action.
-    Desired { device: String, action_id: String, rollout: String, release: String },
+    Desired {
+        device: String,
+        action_id: String,
+        rollout: String,
+        release: String,
+    },
     /// Publish (retained) a cancel of this action.
-    Cancel { device: String, action_id: String, rollout: String },
+    Cancel {
+        device: String,
+        action_id: String,
+        rollout: String,
+    },
     /// Publish the rollout's summary (read it with [`Engine::status`]).
     Status(String),
     /// Publish one decision to `events/log`.
@@ -228,11 +251,21 @@ pub enum EngineError {
     #[error("a rollout named {0:?} already exists")]
     AlreadyExists(String),
     #[error("rollout {rollout} is {state}; cannot {command} it")]
-    InvalidTransition { rollout: String, state: RolloutState, command: &'static str },
+    InvalidTransition {
+        rollout: String,
+        state: RolloutState,
+        command: &'static str,
+    },
     #[error("rollout {rollout} would reach no device: {reason}")]
     NoDevices { rollout: String, reason: String },
-    #[error("rollout {rollout}: spec names release {spec_release:?} but release {release:?} was given")]
-    ReleaseMismatch { rollout: String, spec_release: String, release: String },
+    #[error(
+        "rollout {rollout}: spec names release {spec_release:?} but release {release:?} was given"
+    )]
+    ReleaseMismatch {
+        rollout: String,
+        spec_release: String,
+        release: String,
+    },
     #[error(transparent)]
     Spec(#[from] SpecError),
 }
@@ -283,7 +316,11 @@ impl Out {
 impl Rollout {
     /// Records a decision; every decision is a state change worth saving and publishing.
     fn record(&mut self, now: u64, message: String, out: &mut Out) {
-        let entry = TraceEntry { at: now, rollout: self.name.clone(), message };
+        let entry = TraceEntry {
+            at: now,
+            rollout: self.name.clone(),
+            message,
+        };
         if self.trace.len() >= TRACE_LIMIT {
             let excess = self.trace.len() + 1 - TRACE_LIMIT;
             self.trace.drain(..excess);
@@ -299,7 +336,11 @@ impl Rollout {
 
     /// Sends the group's desired actions and marks it running.
     fn start_group(&mut self, gi: usize, why: &str, now: u64, out: &mut Out) {
-        let (name, created_at, release) = (self.name.clone(), self.created_at, self.release.name.clone());
+        let (name, created_at, release) = (
+            self.name.clone(),
+            self.created_at,
+            self.release.name.clone(),
+        );
         let group = &mut self.groups[gi];
         group.state = GroupState::Running;
         for device in &group.devices {
@@ -317,7 +358,11 @@ impl Rollout {
                 });
             }
         }
-        let message = format!("group {} started with {} devices: {why}", group.name, group.devices.len());
+        let message = format!(
+            "group {} started with {} devices: {why}",
+            group.name,
+            group.devices.len()
+        );
         self.record(now, message, out);
     }
 
@@ -342,7 +387,11 @@ impl Rollout {
                 if e.met {
                     group.state = GroupState::Error;
                     self.state = RolloutState::Paused;
-                    self.record(now, format!("group {gname} paused rollout {name}: {}", e.reason), out);
+                    self.record(
+                        now,
+                        format!("group {gname} paused rollout {name}: {}", e.reason),
+                        out,
+                    );
                     return None;
                 }
             }
@@ -355,17 +404,27 @@ impl Rollout {
                     group.state = GroupState::Error;
                     if running {
                         self.state = RolloutState::Paused;
-                        let msg = format!("group {gname} paused rollout {name}: every device is done and {}", s.reason);
+                        let msg = format!(
+                            "group {gname} paused rollout {name}: every device is done and {}",
+                            s.reason
+                        );
                         self.record(now, msg, out);
                     } else {
-                        self.record(now, format!("group {gname} ended in error: {}", s.reason), out);
+                        self.record(
+                            now,
+                            format!("group {gname} ended in error: {}", s.reason),
+                            out,
+                        );
                     }
                     return None;
                 }
             }
         }
         let group = &mut self.groups[gi];
-        if !running || group.success_action_done || !matches!(group.state, GroupState::Running | GroupState::Finished) {
+        if !running
+            || group.success_action_done
+            || !matches!(group.state, GroupState::Running | GroupState::Finished)
+        {
             return None;
         }
         let s = success_met(&group.success, &group.counts);
@@ -380,7 +439,10 @@ impl Rollout {
             }
             SuccessAction::Pause => {
                 self.state = RolloutState::Paused;
-                let msg = format!("group {gname} succeeded ({}); its success action paused rollout {name}", s.reason);
+                let msg = format!(
+                    "group {gname} succeeded ({}); its success action paused rollout {name}",
+                    s.reason
+                );
                 self.record(now, msg, out);
                 None
             }
@@ -388,22 +450,32 @@ impl Rollout {
     }
 
     fn start_next(&mut self, why: &str, now: u64, out: &mut Out) -> Option<usize> {
-        let next = self.groups.iter().position(|g| g.state == GroupState::Scheduled)?;
+        let next = self
+            .groups
+            .iter()
+            .position(|g| g.state == GroupState::Scheduled)?;
         self.start_group(next, why, now, out);
         Some(next)
     }
 
     fn check_finished(&mut self, now: u64, out: &mut Out) {
         if self.state != RolloutState::Running
-            || !self.groups.iter().all(|g| matches!(g.state, GroupState::Finished | GroupState::Error))
+            || !self
+                .groups
+                .iter()
+                .all(|g| matches!(g.state, GroupState::Finished | GroupState::Error))
         {
             return;
         }
         self.state = RolloutState::Finished;
-        let (ready, failed) =
-            self.groups.iter().fold((0, 0), |(r, f), g| (r + g.counts.ready, f + g.counts.failed));
-        let message =
-            format!("rollout {} finished: {ready} of {} devices ready, {failed} failed", self.name, self.device_total());
+        let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
+            (r + g.counts.ready, f + g.counts.failed)
+        });
+        let message = format!(
+            "rollout {} finished: {ready} of {} devices ready, {failed} failed",
+            self.name,
+            self.device_total()
+        );
         self.record(now, message, out);
     }
 
@@ -424,7 +496,11 @@ impl Rollout {
                     failed: g.counts.failed,
                     in_progress: g.counts.in_progress,
                     scheduled: g.counts.scheduled,
-                    devices: g.phases.iter().map(|(d, p)| (d.clone(), p.name().to_owned())).collect(),
+                    devices: g
+                        .phases
+                        .iter()
+                        .map(|(d, p)| (d.clone(), p.name().to_owned()))
+                        .collect(),
                 })
                 .collect(),
             trace: self.trace.clone(),
@@ -505,7 +581,10 @@ impl Engine {
         let mut effects = Vec::new();
         for entry in self.rollouts.values() {
             let r = &entry.rollout;
-            let active = matches!(r.state, RolloutState::Running | RolloutState::Paused | RolloutState::Starting);
+            let active = matches!(
+                r.state,
+                RolloutState::Running | RolloutState::Paused | RolloutState::Starting
+            );
             if !active && r.state != RolloutState::Stopped {
                 continue;
             }
@@ -520,7 +599,11 @@ impl Engine {
                             release: r.release.name.clone(),
                         });
                     } else if !active && *phase == DevicePhase::Canceled {
-                        effects.push(Effect::Cancel { device: device.clone(), action_id, rollout: r.name.clone() });
+                        effects.push(Effect::Cancel {
+                            device: device.clone(),
+                            action_id,
+                            rollout: r.name.clone(),
+                        });
                     }
                 }
             }
@@ -544,7 +627,14 @@ impl Engine {
         self.devices.insert(state.device_id.clone(), record);
         let mut out = Out::default();
         if let Some(c) = current {
-            self.apply(&state.device_id, &c.action_id, &c.phase, true, now, &mut out);
+            self.apply(
+                &state.device_id,
+                &c.action_id,
+                &c.phase,
+                true,
+                now,
+                &mut out,
+            );
         }
         out.into_effects()
     }
@@ -563,25 +653,48 @@ impl Engine {
             record.reason = report.phase.reason().map(str::to_owned);
         }
         let mut out = Out::default();
-        self.apply(&report.device_id, &report.action_id, &report.phase, false, now, &mut out);
+        self.apply(
+            &report.device_id,
+            &report.action_id,
+            &report.phase,
+            false,
+            now,
+            &mut out,
+        );
         out.into_effects()
     }
 
     /// Routes a device's phase for an action to its rollout and group. Anything that is not the
     /// device's current action in a rollout (unknown rollout, older incarnation, group not yet
     /// started, another device's id) is ignored.
-    fn apply(&mut self, device: &str, action: &str, phase: &Phase, from_state: bool, now: u64, out: &mut Out) {
-        let Some((rollout, created_at, for_device)) = parse_action_id(action) else { return };
+    fn apply(
+        &mut self,
+        device: &str,
+        action: &str,
+        phase: &Phase,
+        from_state: bool,
+        now: u64,
+        out: &mut Out,
+    ) {
+        let Some((rollout, created_at, for_device)) = parse_action_id(action) else {
+            return;
+        };
         if for_device != device {
             return;
         }
-        let Some(entry) = self.rollouts.get_mut(rollout) else { return };
+        let Some(entry) = self.rollouts.get_mut(rollout) else {
+            return;
+        };
         if entry.rollout.created_at != created_at {
             return;
         }
-        let Some(&gi) = entry.index.get(device) else { return };
+        let Some(&gi) = entry.index.get(device) else {
+            return;
+        };
         let group = &mut entry.rollout.groups[gi];
-        let Some(current) = group.phases.get(device) else { return };
+        let Some(current) = group.phases.get(device) else {
+            return;
+        };
         if *current == DevicePhase::Scheduled {
             return;
         }
@@ -599,7 +712,12 @@ impl Engine {
 
     /// Plans a rollout over the devices known now (creating -> ready). Fails when no device
     /// would be reached, naming why.
-    pub fn create_rollout(&mut self, spec: RolloutSpec, release: ReleaseRef, now: u64) -> Result<Vec<Effect>, EngineError> {
+    pub fn create_rollout(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
         if self.rollouts.contains_key(&name) {
             return Err(EngineError::AlreadyExists(name));
@@ -614,13 +732,24 @@ impl Engine {
         let fleet: Vec<FleetDevice> = self
             .devices
             .iter()
-            .map(|(id, d)| FleetDevice { id: id.clone(), labels: d.labels.clone(), hardware_id: d.hardware_id.clone() })
+            .map(|(id, d)| FleetDevice {
+                id: id.clone(),
+                labels: d.labels.clone(),
+                hardware_id: d.hardware_id.clone(),
+            })
             .collect();
         let plan = planner::plan_groups(&spec, &fleet, &release.hardware);
         let planned = plan.device_count();
         if planned == 0 {
-            let selected = fleet.iter().filter(|d| spec.select.matches(&d.labels)).count();
-            let mut reason = format!("{} devices known, {selected} match select {:?}", fleet.len(), spec.select.to_string());
+            let selected = fleet
+                .iter()
+                .filter(|d| spec.select.matches(&d.labels))
+                .count();
+            let mut reason = format!(
+                "{} devices known, {selected} match select {:?}",
+                fleet.len(),
+                spec.select.to_string()
+            );
             if !plan.excluded.is_empty() {
                 reason.push_str(&format!(
                     ", {} excluded because release {} supports only hardware [{}]",
@@ -632,14 +761,25 @@ impl Engine {
             if !plan.unassigned.is_empty() {
                 reason.push_str(&format!(", {} taken by no group", plan.unassigned.len()));
             }
-            return Err(EngineError::NoDevices { rollout: name, reason });
+            return Err(EngineError::NoDevices {
+                rollout: name,
+                reason,
+            });
         }
         let groups = plan
             .groups
             .into_iter()
             .map(|g| Group {
-                counts: GroupCounts { total: g.devices.len(), scheduled: g.devices.len(), ..GroupCounts::default() },
-                phases: g.devices.iter().map(|d| (d.clone(), DevicePhase::Scheduled)).collect(),
+                counts: GroupCounts {
+                    total: g.devices.len(),
+                    scheduled: g.devices.len(),
+                    ..GroupCounts::default()
+                },
+                phases: g
+                    .devices
+                    .iter()
+                    .map(|d| (d.clone(), DevicePhase::Scheduled))
+                    .collect(),
                 name: g.name,
                 state: GroupState::Scheduled,
                 devices: g.devices,
@@ -648,7 +788,11 @@ impl Engine {
                 success_action_done: false,
             })
             .collect::<Vec<_>>();
-        let sizes = groups.iter().map(|g| format!("{} {}", g.name, g.devices.len())).collect::<Vec<_>>().join(", ");
+        let sizes = groups
+            .iter()
+            .map(|g| format!("{} {}", g.name, g.devices.len()))
+            .collect::<Vec<_>>()
+            .join(", ");
         let mut rollout = Rollout {
             name: name.clone(),
             release,
@@ -661,13 +805,22 @@ impl Engine {
             trace: Vec::new(),
         };
         let mut out = Out::default();
-        let mut message =
-            format!("created for release {}: {planned} devices in {} groups ({sizes})", rollout.release.name, rollout.groups.len());
+        let mut message = format!(
+            "created for release {}: {planned} devices in {} groups ({sizes})",
+            rollout.release.name,
+            rollout.groups.len()
+        );
         if !rollout.excluded.is_empty() {
-            message.push_str(&format!("; {} excluded by hardware", rollout.excluded.len()));
+            message.push_str(&format!(
+                "; {} excluded by hardware",
+                rollout.excluded.len()
+            ));
         }
         if !rollout.unassigned.is_empty() {
-            message.push_str(&format!("; {} selected but in no group, not rolled out", rollout.unassigned.len()));
+            message.push_str(&format!(
+                "; {} selected but in no group, not rolled out",
+                rollout.unassigned.len()
+            ));
         }
         rollout.record(now, message, &mut out);
         rollout.state = RolloutState::Ready;
@@ -676,11 +829,17 @@ impl Engine {
     }
 
     fn entry(&mut self, name: &str) -> Result<&mut Entry, EngineError> {
-        self.rollouts.get_mut(name).ok_or_else(|| EngineError::UnknownRollout(name.to_owned()))
+        self.rollouts
+            .get_mut(name)
+            .ok_or_else(|| EngineError::UnknownRollout(name.to_owned()))
     }
 
     fn invalid(r: &Rollout, command: &'static str) -> EngineError {
-        EngineError::InvalidTransition { rollout: r.name.clone(), state: r.state, command }
+        EngineError::InvalidTransition {
+            rollout: r.name.clone(),
+            state: r.state,
+            command,
+        }
     }
 
     /// ready -> starting -> running: the first group's devices get their desired actions.
@@ -725,13 +884,19 @@ impl Engine {
             if r.state != RolloutState::Running {
                 break;
             }
-            if matches!(r.groups[gi].state, GroupState::Running | GroupState::Finished) {
+            if matches!(
+                r.groups[gi].state,
+                GroupState::Running | GroupState::Finished
+            ) {
                 r.settle(gi, now, &mut out);
             }
         }
         // The last started group is done with (its success action paused the rollout, or it is in
         // error): continuing means starting the group after it.
-        let last = r.groups.iter().rposition(|g| g.state != GroupState::Scheduled);
+        let last = r
+            .groups
+            .iter()
+            .rposition(|g| g.state != GroupState::Scheduled);
         if let (RolloutState::Running, Some(li)) = (r.state, last) {
             let group = &mut r.groups[li];
             if group.success_action_done || group.state == GroupState::Error {
@@ -760,9 +925,17 @@ impl Engine {
         let mut out = Out::default();
         let mut canceled = 0;
         let (rname, created_at) = (r.name.clone(), r.created_at);
-        for group in r.groups.iter_mut().filter(|g| g.state != GroupState::Scheduled) {
-            let unfinished: Vec<String> =
-                group.phases.iter().filter(|(_, p)| !p.is_terminal()).map(|(d, _)| d.clone()).collect();
+        for group in r
+            .groups
+            .iter_mut()
+            .filter(|g| g.state != GroupState::Scheduled)
+        {
+            let unfinished: Vec<String> = group
+                .phases
+                .iter()
+                .filter(|(_, p)| !p.is_terminal())
+                .map(|(d, _)| d.clone())
+                .collect();
             for device in unfinished {
                 group.set_phase(&device, DevicePhase::Canceled);
                 out.commands.push(Effect::Cancel {
@@ -782,7 +955,11 @@ impl Engine {
             }
         }
         r.state = RolloutState::Stopped;
-        r.record(now, format!("stopped by operator; canceled {canceled} unfinished device actions"), &mut out);
+        r.record(
+            now,
+            format!("stopped by operator; canceled {canceled} unfinished device actions"),
+            &mut out,
+        );
         Ok(out.into_effects())
     }
 
@@ -843,8 +1020,15 @@ mod tests {
         DeviceState {
             device_id: id.into(),
             hardware_id: "pi4".into(),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-            installed: Some(InstalledRelease { name: "fw-2.3.0".into(), version: "2.3.0".into(), counter: 3 }),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            installed: Some(InstalledRelease {
+                name: "fw-2.3.0".into(),
+                version: "2.3.0".into(),
+                counter: 3,
+            }),
             current,
             online: true,
             agent_version: "0.1.0".into(),
@@ -853,15 +1037,25 @@ mod tests {
     }
 
     fn release() -> ReleaseRef {
-        ReleaseRef { name: "fw-2.4.0".into(), counter: 4, hardware: vec!["pi4".into()] }
+        ReleaseRef {
+            name: "fw-2.4.0".into(),
+            counter: 4,
+            hardware: vec!["pi4".into()],
+        }
     }
 
     fn spec(groups: &str) -> RolloutSpec {
-        RolloutSpec::from_toml(&format!("name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}")).expect("valid spec")
+        RolloutSpec::from_toml(&format!(
+            "name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}"
+        ))
+        .expect("valid spec")
     }
 
     fn failed() -> Phase {
-        Phase::Failed { reason: "health check nginx failed".into(), rolled_back: true }
+        Phase::Failed {
+            reason: "health check nginx failed".into(),
+            rolled_back: true,
+        }
     }
 
     /// An engine plus per-device report sequence numbers, as agents would send them.
@@ -875,14 +1069,23 @@ mod tests {
         fn new(devices: usize, label: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -> Self {
             let mut engine = Engine::new();
             for i in 0..devices {
-                let effects = engine.observe_state(state(&format!("dev-{i:03}"), &label(i), None), NOW);
+                let effects =
+                    engine.observe_state(state(&format!("dev-{i:03}"), &label(i), None), NOW);
                 assert!(effects.is_empty());
             }
-            Self { engine, seq: HashMap::new(), now: NOW }
+            Self {
+                engine,
+                seq: HashMap::new(),
+                now: NOW,
+            }
         }
 
         fn report(&mut self, device: &str, phase: Phase) -> Vec<Effect> {
-            let created_at = self.engine.rollout("fw-2-4").expect("rollout exists").created_at;
+            let created_at = self
+                .engine
+                .rollout("fw-2-4")
+                .expect("rollout exists")
+                .created_at;
             let seq = self.seq.entry(device.to_owned()).or_insert(0);
             *seq += 1;
             self.now += 1;
@@ -898,7 +1101,9 @@ mod tests {
         }
 
         fn create_and_start(&mut self, groups: &str) -> Vec<Effect> {
-            self.engine.create_rollout(spec(groups), release(), NOW).expect("created");
+            self.engine
+                .create_rollout(spec(groups), release(), NOW)
+                .expect("created");
             self.engine.start("fw-2-4", NOW).expect("started")
         }
 
@@ -915,7 +1120,11 @@ mod tests {
         }
 
         fn last_trace(&self) -> String {
-            self.rollout().trace.last().map(|t| t.message.clone()).unwrap_or_default()
+            self.rollout()
+                .trace
+                .last()
+                .map(|t| t.message.clone())
+                .unwrap_or_default()
         }
     }
 
@@ -937,7 +1146,10 @@ mod tests {
     fn action_ids_round_trip() {
         let id = action_id("fw-2-4", 1_700_000_000, "pi-17");
         assert_eq!(id, "fw-2-4@1700000000:pi-17");
-        assert_eq!(parse_action_id(&id), Some(("fw-2-4", 1_700_000_000, "pi-17")));
+        assert_eq!(
+            parse_action_id(&id),
+            Some(("fw-2-4", 1_700_000_000, "pi-17"))
+        );
         assert_eq!(parse_action_id("manual-action"), None);
         assert_eq!(parse_action_id("r@notanumber:dev"), None);
     }
@@ -945,10 +1157,18 @@ mod tests {
     #[test]
     fn start_orders_effects_and_sends_only_the_first_group() {
         let mut sim = Sim::new(6, no_labels);
-        let created = sim.engine.create_rollout(spec("[groups]\ncount = 3\n"), release(), NOW).expect("created");
+        let created = sim
+            .engine
+            .create_rollout(spec("[groups]\ncount = 3\n"), release(), NOW)
+            .expect("created");
         assert_eq!(created.first(), Some(&Effect::Save("fw-2-4".into())));
         assert_eq!(sim.rollout().state, RolloutState::Ready);
-        assert!(sim.last_trace().contains("6 devices in 3 groups (group-1 2, group-2 2, group-3 2)"), "{}", sim.last_trace());
+        assert!(
+            sim.last_trace()
+                .contains("6 devices in 3 groups (group-1 2, group-2 2, group-3 2)"),
+            "{}",
+            sim.last_trace()
+        );
 
         let effects = sim.engine.start("fw-2-4", NOW).expect("started");
         assert_eq!(effects[0], Effect::Save("fw-2-4".into()));
@@ -963,9 +1183,18 @@ mod tests {
             }
         );
         assert_eq!(effects[3], Effect::Status("fw-2-4".into()));
-        assert!(matches!(effects.last(), Some(Effect::Trace(t)) if t.message.contains("group group-1 started with 2 devices")));
+        assert!(
+            matches!(effects.last(), Some(Effect::Trace(t)) if t.message.contains("group group-1 started with 2 devices"))
+        );
         assert_eq!(sim.rollout().state, RolloutState::Running);
-        assert_eq!(sim.group_states(), vec![GroupState::Running, GroupState::Scheduled, GroupState::Scheduled]);
+        assert_eq!(
+            sim.group_states(),
+            vec![
+                GroupState::Running,
+                GroupState::Scheduled,
+                GroupState::Scheduled
+            ]
+        );
     }
 
     #[test]
@@ -976,7 +1205,13 @@ mod tests {
         while i < sent.len() {
             let device = sent[i].clone();
             sim.report(&device, Phase::Accepted);
-            sim.report(&device, Phase::Downloading { done: 10, total: 100 });
+            sim.report(
+                &device,
+                Phase::Downloading {
+                    done: 10,
+                    total: 100,
+                },
+            );
             sent.extend(desired(&sim.report(&device, Phase::Ready)));
             i += 1;
         }
@@ -987,7 +1222,12 @@ mod tests {
         assert_eq!(sent.len(), 10);
         assert_eq!(sim.rollout().state, RolloutState::Finished);
         assert_eq!(sim.group_states(), vec![GroupState::Finished; 3]);
-        assert!(sim.last_trace().contains("finished: 10 of 10 devices ready, 0 failed"), "{}", sim.last_trace());
+        assert!(
+            sim.last_trace()
+                .contains("finished: 10 of 10 devices ready, 0 failed"),
+            "{}",
+            sim.last_trace()
+        );
         let status = sim.engine.status("fw-2-4").expect("status");
         assert_eq!(status.state, "finished");
         assert_eq!(status.groups[0].ready, 4);
@@ -996,7 +1236,13 @@ mod tests {
 
     #[test]
     fn error_threshold_pauses_then_resume_finishes() {
-        let mut sim = Sim::new(12, |i| if i < 5 { vec![("env", "canary")] } else { vec![("env", "prod")] });
+        let mut sim = Sim::new(12, |i| {
+            if i < 5 {
+                vec![("env", "canary")]
+            } else {
+                vec![("env", "prod")]
+            }
+        });
         sim.create_and_start(
             "[groups]\nerror = { threshold = \"20%\", action = \"pause\" }\n\
              [[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n[[groups.group]]\nname = \"rest\"\n",
@@ -1004,19 +1250,39 @@ mod tests {
         let canary = sim.group_devices(0);
         assert_eq!(canary.len(), 5);
         sim.report(&canary[0], failed());
-        assert_eq!(sim.rollout().state, RolloutState::Running, "1 of 5 failed is not more than 20%");
+        assert_eq!(
+            sim.rollout().state,
+            RolloutState::Running,
+            "1 of 5 failed is not more than 20%"
+        );
         let effects = sim.report(&canary[1], failed());
         assert_eq!(sim.rollout().state, RolloutState::Paused);
-        assert_eq!(sim.group_states(), vec![GroupState::Error, GroupState::Scheduled]);
-        assert!(desired(&effects).is_empty(), "the next group must not start");
-        assert_eq!(sim.last_trace(), "group canary paused rollout fw-2-4: 2 of 5 failed > 20%");
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Error, GroupState::Scheduled]
+        );
+        assert!(
+            desired(&effects).is_empty(),
+            "the next group must not start"
+        );
+        assert_eq!(
+            sim.last_trace(),
+            "group canary paused rollout fw-2-4: 2 of 5 failed > 20%"
+        );
 
         // Devices already working keep reporting while paused; nothing new starts.
         for d in &canary[2..] {
             assert!(desired(&sim.report(d, Phase::Ready)).is_empty());
         }
         let status = sim.engine.status("fw-2-4").expect("status");
-        assert_eq!((status.groups[0].ready, status.groups[0].failed, status.groups[0].in_progress), (3, 2, 0));
+        assert_eq!(
+            (
+                status.groups[0].ready,
+                status.groups[0].failed,
+                status.groups[0].in_progress
+            ),
+            (3, 2, 0)
+        );
         assert_eq!(status.groups[1].scheduled, 7);
 
         let effects = sim.engine.resume("fw-2-4", sim.now).expect("resumed");
@@ -1026,8 +1292,16 @@ mod tests {
             sim.report(d, Phase::Ready);
         }
         assert_eq!(sim.rollout().state, RolloutState::Finished);
-        assert_eq!(sim.group_states(), vec![GroupState::Error, GroupState::Finished]);
-        assert!(sim.last_trace().contains("10 of 12 devices ready, 2 failed"), "{}", sim.last_trace());
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Error, GroupState::Finished]
+        );
+        assert!(
+            sim.last_trace()
+                .contains("10 of 12 devices ready, 2 failed"),
+            "{}",
+            sim.last_trace()
+        );
     }
 
     #[test]
@@ -1036,12 +1310,27 @@ mod tests {
         sim.create_and_start("[groups]\ncount = 2\n");
         let first = sim.group_devices(0);
         sim.report(&first[0], Phase::Ready);
-        sim.report(&first[1], Phase::Refused { reason: "action expired at 1700000000".into() });
+        sim.report(
+            &first[1],
+            Phase::Refused {
+                reason: "action expired at 1700000000".into(),
+            },
+        );
         // No error condition, but the group can never reach 100%: stay put and tell the operator.
         assert_eq!(sim.rollout().state, RolloutState::Paused);
-        assert_eq!(sim.group_states(), vec![GroupState::Error, GroupState::Scheduled]);
-        assert!(sim.last_trace().contains("1 of 2 ready < 100%"), "{}", sim.last_trace());
-        assert_eq!(sim.engine.status("fw-2-4").expect("status").groups[0].failed, 1);
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Error, GroupState::Scheduled]
+        );
+        assert!(
+            sim.last_trace().contains("1 of 2 ready < 100%"),
+            "{}",
+            sim.last_trace()
+        );
+        assert_eq!(
+            sim.engine.status("fw-2-4").expect("status").groups[0].failed,
+            1
+        );
     }
 
     #[test]
@@ -1053,8 +1342,16 @@ mod tests {
         let effects = sim.report(&canary[0], Phase::Ready);
         assert!(desired(&effects).is_empty());
         assert_eq!(sim.rollout().state, RolloutState::Paused);
-        assert_eq!(sim.group_states(), vec![GroupState::Finished, GroupState::Scheduled]);
-        assert!(sim.last_trace().contains("success action paused rollout fw-2-4"), "{}", sim.last_trace());
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Finished, GroupState::Scheduled]
+        );
+        assert!(
+            sim.last_trace()
+                .contains("success action paused rollout fw-2-4"),
+            "{}",
+            sim.last_trace()
+        );
         let rest = desired(&sim.engine.resume("fw-2-4", sim.now).expect("resumed"));
         assert_eq!(rest.len(), 3);
         for d in &rest {
@@ -1070,10 +1367,20 @@ mod tests {
         let first = sim.group_devices(0);
         sim.report(&first[0], Phase::Ready);
         let next = desired(&sim.report(&first[1], Phase::Ready));
-        assert_eq!(next, sim.group_devices(1), "2 of 4 ready >= 50% starts group-2");
-        assert_eq!(sim.group_states(), vec![GroupState::Running, GroupState::Running]);
+        assert_eq!(
+            next,
+            sim.group_devices(1),
+            "2 of 4 ready >= 50% starts group-2"
+        );
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Running, GroupState::Running]
+        );
         for d in first[2..].iter().chain(&next) {
-            assert!(desired(&sim.report(d, Phase::Ready)).is_empty(), "no group starts twice");
+            assert!(
+                desired(&sim.report(d, Phase::Ready)).is_empty(),
+                "no group starts twice"
+            );
         }
         assert_eq!(sim.rollout().state, RolloutState::Finished);
     }
@@ -1081,26 +1388,49 @@ mod tests {
     #[test]
     fn pause_resume_and_invalid_transitions() {
         let mut sim = Sim::new(2, no_labels);
-        sim.engine.create_rollout(spec("[groups]\ncount = 2\n"), release(), NOW).expect("created");
-        let err = sim.engine.resume("fw-2-4", NOW).expect_err("ready cannot resume");
+        sim.engine
+            .create_rollout(spec("[groups]\ncount = 2\n"), release(), NOW)
+            .expect("created");
+        let err = sim
+            .engine
+            .resume("fw-2-4", NOW)
+            .expect_err("ready cannot resume");
         assert_eq!(err.to_string(), "rollout fw-2-4 is ready; cannot resume it");
         sim.engine.start("fw-2-4", NOW).expect("started");
-        assert!(matches!(sim.engine.start("fw-2-4", NOW), Err(EngineError::InvalidTransition { command: "start", .. })));
+        assert!(matches!(
+            sim.engine.start("fw-2-4", NOW),
+            Err(EngineError::InvalidTransition {
+                command: "start",
+                ..
+            })
+        ));
         assert!(sim.engine.resume("fw-2-4", NOW).is_err());
         sim.engine.pause("fw-2-4", NOW).expect("paused");
         assert_eq!(sim.last_trace(), "paused by operator");
         // While paused the first group succeeds, but the second waits for resume.
         let first = sim.group_devices(0);
         assert!(desired(&sim.report(&first[0], Phase::Ready)).is_empty());
-        assert_eq!(sim.group_states(), vec![GroupState::Finished, GroupState::Scheduled]);
+        assert_eq!(
+            sim.group_states(),
+            vec![GroupState::Finished, GroupState::Scheduled]
+        );
         let second = desired(&sim.engine.resume("fw-2-4", sim.now).expect("resumed"));
         assert_eq!(second, sim.group_devices(1));
         sim.report(&second[0], Phase::Ready);
         assert_eq!(sim.rollout().state, RolloutState::Finished);
-        for result in [sim.engine.pause("fw-2-4", NOW), sim.engine.resume("fw-2-4", NOW), sim.engine.stop("fw-2-4", NOW)] {
-            assert!(result.expect_err("finished is terminal").to_string().contains("is finished"));
+        for result in [
+            sim.engine.pause("fw-2-4", NOW),
+            sim.engine.resume("fw-2-4", NOW),
+            sim.engine.stop("fw-2-4", NOW),
+        ] {
+            assert!(result
+                .expect_err("finished is terminal")
+                .to_string()
+                .contains("is finished"));
         }
-        assert!(matches!(sim.engine.start("nope", NOW), Err(EngineError::UnknownRollout(n)) if n == "nope"));
+        assert!(
+            matches!(sim.engine.start("nope", NOW), Err(EngineError::UnknownRollout(n)) if n == "nope")
+        );
     }
 
     #[test]
@@ -1115,16 +1445,24 @@ mod tests {
         let canceled: Vec<&str> = effects
             .iter()
             .filter_map(|e| match e {
-                Effect::Cancel { device, action_id, .. } => {
+                Effect::Cancel {
+                    device, action_id, ..
+                } => {
                     assert_eq!(action_id, &format!("fw-2-4@{NOW}:{device}"));
                     Some(device.as_str())
                 }
                 _ => None,
             })
             .collect();
-        assert_eq!(canceled, vec![first[1].as_str(), first[2].as_str()], "the ready device is left alone");
+        assert_eq!(
+            canceled,
+            vec![first[1].as_str(), first[2].as_str()],
+            "the ready device is left alone"
+        );
         assert_eq!(sim.rollout().state, RolloutState::Stopped);
-        assert!(sim.last_trace().contains("canceled 2 unfinished device actions"));
+        assert!(sim
+            .last_trace()
+            .contains("canceled 2 unfinished device actions"));
         // Late reports still update the status but never start the next group.
         assert!(desired(&sim.report(&first[2], Phase::Ready)).is_empty());
         assert_eq!(sim.group_states()[1], GroupState::Scheduled);
@@ -1154,8 +1492,15 @@ mod tests {
         assert_eq!(&saved, sim.rollout());
         let mut engine = Engine::restore(vec![saved]);
         let reissued = engine.reissue(sim.now);
-        assert_eq!(desired(&reissued), vec![second[1].clone(), second[2].clone()], "only unfinished devices of started groups");
-        assert_eq!(engine.rollout("fw-2-4").map(|r| r.state), Some(RolloutState::Running));
+        assert_eq!(
+            desired(&reissued),
+            vec![second[1].clone(), second[2].clone()],
+            "only unfinished devices of started groups"
+        );
+        assert_eq!(
+            engine.rollout("fw-2-4").map(|r| r.state),
+            Some(RolloutState::Running)
+        );
 
         sim.engine = engine;
         let mut started = Vec::new();
@@ -1166,7 +1511,12 @@ mod tests {
             assert!(desired(&sim.report(d, Phase::Ready)).is_empty());
         }
         assert_eq!(sim.rollout().state, RolloutState::Finished);
-        let starts = sim.rollout().trace.iter().filter(|t| t.message.contains("started with")).count();
+        let starts = sim
+            .rollout()
+            .trace
+            .iter()
+            .filter(|t| t.message.contains("started with"))
+            .count();
         assert_eq!(starts, 3, "each group started exactly once");
     }
 
@@ -1184,11 +1534,32 @@ mod tests {
             at: NOW,
         };
         sim.engine.observe_report(report(5, Phase::Staged), NOW);
-        assert!(sim.engine.observe_report(report(4, Phase::Failed { reason: "old".into(), rolled_back: false }), NOW).is_empty());
-        assert!(sim.engine.observe_report(report(5, Phase::Ready), NOW).is_empty());
-        assert_eq!(sim.engine.status("fw-2-4").expect("status").groups[0].devices["dev-000"], "staged");
+        assert!(sim
+            .engine
+            .observe_report(
+                report(
+                    4,
+                    Phase::Failed {
+                        reason: "old".into(),
+                        rolled_back: false
+                    }
+                ),
+                NOW
+            )
+            .is_empty());
+        assert!(sim
+            .engine
+            .observe_report(report(5, Phase::Ready), NOW)
+            .is_empty());
+        assert_eq!(
+            sim.engine.status("fw-2-4").expect("status").groups[0].devices["dev-000"],
+            "staged"
+        );
         sim.engine.observe_report(report(6, Phase::Ready), NOW);
-        assert_eq!(sim.engine.status("fw-2-4").expect("status").groups[0].devices["dev-000"], "ready");
+        assert_eq!(
+            sim.engine.status("fw-2-4").expect("status").groups[0].devices["dev-000"],
+            "ready"
+        );
     }
 
     #[test]
@@ -1198,7 +1569,14 @@ mod tests {
         let scheduled = sim.group_devices(1)[0].clone();
         let mut send = |device: &str, action: String, seq| {
             sim.engine.observe_report(
-                Report { device_id: device.into(), seq, action_id: action, rollout_id: "fw-2-4".into(), phase: Phase::Ready, at: NOW },
+                Report {
+                    device_id: device.into(),
+                    seq,
+                    action_id: action,
+                    rollout_id: "fw-2-4".into(),
+                    phase: Phase::Ready,
+                    at: NOW,
+                },
                 NOW,
             )
         };
@@ -1222,14 +1600,35 @@ mod tests {
             rollout_id: "fw-2-4".into(),
             phase: Phase::Ready,
         };
-        let effects = sim.engine.observe_state(state(&first, &[], Some(current.clone())), NOW + 5);
-        assert_eq!(desired(&effects), sim.group_devices(1), "the missed ready started the next group");
-        let summary = sim.engine.devices().into_iter().find(|d| d.id == first).expect("known device");
-        assert_eq!((summary.rollout.as_deref(), summary.phase.as_deref()), (Some("fw-2-4"), Some("ready")));
+        let effects = sim
+            .engine
+            .observe_state(state(&first, &[], Some(current.clone())), NOW + 5);
+        assert_eq!(
+            desired(&effects),
+            sim.group_devices(1),
+            "the missed ready started the next group"
+        );
+        let summary = sim
+            .engine
+            .devices()
+            .into_iter()
+            .find(|d| d.id == first)
+            .expect("known device");
+        assert_eq!(
+            (summary.rollout.as_deref(), summary.phase.as_deref()),
+            (Some("fw-2-4"), Some("ready"))
+        );
         // An older retained state never moves a finished device back.
-        let stale = CurrentAction { phase: Phase::Staged, ..current };
-        sim.engine.observe_state(state(&first, &[], Some(stale)), NOW + 6);
-        assert_eq!(sim.engine.status("fw-2-4").expect("status").groups[0].devices[&first], "ready");
+        let stale = CurrentAction {
+            phase: Phase::Staged,
+            ..current
+        };
+        sim.engine
+            .observe_state(state(&first, &[], Some(stale)), NOW + 6);
+        assert_eq!(
+            sim.engine.status("fw-2-4").expect("status").groups[0].devices[&first],
+            "ready"
+        );
     }
 
     #[test]
@@ -1237,16 +1636,37 @@ mod tests {
         let mut sim = Sim::new(3, |_| vec![("hw", "pi4")]);
         let s = RolloutSpec::from_toml("name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\nselect = \"site=mars\"\n[groups]\ncount = 1\n")
             .expect("valid");
-        let err = sim.engine.create_rollout(s, release(), NOW).expect_err("no device on mars");
-        assert_eq!(err.to_string(), "rollout fw-2-4 would reach no device: 3 devices known, 0 match select \"site=mars\"");
+        let err = sim
+            .engine
+            .create_rollout(s, release(), NOW)
+            .expect_err("no device on mars");
+        assert_eq!(
+            err.to_string(),
+            "rollout fw-2-4 would reach no device: 3 devices known, 0 match select \"site=mars\""
+        );
         assert!(sim.engine.rollout("fw-2-4").is_none(), "nothing is created");
 
-        let cm4 = ReleaseRef { hardware: vec!["cm4".into()], ..release() };
-        let err = sim.engine.create_rollout(spec("[groups]\ncount = 1\n"), cm4, NOW).expect_err("wrong hardware");
-        assert!(err.to_string().contains("3 excluded because release fw-2.4.0 supports only hardware [cm4]"), "{err}");
+        let cm4 = ReleaseRef {
+            hardware: vec!["cm4".into()],
+            ..release()
+        };
+        let err = sim
+            .engine
+            .create_rollout(spec("[groups]\ncount = 1\n"), cm4, NOW)
+            .expect_err("wrong hardware");
+        assert!(
+            err.to_string()
+                .contains("3 excluded because release fw-2.4.0 supports only hardware [cm4]"),
+            "{err}"
+        );
 
-        sim.engine.create_rollout(spec("[groups]\ncount = 1\n"), release(), NOW).expect("created");
-        let err = sim.engine.create_rollout(spec("[groups]\ncount = 1\n"), release(), NOW).expect_err("twice");
+        sim.engine
+            .create_rollout(spec("[groups]\ncount = 1\n"), release(), NOW)
+            .expect("created");
+        let err = sim
+            .engine
+            .create_rollout(spec("[groups]\ncount = 1\n"), release(), NOW)
+            .expect_err("twice");
         assert_eq!(err.to_string(), "a rollout named \"fw-2-4\" already exists");
     }
 
@@ -1256,8 +1676,17 @@ mod tests {
         sim.create_and_start("[groups]\ncount = 1\n");
         assert!(sim.engine.tick(NOW).is_empty());
         let effects = sim.report("dev-000", Phase::Accepted);
-        assert!(effects.is_empty(), "a phase change alone is batched until the tick: {effects:?}");
-        assert_eq!(sim.engine.tick(NOW), vec![Effect::Save("fw-2-4".into()), Effect::Status("fw-2-4".into())]);
+        assert!(
+            effects.is_empty(),
+            "a phase change alone is batched until the tick: {effects:?}"
+        );
+        assert_eq!(
+            sim.engine.tick(NOW),
+            vec![
+                Effect::Save("fw-2-4".into()),
+                Effect::Status("fw-2-4".into())
+            ]
+        );
         assert!(sim.engine.tick(NOW).is_empty());
     }
 
@@ -1271,7 +1700,10 @@ mod tests {
         }
         let trace = &sim.rollout().trace;
         assert_eq!(trace.len(), TRACE_LIMIT);
-        assert_eq!(trace.last().map(|t| t.message.as_str()), Some("resumed by operator"));
+        assert_eq!(
+            trace.last().map(|t| t.message.as_str()),
+            Some("resumed by operator")
+        );
     }
 
     #[test]
@@ -1281,7 +1713,13 @@ mod tests {
         for i in 0..N {
             engine.observe_state(state(&format!("d{i:06}"), &[], None), NOW);
         }
-        engine.create_rollout(spec("[groups]\ncount = 4\nerror = { threshold = \"5%\" }\n"), release(), NOW).expect("created");
+        engine
+            .create_rollout(
+                spec("[groups]\ncount = 4\nerror = { threshold = \"5%\" }\n"),
+                release(),
+                NOW,
+            )
+            .expect("created");
         let mut pending = desired(&engine.start("fw-2-4", NOW).expect("started"));
         assert_eq!(pending.len(), N / 4);
         let mut reported = 0;
@@ -1300,6 +1738,9 @@ mod tests {
         assert_eq!(reported, N);
         let r = engine.rollout("fw-2-4").expect("rollout");
         assert_eq!(r.state, RolloutState::Finished);
-        assert!(r.groups.iter().all(|g| g.state == GroupState::Finished && g.counts.ready == N / 4));
+        assert!(r
+            .groups
+            .iter()
+            .all(|g| g.state == GroupState::Finished && g.counts.ready == N / 4));
     }
 }

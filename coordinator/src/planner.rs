@@ -84,7 +84,11 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
     let mut groups = Vec::new();
     let mut unassigned = Vec::new();
     match spec.groups() {
-        GroupsSpec::Count { count, success, error } => {
+        GroupsSpec::Count {
+            count,
+            success,
+            error,
+        } => {
             let count = *count as usize;
             let (base, extra) = (selected.len() / count, selected.len() % count);
             let mut rest = selected.iter();
@@ -119,11 +123,19 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
                     error: g.error.clone(),
                 });
             }
-            unassigned =
-                selected.iter().zip(&taken).filter(|(_, t)| !**t).map(|(d, _)| d.id.clone()).collect();
+            unassigned = selected
+                .iter()
+                .zip(&taken)
+                .filter(|(_, t)| !**t)
+                .map(|(d, _)| d.id.clone())
+                .collect();
         }
     }
-    Plan { groups, excluded, unassigned }
+    Plan {
+        groups,
+        excluded,
+        unassigned,
+    }
 }
 
 /// Where a group's devices stand, kept up to date incrementally by the engine.
@@ -160,7 +172,13 @@ pub struct Evaluation {
 pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation {
     let met = cond.threshold.reached_by(counts.ready, counts.total);
     let op = if met { ">=" } else { "<" };
-    Evaluation { met, reason: format!("{} of {} ready {op} {}", counts.ready, counts.total, cond.threshold) }
+    Evaluation {
+        met,
+        reason: format!(
+            "{} of {} ready {op} {}",
+            counts.ready, counts.total, cond.threshold
+        ),
+    }
 }
 
 /// The error condition holds when the failed share (failed and refused) is strictly above the
@@ -168,7 +186,13 @@ pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation 
 pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
     let met = cond.threshold.exceeded_by(counts.failed, counts.total);
     let op = if met { ">" } else { "<=" };
-    Evaluation { met, reason: format!("{} of {} failed {op} {}", counts.failed, counts.total, cond.threshold) }
+    Evaluation {
+        met,
+        reason: format!(
+            "{} of {} failed {op} {}",
+            counts.failed, counts.total, cond.threshold
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -179,7 +203,10 @@ mod tests {
     fn device(i: usize, labels: &[(&str, &str)], hw: &str) -> FleetDevice {
         FleetDevice {
             id: format!("dev-{i:03}"),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             hardware_id: hw.into(),
         }
     }
@@ -190,7 +217,8 @@ mod tests {
     }
 
     fn spec(groups: &str) -> RolloutSpec {
-        RolloutSpec::from_toml(&format!("name = \"r\"\nrelease = \"rel\"\n{groups}")).expect("valid spec")
+        RolloutSpec::from_toml(&format!("name = \"r\"\nrelease = \"rel\"\n{groups}"))
+            .expect("valid spec")
     }
 
     fn sizes(plan: &Plan) -> Vec<usize> {
@@ -215,7 +243,13 @@ mod tests {
         assert_eq!(sizes(&plan_groups(&s, &fleet(12), &[])), vec![4, 4, 4]);
         let plan = plan_groups(&s, &fleet(10), &[]);
         assert_eq!(sizes(&plan), vec![4, 3, 3]);
-        assert_eq!(plan.groups.iter().map(|g| g.name.as_str()).collect::<Vec<_>>(), ["group-1", "group-2", "group-3"]);
+        assert_eq!(
+            plan.groups
+                .iter()
+                .map(|g| g.name.as_str())
+                .collect::<Vec<_>>(),
+            ["group-1", "group-2", "group-3"]
+        );
         let all: Vec<&String> = plan.groups.iter().flat_map(|g| &g.devices).collect();
         assert_eq!(all.len(), 10, "every device in exactly one group");
         assert_eq!(sizes(&plan_groups(&s, &fleet(2), &[])), vec![1, 1, 0]);
@@ -227,13 +261,19 @@ mod tests {
         let plan = plan_groups(&s, &fleet(5), &[]);
         // 10% of 5 = 0.5 -> 1; 50% of the remaining 4 = 2; 2 devices are in no group.
         assert_eq!(sizes(&plan), vec![1, 2]);
-        assert_eq!(plan.unassigned, vec!["dev-003".to_string(), "dev-004".to_string()]);
+        assert_eq!(
+            plan.unassigned,
+            vec!["dev-003".to_string(), "dev-004".to_string()]
+        );
         assert_eq!(plan.device_count(), 3);
     }
 
     #[test]
     fn group_selectors_take_only_devices_not_in_earlier_groups() {
-        let mut f = vec![device(0, &[("env", "canary")], "pi4"), device(1, &[("env", "canary")], "pi4")];
+        let mut f = vec![
+            device(0, &[("env", "canary")], "pi4"),
+            device(1, &[("env", "canary")], "pi4"),
+        ];
         f.extend((2..6).map(|i| device(i, &[("env", "prod")], "pi4")));
         let s = spec(
             "[groups]\n[[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n\
@@ -253,13 +293,18 @@ mod tests {
             device(1, &[("site", "a")], "pi3"),
             device(2, &[("site", "b")], "pi4"),
         ];
-        let s = RolloutSpec::from_toml("name = \"r\"\nrelease = \"rel\"\nselect = \"site=a\"\n[groups]\ncount = 1\n")
-            .expect("valid");
+        let s = RolloutSpec::from_toml(
+            "name = \"r\"\nrelease = \"rel\"\nselect = \"site=a\"\n[groups]\ncount = 1\n",
+        )
+        .expect("valid");
         let plan = plan_groups(&s, &f, &["pi4".to_string(), "cm4".to_string()]);
         assert_eq!(plan.groups[0].devices, vec!["dev-000"]);
         assert_eq!(plan.excluded.len(), 1);
         assert_eq!(plan.excluded[0].device, "dev-001");
-        assert!(plan.excluded[0].reason.contains("\"pi3\"") && plan.excluded[0].reason.contains("pi4, cm4"));
+        assert!(
+            plan.excluded[0].reason.contains("\"pi3\"")
+                && plan.excluded[0].reason.contains("pi4, cm4")
+        );
         // An empty hardware list means any hardware.
         let plan = plan_groups(&s, &f, &[]);
         assert_eq!(plan.groups[0].devices, vec!["dev-000", "dev-001"]);
@@ -267,7 +312,13 @@ mod tests {
     }
 
     fn counts(total: usize, ready: usize, failed: usize) -> GroupCounts {
-        GroupCounts { total, ready, failed, in_progress: total - ready - failed, ..GroupCounts::default() }
+        GroupCounts {
+            total,
+            ready,
+            failed,
+            in_progress: total - ready - failed,
+            ..GroupCounts::default()
+        }
     }
 
     fn pct(p: u32) -> Percent {
@@ -276,10 +327,28 @@ mod tests {
 
     #[test]
     fn success_needs_the_threshold_share_ready() {
-        let all = SuccessCondition { threshold: pct(100), action: SuccessAction::Next };
-        assert_eq!(success_met(&all, &counts(4, 4, 0)), Evaluation { met: true, reason: "4 of 4 ready >= 100%".into() });
-        assert_eq!(success_met(&all, &counts(4, 3, 1)), Evaluation { met: false, reason: "3 of 4 ready < 100%".into() });
-        let most = SuccessCondition { threshold: pct(75), action: SuccessAction::Next };
+        let all = SuccessCondition {
+            threshold: pct(100),
+            action: SuccessAction::Next,
+        };
+        assert_eq!(
+            success_met(&all, &counts(4, 4, 0)),
+            Evaluation {
+                met: true,
+                reason: "4 of 4 ready >= 100%".into()
+            }
+        );
+        assert_eq!(
+            success_met(&all, &counts(4, 3, 1)),
+            Evaluation {
+                met: false,
+                reason: "3 of 4 ready < 100%".into()
+            }
+        );
+        let most = SuccessCondition {
+            threshold: pct(75),
+            action: SuccessAction::Next,
+        };
         assert!(success_met(&most, &counts(4, 3, 0)).met);
         assert!(!success_met(&most, &counts(5, 3, 0)).met);
         let empty = success_met(&all, &counts(0, 0, 0));
@@ -288,12 +357,33 @@ mod tests {
 
     #[test]
     fn error_needs_strictly_more_than_the_threshold_failed() {
-        let ten = ErrorCondition { threshold: pct(10), action: ErrorAction::Pause };
-        assert_eq!(error_met(&ten, &counts(20, 0, 3)), Evaluation { met: true, reason: "3 of 20 failed > 10%".into() });
-        assert_eq!(error_met(&ten, &counts(20, 0, 2)), Evaluation { met: false, reason: "2 of 20 failed <= 10%".into() });
-        let zero = ErrorCondition { threshold: pct(0), action: ErrorAction::Pause };
+        let ten = ErrorCondition {
+            threshold: pct(10),
+            action: ErrorAction::Pause,
+        };
+        assert_eq!(
+            error_met(&ten, &counts(20, 0, 3)),
+            Evaluation {
+                met: true,
+                reason: "3 of 20 failed > 10%".into()
+            }
+        );
+        assert_eq!(
+            error_met(&ten, &counts(20, 0, 2)),
+            Evaluation {
+                met: false,
+                reason: "2 of 20 failed <= 10%".into()
+            }
+        );
+        let zero = ErrorCondition {
+            threshold: pct(0),
+            action: ErrorAction::Pause,
+        };
         assert!(!error_met(&zero, &counts(5, 0, 0)).met);
         assert!(error_met(&zero, &counts(5, 0, 1)).met);
-        assert!(!error_met(&zero, &counts(0, 0, 0)).met, "an empty group never fails");
+        assert!(
+            !error_met(&zero, &counts(0, 0, 0)).met,
+            "an empty group never fails"
+        );
     }
 }

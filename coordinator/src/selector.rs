@@ -54,11 +54,24 @@ pub enum Requirement {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SelectorError {
     #[error("selector {input:?}: expected {expected} at position {position}, found {found:?}")]
-    Unexpected { input: String, position: usize, expected: &'static str, found: String },
+    Unexpected {
+        input: String,
+        position: usize,
+        expected: &'static str,
+        found: String,
+    },
     #[error("selector {input:?}: expected {expected} at position {position}, found the end")]
-    UnexpectedEnd { input: String, position: usize, expected: &'static str },
+    UnexpectedEnd {
+        input: String,
+        position: usize,
+        expected: &'static str,
+    },
     #[error("selector {input:?}: the set for {key:?} at position {position} is empty")]
-    EmptySet { input: String, position: usize, key: String },
+    EmptySet {
+        input: String,
+        position: usize,
+        key: String,
+    },
 }
 
 impl Selector {
@@ -93,7 +106,9 @@ impl Requirement {
             Requirement::Equals { key, value } => labels.get(key) == Some(value),
             Requirement::NotEquals { key, value } => labels.get(key) != Some(value),
             Requirement::In { key, values } => labels.get(key).is_some_and(|v| values.contains(v)),
-            Requirement::NotIn { key, values } => !labels.get(key).is_some_and(|v| values.contains(v)),
+            Requirement::NotIn { key, values } => {
+                !labels.get(key).is_some_and(|v| values.contains(v))
+            }
             Requirement::Exists { key } => labels.contains_key(key),
             Requirement::NotExists { key } => !labels.contains_key(key),
         }
@@ -194,7 +209,11 @@ impl Parser<'_> {
                     .take_while(|c| !c.is_whitespace())
                     .take(16)
                     .collect();
-                let found = if found.is_empty() { self.rest().chars().take(1).collect() } else { found };
+                let found = if found.is_empty() {
+                    self.rest().chars().take(1).collect()
+                } else {
+                    found
+                };
                 SelectorError::Unexpected {
                     input: self.input.to_owned(),
                     position: self.pos,
@@ -206,7 +225,12 @@ impl Parser<'_> {
     }
 
     fn word(&mut self, expected: &'static str) -> Result<String, SelectorError> {
-        let len: usize = self.rest().chars().take_while(|c| is_word_char(*c)).map(char::len_utf8).sum();
+        let len: usize = self
+            .rest()
+            .chars()
+            .take_while(|c| is_word_char(*c))
+            .map(char::len_utf8)
+            .sum();
         if len == 0 {
             return Err(self.error(expected));
         }
@@ -268,7 +292,11 @@ impl Parser<'_> {
             }
         };
         let values = self.set(&key)?;
-        Ok(if negated { Requirement::NotIn { key, values } } else { Requirement::In { key, values } })
+        Ok(if negated {
+            Requirement::NotIn { key, values }
+        } else {
+            Requirement::In { key, values }
+        })
     }
 
     fn set(&mut self, key: &str) -> Result<Vec<String>, SelectorError> {
@@ -305,7 +333,10 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     fn sel(s: &str) -> Selector {
@@ -368,7 +399,11 @@ mod tests {
         assert!(s.matches(&labels(&[("hw", "pi4"), ("env", "beta")])));
         assert!(!s.matches(&labels(&[("hw", "pi3"), ("env", "beta")])));
         assert!(!s.matches(&labels(&[("hw", "pi4"), ("env", "prod")])));
-        assert!(!s.matches(&labels(&[("hw", "pi4"), ("env", "beta"), ("quarantined", "yes")])));
+        assert!(!s.matches(&labels(&[
+            ("hw", "pi4"),
+            ("env", "beta"),
+            ("quarantined", "yes")
+        ])));
     }
 
     #[test]
@@ -419,11 +454,17 @@ mod tests {
     #[test]
     fn errors_name_the_position_and_text() {
         let e = err("env=prod,");
-        assert!(e.contains("position 9") && e.contains("label key") && e.contains("end"), "{e}");
+        assert!(
+            e.contains("position 9") && e.contains("label key") && e.contains("end"),
+            "{e}"
+        );
         let e = err("env=");
         assert!(e.contains("position 4") && e.contains("label value"), "{e}");
         let e = err("env in ()");
-        assert!(e.contains("empty") && e.contains("\"env\"") && e.contains("position 7"), "{e}");
+        assert!(
+            e.contains("empty") && e.contains("\"env\"") && e.contains("position 7"),
+            "{e}"
+        );
         let e = err("env in (a,b");
         assert!(e.contains("',' or ')'") && e.contains("end"), "{e}");
         let e = err("env in a");
@@ -438,6 +479,9 @@ mod tests {
         assert!(e.contains("position 2"), "{e}");
         let e = err("env=pr*d");
         assert!(e.contains("position 6") && e.contains("*d"), "{e}");
-        assert!(e.contains("\"env=pr*d\""), "the error quotes the selector: {e}");
+        assert!(
+            e.contains("\"env=pr*d\""),
+            "the error quotes the selector: {e}"
+        );
     }
 }

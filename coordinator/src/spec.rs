@@ -57,7 +57,11 @@ pub enum Strategy {
 #[serde(rename_all = "snake_case")]
 pub enum GroupsSpec {
     /// `count = N`: N groups splitting the devices as evenly as possible.
-    Count { count: u32, success: SuccessCondition, error: Option<ErrorCondition> },
+    Count {
+        count: u32,
+        success: SuccessCondition,
+        error: Option<ErrorCondition>,
+    },
     /// `[[groups.group]]` entries, filled in order.
     List(Vec<GroupSpec>),
 }
@@ -83,7 +87,10 @@ pub struct SuccessCondition {
 
 impl Default for SuccessCondition {
     fn default() -> Self {
-        Self { threshold: Percent::HUNDRED, action: SuccessAction::Next }
+        Self {
+            threshold: Percent::HUNDRED,
+            action: SuccessAction::Next,
+        }
     }
 }
 
@@ -152,7 +159,10 @@ impl Percent {
         if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
             return None;
         }
-        if frac.len() > 2 || !frac.bytes().all(|b| b.is_ascii_digit()) || (t.contains('.') && frac.is_empty()) {
+        if frac.len() > 2
+            || !frac.bytes().all(|b| b.is_ascii_digit())
+            || (t.contains('.') && frac.is_empty())
+        {
             return None;
         }
         let int: u32 = int.parse().ok()?;
@@ -178,13 +188,27 @@ pub enum SpecError {
     #[error("rollout spec is not valid TOML or has a wrong field: {message}")]
     Toml { message: String },
     #[error("{field}: {source}")]
-    Id { field: String, source: flotilla_protocol::IdError },
+    Id {
+        field: String,
+        source: flotilla_protocol::IdError,
+    },
     #[error("{field}: {source}")]
-    Selector { field: String, source: SelectorError },
+    Selector {
+        field: String,
+        source: SelectorError,
+    },
     #[error("{field}: {value} is not a percentage {range}")]
-    Percent { field: String, value: String, range: &'static str },
+    Percent {
+        field: String,
+        value: String,
+        range: &'static str,
+    },
     #[error("{field}: {value:?} is not one of {allowed}")]
-    Action { field: String, value: String, allowed: &'static str },
+    Action {
+        field: String,
+        value: String,
+        allowed: &'static str,
+    },
     #[error("groups: set either `count` or `[[groups.group]]` entries, not both")]
     CountAndList,
     #[error("groups: set `count` or at least one `[[groups.group]]` entry")]
@@ -194,13 +218,19 @@ pub enum SpecError {
     #[error("groups.group: more than {MAX_GROUPS} groups ({count})")]
     TooManyGroups { count: usize },
     #[error("{field}: group name {name:?} is already used by groups.group[{first}]")]
-    DuplicateGroup { field: String, name: String, first: usize },
+    DuplicateGroup {
+        field: String,
+        name: String,
+        first: usize,
+    },
 }
 
 impl RolloutSpec {
     /// Parses and validates a TOML rollout spec.
     pub fn from_toml(text: &str) -> Result<RolloutSpec, SpecError> {
-        let raw: RawSpec = toml::from_str(text).map_err(|e| SpecError::Toml { message: e.to_string() })?;
+        let raw: RawSpec = toml::from_str(text).map_err(|e| SpecError::Toml {
+            message: e.to_string(),
+        })?;
         raw.validate()
     }
 
@@ -280,12 +310,15 @@ impl RawNumber {
 
     fn percent(&self, field: String, min: Percent) -> Result<Percent, SpecError> {
         let parsed = match self {
-            RawNumber::Int(i) => u32::try_from(*i).ok().and_then(|i| i.checked_mul(100)).and_then(Percent::from_basis_points),
+            RawNumber::Int(i) => u32::try_from(*i)
+                .ok()
+                .and_then(|i| i.checked_mul(100))
+                .and_then(Percent::from_basis_points),
             RawNumber::Float(f) => {
                 let bp = (f * 100.0).round();
                 // Only accept floats that are exactly representable in hundredths.
                 (f.is_finite() && (0.0..=10_000.0).contains(&bp) && ((f * 100.0) - bp).abs() < 1e-6)
-                    .then(|| Percent(bp as u32))
+                    .then_some(Percent(bp as u32))
             }
             RawNumber::Text(s) => Percent::parse_text(s),
         };
@@ -294,7 +327,11 @@ impl RawNumber {
             _ => Err(SpecError::Percent {
                 field,
                 value: self.shown(),
-                range: if min == Percent::ZERO { "from 0% to 100%" } else { "above 0% and at most 100%" },
+                range: if min == Percent::ZERO {
+                    "from 0% to 100%"
+                } else {
+                    "above 0% and at most 100%"
+                },
             }),
         }
     }
@@ -303,12 +340,19 @@ impl RawNumber {
 fn selector(field: &str, text: Option<&str>) -> Result<Selector, SpecError> {
     match text {
         None => Ok(Selector::everything()),
-        Some(t) => Selector::parse(t).map_err(|source| SpecError::Selector { field: field.to_owned(), source }),
+        Some(t) => Selector::parse(t).map_err(|source| SpecError::Selector {
+            field: field.to_owned(),
+            source,
+        }),
     }
 }
 
 impl RawCondition {
-    fn success(&self, field: &str, default: &SuccessCondition) -> Result<SuccessCondition, SpecError> {
+    fn success(
+        &self,
+        field: &str,
+        default: &SuccessCondition,
+    ) -> Result<SuccessCondition, SpecError> {
         let threshold = match &self.threshold {
             Some(t) => t.percent(format!("{field}.threshold"), Percent::ZERO)?,
             None => default.threshold,
@@ -350,10 +394,18 @@ impl RawCondition {
 
 impl RawSpec {
     fn validate(self) -> Result<RolloutSpec, SpecError> {
-        flotilla_protocol::validate_id("rollout name", &self.name)
-            .map_err(|source| SpecError::Id { field: "name".into(), source })?;
-        flotilla_protocol::validate_id("release name", &self.release)
-            .map_err(|source| SpecError::Id { field: "release".into(), source })?;
+        flotilla_protocol::validate_id("rollout name", &self.name).map_err(|source| {
+            SpecError::Id {
+                field: "name".into(),
+                source,
+            }
+        })?;
+        flotilla_protocol::validate_id("release name", &self.release).map_err(|source| {
+            SpecError::Id {
+                field: "release".into(),
+                source,
+            }
+        })?;
         let select = selector("select", self.select.as_deref())?;
 
         let g = self.groups;
@@ -361,7 +413,11 @@ impl RawSpec {
             Some(c) => c.success("groups.success", &SuccessCondition::default())?,
             None => SuccessCondition::default(),
         };
-        let error = g.error.as_ref().map(|c| c.error("groups.error")).transpose()?;
+        let error = g
+            .error
+            .as_ref()
+            .map(|c| c.error("groups.error"))
+            .transpose()?;
 
         let groups = match (g.count, g.group.is_empty()) {
             (Some(_), false) => return Err(SpecError::CountAndList),
@@ -371,20 +427,34 @@ impl RawSpec {
                     .ok()
                     .filter(|c| (1..=MAX_GROUPS).contains(c))
                     .ok_or(SpecError::Count { value: count })?;
-                GroupsSpec::Count { count, success, error }
+                GroupsSpec::Count {
+                    count,
+                    success,
+                    error,
+                }
             }
             (None, false) => {
                 if g.group.len() > MAX_GROUPS as usize {
-                    return Err(SpecError::TooManyGroups { count: g.group.len() });
+                    return Err(SpecError::TooManyGroups {
+                        count: g.group.len(),
+                    });
                 }
                 let mut list: Vec<GroupSpec> = Vec::with_capacity(g.group.len());
                 for (i, raw) in g.group.into_iter().enumerate() {
                     let field = format!("groups.group[{i}]");
                     let name = raw.name.unwrap_or_else(|| format!("group-{}", i + 1));
-                    flotilla_protocol::validate_id("group name", &name)
-                        .map_err(|source| SpecError::Id { field: format!("{field}.name"), source })?;
+                    flotilla_protocol::validate_id("group name", &name).map_err(|source| {
+                        SpecError::Id {
+                            field: format!("{field}.name"),
+                            source,
+                        }
+                    })?;
                     if let Some(first) = list.iter().position(|g| g.name == name) {
-                        return Err(SpecError::DuplicateGroup { field: format!("{field}.name"), name, first });
+                        return Err(SpecError::DuplicateGroup {
+                            field: format!("{field}.name"),
+                            name,
+                            first,
+                        });
                     }
                     let select = selector(&format!("{field}.select"), raw.select.as_deref())?;
                     let percent = match &raw.percent {
@@ -399,12 +469,23 @@ impl RawSpec {
                         Some(c) => Some(c.error(&format!("{field}.error"))?),
                         None => error.clone(),
                     };
-                    list.push(GroupSpec { name, select, percent, success, error });
+                    list.push(GroupSpec {
+                        name,
+                        select,
+                        percent,
+                        success,
+                        error,
+                    });
                 }
                 GroupsSpec::List(list)
             }
         };
-        Ok(RolloutSpec { name: self.name, release: self.release, select, strategy: Strategy::Groups(groups) })
+        Ok(RolloutSpec {
+            name: self.name,
+            release: self.release,
+            select,
+            strategy: Strategy::Groups(groups),
+        })
     }
 }
 
@@ -445,20 +526,34 @@ error = { threshold = "12.5%" }
         assert_eq!(spec.name, "fw-2-4");
         assert_eq!(spec.release, "fw-2.4.0");
         assert_eq!(spec.select.to_string(), "hw=pi4");
-        let GroupsSpec::List(groups) = spec.groups() else { panic!("expected a group list") };
+        let GroupsSpec::List(groups) = spec.groups() else {
+            panic!("expected a group list")
+        };
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].name, "canary");
         assert_eq!(groups[0].select.to_string(), "env=canary");
         assert_eq!(groups[0].percent.to_string(), "50%");
-        assert_eq!(groups[0].success, SuccessCondition { threshold: Percent::HUNDRED, action: SuccessAction::Pause });
-        assert_eq!(groups[0].error.as_ref().map(|e| e.threshold.to_string()), Some("20%".into()));
+        assert_eq!(
+            groups[0].success,
+            SuccessCondition {
+                threshold: Percent::HUNDRED,
+                action: SuccessAction::Pause
+            }
+        );
+        assert_eq!(
+            groups[0].error.as_ref().map(|e| e.threshold.to_string()),
+            Some("20%".into())
+        );
         // The second group takes the defaults from [groups] and its own error override.
         assert_eq!(groups[1].name, "group-2");
         assert!(groups[1].select.is_everything());
         assert_eq!(groups[1].percent, Percent::HUNDRED);
         assert_eq!(groups[1].success.threshold.to_string(), "90%");
         assert_eq!(groups[1].success.action, SuccessAction::Next);
-        assert_eq!(groups[1].error.as_ref().map(|e| e.threshold.to_string()), Some("12.5%".into()));
+        assert_eq!(
+            groups[1].error.as_ref().map(|e| e.threshold.to_string()),
+            Some("12.5%".into())
+        );
     }
 
     #[test]
@@ -467,7 +562,11 @@ error = { threshold = "12.5%" }
         assert!(spec.select.is_everything());
         assert_eq!(
             spec.groups(),
-            &GroupsSpec::Count { count: 3, success: SuccessCondition::default(), error: None }
+            &GroupsSpec::Count {
+                count: 3,
+                success: SuccessCondition::default(),
+                error: None
+            }
         );
     }
 
@@ -481,11 +580,20 @@ error = { threshold = "12.5%" }
 
     #[test]
     fn thresholds_accept_percent_strings_and_numbers() {
-        for (text, want) in [("\"25%\"", "25%"), ("25", "25%"), ("\"12.5%\"", "12.5%"), ("12.25", "12.25%"), ("0", "0%"), ("\"100 %\"", "100%")] {
+        for (text, want) in [
+            ("\"25%\"", "25%"),
+            ("25", "25%"),
+            ("\"12.5%\"", "12.5%"),
+            ("12.25", "12.25%"),
+            ("0", "0%"),
+            ("\"100 %\"", "100%"),
+        ] {
             let spec = parse(&format!(
                 "name = \"r\"\nrelease = \"x\"\n[groups]\ncount = 1\nsuccess = {{ threshold = {text} }}\n"
             ));
-            let GroupsSpec::Count { success, .. } = spec.groups() else { panic!("count spec") };
+            let GroupsSpec::Count { success, .. } = spec.groups() else {
+                panic!("count spec")
+            };
             assert_eq!(success.threshold.to_string(), want, "{text}");
         }
     }
@@ -502,35 +610,68 @@ error = { threshold = "12.5%" }
                 "[groups]\n[[groups.group]]\npercent = 50\n[[groups.group]]\npercent = 0\n",
                 "groups.group[1].percent: 0 is not a percentage above 0% and at most 100%",
             ),
-            ("[groups]\ncount = 1\nerror = { threshold = -5 }\n", "groups.error.threshold: -5 is not"),
-            ("[groups]\ncount = 1\nerror = { threshold = \"abc\" }\n", "groups.error.threshold: \"abc\" is not"),
-            ("[groups]\ncount = 1\nerror = { action = \"stop\" }\n", "groups.error.action: \"stop\" is not one of \"pause\""),
-            ("[groups]\ncount = 1\nsuccess = { action = \"go\" }\n", "groups.success.action: \"go\" is not one of"),
-            ("[groups]\ncount = 0\n", "groups.count: 0 is not from 1 to 1000"),
+            (
+                "[groups]\ncount = 1\nerror = { threshold = -5 }\n",
+                "groups.error.threshold: -5 is not",
+            ),
+            (
+                "[groups]\ncount = 1\nerror = { threshold = \"abc\" }\n",
+                "groups.error.threshold: \"abc\" is not",
+            ),
+            (
+                "[groups]\ncount = 1\nerror = { action = \"stop\" }\n",
+                "groups.error.action: \"stop\" is not one of \"pause\"",
+            ),
+            (
+                "[groups]\ncount = 1\nsuccess = { action = \"go\" }\n",
+                "groups.success.action: \"go\" is not one of",
+            ),
+            (
+                "[groups]\ncount = 0\n",
+                "groups.count: 0 is not from 1 to 1000",
+            ),
             ("[groups]\ncount = 5000\n", "groups.count: 5000"),
             ("[groups]\n", "set `count` or at least one"),
-            ("[groups]\ncount = 2\n[[groups.group]]\nname = \"a\"\n", "either `count` or"),
-            ("select = \"env in ()\"\n[groups]\ncount = 1\n", "select: selector \"env in ()\""),
+            (
+                "[groups]\ncount = 2\n[[groups.group]]\nname = \"a\"\n",
+                "either `count` or",
+            ),
+            (
+                "select = \"env in ()\"\n[groups]\ncount = 1\n",
+                "select: selector \"env in ()\"",
+            ),
             (
                 "[groups]\n[[groups.group]]\nselect = \"env=\"\n",
                 "groups.group[0].select: selector \"env=\": expected a label value at position 4",
             ),
-            ("[groups]\n[[groups.group]]\nname = \"a b\"\n", "groups.group[0].name: group name \"a b\""),
+            (
+                "[groups]\n[[groups.group]]\nname = \"a b\"\n",
+                "groups.group[0].name: group name \"a b\"",
+            ),
             (
                 "[groups]\n[[groups.group]]\nname = \"a\"\n[[groups.group]]\nname = \"a\"\n",
                 "groups.group[1].name: group name \"a\" is already used by groups.group[0]",
             ),
             ("[groups]\ncount = 1\ncont = 2\n", "unknown field `cont`"),
-            ("[groups]\n[[groups.group]]\npercnt = 2\n", "unknown field `percnt`"),
+            (
+                "[groups]\n[[groups.group]]\npercnt = 2\n",
+                "unknown field `percnt`",
+            ),
         ];
         for (tail, want) in cases {
             let e = error(&format!("{base}{tail}"));
-            assert!(e.contains(want), "error for {tail:?} was {e:?}, expected it to contain {want:?}");
+            assert!(
+                e.contains(want),
+                "error for {tail:?} was {e:?}, expected it to contain {want:?}"
+            );
         }
         let e = error("name = \"fw/2\"\nrelease = \"x\"\n[groups]\ncount = 1\n");
         assert!(e.starts_with("name: rollout name \"fw/2\""), "{e}");
         let e = error("name = \"r\"\nrelease = \"\"\n[groups]\ncount = 1\n");
-        assert!(e.starts_with("release: release name must not be empty"), "{e}");
+        assert!(
+            e.starts_with("release: release name must not be empty"),
+            "{e}"
+        );
         let e = error("name = \"r\"\n[groups]\ncount = 1\n");
         assert!(e.contains("missing field `release`"), "{e}");
     }

@@ -23,11 +23,20 @@ pub enum StoreError {
     #[error("cannot open the rollout store at {}: {source}", path.display())]
     Open { path: PathBuf, source: sled::Error },
     #[error("cannot encode rollout {rollout}: {source}")]
-    Encode { rollout: String, source: serde_json::Error },
+    Encode {
+        rollout: String,
+        source: serde_json::Error,
+    },
     #[error("cannot write rollout {rollout}: {source}")]
-    Write { rollout: String, source: sled::Error },
+    Write {
+        rollout: String,
+        source: sled::Error,
+    },
     #[error("cannot delete rollout {rollout}: {source}")]
-    Delete { rollout: String, source: sled::Error },
+    Delete {
+        rollout: String,
+        source: sled::Error,
+    },
     #[error("cannot read the rollout store: {source}")]
     Read { source: sled::Error },
 }
@@ -40,7 +49,9 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("rollouts", &self.rollouts.len()).finish()
+        f.debug_struct("Store")
+            .field("rollouts", &self.rollouts.len())
+            .finish()
     }
 }
 
@@ -48,18 +59,32 @@ impl Store {
     /// Opens (or creates) the database directory at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Store, StoreError> {
         let path = path.as_ref();
-        let open_error = |source| StoreError::Open { path: path.to_owned(), source };
-        let db = sled::Config::new().path(path).cache_capacity(CACHE_CAPACITY).open().map_err(open_error)?;
+        let open_error = |source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let db = sled::Config::new()
+            .path(path)
+            .cache_capacity(CACHE_CAPACITY)
+            .open()
+            .map_err(open_error)?;
         let rollouts = db.open_tree(ROLLOUTS).map_err(open_error)?;
         Ok(Store { db, rollouts })
     }
 
     /// Writes a rollout and flushes it to disk before returning.
     pub fn save_rollout(&self, rollout: &Rollout) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(rollout)
-            .map_err(|source| StoreError::Encode { rollout: rollout.name.clone(), source })?;
-        let write_error = |source| StoreError::Write { rollout: rollout.name.clone(), source };
-        self.rollouts.insert(rollout.name.as_bytes(), bytes).map_err(write_error)?;
+        let bytes = serde_json::to_vec(rollout).map_err(|source| StoreError::Encode {
+            rollout: rollout.name.clone(),
+            source,
+        })?;
+        let write_error = |source| StoreError::Write {
+            rollout: rollout.name.clone(),
+            source,
+        };
+        self.rollouts
+            .insert(rollout.name.as_bytes(), bytes)
+            .map_err(write_error)?;
         self.rollouts.flush().map_err(write_error)?;
         Ok(())
     }
@@ -85,8 +110,13 @@ impl Store {
 
     /// Removes a rollout; removing one that is not stored is not an error.
     pub fn delete_rollout(&self, name: &str) -> Result<(), StoreError> {
-        let delete_error = |source| StoreError::Delete { rollout: name.to_owned(), source };
-        self.rollouts.remove(name.as_bytes()).map_err(delete_error)?;
+        let delete_error = |source| StoreError::Delete {
+            rollout: name.to_owned(),
+            source,
+        };
+        self.rollouts
+            .remove(name.as_bytes())
+            .map_err(delete_error)?;
         self.db.flush().map_err(delete_error)?;
         Ok(())
     }
@@ -122,7 +152,11 @@ mod tests {
              error = {{ threshold = \"10%\" }}\n[[groups.group]]\nname = \"canary\"\npercent = 33\n[[groups.group]]\n"
         ))
         .expect("valid spec");
-        let release = ReleaseRef { name: "fw-1".into(), counter: 1, hardware: vec![] };
+        let release = ReleaseRef {
+            name: "fw-1".into(),
+            counter: 1,
+            hardware: vec![],
+        };
         engine.create_rollout(spec, release, 100).expect("created");
         engine.start(name, 101).expect("started");
         engine.rollout(name).expect("exists").clone()
@@ -144,7 +178,9 @@ mod tests {
         assert_eq!(loaded[0].groups[0].devices, vec!["dev-1"]);
 
         store.delete_rollout("b").expect("deleted");
-        store.delete_rollout("never-existed").expect("deleting nothing is fine");
+        store
+            .delete_rollout("never-existed")
+            .expect("deleting nothing is fine");
         drop(store);
         let store = Store::open(&path).expect("reopens");
         assert_eq!(store.load_rollouts().expect("loads"), vec![a]);
@@ -155,10 +191,21 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let store = Store::open(dir.path().join("db")).expect("opens");
         store.save_rollout(&rollout("good")).expect("saved");
-        store.rollouts.insert("broken", &b"{\"name\": 3"[..]).expect("raw insert");
-        let loaded = store.load_rollouts().expect("startup is not blocked by one bad record");
-        assert_eq!(loaded.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), vec!["good"]);
-        assert!(store.rollouts.contains_key("broken").expect("reads"), "the bad record is kept for inspection");
+        store
+            .rollouts
+            .insert("broken", &b"{\"name\": 3"[..])
+            .expect("raw insert");
+        let loaded = store
+            .load_rollouts()
+            .expect("startup is not blocked by one bad record");
+        assert_eq!(
+            loaded.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+            vec!["good"]
+        );
+        assert!(
+            store.rollouts.contains_key("broken").expect("reads"),
+            "the bad record is kept for inspection"
+        );
     }
 
     #[test]
