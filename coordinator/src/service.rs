@@ -758,7 +758,7 @@ mod tests {
             .expect("clean shutdown");
 
         // The rollout survived in the store.
-        let store = Store::open(&h.config.data_dir.join("db")).expect("store reopens");
+        let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
         let stored = store.load_rollouts().expect("loads");
         assert_eq!(stored.len(), 1);
         assert_eq!(stored[0].name, "r1");

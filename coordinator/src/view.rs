@@ -12,11 +12,7 @@ pub const TRACE_LINES: usize = 5;
 
 /// `[#########---------------------]`: `done` of `total`, `#` for done, `-` for the rest.
 pub fn progress_bar(done: usize, total: usize, width: usize) -> String {
-    let filled = if total == 0 {
-        0
-    } else {
-        (done.min(total) * width) / total
-    };
+    let filled = (done.min(total) * width).checked_div(total).unwrap_or(0);
     format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
 }
 
