@@ -253,20 +253,15 @@ async fn poll(
                 None
             }
         };
-        match forward {
+        let Some(event) = forward else { continue };
+        if matches!(event, LinkEvent::Block(_)) {
             // Block replies beyond a full queue are dropped rather than stalling the poll loop:
             // the fetcher asks for them again.
-            Some(LinkEvent::Block(reply)) => {
-                if events.try_send(LinkEvent::Block(reply)).is_err() {
-                    tracing::debug!("agent is not keeping up with blocks; one dropped");
-                }
+            if events.try_send(event).is_err() {
+                tracing::debug!("agent is not keeping up with blocks; one dropped");
             }
-            Some(event) => {
-                if events.send(event).await.is_err() {
-                    break;
-                }
-            }
-            None => {}
+        } else if events.send(event).await.is_err() {
+            break;
         }
     }
 }

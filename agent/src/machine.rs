@@ -714,3 +714,331 @@ async fn download(
         Err(e) => failed(e.to_string(), false),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HealthCheck;
+    use flotilla_protocol::{Artifact, BlockReply, BlockRequest};
+    use std::sync::atomic::AtomicUsize;
+
+    /// A target that counts its steps, to prove what a resumed action does and does not repeat.
+    #[derive(Default)]
+    struct Counting {
+        stage: AtomicUsize,
+        activate: AtomicUsize,
+        confirm: AtomicUsize,
+        rollback: AtomicUsize,
+    }
+
+    impl UpdateTarget for Counting {
+        fn kind(&self) -> &'static str {
+            "counting"
+        }
+        fn check(&self, _: &ActionContext) -> Result<(), TargetError> {
+            Ok(())
+        }
+        fn stage(&self, _: &ActionContext, _: &std::path::Path) -> Result<(), TargetError> {
+            self.stage.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn activate(&self, _: &ActionContext) -> Result<Activation, TargetError> {
+            self.activate.fetch_add(1, Ordering::SeqCst);
+            Ok(Activation::Done)
+        }
+        fn confirm(&self, _: &ActionContext) -> Result<(), TargetError> {
+            self.confirm.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn rollback(&self, _: &ActionContext) -> Result<(), TargetError> {
+            self.rollback.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn activate_is_repeatable(&self) -> bool {
+            false
+        }
+    }
+
+    struct Fixture {
+        dir: tempfile::TempDir,
+        env: Env,
+        _outgoing: mpsc::Receiver<Outgoing>,
+    }
+
+    fn fixture(target: Option<Arc<dyn UpdateTarget>>, checks: Vec<HealthCheck>) -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = crate::trust::tests::config();
+        config.data_dir = dir.path().join("data");
+        config.targets[0].path = dir.path().join("app.bin");
+        config.health = crate::config::HealthConfig {
+            soak: Duration::ZERO,
+            interval: Duration::from_millis(10),
+            checks,
+        };
+        std::fs::create_dir_all(&config.data_dir).expect("mkdir");
+        let (store, _) = Store::open(&config.data_dir, 1 << 20, 0).expect("store");
+        let target = target.unwrap_or_else(|| {
+            Arc::new(flotilla_targets::FileTarget::new(
+                config.targets[0].path.clone(),
+            ))
+        });
+        let (tx, rx) = mpsc::channel(10_000);
+        let env = Env {
+            targets: HashMap::from([("app".to_owned(), target)]),
+            config: Arc::new(config),
+            store,
+            link: LinkHandle::from_channel(tx),
+            trust: Mutex::new(TrustState::default()),
+        };
+        Fixture {
+            dir,
+            env,
+            _outgoing: rx,
+        }
+    }
+
+    fn record(bytes: &[u8], state: State, kind: ActionKind) -> ActionRecord {
+        let manifest = ReleaseManifest {
+            name: "app-2".into(),
+            version: "2.0".into(),
+            counter: 4,
+            hardware: vec![],
+            artifacts: vec![Artifact {
+                name: "app.bin".into(),
+                target: "app".into(),
+                size: bytes.len() as u64,
+                sha256: flotilla_protocol::sha256(bytes),
+            }],
+            created_at: 0,
+            expires_at: u64::MAX,
+        };
+        let signed = flotilla_protocol::SignedBlob::sign(
+            &crate::trust::tests::key(1),
+            flotilla_protocol::envelope::to_bytes(&manifest),
+        );
+        ActionRecord {
+            action_id: "act-1".into(),
+            rollout_id: "r1".into(),
+            action: DesiredAction {
+                action_id: "act-1".into(),
+                device_id: "dev-1".into(),
+                rollout_id: "r1".into(),
+                issued_at: 0,
+                expires_at: u64::MAX,
+                body: ActionBody::Install {
+                    manifest: signed,
+                    kind,
+                    window: None,
+                },
+            },
+            manifest: Some(manifest),
+            state,
+        }
+    }
+
+    /// Channels to an in-memory artifact server serving `bytes`.
+    fn io(bytes: Vec<u8>) -> ActionIo {
+        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (in_tx, in_rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            while let Some(r) = req_rx.recv().await {
+                let s = (r.offset as usize).min(bytes.len());
+                let e = (s + r.length as usize).min(bytes.len());
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: bytes[s..e].to_vec(),
+                };
+                if in_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        ActionIo {
+            fetch_requests: req_tx,
+            fetch_inputs: in_rx,
+            cancel: CancellationToken::new(),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    fn check(script: &str) -> HealthCheck {
+        HealthCheck {
+            name: "app-runs".into(),
+            command: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    #[tokio::test]
+    async fn forced_install_reaches_ready_and_records_the_release() {
+        let f = fixture(None, vec![check("true")]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"new app version".repeat(500);
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes.clone()),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        assert_eq!(
+            f.env.store.installed().expect("read").map(|i| i.counter),
+            Some(4)
+        );
+        assert_eq!(
+            crate::trust::read_trust_file(&f.env.config.data_dir).installed_counter,
+            4
+        );
+        assert_eq!(
+            f.env.store.current().expect("read").map(|r| r.state),
+            Some(State::Ready),
+            "final state is persisted"
+        );
+    }
+
+    #[tokio::test]
+    async fn failed_health_check_rolls_back() {
+        let f = fixture(None, vec![check("exit 3")]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"broken".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes),
+            false,
+        )
+        .await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason: "health check app-runs failed: exit status 3".into(),
+                rolled_back: true
+            }
+        );
+        assert_eq!(
+            std::fs::read(&dest).expect("read"),
+            b"old",
+            "previous content is back"
+        );
+        assert_eq!(f.env.store.installed().expect("read"), None);
+    }
+
+    #[tokio::test]
+    async fn download_only_stops_at_downloaded() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let bytes = b"payload".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::DownloadOnly),
+            &mut io(bytes),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Downloaded);
+        assert_eq!(target.stage.load(Ordering::SeqCst), 0, "nothing staged");
+    }
+
+    #[tokio::test]
+    async fn resumed_from_staged_activates_once_without_restaging() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            record(b"x", State::Staged, ActionKind::Forced),
+            &mut io(vec![]),
+            true,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(target.stage.load(Ordering::SeqCst), 0);
+        assert_eq!(target.activate.load(Ordering::SeqCst), 1);
+        assert_eq!(target.confirm.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn interrupted_activation_of_unrepeatable_target_is_rolled_back() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            record(b"x", State::Activating { artifact: 0 }, ActionKind::Forced),
+            &mut io(vec![]),
+            true,
+        )
+        .await;
+        match &rec.state {
+            State::Failed {
+                reason,
+                rolled_back: true,
+            } => assert!(reason.contains("was interrupted"), "{reason}"),
+            other => panic!("expected a rolled-back failure, got {other:?}"),
+        }
+        assert_eq!(
+            target.activate.load(Ordering::SeqCst),
+            0,
+            "activate is never run twice"
+        );
+        assert_eq!(target.rollback.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn cancel_before_activation_leaves_target_alone() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let mut io = io(b"x".to_vec());
+        io.cancel.cancel();
+        let rec = drive(
+            &f.env,
+            record(b"x", State::Accepted, ActionKind::Forced),
+            &mut io,
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Canceled);
+        assert_eq!(target.activate.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn shutdown_keeps_the_persisted_state_for_resumption() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let mut io = io(b"x".to_vec());
+        io.shutdown.cancel();
+        let start = record(b"x", State::Staged, ActionKind::Forced);
+        f.env.persist(&start);
+        let rec = drive(&f.env, start, &mut io, true).await;
+        assert_eq!(rec.state, State::Staged);
+        assert_eq!(
+            f.env.store.current().expect("read").map(|r| r.state),
+            Some(State::Staged)
+        );
+        assert_eq!(target.activate.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn soft_and_windowed_actions_wait() {
+        let mut action = record(b"x", State::Accepted, ActionKind::Soft).action;
+        assert_eq!(
+            wait_reason(&action, 10).map(|w| w.0),
+            Some("waiting for local consent".into())
+        );
+        if let ActionBody::Install { kind, window, .. } = &mut action.body {
+            *kind = ActionKind::Forced;
+            *window = Some(flotilla_protocol::TimeWindow {
+                not_before: 100,
+                not_after: 200,
+            });
+        }
+        assert_eq!(
+            wait_reason(&action, 10).map(|w| w.0),
+            Some("outside the time window: opens at 100".into())
+        );
+        assert_eq!(wait_reason(&action, 150), None);
+    }
+}

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use flotilla_agent::Config;
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message, Phase,
-    ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message,
+    Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
@@ -46,7 +46,11 @@ async fn start_broker(dir: &Path) -> Option<Broker> {
     };
     let port = free_port();
     let conf = dir.join("mosquitto.conf");
-    std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\n")).expect("write conf");
+    std::fs::write(
+        &conf,
+        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+    )
+    .expect("write conf");
     let child = tokio::process::Command::new(bin)
         .arg("-c")
         .arg(&conf)
@@ -57,13 +61,19 @@ async fn start_broker(dir: &Path) -> Option<Broker> {
         .expect("start mosquitto");
     // Wait until it accepts connections.
     tokio::time::timeout(TIMEOUT, async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await
     .expect("mosquitto did not start listening within 30s");
-    Some(Broker { _child: child, port })
+    Some(Broker {
+        _child: child,
+        port,
+    })
 }
 
 fn key(seed: u8) -> SigningKey {
@@ -109,7 +119,10 @@ in_flight = 3
 }
 
 fn now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
@@ -144,16 +157,35 @@ fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
 
 /// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
 /// artifact, and forwards the agent's reports.
-async fn coordinator(port: u16, device: &str, desired: SignedBlob, served: Vec<u8>) -> mpsc::Receiver<Report> {
+async fn coordinator(
+    port: u16,
+    device: &str,
+    desired: SignedBlob,
+    served: Vec<u8>,
+) -> mpsc::Receiver<Report> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("device id");
     let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
-    options.set_max_packet_size(flotilla_protocol::MAX_PACKET_SIZE, flotilla_protocol::MAX_PACKET_SIZE);
+    options.set_max_packet_size(
+        flotilla_protocol::MAX_PACKET_SIZE,
+        flotilla_protocol::MAX_PACKET_SIZE,
+    );
     let (client, mut eventloop) = AsyncClient::new(options, 100);
-    client.subscribe(topics.report(&id), QoS::AtLeastOnce).await.expect("subscribe");
-    client.subscribe(topics.fetch(&id), QoS::AtLeastOnce).await.expect("subscribe");
     client
-        .publish(topics.desired(&id), QoS::AtLeastOnce, true, envelope::encode(&Message::Desired(desired)))
+        .subscribe(topics.report(&id), QoS::AtLeastOnce)
+        .await
+        .expect("subscribe");
+    client
+        .subscribe(topics.fetch(&id), QoS::AtLeastOnce)
+        .await
+        .expect("subscribe");
+    client
+        .publish(
+            topics.desired(&id),
+            QoS::AtLeastOnce,
+            true,
+            envelope::encode(&Message::Desired(desired)),
+        )
         .await
         .expect("publish desired");
     let (tx, rx) = mpsc::channel(1000);
@@ -167,7 +199,9 @@ async fn coordinator(port: u16, device: &str, desired: SignedBlob, served: Vec<u
                     continue;
                 }
             };
-            let Event::Incoming(Packet::Publish(p)) = event else { continue };
+            let Event::Incoming(Packet::Publish(p)) = event else {
+                continue;
+            };
             match envelope::decode(&p.payload) {
                 Ok(Message::Report(r)) => {
                     let _ = tx.send(r).await;
@@ -175,12 +209,23 @@ async fn coordinator(port: u16, device: &str, desired: SignedBlob, served: Vec<u
                 Ok(Message::Fetch(req)) => {
                     let start = (req.offset as usize).min(served.len());
                     let end = (start + req.length as usize).min(served.len());
-                    let reply = BlockReply::Data { sha256: req.sha256, offset: req.offset, data: served[start..end].to_vec() };
+                    let reply = BlockReply::Data {
+                        sha256: req.sha256,
+                        offset: req.offset,
+                        data: served[start..end].to_vec(),
+                    };
                     let c = client.clone();
                     let topic = block_topic.clone();
                     // Publishing from a separate task: never wait on the client inside the poll loop.
                     tokio::spawn(async move {
-                        let _ = c.publish(topic, QoS::AtLeastOnce, false, envelope::encode(&Message::Block(reply))).await;
+                        let _ = c
+                            .publish(
+                                topic,
+                                QoS::AtLeastOnce,
+                                false,
+                                envelope::encode(&Message::Block(reply)),
+                            )
+                            .await;
                     });
                 }
                 _ => {}
@@ -203,7 +248,10 @@ async fn reports_until_final(rx: &mut mpsc::Receiver<Report>) -> Vec<Report> {
         }
     })
     .await;
-    assert!(result.is_ok(), "no final report within 30s; reports so far: {seen:#?}");
+    assert!(
+        result.is_ok(),
+        "no final report within 30s; reports so far: {seen:#?}"
+    );
     seen
 }
 
@@ -214,59 +262,116 @@ fn artifact() -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn installs_signed_release_and_reports_ready() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let Some(broker) = start_broker(dir.path()).await else { return };
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
     let dest = dir.path().join("app.bin");
     std::fs::write(&dest, b"old version").expect("write old");
     let device = "dev-ok";
     let bytes = artifact();
-    let mut reports = coordinator(broker.port, device, desired(device, "act-ok-1", &bytes), bytes.clone()).await;
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-ok-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
 
     let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(agent_config(broker.port, dir.path(), device, &dest), shutdown.clone()));
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
 
     let seen = reports_until_final(&mut reports).await;
     let last = seen.last().map(|r| r.phase.clone());
     assert_eq!(last, Some(Phase::Ready), "reports: {seen:#?}");
-    assert_eq!(std::fs::read(&dest).expect("read target"), bytes, "target holds the new artifact");
+    assert_eq!(
+        std::fs::read(&dest).expect("read target"),
+        bytes,
+        "target holds the new artifact"
+    );
     let phases: Vec<&str> = seen.iter().map(|r| r.phase.name()).collect();
-    for expected in ["accepted", "downloading", "verified", "staged", "activated", "confirming", "ready"] {
-        assert!(phases.contains(&expected), "missing {expected} in {phases:?}");
+    for expected in [
+        "accepted",
+        "downloading",
+        "verified",
+        "staged",
+        "activated",
+        "confirming",
+        "ready",
+    ] {
+        assert!(
+            phases.contains(&expected),
+            "missing {expected} in {phases:?}"
+        );
     }
-    assert!(seen.windows(2).all(|w| w[0].seq < w[1].seq), "seq grows: {seen:#?}");
+    assert!(
+        seen.windows(2).all(|w| w[0].seq < w[1].seq),
+        "seq grows: {seen:#?}"
+    );
 
     shutdown.cancel();
-    let result = tokio::time::timeout(TIMEOUT, agent).await.expect("agent stops within 30s").expect("agent task");
+    let result = tokio::time::timeout(TIMEOUT, agent)
+        .await
+        .expect("agent stops within 30s")
+        .expect("agent task");
     assert!(result.is_ok(), "agent ended with {result:?}");
 
     // The database remembers it across a restart.
-    let status = flotilla_agent::status(&agent_config(broker.port, dir.path(), device, &dest)).expect("status");
-    assert!(status.contains("installed: app-2 2.0 (counter 2)"), "{status}");
+    let status = flotilla_agent::status(&agent_config(broker.port, dir.path(), device, &dest))
+        .expect("status");
+    assert!(
+        status.contains("installed: app-2 2.0 (counter 2)"),
+        "{status}"
+    );
     assert!(status.contains("phase: ready"), "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tampered_artifact_leaves_target_untouched() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let Some(broker) = start_broker(dir.path()).await else { return };
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
     let dest = dir.path().join("app.bin");
     std::fs::write(&dest, b"old version").expect("write old");
     let device = "dev-tampered";
     let bytes = artifact();
     let mut served = bytes.clone();
     served[4321] ^= 0x55;
-    let mut reports = coordinator(broker.port, device, desired(device, "act-bad-1", &bytes), served).await;
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-bad-1", &bytes),
+        served,
+    )
+    .await;
 
     let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(agent_config(broker.port, dir.path(), device, &dest), shutdown.clone()));
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
 
     let seen = reports_until_final(&mut reports).await;
     match seen.last().map(|r| &r.phase) {
-        Some(Phase::Failed { reason, rolled_back: false }) => {
-            assert!(reason.starts_with("artifact app.bin: sha256 mismatch (expected "), "{reason}")
+        Some(Phase::Failed {
+            reason,
+            rolled_back: false,
+        }) => {
+            assert!(
+                reason.starts_with("artifact app.bin: sha256 mismatch (expected "),
+                "{reason}"
+            )
         }
         other => panic!("expected a sha256 mismatch failure, got {other:?}; reports: {seen:#?}"),
     }
-    assert_eq!(std::fs::read(&dest).expect("read target"), b"old version", "target is untouched");
+    assert_eq!(
+        std::fs::read(&dest).expect("read target"),
+        b"old version",
+        "target is untouched"
+    );
     shutdown.cancel();
     let _ = tokio::time::timeout(TIMEOUT, agent).await;
 }
