@@ -1386,6 +1386,26 @@ mod tests {
     }
 
     #[test]
+    fn empty_groups_succeed_at_once() {
+        // count = 3 over 2 devices plans 1, 1 and an empty third group.
+        let mut sim = Sim::new(2, no_labels);
+        sim.create_and_start("[groups]\ncount = 3\n");
+        sim.report("dev-000", Phase::Ready);
+        assert_eq!(sim.rollout().state, RolloutState::Running);
+        sim.report("dev-001", Phase::Ready);
+        assert_eq!(sim.rollout().state, RolloutState::Finished);
+        assert_eq!(sim.group_states(), vec![GroupState::Finished; 3]);
+        assert!(
+            sim.rollout()
+                .trace
+                .iter()
+                .any(|t| t.message == "group group-3 finished: 0 of 0 ready >= 100%"),
+            "{:?}",
+            sim.rollout().trace
+        );
+    }
+
+    #[test]
     fn pause_resume_and_invalid_transitions() {
         let mut sim = Sim::new(2, no_labels);
         sim.engine
