@@ -330,6 +330,12 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
 
 /// What `flotilla-agent status` prints.
 pub fn status(config: &Config) -> Result<String, AgentError> {
+    if !crate::store::db_path(&config.data_dir).exists() {
+        return Ok(format!(
+            "no database in {}: the agent has not run yet\n",
+            config.data_dir.display()
+        ));
+    }
     let (store, trust, _) = open(config)?;
     let mut out = String::new();
     match store.installed()? {

@@ -510,6 +510,13 @@ mod tests {
     }
 
     #[test]
+    fn example_config_is_valid() {
+        let c = Config::from_toml(include_str!("../example-config.toml"))
+            .expect("example config parses");
+        assert_eq!(c.device_id.as_str(), "pi-kitchen-01");
+    }
+
+    #[test]
     fn errors_name_field_and_value() {
         assert_eq!(
             err(

@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
@@ -44,11 +43,14 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in journald or log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match real_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // Library errors already include their cause in their message.
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -67,16 +69,16 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Status { config } => {
             let config = flotilla_agent::Config::load(&config)?;
-            let text = flotilla_agent::status(&config).context(
-                "cannot read the agent's database (is the agent running? it holds the lock)",
-            )?;
+            let text = flotilla_agent::status(&config).map_err(|e| {
+                anyhow::anyhow!("{e} (a running agent holds the database lock; stop it first)")
+            })?;
             print!("{text}");
             Ok(())
         }
         Command::Run { config } => {
             let config = flotilla_agent::Config::load(&config)?;
-            let runtime =
-                tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+            let runtime = tokio::runtime::Runtime::new()
+                .map_err(|e| anyhow::anyhow!("cannot start the async runtime: {e}"))?;
             runtime.block_on(async {
                 let shutdown = CancellationToken::new();
                 tokio::spawn(wait_for_signal(shutdown.clone()));

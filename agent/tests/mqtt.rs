@@ -326,6 +326,10 @@ async fn installs_signed_release_and_reports_ready() {
         "{status}"
     );
     assert!(status.contains("phase: ready"), "{status}");
+    assert!(
+        status.contains("unacknowledged reports: 0"),
+        "the broker acknowledged every report: {status}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
