@@ -198,9 +198,20 @@ impl Config {
         Config::from_toml(&text, &base, path)
     }
 
-    /// The broker address, as `HOST:PORT` for messages.
+    /// Where the coordinator connects: the embedded broker when there is one (so
+    /// `--embedded-broker` alone is enough), otherwise `broker.host:broker.port`.
+    pub fn connect_to(&self) -> (String, u16) {
+        match self.broker.embedded {
+            Some(addr) if addr.ip().is_unspecified() => ("127.0.0.1".to_owned(), addr.port()),
+            Some(addr) => (addr.ip().to_string(), addr.port()),
+            None => (self.broker.host.clone(), self.broker.port),
+        }
+    }
+
+    /// The broker address the coordinator connects to, as `HOST:PORT` for messages.
     pub fn broker_addr(&self) -> String {
-        format!("{}:{}", self.broker.host, self.broker.port)
+        let (host, port) = self.connect_to();
+        format!("{host}:{port}")
     }
 }
 
@@ -265,6 +276,11 @@ mod tests {
             Some("127.0.0.1:18830".parse().expect("addr"))
         );
         assert_eq!(config.action_validity, 12 * 3600);
+        assert_eq!(
+            config.connect_to(),
+            ("127.0.0.1".to_owned(), 18830),
+            "connects to its embedded broker"
+        );
         let abs =
             parse("data_dir = \"/var/lib/flotilla\"\ncoordinator_key = \"/k\"\n").expect("valid");
         assert_eq!(abs.data_dir, PathBuf::from("/var/lib/flotilla"));

@@ -95,9 +95,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let topics = Topics::new(&config.broker.topic_root);
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
+    let (host, port) = config.connect_to();
     let options = LinkOptions::new(
-        &config.broker.host,
-        config.broker.port,
+        &host,
+        port,
         "flotilla-coordinator",
         topics.coordinator_filters(),
     );
