@@ -731,6 +731,7 @@ mod tests {
             .expect("signed by the coordinator key");
         let action: DesiredAction = envelope::from_bytes("desired action", bytes).expect("decodes");
         assert_eq!(action.device_id, "dev-1");
+        let action_id = action.action_id.clone();
         assert_eq!(action.rollout_id, "r1");
         assert_eq!(action.expires_at - action.issued_at, 3600);
         match action.body {
@@ -740,6 +741,48 @@ mod tests {
             }
             other => panic!("expected an install, got {other:?}"),
         }
+
+        // The artifact is served in blocks on the device's own block topic.
+        let sha256 = flotilla_protocol::sha256(b"new firmware");
+        device
+            .subscribe(topics.block(&id), QoS::AtLeastOnce)
+            .await
+            .expect("queue");
+        let fetch = Message::Fetch(flotilla_protocol::BlockRequest {
+            sha256,
+            offset: 4,
+            length: 1000,
+        });
+        device
+            .publish(
+                topics.fetch(&id),
+                QoS::AtLeastOnce,
+                false,
+                envelope::encode(&fetch),
+            )
+            .await
+            .expect("queue");
+        let block = tokio::time::timeout(WAIT, async {
+            loop {
+                if let Event::Incoming(Packet::Publish(p)) =
+                    device_el.poll().await.expect("device connection")
+                {
+                    if p.topic == topics.block(&id) {
+                        return p;
+                    }
+                }
+            }
+        })
+        .await
+        .expect("block served");
+        assert_eq!(
+            envelope::decode(&block.payload).expect("decodes"),
+            Message::Block(flotilla_protocol::BlockReply::Data {
+                sha256,
+                offset: 4,
+                data: b"firmware".to_vec()
+            })
+        );
 
         let err = ask(
             &client,
@@ -759,9 +802,70 @@ mod tests {
             .expect("clean shutdown");
 
         // The rollout survived in the store.
-        let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
-        let stored = store.load_rollouts().expect("loads");
-        assert_eq!(stored.len(), 1);
-        assert_eq!(stored[0].name, "r1");
+        {
+            let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
+            let stored = store.load_rollouts().expect("loads");
+            assert_eq!(stored.len(), 1);
+            assert_eq!(stored[0].name, "r1");
+        }
+
+        // A restarted coordinator, on a fresh broker that lost every retained message, still
+        // knows the rollout and re-publishes the running group's desired action.
+        let mut config = h.config.clone();
+        let addr = free_addr();
+        config.broker.port = addr.port();
+        config.broker.embedded = Some(addr);
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve(config, shutdown.clone()));
+        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla")
+            .await
+            .expect("client connects");
+        let status: RolloutStatus = serde_json::from_value(
+            ask(
+                &client,
+                Command::RolloutStatus {
+                    rollout: Some("r1".into()),
+                },
+            )
+            .await
+            .expect("status after restart"),
+        )
+        .expect("status");
+        assert_eq!(status.state, "running");
+        let (device, mut device_el) = device_client(addr.port());
+        device
+            .subscribe(topics.desired(&id), QoS::AtLeastOnce)
+            .await
+            .expect("queue");
+        let reissued = tokio::time::timeout(WAIT, async {
+            loop {
+                if let Event::Incoming(Packet::Publish(p)) =
+                    device_el.poll().await.expect("device connection")
+                {
+                    if p.topic == topics.desired(&id) {
+                        return p;
+                    }
+                }
+            }
+        })
+        .await
+        .expect("desired action reissued after restart");
+        let Ok(Message::Desired(blob)) = envelope::decode(&reissued.payload) else {
+            panic!("not a desired action")
+        };
+        let bytes = blob
+            .verify("desired action", &[h.coordinator_pub])
+            .expect("signed");
+        let again: DesiredAction = envelope::from_bytes("desired action", bytes).expect("decodes");
+        assert_eq!(
+            again.action_id, action_id,
+            "same action id, so the agent does not apply it twice"
+        );
+        shutdown.cancel();
+        tokio::time::timeout(WAIT, server)
+            .await
+            .expect("stops")
+            .expect("no panic")
+            .expect("clean shutdown");
     }
 }
