@@ -500,4 +500,79 @@ mod tests {
         );
         assert!(Cli::try_parse_from(["flotilla", "serve", "--print-default-config"]).is_ok());
     }
+
+    async fn run_args(args: &[&str]) -> Result<i32, CliError> {
+        let cli = Cli::try_parse_from(args).expect("parses");
+        run(cli, CancellationToken::new()).await
+    }
+
+    #[tokio::test]
+    async fn keygen_release_create_and_verify_through_the_cli() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(p("app.bin"), b"payload").expect("write");
+        assert_eq!(
+            run_args(&["flotilla", "keygen", "--out", &p("keys")])
+                .await
+                .expect("keygen"),
+            0
+        );
+        let err = run_args(&["flotilla", "keygen", "--out", &p("keys")])
+            .await
+            .expect_err("no overwrite");
+        assert!(err.to_string().contains("release.key"), "{err}");
+        let artifact = format!("app={}", p("app.bin"));
+        let create = [
+            "flotilla",
+            "release",
+            "create",
+            "--data-dir",
+            &p("data"),
+            "--key",
+            &p("keys/release.key"),
+            "--name",
+            "fw-1",
+            "--version",
+            "1.0.0",
+            "--counter",
+            "1",
+            "--artifact",
+            &artifact,
+        ];
+        assert_eq!(run_args(&create).await.expect("create"), 0);
+        let verify = [
+            "flotilla",
+            "release",
+            "verify",
+            "--data-dir",
+            &p("data"),
+            "--key",
+            &p("keys/release.pub"),
+            "fw-1",
+        ];
+        assert_eq!(run_args(&verify).await.expect("verifies"), 0);
+        let wrong = [
+            "flotilla",
+            "release",
+            "verify",
+            "--data-dir",
+            &p("data"),
+            "--key",
+            &p("keys/coordinator.pub"),
+            "fw-1",
+        ];
+        let err = run_args(&wrong).await.expect_err("wrong key");
+        assert!(err.to_string().contains("unknown key"), "{err}");
+        let err = run_args(&[
+            "flotilla",
+            "release",
+            "inspect",
+            "--data-dir",
+            &p("data"),
+            "fw-9",
+        ])
+        .await
+        .expect_err("missing");
+        assert!(err.to_string().contains("fw-9"), "{err}");
+    }
 }
