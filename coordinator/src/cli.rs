@@ -203,7 +203,7 @@ pub enum CliError {
         what: &'static str,
         source: serde_json::Error,
     },
-    #[error("the demo is run by main, outside the async runtime")]
+    #[error("`flotilla demo` is started by main (demo::run), not by cli::run")]
     DemoInRuntime,
 }
 
