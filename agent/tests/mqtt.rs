@@ -6,12 +6,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_agent::Config;
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message,
-    Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId,
+    DeviceState, Message, Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
@@ -81,7 +82,11 @@ fn key(seed: u8) -> SigningKey {
 }
 
 fn agent_config(port: u16, dir: &Path, device: &str, dest: &Path) -> Config {
-    let text = format!(
+    Config::from_toml(&agent_config_text(port, dir, device, dest, 0)).expect("test config is valid")
+}
+
+fn agent_config_text(port: u16, dir: &Path, device: &str, dest: &Path, rate: u64) -> String {
+    format!(
         r#"
 device_id = "{device}"
 hardware_id = "pi4"
@@ -109,13 +114,14 @@ timeout = "5s"
 [download]
 block_size = 1000
 in_flight = 3
+max_bytes_per_sec = {rate}
 "#,
+        rate = rate,
         data = dir.join("agent-data").display(),
         rk = hex::encode(key(1).verifying_key().as_bytes()),
         ck = hex::encode(key(2).verifying_key().as_bytes()),
         dest = dest.display(),
-    );
-    Config::from_toml(&text).expect("test config is valid")
+    )
 }
 
 fn now() -> u64 {
@@ -163,6 +169,27 @@ async fn coordinator(
     desired: SignedBlob,
     served: Vec<u8>,
 ) -> mpsc::Receiver<Report> {
+    coordinator_with(
+        port,
+        device,
+        desired,
+        served,
+        Arc::new(Mutex::new(Vec::new())),
+        None,
+    )
+    .await
+}
+
+/// Like [`coordinator`], also recording every requested offset in `asked` and forwarding
+/// device states to `states`.
+async fn coordinator_with(
+    port: u16,
+    device: &str,
+    desired: SignedBlob,
+    served: Vec<u8>,
+    asked: Arc<Mutex<Vec<u64>>>,
+    states: Option<mpsc::Sender<DeviceState>>,
+) -> mpsc::Receiver<Report> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("device id");
     let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
@@ -177,6 +204,10 @@ async fn coordinator(
         .expect("subscribe");
     client
         .subscribe(topics.fetch(&id), QoS::AtLeastOnce)
+        .await
+        .expect("subscribe");
+    client
+        .subscribe(topics.state(&id), QoS::AtLeastOnce)
         .await
         .expect("subscribe");
     client
@@ -206,7 +237,15 @@ async fn coordinator(
                 Ok(Message::Report(r)) => {
                     let _ = tx.send(r).await;
                 }
+                Ok(Message::State(state)) => {
+                    if let Some(states) = &states {
+                        let _ = states.try_send(state);
+                    }
+                }
                 Ok(Message::Fetch(req)) => {
+                    if let Ok(mut a) = asked.lock() {
+                        a.push(req.offset);
+                    }
                     let start = (req.offset as usize).min(served.len());
                     let end = (start + req.length as usize).min(served.len());
                     let reply = BlockReply::Data {
@@ -378,4 +417,98 @@ async fn tampered_artifact_leaves_target_untouched() {
     );
     shutdown.cancel();
     let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
+/// Kill -9 in the middle of a download, restart: the agent resumes where it was (never asking
+/// for the start of the artifact again) and still ends Ready with the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_download_after_kill_9() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-resume";
+    let bytes: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let (state_tx, mut states) = mpsc::channel(100);
+    let mut reports = coordinator_with(
+        broker.port,
+        device,
+        desired(device, "act-resume-1", &bytes),
+        bytes.clone(),
+        asked.clone(),
+        Some(state_tx),
+    )
+    .await;
+    // 50 kB/s: the download takes about four seconds, long enough to be killed in the middle.
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        agent_config_text(broker.port, dir.path(), device, &dest, 50_000),
+    )
+    .expect("write config");
+    let spawn_agent = || {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+            .args(["run", "--config"])
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start agent")
+    };
+
+    let mut agent = spawn_agent();
+    let total = bytes.len() as u64;
+    let progressed = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = reports.recv().await {
+            if let Phase::Downloading { done, .. } = r.phase {
+                if done * 10 >= total * 3 {
+                    return done;
+                }
+            }
+        }
+        0
+    })
+    .await
+    .expect("no download progress report past 30% within 30s");
+    assert!(progressed > 0);
+    agent.start_kill().expect("kill -9");
+    let _ = agent.wait().await;
+    // The broker publishes the last will once it notices the dead connection: from then on, no
+    // request from the killed process can arrive.
+    tokio::time::timeout(TIMEOUT, async {
+        while let Some(s) = states.recv().await {
+            if !s.online {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("no offline last will within 30s");
+    let before_restart = asked.lock().map(|a| a.len()).expect("lock");
+
+    let _agent = spawn_agent();
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Ready),
+        "reports: {seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read target"), bytes);
+    let after: Vec<u64> = asked
+        .lock()
+        .map(|a| a[before_restart..].to_vec())
+        .expect("lock");
+    let first = after
+        .first()
+        .copied()
+        .expect("the restarted agent asked for blocks");
+    assert!(first > 0, "resumed at offset {first}, not from the start");
+    assert!(
+        after.iter().all(|&o| o >= first),
+        "never asked for the prefix it had: {after:?}"
+    );
 }
