@@ -13,8 +13,8 @@ use std::path::PathBuf;
 pub enum TargetError {
     /// The action id cannot be used to name files on the device.
     #[error(
-        "action id {action_id:?} cannot be used on this device: it must be 1 to 128 letters, \
-         digits, '.', '_' or '-' and must not start with '.'"
+        "action id {action_id:?} cannot be used on this device: it must be 1 to 160 letters, \
+         digits, '.', '_', '-', '@' or ':' and must not start with '.'"
     )]
     InvalidActionId {
         /// The id as received.

@@ -23,7 +23,7 @@ use crate::TargetError;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActionContext {
     /// The coordinator's id of this action; unique per device and stable across restarts.
-    /// Targets may use it in file names, so it must match `[A-Za-z0-9._-]{1,128}` and not start
+    /// Targets may use it in file names, so it must match `[A-Za-z0-9._@:-]{1,160}` (the coordinator issues `{rollout}@{created}:{device}`) and not start
     /// with `.` (see [`ActionContext::validate_action_id`]).
     pub action_id: String,
     /// The release being installed, e.g. `fw-2.4.0`. Informational: recorded and logged.
@@ -34,7 +34,7 @@ pub struct ActionContext {
 
 impl ActionContext {
     /// Longest action id a target accepts; keeps derived file names well under `NAME_MAX`.
-    pub const MAX_ACTION_ID_LEN: usize = 128;
+    pub const MAX_ACTION_ID_LEN: usize = 160;
 
     /// Builds a context.
     pub fn new(
@@ -56,9 +56,9 @@ impl ActionContext {
         let safe = !id.is_empty()
             && id.len() <= Self::MAX_ACTION_ID_LEN
             && !id.starts_with('.')
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            && id.bytes().all(|b| {
+                b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'@' | b':')
+            });
         if safe {
             Ok(id)
         } else {
