@@ -264,19 +264,6 @@ async fn handle_desired(
         _ => {}
     }
 
-    // One action at a time: a newer one supersedes a running one that has not switched over
-    // yet, and waits for one that has.
-    if let Some(r) = running {
-        tracing::info!(
-            running = r.action_id,
-            new = action.action_id,
-            "new action waits for the running one"
-        );
-        r.cancel.cancel();
-        *pending = Some(blob);
-        return;
-    }
-
     let now = env.now();
     let installed = env.trust_state().installed_counter;
     let record = match trust::check_all(&blob, config, installed, now) {
@@ -304,8 +291,26 @@ async fn handle_desired(
     };
     if let State::Refused { reason } = &record.state {
         tracing::warn!(action = record.action_id, "refused: {reason}");
+    } else if let Some(r) = running {
+        // One action at a time: a newer one supersedes a running one that has not switched
+        // over yet, and waits for one that has. It is checked again when its turn comes (the
+        // installed counter may have moved), so nothing about it is persisted yet.
+        tracing::info!(
+            running = r.action_id,
+            new = record.action_id,
+            "new action waits for the running one"
+        );
+        r.cancel.cancel();
+        *pending = Some(blob);
+        return;
     }
-    env.persist(&record);
+    if running.is_some() {
+        if let Err(e) = env.store.save_action_aside(&record) {
+            tracing::error!("{e}");
+        }
+    } else {
+        env.persist(&record);
+    }
     env.report(&record).await;
     if !record.state.is_terminal() {
         *running = Some(spawn(

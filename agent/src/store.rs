@@ -170,6 +170,14 @@ impl Store {
         self.flush()
     }
 
+    /// Saves an action record durably without making it the current one: a refusal that
+    /// arrives while another action runs must not hide that action from a restart.
+    pub fn save_action_aside(&self, record: &ActionRecord) -> Result<(), StoreError> {
+        let what = format!("action {}", record.action_id);
+        self.put(&self.actions, record.action_id.as_bytes(), &what, record)?;
+        self.flush()
+    }
+
     /// Saves an action record without flushing: for download progress, where losing the last
     /// few blocks to a power cut only means fetching them again.
     pub fn save_action_unflushed(&self, record: &ActionRecord) -> Result<(), StoreError> {

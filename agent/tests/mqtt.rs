@@ -369,6 +369,61 @@ async fn installs_signed_release_and_reports_ready() {
         status.contains("unacknowledged reports: 0"),
         "the broker acknowledged every report: {status}"
     );
+
+    // Restarted, the agent receives the same retained action again: it only re-reports Ready.
+    let last_seq = seen.last().map(|r| r.seq).unwrap_or(0);
+    std::fs::write(&dest, b"changed by hand").expect("write");
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
+    let again = reports_until_final(&mut reports).await;
+    let phases: Vec<&str> = again.iter().map(|r| r.phase.name()).collect();
+    assert_eq!(phases, ["ready"], "nothing is applied twice: {again:#?}");
+    assert!(again[0].seq > last_seq, "seq keeps growing across restarts");
+    assert_eq!(std::fs::read(&dest).expect("read"), b"changed by hand");
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn action_for_another_device_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-refuse";
+    let bytes = artifact();
+    // Signed correctly, but addressed to another device and published on this one's topic.
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired("dev-other", "act-x", &bytes),
+        bytes,
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Refused {
+            reason: "action is for device dev-other, this is dev-refuse".into()
+        })
+    );
+    assert_eq!(
+        std::fs::read(&dest).expect("read"),
+        b"old version",
+        "nothing applied"
+    );
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
