@@ -154,10 +154,30 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     env.link
         .send(Outgoing::State(env.device_state(false)))
         .await;
+    // Wait (briefly) for the broker to acknowledge the reports still in flight, so they are not
+    // all sent again after the restart, and for the offline state to go out; the outbox and
+    // the last will cover whatever does not make it.
+    let grace = tokio::time::sleep(std::time::Duration::from_secs(1));
+    tokio::pin!(grace);
+    let mut outbox_left = env.store.outbox().len();
+    while outbox_left > 0 {
+        tokio::select! {
+            _ = &mut grace => break,
+            event = events.recv() => match event {
+                Some(LinkEvent::ReportAcked(seq)) => {
+                    let _ = env.store.outbox_remove(seq);
+                    outbox_left = env.store.outbox().len();
+                }
+                Some(_) => {}
+                None => break,
+            },
+        }
+    }
+    tokio::select! {
+        _ = &mut grace => {}
+        _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+    }
     let _ = env.store.flush();
-    // Give the writer a moment to hand the offline state to the broker; the last will covers
-    // the case where it does not make it.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     link_shutdown.cancel();
     Ok(())
 }

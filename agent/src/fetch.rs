@@ -90,12 +90,10 @@ pub enum FetchError {
     EmptyBlock { artifact: String, offset: u64 },
     #[error("artifact {artifact}: server cannot provide it: {reason}")]
     Unavailable { artifact: String, reason: String },
-    #[error("artifact {artifact}: sha256 mismatch (expected {expected}, got {got})")]
-    Digest {
-        artifact: String,
-        expected: String,
-        got: String,
-    },
+    /// The finished download does not hash to the manifest's sha256; the message is the
+    /// trust check's ([`crate::trust::check_digest`]).
+    #[error("{0}")]
+    Digest(crate::trust::Refusal),
     #[error("artifact {artifact}: the connection to the artifact server is gone")]
     Closed { artifact: String },
     #[error("download canceled")]
@@ -259,14 +257,10 @@ pub async fn fetch(
     file.sync_all().map_err(write_err)?;
     drop(file);
     let got: Digest = hasher.finalize().into();
-    if got != spec.sha256 {
+    if let Err(refusal) = crate::trust::check_digest(&artifact, &spec.sha256, &got) {
         // Never resume from bytes that hashed wrong.
         let _ = std::fs::remove_file(&part);
-        return Err(FetchError::Digest {
-            artifact,
-            expected: hex::encode(&spec.sha256),
-            got: hex::encode(&got),
-        });
+        return Err(FetchError::Digest(refusal));
     }
     flotilla_targets::fs::atomic_rename(&part, &final_path).map_err(|source| {
         FetchError::WritePart {
