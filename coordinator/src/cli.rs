@@ -227,7 +227,8 @@ impl Cli {
     /// which would drown the coordinator's own messages; `RUST_LOG=rumqttd=info` brings it back.
     pub fn default_log_level(&self) -> &'static str {
         match self.command {
-            Cmd::Serve(_) | Cmd::Demo(_) => "info,rumqttd=off",
+            Cmd::Serve(_) => "info,rumqttd=off",
+            // The demo draws its own live view; the service's logs would tear it apart.
             _ => "warn,rumqttd=off",
         }
     }

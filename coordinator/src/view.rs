@@ -57,9 +57,20 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         out.push_str("recent decisions:\n");
     }
     for entry in &status.trace[skip..] {
-        out.push_str(&format!("  {}  {}\n", entry.at, entry.message));
+        out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
     }
     out
+}
+
+/// The UTC time of day of a Unix timestamp, `18:03:51Z`: decisions of one rollout are minutes
+/// or hours apart, so the date would only be noise in the table (`--json` has the full value).
+pub fn clock(at: u64) -> String {
+    format!(
+        "{:02}:{:02}:{:02}Z",
+        (at / 3600) % 24,
+        (at / 60) % 60,
+        at % 60
+    )
 }
 
 /// Several rollouts, separated by blank lines.

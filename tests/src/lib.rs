@@ -21,7 +21,7 @@
 pub mod mqtt;
 pub mod site;
 
-pub use mqtt::{Watcher, WatchedMessage};
+pub use mqtt::{WatchedMessage, Watcher};
 pub use site::{AgentOptions, BrokerKind, Site};
 
 use std::path::PathBuf;
@@ -41,7 +41,10 @@ pub fn free_port() -> u16 {
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current test executable");
     // target/<profile>/deps/e2e-<hash> -> target/<profile>/<name>
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target directory");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target directory");
     let path = dir.join(name);
     assert!(
         path.exists(),
@@ -57,7 +60,9 @@ pub fn mosquitto_binary() -> Option<PathBuf> {
         .map(|p| std::env::split_paths(&p).collect())
         .unwrap_or_default();
     dirs.extend(["/usr/sbin", "/usr/local/sbin"].map(PathBuf::from));
-    dirs.into_iter().map(|d| d.join("mosquitto")).find(|p| p.is_file())
+    dirs.into_iter()
+        .map(|d| d.join("mosquitto"))
+        .find(|p| p.is_file())
 }
 
 /// Every broker kind the tests can run against on this machine. CI installs Mosquitto, so a

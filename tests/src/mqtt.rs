@@ -41,12 +41,22 @@ impl Watcher {
     pub async fn start(port: u16, filters: &[String]) -> Watcher {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut options = MqttOptions::new(format!("watcher-{}-{n}", std::process::id()), "127.0.0.1", port);
-        options.set_max_packet_size(flotilla_protocol::MAX_PACKET_SIZE, flotilla_protocol::MAX_PACKET_SIZE);
+        let mut options = MqttOptions::new(
+            format!("watcher-{}-{n}", std::process::id()),
+            "127.0.0.1",
+            port,
+        );
+        options.set_max_packet_size(
+            flotilla_protocol::MAX_PACKET_SIZE,
+            flotilla_protocol::MAX_PACKET_SIZE,
+        );
         options.set_keep_alive(Duration::from_secs(30));
         let (client, mut eventloop) = AsyncClient::new(options, 1000);
         for filter in filters {
-            client.subscribe(filter.clone(), QoS::AtLeastOnce).await.expect("queue subscribe");
+            client
+                .subscribe(filter.clone(), QoS::AtLeastOnce)
+                .await
+                .expect("queue subscribe");
         }
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (acked_tx, acked_rx) = tokio::sync::oneshot::channel();
@@ -81,7 +91,11 @@ impl Watcher {
             .await
             .expect("watcher subscribed within 20s")
             .expect("watcher task alive");
-        Watcher { seen, topics: Topics::default(), task }
+        Watcher {
+            seen,
+            topics: Topics::default(),
+            task,
+        }
     }
 
     /// Everything seen so far.
@@ -130,7 +144,10 @@ impl Watcher {
             if let Some(value) = done(self) {
                 return value;
             }
-            assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -138,7 +155,10 @@ impl Watcher {
     /// Waits for a terminal report of `device` and returns it.
     pub async fn final_report(&self, device: &str, timeout: Duration) -> Report {
         self.wait_until(&format!("a final report from {device}"), timeout, |w| {
-            w.reports(device).into_iter().rev().find(|r| r.phase.is_terminal())
+            w.reports(device)
+                .into_iter()
+                .rev()
+                .find(|r| r.phase.is_terminal())
         })
         .await
     }

@@ -39,7 +39,13 @@ pub struct AgentOptions {
 
 impl Default for AgentOptions {
     fn default() -> Self {
-        Self { healthy: true, max_bytes_per_sec: 0, block_size: 16384, soak: "1s", release_keys: None }
+        Self {
+            healthy: true,
+            max_bytes_per_sec: 0,
+            block_size: 16384,
+            soak: "1s",
+            release_keys: None,
+        }
     }
 }
 
@@ -50,10 +56,16 @@ struct Process {
 
 impl Process {
     fn spawn(mut command: Command, log: PathBuf) -> Process {
-        let out = fs::OpenOptions::new().create(true).append(true).open(&log).expect("open log file");
+        let out = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open log file");
         let err = out.try_clone().expect("clone log file");
         command.stdin(Stdio::null()).stdout(out).stderr(err);
-        let child = command.spawn().unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
         Process { child, log }
     }
 
@@ -100,7 +112,10 @@ impl Site {
         let (embedded, broker) = match kind {
             BrokerKind::Embedded => {
                 let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
-                (Some(EmbeddedBroker::start(addr).expect("start embedded broker")), None)
+                (
+                    Some(EmbeddedBroker::start(addr).expect("start embedded broker")),
+                    None,
+                )
             }
             BrokerKind::Mosquitto => (None, Some(start_mosquitto(dir.path(), port))),
         };
@@ -148,7 +163,10 @@ impl Site {
 
     /// The hex text of a public key file of the site.
     pub fn public_key(&self, name: &str) -> String {
-        fs::read_to_string(self.path(&format!("keys/{name}.pub"))).expect("read public key").trim().to_owned()
+        fs::read_to_string(self.path(&format!("keys/{name}.pub")))
+            .expect("read public key")
+            .trim()
+            .to_owned()
     }
 
     /// Creates a signed release with one artifact for target `app` in the coordinator's data
@@ -191,7 +209,10 @@ impl Site {
         )
         .expect("write coordinator config");
         let mut command = Command::new(bin("flotilla"));
-        command.args(["serve", "--config"]).arg(&config).env("RUST_LOG", "info");
+        command
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info");
         self.coordinator = Some(Process::spawn(command, self.path("coordinator.log")));
     }
 
@@ -227,8 +248,15 @@ impl Site {
         if !target.exists() {
             fs::write(&target, b"factory firmware\n").expect("write factory target file");
         }
-        let release_keys = options.release_keys.clone().unwrap_or_else(|| vec![self.public_key("release")]);
-        let check = if options.healthy { "test -s \"$0\"" } else { "echo self-test failed >&2; exit 1" };
+        let release_keys = options
+            .release_keys
+            .clone()
+            .unwrap_or_else(|| vec![self.public_key("release")]);
+        let check = if options.healthy {
+            "test -s \"$0\""
+        } else {
+            "echo self-test failed >&2; exit 1"
+        };
         let mut text = format!(
             r#"device_id = "{id}"
 hardware_id = "test-board"
@@ -276,9 +304,13 @@ max_bytes_per_sec = {rate}
     /// Starts (or restarts) an agent process.
     pub fn start_agent(&mut self, id: &str) {
         let mut command = Command::new(bin("flotilla-agent"));
-        command.args(["run", "--config"]).arg(self.agent_config(id)).env("RUST_LOG", "info");
+        command
+            .args(["run", "--config"])
+            .arg(self.agent_config(id))
+            .env("RUST_LOG", "info");
         let log = self.path(&format!("agents/{id}/agent.log"));
-        self.agents.insert(id.to_owned(), Process::spawn(command, log));
+        self.agents
+            .insert(id.to_owned(), Process::spawn(command, log));
     }
 
     /// Kills an agent with SIGKILL, as a power cut would.
@@ -290,7 +322,9 @@ max_bytes_per_sec = {rate}
 
     /// A control client connected to the site's broker.
     pub async fn client(&self) -> ControlClient {
-        ControlClient::connect("127.0.0.1", self.port, "flotilla").await.expect("connect control client")
+        ControlClient::connect("127.0.0.1", self.port, "flotilla")
+            .await
+            .expect("connect control client")
     }
 
     /// Waits until the coordinator knows `n` online devices.
@@ -298,13 +332,20 @@ max_bytes_per_sec = {rate}
         let client = self.client().await;
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Ok(value) = client.request(Control::ListDevices, Duration::from_secs(5)).await {
-                let devices: Vec<DeviceSummary> = serde_json::from_value(value).expect("device list JSON");
+            if let Ok(value) = client
+                .request(Control::ListDevices, Duration::from_secs(5))
+                .await
+            {
+                let devices: Vec<DeviceSummary> =
+                    serde_json::from_value(value).expect("device list JSON");
                 if devices.iter().filter(|d| d.online).count() >= n {
                     return devices;
                 }
             }
-            assert!(Instant::now() < deadline, "coordinator did not see {n} online devices within {WAIT:?}");
+            assert!(
+                Instant::now() < deadline,
+                "coordinator did not see {n} online devices within {WAIT:?}"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -313,12 +354,22 @@ max_bytes_per_sec = {rate}
     pub async fn create_and_start(&self, spec: &str) -> RolloutStatus {
         let client = self.client().await;
         let created = client
-            .request(Control::CreateRollout { spec: spec.to_owned() }, Duration::from_secs(10))
+            .request(
+                Control::CreateRollout {
+                    spec: spec.to_owned(),
+                },
+                Duration::from_secs(10),
+            )
             .await
             .expect("create rollout");
         let status: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
         client
-            .request(Control::StartRollout { rollout: status.name.clone() }, Duration::from_secs(10))
+            .request(
+                Control::StartRollout {
+                    rollout: status.name.clone(),
+                },
+                Duration::from_secs(10),
+            )
             .await
             .expect("start rollout");
         status
@@ -328,7 +379,12 @@ max_bytes_per_sec = {rate}
     pub async fn status(&self, name: &str) -> Option<RolloutStatus> {
         let client = self.client().await;
         let value = client
-            .request(Control::RolloutStatus { rollout: Some(name.to_owned()) }, Duration::from_secs(5))
+            .request(
+                Control::RolloutStatus {
+                    rollout: Some(name.to_owned()),
+                },
+                Duration::from_secs(5),
+            )
             .await
             .ok()?;
         serde_json::from_value(value).ok()
@@ -347,16 +403,25 @@ max_bytes_per_sec = {rate}
         let mut last = None;
         loop {
             let reply = client
-                .request(Control::RolloutStatus { rollout: Some(name.to_owned()) }, Duration::from_secs(5))
+                .request(
+                    Control::RolloutStatus {
+                        rollout: Some(name.to_owned()),
+                    },
+                    Duration::from_secs(5),
+                )
                 .await;
             if let Ok(value) = reply {
-                let status: RolloutStatus = serde_json::from_value(value).expect("rollout status JSON");
+                let status: RolloutStatus =
+                    serde_json::from_value(value).expect("rollout status JSON");
                 if done(&status) {
                     return status;
                 }
                 last = Some(status);
             }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}; last status: {last:#?}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; last status: {last:#?}"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -382,7 +447,9 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let config = dir.join("mosquitto.conf");
     fs::write(
         &config,
-        format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n"),
+        format!(
+            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n"
+        ),
     )
     .expect("write mosquitto config");
     let mut command = Command::new(binary);
@@ -390,7 +457,10 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let process = Process::spawn(command, dir.join("mosquitto.log"));
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "mosquitto did not listen on {port} within 10s");
+        assert!(
+            Instant::now() < deadline,
+            "mosquitto did not listen on {port} within 10s"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     process
@@ -399,8 +469,15 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
 impl Site {
     /// Publishes raw bytes on a topic (QoS 1), as any client of the shared broker could.
     pub async fn publish(&self, topic: &str, payload: Vec<u8>, retain: bool) {
-        let mut options = rumqttc::MqttOptions::new(format!("publisher-{}", crate::free_port()), "127.0.0.1", self.port);
-        options.set_max_packet_size(flotilla_protocol::MAX_PACKET_SIZE, flotilla_protocol::MAX_PACKET_SIZE);
+        let mut options = rumqttc::MqttOptions::new(
+            format!("publisher-{}", crate::free_port()),
+            "127.0.0.1",
+            self.port,
+        );
+        options.set_max_packet_size(
+            flotilla_protocol::MAX_PACKET_SIZE,
+            flotilla_protocol::MAX_PACKET_SIZE,
+        );
         let (client, mut eventloop) = rumqttc::AsyncClient::new(options, 10);
         client
             .publish(topic, rumqttc::QoS::AtLeastOnce, retain, payload)
@@ -415,7 +492,9 @@ impl Site {
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), acked).await.expect("broker acknowledged the publish");
+        tokio::time::timeout(Duration::from_secs(10), acked)
+            .await
+            .expect("broker acknowledged the publish");
         let _ = client.disconnect().await;
     }
 }

@@ -7,8 +7,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use flotilla_protocol::signing::{generate_key, secret_key_from_text};
 use flotilla_protocol::{
-    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, ReleaseManifest, SignedBlob,
-    SigningKey, Topics,
+    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, ReleaseManifest,
+    SignedBlob, SigningKey, Topics,
 };
 use flotilla_tests::{AgentOptions, BrokerKind, Site, Watcher, WAIT};
 
@@ -16,7 +16,10 @@ const DEVICE: &str = "dev-trust";
 const FACTORY: &[u8] = b"factory firmware\n";
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_secs()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs()
 }
 
 fn secret(site: &Site, name: &str) -> SigningKey {
@@ -26,7 +29,8 @@ fn secret(site: &Site, name: &str) -> SigningKey {
 
 /// The signed manifest blob of a release created by `flotilla release create`.
 fn release_blob(site: &Site, name: &str) -> SignedBlob {
-    let bytes = fs::read(site.path(&format!("coordinator/releases/{name}.release"))).expect("read release");
+    let bytes =
+        fs::read(site.path(&format!("coordinator/releases/{name}.release"))).expect("read release");
     envelope::from_bytes("release", &bytes).expect("decode release file")
 }
 
@@ -45,9 +49,16 @@ fn desired(case: Case<'_>) -> Vec<u8> {
         rollout_id: "trust-test".into(),
         issued_at: now(),
         expires_at: case.expires_at,
-        body: ActionBody::Install { manifest: case.manifest, kind: ActionKind::Forced, window: None },
+        body: ActionBody::Install {
+            manifest: case.manifest,
+            kind: ActionKind::Forced,
+            window: None,
+        },
     };
-    envelope::encode(&Message::Desired(SignedBlob::sign(case.signer, envelope::to_bytes(&action))))
+    envelope::encode(&Message::Desired(SignedBlob::sign(
+        case.signer,
+        envelope::to_bytes(&action),
+    )))
 }
 
 async fn send_and_wait(site: &Site, watcher: &Watcher, payload: Vec<u8>) -> Phase {
@@ -74,8 +85,11 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     site.start_coordinator();
     site.add_agent(DEVICE, &[("env", "test")], AgentOptions::default());
     site.wait_devices(1).await;
-    let watcher =
-        Watcher::start(site.port, &[Topics::default().report(&DeviceId::new(DEVICE).expect("id"))]).await;
+    let watcher = Watcher::start(
+        site.port,
+        &[Topics::default().report(&DeviceId::new(DEVICE).expect("id"))],
+    )
+    .await;
     let coordinator = secret(&site, "coordinator");
     let rogue = generate_key();
     let target = site.target_file(DEVICE);
@@ -87,7 +101,13 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     let phase = send_and_wait(
         &site,
         &watcher,
-        desired(Case { action_id: "a1", device_id: DEVICE, manifest: forged, expires_at: later, signer: &coordinator }),
+        desired(Case {
+            action_id: "a1",
+            device_id: DEVICE,
+            manifest: forged,
+            expires_at: later,
+            signer: &coordinator,
+        }),
     )
     .await;
     assert_refused(&phase, "unknown key", "release signed by an unknown key");
@@ -97,7 +117,13 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     let phase = send_and_wait(
         &site,
         &watcher,
-        desired(Case { action_id: "a2", device_id: DEVICE, manifest: good.clone(), expires_at: later, signer: &rogue }),
+        desired(Case {
+            action_id: "a2",
+            device_id: DEVICE,
+            manifest: good.clone(),
+            expires_at: later,
+            signer: &rogue,
+        }),
     )
     .await;
     assert_refused(&phase, "unknown key", "action signed by an unknown key");
@@ -137,7 +163,8 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
 
     // A tampered artifact: the server's copy no longer matches the signed digest.
     let nine = release_blob(&site, "fw-9");
-    let manifest: ReleaseManifest = envelope::from_bytes("manifest", &nine.payload).expect("manifest");
+    let manifest: ReleaseManifest =
+        envelope::from_bytes("manifest", &nine.payload).expect("manifest");
     let stored = site.path(&format!(
         "coordinator/artifacts/{}",
         flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)
@@ -146,7 +173,13 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     let phase = send_and_wait(
         &site,
         &watcher,
-        desired(Case { action_id: "a5", device_id: DEVICE, manifest: nine, expires_at: later, signer: &coordinator }),
+        desired(Case {
+            action_id: "a5",
+            device_id: DEVICE,
+            manifest: nine,
+            expires_at: later,
+            signer: &coordinator,
+        }),
     )
     .await;
     assert_refused(&phase, "sha256", "tampered artifact");
@@ -156,7 +189,13 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     let phase = send_and_wait(
         &site,
         &watcher,
-        desired(Case { action_id: "a6", device_id: DEVICE, manifest: good, expires_at: later, signer: &coordinator }),
+        desired(Case {
+            action_id: "a6",
+            device_id: DEVICE,
+            manifest: good,
+            expires_at: later,
+            signer: &coordinator,
+        }),
     )
     .await;
     assert_eq!(phase, Phase::Ready);
@@ -167,7 +206,13 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     let phase = send_and_wait(
         &site,
         &watcher,
-        desired(Case { action_id: "a7", device_id: DEVICE, manifest: three, expires_at: later, signer: &coordinator }),
+        desired(Case {
+            action_id: "a7",
+            device_id: DEVICE,
+            manifest: three,
+            expires_at: later,
+            signer: &coordinator,
+        }),
     )
     .await;
     assert_refused(&phase, "counter", "lower release counter");
