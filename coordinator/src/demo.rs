@@ -66,7 +66,10 @@ pub enum DemoError {
     #[error("agent binary {path} not found; build it with `cargo build --release --bins` or pass --agent-bin")]
     AgentBinary { path: PathBuf },
     #[error("demo setup: {what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Broker(#[from] BrokerError),
     #[error(transparent)]
@@ -132,13 +135,21 @@ pub struct DeviceOutcome {
 /// Runs the demo and returns the process exit code.
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     if args.devices < 3 {
-        return Err(DemoError::TooFewDevices { devices: args.devices });
+        return Err(DemoError::TooFewDevices {
+            devices: args.devices,
+        });
     }
     if args.fail > args.devices {
-        return Err(DemoError::TooManyFailing { fail: args.fail, devices: args.devices });
+        return Err(DemoError::TooManyFailing {
+            fail: args.fail,
+            devices: args.devices,
+        });
     }
     let agent_bin = agent_binary(args.agent_bin.clone())?;
-    let dir = tempfile::Builder::new().prefix("flotilla-demo-").tempdir().map_err(io("temporary directory"))?;
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-demo-")
+        .tempdir()
+        .map_err(io("temporary directory"))?;
     let root = dir.path().to_owned();
     let say = |line: String| {
         if args.json {
@@ -197,7 +208,8 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         let id = format!("dev-{i:02}");
         let healthy = i > args.fail;
         let config = write_agent_config(&root, &id, port, healthy, &release_pub, &coordinator_pub)?;
-        let log = fs::File::create(root.join(format!("{id}.log"))).map_err(io("create an agent log"))?;
+        let log =
+            fs::File::create(root.join(format!("{id}.log"))).map_err(io("create an agent log"))?;
         let err = log.try_clone().map_err(io("open an agent log"))?;
         let child = Command::new(&agent_bin)
             .args(["run", "--config"])
@@ -217,14 +229,27 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         root.display()
     ));
 
-    let client = ControlClient::connect("127.0.0.1", port, flotilla_protocol::topics::DEFAULT_ROOT).await?;
+    let client =
+        ControlClient::connect("127.0.0.1", port, flotilla_protocol::topics::DEFAULT_ROOT).await?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
     say(format!("all {} agents registered\n", args.devices));
 
     let spec = demo_spec();
-    client.request(Control::CreateRollout { spec: spec.clone() }, Duration::from_secs(10)).await?;
-    client.request(Control::StartRollout { rollout: ROLLOUT.into() }, Duration::from_secs(10)).await?;
+    client
+        .request(
+            Control::CreateRollout { spec: spec.clone() },
+            Duration::from_secs(10),
+        )
+        .await?;
+    client
+        .request(
+            Control::StartRollout {
+                rollout: ROLLOUT.into(),
+            },
+            Duration::from_secs(10),
+        )
+        .await?;
     if !args.json {
         println!("rollout spec:\n{}", indent(&spec));
     }
@@ -241,7 +266,12 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
             return Err(DemoError::Coordinator(reason));
         }
         let value = client
-            .request(Control::RolloutStatus { rollout: Some(ROLLOUT.into()) }, Duration::from_secs(10))
+            .request(
+                Control::RolloutStatus {
+                    rollout: Some(ROLLOUT.into()),
+                },
+                Duration::from_secs(10),
+            )
             .await?;
         let status: RolloutStatus = serde_json::from_value(value)?;
         let text = view::rollout_status(&status);
@@ -264,13 +294,19 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
             break status;
         }
         if Instant::now() > deadline {
-            return Err(DemoError::Timeout { what: "the rollout to settle".into(), secs: args.timeout });
+            return Err(DemoError::Timeout {
+                what: "the rollout to settle".into(),
+                secs: args.timeout,
+            });
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
 
-    let devices: Vec<DeviceSummary> =
-        serde_json::from_value(client.request(Control::ListDevices, Duration::from_secs(10)).await?)?;
+    let devices: Vec<DeviceSummary> = serde_json::from_value(
+        client
+            .request(Control::ListDevices, Duration::from_secs(10))
+            .await?,
+    )?;
     let summary = summarize(&status, &devices);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -306,11 +342,16 @@ fn agent_binary(given: Option<PathBuf>) -> Result<PathBuf, DemoError> {
 }
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// 512 KiB of recognisable bytes: big enough that the download goes through many blocks.
@@ -344,7 +385,8 @@ fn write_agent_config(
     let dir = root.join("agents").join(id);
     fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
     let target = dir.join("app.bin");
-    fs::write(&target, b"flotilla demo application 1.0.0\n").map_err(io("write the installed app"))?;
+    fs::write(&target, b"flotilla demo application 1.0.0\n")
+        .map_err(io("write the installed app"))?;
     let check = if healthy {
         format!("test -s {}", shell_quote(&target))
     } else {
@@ -397,13 +439,18 @@ async fn wait_for_devices(
     secs: u64,
 ) -> Result<(), DemoError> {
     loop {
-        let value = client.request(Control::ListDevices, Duration::from_secs(10)).await?;
+        let value = client
+            .request(Control::ListDevices, Duration::from_secs(10))
+            .await?;
         let devices: Vec<DeviceSummary> = serde_json::from_value(value)?;
         if devices.iter().filter(|d| d.online).count() >= n {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(DemoError::Timeout { what: format!("{n} agents to register"), secs });
+            return Err(DemoError::Timeout {
+                what: format!("{n} agents to register"),
+                secs,
+            });
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -435,7 +482,11 @@ fn summarize(status: &RolloutStatus, devices: &[DeviceSummary]) -> Summary {
         }
     }
     let phase_of = |id: &str| {
-        status.groups.iter().find_map(|g| g.devices.get(id).cloned()).unwrap_or_else(|| "not in rollout".into())
+        status
+            .groups
+            .iter()
+            .find_map(|g| g.devices.get(id).cloned())
+            .unwrap_or_else(|| "not in rollout".into())
     };
     Summary {
         rollout: status.name.clone(),
@@ -444,7 +495,11 @@ fn summarize(status: &RolloutStatus, devices: &[DeviceSummary]) -> Summary {
         groups: status
             .groups
             .iter()
-            .map(|g| GroupSummary { name: g.name.clone(), state: g.state.clone(), devices: g.devices.keys().cloned().collect() })
+            .map(|g| GroupSummary {
+                name: g.name.clone(),
+                state: g.state.clone(),
+                devices: g.devices.keys().cloned().collect(),
+            })
             .collect(),
         devices: devices
             .iter()
@@ -463,7 +518,11 @@ fn summarize(status: &RolloutStatus, devices: &[DeviceSummary]) -> Summary {
 /// The human summary: what happened, and why.
 fn explain(summary: &Summary) -> String {
     let total = summary.devices.len();
-    let updated = summary.devices.iter().filter(|d| d.installed.as_deref() == Some(summary.release.as_str())).count();
+    let updated = summary
+        .devices
+        .iter()
+        .filter(|d| d.installed.as_deref() == Some(summary.release.as_str()))
+        .count();
     let mut out = match summary.state.as_str() {
         "finished" => format!(
             "Rollout {} finished: {updated} of {total} devices now run {}.\n",
@@ -474,7 +533,11 @@ fn explain(summary: &Summary) -> String {
             summary.rollout, summary.release
         ),
     };
-    for d in summary.devices.iter().filter(|d| d.phase == "failed" || d.phase == "refused") {
+    for d in summary
+        .devices
+        .iter()
+        .filter(|d| d.phase == "failed" || d.phase == "refused")
+    {
         out.push_str(&format!(
             "  {} ({}) {}: {}; it rolled back and still runs {}.\n",
             d.id,
@@ -522,11 +585,18 @@ mod tests {
                 failed: 1,
                 in_progress,
                 scheduled: 0,
-                devices: [("dev-01".to_owned(), "failed".to_owned()), ("dev-02".to_owned(), "ready".to_owned())]
-                    .into_iter()
-                    .collect(),
+                devices: [
+                    ("dev-01".to_owned(), "failed".to_owned()),
+                    ("dev-02".to_owned(), "ready".to_owned()),
+                ]
+                .into_iter()
+                .collect(),
             }],
-            trace: vec![TraceEntry { at: 1, rollout: ROLLOUT.into(), message: "group group-1 paused: 1 of 2 failed > 30%".into() }],
+            trace: vec![TraceEntry {
+                at: 1,
+                rollout: ROLLOUT.into(),
+                message: "group group-1 paused: 1 of 2 failed > 30%".into(),
+            }],
         }
     }
 
@@ -554,15 +624,27 @@ mod tests {
         assert_eq!(summary.devices[0].group.as_deref(), Some("group-1"));
         let text = explain(&summary);
         assert!(text.contains("ended paused"), "{text}");
-        assert!(text.contains("dev-01 (group-1) failed: health check self-test failed"), "{text}");
+        assert!(
+            text.contains("dev-01 (group-1) failed: health check self-test failed"),
+            "{text}"
+        );
         assert!(text.contains("1 of 2 failed > 30%"), "{text}");
         assert!(text.contains("flotilla rollout resume"), "{text}");
     }
 
     #[test]
     fn refuses_impossible_arguments() {
-        let args = DemoArgs { devices: 2, fail: 0, json: false, keep: false, agent_bin: None, timeout: 10 };
-        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let args = DemoArgs {
+            devices: 2,
+            fail: 0,
+            json: false,
+            keep: false,
+            agent_bin: None,
+            timeout: 10,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
         let err = rt.block_on(run(args)).expect_err("too few devices");
         assert!(err.to_string().contains("at least 3"), "{err}");
     }
