@@ -28,6 +28,9 @@ use tokio_util::sync::CancellationToken;
 /// How long to wait for any reply before asking for outstanding blocks again.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The part file is synced whenever the download crosses a multiple of this.
+const SYNC_EVERY: u64 = 1 << 20;
+
 /// What to download, and how.
 #[derive(Debug, Clone)]
 pub struct FetchSpec {
@@ -243,6 +246,11 @@ pub async fn fetch(
             expected += data.len() as u64;
         }
         if expected != before {
+            // Data reaches the disk before the progress that claims it is flushed (the state
+            // machine flushes its record every MiB), so a resumed download can trust its prefix.
+            if expected / SYNC_EVERY != before / SYNC_EVERY {
+                file.sync_data().map_err(write_err)?;
+            }
             progress(expected);
             throttle(
                 spec.max_bytes_per_sec,

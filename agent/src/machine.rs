@@ -656,7 +656,8 @@ async fn download(
             };
             // A cheap insert per block; a flush per MiB bounds what a power cut can lose.
             let _ = store.save_action_unflushed(&progress_record);
-            if d - last_flush >= 1 << 20 {
+            // Same boundary at which the fetcher syncs the part file, just after it.
+            if d >> 20 != last_flush >> 20 {
                 let _ = store.flush();
                 last_flush = d;
             }
