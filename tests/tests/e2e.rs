@@ -242,3 +242,103 @@ async fn coordinator_killed_mid_rollout_finishes_without_restarting_groups() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_pause_holds_the_next_group_and_stop_is_final() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-2", 2, NEW_FIRMWARE);
+    site.start_coordinator();
+    for i in 1..=4 {
+        let options = AgentOptions {
+            soak: "3s",
+            ..AgentOptions::default()
+        };
+        site.add_agent(&format!("dev-{i:02}"), &[("env", "test")], options);
+    }
+    site.wait_devices(4).await;
+    let spec = site.path("spec.toml");
+    fs::write(
+        &spec,
+        three_group_spec("fw-held", "50%").replace("count = 3", "count = 2"),
+    )
+    .expect("write spec");
+    let created = site.flotilla(&["rollout", "create", "--spec", &spec.to_string_lossy()]);
+    assert!(
+        created.contains("fw-held"),
+        "create prints the rollout: {created}"
+    );
+    site.flotilla(&["rollout", "start", "fw-held"]);
+    site.flotilla(&["rollout", "pause", "fw-held"]);
+
+    // The first group's devices finish their update, but the paused rollout starts nothing new.
+    let paused = site
+        .wait_status(
+            "fw-held",
+            "the first group to finish while paused",
+            WAIT,
+            |s| s.groups[0].ready == s.groups[0].total,
+        )
+        .await;
+    assert_eq!(paused.state, "paused", "{paused:#?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let still = site.status("fw-held").await.expect("status");
+    assert!(
+        !group_started(&still, 1),
+        "a paused rollout must not start the next group: {still:#?}"
+    );
+    let table = site.flotilla(&["rollout", "status", "fw-held"]);
+    assert!(
+        table.contains("paused") && table.contains("[#"),
+        "status table with progress bars: {table}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&site.flotilla(&["rollout", "status", "fw-held", "--json"]))
+            .expect("status --json");
+    assert_eq!(json["state"], "paused", "{json}");
+
+    site.flotilla(&["rollout", "stop", "fw-held"]);
+    let stopped = site.status("fw-held").await.expect("status");
+    assert_eq!(stopped.state, "stopped");
+    let refused = site.flotilla_output(&["rollout", "resume", "fw-held"]);
+    assert!(
+        !refused.status.success(),
+        "a stopped rollout cannot be resumed"
+    );
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("stopped"),
+        "{refused:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let last = site.status("fw-held").await.expect("status");
+    assert!(!group_started(&last, 1), "{last:#?}");
+    for id in ["dev-03", "dev-04"] {
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("target"),
+            b"factory firmware\n",
+            "{id} untouched"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_spec_is_refused_with_the_field_named() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-2", 2, NEW_FIRMWARE);
+    site.start_coordinator();
+    site.add_agent("dev-01", &[("env", "test")], AgentOptions::default());
+    site.wait_devices(1).await;
+    let spec = site.path("broken.toml");
+    fs::write(&spec, three_group_spec("fw-broken", "120%")).expect("write spec");
+    let out = site.flotilla_output(&["rollout", "create", "--spec", &spec.to_string_lossy()]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("groups.error.threshold") && stderr.contains("120%"),
+        "{stderr}"
+    );
+    let unknown = site.flotilla_output(&["rollout", "start", "fw-nope"]);
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("fw-nope"),
+        "{unknown:?}"
+    );
+}
