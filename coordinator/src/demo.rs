@@ -439,12 +439,20 @@ async fn wait_for_devices(
     secs: u64,
 ) -> Result<(), DemoError> {
     loop {
-        let value = client
-            .request(Control::ListDevices, Duration::from_secs(10))
-            .await?;
-        let devices: Vec<DeviceSummary> = serde_json::from_value(value)?;
-        if devices.iter().filter(|d| d.online).count() >= n {
-            return Ok(());
+        // The coordinator starts in parallel with the agents; until it has subscribed to the
+        // control topic a request goes unanswered, so a missing reply means "ask again".
+        match client
+            .request(Control::ListDevices, Duration::from_secs(2))
+            .await
+        {
+            Ok(value) => {
+                let devices: Vec<DeviceSummary> = serde_json::from_value(value)?;
+                if devices.iter().filter(|d| d.online).count() >= n {
+                    return Ok(());
+                }
+            }
+            Err(ClientError::NoReply { .. }) => {}
+            Err(e) => return Err(e.into()),
         }
         if Instant::now() > deadline {
             return Err(DemoError::Timeout {
