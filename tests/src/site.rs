@@ -350,6 +350,32 @@ max_bytes_per_sec = {rate}
         }
     }
 
+    /// Waits until the coordinator reports `id` as online (or offline, after its last will).
+    pub async fn wait_online(&self, id: &str, online: bool) -> DeviceSummary {
+        let client = self.client().await;
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Ok(value) = client
+                .request(Control::ListDevices, Duration::from_secs(5))
+                .await
+            {
+                let devices: Vec<DeviceSummary> =
+                    serde_json::from_value(value).expect("device list JSON");
+                if let Some(d) = devices
+                    .into_iter()
+                    .find(|d| d.id == id && d.online == online)
+                {
+                    return d;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "coordinator did not see {id} online={online} within {WAIT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Creates a rollout from spec text through the control topic and starts it.
     pub async fn create_and_start(&self, spec: &str) -> RolloutStatus {
         let client = self.client().await;

@@ -169,6 +169,8 @@ async fn agent_killed_mid_download_resumes_without_refetching() {
         })
         .await;
     site.kill_agent("dev-slow");
+    // The broker publishes the agent's last will; the coordinator shows the device offline.
+    site.wait_online("dev-slow", false).await;
     watcher.clear();
     site.start_agent("dev-slow");
 
