@@ -24,25 +24,31 @@ pub async fn run_check(check: &HealthCheck, action_id: &str, release: &str) -> R
         .env("FLOTILLA_RELEASE", release)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        // The last line a failing check writes to stderr goes into the report: "why" is what
+        // an operator looking at a paused rollout wants first.
+        .stderr(Stdio::piped())
         // A check that outlives its timeout must not keep running behind the agent's back.
         .kill_on_drop(true);
-    let mut child = command.spawn().map_err(|e| {
+    let child = command.spawn().map_err(|e| {
         format!(
             "health check {} failed: cannot run {:?}: {e}",
             check.name, check.command[0]
         )
     })?;
-    match tokio::time::timeout(check.timeout, child.wait()).await {
-        Ok(Ok(status)) if status.success() => Ok(()),
-        Ok(Ok(status)) => {
+    match tokio::time::timeout(check.timeout, child.wait_with_output()).await {
+        Ok(Ok(output)) if output.status.success() => Ok(()),
+        Ok(Ok(output)) => {
+            let status = output.status;
             use std::os::unix::process::ExitStatusExt as _;
             let how = match (status.code(), status.signal()) {
                 (Some(code), _) => format!("exit status {code}"),
                 (None, Some(signal)) => format!("killed by signal {signal}"),
                 (None, None) => status.to_string(),
             };
-            Err(format!("health check {} failed: {how}", check.name))
+            match last_line(&output.stderr) {
+                Some(said) => Err(format!("health check {} failed: {how}: {said}", check.name)),
+                None => Err(format!("health check {} failed: {how}", check.name)),
+            }
         }
         Ok(Err(e)) => Err(format!("health check {} failed: {e}", check.name)),
         Err(_) => Err(format!(
@@ -50,6 +56,13 @@ pub async fn run_check(check: &HealthCheck, action_id: &str, release: &str) -> R
             check.name, check.timeout
         )),
     }
+}
+
+/// The last non-empty line of a check's stderr, at most 200 characters.
+fn last_line(stderr: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(stderr);
+    let line = text.lines().map(str::trim).rfind(|l| !l.is_empty())?;
+    Some(line.chars().take(200).collect())
 }
 
 /// Outcome of a soak.
@@ -134,6 +147,19 @@ mod tests {
         assert_eq!(
             soak(&h, "a", "r", &CancellationToken::new()).await,
             Soak::Unhealthy("health check app-runs failed: exit status 1".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn failing_check_reports_what_it_said_on_stderr() {
+        let c = check(
+            "self-test",
+            "echo starting >&2; echo 'app crashed: port 80 in use' >&2; exit 2",
+        );
+        let err = run_check(&c, "a", "r").await.expect_err("fails");
+        assert_eq!(
+            err,
+            "health check self-test failed: exit status 2: app crashed: port 80 in use"
         );
     }
 
