@@ -329,29 +329,30 @@ max_bytes_per_sec = {rate}
 
     /// Waits until the coordinator knows `n` online devices.
     pub async fn wait_devices(&self, n: usize) -> Vec<DeviceSummary> {
-        let client = self.client().await;
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Ok(value) = client
-                .request(Control::ListDevices, Duration::from_secs(5))
-                .await
-            {
-                let devices: Vec<DeviceSummary> =
-                    serde_json::from_value(value).expect("device list JSON");
-                if devices.iter().filter(|d| d.online).count() >= n {
-                    return devices;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "coordinator did not see {n} online devices within {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        self.wait_for_devices(&format!("{n} online devices"), |devices| {
+            (devices.iter().filter(|d| d.online).count() >= n).then(|| devices.to_vec())
+        })
+        .await
     }
 
     /// Waits until the coordinator reports `id` as online (or offline, after its last will).
     pub async fn wait_online(&self, id: &str, online: bool) -> DeviceSummary {
+        self.wait_for_devices(&format!("{id} online={online}"), |devices| {
+            devices
+                .iter()
+                .find(|d| d.id == id && d.online == online)
+                .cloned()
+        })
+        .await
+    }
+
+    /// Polls the coordinator's device list until `found` returns something; panics after
+    /// [`WAIT`] naming `what`.
+    async fn wait_for_devices<T>(
+        &self,
+        what: &str,
+        found: impl Fn(&[DeviceSummary]) -> Option<T>,
+    ) -> T {
         let client = self.client().await;
         let deadline = Instant::now() + WAIT;
         loop {
@@ -361,16 +362,13 @@ max_bytes_per_sec = {rate}
             {
                 let devices: Vec<DeviceSummary> =
                     serde_json::from_value(value).expect("device list JSON");
-                if let Some(d) = devices
-                    .into_iter()
-                    .find(|d| d.id == id && d.online == online)
-                {
-                    return d;
+                if let Some(result) = found(&devices) {
+                    return result;
                 }
             }
             assert!(
                 Instant::now() < deadline,
-                "coordinator did not see {id} online={online} within {WAIT:?}"
+                "coordinator did not see {what} within {WAIT:?}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
