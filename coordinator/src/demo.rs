@@ -599,12 +599,14 @@ mod tests {
                 ]
                 .into_iter()
                 .collect(),
+                ..GroupStatus::default()
             }],
             trace: vec![TraceEntry {
                 at: 1,
                 rollout: ROLLOUT.into(),
                 message: "group group-1 paused: 1 of 2 failed > 30%".into(),
             }],
+            ..RolloutStatus::default()
         }
     }
 

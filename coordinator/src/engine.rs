@@ -32,8 +32,10 @@ use flotilla_protocol::control::{DeviceSummary, GroupStatus, RolloutStatus, Trac
 use flotilla_protocol::{DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
-use crate::planner::{self, error_met, success_met, Excluded, FleetDevice, GroupCounts};
-use crate::spec::{ErrorCondition, RolloutSpec, SpecError, SuccessAction, SuccessCondition};
+use crate::conditions::{error_met, success_met, GroupCounts};
+use crate::plan::{ActionType, ErrorCondition, Excluded, SuccessAction, SuccessCondition};
+use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
+use crate::spec::{RolloutSpec, SpecError};
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
 pub const TRACE_LIMIT: usize = 1000;
@@ -231,7 +233,20 @@ pub enum Effect {
         action_id: String,
         rollout: String,
         release: String,
+        action: ActionType,
     },
+    /// Sign and publish (retained) a rollback of `undo`, the action that installed the release:
+    /// the device returns to the release it kept.
+    Rollback {
+        device: String,
+        action_id: String,
+        rollout: String,
+        undo: String,
+    },
+    /// Publish (retained) an approval request's state on `events/approvals/{name}`.
+    Approval(flotilla_protocol::control::ApprovalStatus),
+    /// Clear a deleted device's retained topics (desired and state).
+    Forget { device: String },
     /// Publish (retained) a cancel of this action.
     Cancel {
         device: String,
@@ -268,6 +283,14 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Spec(#[from] SpecError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("no approval request named {0:?}")]
+    UnknownApproval(String),
+    #[error("no device named {0:?}")]
+    UnknownDevice(String),
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// The action id of a device in a rollout: `{rollout}@{created_at}:{device}`. Including
@@ -355,6 +378,7 @@ impl Rollout {
                     action_id: action_id(&name, created_at, device),
                     rollout: name.clone(),
                     release: release.clone(),
+                    action: ActionType::Forced,
                 });
             }
         }
@@ -501,9 +525,11 @@ impl Rollout {
                         .iter()
                         .map(|(d, p)| (d.clone(), p.name().to_owned()))
                         .collect(),
+                    ..GroupStatus::default()
                 })
                 .collect(),
             trace: self.trace.clone(),
+            ..RolloutStatus::default()
         }
     }
 }
@@ -548,6 +574,8 @@ pub struct Engine {
     last_seq: HashMap<String, u64>,
     /// Rollouts whose device phases changed since the last tick.
     dirty: BTreeSet<String>,
+    /// Named device groups that partitions refer to.
+    device_groups: Vec<DeviceGroup>,
 }
 
 impl fmt::Debug for Engine {
@@ -597,6 +625,7 @@ impl Engine {
                             action_id,
                             rollout: r.name.clone(),
                             release: r.release.name.clone(),
+                            action: r.spec.policies.action,
                         });
                     } else if !active && *phase == DevicePhase::Canceled {
                         effects.push(Effect::Cancel {
@@ -738,7 +767,7 @@ impl Engine {
                 hardware_id: d.hardware_id.clone(),
             })
             .collect();
-        let plan = planner::plan_groups(&spec, &fleet, &release.hardware);
+        let plan = planner::plan(&spec, &fleet, &release.hardware, &self.device_groups)?;
         let planned = plan.device_count();
         if planned == 0 {
             let selected = fleet
@@ -975,6 +1004,50 @@ impl Engine {
         out.into_effects()
     }
 
+    /// Replaces the named device groups (`flotilla group`) that specs may refer to.
+    pub fn set_device_groups(&mut self, groups: Vec<DeviceGroup>) {
+        self.device_groups = groups;
+    }
+
+    /// Approves an approval request by name.
+    pub fn approve(&mut self, name: &str, _now: u64) -> Result<Vec<Effect>, EngineError> {
+        Err(EngineError::UnknownApproval(name.to_owned()))
+    }
+
+    /// Every approval request, pending and approved.
+    pub fn approvals(&self) -> Vec<flotilla_protocol::control::ApprovalStatus> {
+        Vec::new()
+    }
+
+    /// Starts the next group of a running rollout now (hawkBit's manual trigger).
+    pub fn trigger_next(&mut self, name: &str, _now: u64) -> Result<Vec<Effect>, EngineError> {
+        Err(Self::invalid(
+            &self.entry(name)?.rollout,
+            "trigger the next group of",
+        ))
+    }
+
+    /// Creates a rollout over the failed devices of another (`<rollout>-retry` by default).
+    pub fn retry_failed(
+        &mut self,
+        name: &str,
+        _new_name: Option<String>,
+        _now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        Err(Self::invalid(&self.entry(name)?.rollout, "retry"))
+    }
+
+    /// Forgets a device: it leaves the registry and the groups of unfinished rollouts.
+    pub fn delete_device(&mut self, device: &str, _now: u64) -> Result<Vec<Effect>, EngineError> {
+        Err(EngineError::UnknownDevice(device.to_owned()))
+    }
+
+    /// The earliest time at which [`Engine::tick`] has a timer to act on (a timed wait, a
+    /// timeout, a retry, a window opening, the rate limit), so a simulator can jump to it.
+    pub fn next_timer(&self) -> Option<u64> {
+        None
+    }
+
     pub fn rollout(&self, name: &str) -> Option<&Rollout> {
         self.rollouts.get(name).map(|e| &e.rollout)
     }
@@ -1179,7 +1252,8 @@ mod tests {
                 device: "dev-000".into(),
                 action_id: format!("fw-2-4@{NOW}:dev-000"),
                 rollout: "fw-2-4".into(),
-                release: "fw-2.4.0".into()
+                release: "fw-2.4.0".into(),
+                action: ActionType::Forced,
             }
         );
         assert_eq!(effects[3], Effect::Status("fw-2-4".into()));

@@ -13,7 +13,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::spec::{ErrorCondition, GroupsSpec, RolloutSpec, SuccessCondition};
+pub use crate::plan::{Excluded, Plan, PlannedGroup};
+use crate::plan::{Gate, Pace};
+use crate::selector::Selector;
+use crate::spec::{GroupsSpec, RolloutSpec, Strategy};
 
 /// One device as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,43 +26,32 @@ pub struct FleetDevice {
     pub hardware_id: String,
 }
 
-/// The planned groups of a rollout and the devices left out, with why.
+/// A device group (`flotilla group`): a named selector with labels of its own, which Fleet-style
+/// partitions refer to by name (`group`) or by its labels (`group_select`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Plan {
-    pub groups: Vec<PlannedGroup>,
-    /// Devices the rollout selector matched but the release cannot be installed on.
-    pub excluded: Vec<Excluded>,
-    /// Devices selected and compatible but taken by no group; they are not rolled out.
-    pub unassigned: Vec<String>,
-}
-
-impl Plan {
-    /// Devices in any group.
-    pub fn device_count(&self) -> usize {
-        self.groups.iter().map(|g| g.devices.len()).sum()
-    }
-}
-
-/// One group with its devices, in rollout order.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlannedGroup {
+pub struct DeviceGroup {
     pub name: String,
-    /// Sorted by device id.
-    pub devices: Vec<String>,
-    pub success: SuccessCondition,
-    pub error: Option<ErrorCondition>,
+    pub select: Selector,
+    pub labels: BTreeMap<String, String>,
 }
 
-/// A device left out of a rollout, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Excluded {
-    pub device: String,
-    pub reason: String,
+/// Why a spec could not be planned against the fleet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("{field}: no device group named {name:?}")]
+    UnknownGroup { field: String, name: String },
+    #[error("staged: strategy {name:?} was not resolved before planning")]
+    UnresolvedStrategy { name: String },
 }
 
 /// Splits the fleet into the spec's groups. `release_hardware` is the release's list of
 /// compatible hardware ids; empty means any hardware.
-pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: &[String]) -> Plan {
+pub fn plan(
+    spec: &RolloutSpec,
+    fleet: &[FleetDevice],
+    release_hardware: &[String],
+    _device_groups: &[DeviceGroup],
+) -> Result<Plan, PlanError> {
     let mut excluded = Vec::new();
     let mut selected: Vec<&FleetDevice> = Vec::new();
     for device in fleet.iter().filter(|d| spec.select.matches(&d.labels)) {
@@ -83,12 +75,12 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
 
     let mut groups = Vec::new();
     let mut unassigned = Vec::new();
-    match spec.groups() {
-        GroupsSpec::Count {
+    match &spec.strategy {
+        Strategy::Groups(GroupsSpec::Count {
             count,
             success,
             error,
-        } => {
+        }) => {
             let count = *count as usize;
             let (base, extra) = (selected.len() / count, selected.len() % count);
             let mut rest = selected.iter();
@@ -98,12 +90,15 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
                 groups.push(PlannedGroup {
                     name: format!("group-{}", i + 1),
                     devices: rest.by_ref().take(size).map(|d| d.id.clone()).collect(),
+                    pace: Pace::default(),
                     success: success.clone(),
                     error: error.clone(),
+                    before: Gate::default(),
+                    after: Gate::default(),
                 });
             }
         }
-        GroupsSpec::List(list) => {
+        Strategy::Groups(GroupsSpec::List(list)) => {
             let mut taken = vec![false; selected.len()];
             for g in list {
                 let candidates: Vec<usize> = (0..selected.len())
@@ -119,8 +114,11 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
                 groups.push(PlannedGroup {
                     name: g.name.clone(),
                     devices,
+                    pace: Pace::default(),
                     success: g.success.clone(),
                     error: g.error.clone(),
+                    before: Gate::default(),
+                    after: Gate::default(),
                 });
             }
             unassigned = selected
@@ -131,74 +129,16 @@ pub fn plan_groups(spec: &RolloutSpec, fleet: &[FleetDevice], release_hardware: 
                 .collect();
         }
     }
-    Plan {
+    Ok(Plan {
         groups,
         excluded,
         unassigned,
-    }
-}
-
-/// Where a group's devices stand, kept up to date incrementally by the engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GroupCounts {
-    pub total: usize,
-    /// Not yet sent a desired action.
-    pub scheduled: usize,
-    /// Sent, and not in a terminal phase yet.
-    pub in_progress: usize,
-    pub ready: usize,
-    /// Failed or refused.
-    pub failed: usize,
-    pub canceled: usize,
-}
-
-impl GroupCounts {
-    /// Devices whose action is not over.
-    pub fn pending(&self) -> usize {
-        self.scheduled + self.in_progress
-    }
-}
-
-/// Whether a condition holds, and the numbers behind it in words.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Evaluation {
-    pub met: bool,
-    /// e.g. "4 of 4 ready >= 100%" or "3 of 20 failed > 10%".
-    pub reason: String,
-}
-
-/// The success condition holds when the ready share is at least the threshold; an empty group
-/// succeeds at once.
-pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation {
-    let met = cond.threshold.reached_by(counts.ready, counts.total);
-    let op = if met { ">=" } else { "<" };
-    Evaluation {
-        met,
-        reason: format!(
-            "{} of {} ready {op} {}",
-            counts.ready, counts.total, cond.threshold
-        ),
-    }
-}
-
-/// The error condition holds when the failed share (failed and refused) is strictly above the
-/// threshold, so a 0% threshold fires on the first failure and an empty group never fails.
-pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
-    let met = cond.threshold.exceeded_by(counts.failed, counts.total);
-    let op = if met { ">" } else { "<=" };
-    Evaluation {
-        met,
-        reason: format!(
-            "{} of {} failed {op} {}",
-            counts.failed, counts.total, cond.threshold
-        ),
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{ErrorAction, Percent, SuccessAction};
 
     fn device(i: usize, labels: &[(&str, &str)], hw: &str) -> FleetDevice {
         FleetDevice {
@@ -228,7 +168,7 @@ mod tests {
     #[test]
     fn hawkbit_thirty_devices_fifty_then_hundred_percent() {
         let s = spec("[groups]\n[[groups.group]]\npercent = 50\n[[groups.group]]\npercent = 100\n");
-        let plan = plan_groups(&s, &fleet(30), &[]);
+        let plan = super::plan(&s, &fleet(30), &[], &[]).expect("plans");
         assert_eq!(sizes(&plan), vec![15, 15]);
         assert_eq!(plan.groups[0].devices[0], "dev-000");
         assert_eq!(plan.groups[0].devices[14], "dev-014");
@@ -240,8 +180,11 @@ mod tests {
     #[test]
     fn count_splits_evenly_with_extras_first() {
         let s = spec("[groups]\ncount = 3\n");
-        assert_eq!(sizes(&plan_groups(&s, &fleet(12), &[])), vec![4, 4, 4]);
-        let plan = plan_groups(&s, &fleet(10), &[]);
+        assert_eq!(
+            sizes(&super::plan(&s, &fleet(12), &[], &[]).expect("plans")),
+            vec![4, 4, 4]
+        );
+        let plan = super::plan(&s, &fleet(10), &[], &[]).expect("plans");
         assert_eq!(sizes(&plan), vec![4, 3, 3]);
         assert_eq!(
             plan.groups
@@ -252,13 +195,16 @@ mod tests {
         );
         let all: Vec<&String> = plan.groups.iter().flat_map(|g| &g.devices).collect();
         assert_eq!(all.len(), 10, "every device in exactly one group");
-        assert_eq!(sizes(&plan_groups(&s, &fleet(2), &[])), vec![1, 1, 0]);
+        assert_eq!(
+            sizes(&super::plan(&s, &fleet(2), &[], &[]).expect("plans")),
+            vec![1, 1, 0]
+        );
     }
 
     #[test]
     fn percentages_round_up_and_leftovers_are_reported() {
         let s = spec("[groups]\n[[groups.group]]\npercent = 10\n[[groups.group]]\npercent = 50\n");
-        let plan = plan_groups(&s, &fleet(5), &[]);
+        let plan = super::plan(&s, &fleet(5), &[], &[]).expect("plans");
         // 10% of 5 = 0.5 -> 1; 50% of the remaining 4 = 2; 2 devices are in no group.
         assert_eq!(sizes(&plan), vec![1, 2]);
         assert_eq!(
@@ -279,7 +225,7 @@ mod tests {
             "[groups]\n[[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n\
              [[groups.group]]\nname = \"half\"\npercent = 50\n[[groups.group]]\nname = \"rest\"\n",
         );
-        let plan = plan_groups(&s, &f, &[]);
+        let plan = super::plan(&s, &f, &[], &[]).expect("plans");
         assert_eq!(plan.groups[0].devices, vec!["dev-000", "dev-001"]);
         // 50% of the 4 devices left, not of all 6.
         assert_eq!(plan.groups[1].devices, vec!["dev-002", "dev-003"]);
@@ -297,7 +243,8 @@ mod tests {
             "name = \"r\"\nrelease = \"rel\"\nselect = \"site=a\"\n[groups]\ncount = 1\n",
         )
         .expect("valid");
-        let plan = plan_groups(&s, &f, &["pi4".to_string(), "cm4".to_string()]);
+        let plan =
+            super::plan(&s, &f, &["pi4".to_string(), "cm4".to_string()], &[]).expect("plans");
         assert_eq!(plan.groups[0].devices, vec!["dev-000"]);
         assert_eq!(plan.excluded.len(), 1);
         assert_eq!(plan.excluded[0].device, "dev-001");
@@ -306,84 +253,8 @@ mod tests {
                 && plan.excluded[0].reason.contains("pi4, cm4")
         );
         // An empty hardware list means any hardware.
-        let plan = plan_groups(&s, &f, &[]);
+        let plan = super::plan(&s, &f, &[], &[]).expect("plans");
         assert_eq!(plan.groups[0].devices, vec!["dev-000", "dev-001"]);
         assert!(plan.excluded.is_empty());
-    }
-
-    fn counts(total: usize, ready: usize, failed: usize) -> GroupCounts {
-        GroupCounts {
-            total,
-            ready,
-            failed,
-            in_progress: total - ready - failed,
-            ..GroupCounts::default()
-        }
-    }
-
-    fn pct(p: u32) -> Percent {
-        Percent::from_basis_points(p * 100).expect("valid percent")
-    }
-
-    #[test]
-    fn success_needs_the_threshold_share_ready() {
-        let all = SuccessCondition {
-            threshold: pct(100),
-            action: SuccessAction::Next,
-        };
-        assert_eq!(
-            success_met(&all, &counts(4, 4, 0)),
-            Evaluation {
-                met: true,
-                reason: "4 of 4 ready >= 100%".into()
-            }
-        );
-        assert_eq!(
-            success_met(&all, &counts(4, 3, 1)),
-            Evaluation {
-                met: false,
-                reason: "3 of 4 ready < 100%".into()
-            }
-        );
-        let most = SuccessCondition {
-            threshold: pct(75),
-            action: SuccessAction::Next,
-        };
-        assert!(success_met(&most, &counts(4, 3, 0)).met);
-        assert!(!success_met(&most, &counts(5, 3, 0)).met);
-        let empty = success_met(&all, &counts(0, 0, 0));
-        assert!(empty.met, "an empty group succeeds: {}", empty.reason);
-    }
-
-    #[test]
-    fn error_needs_strictly_more_than_the_threshold_failed() {
-        let ten = ErrorCondition {
-            threshold: pct(10),
-            action: ErrorAction::Pause,
-        };
-        assert_eq!(
-            error_met(&ten, &counts(20, 0, 3)),
-            Evaluation {
-                met: true,
-                reason: "3 of 20 failed > 10%".into()
-            }
-        );
-        assert_eq!(
-            error_met(&ten, &counts(20, 0, 2)),
-            Evaluation {
-                met: false,
-                reason: "2 of 20 failed <= 10%".into()
-            }
-        );
-        let zero = ErrorCondition {
-            threshold: pct(0),
-            action: ErrorAction::Pause,
-        };
-        assert!(!error_met(&zero, &counts(5, 0, 0)).met);
-        assert!(error_met(&zero, &counts(5, 0, 1)).met);
-        assert!(
-            !error_met(&zero, &counts(0, 0, 0)).met,
-            "an empty group never fails"
-        );
     }
 }

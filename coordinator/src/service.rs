@@ -351,6 +351,7 @@ impl Service {
                     .map(|s| json(&s))
                     .map_err(|e| e.to_string()))
             }
+            other => return Ok(Err(format!("command {other:?} is not supported yet"))),
         };
         match effects {
             Ok(effects) => {
@@ -384,17 +385,21 @@ impl Service {
                     action_id,
                     rollout,
                     release,
+                    action,
                 } => {
                     let Some(manifest) = self.manifest(&release) else {
                         continue;
                     };
                     let body = ActionBody::Install {
                         manifest,
-                        kind: ActionKind::Forced,
+                        kind: action_kind(action),
                         window: None,
                     };
                     self.publish_action(&device, action_id, rollout, body)
                         .await?;
+                }
+                Effect::Rollback { .. } | Effect::Approval(_) | Effect::Forget { .. } => {
+                    tracing::warn!(?effect, "not handled yet");
                 }
                 Effect::Cancel {
                     device,
@@ -484,6 +489,17 @@ impl Service {
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
     // The control types are plain data; converting them to a JSON value cannot fail.
     serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
+}
+
+/// The protocol's action kind for a spec's action type.
+fn action_kind(action: crate::plan::ActionType) -> ActionKind {
+    use crate::plan::ActionType;
+    match action {
+        ActionType::Forced => ActionKind::Forced,
+        ActionType::Soft => ActionKind::Soft,
+        ActionType::DownloadOnly => ActionKind::DownloadOnly,
+        ActionType::TimeForced { at } => ActionKind::TimeForced { at },
+    }
 }
 
 #[cfg(test)]

@@ -25,11 +25,14 @@
 //! name = "rest"
 //! ```
 
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 
 use crate::selector::{Selector, SelectorError};
+
+pub use crate::plan::{
+    Budget, ErrorAction, ErrorCondition, Percent, Policies, SuccessAction, SuccessCondition,
+    Threshold,
+};
 
 /// Most groups a spec may define: a typo like `count = 30000` should fail, not plan 30,000 groups.
 pub const MAX_GROUPS: u32 = 1000;
@@ -42,6 +45,8 @@ pub struct RolloutSpec {
     /// Which devices the rollout covers; every device when empty.
     pub select: Selector,
     pub strategy: Strategy,
+    /// Rollout-wide settings (action type, timeouts, retries, windows…).
+    pub policies: Policies,
 }
 
 /// How the selected devices are split into ordered groups.
@@ -75,111 +80,6 @@ pub struct GroupSpec {
     pub percent: Percent,
     pub success: SuccessCondition,
     pub error: Option<ErrorCondition>,
-}
-
-/// When a group counts as a success, and what happens then.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SuccessCondition {
-    /// Share of the group's devices that must be ready.
-    pub threshold: Percent,
-    pub action: SuccessAction,
-}
-
-impl Default for SuccessCondition {
-    fn default() -> Self {
-        Self {
-            threshold: Percent::HUNDRED,
-            action: SuccessAction::Next,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SuccessAction {
-    /// Start the next group.
-    Next,
-    /// Pause the rollout until an operator resumes it.
-    Pause,
-}
-
-/// When a group counts as failed (failed share strictly above the threshold), and what happens.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorCondition {
-    pub threshold: Percent,
-    pub action: ErrorAction,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorAction {
-    /// Pause the rollout until an operator resumes it.
-    Pause,
-}
-
-/// A percentage from 0% to 100% in hundredths of a percent, so that comparisons against device
-/// counts are exact integer arithmetic.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Percent(u32);
-
-impl Percent {
-    pub const ZERO: Percent = Percent(0);
-    pub const HUNDRED: Percent = Percent(10_000);
-
-    /// From hundredths of a percent; `None` above 100%.
-    pub fn from_basis_points(bp: u32) -> Option<Self> {
-        (bp <= 10_000).then_some(Percent(bp))
-    }
-
-    pub fn basis_points(self) -> u32 {
-        self.0
-    }
-
-    /// Whether `part` of `whole` is at least this share.
-    pub fn reached_by(self, part: usize, whole: usize) -> bool {
-        part as u128 * 10_000 >= self.0 as u128 * whole as u128
-    }
-
-    /// Whether `part` of `whole` is strictly more than this share.
-    pub fn exceeded_by(self, part: usize, whole: usize) -> bool {
-        part as u128 * 10_000 > self.0 as u128 * whole as u128
-    }
-
-    /// This share of `n`, rounded up.
-    pub fn of_rounded_up(self, n: usize) -> usize {
-        (n as u128 * self.0 as u128).div_ceil(10_000) as usize
-    }
-
-    /// Parses "25%", "25", "12.5%" (at most two decimals).
-    fn parse_text(text: &str) -> Option<Self> {
-        let t = text.trim();
-        let t = t.strip_suffix('%').unwrap_or(t).trim_end();
-        let (int, frac) = t.split_once('.').unwrap_or((t, ""));
-        if int.is_empty() || !int.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        if frac.len() > 2
-            || !frac.bytes().all(|b| b.is_ascii_digit())
-            || (t.contains('.') && frac.is_empty())
-        {
-            return None;
-        }
-        let int: u32 = int.parse().ok()?;
-        let frac_bp: u32 = format!("{frac:0<2}").parse().ok()?;
-        Self::from_basis_points(int.checked_mul(100)?.checked_add(frac_bp)?)
-    }
-}
-
-impl fmt::Display for Percent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (int, frac) = (self.0 / 100, self.0 % 100);
-        match frac {
-            0 => write!(f, "{int}%"),
-            f2 if f2 % 10 == 0 => write!(f, "{int}.{}%", f2 / 10),
-            f2 => write!(f, "{int}.{f2:02}%"),
-        }
-    }
 }
 
 /// Why a spec was refused. Every variant names the field (a TOML path) and the value.
@@ -318,7 +218,8 @@ impl RawNumber {
                 let bp = (f * 100.0).round();
                 // Only accept floats that are exactly representable in hundredths.
                 (f.is_finite() && (0.0..=10_000.0).contains(&bp) && ((f * 100.0) - bp).abs() < 1e-6)
-                    .then_some(Percent(bp as u32))
+                    .then(|| Percent::from_basis_points(bp as u32))
+                    .flatten()
             }
             RawNumber::Text(s) => Percent::parse_text(s),
         };
@@ -354,7 +255,7 @@ impl RawCondition {
         default: &SuccessCondition,
     ) -> Result<SuccessCondition, SpecError> {
         let threshold = match &self.threshold {
-            Some(t) => t.percent(format!("{field}.threshold"), Percent::ZERO)?,
+            Some(t) => Threshold::Share(t.percent(format!("{field}.threshold"), Percent::ZERO)?),
             None => default.threshold,
         };
         let action = match self.action.as_deref() {
@@ -388,7 +289,11 @@ impl RawCondition {
                 })
             }
         };
-        Ok(ErrorCondition { threshold, action })
+        Ok(ErrorCondition {
+            percent: Some(threshold),
+            action,
+            ..ErrorCondition::default()
+        })
     }
 }
 
@@ -458,7 +363,10 @@ impl RawSpec {
                     }
                     let select = selector(&format!("{field}.select"), raw.select.as_deref())?;
                     let percent = match &raw.percent {
-                        Some(p) => p.percent(format!("{field}.percent"), Percent(1))?,
+                        Some(p) => p.percent(
+                            format!("{field}.percent"),
+                            Percent::from_basis_points(1).unwrap_or(Percent::HUNDRED),
+                        )?,
                         None => Percent::HUNDRED,
                     };
                     let success = match &raw.success {
@@ -485,6 +393,7 @@ impl RawSpec {
             release: self.release,
             select,
             strategy: Strategy::Groups(groups),
+            policies: Policies::default(),
         })
     }
 }
@@ -536,22 +445,31 @@ error = { threshold = "12.5%" }
         assert_eq!(
             groups[0].success,
             SuccessCondition {
-                threshold: Percent::HUNDRED,
+                threshold: Threshold::Share(Percent::HUNDRED),
                 action: SuccessAction::Pause
             }
         );
         assert_eq!(
-            groups[0].error.as_ref().map(|e| e.threshold.to_string()),
+            groups[0]
+                .error
+                .as_ref()
+                .map(|e| e.percent.map(|p| p.to_string()).unwrap_or_default()),
             Some("20%".into())
         );
         // The second group takes the defaults from [groups] and its own error override.
         assert_eq!(groups[1].name, "group-2");
         assert!(groups[1].select.is_everything());
         assert_eq!(groups[1].percent, Percent::HUNDRED);
-        assert_eq!(groups[1].success.threshold.to_string(), "90%");
+        assert_eq!(
+            groups[1].success.threshold,
+            Threshold::Share(Percent::from_basis_points(9000).expect("90%"))
+        );
         assert_eq!(groups[1].success.action, SuccessAction::Next);
         assert_eq!(
-            groups[1].error.as_ref().map(|e| e.threshold.to_string()),
+            groups[1]
+                .error
+                .as_ref()
+                .map(|e| e.percent.map(|p| p.to_string()).unwrap_or_default()),
             Some("12.5%".into())
         );
     }
@@ -594,7 +512,10 @@ error = { threshold = "12.5%" }
             let GroupsSpec::Count { success, .. } = spec.groups() else {
                 panic!("count spec")
             };
-            assert_eq!(success.threshold.to_string(), want, "{text}");
+            let Threshold::Share(share) = success.threshold else {
+                panic!("share threshold")
+            };
+            assert_eq!(share.to_string(), want, "{text}");
         }
     }
 

@@ -160,6 +160,7 @@ mod tests {
             in_progress: running,
             scheduled: total - ready - failed - running,
             devices: BTreeMap::new(),
+            ..GroupStatus::default()
         }
     }
 
@@ -190,6 +191,7 @@ mod tests {
                 group("rest", "running", 10, 0, 0, 2),
             ],
             trace,
+            ..RolloutStatus::default()
         };
         let text = rollout_status(&status);
         assert!(

@@ -47,6 +47,48 @@ pub enum Command {
     },
     ListDevices,
     ListReleases,
+    /// Approve an approval request by name (`<rollout>-<group>` or `<rollout>-before-<group>`).
+    Approve {
+        name: String,
+    },
+    /// Start the next group of a running rollout now, without waiting for the current group's
+    /// success condition (hawkBit's manual trigger).
+    TriggerNext {
+        rollout: String,
+    },
+    /// Create a new rollout over the failed, refused and timed-out devices of a finished,
+    /// stopped or paused rollout. Named `<rollout>-retry` unless `name` is given.
+    RetryRollout {
+        rollout: String,
+        #[serde(default)]
+        name: Option<String>,
+    },
+    /// Forget a device: it leaves the registry and the groups of rollouts not yet finished.
+    DeleteDevice {
+        device: String,
+    },
+    /// Store (or replace) a staged update strategy from TOML (`[[stage]]` entries).
+    CreateStrategy {
+        name: String,
+        spec: String,
+    },
+    ListStrategies,
+    ShowStrategy {
+        name: String,
+    },
+    /// Store (or replace) a device group: a named selector with labels of its own.
+    CreateGroup {
+        name: String,
+        select: String,
+        #[serde(default)]
+        labels: BTreeMap<String, String>,
+    },
+    ListGroups,
+    DeleteGroup {
+        name: String,
+    },
+    /// Every approval request, pending and approved.
+    ListApprovals,
 }
 
 /// The answer to a control request.
@@ -63,30 +105,104 @@ pub struct ControlReply {
 }
 
 /// A rollout as operators see it; also published retained on `events/rollouts/{name}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Fields after `trace` were added later; readers must accept their absence.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RolloutStatus {
     pub name: String,
     pub release: String,
-    /// creating, ready, starting, running, paused, stopped, finished
+    /// creating, ready, scheduled, running, paused, stopped, finished, failed
     pub state: String,
     pub groups: Vec<GroupStatus>,
     /// Why each transition happened, oldest first.
     pub trace: Vec<TraceEntry>,
+    /// The vocabulary the spec was written in: groups, partitions, rolling or staged.
+    #[serde(default)]
+    pub strategy: String,
+    /// KubeFleet-style run conditions: Initialized, Progressing, Succeeded or Failed.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// Why the rollout is not starting more devices right now, if it is running but held
+    /// (an approval, a timed wait, a maintenance window, the unavailability budget…).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    /// Approval requests of this rollout, pending and approved.
+    #[serde(default)]
+    pub approvals: Vec<ApprovalStatus>,
 }
 
-/// One deployment group of a rollout.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One group (deployment group, partition, stage) of a rollout.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupStatus {
     pub name: String,
-    /// scheduled, running, finished, error
+    /// scheduled, approval, running, waiting, finished, error
     pub state: String,
     pub total: usize,
     pub ready: usize,
+    /// Failed, refused or timed out.
     pub failed: usize,
     pub in_progress: usize,
     pub scheduled: usize,
     /// Device id to its phase in this rollout (`scheduled`, `accepted`, …, `ready`, `failed`).
     pub devices: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<u64>,
+    /// Progressing, Succeeded, Failed, and the after-stage task conditions.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// Per-device detail: when it started and ended, the reason of a failure, the attempt.
+    #[serde(default)]
+    pub device_details: BTreeMap<String, DeviceDetail>,
+}
+
+/// A condition in the KubeFleet style: a type that is true or false since a time, with a reason.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Condition {
+    /// e.g. Initialized, Progressing, Succeeded, Failed, ApprovalRequestCreated,
+    /// ApprovalRequestApproved, WaitTimeElapsed, Started.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub status: bool,
+    /// A CamelCase reason such as UpdateRunStarted or StageUpdatingWaiting.
+    pub reason: String,
+    #[serde(default)]
+    pub message: String,
+    /// Unix seconds of the last transition.
+    pub at: u64,
+}
+
+/// One device of a group, in detail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDetail {
+    pub phase: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// 1 for the first attempt, 2 for the first retry, …
+    #[serde(default)]
+    pub attempt: u32,
+}
+
+/// An approval request: named `<rollout>-<group>` for the gate after a group and
+/// `<rollout>-before-<group>` for the gate before it. Published retained on
+/// `events/approvals/{name}` and approved with the `approve` command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalStatus {
+    pub name: String,
+    pub rollout: String,
+    pub group: String,
+    /// "before" or "after".
+    pub when: String,
+    pub approved: bool,
+    /// Unix seconds when the request was created.
+    pub created_at: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_at: Option<u64>,
 }
 
 /// One decision, with the numbers behind it.
