@@ -25,6 +25,7 @@ pub mod keys;
 pub mod mqtt;
 pub mod plan;
 pub mod planner;
+pub mod ramp;
 pub mod releases;
 pub mod selector;
 pub mod service;

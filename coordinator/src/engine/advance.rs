@@ -1,0 +1,1060 @@
+//! How a rollout moves: groups start in order behind their gates, devices start within a group as
+//! its pace, the rate limit, the maintenance windows and overlapping rollouts allow, and the
+//! success and error conditions release the next group, pause, stop or roll back.
+//!
+//! [`Rollout::advance`] is the one place where these decisions are made. It is called after every
+//! input (a report, a command, a timer) and is idempotent: calling it again with nothing changed
+//! changes nothing.
+
+use std::collections::{BTreeMap, HashMap};
+
+use flotilla_protocol::control::{ApprovalStatus, TraceEntry};
+
+use super::model::{
+    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED,
+    ROLLING_BACK,
+};
+use super::{action_id, Effect, TRACE_LIMIT};
+use crate::conditions::{error_met, success_met};
+use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
+use crate::window::Window;
+
+/// What the engine knows about devices, as the rollout logic needs it.
+pub(crate) struct Ctx<'a> {
+    /// Device id -> offline since (None when online). Devices not in the map are unknown.
+    pub offline: &'a HashMap<String, Option<u64>>,
+    /// Device id -> (rollout, weight) whose action is the device's current one.
+    pub owners: &'a HashMap<String, (String, u32)>,
+    /// Parsed maintenance windows of this rollout.
+    pub windows: &'a [Window],
+}
+
+/// Effects collected during one call, emitted in the documented order, plus the bookkeeping the
+/// engine applies across rollouts afterwards.
+#[derive(Default)]
+pub(crate) struct Out {
+    pub save: Vec<String>,
+    pub commands: Vec<Effect>,
+    pub status: Vec<String>,
+    pub trace: Vec<Effect>,
+    /// (device, rollout, weight): the rollout sent the device its current action.
+    pub claims: Vec<(String, String, u32)>,
+    /// (device, rollout): the action of that rollout on the device ended.
+    pub releases: Vec<(String, String)>,
+    /// (other rollout, device, by rollout): a newer or heavier rollout took the device over.
+    pub preempt: Vec<(String, String, String)>,
+}
+
+impl Out {
+    pub fn touch(&mut self, rollout: &str) {
+        if !self.save.iter().any(|r| r == rollout) {
+            self.save.push(rollout.to_owned());
+        }
+        if !self.status.iter().any(|r| r == rollout) {
+            self.status.push(rollout.to_owned());
+        }
+    }
+
+    pub fn into_effects(self) -> Vec<Effect> {
+        let mut effects: Vec<Effect> = self.save.into_iter().map(Effect::Save).collect();
+        effects.extend(self.commands);
+        effects.extend(self.status.into_iter().map(Effect::Status));
+        effects.extend(self.trace);
+        effects
+    }
+}
+
+/// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
+/// and the words with the numbers.
+struct Wait {
+    kind: &'static str,
+    text: String,
+}
+
+impl Rollout {
+    /// Records a decision; every decision is a state change worth saving and publishing.
+    pub(crate) fn record(&mut self, now: u64, message: String, out: &mut Out) {
+        let entry = TraceEntry {
+            at: now,
+            rollout: self.name.clone(),
+            message,
+        };
+        if self.trace.len() >= TRACE_LIMIT {
+            let excess = self.trace.len() + 1 - TRACE_LIMIT;
+            self.trace.drain(..excess);
+        }
+        self.trace.push(entry.clone());
+        out.touch(&self.name);
+        out.trace.push(Effect::Trace(entry));
+    }
+
+    pub(crate) fn device_total(&self) -> usize {
+        self.groups.iter().map(|g| g.devices.len()).sum()
+    }
+
+    pub(crate) fn set_condition(&mut self, kind: &str, status: bool, reason: &str, now: u64) {
+        set_condition(&mut self.conditions, kind, status, reason, "", now);
+    }
+
+    /// The action id of a device's current attempt.
+    pub(crate) fn attempt_id(&self, device: &str, attempt: u32) -> String {
+        let base = action_id(&self.name, self.created_at, device);
+        if attempt <= 1 {
+            base
+        } else {
+            format!("{base}:{attempt}")
+        }
+    }
+
+    fn desired(&self, device: &str, attempt: u32) -> Effect {
+        Effect::Desired {
+            device: device.to_owned(),
+            action_id: self.attempt_id(device, attempt),
+            rollout: self.name.clone(),
+            release: self.release.name.clone(),
+            action: self.spec.policies.action,
+        }
+    }
+
+    /// Successes so far, for the rate limit's ramp.
+    fn successes(&self) -> usize {
+        self.groups.iter().map(|g| g.counts.ready).sum()
+    }
+
+    /// Moves the rollout as far as it can go now. See the module documentation.
+    pub(crate) fn advance(&mut self, now: u64, ctx: &Ctx, out: &mut Out) {
+        self.checked_at = self.checked_at.max(now);
+        if self.state == RolloutState::Scheduled {
+            match self.spec.policies.start_at {
+                Some(at) if at > now => return,
+                _ => {
+                    self.state = RolloutState::Running;
+                    self.started_at = Some(now);
+                    self.record(now, "start time reached".to_owned(), out);
+                }
+            }
+        }
+        if self.state != RolloutState::Running {
+            self.settle_passive(now, out);
+            return;
+        }
+        let group_count = self.groups.len();
+        let unready_budget = self.spec.policies.max_unavailable_groups.of(group_count);
+        let mut wait: Option<Wait> = None;
+        for gi in 0..group_count {
+            match self.groups[gi].state {
+                GroupState::Scheduled | GroupState::Approval => {
+                    if self.groups[gi].before.approval {
+                        let name = format!("{}-before-{}", self.name, self.groups[gi].name);
+                        if !self.approval_granted(&name, gi, "before", now, out) {
+                            self.groups[gi].state = GroupState::Approval;
+                            wait = Some(Wait {
+                                kind: "approval",
+                                text: format!(
+                                    "group {} waits for approval: flotilla approve {name}",
+                                    self.groups[gi].name
+                                ),
+                            });
+                            break;
+                        }
+                    }
+                    self.start_group(gi, now, out);
+                }
+                _ => {}
+            }
+            if self.groups[gi].state == GroupState::Running {
+                if let Some(w) = self.fill(gi, now, ctx, out) {
+                    wait.get_or_insert(w);
+                }
+            }
+            if matches!(
+                self.groups[gi].state,
+                GroupState::Running | GroupState::Waiting
+            ) && self.check_error(gi, now, out)
+            {
+                return;
+            }
+            if !self.groups[gi].released {
+                match self.check_success(gi, now, out) {
+                    Step::Stop => return,
+                    Step::Wait(w) => {
+                        wait.get_or_insert(w);
+                    }
+                    Step::Go => {}
+                }
+            }
+            if self.check_done(gi, now, out) {
+                return;
+            }
+            if self.groups[gi].released {
+                continue;
+            }
+            // Fleet's maxUnavailablePartitions: the next group may start while this one is fully
+            // started but not yet successful, as long as few enough groups are in that state.
+            let unready = self.groups[..=gi]
+                .iter()
+                .filter(|g| g.state != GroupState::Scheduled && !g.released)
+                .count();
+            if unready_budget > 0
+                && self.groups[gi].all_started()
+                && !self.groups[gi].dynamic
+                && unready <= unready_budget
+                && gi + 1 < group_count
+            {
+                continue;
+            }
+            break;
+        }
+        self.set_waiting(wait, now, out);
+        self.check_finished(now, out);
+    }
+
+    /// While paused or stopped: groups whose devices are all done end, nothing starts.
+    fn settle_passive(&mut self, now: u64, out: &mut Out) {
+        for gi in 0..self.groups.len() {
+            let g = &self.groups[gi];
+            if g.state == GroupState::Running && g.counts.pending() == 0 && !g.dynamic {
+                let s = success_met(&g.success, &g.counts);
+                let name = g.name.clone();
+                let group = &mut self.groups[gi];
+                group.ended_at = Some(now);
+                if s.met {
+                    group.state = GroupState::Finished;
+                    group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
+                    group.condition("Progressing", false, "StageUpdatingSucceeded", now);
+                    self.record(now, format!("group {name} finished: {}", s.reason), out);
+                } else {
+                    group.state = GroupState::Error;
+                    group.condition("Failed", true, "StageUpdatingFailed", now);
+                    self.record(now, format!("group {name} ended in error: {}", s.reason), out);
+                }
+            }
+        }
+    }
+
+    fn set_waiting(&mut self, wait: Option<Wait>, now: u64, out: &mut Out) {
+        let old_kind = self.waiting.as_deref().map(wait_kind);
+        match wait {
+            Some(w) => {
+                let text = format!("{}: {}", w.kind, w.text);
+                if self.waiting.as_deref() != Some(text.as_str()) {
+                    if old_kind != Some(w.kind) {
+                        self.record(now, format!("waiting: {}", w.text), out);
+                    }
+                    self.waiting = Some(text);
+                    out.touch(&self.name);
+                }
+            }
+            None => {
+                if self.waiting.take().is_some() {
+                    out.touch(&self.name);
+                }
+            }
+        }
+    }
+
+    /// Whether the approval request `name` was granted; creates it (and publishes it) when it
+    /// does not exist yet.
+    fn approval_granted(
+        &mut self,
+        name: &str,
+        gi: usize,
+        when: &str,
+        now: u64,
+        out: &mut Out,
+    ) -> bool {
+        if let Some(a) = self.approvals.iter().find(|a| a.name == name) {
+            return a.approved;
+        }
+        let request = ApprovalStatus {
+            name: name.to_owned(),
+            rollout: self.name.clone(),
+            group: self.groups[gi].name.clone(),
+            when: when.to_owned(),
+            approved: false,
+            created_at: now,
+            approved_at: None,
+        };
+        self.approvals.push(request.clone());
+        self.groups[gi].condition(
+            "ApprovalRequestCreated",
+            true,
+            "AfterStageTaskApprovalRequestCreated",
+            now,
+        );
+        out.commands.push(Effect::Approval(request));
+        self.record(
+            now,
+            format!(
+                "approval {name} requested {when} group {}: flotilla approve {name}",
+                self.groups[gi].name
+            ),
+            out,
+        );
+        false
+    }
+
+    fn start_group(&mut self, gi: usize, now: u64, out: &mut Out) {
+        let why = match gi {
+            0 => "first group".to_owned(),
+            _ => {
+                let prev = &self.groups[gi - 1];
+                if prev.released {
+                    format!("group {} released it", prev.name)
+                } else {
+                    format!(
+                        "group {} is fully started and the unready-group budget allows it",
+                        prev.name
+                    )
+                }
+            }
+        };
+        let group = &mut self.groups[gi];
+        group.state = GroupState::Running;
+        group.started_at = Some(now);
+        group.condition("Progressing", true, "StageUpdatingStarted", now);
+        let message = format!(
+            "group {} started with {} devices ({why})",
+            group.name,
+            group.devices.len()
+        );
+        self.record(now, message, out);
+    }
+
+    /// Starts the group's next devices as far as every limit allows; returns why it stopped
+    /// short, if it did.
+    fn fill(&mut self, gi: usize, now: u64, ctx: &Ctx, out: &mut Out) -> Option<Wait> {
+        if self.groups[gi].cursor >= self.groups[gi].devices.len() {
+            return None;
+        }
+        if !ctx.windows.is_empty() && !ctx.windows.iter().any(|w| w.is_open(now)) {
+            let next = ctx.windows.iter().filter_map(|w| w.next_open(now)).min();
+            return Some(Wait {
+                kind: "window",
+                text: match next {
+                    Some(at) => format!("outside the maintenance windows; the next opens at {at}"),
+                    None => "outside the maintenance windows".to_owned(),
+                },
+            });
+        }
+        let policies = self.spec.policies.clone();
+        let successes = self.successes();
+        let mut started = 0usize;
+        let mut result = None;
+        'batches: loop {
+            let group = &self.groups[gi];
+            if group.cursor >= group.devices.len() {
+                break;
+            }
+            let total = group.counts.effective_total();
+            if let Some(gate) = group.pace.gate {
+                let allowed = gate.of(total);
+                if group.counts.not_ready() > allowed {
+                    result = Some(Wait {
+                        kind: "budget",
+                        text: format!(
+                            "group {}: {} of {total} not ready > {allowed} allowed ({gate}); the next batch waits",
+                            group.name,
+                            group.counts.not_ready()
+                        ),
+                    });
+                    break;
+                }
+            }
+            let batch = group.pace.batch.unwrap_or(usize::MAX);
+            let mut in_batch = 0usize;
+            while in_batch < batch {
+                let group = &self.groups[gi];
+                let Some(device) = group.devices.get(group.cursor).cloned() else {
+                    break 'batches;
+                };
+                if group.slots.get(&device).map(|s| &s.phase) != Some(&DevicePhase::Scheduled) {
+                    self.groups[gi].cursor += 1;
+                    continue;
+                }
+                if let Some(limit) = group.pace.concurrency {
+                    if group.counts.not_ready() >= limit {
+                        result = Some(Wait {
+                            kind: "concurrency",
+                            text: format!(
+                                "group {}: {} of {limit} allowed at once are not ready",
+                                group.name,
+                                group.counts.not_ready()
+                            ),
+                        });
+                        break 'batches;
+                    }
+                }
+                if let Some(ramp) = self.ramp.as_mut() {
+                    if ramp.available(now, successes) == 0 {
+                        result = Some(Wait {
+                            kind: "rate",
+                            text: format!(
+                                "rate limit of {:.1} devices per minute",
+                                ramp.rate(successes)
+                            ),
+                        });
+                        break 'batches;
+                    }
+                }
+                let offline_since = ctx.offline.get(&device).copied().flatten();
+                if offline_since.is_some() && policies.offline == OfflinePolicy::Skip {
+                    let group = &mut self.groups[gi];
+                    group.set_phase(&device, DevicePhase::Skipped("offline when its turn came".into()));
+                    if let Some(slot) = group.slots.get_mut(&device) {
+                        slot.ended_at = Some(now);
+                    }
+                    group.cursor += 1;
+                    let gname = group.name.clone();
+                    self.record(
+                        now,
+                        format!("device {device} skipped in group {gname}: offline when its turn came"),
+                        out,
+                    );
+                    continue;
+                }
+                if let Some((owner, weight)) = ctx.owners.get(&device) {
+                    if owner != &self.name {
+                        if *weight > policies.weight {
+                            result = Some(Wait {
+                                kind: "overlap",
+                                text: format!(
+                                    "device {device} is busy with rollout {owner} (weight {weight} > {})",
+                                    policies.weight
+                                ),
+                            });
+                            break 'batches;
+                        }
+                        out.preempt
+                            .push((owner.clone(), device.clone(), self.name.clone()));
+                    }
+                }
+                self.start_device(gi, &device, now, out);
+                if let Some(ramp) = self.ramp.as_mut() {
+                    ramp.take(1);
+                }
+                in_batch += 1;
+                started += 1;
+            }
+            if self.groups[gi].pace.gate.is_none() && self.groups[gi].pace.batch.is_some() {
+                // A batch without a gate is only a chunk: go on with the next one.
+                continue;
+            }
+            if self.groups[gi].pace.gate.is_none() {
+                break;
+            }
+        }
+        if started > 0 {
+            let group = &self.groups[gi];
+            if group.pace.batch.is_some() || group.pace.gate.is_some() {
+                let (name, begun, total, not_ready) = (
+                    group.name.clone(),
+                    group.cursor,
+                    group.devices.len(),
+                    group.counts.not_ready(),
+                );
+                self.record(
+                    now,
+                    format!(
+                        "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
+                    ),
+                    out,
+                );
+            }
+        }
+        result
+    }
+
+    /// Sends a device its desired action (first attempt).
+    pub(crate) fn start_device(&mut self, gi: usize, device: &str, now: u64, out: &mut Out) {
+        let group = &mut self.groups[gi];
+        group.set_phase(device, DevicePhase::InProgress(ISSUED.to_owned()));
+        if let Some(slot) = group.slots.get_mut(device) {
+            slot.attempt = 1;
+            slot.started_at = Some(now);
+            slot.attempt_at = Some(now);
+        }
+        group.cursor += 1;
+        out.commands.push(self.desired(device, 1));
+        out.claims.push((
+            device.to_owned(),
+            self.name.clone(),
+            self.spec.policies.weight,
+        ));
+    }
+
+    /// Sends the next attempt of a device waiting for its retry.
+    pub(crate) fn retry_device(&mut self, gi: usize, device: &str, now: u64, out: &mut Out) {
+        let group = &mut self.groups[gi];
+        let Some(slot) = group.slots.get_mut(device) else {
+            return;
+        };
+        slot.attempt += 1;
+        slot.attempt_at = Some(now);
+        slot.retry_at = None;
+        let attempt = slot.attempt;
+        group.set_phase(device, DevicePhase::InProgress(ISSUED.to_owned()));
+        let gname = group.name.clone();
+        out.commands.push(self.desired(device, attempt));
+        out.claims.push((
+            device.to_owned(),
+            self.name.clone(),
+            self.spec.policies.weight,
+        ));
+        self.record(
+            now,
+            format!("device {device} in group {gname}: attempt {attempt} sent"),
+            out,
+        );
+    }
+
+    /// Applies the group's error condition; true when it fired (the caller stops advancing).
+    fn check_error(&mut self, gi: usize, now: u64, out: &mut Out) -> bool {
+        let group = &self.groups[gi];
+        let Some(cond) = group.error.clone() else {
+            return false;
+        };
+        let e = error_met(&cond, &group.counts);
+        if !e.met {
+            return false;
+        }
+        let gname = group.name.clone();
+        let name = self.name.clone();
+        let group = &mut self.groups[gi];
+        group.state = GroupState::Error;
+        group.ended_at = Some(now);
+        group.condition("Failed", true, "StageUpdatingFailed", now);
+        match cond.action {
+            ErrorAction::Pause => {
+                self.state = RolloutState::Paused;
+                self.set_condition("Progressing", false, "UpdateRunPaused", now);
+                self.record(
+                    now,
+                    format!("group {gname} paused rollout {name}: {}", e.reason),
+                    out,
+                );
+            }
+            ErrorAction::Stop => {
+                let canceled = self.cancel_unfinished(now, out);
+                self.fail(now);
+                self.record(
+                    now,
+                    format!(
+                        "group {gname} stopped rollout {name}: {}; canceled {canceled} unfinished device actions",
+                        e.reason
+                    ),
+                    out,
+                );
+            }
+            ErrorAction::Rollback => {
+                let canceled = self.cancel_unfinished(now, out);
+                let rolled = self.roll_back(now, out);
+                self.fail(now);
+                self.record(
+                    now,
+                    format!(
+                        "group {gname} rolled back rollout {name}: {}; canceled {canceled} unfinished device actions, sending {rolled} devices back to the release they kept",
+                        e.reason
+                    ),
+                    out,
+                );
+            }
+        }
+        true
+    }
+
+    fn fail(&mut self, now: u64) {
+        self.state = RolloutState::Failed;
+        self.waiting = None;
+        self.set_condition("Progressing", false, "UpdateRunFailed", now);
+        self.set_condition("Failed", true, "UpdateRunFailed", now);
+    }
+
+    /// Cancels every unfinished device action in started groups; returns how many.
+    pub(crate) fn cancel_unfinished(&mut self, now: u64, out: &mut Out) -> usize {
+        let mut canceled = 0;
+        let (rname, created_at) = (self.name.clone(), self.created_at);
+        for gi in 0..self.groups.len() {
+            let group = &mut self.groups[gi];
+            let unfinished: Vec<(String, u32, bool)> = group
+                .slots
+                .iter()
+                .filter(|(_, s)| !s.phase.is_terminal() && s.phase != DevicePhase::Soaking)
+                .map(|(d, s)| (d.clone(), s.attempt, s.phase == DevicePhase::Scheduled))
+                .collect();
+            for (device, attempt, scheduled) in unfinished {
+                group.set_phase(&device, DevicePhase::Canceled);
+                if let Some(slot) = group.slots.get_mut(&device) {
+                    slot.ended_at = Some(now);
+                }
+                if !scheduled {
+                    let base = action_id(&rname, created_at, &device);
+                    let action_id = if attempt <= 1 {
+                        base
+                    } else {
+                        format!("{base}:{attempt}")
+                    };
+                    out.releases.push((device.clone(), rname.clone()));
+                    out.commands.push(Effect::Cancel {
+                        action_id,
+                        device,
+                        rollout: rname.clone(),
+                    });
+                    canceled += 1;
+                }
+            }
+            if matches!(
+                group.state,
+                GroupState::Running | GroupState::Waiting | GroupState::Approval
+            ) {
+                group.state = if success_met(&group.success, &group.counts).met {
+                    GroupState::Finished
+                } else {
+                    GroupState::Error
+                };
+                group.ended_at.get_or_insert(now);
+            }
+        }
+        canceled
+    }
+
+    /// Sends every device that installed the release back to the one it kept.
+    fn roll_back(&mut self, _now: u64, out: &mut Out) -> usize {
+        let mut rolled = 0;
+        let (rname, created_at) = (self.name.clone(), self.created_at);
+        for group in &mut self.groups {
+            let installed: Vec<(String, u32)> = group
+                .slots
+                .iter()
+                .filter(|(_, s)| matches!(s.phase, DevicePhase::Ready | DevicePhase::Soaking))
+                .map(|(d, s)| (d.clone(), s.attempt))
+                .collect();
+            for (device, attempt) in installed {
+                group.set_phase(&device, DevicePhase::InProgress(ROLLING_BACK.to_owned()));
+                let base = action_id(&rname, created_at, &device);
+                let undo = if attempt <= 1 {
+                    base.clone()
+                } else {
+                    format!("{base}:{attempt}")
+                };
+                out.commands.push(Effect::Rollback {
+                    device: device.clone(),
+                    action_id: format!("{base}:rollback"),
+                    rollout: rname.clone(),
+                    undo,
+                });
+                out.claims.push((device, rname.clone(), u32::MAX));
+                rolled += 1;
+            }
+        }
+        rolled
+    }
+
+    /// Applies the group's success condition and its after gate.
+    fn check_success(&mut self, gi: usize, now: u64, out: &mut Out) -> Step {
+        let group = &self.groups[gi];
+        if !matches!(
+            group.state,
+            GroupState::Running | GroupState::Waiting | GroupState::Finished
+        ) || group.dynamic
+        {
+            return Step::Go;
+        }
+        if group.succeeded_at.is_none() {
+            let s = success_met(&group.success, &group.counts);
+            if !s.met {
+                return Step::Go;
+            }
+            let gname = group.name.clone();
+            self.groups[gi].succeeded_at = Some(now);
+            self.record(now, format!("group {gname} succeeded: {}", s.reason), out);
+        }
+        let group = &self.groups[gi];
+        let gname = group.name.clone();
+        let succeeded_at = group.succeeded_at.unwrap_or(now);
+        let after = group.after;
+        let mut pending = Vec::new();
+        if after.approval {
+            let name = format!("{}-{}", self.name, gname);
+            if !self.approval_granted(&name, gi, "after", now, out) {
+                pending.push(format!("approval: flotilla approve {name}"));
+            }
+        }
+        if after.wait > 0 {
+            let until = succeeded_at + after.wait;
+            if now < until {
+                pending.push(format!("timed wait until {until} ({}s left)", until - now));
+            } else if !self.groups[gi]
+                .conditions
+                .iter()
+                .any(|c| c.kind == "WaitTimeElapsed")
+            {
+                self.groups[gi].condition(
+                    "WaitTimeElapsed",
+                    true,
+                    "AfterStageTaskWaitTimeElapsed",
+                    now,
+                );
+                self.record(now, format!("group {gname}: timed wait elapsed"), out);
+            }
+        }
+        if !pending.is_empty() {
+            let group = &mut self.groups[gi];
+            if group.counts.pending() == 0 && group.state == GroupState::Running {
+                group.state = GroupState::Waiting;
+                group.condition("Progressing", false, "StageUpdatingWaiting", now);
+                out.touch(&self.name);
+            }
+            return Step::Wait(Wait {
+                kind: if after.approval && pending[0].starts_with("approval") {
+                    "approval"
+                } else {
+                    "wait"
+                },
+                text: format!("group {gname} waits for {}", pending.join(" and ")),
+            });
+        }
+        let group = &mut self.groups[gi];
+        group.released = true;
+        let name = self.name.clone();
+        match group.success.action {
+            SuccessAction::Next => {
+                out.touch(&name);
+                Step::Go
+            }
+            SuccessAction::Pause => {
+                self.check_done(gi, now, out);
+                self.state = RolloutState::Paused;
+                self.set_condition("Progressing", false, "UpdateRunPaused", now);
+                self.record(
+                    now,
+                    format!("group {gname} succeeded; its success action paused rollout {name}"),
+                    out,
+                );
+                Step::Stop
+            }
+        }
+    }
+
+    /// Ends a group whose devices are all done; true when that paused the rollout.
+    fn check_done(&mut self, gi: usize, now: u64, out: &mut Out) -> bool {
+        let group = &self.groups[gi];
+        if group.dynamic {
+            return false;
+        }
+        match group.state {
+            GroupState::Waiting if group.released => {
+                let group = &mut self.groups[gi];
+                group.state = GroupState::Finished;
+                group.ended_at.get_or_insert(now);
+                group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
+                let gname = group.name.clone();
+                self.record(now, format!("group {gname} finished"), out);
+                false
+            }
+            GroupState::Running if group.counts.pending() == 0 => {
+                let s = success_met(&group.success, &group.counts);
+                let gname = group.name.clone();
+                let name = self.name.clone();
+                let group = &mut self.groups[gi];
+                group.ended_at = Some(now);
+                if group.succeeded_at.is_some() || s.met {
+                    if group.released {
+                        group.state = GroupState::Finished;
+                        group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
+                        group.condition("Progressing", false, "StageUpdatingSucceeded", now);
+                        self.record(now, format!("group {gname} finished: {}", s.reason), out);
+                    } else {
+                        group.state = GroupState::Waiting;
+                        group.condition("Progressing", false, "StageUpdatingWaiting", now);
+                        out.touch(&name);
+                    }
+                    false
+                } else {
+                    group.state = GroupState::Error;
+                    group.condition("Failed", true, "StageUpdatingFailed", now);
+                    self.state = RolloutState::Paused;
+                    self.set_condition("Progressing", false, "UpdateRunPaused", now);
+                    self.record(
+                        now,
+                        format!(
+                            "group {gname} paused rollout {name}: every device is done and {}",
+                            s.reason
+                        ),
+                        out,
+                    );
+                    true
+                }
+            }
+            _ => false,
+        }
+    }
+
+    pub(crate) fn check_finished(&mut self, now: u64, out: &mut Out) {
+        if self.state != RolloutState::Running
+            || !self.groups.iter().all(|g| {
+                g.state == GroupState::Finished || (g.state == GroupState::Error && g.released)
+            })
+        {
+            return;
+        }
+        self.state = RolloutState::Finished;
+        self.waiting = None;
+        let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
+            (r + g.counts.ready, f + g.counts.failures())
+        });
+        self.set_condition("Progressing", false, "UpdateRunSucceeded", now);
+        self.set_condition("Succeeded", true, "UpdateRunSucceeded", now);
+        let message = format!(
+            "rollout {} finished: {ready} of {} devices ready, {failed} failed",
+            self.name,
+            self.device_total()
+        );
+        self.record(now, message, out);
+    }
+
+    /// Timers: start time, soak, retries, in-progress timeouts and offline grace. Returns
+    /// whether anything changed.
+    pub(crate) fn run_timers(&mut self, now: u64, ctx: &Ctx, out: &mut Out) -> bool {
+        let p = self.spec.policies.clone();
+        let mut changed = false;
+        let running = self.state == RolloutState::Running;
+        for gi in 0..self.groups.len() {
+            let group = &self.groups[gi];
+            if group.counts.in_progress + group.counts.soaking == 0 {
+                continue;
+            }
+            let mut soaked = Vec::new();
+            let mut retry = Vec::new();
+            let mut timed_out = Vec::new();
+            for (device, slot) in &group.slots {
+                match &slot.phase {
+                    DevicePhase::Soaking => {
+                        if slot.soak_until.is_some_and(|t| t <= now) {
+                            soaked.push(device.clone());
+                        }
+                    }
+                    DevicePhase::Retrying(_) => {
+                        if running && slot.retry_at.is_some_and(|t| t <= now) {
+                            retry.push(device.clone());
+                        }
+                    }
+                    DevicePhase::InProgress(name) if name != ROLLING_BACK => {
+                        if let (Some(limit), Some(at)) = (p.timeout, slot.attempt_at) {
+                            if at + limit <= now {
+                                timed_out.push((
+                                    device.clone(),
+                                    format!("no answer within {}", seconds(limit)),
+                                ));
+                                continue;
+                            }
+                        }
+                        if let OfflinePolicy::Fail { grace } = p.offline {
+                            if let Some(Some(since)) = ctx.offline.get(device) {
+                                if since + grace <= now {
+                                    timed_out.push((
+                                        device.clone(),
+                                        format!("offline for more than {}", seconds(grace)),
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for device in soaked {
+                let group = &mut self.groups[gi];
+                group.set_phase(&device, DevicePhase::Ready);
+                if let Some(slot) = group.slots.get_mut(&device) {
+                    slot.soak_until = None;
+                }
+                out.releases.push((device, self.name.clone()));
+                changed = true;
+            }
+            for device in retry {
+                self.retry_device(gi, &device, now, out);
+                changed = true;
+            }
+            for (device, reason) in timed_out {
+                self.fail_device(gi, &device, DevicePhase::TimedOut(reason), now, out);
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// A device failed (or timed out): a retry when one is left, otherwise the failure counts.
+    pub(crate) fn fail_device(
+        &mut self,
+        gi: usize,
+        device: &str,
+        failure: DevicePhase,
+        now: u64,
+        out: &mut Out,
+    ) {
+        let retry = self.spec.policies.retry;
+        let name = self.name.clone();
+        let group = &mut self.groups[gi];
+        let gname = group.name.clone();
+        let Some(slot) = group.slots.get_mut(device) else {
+            return;
+        };
+        let attempt = slot.attempt.max(1);
+        let reason = failure.reason().unwrap_or_default().to_owned();
+        let retryable = !matches!(failure, DevicePhase::Refused(_));
+        if let Some(r) = retry.filter(|r| retryable && attempt <= r.attempts) {
+            let delay = r.backoff.saturating_mul(1u64 << (attempt - 1).min(20));
+            slot.retry_at = Some(now + delay);
+            group.set_phase(device, DevicePhase::Retrying(reason.clone()));
+            self.record(
+                now,
+                format!(
+                    "device {device} in group {gname}: attempt {attempt} ended ({reason}); retry {attempt} of {} in {}",
+                    r.attempts,
+                    seconds(delay)
+                ),
+                out,
+            );
+            return;
+        }
+        slot.ended_at = Some(now);
+        slot.retry_at = None;
+        if matches!(failure, DevicePhase::TimedOut(_)) {
+            self.record(
+                now,
+                format!("device {device} in group {gname} timed out: {reason}"),
+                out,
+            );
+        }
+        let group = &mut self.groups[gi];
+        group.set_phase(device, failure);
+        out.releases.push((device.to_owned(), name));
+    }
+
+    /// The earliest time a timer of this rollout is due.
+    pub(crate) fn next_timer(&self, ctx: &Ctx) -> Option<u64> {
+        let p = &self.spec.policies;
+        let mut next: Option<u64> = None;
+        let mut consider = |t: u64| next = Some(next.map_or(t, |n: u64| n.min(t)));
+        match self.state {
+            RolloutState::Scheduled => {
+                if let Some(at) = p.start_at {
+                    consider(at);
+                }
+                return next;
+            }
+            RolloutState::Running | RolloutState::Paused => {}
+            _ => return None,
+        }
+        for group in &self.groups {
+            if let (Some(at), true) = (group.succeeded_at, group.after.wait > 0 && !group.released)
+            {
+                consider(at + group.after.wait);
+            }
+            if group.counts.in_progress + group.counts.soaking == 0 {
+                continue;
+            }
+            for (device, slot) in &group.slots {
+                match &slot.phase {
+                    DevicePhase::Soaking => slot.soak_until.into_iter().for_each(&mut consider),
+                    DevicePhase::Retrying(_) => slot.retry_at.into_iter().for_each(&mut consider),
+                    DevicePhase::InProgress(name) if name != ROLLING_BACK => {
+                        if let (Some(limit), Some(at)) = (p.timeout, slot.attempt_at) {
+                            consider(at + limit);
+                        }
+                        if let OfflinePolicy::Fail { grace } = p.offline {
+                            if let Some(Some(since)) = ctx.offline.get(device) {
+                                consider(since + grace);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if self.state == RolloutState::Running {
+            if let Some(w) = self.waiting.as_deref() {
+                match wait_kind(w) {
+                    "window" => {
+                        let now = self.checked_at;
+                        if let Some(at) = ctx.windows.iter().filter_map(|w| w.next_open(now)).min()
+                        {
+                            consider(at);
+                        }
+                    }
+                    "rate" => {
+                        if let Some(ramp) = &self.ramp {
+                            consider(ramp.next_at(self.checked_at, self.successes()));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        next
+    }
+
+    /// Adds a device that registered after the start to the dynamic group.
+    pub(crate) fn join_dynamic(&mut self, device: &str, now: u64, out: &mut Out) -> Option<usize> {
+        let gi = self.groups.iter().position(|g| g.dynamic)?;
+        let group = &mut self.groups[gi];
+        if group.slots.contains_key(device) {
+            return None;
+        }
+        group.devices.push(device.to_owned());
+        group.slots.insert(device.to_owned(), Slot::scheduled());
+        group.counts.total += 1;
+        group.counts.scheduled += 1;
+        let gname = group.name.clone();
+        self.record(
+            now,
+            format!("device {device} registered after the start and joined group {gname}"),
+            out,
+        );
+        Some(gi)
+    }
+
+    /// Devices of the rollout per phase name, for summaries.
+    pub(crate) fn phase_names(&self) -> BTreeMap<String, String> {
+        self.groups
+            .iter()
+            .flat_map(|g| {
+                g.slots
+                    .iter()
+                    .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+            })
+            .collect()
+    }
+}
+
+enum Step {
+    Go,
+    Wait(Wait),
+    Stop,
+}
+
+/// The kind of a stored waiting text ("approval: …").
+fn wait_kind(text: &str) -> &str {
+    text.split_once(':').map_or(text, |(k, _)| k)
+}
+
+/// Seconds in words: 90 -> "1m30s".
+pub(crate) fn seconds(secs: u64) -> String {
+    let (d, h, m, s) = (
+        secs / 86_400,
+        secs / 3600 % 24,
+        secs / 60 % 60,
+        secs % 60,
+    );
+    let mut out = String::new();
+    for (n, unit) in [(d, "d"), (h, "h"), (m, "m"), (s, "s")] {
+        if n > 0 {
+            out.push_str(&format!("{n}{unit}"));
+        }
+    }
+    if out.is_empty() {
+        out.push_str("0s");
+    }
+    out
+}

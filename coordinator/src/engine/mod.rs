@@ -1,0 +1,1274 @@
+//! The rollout engine: a sans-I/O state machine (docs/decisions/0003-coordinator-engine.md).
+//!
+//! Every input is a method call that takes `now` (Unix seconds) and returns [`Effect`]s for the
+//! service to apply in order: `Save` (persist the rollout), then `Desired`/`Cancel`/`Rollback`/
+//! `Approval`/`Forget` (sign and publish), then `Status` and `Trace` (integration events). Nothing
+//! here reads a clock, touches a socket or the disk, so the same engine runs the service, the
+//! simulator (`flotilla simulate`) and the tests.
+//!
+//! ```text
+//! rollout:  creating -> ready -> [scheduled ->] running <-> paused
+//!                                   |     \         |
+//!                                   |      `-> finished | failed (error action stop/rollback)
+//!                                   `-> stopped <-'      (stop from any non-terminal state)
+//! group:    scheduled -> [approval ->] running -> [waiting ->] finished | error
+//! device:   scheduled -> in progress (issued, accepted, …) [-> retrying] [-> soaking]
+//!                     -> ready | failed | refused | timed out | canceled | skipped | rolled back
+//! ```
+//!
+//! Every vocabulary arrives as the same compiled plan (`crate::plan`); how a rollout moves is in
+//! [`advance`], the stored shape in [`model`].
+//!
+//! Scale: a report is routed through a per-rollout index (device -> group) and updates that
+//! group's counters incrementally. Per-device changes do not emit `Save`/`Status` (serializing a
+//! 100,000-device rollout per report would be O(fleet)); instead the rollout is marked dirty and
+//! [`Engine::tick`] emits one `Save` and one `Status` per dirty rollout. Transitions emit them at
+//! once.
+
+mod advance;
+pub mod model;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+
+use flotilla_protocol::control::{
+    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus,
+};
+use flotilla_protocol::{DeviceState, Phase, Report};
+
+use crate::conditions::GroupCounts;
+use crate::plan::{ActionType, Gate, Pace, SuccessCondition};
+use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
+use crate::ramp::Ramp;
+use crate::spec::{RolloutSpec, SpecError, Strategy};
+
+/// MERGE: replaced by RolloutSpec::vocabulary.
+fn vocabulary(spec: &RolloutSpec) -> &'static str {
+    match spec.strategy {
+        Strategy::Groups(_) => "groups",
+    }
+}
+use crate::window::Window;
+
+use advance::{Ctx, Out};
+pub use model::{
+    DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
+};
+
+/// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
+pub const TRACE_LIMIT: usize = 1000;
+
+/// What the service must do, in this order: persist, publish commands, publish events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Persist the rollout with this name (read it with [`Engine::rollout`]).
+    Save(String),
+    /// Sign and publish (retained) a desired install action.
+    Desired {
+        device: String,
+        action_id: String,
+        rollout: String,
+        release: String,
+        action: ActionType,
+    },
+    /// Publish (retained) a cancel of this action.
+    Cancel {
+        device: String,
+        action_id: String,
+        rollout: String,
+    },
+    /// Sign and publish (retained) a rollback of `undo`, the action that installed the release:
+    /// the device returns to the release it kept.
+    Rollback {
+        device: String,
+        action_id: String,
+        rollout: String,
+        undo: String,
+    },
+    /// Publish (retained) an approval request's state on `events/approvals/{name}`.
+    Approval(ApprovalStatus),
+    /// Clear a deleted device's retained topics (desired and state).
+    Forget { device: String },
+    /// Publish the rollout's summary (read it with [`Engine::status`]).
+    Status(String),
+    /// Publish one decision to `events/log`.
+    Trace(flotilla_protocol::control::TraceEntry),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("no rollout named {0:?}")]
+    UnknownRollout(String),
+    #[error("a rollout named {0:?} already exists")]
+    AlreadyExists(String),
+    #[error("rollout {rollout} is {state}; cannot {command} it")]
+    InvalidTransition {
+        rollout: String,
+        state: RolloutState,
+        command: &'static str,
+    },
+    #[error("rollout {rollout} would reach no device: {reason}")]
+    NoDevices { rollout: String, reason: String },
+    #[error(
+        "rollout {rollout}: spec names release {spec_release:?} but release {release:?} was given"
+    )]
+    ReleaseMismatch {
+        rollout: String,
+        spec_release: String,
+        release: String,
+    },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("no approval request named {0:?}")]
+    UnknownApproval(String),
+    #[error("no device named {0:?}")]
+    UnknownDevice(String),
+    #[error("{0}")]
+    Conflict(String),
+}
+
+/// The action id of a device's first attempt in a rollout: `{rollout}@{created_at}:{device}`.
+/// Retries append `:{attempt}` and a rollback appends `:rollback`. Including `created_at` keeps a
+/// re-created rollout of the same name from colliding with an old one, since an agent never
+/// applies an action id twice.
+pub fn action_id(rollout: &str, created_at: u64, device: &str) -> String {
+    format!("{rollout}@{created_at}:{device}")
+}
+
+/// What an action id names, beyond the rollout and device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActionPart {
+    /// An install attempt, counting from 1.
+    Attempt(u32),
+    Rollback,
+}
+
+/// Splits an action id made by [`action_id`] into (rollout, created_at, device, part). Rollout
+/// names and device ids cannot contain `@` or `:`, so the split is unambiguous.
+pub fn parse_action_id(id: &str) -> Option<(&str, u64, &str, ActionPart)> {
+    let (rollout, rest) = id.split_once('@')?;
+    let (created_at, rest) = rest.split_once(':')?;
+    let (device, part) = match rest.split_once(':') {
+        None => (rest, ActionPart::Attempt(1)),
+        Some((device, "rollback")) => (device, ActionPart::Rollback),
+        Some((device, n)) => (device, ActionPart::Attempt(n.parse().ok()?)),
+    };
+    Some((rollout, created_at.parse().ok()?, device, part))
+}
+
+/// What the engine knows about a device from its retained state and its reports.
+#[derive(Debug, Clone)]
+struct DeviceRecord {
+    hardware_id: String,
+    labels: BTreeMap<String, String>,
+    online: bool,
+    installed: Option<String>,
+    rollout: Option<String>,
+    phase: Option<String>,
+    reason: Option<String>,
+}
+
+/// A rollout with what is rebuilt on restore and never stored.
+struct Entry {
+    rollout: Rollout,
+    /// Device id -> group index.
+    index: HashMap<String, usize>,
+    windows: Vec<Window>,
+}
+
+impl Entry {
+    fn new(rollout: Rollout) -> Self {
+        let index = rollout
+            .groups
+            .iter()
+            .enumerate()
+            .flat_map(|(gi, g)| g.devices.iter().map(move |d| (d.clone(), gi)))
+            .collect();
+        // Specs were validated when created; a window that no longer parses (a zone file gone)
+        // keeps the rollout closed rather than open.
+        let windows = rollout
+            .spec
+            .policies
+            .windows
+            .iter()
+            .map(|w| Window::parse(w).unwrap_or_else(|_| Window::never()))
+            .collect();
+        Self {
+            rollout,
+            index,
+            windows,
+        }
+    }
+}
+
+/// The rollout engine. See the module documentation.
+#[derive(Default)]
+pub struct Engine {
+    rollouts: BTreeMap<String, Entry>,
+    devices: BTreeMap<String, DeviceRecord>,
+    /// Device id -> offline since (None when online).
+    offline: HashMap<String, Option<u64>>,
+    /// Device id -> (rollout, weight) whose action is the device's current one.
+    owners: HashMap<String, (String, u32)>,
+    /// Highest report seq seen per device, to drop duplicates and re-sent reports.
+    last_seq: HashMap<String, u64>,
+    /// Rollouts whose device phases changed since the last tick.
+    dirty: BTreeSet<String>,
+    /// Named device groups that partitions refer to.
+    device_groups: Vec<DeviceGroup>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("rollouts", &self.rollouts.len())
+            .field("devices", &self.devices.len())
+            .finish()
+    }
+}
+
+impl Engine {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rebuilds the engine from stored rollouts after a restart. The device registry starts
+    /// empty and refills from the retained state topics.
+    pub fn restore(rollouts: Vec<Rollout>) -> Self {
+        let mut engine = Self::new();
+        for r in rollouts {
+            if r.state.is_active() {
+                for g in &r.groups {
+                    for (device, slot) in &g.slots {
+                        if slot.phase.is_live() {
+                            engine
+                                .owners
+                                .insert(device.clone(), (r.name.clone(), r.spec.policies.weight));
+                        }
+                    }
+                }
+            }
+            engine.rollouts.insert(r.name.clone(), Entry::new(r));
+        }
+        engine
+    }
+
+    /// Re-publishes what a crash may have kept from being published: desired actions of every
+    /// live device of active rollouts, rollbacks in flight, cancels of stopped ones. Idempotent
+    /// (same action ids, retained); never starts a group.
+    pub fn reissue(&mut self, _now: u64) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        for entry in self.rollouts.values() {
+            let r = &entry.rollout;
+            let active = r.state.is_active();
+            for g in r.groups.iter().filter(|g| g.state != GroupState::Scheduled) {
+                for (device, slot) in &g.slots {
+                    let id = r.attempt_id(device, slot.attempt);
+                    match &slot.phase {
+                        DevicePhase::InProgress(p) if p == model::ROLLING_BACK => {
+                            effects.push(Effect::Rollback {
+                                device: device.clone(),
+                                action_id: format!(
+                                    "{}:rollback",
+                                    action_id(&r.name, r.created_at, device)
+                                ),
+                                rollout: r.name.clone(),
+                                undo: id,
+                            });
+                        }
+                        DevicePhase::InProgress(_) if active => {
+                            effects.push(Effect::Desired {
+                                device: device.clone(),
+                                action_id: id,
+                                rollout: r.name.clone(),
+                                release: r.release.name.clone(),
+                                action: r.spec.policies.action,
+                            });
+                        }
+                        DevicePhase::Canceled if !active && slot.attempt > 0 => {
+                            effects.push(Effect::Cancel {
+                                device: device.clone(),
+                                action_id: id,
+                                rollout: r.name.clone(),
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            for a in &r.approvals {
+                effects.push(Effect::Approval(a.clone()));
+            }
+        }
+        effects
+    }
+
+    /// Advances one rollout with the engine's device knowledge, then applies what it decided
+    /// across rollouts (owners, preemption).
+    fn advance(&mut self, name: &str, now: u64, out: &mut Out) {
+        let mut pending = vec![name.to_owned()];
+        let mut rounds = 0;
+        while let Some(name) = pending.pop() {
+            rounds += 1;
+            if rounds > 64 {
+                break;
+            }
+            let Some(entry) = self.rollouts.get_mut(&name) else {
+                continue;
+            };
+            let ctx = Ctx {
+                offline: &self.offline,
+                owners: &self.owners,
+                windows: &entry.windows,
+            };
+            entry.rollout.advance(now, &ctx, out);
+            for (other, device) in self.apply_bookkeeping(now, out) {
+                if !pending.contains(&other) {
+                    pending.push(other);
+                }
+                let _ = device;
+            }
+        }
+    }
+
+    /// Applies claims, releases and preemptions collected in `out`; returns the rollouts that
+    /// lost a device and must be advanced again.
+    fn apply_bookkeeping(&mut self, now: u64, out: &mut Out) -> Vec<(String, String)> {
+        for (device, rollout) in std::mem::take(&mut out.releases) {
+            if self.owners.get(&device).is_some_and(|(r, _)| *r == rollout) {
+                self.owners.remove(&device);
+            }
+        }
+        for (device, rollout, weight) in std::mem::take(&mut out.claims) {
+            self.owners.insert(device, (rollout, weight));
+        }
+        let mut touched = Vec::new();
+        for (other, device, by) in std::mem::take(&mut out.preempt) {
+            let Some(entry) = self.rollouts.get_mut(&other) else {
+                continue;
+            };
+            let Some(&gi) = entry.index.get(&device) else {
+                continue;
+            };
+            let r = &mut entry.rollout;
+            let group = &mut r.groups[gi];
+            if group.slots.get(&device).is_some_and(|s| !s.phase.is_terminal()) {
+                group.set_phase(&device, DevicePhase::Canceled);
+                if let Some(slot) = group.slots.get_mut(&device) {
+                    slot.ended_at = Some(now);
+                }
+                r.record(
+                    now,
+                    format!("device {device}: action canceled, rollout {by} took the device over"),
+                    out,
+                );
+                touched.push((other.clone(), device));
+            }
+        }
+        touched
+    }
+
+    /// A device's retained state: updates the registry, and if its current action belongs to a
+    /// rollout, applies the phase like a report (this is how a restarted coordinator catches up).
+    pub fn observe_state(&mut self, state: DeviceState, now: u64) -> Vec<Effect> {
+        let current = state.current.as_ref();
+        let known = self.devices.contains_key(&state.device_id);
+        let record = DeviceRecord {
+            hardware_id: state.hardware_id.clone(),
+            labels: state.labels.iter().cloned().collect(),
+            online: state.online,
+            installed: state.installed.as_ref().map(|i| i.name.clone()),
+            rollout: current.map(|c| c.rollout_id.clone()),
+            phase: current.map(|c| c.phase.name().to_owned()),
+            reason: current.and_then(|c| c.phase.reason().map(str::to_owned)),
+        };
+        let was_offline = self.offline.get(&state.device_id).copied().flatten();
+        let offline = if state.online {
+            None
+        } else {
+            Some(was_offline.unwrap_or(now))
+        };
+        self.offline.insert(state.device_id.clone(), offline);
+        self.devices.insert(state.device_id.clone(), record);
+        let mut out = Out::default();
+        if let Some(c) = current {
+            self.apply(
+                &state.device_id,
+                &c.action_id,
+                &c.phase,
+                true,
+                now,
+                &mut out,
+            );
+        }
+        if !known {
+            self.join_dynamic_groups(&state.device_id, now, &mut out);
+        }
+        out.into_effects()
+    }
+
+    /// A device registered after rollouts with a dynamic group started: it joins those it
+    /// matches.
+    fn join_dynamic_groups(&mut self, device: &str, now: u64, out: &mut Out) {
+        let Some(record) = self.devices.get(device) else {
+            return;
+        };
+        let mut joined = Vec::new();
+        for (name, entry) in &mut self.rollouts {
+            let r = &entry.rollout;
+            if !r.spec.policies.dynamic
+                || !r.state.is_active()
+                || entry.index.contains_key(device)
+                || !r.spec.select.matches(&record.labels)
+                || !(r.release.hardware.is_empty()
+                    || r.release.hardware.contains(&record.hardware_id))
+            {
+                continue;
+            }
+            if let Some(gi) = entry.rollout.join_dynamic(device, now, out) {
+                entry.index.insert(device.to_owned(), gi);
+                joined.push(name.clone());
+            }
+        }
+        for name in joined {
+            self.advance(&name, now, out);
+        }
+    }
+
+    /// A device's progress report. A `seq` not above the last one seen from the device is a
+    /// duplicate or a re-send and is ignored.
+    pub fn observe_report(&mut self, report: Report, now: u64) -> Vec<Effect> {
+        match self.last_seq.get(&report.device_id) {
+            Some(&last) if report.seq <= last => return Vec::new(),
+            _ => {}
+        }
+        self.last_seq.insert(report.device_id.clone(), report.seq);
+        if let Some(record) = self.devices.get_mut(&report.device_id) {
+            record.rollout = Some(report.rollout_id.clone());
+            record.phase = Some(report.phase.name().to_owned());
+            record.reason = report.phase.reason().map(str::to_owned);
+        }
+        let mut out = Out::default();
+        self.apply(
+            &report.device_id,
+            &report.action_id,
+            &report.phase,
+            false,
+            now,
+            &mut out,
+        );
+        out.into_effects()
+    }
+
+    /// Routes a device's phase for an action to its rollout and group. Anything that is not the
+    /// device's current action in a rollout (unknown rollout, older incarnation or attempt, group
+    /// not yet started, another device's id) is ignored.
+    fn apply(
+        &mut self,
+        device: &str,
+        action: &str,
+        phase: &Phase,
+        from_state: bool,
+        now: u64,
+        out: &mut Out,
+    ) {
+        let Some((rollout, created_at, for_device, part)) = parse_action_id(action) else {
+            return;
+        };
+        if for_device != device {
+            return;
+        }
+        let Some(entry) = self.rollouts.get_mut(rollout) else {
+            return;
+        };
+        if entry.rollout.created_at != created_at {
+            return;
+        }
+        let Some(&gi) = entry.index.get(device) else {
+            return;
+        };
+        let r = &mut entry.rollout;
+        let Some(slot) = r.groups[gi].slots.get(device) else {
+            return;
+        };
+        let current = slot.phase.clone();
+        let outcome = Outcome::from_phase(phase);
+        let name = r.name.clone();
+        match part {
+            ActionPart::Rollback => {
+                if current != DevicePhase::InProgress(model::ROLLING_BACK.to_owned()) {
+                    return;
+                }
+                let new = match outcome {
+                    Outcome::Ready | Outcome::Untracked => DevicePhase::RolledBack,
+                    Outcome::Failed(reason) | Outcome::Refused(reason) => {
+                        DevicePhase::Failed(format!("rollback failed: {reason}"))
+                    }
+                    _ => return,
+                };
+                let group = &mut r.groups[gi];
+                group.set_phase(device, new);
+                if let Some(slot) = group.slots.get_mut(device) {
+                    slot.ended_at = Some(now);
+                }
+                out.releases.push((device.to_owned(), name.clone()));
+            }
+            ActionPart::Attempt(attempt) => {
+                if current == DevicePhase::Scheduled || attempt != slot.attempt {
+                    return;
+                }
+                if matches!(current, DevicePhase::Retrying(_) | DevicePhase::RolledBack)
+                    || current == DevicePhase::InProgress(model::ROLLING_BACK.to_owned())
+                {
+                    return;
+                }
+                // A retained state can be older than a report already applied; it never undoes
+                // an end.
+                if from_state && current.is_terminal() && matches!(outcome, Outcome::Progress(_)) {
+                    return;
+                }
+                let policies = &r.spec.policies;
+                match outcome {
+                    Outcome::Progress(p) => {
+                        if current.is_terminal() || current == DevicePhase::Soaking {
+                            return;
+                        }
+                        r.groups[gi].set_phase(device, DevicePhase::InProgress(p));
+                    }
+                    Outcome::Ready | Outcome::Untracked => {
+                        if matches!(current, DevicePhase::Ready | DevicePhase::Soaking) {
+                            return;
+                        }
+                        let hold = if outcome == Outcome::Untracked {
+                            policies.soak.max(policies.unavailable_period)
+                        } else {
+                            policies.soak
+                        };
+                        let group = &mut r.groups[gi];
+                        if let Some(slot) = group.slots.get_mut(device) {
+                            slot.ended_at = Some(now);
+                            slot.soak_until = (hold > 0).then_some(now + hold);
+                        }
+                        if hold > 0 {
+                            group.set_phase(device, DevicePhase::Soaking);
+                        } else {
+                            group.set_phase(device, DevicePhase::Ready);
+                            out.releases.push((device.to_owned(), name.clone()));
+                        }
+                    }
+                    Outcome::Failed(reason) => {
+                        if current.is_failure() {
+                            return;
+                        }
+                        r.fail_device(gi, device, DevicePhase::Failed(reason), now, out);
+                    }
+                    Outcome::Refused(reason) => {
+                        if current.is_failure() {
+                            return;
+                        }
+                        r.fail_device(gi, device, DevicePhase::Refused(reason), now, out);
+                    }
+                    Outcome::Canceled => {
+                        let group = &mut r.groups[gi];
+                        group.set_phase(device, DevicePhase::Canceled);
+                        if let Some(slot) = group.slots.get_mut(device) {
+                            slot.ended_at = Some(now);
+                        }
+                        out.releases.push((device.to_owned(), name.clone()));
+                    }
+                }
+            }
+        }
+        self.dirty.insert(name.clone());
+        self.advance(&name, now, out);
+    }
+
+    fn fleet(&self) -> Vec<FleetDevice> {
+        self.devices
+            .iter()
+            .map(|(id, d)| FleetDevice {
+                id: id.clone(),
+                labels: d.labels.clone(),
+                hardware_id: d.hardware_id.clone(),
+            })
+            .collect()
+    }
+
+    /// Plans a rollout over the devices known now (creating -> ready). Fails when no device
+    /// would be reached, naming why, or when a staged run overlaps another run with a different
+    /// strategy.
+    pub fn create_rollout(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        let name = spec.name.clone();
+        if self.rollouts.contains_key(&name) {
+            return Err(EngineError::AlreadyExists(name));
+        }
+        if spec.release != release.name {
+            return Err(EngineError::ReleaseMismatch {
+                rollout: name,
+                spec_release: spec.release.clone(),
+                release: release.name,
+            });
+        }
+        let fleet = self.fleet();
+        let plan = planner::plan(&spec, &fleet, &release.hardware, &self.device_groups)?;
+        self.create_planned(spec, release, plan, now)
+    }
+
+    /// Creates a rollout from an already computed plan.
+    pub(crate) fn create_planned(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        plan: planner::Plan,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        let name = spec.name.clone();
+        let fleet = self.fleet();
+        let planned = plan.device_count();
+        if planned == 0 && !spec.policies.dynamic {
+            let selected = fleet
+                .iter()
+                .filter(|d| spec.select.matches(&d.labels))
+                .count();
+            let mut reason = format!(
+                "{} devices known, {selected} match select {:?}",
+                fleet.len(),
+                spec.select.to_string()
+            );
+            if !plan.excluded.is_empty() {
+                reason.push_str(&format!(
+                    ", {} excluded because release {} supports only hardware [{}]",
+                    plan.excluded.len(),
+                    release.name,
+                    release.hardware.join(", ")
+                ));
+            }
+            if !plan.unassigned.is_empty() {
+                reason.push_str(&format!(", {} taken by no group", plan.unassigned.len()));
+            }
+            return Err(EngineError::NoDevices {
+                rollout: name,
+                reason,
+            });
+        }
+        self.check_staged_overlap(&spec, &plan)?;
+        let mut groups: Vec<Group> = plan.groups.into_iter().map(new_group).collect();
+        if spec.policies.dynamic {
+            let last = groups.last();
+            let mut dynamic = new_group(crate::plan::PlannedGroup {
+                name: "dynamic".into(),
+                devices: Vec::new(),
+                pace: Pace::default(),
+                success: last.map(|g| g.success.clone()).unwrap_or_default(),
+                error: last.and_then(|g| g.error.clone()),
+                before: Gate::default(),
+                after: Gate::default(),
+            });
+            dynamic.dynamic = true;
+            groups.push(dynamic);
+        }
+        let sizes = groups
+            .iter()
+            .map(|g| format!("{} {}", g.name, g.devices.len()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let ramp = spec.policies.rate.map(|limit| Ramp::new(limit, now));
+        let mut rollout = Rollout {
+            name: name.clone(),
+            release,
+            spec,
+            created_at: now,
+            state: RolloutState::Creating,
+            groups,
+            excluded: plan.excluded,
+            unassigned: plan.unassigned,
+            trace: Vec::new(),
+            conditions: Vec::new(),
+            approvals: Vec::new(),
+            waiting: None,
+            ramp,
+            started_at: None,
+            checked_at: now,
+        };
+        let mut out = Out::default();
+        let mut message = format!(
+            "created for release {}: {planned} devices in {} groups ({sizes})",
+            rollout.release.name,
+            rollout.groups.len()
+        );
+        if !rollout.excluded.is_empty() {
+            message.push_str(&format!(
+                "; {} excluded by hardware or not in the fleet",
+                rollout.excluded.len()
+            ));
+        }
+        if !rollout.unassigned.is_empty() {
+            message.push_str(&format!(
+                "; {} selected but in no group, not rolled out",
+                rollout.unassigned.len()
+            ));
+        }
+        rollout.record(now, message, &mut out);
+        rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
+        rollout.state = RolloutState::Ready;
+        self.rollouts.insert(name, Entry::new(rollout));
+        Ok(out.into_effects())
+    }
+
+    /// KubeFleet: concurrent staged runs over the same devices must use identical strategies.
+    fn check_staged_overlap(
+        &self,
+        spec: &RolloutSpec,
+        plan: &planner::Plan,
+    ) -> Result<(), EngineError> {
+        // MERGE: staged overlap check arrives with the staged vocabulary.
+        let _ = (spec, plan);
+        Ok(())
+    }
+
+    fn entry(&mut self, name: &str) -> Result<&mut Entry, EngineError> {
+        self.rollouts
+            .get_mut(name)
+            .ok_or_else(|| EngineError::UnknownRollout(name.to_owned()))
+    }
+
+    fn invalid(r: &Rollout, command: &'static str) -> EngineError {
+        EngineError::InvalidTransition {
+            rollout: r.name.clone(),
+            state: r.state,
+            command,
+        }
+    }
+
+    /// ready -> running (or scheduled until `start_at`): the first group starts. Scheduled
+    /// actions of older rollouts on the same devices are canceled (hawkBit).
+    pub fn start(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let r = &mut self.entry(name)?.rollout;
+        if r.state != RolloutState::Ready {
+            return Err(Self::invalid(r, "start"));
+        }
+        let mut out = Out::default();
+        r.set_condition("Progressing", true, "UpdateRunStarted", now);
+        match r.spec.policies.start_at {
+            Some(at) if at > now => {
+                r.state = RolloutState::Scheduled;
+                r.record(
+                    now,
+                    format!("started by operator; waits for its start time {at}"),
+                    &mut out,
+                );
+            }
+            _ => {
+                r.state = RolloutState::Running;
+                r.started_at = Some(now);
+                r.record(now, "rollout started by operator".to_owned(), &mut out);
+            }
+        }
+        self.cancel_older_scheduled(name, now, &mut out);
+        self.advance(name, now, &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// hawkBit: a newer rollout cancels the older rollouts' scheduled (never sent) actions on
+    /// the same devices, directly on the server.
+    fn cancel_older_scheduled(&mut self, name: &str, now: u64, out: &mut Out) {
+        let Some(entry) = self.rollouts.get(name) else {
+            return;
+        };
+        let created = entry.rollout.created_at;
+        let devices: Vec<String> = entry.index.keys().cloned().collect();
+        let mut touched = Vec::new();
+        for (other, e) in &mut self.rollouts {
+            if other == name || !e.rollout.state.is_active() && e.rollout.state != RolloutState::Ready
+            {
+                continue;
+            }
+            if e.rollout.created_at > created {
+                continue;
+            }
+            let mut canceled = 0;
+            for device in &devices {
+                let Some(&gi) = e.index.get(device) else {
+                    continue;
+                };
+                let group = &mut e.rollout.groups[gi];
+                if group.slots.get(device).map(|s| &s.phase) == Some(&DevicePhase::Scheduled) {
+                    group.set_phase(device, DevicePhase::Canceled);
+                    canceled += 1;
+                }
+            }
+            if canceled > 0 {
+                e.rollout.record(
+                    now,
+                    format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices"),
+                    out,
+                );
+                touched.push(other.clone());
+            }
+        }
+        for other in touched {
+            self.advance(&other, now, out);
+        }
+    }
+
+    /// running -> paused: actions already sent continue and keep reporting; nothing new starts.
+    pub fn pause(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let r = &mut self.entry(name)?.rollout;
+        if !matches!(r.state, RolloutState::Running | RolloutState::Scheduled) {
+            return Err(Self::invalid(r, "pause"));
+        }
+        let mut out = Out::default();
+        r.state = RolloutState::Paused;
+        r.set_condition("Progressing", false, "UpdateRunPaused", now);
+        r.record(now, "paused by operator".to_owned(), &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// paused -> running. A group in error, or whose success action paused the rollout, counts
+    /// as done: the operator chose to continue, so the group after it starts.
+    pub fn resume(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let r = &mut self.entry(name)?.rollout;
+        if r.state != RolloutState::Paused {
+            return Err(Self::invalid(r, "resume"));
+        }
+        let mut out = Out::default();
+        r.state = RolloutState::Running;
+        r.set_condition("Progressing", true, "UpdateRunResumed", now);
+        let mut passed = Vec::new();
+        for g in &mut r.groups {
+            if g.state == GroupState::Error && !g.released {
+                g.released = true;
+                passed.push(g.name.clone());
+            }
+        }
+        let message = if passed.is_empty() {
+            "resumed by operator".to_owned()
+        } else {
+            format!(
+                "resumed by operator; group {} in error counts as done",
+                passed.join(", ")
+            )
+        };
+        r.record(now, message, &mut out);
+        self.advance(name, now, &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// Stops a rollout for good: unfinished device actions are canceled and no group starts again.
+    pub fn stop(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let r = &mut self.entry(name)?.rollout;
+        if r.state.is_terminal() {
+            return Err(Self::invalid(r, "stop"));
+        }
+        let mut out = Out::default();
+        let canceled = r.cancel_unfinished(now, &mut out);
+        r.state = RolloutState::Stopped;
+        r.waiting = None;
+        r.set_condition("Progressing", false, "UpdateRunStopped", now);
+        r.record(
+            now,
+            format!("stopped by operator; canceled {canceled} unfinished device actions"),
+            &mut out,
+        );
+        self.apply_bookkeeping(now, &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// Approves an approval request by name; approving twice is harmless.
+    pub fn approve(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let rollout = self
+            .rollouts
+            .values()
+            .find(|e| e.rollout.approvals.iter().any(|a| a.name == name))
+            .map(|e| e.rollout.name.clone())
+            .ok_or_else(|| EngineError::UnknownApproval(name.to_owned()))?;
+        let mut out = Out::default();
+        let r = &mut self.entry(&rollout)?.rollout;
+        let Some(a) = r.approvals.iter_mut().find(|a| a.name == name) else {
+            return Err(EngineError::UnknownApproval(name.to_owned()));
+        };
+        if a.approved {
+            return Ok(Vec::new());
+        }
+        a.approved = true;
+        a.approved_at = Some(now);
+        let approval = a.clone();
+        if let Some(g) = r.groups.iter_mut().find(|g| g.name == approval.group) {
+            g.condition(
+                "ApprovalRequestApproved",
+                true,
+                "AfterStageTaskApprovalRequestApproved",
+                now,
+            );
+        }
+        out.commands.push(Effect::Approval(approval));
+        r.record(now, format!("approval {name} approved"), &mut out);
+        self.advance(&rollout, now, &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// Every approval request, pending and approved.
+    pub fn approvals(&self) -> Vec<ApprovalStatus> {
+        self.rollouts
+            .values()
+            .flat_map(|e| e.rollout.approvals.iter().cloned())
+            .collect()
+    }
+
+    /// Starts the next group of a running rollout now (hawkBit's manual trigger): the last
+    /// started group is released without waiting for its success condition or its gates.
+    pub fn trigger_next(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        let r = &mut self.entry(name)?.rollout;
+        if r.state != RolloutState::Running {
+            return Err(Self::invalid(r, "trigger the next group of"));
+        }
+        let Some(last) = r
+            .groups
+            .iter()
+            .rposition(|g| g.state != GroupState::Scheduled)
+        else {
+            return Err(Self::invalid(r, "trigger the next group of"));
+        };
+        if last + 1 >= r.groups.len() || r.groups[last + 1].dynamic {
+            return Err(EngineError::Conflict(format!(
+                "rollout {name}: group {} is the last group; there is no next group to trigger",
+                r.groups[last].name
+            )));
+        }
+        let mut out = Out::default();
+        r.groups[last].released = true;
+        let message = format!(
+            "operator triggered the next group after group {}",
+            r.groups[last].name
+        );
+        r.record(now, message, &mut out);
+        self.advance(name, now, &mut out);
+        Ok(out.into_effects())
+    }
+
+    /// Creates a rollout (ready, not started) over the failed, refused and timed-out devices of
+    /// another, named `<rollout>-retry` unless a name is given.
+    pub fn retry_failed(
+        &mut self,
+        name: &str,
+        new_name: Option<String>,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        let r = &self
+            .rollouts
+            .get(name)
+            .ok_or_else(|| EngineError::UnknownRollout(name.to_owned()))?
+            .rollout;
+        if !matches!(
+            r.state,
+            RolloutState::Paused
+                | RolloutState::Finished
+                | RolloutState::Stopped
+                | RolloutState::Failed
+        ) {
+            return Err(Self::invalid(r, "retry the failed devices of"));
+        }
+        let failed: Vec<String> = r
+            .groups
+            .iter()
+            .flat_map(|g| g.slots.iter())
+            .filter(|(_, s)| s.phase.is_failure())
+            .map(|(d, _)| d.clone())
+            .collect();
+        let new_name = new_name.unwrap_or_else(|| format!("{name}-retry"));
+        flotilla_protocol::validate_id("rollout name", &new_name)
+            .map_err(|e| EngineError::Conflict(e.to_string()))?;
+        if failed.is_empty() {
+            return Err(EngineError::NoDevices {
+                rollout: new_name,
+                reason: format!("rollout {name} has no failed, refused or timed-out device"),
+            });
+        }
+        if self.rollouts.contains_key(&new_name) {
+            return Err(EngineError::AlreadyExists(new_name));
+        }
+        let mut spec = r.spec.clone();
+        spec.name = new_name.clone();
+        spec.policies.start_at = None;
+        spec.policies.dynamic = false;
+        let error = r.groups.first().and_then(|g| g.error.clone());
+        let release = r.release.clone();
+        let group = new_group(crate::plan::PlannedGroup {
+            name: "retry".into(),
+            devices: failed.clone(),
+            pace: Pace::default(),
+            success: SuccessCondition::default(),
+            error,
+            before: Gate::default(),
+            after: Gate::default(),
+        });
+        let mut rollout = Rollout {
+            name: new_name.clone(),
+            release,
+            ramp: spec.policies.rate.map(|limit| Ramp::new(limit, now)),
+            spec,
+            created_at: now,
+            state: RolloutState::Ready,
+            groups: vec![group],
+            excluded: Vec::new(),
+            unassigned: Vec::new(),
+            trace: Vec::new(),
+            conditions: Vec::new(),
+            approvals: Vec::new(),
+            waiting: None,
+            started_at: None,
+            checked_at: now,
+        };
+        let mut out = Out::default();
+        rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
+        rollout.record(
+            now,
+            format!(
+                "created to retry the {} failed devices of rollout {name}",
+                failed.len()
+            ),
+            &mut out,
+        );
+        self.rollouts.insert(new_name, Entry::new(rollout));
+        Ok(out.into_effects())
+    }
+
+    /// Forgets a device: it leaves the registry and the groups that have not finished (hawkBit:
+    /// counts are recomputed; an emptied group succeeds). Finished groups keep it.
+    pub fn delete_device(&mut self, device: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        if self.devices.remove(device).is_none() {
+            return Err(EngineError::UnknownDevice(device.to_owned()));
+        }
+        self.offline.remove(device);
+        self.owners.remove(device);
+        self.last_seq.remove(device);
+        let mut out = Out::default();
+        let mut touched = Vec::new();
+        for (name, entry) in &mut self.rollouts {
+            let Some(&gi) = entry.index.get(device) else {
+                continue;
+            };
+            if entry.rollout.state.is_terminal() {
+                continue;
+            }
+            let group = &mut entry.rollout.groups[gi];
+            if matches!(group.state, GroupState::Finished | GroupState::Error) {
+                continue;
+            }
+            if let Some(slot) = group.slots.remove(device) {
+                slot.phase.count_in(&mut group.counts, false);
+                group.counts.total = group.counts.total.saturating_sub(1);
+            }
+            if let Some(pos) = group.devices.iter().position(|d| d == device) {
+                group.devices.remove(pos);
+                if pos < group.cursor {
+                    group.cursor -= 1;
+                }
+            }
+            entry.index.remove(device);
+            let gname = group.name.clone();
+            entry.rollout.record(
+                now,
+                format!("device {device} deleted; group {gname} now has {} devices", {
+                    entry.rollout.groups[gi].devices.len()
+                }),
+                &mut out,
+            );
+            touched.push(name.clone());
+        }
+        out.commands.push(Effect::Forget {
+            device: device.to_owned(),
+        });
+        for name in touched {
+            self.advance(&name, now, &mut out);
+        }
+        Ok(out.into_effects())
+    }
+
+    /// Timers: start times, soak, retries, timeouts, offline grace, timed waits, windows and
+    /// the rate limit; then one `Save` and `Status` per rollout whose devices changed since the
+    /// last tick. Call it about once a second.
+    pub fn tick(&mut self, now: u64) -> Vec<Effect> {
+        let mut out = Out::default();
+        let names: Vec<String> = self
+            .rollouts
+            .iter()
+            .filter(|(_, e)| e.rollout.state.is_active())
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            let Some(entry) = self.rollouts.get_mut(&name) else {
+                continue;
+            };
+            let ctx = Ctx {
+                offline: &self.offline,
+                owners: &self.owners,
+                windows: &entry.windows,
+            };
+            if entry.rollout.run_timers(now, &ctx, &mut out) {
+                self.dirty.insert(name.clone());
+            }
+            self.apply_bookkeeping(now, &mut out);
+            self.advance(&name, now, &mut out);
+        }
+        for name in std::mem::take(&mut self.dirty) {
+            if self.rollouts.contains_key(&name) {
+                out.touch(&name);
+            }
+        }
+        out.into_effects()
+    }
+
+    /// The earliest time at which [`Engine::tick`] has a timer to act on (a start time, a timed
+    /// wait, a timeout, a retry, the end of a soak, a window opening, the rate limit), so a
+    /// simulator can jump to it.
+    pub fn next_timer(&self) -> Option<u64> {
+        self.rollouts
+            .values()
+            .filter_map(|e| {
+                let ctx = Ctx {
+                    offline: &self.offline,
+                    owners: &self.owners,
+                    windows: &e.windows,
+                };
+                e.rollout.next_timer(&ctx)
+            })
+            .min()
+    }
+
+    /// Replaces the named device groups (`flotilla group`) that specs may refer to.
+    pub fn set_device_groups(&mut self, groups: Vec<DeviceGroup>) {
+        self.device_groups = groups;
+    }
+
+    pub fn rollout(&self, name: &str) -> Option<&Rollout> {
+        self.rollouts.get(name).map(|e| &e.rollout)
+    }
+
+    pub fn rollouts(&self) -> impl Iterator<Item = &Rollout> {
+        self.rollouts.values().map(|e| &e.rollout)
+    }
+
+    pub fn status(&self, name: &str) -> Option<RolloutStatus> {
+        self.rollout(name).map(Rollout::status)
+    }
+
+    pub fn statuses(&self) -> Vec<RolloutStatus> {
+        self.rollouts().map(Rollout::status).collect()
+    }
+
+    /// Every device known from its retained state, sorted by id.
+    pub fn devices(&self) -> Vec<DeviceSummary> {
+        self.devices
+            .iter()
+            .map(|(id, d)| DeviceSummary {
+                id: id.clone(),
+                hardware_id: d.hardware_id.clone(),
+                labels: d.labels.clone(),
+                online: d.online,
+                installed: d.installed.clone(),
+                rollout: d.rollout.clone(),
+                phase: d.phase.clone(),
+                reason: d.reason.clone(),
+            })
+            .collect()
+    }
+}
+
+fn new_group(g: crate::plan::PlannedGroup) -> Group {
+    Group {
+        counts: GroupCounts {
+            total: g.devices.len(),
+            scheduled: g.devices.len(),
+            ..GroupCounts::default()
+        },
+        slots: g
+            .devices
+            .iter()
+            .map(|d| (d.clone(), Slot::scheduled()))
+            .collect(),
+        name: g.name,
+        state: GroupState::Scheduled,
+        devices: g.devices,
+        pace: g.pace,
+        success: g.success,
+        error: g.error,
+        before: g.before,
+        after: g.after,
+        cursor: 0,
+        released: false,
+        started_at: None,
+        ended_at: None,
+        succeeded_at: None,
+        conditions: Vec::new(),
+        dynamic: false,
+    }
+}
+
+impl Rollout {
+    /// The rollout as operators see it.
+    pub fn status(&self) -> RolloutStatus {
+        RolloutStatus {
+            name: self.name.clone(),
+            release: self.release.name.clone(),
+            state: self.state.to_string(),
+            groups: self
+                .groups
+                .iter()
+                .map(|g| GroupStatus {
+                    name: g.name.clone(),
+                    state: g.state.to_string(),
+                    total: g.counts.effective_total(),
+                    ready: g.counts.ready,
+                    failed: g.counts.failures(),
+                    in_progress: g.counts.in_progress + g.counts.soaking,
+                    scheduled: g.counts.scheduled,
+                    devices: g
+                        .slots
+                        .iter()
+                        .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+                        .collect(),
+                    started_at: g.started_at,
+                    ended_at: g.ended_at,
+                    conditions: g.conditions.clone(),
+                    device_details: g
+                        .slots
+                        .iter()
+                        .map(|(d, s)| {
+                            (
+                                d.clone(),
+                                DeviceDetail {
+                                    phase: s.phase.name().to_owned(),
+                                    started_at: s.started_at,
+                                    ended_at: s.ended_at,
+                                    reason: s.phase.reason().map(str::to_owned),
+                                    attempt: s.attempt,
+                                },
+                            )
+                        })
+                        .collect(),
+                })
+                .collect(),
+            trace: self.trace.clone(),
+            strategy: vocabulary(&self.spec).to_owned(),
+            conditions: self.conditions.clone(),
+            waiting: self.waiting.clone(),
+            approvals: self.approvals.clone(),
+        }
+    }
+
+    /// Every device of the rollout with its phase name.
+    pub fn device_phases(&self) -> BTreeMap<String, String> {
+        self.phase_names()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,395 @@
+//! The stored shape of a rollout: its groups, every device's slot, approvals, conditions and
+//! trace. Everything here is serialized into the store, so a restarted coordinator continues
+//! exactly where it stopped.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use flotilla_protocol::control::{ApprovalStatus, Condition, TraceEntry};
+use flotilla_protocol::Phase;
+use serde::{Deserialize, Serialize};
+
+use crate::conditions::GroupCounts;
+use crate::plan::{ErrorCondition, Excluded, Gate, Pace, SuccessCondition};
+use crate::ramp::Ramp;
+use crate::spec::RolloutSpec;
+
+/// The release a rollout installs, as far as the engine needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseRef {
+    pub name: String,
+    pub counter: u64,
+    /// Compatible hardware ids; empty means any.
+    pub hardware: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutState {
+    Creating,
+    Ready,
+    /// Started by the operator, waiting for its `start_at` time.
+    Scheduled,
+    Starting,
+    Running,
+    Paused,
+    Stopped,
+    Finished,
+    /// Ended by an error condition whose action is stop or rollback.
+    Failed,
+}
+
+impl RolloutState {
+    /// No group will start again.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RolloutState::Stopped | RolloutState::Finished | RolloutState::Failed
+        )
+    }
+
+    /// Started and not over: its devices' actions count as the devices' current ones.
+    pub fn is_active(self) -> bool {
+        matches!(
+            self,
+            RolloutState::Scheduled
+                | RolloutState::Starting
+                | RolloutState::Running
+                | RolloutState::Paused
+        )
+    }
+}
+
+impl fmt::Display for RolloutState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RolloutState::Creating => "creating",
+            RolloutState::Ready => "ready",
+            RolloutState::Scheduled => "scheduled",
+            RolloutState::Starting => "starting",
+            RolloutState::Running => "running",
+            RolloutState::Paused => "paused",
+            RolloutState::Stopped => "stopped",
+            RolloutState::Finished => "finished",
+            RolloutState::Failed => "failed",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupState {
+    Scheduled,
+    /// Waiting for the approval before its first device starts.
+    Approval,
+    Running,
+    /// Every device is done and the group succeeded; its after gate (approval, timed wait) holds
+    /// the next group.
+    Waiting,
+    Finished,
+    Error,
+}
+
+impl fmt::Display for GroupState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GroupState::Scheduled => "scheduled",
+            GroupState::Approval => "approval",
+            GroupState::Running => "running",
+            GroupState::Waiting => "waiting",
+            GroupState::Finished => "finished",
+            GroupState::Error => "error",
+        })
+    }
+}
+
+/// Where one device stands in one rollout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DevicePhase {
+    /// No desired action sent yet.
+    Scheduled,
+    /// Desired action sent; the protocol phase name, or `issued` before the first report.
+    InProgress(String),
+    /// Failed or timed out; a retry is due at the slot's `retry_at`.
+    Retrying(String),
+    /// Ready (or applied without health tracking), not yet for the whole soak time.
+    Soaking,
+    Ready,
+    Failed(String),
+    Refused(String),
+    TimedOut(String),
+    Canceled,
+    /// Left out: offline when its turn came under the `skip` offline policy, or deleted.
+    Skipped(String),
+    /// Sent back to the release it kept by the rollout's rollback error action.
+    RolledBack,
+}
+
+/// Phase name of a device whose desired action was sent but that has not reported yet.
+pub const ISSUED: &str = "issued";
+/// Phase name of a device whose rollback was sent.
+pub const ROLLING_BACK: &str = "rolling_back";
+
+impl DevicePhase {
+    /// Lower-case name as shown in status tables.
+    pub fn name(&self) -> &str {
+        match self {
+            DevicePhase::Scheduled => "scheduled",
+            DevicePhase::InProgress(name) => name,
+            DevicePhase::Retrying(_) => "retrying",
+            DevicePhase::Soaking => "soaking",
+            DevicePhase::Ready => "ready",
+            DevicePhase::Failed(_) => "failed",
+            DevicePhase::Refused(_) => "refused",
+            DevicePhase::TimedOut(_) => "timed_out",
+            DevicePhase::Canceled => "canceled",
+            DevicePhase::Skipped(_) => "skipped",
+            DevicePhase::RolledBack => "rolled_back",
+        }
+    }
+
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            DevicePhase::Retrying(r)
+            | DevicePhase::Failed(r)
+            | DevicePhase::Refused(r)
+            | DevicePhase::TimedOut(r)
+            | DevicePhase::Skipped(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The action is over for this rollout (a retry pending is not over).
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            DevicePhase::Ready
+                | DevicePhase::Failed(_)
+                | DevicePhase::Refused(_)
+                | DevicePhase::TimedOut(_)
+                | DevicePhase::Canceled
+                | DevicePhase::Skipped(_)
+                | DevicePhase::RolledBack
+        )
+    }
+
+    /// A desired action was sent and may still be acted on by the device.
+    pub fn is_live(&self) -> bool {
+        matches!(
+            self,
+            DevicePhase::InProgress(_) | DevicePhase::Soaking | DevicePhase::Retrying(_)
+        )
+    }
+
+    pub fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            DevicePhase::Failed(_) | DevicePhase::Refused(_) | DevicePhase::TimedOut(_)
+        )
+    }
+
+    pub(crate) fn count_in(&self, counts: &mut GroupCounts, add: bool) {
+        let slot = match self {
+            DevicePhase::Scheduled => &mut counts.scheduled,
+            DevicePhase::InProgress(_) | DevicePhase::Retrying(_) => &mut counts.in_progress,
+            DevicePhase::Soaking => &mut counts.soaking,
+            DevicePhase::Ready => &mut counts.ready,
+            DevicePhase::Failed(_) => &mut counts.failed,
+            DevicePhase::Refused(_) => &mut counts.refused,
+            DevicePhase::TimedOut(_) => &mut counts.timed_out,
+            DevicePhase::Canceled | DevicePhase::RolledBack => &mut counts.canceled,
+            DevicePhase::Skipped(_) => &mut counts.skipped,
+        };
+        if add {
+            *slot += 1;
+        } else {
+            *slot = slot.saturating_sub(1);
+        }
+    }
+}
+
+/// What a reported protocol phase means for the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Progress(String),
+    /// Ready and healthy (download-only actions: downloaded).
+    Ready,
+    /// Installed, but the device cannot track readiness (no health checks).
+    Untracked,
+    Failed(String),
+    Refused(String),
+    Canceled,
+}
+
+impl Outcome {
+    pub fn from_phase(phase: &Phase) -> Outcome {
+        match phase {
+            Phase::Ready | Phase::Downloaded => Outcome::Ready,
+            Phase::Failed {
+                reason,
+                rolled_back: true,
+            } => Outcome::Failed(format!("{reason} (rolled back)")),
+            Phase::Failed {
+                reason,
+                rolled_back: false,
+            } => Outcome::Failed(reason.clone()),
+            Phase::Refused { reason } => Outcome::Refused(reason.clone()),
+            Phase::Canceled => Outcome::Canceled,
+            other if other.name() == "applied" => Outcome::Untracked,
+            other => Outcome::Progress(other.name().to_owned()),
+        }
+    }
+}
+
+/// One device of a group: its phase and the times the engine's timers need.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slot {
+    pub phase: DevicePhase,
+    /// 0 before the first desired action; 1 for the first attempt, 2 for the first retry…
+    #[serde(default)]
+    pub attempt: u32,
+    #[serde(default)]
+    pub started_at: Option<u64>,
+    /// When the current attempt was sent (the in-progress timeout runs from here).
+    #[serde(default)]
+    pub attempt_at: Option<u64>,
+    #[serde(default)]
+    pub ended_at: Option<u64>,
+    /// Soaking until this time.
+    #[serde(default)]
+    pub soak_until: Option<u64>,
+    /// Retrying at this time.
+    #[serde(default)]
+    pub retry_at: Option<u64>,
+}
+
+impl Slot {
+    pub fn scheduled() -> Self {
+        Slot {
+            phase: DevicePhase::Scheduled,
+            attempt: 0,
+            started_at: None,
+            attempt_at: None,
+            ended_at: None,
+            soak_until: None,
+            retry_at: None,
+        }
+    }
+}
+
+/// One group of a rollout (deployment group, partition, rolling group or stage).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Group {
+    pub name: String,
+    pub state: GroupState,
+    /// In rollout order.
+    pub devices: Vec<String>,
+    pub pace: Pace,
+    pub success: SuccessCondition,
+    pub error: Option<ErrorCondition>,
+    pub before: Gate,
+    pub after: Gate,
+    /// Kept equal to a count over `slots`, updated per change rather than recomputed.
+    pub counts: GroupCounts,
+    pub slots: BTreeMap<String, Slot>,
+    /// Index into `devices` of the next device to consider starting.
+    pub cursor: usize,
+    /// The group let the next one start (its success action ran after its after gate, an
+    /// operator resumed past it, or triggered the next group).
+    pub released: bool,
+    pub started_at: Option<u64>,
+    pub ended_at: Option<u64>,
+    /// When the success condition first held (the after gate's timed wait runs from here).
+    pub succeeded_at: Option<u64>,
+    pub conditions: Vec<Condition>,
+    /// Devices that registered after the start join this group (hawkBit's dynamic group).
+    #[serde(default)]
+    pub dynamic: bool,
+}
+
+impl Group {
+    /// Sets a device's phase and keeps the counters right; false when nothing changed.
+    pub fn set_phase(&mut self, device: &str, new: DevicePhase) -> bool {
+        let Some(slot) = self.slots.get_mut(device) else {
+            return false;
+        };
+        if slot.phase == new {
+            return false;
+        }
+        slot.phase.count_in(&mut self.counts, false);
+        new.count_in(&mut self.counts, true);
+        slot.phase = new;
+        true
+    }
+
+    /// Sets (or adds) a condition of this type.
+    pub fn condition(&mut self, kind: &str, status: bool, reason: &str, at: u64) {
+        set_condition(&mut self.conditions, kind, status, reason, "", at);
+    }
+
+    /// Every device was started (or skipped).
+    pub fn all_started(&self) -> bool {
+        self.counts.scheduled == 0
+    }
+}
+
+/// Sets a condition, keeping its time when nothing changed.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    kind: &str,
+    status: bool,
+    reason: &str,
+    message: &str,
+    at: u64,
+) {
+    if let Some(c) = conditions.iter_mut().find(|c| c.kind == kind) {
+        if c.status != status || c.reason != reason {
+            c.status = status;
+            c.reason = reason.to_owned();
+            c.message = message.to_owned();
+            c.at = at;
+        }
+        return;
+    }
+    conditions.push(Condition {
+        kind: kind.to_owned(),
+        status,
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        at,
+    });
+}
+
+/// A rollout as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rollout {
+    pub name: String,
+    pub release: ReleaseRef,
+    pub spec: RolloutSpec,
+    pub created_at: u64,
+    pub state: RolloutState,
+    pub groups: Vec<Group>,
+    /// Devices the selector matched that the release's hardware list rules out.
+    #[serde(default)]
+    pub excluded: Vec<Excluded>,
+    /// Devices selected but taken by no group.
+    #[serde(default)]
+    pub unassigned: Vec<String>,
+    /// The last [`super::TRACE_LIMIT`] decisions, oldest first.
+    pub trace: Vec<TraceEntry>,
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    #[serde(default)]
+    pub approvals: Vec<ApprovalStatus>,
+    /// Why nothing more starts right now, while running.
+    #[serde(default)]
+    pub waiting: Option<String>,
+    #[serde(default)]
+    pub ramp: Option<Ramp>,
+    #[serde(default)]
+    pub started_at: Option<u64>,
+    /// The last time the rollout was advanced (for timers that depend on "now").
+    #[serde(default)]
+    pub checked_at: u64,
+}
