@@ -11,8 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use flotilla_protocol::control::{ApprovalStatus, TraceEntry};
 
 use super::model::{
-    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED,
-    ROLLING_BACK,
+    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
 use super::{action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
@@ -226,7 +225,11 @@ impl Rollout {
                 } else {
                     group.state = GroupState::Error;
                     group.condition("Failed", true, "StageUpdatingFailed", now);
-                    self.record(now, format!("group {name} ended in error: {}", s.reason), out);
+                    self.record(
+                        now,
+                        format!("group {name} ended in error: {}", s.reason),
+                        out,
+                    );
                 }
             }
         }
@@ -400,7 +403,10 @@ impl Rollout {
                 let offline_since = ctx.offline.get(&device).copied().flatten();
                 if offline_since.is_some() && policies.offline == OfflinePolicy::Skip {
                     let group = &mut self.groups[gi];
-                    group.set_phase(&device, DevicePhase::Skipped("offline when its turn came".into()));
+                    group.set_phase(
+                        &device,
+                        DevicePhase::Skipped("offline when its turn came".into()),
+                    );
                     if let Some(slot) = group.slots.get_mut(&device) {
                         slot.ended_at = Some(now);
                     }
@@ -408,7 +414,9 @@ impl Rollout {
                     let gname = group.name.clone();
                     self.record(
                         now,
-                        format!("device {device} skipped in group {gname}: offline when its turn came"),
+                        format!(
+                            "device {device} skipped in group {gname}: offline when its turn came"
+                        ),
                         out,
                     );
                     continue;
@@ -1041,12 +1049,7 @@ fn wait_kind(text: &str) -> &str {
 
 /// Seconds in words: 90 -> "1m30s".
 pub(crate) fn seconds(secs: u64) -> String {
-    let (d, h, m, s) = (
-        secs / 86_400,
-        secs / 3600 % 24,
-        secs / 60 % 60,
-        secs % 60,
-    );
+    let (d, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
     let mut out = String::new();
     for (n, unit) in [(d, "d"), (h, "h"), (m, "m"), (s, "s")] {
         if n > 0 {

@@ -354,7 +354,11 @@ impl Engine {
             };
             let r = &mut entry.rollout;
             let group = &mut r.groups[gi];
-            if group.slots.get(&device).is_some_and(|s| !s.phase.is_terminal()) {
+            if group
+                .slots
+                .get(&device)
+                .is_some_and(|s| !s.phase.is_terminal())
+            {
                 group.set_phase(&device, DevicePhase::Canceled);
                 if let Some(slot) = group.slots.get_mut(&device) {
                     slot.ended_at = Some(now);
@@ -786,7 +790,8 @@ impl Engine {
         let devices: Vec<String> = entry.index.keys().cloned().collect();
         let mut touched = Vec::new();
         for (other, e) in &mut self.rollouts {
-            if other == name || !e.rollout.state.is_active() && e.rollout.state != RolloutState::Ready
+            if other == name
+                || !e.rollout.state.is_active() && e.rollout.state != RolloutState::Ready
             {
                 continue;
             }
@@ -1076,9 +1081,10 @@ impl Engine {
             let gname = group.name.clone();
             entry.rollout.record(
                 now,
-                format!("device {device} deleted; group {gname} now has {} devices", {
-                    entry.rollout.groups[gi].devices.len()
-                }),
+                format!(
+                    "device {device} deleted; group {gname} now has {} devices",
+                    { entry.rollout.groups[gi].devices.len() }
+                ),
                 &mut out,
             );
             touched.push(name.clone());
@@ -1272,3 +1278,5 @@ impl Rollout {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_features;

@@ -56,8 +56,7 @@ impl Sim {
     fn new(devices: usize, label: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -> Self {
         let mut engine = Engine::new();
         for i in 0..devices {
-            let effects =
-                engine.observe_state(state(&format!("dev-{i:03}"), &label(i), None), NOW);
+            let effects = engine.observe_state(state(&format!("dev-{i:03}"), &label(i), None), NOW);
             assert!(effects.is_empty());
         }
         Self {
@@ -650,8 +649,10 @@ fn observe_state_catches_up_a_missed_ready() {
 #[test]
 fn create_fails_clearly_without_devices() {
     let mut sim = Sim::new(3, |_| vec![("hw", "pi4")]);
-    let s = RolloutSpec::from_toml("name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\nselect = \"site=mars\"\n[groups]\ncount = 1\n")
-        .expect("valid");
+    let s = RolloutSpec::from_toml(
+        "name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\nselect = \"site=mars\"\n[groups]\ncount = 1\n",
+    )
+    .expect("valid");
     let err = sim
         .engine
         .create_rollout(s, release(), NOW)
