@@ -1014,4 +1014,32 @@ after = { approval = true, wait = "1h" }
         assert_eq!(names(&plan), ["staging", "canary", "production"]);
         assert_eq!(plan.groups[2].devices.len(), 4);
     }
+
+    #[test]
+    fn every_complete_example_in_the_docs_parses_and_plans() {
+        let doc = include_str!("../../docs/rollout-spec.md");
+        let mut complete = 0;
+        for block in doc.split("```toml\n").skip(1) {
+            let text = block.split("```").next().unwrap_or_default();
+            let vocabulary = ["[groups]", "[partitions]", "[rolling]", "[staged]"]
+                .iter()
+                .any(|v| text.contains(v));
+            if !text.starts_with("name = ") || !vocabulary {
+                continue;
+            }
+            complete += 1;
+            let s = RolloutSpec::from_toml(text)
+                .unwrap_or_else(|e| panic!("doc example refused: {e}\n{text}"));
+            let f: Vec<FleetDevice> = staged_fleet()
+                .into_iter()
+                .map(|mut d| {
+                    d.labels.insert("order".into(), "1".into());
+                    d
+                })
+                .collect();
+            super::plan(&s, &f, &[], &[])
+                .unwrap_or_else(|e| panic!("doc example does not plan: {e}\n{text}"));
+        }
+        assert_eq!(complete, 4, "one complete example per vocabulary");
+    }
 }
