@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub groups: Vec<PlannedGroup>,
-    /// Devices the rollout selector matched but the release cannot be installed on.
+    /// Devices the rollout selector matched but the release cannot be installed on, and devices
+    /// a spec lists by id (`devices = [...]`, `pick = { fixed = [...] }`) that are not in the
+    /// fleet or not selected by the rollout. Sorted by device id.
     pub excluded: Vec<Excluded>,
     /// Devices selected and compatible but taken by no group; they are not rolled out.
     pub unassigned: Vec<String>,

@@ -1,22 +1,34 @@
-//! The planner: pure functions from a rollout spec and a fleet snapshot to ordered groups, and
-//! from a group's counts to whether its success or error condition holds.
+//! The planner: a pure function from a rollout spec and a fleet snapshot to a [`Plan`].
 //!
 //! No clock, no I/O, no randomness: the same inputs always give the same plan, so plans can be
 //! tested exhaustively, simulated, and shown to an operator before anything is sent to a device.
 //!
-//! Filling follows hawkBit: the devices selected by the rollout (and compatible with the
-//! release's hardware list) are sorted by id, then the groups take devices in order, each from
-//! the devices not already in an earlier group. 30 devices with a 50% group and a 100% group
-//! give 15 and 15.
+//! Every vocabulary starts the same way: the devices the rollout selects and the release can be
+//! installed on, sorted by id. Then:
+//!
+//! - `[groups]` (hawkBit): the groups take devices in order, each from the devices not already in
+//!   an earlier group; 30 devices with a 50% group and a 100% group give 15 and 15.
+//! - `[partitions]` (Rancher Fleet): manual partitions in order, or automatic partitions of
+//!   `auto_partition_size` once the rollout has `auto_partition_threshold` devices; each starts
+//!   `max_new` devices per batch and is Ready while at most `max_unavailable` are not ready.
+//! - `[rolling]` (KubeFleet RollingUpdate): one group of the picked devices, at most
+//!   `max_unavailable` of them updating at once.
+//! - `[staged]` (KubeFleet staged run): one group per stage, a device in the first stage that
+//!   selects it, ordered by the stage's sorting label, with the stage's gates.
+//!
+//! `docs/rollout-spec.md` describes the mapping in full.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
+use crate::plan::{Budget, Gate, Pace, SuccessAction, SuccessCondition, Threshold};
 pub use crate::plan::{Excluded, Plan, PlannedGroup};
-use crate::plan::{Gate, Pace};
 use crate::selector::Selector;
-use crate::spec::{GroupsSpec, RolloutSpec, Strategy};
+use crate::spec::{
+    GroupsSpec, PartitionMembers, PartitionsSpec, Pick, RollingSpec, RolloutSpec, StagedSpec,
+    Strategy,
+};
 
 /// One device as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,66 +52,205 @@ pub struct DeviceGroup {
 pub enum PlanError {
     #[error("{field}: no device group named {name:?}")]
     UnknownGroup { field: String, name: String },
+    #[error("{field}: no device group has labels matching {selector:?}")]
+    NoMatchingGroups { field: String, selector: String },
     #[error("staged: strategy {name:?} was not resolved before planning")]
     UnresolvedStrategy { name: String },
+    #[error("staged.stage {stage:?}: device {device:?} has no label {label:?} to sort by")]
+    SortLabelMissing {
+        stage: String,
+        device: String,
+        label: String,
+    },
+    #[error(
+        "staged.stage {stage:?}: device {device:?} has label {label} = {value:?}, which is not an integer to sort by"
+    )]
+    SortLabelNotInteger {
+        stage: String,
+        device: String,
+        label: String,
+        value: String,
+    },
 }
 
 /// Splits the fleet into the spec's groups. `release_hardware` is the release's list of
-/// compatible hardware ids; empty means any hardware.
+/// compatible hardware ids; empty means any hardware. `device_groups` are the stored device
+/// groups that `[partitions]` may refer to.
 pub fn plan(
     spec: &RolloutSpec,
     fleet: &[FleetDevice],
     release_hardware: &[String],
-    _device_groups: &[DeviceGroup],
+    device_groups: &[DeviceGroup],
 ) -> Result<Plan, PlanError> {
-    let mut excluded = Vec::new();
-    let mut selected: Vec<&FleetDevice> = Vec::new();
-    for device in fleet.iter().filter(|d| spec.select.matches(&d.labels)) {
-        if release_hardware.is_empty() || release_hardware.contains(&device.hardware_id) {
-            selected.push(device);
-        } else {
-            excluded.push(Excluded {
-                device: device.id.clone(),
-                reason: format!(
-                    "hardware {:?} is not in release {}'s hardware list [{}]",
-                    device.hardware_id,
-                    spec.release,
-                    release_hardware.join(", ")
-                ),
-            });
+    let mut sel = Selection::new(spec, fleet, release_hardware);
+    let (groups, unassigned) = match &spec.strategy {
+        Strategy::Groups(g) => hawkbit_groups(g, &sel.selected),
+        Strategy::Partitions(p) => partitions(p, &mut sel, device_groups)?,
+        Strategy::Rolling(r) => rolling(r, &mut sel),
+        Strategy::Staged(s) => staged(s, &sel.selected)?,
+    };
+    Ok(Plan {
+        groups,
+        excluded: sel
+            .excluded
+            .into_iter()
+            .map(|(device, reason)| Excluded { device, reason })
+            .collect(),
+        unassigned,
+    })
+}
+
+/// The devices a rollout covers, and what became of the others.
+struct Selection<'a> {
+    /// Selected by the rollout and compatible with the release, sorted by id, each once.
+    selected: Vec<&'a FleetDevice>,
+    /// Every fleet device's standing, by id.
+    status: HashMap<&'a str, Standing>,
+    /// Device id -> why it is left out.
+    excluded: BTreeMap<String, String>,
+    rollout_select: String,
+}
+
+#[derive(Clone, Copy)]
+enum Standing {
+    Selected(usize),
+    NotSelected,
+    Incompatible,
+}
+
+impl<'a> Selection<'a> {
+    fn new(spec: &RolloutSpec, fleet: &'a [FleetDevice], release_hardware: &[String]) -> Self {
+        let mut excluded = BTreeMap::new();
+        let mut selected: Vec<&FleetDevice> = Vec::new();
+        let mut status = HashMap::new();
+        for device in fleet {
+            if status.contains_key(device.id.as_str()) {
+                continue;
+            }
+            let standing = if !spec.select.matches(&device.labels) {
+                Standing::NotSelected
+            } else if release_hardware.is_empty() || release_hardware.contains(&device.hardware_id)
+            {
+                selected.push(device);
+                Standing::Selected(0)
+            } else {
+                excluded.insert(
+                    device.id.clone(),
+                    format!(
+                        "hardware {:?} is not in release {}'s hardware list [{}]",
+                        device.hardware_id,
+                        spec.release,
+                        release_hardware.join(", ")
+                    ),
+                );
+                Standing::Incompatible
+            };
+            status.insert(device.id.as_str(), standing);
+        }
+        selected.sort_by(|a, b| a.id.cmp(&b.id));
+        for (i, d) in selected.iter().enumerate() {
+            status.insert(d.id.as_str(), Standing::Selected(i));
+        }
+        Selection {
+            selected,
+            status,
+            excluded,
+            rollout_select: spec.select.to_string(),
         }
     }
-    selected.sort_by(|a, b| a.id.cmp(&b.id));
-    selected.dedup_by(|a, b| a.id == b.id);
-    excluded.sort_by(|a, b| a.device.cmp(&b.device));
 
-    let mut groups = Vec::new();
-    let mut unassigned = Vec::new();
-    match &spec.strategy {
-        Strategy::Groups(GroupsSpec::Count {
+    /// Indices into `selected` of devices listed by id, in the listed order. Listed devices the
+    /// rollout does not cover are excluded with the reason.
+    fn listed(&mut self, ids: &[String]) -> Vec<usize> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            match self.status.get(id.as_str()) {
+                Some(Standing::Selected(i)) => {
+                    if !out.contains(i) {
+                        out.push(*i);
+                    }
+                }
+                Some(Standing::Incompatible) => {}
+                Some(Standing::NotSelected) => {
+                    self.excluded.insert(
+                        id.clone(),
+                        format!(
+                            "not selected by the rollout's selector {:?}",
+                            self.rollout_select
+                        ),
+                    );
+                }
+                None => {
+                    self.excluded
+                        .insert(id.clone(), "not in the fleet".to_owned());
+                }
+            }
+        }
+        out
+    }
+
+    fn ids(&self, indices: &[usize]) -> Vec<String> {
+        indices
+            .iter()
+            .map(|&i| self.selected[i].id.clone())
+            .collect()
+    }
+
+    /// Selected devices whose index is not in `taken`.
+    fn rest(&self, taken: &[bool]) -> Vec<String> {
+        self.selected
+            .iter()
+            .zip(taken)
+            .filter(|(_, t)| !**t)
+            .map(|(d, _)| d.id.clone())
+            .collect()
+    }
+}
+
+type Groups = (Vec<PlannedGroup>, Vec<String>);
+
+/// A group that starts whole and has open gates.
+fn group(name: String, devices: Vec<String>) -> PlannedGroup {
+    PlannedGroup {
+        name,
+        devices,
+        pace: Pace::default(),
+        success: SuccessCondition::default(),
+        error: None,
+        before: Gate::default(),
+        after: Gate::default(),
+    }
+}
+
+fn hawkbit_groups(spec: &GroupsSpec, selected: &[&FleetDevice]) -> Groups {
+    match spec {
+        GroupsSpec::Count {
             count,
             success,
             error,
-        }) => {
+        } => {
             let count = *count as usize;
             let (base, extra) = (selected.len() / count, selected.len() % count);
             let mut rest = selected.iter();
-            for i in 0..count {
-                // Earlier groups take the remainder one device each.
-                let size = base + usize::from(i < extra);
-                groups.push(PlannedGroup {
-                    name: format!("group-{}", i + 1),
-                    devices: rest.by_ref().take(size).map(|d| d.id.clone()).collect(),
-                    pace: Pace::default(),
-                    success: success.clone(),
-                    error: error.clone(),
-                    before: Gate::default(),
-                    after: Gate::default(),
-                });
-            }
+            let groups = (0..count)
+                .map(|i| {
+                    // Earlier groups take the remainder one device each.
+                    let size = base + usize::from(i < extra);
+                    PlannedGroup {
+                        success: success.clone(),
+                        error: error.clone(),
+                        ..group(
+                            format!("group-{}", i + 1),
+                            rest.by_ref().take(size).map(|d| d.id.clone()).collect(),
+                        )
+                    }
+                })
+                .collect();
+            (groups, Vec::new())
         }
-        Strategy::Groups(GroupsSpec::List(list)) => {
+        GroupsSpec::List(list) => {
             let mut taken = vec![false; selected.len()];
+            let mut groups = Vec::with_capacity(list.len());
             for g in list {
                 let candidates: Vec<usize> = (0..selected.len())
                     .filter(|&i| !taken[i] && g.select.matches(&selected[i].labels))
@@ -112,28 +263,196 @@ pub fn plan(
                     devices.push(selected[i].id.clone());
                 }
                 groups.push(PlannedGroup {
-                    name: g.name.clone(),
-                    devices,
-                    pace: Pace::default(),
                     success: g.success.clone(),
                     error: g.error.clone(),
-                    before: Gate::default(),
-                    after: Gate::default(),
+                    ..group(g.name.clone(), devices)
                 });
             }
-            unassigned = selected
+            let unassigned = selected
                 .iter()
                 .zip(&taken)
                 .filter(|(_, t)| !**t)
                 .map(|(d, _)| d.id.clone())
                 .collect();
+            (groups, unassigned)
         }
     }
-    Ok(Plan {
-        groups,
-        excluded,
-        unassigned,
-    })
+}
+
+fn partitions(
+    spec: &PartitionsSpec,
+    sel: &mut Selection<'_>,
+    device_groups: &[DeviceGroup],
+) -> Result<Groups, PlanError> {
+    let partition = |name: String, devices: Vec<String>, budget: Budget| PlannedGroup {
+        pace: Pace {
+            batch: Some(spec.max_new),
+            gate: Some(budget),
+            concurrency: None,
+        },
+        success: SuccessCondition {
+            threshold: Threshold::AllBut(budget),
+            action: SuccessAction::Next,
+        },
+        error: spec.error.clone(),
+        ..group(name, devices)
+    };
+    let n = sel.selected.len();
+    if spec.partitions.is_empty() {
+        let all: Vec<String> = sel.selected.iter().map(|d| d.id.clone()).collect();
+        if spec.auto_partition_threshold == 0 || n < spec.auto_partition_threshold {
+            return Ok((
+                vec![partition("all".into(), all, spec.max_unavailable)],
+                Vec::new(),
+            ));
+        }
+        // Fleet rounds partition sizes down; the remainder forms a last, smaller partition.
+        let size = match spec.auto_partition_size {
+            Budget::Count(c) => c,
+            Budget::Percent(p) => p.of_rounded_down(n),
+        }
+        .max(1);
+        let groups = all
+            .chunks(size)
+            .enumerate()
+            .map(|(i, chunk)| {
+                partition(
+                    format!("partition-{}", i + 1),
+                    chunk.to_vec(),
+                    spec.max_unavailable,
+                )
+            })
+            .collect();
+        return Ok((groups, Vec::new()));
+    }
+
+    let mut taken = vec![false; n];
+    let mut groups = Vec::with_capacity(spec.partitions.len());
+    for (i, p) in spec.partitions.iter().enumerate() {
+        let field = format!("partitions.partition[{i}]");
+        let matching = |sel: &Selection<'_>, pred: &dyn Fn(&FleetDevice) -> bool| -> Vec<usize> {
+            (0..n).filter(|&j| pred(sel.selected[j])).collect()
+        };
+        let candidates = match &p.members {
+            PartitionMembers::Devices(ids) => sel.listed(ids),
+            PartitionMembers::Select(s) => matching(sel, &|d| s.matches(&d.labels)),
+            PartitionMembers::Group(name) => {
+                let g = device_groups
+                    .iter()
+                    .find(|g| &g.name == name)
+                    .ok_or_else(|| PlanError::UnknownGroup {
+                        field: format!("{field}.group"),
+                        name: name.clone(),
+                    })?;
+                matching(sel, &|d| g.select.matches(&d.labels))
+            }
+            PartitionMembers::GroupSelect(s) => {
+                let chosen: Vec<&DeviceGroup> = device_groups
+                    .iter()
+                    .filter(|g| s.matches(&g.labels))
+                    .collect();
+                if chosen.is_empty() {
+                    return Err(PlanError::NoMatchingGroups {
+                        field: format!("{field}.group_select"),
+                        selector: s.to_string(),
+                    });
+                }
+                matching(sel, &|d| chosen.iter().any(|g| g.select.matches(&d.labels)))
+            }
+        };
+        // A device in an earlier partition is not taken again.
+        let mine: Vec<usize> = candidates.into_iter().filter(|&j| !taken[j]).collect();
+        for &j in &mine {
+            taken[j] = true;
+        }
+        groups.push(partition(p.name.clone(), sel.ids(&mine), p.max_unavailable));
+    }
+    Ok((groups, sel.rest(&taken)))
+}
+
+fn rolling(spec: &RollingSpec, sel: &mut Selection<'_>) -> Groups {
+    let n = sel.selected.len();
+    let picked: Vec<usize> = match &spec.pick {
+        Pick::All => (0..n).collect(),
+        Pick::N(k) => (0..n.min(*k)).collect(),
+        Pick::Fixed(ids) => sel.listed(ids),
+    };
+    // KubeFleet rounds a percentage down and never goes below 1, so in-place updates progress.
+    let concurrency = match spec.max_unavailable {
+        Budget::Count(c) => c,
+        Budget::Percent(p) => p.of_rounded_down(picked.len()),
+    }
+    .max(1);
+    let mut taken = vec![false; n];
+    for &j in &picked {
+        taken[j] = true;
+    }
+    let g = PlannedGroup {
+        pace: Pace {
+            concurrency: Some(concurrency),
+            ..Pace::default()
+        },
+        error: spec.error.clone(),
+        ..group("rolling".into(), sel.ids(&picked))
+    };
+    (vec![g], sel.rest(&taken))
+}
+
+fn staged(spec: &StagedSpec, selected: &[&FleetDevice]) -> Result<Groups, PlanError> {
+    let stages = spec
+        .stages
+        .as_ref()
+        .ok_or_else(|| PlanError::UnresolvedStrategy {
+            name: spec.strategy.clone().unwrap_or_default(),
+        })?;
+    let mut members: Vec<Vec<&FleetDevice>> = vec![Vec::new(); stages.len()];
+    let mut unassigned = Vec::new();
+    for d in selected {
+        match stages.iter().position(|s| s.select.matches(&d.labels)) {
+            Some(i) => members[i].push(d),
+            None => unassigned.push(d.id.clone()),
+        }
+    }
+    let mut groups = Vec::with_capacity(stages.len());
+    for (stage, devices) in stages.iter().zip(members) {
+        let ordered: Vec<String> = match &stage.sort_by {
+            None => devices.iter().map(|d| d.id.clone()).collect(),
+            Some(label) => {
+                let mut keyed = Vec::with_capacity(devices.len());
+                for d in devices {
+                    let value = d
+                        .labels
+                        .get(label)
+                        .ok_or_else(|| PlanError::SortLabelMissing {
+                            stage: stage.name.clone(),
+                            device: d.id.clone(),
+                            label: label.clone(),
+                        })?;
+                    let key: i64 = value.parse().map_err(|_| PlanError::SortLabelNotInteger {
+                        stage: stage.name.clone(),
+                        device: d.id.clone(),
+                        label: label.clone(),
+                        value: value.clone(),
+                    })?;
+                    keyed.push((key, d.id.clone()));
+                }
+                // Equal values keep id order, so the plan stays deterministic.
+                keyed.sort();
+                keyed.into_iter().map(|(_, id)| id).collect()
+            }
+        };
+        groups.push(PlannedGroup {
+            pace: Pace {
+                concurrency: Some(stage.max_concurrency),
+                ..Pace::default()
+            },
+            error: Some(spec.error.clone()),
+            before: stage.before,
+            after: stage.after,
+            ..group(stage.name.clone(), ordered)
+        });
+    }
+    Ok((groups, unassigned))
 }
 
 #[cfg(test)]
@@ -256,5 +575,471 @@ mod tests {
         let plan = super::plan(&s, &f, &[], &[]).expect("plans");
         assert_eq!(plan.groups[0].devices, vec!["dev-000", "dev-001"]);
         assert!(plan.excluded.is_empty());
+    }
+
+    use crate::plan::{ErrorAction, ErrorCondition, Percent};
+    use crate::spec::SuccessAction;
+
+    fn pct(p: u32) -> Budget {
+        Budget::Percent(Percent::from_basis_points(p * 100).expect("valid percent"))
+    }
+
+    fn names(plan: &Plan) -> Vec<&str> {
+        plan.groups.iter().map(|g| g.name.as_str()).collect()
+    }
+
+    fn labelled(id: &str, labels: &[(&str, &str)]) -> FleetDevice {
+        FleetDevice {
+            id: id.into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            hardware_id: "pi4".into(),
+        }
+    }
+
+    fn plan_of(toml: &str, fleet: &[FleetDevice]) -> Plan {
+        super::plan(&spec(toml), fleet, &[], &[]).expect("plans")
+    }
+
+    #[test]
+    fn fleet_fifty_devices_make_one_partition_started_in_one_batch() {
+        let plan = plan_of("[partitions]\nmax_unavailable = \"10%\"\n", &fleet(50));
+        assert_eq!(names(&plan), ["all"]);
+        assert_eq!(sizes(&plan), [50]);
+        let g = &plan.groups[0];
+        assert_eq!(
+            g.pace,
+            Pace {
+                batch: Some(50),
+                gate: Some(pct(10)),
+                concurrency: None
+            }
+        );
+        assert_eq!(g.success.threshold, Threshold::AllBut(pct(10)));
+        assert_eq!(g.success.action, SuccessAction::Next);
+        assert_eq!(g.error, None);
+        assert!(g.before.is_open() && g.after.is_open());
+    }
+
+    #[test]
+    fn fleet_hundred_devices_start_fifty_then_wait_for_the_gate() {
+        let plan = plan_of("[partitions]\nmax_unavailable = \"10%\"\n", &fleet(100));
+        assert_eq!(
+            sizes(&plan),
+            [100],
+            "below the threshold of 200: one partition"
+        );
+        let pace = plan.groups[0].pace;
+        assert_eq!(pace.batch, Some(50));
+        // More than 10 of 100 not ready holds the second batch back.
+        assert_eq!(pace.gate.map(|g| g.of(100)), Some(10));
+    }
+
+    #[test]
+    fn fleet_two_hundred_devices_at_ten_percent_make_ten_partitions_of_twenty() {
+        let s =
+            spec("[partitions]\nmax_unavailable_partitions = 1\nauto_partition_size = \"10%\"\n");
+        assert_eq!(s.policies.max_unavailable_groups, Budget::Count(1));
+        let plan = super::plan(&s, &fleet(200), &[], &[]).expect("plans");
+        assert_eq!(sizes(&plan), [20; 10]);
+        assert_eq!(plan.groups[0].name, "partition-1");
+        assert_eq!(plan.groups[9].name, "partition-10");
+        assert_eq!(plan.groups[0].devices[0], "dev-000");
+        assert_eq!(plan.groups[9].devices[19], "dev-199");
+        // The defaults: everything may be NotReady (100%).
+        assert_eq!(
+            plan.groups[0].success.threshold,
+            Threshold::AllBut(Budget::Percent(Percent::HUNDRED))
+        );
+        // With default settings, 200 devices make four partitions of 50.
+        assert_eq!(sizes(&plan_of("[partitions]\n", &fleet(200))), [50; 4]);
+    }
+
+    #[test]
+    fn fleet_rounds_partition_sizes_down_and_keeps_the_remainder() {
+        let plan = plan_of("[partitions]\n", &fleet(230));
+        assert_eq!(sizes(&plan), [57, 57, 57, 57, 2]);
+        assert_eq!(plan.device_count(), 230);
+        // A count instead of a share.
+        assert_eq!(
+            sizes(&plan_of(
+                "[partitions]\nauto_partition_size = 70\n",
+                &fleet(230)
+            )),
+            [70, 70, 70, 20]
+        );
+    }
+
+    #[test]
+    fn fleet_auto_partition_threshold_lowered_and_disabled() {
+        let plan = plan_of(
+            "[partitions]\nauto_partition_threshold = 50\nauto_partition_size = \"50%\"\n",
+            &fleet(50),
+        );
+        assert_eq!(sizes(&plan), [25, 25]);
+        assert_eq!(
+            sizes(&plan_of(
+                "[partitions]\nauto_partition_size = \"50%\"\n",
+                &fleet(50)
+            )),
+            [50],
+            "without the lowered threshold, one partition"
+        );
+        let plan = plan_of("[partitions]\nauto_partition_threshold = 0\n", &fleet(300));
+        assert_eq!(names(&plan), ["all"]);
+        assert_eq!(sizes(&plan), [300]);
+    }
+
+    #[test]
+    fn fleet_strict_manual_partitions_by_stage_label() {
+        let mut f: Vec<FleetDevice> = (0..200)
+            .map(|i| {
+                let stage = if i % 10 == 0 { "demoRollout" } else { "stable" };
+                labelled(&format!("c-{i:03}"), &[("stage", stage)])
+            })
+            .collect();
+        f.push(labelled("c-900", &[("stage", "retired")]));
+        let s = spec(
+            "[partitions]\nmax_unavailable = 0\nmax_unavailable_partitions = 0\n\
+             [[partitions.partition]]\nname = \"demoRollout\"\nselect = \"stage=demoRollout\"\n\
+             [[partitions.partition]]\nname = \"stable\"\nselect = \"stage=stable\"\n",
+        );
+        let plan = super::plan(&s, &f, &[], &[]).expect("plans");
+        assert_eq!(names(&plan), ["demoRollout", "stable"]);
+        assert_eq!(sizes(&plan), [20, 180]);
+        assert_eq!(plan.groups[0].devices[1], "c-010");
+        for g in &plan.groups {
+            assert_eq!(g.success.threshold, Threshold::AllBut(Budget::Count(0)));
+            assert_eq!(g.pace.gate, Some(Budget::Count(0)));
+        }
+        assert_eq!(s.policies.max_unavailable_groups, Budget::Count(0));
+        assert_eq!(
+            plan.unassigned,
+            ["c-900"],
+            "a device in no manual partition is not rolled out"
+        );
+    }
+
+    #[test]
+    fn manual_partitions_by_devices_select_group_and_group_select() {
+        let f = vec![
+            labelled("a", &[("rack", "1"), ("env", "lab")]),
+            labelled("b", &[("rack", "1")]),
+            labelled("c", &[("rack", "2")]),
+            labelled("d", &[("rack", "3")]),
+            labelled("e", &[("rack", "4")]),
+            labelled("f", &[("rack", "5")]),
+            labelled("g", &[("rack", "5"), ("site", "other")]),
+        ];
+        let groups = vec![
+            DeviceGroup {
+                name: "rack-1".into(),
+                select: Selector::parse("rack=1").expect("selector"),
+                labels: BTreeMap::new(),
+            },
+            DeviceGroup {
+                name: "rack-3".into(),
+                select: Selector::parse("rack=3").expect("selector"),
+                labels: BTreeMap::from([("region".to_string(), "west".to_string())]),
+            },
+            DeviceGroup {
+                name: "rack-4".into(),
+                select: Selector::parse("rack=4").expect("selector"),
+                labels: BTreeMap::from([("region".to_string(), "west".to_string())]),
+            },
+        ];
+        let s = RolloutSpec::from_toml(
+            "name = \"r\"\nrelease = \"rel\"\nselect = \"!site\"\n[partitions]\nmax_unavailable = 1\n\
+             error = { count = 2, action = \"rollback\" }\n\
+             [[partitions.partition]]\nname = \"pilots\"\ndevices = [\"c\", \"a\", \"ghost\", \"g\"]\nmax_unavailable = 0\n\
+             [[partitions.partition]]\nname = \"rack-1\"\ngroup = \"rack-1\"\n\
+             [[partitions.partition]]\nname = \"west\"\ngroup_select = \"region=west\"\n\
+             [[partitions.partition]]\nname = \"lab\"\nselect = \"env=lab\"\n",
+        )
+        .expect("valid");
+        let plan = super::plan(&s, &f, &[], &groups).expect("plans");
+        assert_eq!(names(&plan), ["pilots", "rack-1", "west", "lab"]);
+        assert_eq!(plan.groups[0].devices, ["c", "a"], "the listed order");
+        assert_eq!(plan.groups[1].devices, ["b"], "a is already in pilots");
+        assert_eq!(plan.groups[2].devices, ["d", "e"]);
+        assert!(plan.groups[3].devices.is_empty());
+        assert_eq!(plan.unassigned, ["f"]);
+        assert_eq!(
+            plan.groups[0].success.threshold,
+            Threshold::AllBut(Budget::Count(0))
+        );
+        assert_eq!(
+            plan.groups[1].success.threshold,
+            Threshold::AllBut(Budget::Count(1))
+        );
+        assert_eq!(
+            plan.groups[1].error.as_ref().map(|e| (e.count, e.action)),
+            Some((Some(2), ErrorAction::Rollback))
+        );
+        assert_eq!(
+            plan.excluded,
+            [
+                Excluded {
+                    device: "g".into(),
+                    reason: "not selected by the rollout's selector \"!site\"".into()
+                },
+                Excluded {
+                    device: "ghost".into(),
+                    reason: "not in the fleet".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_device_groups_name_the_field() {
+        let s = spec("[partitions]\n[[partitions.partition]]\nselect = \"a=b\"\n[[partitions.partition]]\ngroup = \"racks\"\n");
+        let e = super::plan(&s, &fleet(3), &[], &[]).expect_err("unknown group");
+        assert_eq!(
+            e.to_string(),
+            "partitions.partition[1].group: no device group named \"racks\""
+        );
+        let s = spec("[partitions]\n[[partitions.partition]]\ngroup_select = \"region=east\"\n");
+        let e = super::plan(&s, &fleet(3), &[], &[]).expect_err("no matching group");
+        assert_eq!(
+            e.to_string(),
+            "partitions.partition[0].group_select: no device group has labels matching \"region=east\""
+        );
+    }
+
+    #[test]
+    fn rolling_pick_all_with_max_unavailable_rounded_down_at_least_one() {
+        let plan = plan_of("[rolling]\n", &fleet(4));
+        assert_eq!(names(&plan), ["rolling"]);
+        assert_eq!(sizes(&plan), [4]);
+        let g = &plan.groups[0];
+        assert_eq!(g.pace.concurrency, Some(1), "25% of 4");
+        assert_eq!((g.pace.batch, g.pace.gate), (None, None));
+        assert_eq!(g.success, SuccessCondition::default());
+        assert_eq!(
+            plan_of("[rolling]\n", &fleet(3)).groups[0].pace.concurrency,
+            Some(1),
+            "25% of 3 is 0, at least 1"
+        );
+        assert_eq!(
+            plan_of("[rolling]\n", &fleet(11)).groups[0]
+                .pace
+                .concurrency,
+            Some(2),
+            "25% of 11 rounds down"
+        );
+        assert_eq!(
+            plan_of("[rolling]\nmax_unavailable = 3\n", &fleet(11)).groups[0]
+                .pace
+                .concurrency,
+            Some(3)
+        );
+        let plan = plan_of(
+            "[rolling]\nerror = { threshold = \"10%\", action = \"stop\" }\n",
+            &fleet(2),
+        );
+        assert_eq!(
+            plan.groups[0].error.as_ref().map(|e| e.action),
+            Some(ErrorAction::Stop)
+        );
+    }
+
+    #[test]
+    fn rolling_pick_n_and_fixed() {
+        let plan = plan_of(
+            "[rolling]\nmax_unavailable = \"50%\"\npick = { n = 3 }\n",
+            &fleet(8),
+        );
+        assert_eq!(plan.groups[0].devices, ["dev-000", "dev-001", "dev-002"]);
+        assert_eq!(
+            plan.groups[0].pace.concurrency,
+            Some(1),
+            "50% of the 3 picked"
+        );
+        assert_eq!(plan.unassigned.len(), 5);
+        assert_eq!(
+            sizes(&plan_of("[rolling]\npick = { n = 30 }\n", &fleet(8))),
+            [8]
+        );
+
+        let plan = plan_of(
+            "[rolling]\nmax_unavailable = \"50%\"\npick = { fixed = [\"dev-005\", \"dev-001\", \"dev-042\", \"dev-003\", \"dev-007\"] }\n",
+            &fleet(8),
+        );
+        assert_eq!(
+            plan.groups[0].devices,
+            ["dev-005", "dev-001", "dev-003", "dev-007"]
+        );
+        assert_eq!(
+            plan.groups[0].pace.concurrency,
+            Some(2),
+            "50% of the 4 picked"
+        );
+        assert_eq!(
+            plan.excluded,
+            [Excluded {
+                device: "dev-042".into(),
+                reason: "not in the fleet".into()
+            }]
+        );
+        assert_eq!(
+            plan.unassigned,
+            ["dev-000", "dev-002", "dev-004", "dev-006"]
+        );
+    }
+
+    const STAGED: &str = r#"
+[staged]
+[[staged.stage]]
+name = "staging"
+select = "environment=staging"
+after = { wait = "1h" }
+[[staged.stage]]
+name = "canary"
+select = "environment=canary"
+after = { approval = true }
+[[staged.stage]]
+name = "production"
+select = "environment in (production, canary)"
+sort_by = "order"
+after = { approval = true, wait = "1h" }
+"#;
+
+    fn staged_fleet() -> Vec<FleetDevice> {
+        vec![
+            labelled("member1", &[("environment", "staging")]),
+            labelled("member2", &[("environment", "canary")]),
+            labelled("prod-a", &[("environment", "production"), ("order", "3")]),
+            labelled("prod-b", &[("environment", "production"), ("order", "1")]),
+            labelled("prod-c", &[("environment", "production"), ("order", "-2")]),
+            labelled("prod-d", &[("environment", "production"), ("order", "1")]),
+            labelled("lab-1", &[("environment", "lab")]),
+        ]
+    }
+
+    #[test]
+    fn staged_three_stages_in_order_sorted_by_label_with_gates() {
+        let plan = plan_of(STAGED, &staged_fleet());
+        assert_eq!(names(&plan), ["staging", "canary", "production"]);
+        assert_eq!(plan.groups[0].devices, ["member1"]);
+        assert_eq!(
+            plan.groups[1].devices,
+            ["member2"],
+            "a device takes the first stage that selects it"
+        );
+        assert_eq!(
+            plan.groups[2].devices,
+            ["prod-c", "prod-b", "prod-d", "prod-a"],
+            "by the integer value of `order`, ties by id"
+        );
+        assert_eq!(plan.unassigned, ["lab-1"]);
+        assert_eq!(
+            plan.groups[0].after,
+            Gate {
+                approval: false,
+                wait: 3600
+            }
+        );
+        assert_eq!(
+            plan.groups[1].after,
+            Gate {
+                approval: true,
+                wait: 0
+            }
+        );
+        assert_eq!(
+            plan.groups[2].after,
+            Gate {
+                approval: true,
+                wait: 3600
+            }
+        );
+        for g in &plan.groups {
+            assert!(g.before.is_open());
+            assert_eq!(g.pace.concurrency, Some(1), "one device at a time");
+            assert_eq!(g.success, SuccessCondition::default());
+            assert_eq!(
+                g.error,
+                Some(ErrorCondition {
+                    action: ErrorAction::Stop,
+                    ..ErrorCondition::default()
+                }),
+                "a failed device fails the run"
+            );
+        }
+    }
+
+    #[test]
+    fn staged_bad_sort_labels_name_stage_device_label_and_value() {
+        let mut f = staged_fleet();
+        f.push(labelled(
+            "prod-x",
+            &[("environment", "production"), ("order", "first")],
+        ));
+        let e = super::plan(&spec(STAGED), &f, &[], &[]).expect_err("bad label");
+        assert_eq!(
+            e.to_string(),
+            "staged.stage \"production\": device \"prod-x\" has label order = \"first\", which is not an integer to sort by"
+        );
+        let mut f = staged_fleet();
+        f.push(labelled("prod-y", &[("environment", "production")]));
+        let e = super::plan(&spec(STAGED), &f, &[], &[]).expect_err("missing label");
+        assert_eq!(
+            e.to_string(),
+            "staged.stage \"production\": device \"prod-y\" has no label \"order\" to sort by"
+        );
+    }
+
+    #[test]
+    fn staged_named_strategy_plans_only_once_resolved() {
+        let mut s = spec("[staged]\nstrategy = \"example-strategy\"\n");
+        let e = super::plan(&s, &staged_fleet(), &[], &[]).expect_err("unresolved");
+        assert_eq!(
+            e,
+            PlanError::UnresolvedStrategy {
+                name: "example-strategy".into()
+            }
+        );
+        let stored = crate::spec::StagedStrategy::from_toml(
+            "example-strategy",
+            &STAGED
+                .replace("[staged]\n", "")
+                .replace("staged.stage", "stage"),
+        )
+        .expect("strategy");
+        s.resolve_strategy(&stored);
+        let plan = super::plan(&s, &staged_fleet(), &[], &[]).expect("plans");
+        assert_eq!(names(&plan), ["staging", "canary", "production"]);
+        assert_eq!(plan.groups[2].devices.len(), 4);
+    }
+
+    #[test]
+    fn every_complete_example_in_the_docs_parses_and_plans() {
+        let doc = include_str!("../../docs/rollout-spec.md");
+        let mut complete = 0;
+        for block in doc.split("```toml\n").skip(1) {
+            let text = block.split("```").next().unwrap_or_default();
+            let vocabulary = ["[groups]", "[partitions]", "[rolling]", "[staged]"]
+                .iter()
+                .any(|v| text.contains(v));
+            if !text.starts_with("name = ") || !vocabulary {
+                continue;
+            }
+            complete += 1;
+            let s = RolloutSpec::from_toml(text)
+                .unwrap_or_else(|e| panic!("doc example refused: {e}\n{text}"));
+            let f: Vec<FleetDevice> = staged_fleet()
+                .into_iter()
+                .map(|mut d| {
+                    d.labels.insert("order".into(), "1".into());
+                    d
+                })
+                .collect();
+            super::plan(&s, &f, &[], &[])
+                .unwrap_or_else(|e| panic!("doc example does not plan: {e}\n{text}"));
+        }
+        assert_eq!(complete, 4, "one complete example per vocabulary");
     }
 }
