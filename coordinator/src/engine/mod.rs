@@ -42,12 +42,6 @@ use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
 use crate::ramp::Ramp;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
 
-/// MERGE: replaced by RolloutSpec::vocabulary.
-fn vocabulary(spec: &RolloutSpec) -> &'static str {
-    match spec.strategy {
-        Strategy::Groups(_) => "groups",
-    }
-}
 use crate::window::Window;
 
 use advance::{Ctx, Out};
@@ -732,8 +726,24 @@ impl Engine {
         spec: &RolloutSpec,
         plan: &planner::Plan,
     ) -> Result<(), EngineError> {
-        // MERGE: staged overlap check arrives with the staged vocabulary.
-        let _ = (spec, plan);
+        let Strategy::Staged(_) = &spec.strategy else {
+            return Ok(());
+        };
+        let mine = spec.staged_stages();
+        let devices: BTreeSet<&String> = plan.groups.iter().flat_map(|g| &g.devices).collect();
+        for entry in self.rollouts.values() {
+            let other = &entry.rollout;
+            if other.state.is_terminal() || !matches!(other.spec.strategy, Strategy::Staged(_)) {
+                continue;
+            }
+            let shared = entry.index.keys().filter(|d| devices.contains(d)).count();
+            if shared > 0 && other.spec.staged_stages() != mine {
+                return Err(EngineError::Conflict(format!(
+                    "staged run {} cannot initialize: run {} ({}) covers {shared} of the same devices with a different strategy; concurrent runs over the same devices must use identical strategies",
+                    spec.name, other.name, other.state
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -1263,7 +1273,7 @@ impl Rollout {
                 })
                 .collect(),
             trace: self.trace.clone(),
-            strategy: vocabulary(&self.spec).to_owned(),
+            strategy: self.spec.vocabulary().to_owned(),
             conditions: self.conditions.clone(),
             waiting: self.waiting.clone(),
             approvals: self.approvals.clone(),

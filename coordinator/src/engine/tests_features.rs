@@ -694,3 +694,78 @@ fn start_at_waits_for_its_time() {
     assert_eq!(b.sent.len(), 1);
     assert!(b.has_trace("later", "start time reached"));
 }
+
+fn labelled(id: &str, labels: &[(&str, &str)]) -> DeviceState {
+    let mut s = state(id, true);
+    s.labels = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    s
+}
+
+const STAGED: &str = r#"
+release = "fw-2"
+[staged]
+[[staged.stage]]
+name = "canary"
+select = "env=canary"
+after = { approval = true }
+[[staged.stage]]
+name = "production"
+select = "env=production"
+sort_by = "order"
+max_concurrency = 2
+"#;
+
+#[test]
+fn staged_runs_over_the_same_devices_need_identical_strategies() {
+    let mut engine = Engine::new();
+    engine.observe_state(labelled("c1", &[("env", "canary")]), T0);
+    for (id, order) in [("p1", "3"), ("p2", "1"), ("p3", "2")] {
+        engine.observe_state(labelled(id, &[("env", "production"), ("order", order)]), T0);
+    }
+    let release = ReleaseRef {
+        name: "fw-2".into(),
+        counter: 2,
+        hardware: Vec::new(),
+    };
+    let first = RolloutSpec::from_toml(&format!("name = \"run-1\"\n{STAGED}")).expect("spec");
+    engine
+        .create_rollout(first, release.clone(), T0)
+        .expect("created");
+    let effects = engine.start("run-1", T0).expect("started");
+    assert_eq!(
+        effects
+            .iter()
+            .filter(|e| matches!(e, Effect::Desired { .. }))
+            .count(),
+        1,
+        "the canary stage first"
+    );
+    let r = engine.rollout("run-1").expect("run");
+    assert_eq!(
+        r.groups[1].devices,
+        vec!["p2", "p3", "p1"],
+        "sorted by the order label"
+    );
+    // The same strategy pipelines; a different one fails at initialization.
+    let same = RolloutSpec::from_toml(&format!("name = \"run-2\"\n{STAGED}")).expect("spec");
+    engine
+        .create_rollout(same, release.clone(), T0)
+        .expect("identical strategies are fine");
+    let other = RolloutSpec::from_toml(&format!(
+        "name = \"run-3\"\n{}",
+        STAGED.replace("max_concurrency = 2", "max_concurrency = 3")
+    ))
+    .expect("spec");
+    let err = engine
+        .create_rollout(other, release, T0)
+        .expect_err("different strategy refused")
+        .to_string();
+    assert!(
+        err.contains("staged run run-3 cannot initialize: run run-1 (running)")
+            && err.contains("identical strategies"),
+        "{err}"
+    );
+}
