@@ -837,15 +837,13 @@ impl Rollout {
             let mut timed_out = Vec::new();
             for (device, slot) in &group.slots {
                 match &slot.phase {
-                    DevicePhase::Soaking => {
-                        if slot.soak_until.is_some_and(|t| t <= now) {
-                            soaked.push(device.clone());
-                        }
+                    DevicePhase::Soaking if slot.soak_until.is_some_and(|t| t <= now) => {
+                        soaked.push(device.clone());
                     }
-                    DevicePhase::Retrying(_) => {
-                        if running && slot.retry_at.is_some_and(|t| t <= now) {
-                            retry.push(device.clone());
-                        }
+                    DevicePhase::Retrying(_)
+                        if running && slot.retry_at.is_some_and(|t| t <= now) =>
+                    {
+                        retry.push(device.clone());
                     }
                     DevicePhase::InProgress(name) if name != ROLLING_BACK => {
                         if let (Some(limit), Some(at)) = (p.timeout, slot.attempt_at) {
