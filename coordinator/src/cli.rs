@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use flotilla_protocol::control::{Command, DeviceSummary, ReleaseSummary, RolloutStatus};
+use flotilla_protocol::control::{
+    ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, ReleaseSummary, RolloutStatus,
+    StrategyInfo,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{ClientError, ControlClient};
@@ -50,12 +53,30 @@ pub enum Cmd {
     /// Create and drive rollouts on a running coordinator.
     #[command(subcommand)]
     Rollout(RolloutCmd),
-    /// List the devices a running coordinator knows.
+    /// List the devices a running coordinator knows, or delete one.
     Devices {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(subcommand)]
+        cmd: Option<DevicesCmd>,
     },
+    /// Approve an approval request, e.g. `flotilla approve fw-2-4-canary`.
+    Approve {
+        /// `<rollout>-<group>` (after a group) or `<rollout>-before-<group>`.
+        name: String,
+    },
+    /// List approval requests, pending and approved.
+    Approvals {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Store, list and show staged update strategies that staged rollouts refer to.
+    #[command(subcommand)]
+    Strategy(StrategyCmd),
+    /// Store, list and delete device groups (named selectors) that partitions refer to.
+    #[command(subcommand)]
+    Group(GroupCmd),
     /// Run a self-contained demo: broker, coordinator and simulated devices.
     Demo(demo::DemoArgs),
 }
@@ -172,6 +193,78 @@ pub enum RolloutCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Start the next group now, without waiting for the current group's success condition.
+    Next {
+        name: String,
+    },
+    /// Create a rollout over the failed, refused and timed-out devices of a rollout.
+    Retry {
+        #[arg(value_name = "NAME")]
+        rollout: String,
+        /// Name of the new rollout (default `<NAME>-retry`).
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DevicesCmd {
+    /// Forget a device and clear its retained topics.
+    ///
+    /// The device leaves the registry and the groups of unfinished rollouts. A device that is
+    /// still running reappears when it next announces itself.
+    Delete { id: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StrategyCmd {
+    /// Store (or replace) a staged strategy from a TOML file of `[[stage]]` entries.
+    Create {
+        name: String,
+        #[arg(long)]
+        file: PathBuf,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a stored strategy's TOML.
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GroupCmd {
+    /// Store (or replace) a device group.
+    Create {
+        name: String,
+        /// Label selector of the group's devices, e.g. "site in (a,b),!quarantined".
+        #[arg(long)]
+        select: String,
+        /// KEY=VALUE label of the group itself (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    Delete {
+        name: String,
+    },
+}
+
+/// Parses `--label KEY=VALUE`.
+pub fn parse_label(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((key, val)) if !key.trim().is_empty() => {
+            Ok((key.trim().to_owned(), val.trim().to_owned()))
+        }
+        _ => Err(format!("expected KEY=VALUE like tier=1, got {value:?}")),
+    }
 }
 
 /// Why a command failed.
@@ -195,6 +288,11 @@ pub enum CliError {
     ExpiresIn { value: String, reason: String },
     #[error("cannot read spec file {path}: {source}")]
     ReadSpec {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read strategy file {path}: {source}")]
+    ReadStrategy {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -285,7 +383,21 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             let client = ControlClient::connect(&host, port, &cli.topic_root).await?;
             rollout(&client, cmd).await
         }
-        Cmd::Devices { json } => {
+        Cmd::Devices {
+            cmd: Some(DevicesCmd::Delete { id }),
+            ..
+        } => {
+            let client = connect(&cli.broker, &cli.topic_root).await?;
+            client
+                .request(
+                    Command::DeleteDevice { device: id.clone() },
+                    crate::client::DEFAULT_TIMEOUT,
+                )
+                .await?;
+            println!("deleted device {id}; its retained desired and state topics are cleared");
+            Ok(0)
+        }
+        Cmd::Devices { json, cmd: None } => {
             let (host, port) = parse_broker(&cli.broker)?;
             let client = ControlClient::connect(&host, port, &cli.topic_root).await?;
             let result = client
@@ -303,8 +415,142 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             }
             Ok(0)
         }
+        Cmd::Approve { name } => {
+            let client = connect(&cli.broker, &cli.topic_root).await?;
+            client
+                .request(
+                    Command::Approve { name: name.clone() },
+                    crate::client::DEFAULT_TIMEOUT,
+                )
+                .await?;
+            println!("approved {name}");
+            Ok(0)
+        }
+        Cmd::Approvals { json } => {
+            let client = connect(&cli.broker, &cli.topic_root).await?;
+            let result = client
+                .request(Command::ListApprovals, crate::client::DEFAULT_TIMEOUT)
+                .await?;
+            let approvals: Vec<ApprovalStatus> =
+                serde_json::from_value(result).map_err(|source| CliError::Reply {
+                    what: "list_approvals",
+                    source,
+                })?;
+            if json {
+                println!("{}", to_json(&approvals));
+            } else {
+                print!("{}", view::approvals_table(&approvals));
+            }
+            Ok(0)
+        }
+        Cmd::Strategy(cmd) => strategy(&cli.broker, &cli.topic_root, cmd).await,
+        Cmd::Group(cmd) => {
+            let client = connect(&cli.broker, &cli.topic_root).await?;
+            group(&client, cmd).await
+        }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
     }
+}
+
+async fn connect(broker: &str, topic_root: &str) -> Result<ControlClient, CliError> {
+    let (host, port) = parse_broker(broker)?;
+    Ok(ControlClient::connect(&host, port, topic_root).await?)
+}
+
+/// `strategy …`; the file is read before connecting, so a wrong path fails at once.
+async fn strategy(broker: &str, topic_root: &str, cmd: StrategyCmd) -> Result<i32, CliError> {
+    let timeout = crate::client::DEFAULT_TIMEOUT;
+    let reply = |what: &'static str| move |source| CliError::Reply { what, source };
+    let file = match &cmd {
+        StrategyCmd::Create { file, .. } => Some(std::fs::read_to_string(file).map_err(
+            |source| CliError::ReadStrategy {
+                path: file.clone(),
+                source,
+            },
+        )?),
+        _ => None,
+    };
+    let client = connect(broker, topic_root).await?;
+    match cmd {
+        StrategyCmd::Create { name, .. } => {
+            let spec = file.unwrap_or_default();
+            client
+                .request(
+                    Command::CreateStrategy {
+                        name: name.clone(),
+                        spec,
+                    },
+                    timeout,
+                )
+                .await?;
+            println!("stored strategy {name}");
+        }
+        StrategyCmd::List { json } => {
+            let result = client.request(Command::ListStrategies, timeout).await?;
+            let all: Vec<StrategyInfo> =
+                serde_json::from_value(result).map_err(reply("list_strategies"))?;
+            if json {
+                println!("{}", to_json(&all));
+            } else {
+                print!("{}", view::strategies_list(&all));
+            }
+        }
+        StrategyCmd::Show { name, json } => {
+            let result = client
+                .request(Command::ShowStrategy { name }, timeout)
+                .await?;
+            let info: StrategyInfo =
+                serde_json::from_value(result).map_err(reply("show_strategy"))?;
+            if json {
+                println!("{}", to_json(&info));
+            } else {
+                print!("{}", info.spec);
+                if !info.spec.ends_with('\n') {
+                    println!();
+                }
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
+    let timeout = crate::client::DEFAULT_TIMEOUT;
+    let reply = |what: &'static str| move |source| CliError::Reply { what, source };
+    match cmd {
+        GroupCmd::Create {
+            name,
+            select,
+            labels,
+        } => {
+            let command = Command::CreateGroup {
+                name,
+                select,
+                labels: labels.into_iter().collect(),
+            };
+            let result = client.request(command, timeout).await?;
+            let info: DeviceGroupInfo =
+                serde_json::from_value(result).map_err(reply("create_group"))?;
+            println!("stored device group {}  select {}", info.name, info.select);
+        }
+        GroupCmd::List { json } => {
+            let result = client.request(Command::ListGroups, timeout).await?;
+            let all: Vec<DeviceGroupInfo> =
+                serde_json::from_value(result).map_err(reply("list_groups"))?;
+            if json {
+                println!("{}", to_json(&all));
+            } else {
+                print!("{}", view::groups_table(&all));
+            }
+        }
+        GroupCmd::Delete { name } => {
+            client
+                .request(Command::DeleteGroup { name: name.clone() }, timeout)
+                .await?;
+            println!("deleted device group {name}");
+        }
+    }
+    Ok(0)
 }
 
 fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
@@ -409,6 +655,8 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
         RolloutCmd::Status { name, json } => (Command::RolloutStatus { rollout: name }, json),
+        RolloutCmd::Next { name } => (Command::TriggerNext { rollout: name }, false),
+        RolloutCmd::Retry { rollout, name } => (Command::RetryRollout { rollout, name }, false),
     };
     let result = client.request(command, timeout).await?;
     if json {

@@ -10,14 +10,22 @@
 //! Everything else is plumbing: the optional embedded broker, the MQTT link (`mqtt.rs`), the
 //! artifact block server, and signing desired actions with the coordinator key. A malformed
 //! payload is logged with its topic and reason, counted, and skipped; it never stops the loop.
+//!
+//! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
+//! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
+//! the service keeps in its own store rather than in the engine: staged update strategies (TOML
+//! text that staged rollout specs refer to by name) and device groups (named selectors). The
+//! engine gets the full list of device groups at startup and after every change.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
+use flotilla_protocol::control::{
+    Command, ControlReply, ControlRequest, DeviceGroupInfo, StrategyInfo,
+};
 use flotilla_protocol::{
-    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, SignedBlob,
+    envelope, validate_id, ActionBody, ActionKind, DesiredAction, DeviceId, Message, SignedBlob,
 };
 use flotilla_protocol::{SigningKey, Topic, Topics};
 use rumqttc::{AsyncClient, QoS};
@@ -29,9 +37,11 @@ use crate::config::Config;
 use crate::engine::{Effect, Engine, ReleaseRef};
 use crate::keys::{self, KeysError};
 use crate::mqtt::{self, LinkEvent, LinkOptions};
+use crate::planner::DeviceGroup;
 use crate::releases::ReleaseStore;
+use crate::selector::Selector;
 use crate::spec::RolloutSpec;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoredStrategy};
 
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
@@ -50,6 +60,8 @@ pub enum ServiceError {
     OpenStore { path: PathBuf, source: StoreError },
     #[error("cannot load rollouts from {path}: {source}")]
     LoadRollouts { path: PathBuf, source: StoreError },
+    #[error("cannot load device groups from {path}: {source}")]
+    LoadGroups { path: PathBuf, source: StoreError },
     #[error("cannot persist rollout {rollout}; stopping before publishing anything it would justify: {source}")]
     Save { rollout: String, source: StoreError },
     #[error("the MQTT link to {addr} stopped unexpectedly")]
@@ -89,8 +101,15 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             path: db.clone(),
             source,
         })?;
-    tracing::info!(rollouts = rollouts.len(), data_dir = %config.data_dir.display(), "coordinator starting");
-    let engine = Engine::restore(rollouts);
+    let groups = store
+        .list_groups()
+        .map_err(|source| ServiceError::LoadGroups {
+            path: db.clone(),
+            source,
+        })?;
+    tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), data_dir = %config.data_dir.display(), "coordinator starting");
+    let mut engine = Engine::restore(rollouts);
+    engine.set_device_groups(groups);
 
     let topics = Topics::new(&config.broker.topic_root);
     // The link gets its own token: on shutdown the final effects must still be published.
@@ -296,17 +315,46 @@ impl Service {
         &mut self,
         command: Command,
     ) -> Result<Result<serde_json::Value, String>, ServiceError> {
-        let now = now();
-        let (name, effects) = match command {
+        let (effects, answer) = match self.dispatch(command, now()) {
+            Ok(done) => done,
+            Err(e) => return Ok(Err(e)),
+        };
+        self.apply(effects).await?;
+        Ok(match answer {
+            Answer::Value(value) => Ok(value),
+            Answer::Status(name) => match self.engine.status(&name) {
+                Some(status) => Ok(json(&status)),
+                None => Err(format!("no rollout named {name:?}")),
+            },
+            Answer::Approval(name) => Ok(self
+                .engine
+                .approvals()
+                .into_iter()
+                .find(|a| a.name == name)
+                .map(|a| json(&a))
+                .unwrap_or(serde_json::Value::Null)),
+        })
+    }
+
+    /// Hands a command to the engine or the store. Returns the effects to apply and what to
+    /// answer once they are applied, or the error for the reply; nothing here publishes.
+    fn dispatch(&mut self, command: Command, now: u64) -> Result<(Vec<Effect>, Answer), String> {
+        let engine_error = |e: crate::engine::EngineError| e.to_string();
+        let store_error = |e: StoreError| e.to_string();
+        let status = |name: String, r: Result<Vec<Effect>, crate::engine::EngineError>| {
+            r.map(|effects| (effects, Answer::Status(name)))
+                .map_err(engine_error)
+        };
+        let value = |v: serde_json::Value| Ok((Vec::new(), Answer::Value(v)));
+        match command {
             Command::CreateRollout { spec } => {
-                let spec = match RolloutSpec::from_toml(&spec) {
-                    Ok(s) => s,
-                    Err(e) => return Ok(Err(format!("invalid rollout spec: {e}"))),
-                };
-                let (blob, manifest) = match self.releases.load(&spec.release) {
-                    Ok(r) => r,
-                    Err(e) => return Ok(Err(e.to_string())),
-                };
+                let spec = RolloutSpec::from_toml(&spec)
+                    .map_err(|e| format!("invalid rollout spec: {e}"))?;
+                let spec = self.resolve_strategy(spec)?;
+                let (blob, manifest) = self
+                    .releases
+                    .load(&spec.release)
+                    .map_err(|e| e.to_string())?;
                 self.manifests.insert(manifest.name.clone(), blob);
                 let release = ReleaseRef {
                     name: manifest.name.clone(),
@@ -314,55 +362,128 @@ impl Service {
                     hardware: manifest.hardware,
                 };
                 let name = spec.name.clone();
-                (name, self.engine.create_rollout(spec, release, now))
+                let r = self.engine.create_rollout(spec, release, now);
+                status(name, r)
             }
             Command::StartRollout { rollout } => {
                 let r = self.engine.start(&rollout, now);
-                (rollout, r)
+                status(rollout, r)
             }
             Command::PauseRollout { rollout } => {
                 let r = self.engine.pause(&rollout, now);
-                (rollout, r)
+                status(rollout, r)
             }
             Command::ResumeRollout { rollout } => {
                 let r = self.engine.resume(&rollout, now);
-                (rollout, r)
+                status(rollout, r)
             }
             Command::StopRollout { rollout } => {
                 let r = self.engine.stop(&rollout, now);
-                (rollout, r)
+                status(rollout, r)
+            }
+            Command::TriggerNext { rollout } => {
+                let r = self.engine.trigger_next(&rollout, now);
+                status(rollout, r)
+            }
+            Command::RetryRollout { rollout, name } => {
+                let new_name = name.unwrap_or_else(|| format!("{rollout}-retry"));
+                validate_id("rollout name", &new_name).map_err(|e| format!("name: {e}"))?;
+                let r = self
+                    .engine
+                    .retry_failed(&rollout, Some(new_name.clone()), now);
+                status(new_name, r)
             }
             Command::RolloutStatus {
                 rollout: Some(name),
+            } => match self.engine.status(&name) {
+                Some(status) => value(json(&status)),
+                None => Err(format!("no rollout named {name:?}")),
+            },
+            Command::RolloutStatus { rollout: None } => value(json(&self.engine.statuses())),
+            Command::ListDevices => value(json(&self.engine.devices())),
+            Command::ListReleases => self
+                .releases
+                .summaries()
+                .map_err(|e| e.to_string())
+                .and_then(|s| value(json(&s))),
+            Command::DeleteDevice { device } => {
+                DeviceId::new(&device).map_err(|e| format!("device: {e}"))?;
+                let effects = self
+                    .engine
+                    .delete_device(&device, now)
+                    .map_err(engine_error)?;
+                Ok((
+                    effects,
+                    Answer::Value(serde_json::json!({ "deleted": device })),
+                ))
+            }
+            Command::Approve { name } => {
+                let effects = self.engine.approve(&name, now).map_err(engine_error)?;
+                Ok((effects, Answer::Approval(name)))
+            }
+            Command::ListApprovals => value(json(&self.engine.approvals())),
+            Command::CreateStrategy { name, spec } => {
+                check_strategy(&name, &spec)?;
+                let stored = StoredStrategy { name, text: spec };
+                self.store.save_strategy(&stored).map_err(store_error)?;
+                value(json(&strategy_info(stored)))
+            }
+            Command::ListStrategies => {
+                let all = self.store.list_strategies().map_err(store_error)?;
+                value(json(
+                    &all.into_iter().map(strategy_info).collect::<Vec<_>>(),
+                ))
+            }
+            Command::ShowStrategy { name } => match self.store.load_strategy(&name) {
+                Ok(Some(stored)) => value(json(&strategy_info(stored))),
+                Ok(None) => Err(no_strategy(&name)),
+                Err(e) => Err(e.to_string()),
+            },
+            Command::CreateGroup {
+                name,
+                select,
+                labels,
             } => {
-                return Ok(match self.engine.status(&name) {
-                    Some(status) => Ok(json(&status)),
-                    None => Err(format!("no rollout named {name:?}")),
-                })
+                let group = device_group(name, &select, labels)?;
+                self.store.save_group(&group).map_err(store_error)?;
+                self.refresh_device_groups().map_err(store_error)?;
+                value(json(&group_info(&group)))
             }
-            Command::RolloutStatus { rollout: None } => {
-                return Ok(Ok(json(&self.engine.statuses())))
+            Command::ListGroups => {
+                let all = self.store.list_groups().map_err(store_error)?;
+                value(json(&all.iter().map(group_info).collect::<Vec<_>>()))
             }
-            Command::ListDevices => return Ok(Ok(json(&self.engine.devices()))),
-            Command::ListReleases => {
-                return Ok(self
-                    .releases
-                    .summaries()
-                    .map(|s| json(&s))
-                    .map_err(|e| e.to_string()))
+            Command::DeleteGroup { name } => {
+                let Some(group) = self.store.load_group(&name).map_err(store_error)? else {
+                    return Err(format!("no device group named {name:?}"));
+                };
+                self.store.delete_group(&name).map_err(store_error)?;
+                self.refresh_device_groups().map_err(store_error)?;
+                value(json(&group_info(&group)))
             }
-            other => return Ok(Err(format!("command {other:?} is not supported yet"))),
-        };
-        match effects {
-            Ok(effects) => {
-                self.apply(effects).await?;
-                Ok(match self.engine.status(&name) {
-                    Some(status) => Ok(json(&status)),
-                    None => Err(format!("no rollout named {name:?}")),
-                })
-            }
-            Err(e) => Ok(Err(e.to_string())),
         }
+    }
+
+    /// Gives the engine the stored device groups, all of them.
+    fn refresh_device_groups(&mut self) -> Result<(), StoreError> {
+        let groups = self.store.list_groups()?;
+        self.engine.set_device_groups(groups);
+        Ok(())
+    }
+
+    /// A staged spec names a stored strategy; the rollout gets its own resolved copy, so a later
+    /// change to the stored strategy does not change a rollout already created (KubeFleet's
+    /// strategy snapshot).
+    fn resolve_strategy(&self, spec: RolloutSpec) -> Result<RolloutSpec, String> {
+        let Some(name) = staged_strategy_name(&spec) else {
+            return Ok(spec);
+        };
+        let stored = self
+            .store
+            .load_strategy(name)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| no_strategy(name))?;
+        resolve_with(spec, &stored)
     }
 
     /// Applies effects in the engine's order. A failed save is fatal (see the module doc);
@@ -398,8 +519,32 @@ impl Service {
                     self.publish_action(&device, action_id, rollout, body)
                         .await?;
                 }
-                Effect::Rollback { .. } | Effect::Approval(_) | Effect::Forget { .. } => {
-                    tracing::warn!(?effect, "not handled yet");
+                Effect::Rollback {
+                    device,
+                    action_id,
+                    rollout,
+                    undo,
+                } => {
+                    let body = ActionBody::Rollback { action_id: undo };
+                    self.publish_action(&device, action_id, rollout, body)
+                        .await?;
+                }
+                Effect::Approval(approval) => {
+                    let bytes = serde_json::to_vec(&approval).unwrap_or_default();
+                    self.publish(self.topics.approval_event(&approval.name), true, bytes)
+                        .await?;
+                }
+                Effect::Forget { device } => {
+                    let Ok(id) = DeviceId::new(&device) else {
+                        tracing::error!(%device, "engine asked to forget an invalid device id; skipped");
+                        continue;
+                    };
+                    // An empty retained payload deletes the retained message: a device that
+                    // comes back finds no stale action, and nobody sees a stale state.
+                    self.publish(self.topics.desired(&id), true, Vec::new())
+                        .await?;
+                    self.publish(self.topics.state(&id), true, Vec::new())
+                        .await?;
                 }
                 Effect::Cancel {
                     device,
@@ -486,6 +631,96 @@ impl Service {
     }
 }
 
+/// What a command answers once its effects are applied.
+enum Answer {
+    /// The status of this rollout, read after the effects.
+    Status(String),
+    /// This approval request, read after the effects.
+    Approval(String),
+    Value(serde_json::Value),
+}
+
+fn no_strategy(name: &str) -> String {
+    format!("no stored strategy named {name}; create it with `flotilla strategy create`")
+}
+
+fn strategy_info(stored: StoredStrategy) -> StrategyInfo {
+    StrategyInfo {
+        name: stored.name,
+        spec: stored.text,
+    }
+}
+
+fn group_info(group: &DeviceGroup) -> DeviceGroupInfo {
+    DeviceGroupInfo {
+        name: group.name.clone(),
+        select: group.select.to_string(),
+        labels: group.labels.clone(),
+    }
+}
+
+/// Validates a `create_group` request into a device group, naming the field that is wrong.
+fn device_group(
+    name: String,
+    select: &str,
+    labels: BTreeMap<String, String>,
+) -> Result<DeviceGroup, String> {
+    validate_id("device group name", &name).map_err(|e| format!("name: {e}"))?;
+    let select = Selector::parse(select).map_err(|e| format!("select: {e}"))?;
+    for (key, value) in &labels {
+        check_label("labels: key", key)?;
+        check_label(&format!("labels.{key}: value"), value)?;
+    }
+    Ok(DeviceGroup {
+        name,
+        select,
+        labels,
+    })
+}
+
+/// Label keys and values use the selector's character set, so a partition's `group_select`
+/// can match them.
+fn check_label(what: &str, text: &str) -> Result<(), String> {
+    if text.is_empty() {
+        return Err(format!("{what} must not be empty"));
+    }
+    if let Some(bad) = text
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/' | ':')))
+    {
+        return Err(format!(
+            "{what} {text:?} contains {bad:?}; allowed are letters, digits, '.', '_', '-', '/' and ':'"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a strategy before it is stored: a valid name, TOML, and at least one `[[stage]]`.
+/// The stages themselves are validated when a staged rollout resolves the strategy.
+fn check_strategy(name: &str, text: &str) -> Result<(), String> {
+    validate_id("strategy name", name).map_err(|e| format!("name: {e}"))?;
+    let table: toml::Table = toml::from_str(text)
+        .map_err(|e| format!("spec: strategy {name} is not valid TOML: {e}"))?;
+    match table.get("stage") {
+        Some(toml::Value::Array(stages)) if !stages.is_empty() => Ok(()),
+        _ => Err(format!(
+            "spec: strategy {name} has no stages; add at least one [[stage]] entry"
+        )),
+    }
+}
+
+/// The stored strategy a staged rollout spec names. Staged specs arrive with the staged
+/// vocabulary in `spec.rs` (`RolloutSpec::staged_strategy_name`); until then no spec names one.
+fn staged_strategy_name(_spec: &RolloutSpec) -> Option<&str> {
+    None
+}
+
+/// Resolves a staged spec against the stored strategy it names (`StagedStrategy::from_toml`
+/// and `RolloutSpec::resolve_strategy` once the staged vocabulary is in `spec.rs`).
+fn resolve_with(spec: RolloutSpec, _stored: &StoredStrategy) -> Result<RolloutSpec, String> {
+    Ok(spec)
+}
+
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
     // The control types are plain data; converting them to a JSON value cannot fail.
     serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
@@ -511,6 +746,7 @@ mod tests {
     use flotilla_protocol::control::{DeviceSummary, RolloutStatus};
     use flotilla_protocol::{DeviceState, VerifyingKey};
     use rumqttc::{Event, EventLoop, MqttOptions, Packet};
+    use std::collections::BTreeMap;
 
     const WAIT: Duration = Duration::from_secs(20);
 
@@ -883,5 +1119,391 @@ mod tests {
             .expect("stops")
             .expect("no panic")
             .expect("clean shutdown");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn device_groups_strategies_and_approvals_over_mqtt() {
+        let h = harness();
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve(h.config.clone(), shutdown.clone()));
+        let client = ControlClient::connect("127.0.0.1", h.config.broker.port, "flotilla")
+            .await
+            .expect("client connects");
+
+        // A device group: stored, listed with its canonical selector and labels.
+        let created = ask(
+            &client,
+            Command::CreateGroup {
+                name: "kitchens".into(),
+                select: "site in (a, b), !quarantined".into(),
+                labels: BTreeMap::from([("tier".into(), "1".into())]),
+            },
+        )
+        .await
+        .expect("group created");
+        assert_eq!(created["select"], "site in (a,b),!quarantined");
+        ask(
+            &client,
+            Command::CreateGroup {
+                name: "beta".into(),
+                select: "ring=beta".into(),
+                labels: BTreeMap::new(),
+            },
+        )
+        .await
+        .expect("group created");
+        let groups: Vec<DeviceGroupInfo> =
+            serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
+                .expect("group list");
+        assert_eq!(
+            groups
+                .iter()
+                .map(|g| (g.name.as_str(), g.labels.len()))
+                .collect::<Vec<_>>(),
+            vec![("beta", 0), ("kitchens", 1)]
+        );
+
+        // Bad input names the field and stores nothing.
+        let err = ask(
+            &client,
+            Command::CreateGroup {
+                name: "broken".into(),
+                select: "env in (".into(),
+                labels: BTreeMap::new(),
+            },
+        )
+        .await
+        .expect_err("bad selector");
+        assert!(
+            err.to_string().contains("select: selector \"env in (\""),
+            "{err}"
+        );
+        let err = ask(
+            &client,
+            Command::CreateGroup {
+                name: "no/slash".into(),
+                select: "env=prod".into(),
+                labels: BTreeMap::new(),
+            },
+        )
+        .await
+        .expect_err("bad name");
+        assert!(
+            err.to_string()
+                .contains("name: device group name \"no/slash\""),
+            "{err}"
+        );
+        let err = ask(
+            &client,
+            Command::CreateGroup {
+                name: "spaced".into(),
+                select: "env=prod".into(),
+                labels: BTreeMap::from([("tier".into(), "one two".into())]),
+            },
+        )
+        .await
+        .expect_err("bad label value");
+        assert!(
+            err.to_string().contains("labels.tier: value \"one two\""),
+            "{err}"
+        );
+
+        let deleted = ask(
+            &client,
+            Command::DeleteGroup {
+                name: "beta".into(),
+            },
+        )
+        .await
+        .expect("deleted");
+        assert_eq!(deleted["name"], "beta");
+        let err = ask(
+            &client,
+            Command::DeleteGroup {
+                name: "beta".into(),
+            },
+        )
+        .await
+        .expect_err("already gone");
+        assert!(
+            err.to_string().contains("no device group named \"beta\""),
+            "{err}"
+        );
+        let groups: Vec<DeviceGroupInfo> =
+            serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
+                .expect("group list");
+        assert_eq!(
+            groups.len(),
+            1,
+            "only kitchens and none of the refused ones: {groups:?}"
+        );
+
+        // A staged strategy: stored verbatim and shown back.
+        let text = "# two stages\n[[stage]]\nname = \"canary\"\nselect = \"env=canary\"\n\
+                    [[stage]]\nname = \"prod\"\n";
+        ask(
+            &client,
+            Command::CreateStrategy {
+                name: "two-stage".into(),
+                spec: text.into(),
+            },
+        )
+        .await
+        .expect("strategy stored");
+        let shown: StrategyInfo = serde_json::from_value(
+            ask(
+                &client,
+                Command::ShowStrategy {
+                    name: "two-stage".into(),
+                },
+            )
+            .await
+            .expect("shown"),
+        )
+        .expect("strategy");
+        assert_eq!(shown.spec, text);
+        let listed = ask(&client, Command::ListStrategies).await.expect("lists");
+        assert_eq!(listed[0]["name"], "two-stage");
+        let err = ask(
+            &client,
+            Command::CreateStrategy {
+                name: "empty".into(),
+                spec: "# nothing\n".into(),
+            },
+        )
+        .await
+        .expect_err("no stages");
+        assert!(
+            err.to_string()
+                .contains("spec: strategy empty has no stages"),
+            "{err}"
+        );
+        let err = ask(
+            &client,
+            Command::ShowStrategy {
+                name: "nope".into(),
+            },
+        )
+        .await
+        .expect_err("unknown");
+        assert!(
+            err.to_string().contains(
+                "no stored strategy named nope; create it with `flotilla strategy create`"
+            ),
+            "{err}"
+        );
+
+        // Approvals: the engine's own words come back to the operator.
+        let err = ask(
+            &client,
+            Command::Approve {
+                name: "nope-canary".into(),
+            },
+        )
+        .await
+        .expect_err("unknown approval");
+        assert!(
+            err.to_string().contains(
+                &crate::engine::EngineError::UnknownApproval("nope-canary".into()).to_string()
+            ),
+            "{err}"
+        );
+        let approvals = ask(&client, Command::ListApprovals).await.expect("lists");
+        assert_eq!(approvals, serde_json::json!([]));
+        let err = ask(
+            &client,
+            Command::TriggerNext {
+                rollout: "ghost".into(),
+            },
+        )
+        .await
+        .expect_err("unknown rollout");
+        assert!(
+            err.to_string().contains("no rollout named \"ghost\""),
+            "{err}"
+        );
+        let err = ask(
+            &client,
+            Command::RetryRollout {
+                rollout: "ghost".into(),
+                name: Some("bad name".into()),
+            },
+        )
+        .await
+        .expect_err("bad retry name");
+        assert!(
+            err.to_string().contains("name: rollout name \"bad name\""),
+            "{err}"
+        );
+
+        shutdown.cancel();
+        tokio::time::timeout(WAIT, server)
+            .await
+            .expect("stops")
+            .expect("no panic")
+            .expect("clean shutdown");
+
+        // Groups and strategies are in the store for the next start.
+        let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
+        assert_eq!(
+            store
+                .list_groups()
+                .expect("loads")
+                .iter()
+                .map(|g| g.name.as_str())
+                .collect::<Vec<_>>(),
+            vec!["kitchens"]
+        );
+        assert!(store.load_strategy("two-stage").expect("loads").is_some());
+    }
+
+    /// The retained messages under `devices/{id}/`, by topic: a fresh subscription gets every
+    /// retained message of its filter before anything published after it, so a probe message
+    /// published once subscribed marks the end of them.
+    async fn retained_under_device(port: u16, id: &DeviceId) -> BTreeMap<String, Vec<u8>> {
+        let topics = Topics::default();
+        let filter = format!("{}/devices/{id}/+", topics.prefix());
+        let probe = format!("{}/devices/{id}/probe", topics.prefix());
+        let (client, mut el) = device_client(port);
+        client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .await
+            .expect("queue");
+        let mut retained = BTreeMap::new();
+        tokio::time::timeout(WAIT, async {
+            loop {
+                match el.poll().await.expect("connection") {
+                    Event::Incoming(Packet::SubAck(_)) => client
+                        .publish(probe.clone(), QoS::AtLeastOnce, false, b"probe".to_vec())
+                        .await
+                        .expect("queue"),
+                    Event::Incoming(Packet::Publish(p)) if p.topic == probe => return,
+                    Event::Incoming(Packet::Publish(p)) => {
+                        retained.insert(p.topic.clone(), p.payload.to_vec());
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("probe came back");
+        retained
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn forget_clears_the_retained_desired_and_state_topics() {
+        let h = harness();
+        let addr = h.config.broker.embedded.expect("embedded");
+        let _broker = tokio::task::spawn_blocking(move || EmbeddedBroker::start(addr))
+            .await
+            .expect("task")
+            .expect("broker");
+        let port = addr.port();
+        let topics = Topics::default();
+        let id = DeviceId::new("dev-9").expect("id");
+
+        // The device has a retained state and a retained desired action.
+        let (device, mut device_el) = device_client(port);
+        let state = DeviceState {
+            device_id: "dev-9".into(),
+            hardware_id: "pi4".into(),
+            labels: vec![],
+            installed: None,
+            current: None,
+            online: true,
+            agent_version: "test".into(),
+            at: now(),
+        };
+        for (topic, payload) in [
+            (topics.state(&id), envelope::encode(&Message::State(state))),
+            (
+                topics.desired(&id),
+                b"stand-in for a signed action".to_vec(),
+            ),
+        ] {
+            device
+                .publish(topic, QoS::AtLeastOnce, true, payload)
+                .await
+                .expect("queue");
+        }
+        let mut acks = 0;
+        tokio::time::timeout(WAIT, async {
+            while acks < 2 {
+                if let Event::Incoming(Packet::PubAck(_)) = device_el.poll().await.expect("poll") {
+                    acks += 1;
+                }
+            }
+        })
+        .await
+        .expect("retained messages stored");
+        let before = retained_under_device(port, &id).await;
+        assert_eq!(
+            before.keys().cloned().collect::<Vec<_>>(),
+            vec![topics.desired(&id), topics.state(&id)],
+            "both retained before the device is forgotten"
+        );
+
+        // A watcher sees the clearing happen live, so the broker has processed it.
+        let (watcher, mut watcher_el) = device_client(port);
+        watcher
+            .subscribe(
+                format!("{}/devices/dev-9/+", topics.prefix()),
+                QoS::AtLeastOnce,
+            )
+            .await
+            .expect("queue");
+        tokio::time::timeout(WAIT, async {
+            while !matches!(
+                watcher_el.poll().await.expect("poll"),
+                Event::Incoming(Packet::SubAck(_))
+            ) {}
+        })
+        .await
+        .expect("watcher subscribed");
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let link_token = CancellationToken::new();
+        let link = mqtt::start(
+            LinkOptions::new("127.0.0.1", port, "forget-test", Vec::new()),
+            link_token.clone(),
+        );
+        let releases = ReleaseStore::new(dir.path());
+        let mut service = Service {
+            engine: Engine::new(),
+            store: Store::open(dir.path().join("db")).expect("store"),
+            key: SigningKey::from_bytes(&[7; 32]),
+            blocks: BlockServer::new(releases.artifacts_dir()),
+            releases,
+            manifests: HashMap::new(),
+            topics: topics.clone(),
+            client: link.client.clone(),
+            validity: 60,
+            addr: format!("127.0.0.1:{port}"),
+            malformed: 0,
+        };
+        service
+            .apply(vec![Effect::Forget {
+                device: "dev-9".into(),
+            }])
+            .await
+            .expect("applied");
+        let mut cleared = BTreeMap::new();
+        tokio::time::timeout(WAIT, async {
+            while cleared.len() < 2 {
+                if let Event::Incoming(Packet::Publish(p)) = watcher_el.poll().await.expect("poll")
+                {
+                    if p.payload.is_empty() {
+                        cleared.insert(p.topic.clone(), ());
+                    }
+                }
+            }
+        })
+        .await
+        .expect("empty payloads published");
+        assert!(cleared.contains_key(&topics.state(&id)), "{cleared:?}");
+
+        let after = retained_under_device(port, &id).await;
+        assert!(after.is_empty(), "nothing retained is left: {after:?}");
+        link_token.cancel();
     }
 }

@@ -1,22 +1,45 @@
-//! Persistence of rollouts in sled, so a restarted coordinator continues where it stopped.
+//! Persistence in sled, so a restarted coordinator continues where it stopped.
 //!
-//! One tree, `rollouts`, keyed by rollout name, each value the JSON of a [`Rollout`]. JSON rather
-//! than postcard because it is self-describing: a record written by an older version still decodes
-//! when fields with defaults were added since. Every save is flushed before it returns, because
-//! the engine's contract is that a rollout is persisted before the desired actions it justifies are
-//! published (docs/decisions/0003-coordinator-engine.md).
+//! Three trees, each keyed by name with the JSON of one record as the value:
+//!
+//! ```text
+//! rollouts       rollout name  -> Rollout          (engine state)
+//! strategies     strategy name -> StoredStrategy   (`flotilla strategy create`)
+//! device_groups  group name    -> DeviceGroup      (`flotilla group create`)
+//! ```
+//!
+//! JSON rather than postcard because it is self-describing: a record written by an older version
+//! still decodes when fields with defaults were added since. Every write is flushed before it
+//! returns, because the engine's contract is that a rollout is persisted before the desired
+//! actions it justifies are published (docs/decisions/0003-coordinator-engine.md), and an operator
+//! who was told "stored" must find the strategy or group after a restart.
 //!
 //! A record that does not decode is logged, naming it, and skipped, so one bad record cannot keep
 //! the coordinator from starting; it stays in the database for an operator to inspect.
 
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
 use crate::engine::Rollout;
+use crate::planner::DeviceGroup;
 
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
 
 const ROLLOUTS: &str = "rollouts";
+const STRATEGIES: &str = "strategies";
+const DEVICE_GROUPS: &str = "device_groups";
+
+/// A staged update strategy as the operator wrote it: the TOML text (`[[stage]]` entries) under
+/// a name that staged rollout specs refer to. The text is kept verbatim so `strategy show`
+/// prints exactly what was stored; it is parsed when a rollout uses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredStrategy {
+    pub name: String,
+    pub text: String,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -39,19 +62,133 @@ pub enum StoreError {
     },
     #[error("cannot read the rollout store: {source}")]
     Read { source: sled::Error },
+    #[error("cannot encode {kind} {name}: {source}")]
+    EncodeRecord {
+        kind: &'static str,
+        name: String,
+        source: serde_json::Error,
+    },
+    #[error("cannot write {kind} {name}: {source}")]
+    WriteRecord {
+        kind: &'static str,
+        name: String,
+        source: sled::Error,
+    },
+    #[error("cannot delete {kind} {name}: {source}")]
+    DeleteRecord {
+        kind: &'static str,
+        name: String,
+        source: sled::Error,
+    },
+    #[error("cannot read {kind} {name}: {source}")]
+    ReadRecord {
+        kind: &'static str,
+        name: String,
+        source: sled::Error,
+    },
+    #[error("stored {kind} {name} does not decode: {source}")]
+    DecodeRecord {
+        kind: &'static str,
+        name: String,
+        source: serde_json::Error,
+    },
 }
 
 /// The coordinator's sled database.
 pub struct Store {
     db: sled::Db,
     rollouts: sled::Tree,
+    strategies: sled::Tree,
+    device_groups: sled::Tree,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store")
             .field("rollouts", &self.rollouts.len())
+            .field("strategies", &self.strategies.len())
+            .field("device_groups", &self.device_groups.len())
             .finish()
+    }
+}
+
+/// One tree of named JSON records, and what to call a record in messages.
+struct Records<'a> {
+    tree: &'a sled::Tree,
+    kind: &'static str,
+}
+
+impl Records<'_> {
+    fn save<T: Serialize>(&self, name: &str, record: &T) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(record).map_err(|source| StoreError::EncodeRecord {
+            kind: self.kind,
+            name: name.to_owned(),
+            source,
+        })?;
+        let write_error = |source| StoreError::WriteRecord {
+            kind: self.kind,
+            name: name.to_owned(),
+            source,
+        };
+        self.tree
+            .insert(name.as_bytes(), bytes)
+            .map_err(write_error)?;
+        self.tree.flush().map_err(write_error)?;
+        Ok(())
+    }
+
+    /// The record named `name`, `None` when there is none. A record that does not decode is an
+    /// error here (the caller asked for this one), unlike in [`Records::list`].
+    fn load<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, StoreError> {
+        let bytes = self
+            .tree
+            .get(name.as_bytes())
+            .map_err(|source| StoreError::ReadRecord {
+                kind: self.kind,
+                name: name.to_owned(),
+                source,
+            })?;
+        bytes
+            .map(|b| {
+                serde_json::from_slice(&b).map_err(|source| StoreError::DecodeRecord {
+                    kind: self.kind,
+                    name: name.to_owned(),
+                    source,
+                })
+            })
+            .transpose()
+    }
+
+    /// Every record that decodes, in name order; the others are logged and skipped.
+    fn list<T: DeserializeOwned>(&self) -> Result<Vec<T>, StoreError> {
+        let mut records = Vec::new();
+        for item in self.tree.iter() {
+            let (key, value) = item.map_err(|source| StoreError::Read { source })?;
+            let name = String::from_utf8_lossy(&key);
+            match serde_json::from_slice::<T>(&value) {
+                Ok(record) => records.push(record),
+                Err(error) => tracing::warn!(
+                    kind = self.kind,
+                    name = %name,
+                    %error,
+                    "skipping stored {} {name:?}: it does not decode ({error}); it stays in the store",
+                    self.kind
+                ),
+            }
+        }
+        Ok(records)
+    }
+
+    /// Removes a record; returns whether it existed.
+    fn delete(&self, name: &str) -> Result<bool, StoreError> {
+        let delete_error = |source| StoreError::DeleteRecord {
+            kind: self.kind,
+            name: name.to_owned(),
+            source,
+        };
+        let old = self.tree.remove(name.as_bytes()).map_err(delete_error)?;
+        self.tree.flush().map_err(delete_error)?;
+        Ok(old.is_some())
     }
 }
 
@@ -69,7 +206,69 @@ impl Store {
             .open()
             .map_err(open_error)?;
         let rollouts = db.open_tree(ROLLOUTS).map_err(open_error)?;
-        Ok(Store { db, rollouts })
+        let strategies = db.open_tree(STRATEGIES).map_err(open_error)?;
+        let device_groups = db.open_tree(DEVICE_GROUPS).map_err(open_error)?;
+        Ok(Store {
+            db,
+            rollouts,
+            strategies,
+            device_groups,
+        })
+    }
+
+    fn strategies(&self) -> Records<'_> {
+        Records {
+            tree: &self.strategies,
+            kind: "strategy",
+        }
+    }
+
+    fn groups(&self) -> Records<'_> {
+        Records {
+            tree: &self.device_groups,
+            kind: "device group",
+        }
+    }
+
+    /// Stores (or replaces) a staged strategy, flushed before returning.
+    pub fn save_strategy(&self, strategy: &StoredStrategy) -> Result<(), StoreError> {
+        self.strategies().save(&strategy.name, strategy)
+    }
+
+    /// The stored strategy named `name`, if any.
+    pub fn load_strategy(&self, name: &str) -> Result<Option<StoredStrategy>, StoreError> {
+        self.strategies().load(name)
+    }
+
+    /// Every stored strategy that decodes, in name order.
+    pub fn list_strategies(&self) -> Result<Vec<StoredStrategy>, StoreError> {
+        self.strategies().list()
+    }
+
+    /// Removes a strategy; returns whether it was stored. Rollouts already created from it keep
+    /// their resolved copy (KubeFleet's strategy snapshot).
+    pub fn delete_strategy(&self, name: &str) -> Result<bool, StoreError> {
+        self.strategies().delete(name)
+    }
+
+    /// Stores (or replaces) a device group, flushed before returning.
+    pub fn save_group(&self, group: &DeviceGroup) -> Result<(), StoreError> {
+        self.groups().save(&group.name, group)
+    }
+
+    /// The device group named `name`, if any.
+    pub fn load_group(&self, name: &str) -> Result<Option<DeviceGroup>, StoreError> {
+        self.groups().load(name)
+    }
+
+    /// Every stored device group that decodes, in name order.
+    pub fn list_groups(&self) -> Result<Vec<DeviceGroup>, StoreError> {
+        self.groups().list()
+    }
+
+    /// Removes a device group; returns whether it was stored.
+    pub fn delete_group(&self, name: &str) -> Result<bool, StoreError> {
+        self.groups().delete(name)
     }
 
     /// Writes a rollout and flushes it to disk before returning.
@@ -206,6 +405,123 @@ mod tests {
             store.rollouts.contains_key("broken").expect("reads"),
             "the bad record is kept for inspection"
         );
+    }
+
+    fn group(name: &str, select: &str, labels: &[(&str, &str)]) -> DeviceGroup {
+        DeviceGroup {
+            name: name.into(),
+            select: crate::selector::Selector::parse(select).expect("valid selector"),
+            labels: labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn strategies_round_trip_in_name_order_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("db");
+        let text = "[[stage]]\nname = \"canary\"\nselect = \"env=canary\"\n# kept verbatim\n";
+        let canary = StoredStrategy {
+            name: "two-stage".into(),
+            text: text.into(),
+        };
+        let other = StoredStrategy {
+            name: "a-first".into(),
+            text: "[[stage]]\nname = \"all\"\n".into(),
+        };
+        {
+            let store = Store::open(&path).expect("opens");
+            store.save_strategy(&canary).expect("saved");
+            store.save_strategy(&other).expect("saved");
+        }
+        let store = Store::open(&path).expect("reopens");
+        assert_eq!(
+            store.load_strategy("two-stage").expect("reads"),
+            Some(canary.clone()),
+            "the text comes back byte for byte, comments included"
+        );
+        assert_eq!(store.load_strategy("missing").expect("reads"), None);
+        assert_eq!(
+            store.list_strategies().expect("lists"),
+            vec![other.clone(), canary.clone()],
+            "in name order"
+        );
+
+        let replaced = StoredStrategy {
+            name: "two-stage".into(),
+            text: "[[stage]]\nname = \"everyone\"\n".into(),
+        };
+        store.save_strategy(&replaced).expect("replaced");
+        assert_eq!(
+            store.load_strategy("two-stage").expect("reads"),
+            Some(replaced)
+        );
+        assert!(store.delete_strategy("a-first").expect("deleted"));
+        assert!(!store
+            .delete_strategy("a-first")
+            .expect("deleting twice is fine"));
+        assert_eq!(store.list_strategies().expect("lists").len(), 1);
+    }
+
+    #[test]
+    fn device_groups_round_trip_in_name_order_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("db");
+        let kitchens = group("kitchens", "site in (a, b), !quarantined", &[("tier", "1")]);
+        let beta = group("beta", "ring=beta", &[]);
+        {
+            let store = Store::open(&path).expect("opens");
+            store.save_group(&kitchens).expect("saved");
+            store.save_group(&beta).expect("saved");
+        }
+        let store = Store::open(&path).expect("reopens");
+        let listed = store.list_groups().expect("lists");
+        assert_eq!(
+            listed,
+            vec![beta.clone(), kitchens.clone()],
+            "in name order"
+        );
+        assert_eq!(
+            listed[1].select.to_string(),
+            "site in (a,b),!quarantined",
+            "the selector is stored in its canonical form"
+        );
+        assert_eq!(store.load_group("kitchens").expect("reads"), Some(kitchens));
+        assert!(store.delete_group("kitchens").expect("deleted"));
+        assert!(!store
+            .delete_group("kitchens")
+            .expect("deleting twice is fine"));
+        assert_eq!(store.load_group("kitchens").expect("reads"), None);
+        drop(store);
+        let store = Store::open(&path).expect("reopens");
+        assert_eq!(store.list_groups().expect("lists"), vec![beta]);
+    }
+
+    #[test]
+    fn a_group_record_that_does_not_decode_is_skipped_in_lists_and_named_when_asked_for() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = Store::open(dir.path().join("db")).expect("opens");
+        store
+            .save_group(&group("good", "env=prod", &[]))
+            .expect("saved");
+        store
+            .device_groups
+            .insert(
+                "broken",
+                &br#"{"name":"broken","select":"env in ()","labels":{}}"#[..],
+            )
+            .expect("raw insert");
+        let names: Vec<String> = store
+            .list_groups()
+            .expect("one bad record does not block the list")
+            .into_iter()
+            .map(|g| g.name)
+            .collect();
+        assert_eq!(names, vec!["good"]);
+        let err = store.load_group("broken").expect_err("does not decode");
+        assert!(err.to_string().contains("device group broken"), "{err}");
     }
 
     #[test]

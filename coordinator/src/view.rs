@@ -1,8 +1,12 @@
-//! Text rendering for operators: rollout status with per-group progress bars, and the devices
-//! table. Pure functions from the control JSON types to `String`, so the CLI, the demo and tests
-//! all show the same thing and the text can be asserted on.
+//! Text rendering for operators: rollout status with per-group progress bars, the devices table,
+//! approval requests, device groups and stored strategies. Pure functions from the control JSON
+//! types to `String`, so the CLI, the demo and tests all show the same thing and the text can be
+//! asserted on.
 
-use flotilla_protocol::control::{DeviceSummary, GroupStatus, RolloutStatus};
+use flotilla_protocol::control::{
+    ApprovalStatus, Condition, DeviceGroupInfo, DeviceSummary, GroupStatus, RolloutStatus,
+    StrategyInfo,
+};
 
 /// Width of the progress bar between the brackets.
 pub const BAR_WIDTH: usize = 30;
@@ -32,12 +36,26 @@ pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
     )
 }
 
-/// A rollout as a header, one line per group, and the last few decisions.
+/// A rollout as a header (with its vocabulary, run conditions and what it waits for), one line
+/// per group with its start and end, pending approvals with the command that approves them, and
+/// the last few decisions.
 pub fn rollout_status(status: &RolloutStatus) -> String {
     let mut out = format!(
         "rollout {}  release {}  state {}\n",
         status.name, status.release, status.state
     );
+    if !status.strategy.is_empty() {
+        out.push_str(&format!("  strategy {}\n", status.strategy));
+    }
+    if !status.conditions.is_empty() {
+        out.push_str(&format!(
+            "  conditions {}\n",
+            conditions(&status.conditions)
+        ));
+    }
+    if let Some(waiting) = &status.waiting {
+        out.push_str(&format!("  waiting: {waiting}\n"));
+    }
     let name_width = status
         .groups
         .iter()
@@ -50,7 +68,28 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
     }
     for group in &status.groups {
         out.push_str(&group_line(group, name_width));
+        match (group.started_at, group.ended_at) {
+            (Some(start), Some(end)) => {
+                out.push_str(&format!("  started {}  ended {}", clock(start), clock(end)))
+            }
+            (Some(start), None) => out.push_str(&format!("  started {}", clock(start))),
+            _ => {}
+        }
         out.push('\n');
+    }
+    let pending: Vec<&ApprovalStatus> = status.approvals.iter().filter(|a| !a.approved).collect();
+    if !pending.is_empty() {
+        out.push_str("pending approvals:\n");
+    }
+    for approval in pending {
+        out.push_str(&format!(
+            "  {}  {} group {} since {}: run `flotilla approve {}`\n",
+            approval.name,
+            approval.when,
+            approval.group,
+            clock(approval.created_at),
+            approval.name
+        ));
     }
     let skip = status.trace.len().saturating_sub(TRACE_LINES);
     if !status.trace.is_empty() {
@@ -58,6 +97,100 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
     }
     for entry in &status.trace[skip..] {
         out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
+    }
+    out
+}
+
+/// Run conditions on one line: `Initialized=true since 18:00:00Z (UpdateRunStarted), …`.
+pub fn conditions(conditions: &[Condition]) -> String {
+    conditions
+        .iter()
+        .map(|c| {
+            let mut text = format!("{}={} since {}", c.kind, c.status, clock(c.at));
+            if !c.reason.is_empty() {
+                text.push_str(&format!(" ({})", c.reason));
+            }
+            text
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Approval requests: name, rollout, group, before/after, and pending or when approved.
+pub fn approvals_table(approvals: &[ApprovalStatus]) -> String {
+    if approvals.is_empty() {
+        return "no approval requests\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = approvals
+        .iter()
+        .map(|a| {
+            vec![
+                a.name.clone(),
+                a.rollout.clone(),
+                a.group.clone(),
+                a.when.clone(),
+                match (a.approved, a.approved_at) {
+                    (true, Some(at)) => format!("approved {}", clock(at)),
+                    (true, None) => "approved".to_owned(),
+                    (false, _) => format!("pending since {}", clock(a.created_at)),
+                },
+            ]
+        })
+        .collect();
+    table(&["APPROVAL", "ROLLOUT", "GROUP", "WHEN", "STATE"], &rows)
+}
+
+/// Device groups: name, selector, labels.
+pub fn groups_table(groups: &[DeviceGroupInfo]) -> String {
+    if groups.is_empty() {
+        return "no device groups\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = groups
+        .iter()
+        .map(|g| {
+            let labels = g
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            let select = if g.select.is_empty() {
+                "(every device)".to_owned()
+            } else {
+                g.select.clone()
+            };
+            vec![g.name.clone(), select, labels]
+        })
+        .collect();
+    table(&["GROUP", "SELECT", "LABELS"], &rows)
+}
+
+/// Stored strategies, one name a line.
+pub fn strategies_list(strategies: &[StrategyInfo]) -> String {
+    if strategies.is_empty() {
+        return "no stored strategies\n".to_owned();
+    }
+    strategies.iter().map(|s| format!("{}\n", s.name)).collect()
+}
+
+/// Left-aligned columns two spaces apart, the last column unpadded.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (cell, w) in cells.iter().zip(&widths) {
+            s.push_str(&format!("{cell:w$}  "));
+        }
+        format!("{}\n", s.trim_end())
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
     out
 }
@@ -216,6 +349,151 @@ mod tests {
         assert!(
             !text.contains("decision 2"),
             "only the last {TRACE_LINES} decisions: {text}"
+        );
+    }
+
+    #[test]
+    fn status_shows_strategy_conditions_waiting_approvals_and_group_times() {
+        let condition = |kind: &str, status: bool, reason: &str, at: u64| Condition {
+            kind: kind.into(),
+            status,
+            reason: reason.into(),
+            message: String::new(),
+            at,
+        };
+        let mut canary = group("canary", "finished", 2, 2, 0, 0);
+        canary.started_at = Some(3600);
+        canary.ended_at = Some(3600 + 125);
+        let mut rest = group("rest", "scheduled", 8, 0, 0, 0);
+        rest.started_at = None;
+        let approval = |name: &str, approved: bool| ApprovalStatus {
+            name: name.into(),
+            rollout: "fw-2-4".into(),
+            group: "canary".into(),
+            when: "after".into(),
+            approved,
+            created_at: 3600 + 125,
+            approved_at: approved.then_some(3600 + 200),
+        };
+        let status = RolloutStatus {
+            name: "fw-2-4".into(),
+            release: "fw-2.4.0".into(),
+            state: "running".into(),
+            groups: vec![canary, rest],
+            strategy: "staged".into(),
+            conditions: vec![
+                condition(
+                    "Initialized",
+                    true,
+                    "UpdateRunInitializedSuccessfully",
+                    3590,
+                ),
+                condition("Progressing", false, "UpdateRunWaiting", 3725),
+            ],
+            waiting: Some("approval fw-2-4-canary is pending".into()),
+            approvals: vec![
+                approval("fw-2-4-canary", false),
+                approval("fw-2-4-before-canary", true),
+            ],
+            ..RolloutStatus::default()
+        };
+        let text = rollout_status(&status);
+        assert!(
+            text.starts_with(
+                "rollout fw-2-4  release fw-2.4.0  state running\n  strategy staged\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "  conditions Initialized=true since 00:59:50Z (UpdateRunInitializedSuccessfully), \
+                 Progressing=false since 01:02:05Z (UpdateRunWaiting)\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("  waiting: approval fw-2-4-canary is pending\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "2/2 ready, 0 failed, 0 running, 0 scheduled  started 01:00:00Z  ended 01:02:05Z\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("0/8 ready, 0 failed, 0 running, 8 scheduled\n"),
+            "a group that has not started shows no times: {text}"
+        );
+        assert!(
+            text.contains("run `flotilla approve fw-2-4-canary`"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("flotilla approve fw-2-4-before-canary"),
+            "approved requests need no command: {text}"
+        );
+    }
+
+    #[test]
+    fn approvals_groups_and_strategies_render_as_tables() {
+        let approvals = vec![
+            ApprovalStatus {
+                name: "fw-2-4-canary".into(),
+                rollout: "fw-2-4".into(),
+                group: "canary".into(),
+                when: "after".into(),
+                approved: false,
+                created_at: 60,
+                approved_at: None,
+            },
+            ApprovalStatus {
+                name: "fw-2-4-before-rest".into(),
+                rollout: "fw-2-4".into(),
+                group: "rest".into(),
+                when: "before".into(),
+                approved: true,
+                created_at: 60,
+                approved_at: Some(120),
+            },
+        ];
+        let text = approvals_table(&approvals);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                "APPROVAL            ROLLOUT  GROUP   WHEN    STATE",
+                "fw-2-4-canary       fw-2-4   canary  after   pending since 00:01:00Z",
+                "fw-2-4-before-rest  fw-2-4   rest    before  approved 00:02:00Z",
+            ]
+        );
+        assert_eq!(approvals_table(&[]), "no approval requests\n");
+
+        let groups = vec![
+            DeviceGroupInfo {
+                name: "kitchens".into(),
+                select: "site in (a,b)".into(),
+                labels: BTreeMap::from([("tier".into(), "1".into()), ("zone".into(), "eu".into())]),
+            },
+            DeviceGroupInfo {
+                name: "all".into(),
+                select: String::new(),
+                labels: BTreeMap::new(),
+            },
+        ];
+        let text = groups_table(&groups);
+        assert!(
+            text.contains("kitchens  site in (a,b)   tier=1,zone=eu\n"),
+            "{text}"
+        );
+        assert!(text.contains("all       (every device)\n"), "{text}");
+        assert_eq!(groups_table(&[]), "no device groups\n");
+        assert_eq!(
+            strategies_list(&[StrategyInfo {
+                name: "two-stage".into(),
+                spec: String::new()
+            }]),
+            "two-stage\n"
         );
     }
 

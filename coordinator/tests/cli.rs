@@ -117,3 +117,67 @@ fn default_config_is_printable() {
         "{text}"
     );
 }
+
+/// Runs flotilla against a broker address where nothing listens, so a test that got past
+/// argument checking would fail with a connection error instead of the expected one.
+fn refused(args: &[&str]) -> String {
+    let mut all = vec!["--broker", "127.0.0.1:9"];
+    all.extend_from_slice(args);
+    let out = flotilla(&all);
+    assert!(!out.status.success(), "flotilla {args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn operations_commands_check_their_arguments_before_connecting() {
+    let err = refused(&["group", "create", "kitchens"]);
+    assert!(err.contains("--select"), "{err}");
+
+    let err = refused(&[
+        "group", "create", "kitchens", "--select", "site=a", "--label", "tier",
+    ]);
+    assert!(
+        err.contains("--label") && err.contains("expected KEY=VALUE like tier=1"),
+        "{err}"
+    );
+    let err = refused(&["group", "create", "k", "--select", "a=b", "--label", "=1"]);
+    assert!(err.contains("expected KEY=VALUE"), "{err}");
+
+    let err = refused(&["devices", "delete"]);
+    assert!(err.contains("<ID>"), "{err}");
+    let err = refused(&["approve"]);
+    assert!(err.contains("<NAME>"), "{err}");
+    let err = refused(&["rollout", "retry"]);
+    assert!(err.contains("<NAME>"), "{err}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("two-stage.toml");
+    let err = refused(&[
+        "strategy",
+        "create",
+        "two-stage",
+        "--file",
+        &missing.to_string_lossy(),
+    ]);
+    assert!(
+        err.contains("cannot read strategy file") && err.contains("two-stage.toml"),
+        "{err}"
+    );
+}
+
+#[test]
+fn help_lists_the_operations_commands() {
+    let help = ok(&["--help"]);
+    for command in ["approve", "approvals", "strategy", "group", "devices"] {
+        assert!(
+            help.lines()
+                .any(|l| l.trim_start().starts_with(&format!("{command} "))),
+            "{command} missing from:\n{help}"
+        );
+    }
+    let rollout = ok(&["rollout", "--help"]);
+    assert!(
+        rollout.contains("next") && rollout.contains("retry"),
+        "{rollout}"
+    );
+}

@@ -48,46 +48,55 @@ pub enum Command {
     ListDevices,
     ListReleases,
     /// Approve an approval request by name (`<rollout>-<group>` or `<rollout>-before-<group>`).
+    /// Result: the [`ApprovalStatus`], now approved.
     Approve {
         name: String,
     },
     /// Start the next group of a running rollout now, without waiting for the current group's
-    /// success condition (hawkBit's manual trigger).
+    /// success condition (hawkBit's manual trigger). Result: the rollout's status.
     TriggerNext {
         rollout: String,
     },
     /// Create a new rollout over the failed, refused and timed-out devices of a finished,
     /// stopped or paused rollout. Named `<rollout>-retry` unless `name` is given.
+    /// Result: the new rollout's status.
     RetryRollout {
         rollout: String,
         #[serde(default)]
         name: Option<String>,
     },
-    /// Forget a device: it leaves the registry and the groups of rollouts not yet finished.
+    /// Forget a device: it leaves the registry and the groups of rollouts not yet finished, and
+    /// its retained `desired` and `state` topics are cleared. Result: `{"deleted": device}`.
     DeleteDevice {
         device: String,
     },
     /// Store (or replace) a staged update strategy from TOML (`[[stage]]` entries).
+    /// Result: the [`StrategyInfo`].
     CreateStrategy {
         name: String,
         spec: String,
     },
+    /// Result: a list of [`StrategyInfo`], in name order.
     ListStrategies,
+    /// Result: one [`StrategyInfo`].
     ShowStrategy {
         name: String,
     },
     /// Store (or replace) a device group: a named selector with labels of its own.
+    /// Result: the [`DeviceGroupInfo`].
     CreateGroup {
         name: String,
         select: String,
         #[serde(default)]
         labels: BTreeMap<String, String>,
     },
+    /// Result: a list of [`DeviceGroupInfo`], in name order.
     ListGroups,
+    /// Result: the deleted [`DeviceGroupInfo`].
     DeleteGroup {
         name: String,
     },
-    /// Every approval request, pending and approved.
+    /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`].
     ListApprovals,
 }
 
@@ -240,6 +249,25 @@ pub struct ReleaseSummary {
     pub artifacts: Vec<ArtifactSummary>,
 }
 
+/// A stored staged update strategy, as `create_strategy` stored it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StrategyInfo {
+    pub name: String,
+    /// The TOML text, verbatim.
+    pub spec: String,
+}
+
+/// A stored device group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceGroupInfo {
+    pub name: String,
+    /// The selector in canonical form (`env in (a,b),!quarantined`).
+    pub select: String,
+    /// The group's own labels, which partitions can select groups by.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
 /// One artifact of a release.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArtifactSummary {
@@ -274,5 +302,60 @@ mod tests {
             serde_json::from_str(r#"{"id":"2","reply_to":"r","command":"rollout_status"}"#)
                 .expect("rollout is optional");
         assert_eq!(status.command, Command::RolloutStatus { rollout: None });
+    }
+
+    #[test]
+    fn operations_commands_have_stable_json() {
+        let cases = [
+            (
+                Command::Approve {
+                    name: "fw-2-4-canary".into(),
+                },
+                serde_json::json!({"command": "approve", "name": "fw-2-4-canary"}),
+            ),
+            (
+                Command::RetryRollout {
+                    rollout: "fw-2-4".into(),
+                    name: None,
+                },
+                serde_json::json!({"command": "retry_rollout", "rollout": "fw-2-4", "name": null}),
+            ),
+            (
+                Command::CreateGroup {
+                    name: "kitchens".into(),
+                    select: "site=a".into(),
+                    labels: BTreeMap::from([("tier".into(), "1".into())]),
+                },
+                serde_json::json!({"command": "create_group", "name": "kitchens",
+                                   "select": "site=a", "labels": {"tier": "1"}}),
+            ),
+            (
+                Command::ListApprovals,
+                serde_json::json!({"command": "list_approvals"}),
+            ),
+        ];
+        for (command, json) in cases {
+            assert_eq!(serde_json::to_value(&command).expect("encodes"), json);
+        }
+        let minimal: Command =
+            serde_json::from_str(r#"{"command":"create_group","name":"g","select":"a=b"}"#)
+                .expect("labels are optional");
+        assert_eq!(
+            minimal,
+            Command::CreateGroup {
+                name: "g".into(),
+                select: "a=b".into(),
+                labels: BTreeMap::new()
+            }
+        );
+        let retry: Command = serde_json::from_str(r#"{"command":"retry_rollout","rollout":"r"}"#)
+            .expect("name is optional");
+        assert_eq!(
+            retry,
+            Command::RetryRollout {
+                rollout: "r".into(),
+                name: None
+            }
+        );
     }
 }

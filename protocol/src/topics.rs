@@ -8,6 +8,7 @@
 //! {root}/v1/devices/{id}/block                coordinator -> agent   artifact blocks (postcard)
 //! {root}/v1/events/rollouts/{rollout}  retained                      rollout summary (JSON)
 //! {root}/v1/events/log                                               decision trace entries (JSON)
+//! {root}/v1/events/approvals/{name}    retained                      approval requests (JSON)
 //! {root}/v1/control/request                                          control requests (JSON)
 //! {root}/v1/control/reply/{client}                                   replies, topic named in the request
 //! ```
@@ -42,6 +43,7 @@ pub enum Topic {
     Block(DeviceId),
     RolloutEvent(String),
     EventLog,
+    ApprovalEvent(String),
     ControlRequest,
     ControlReply(String),
 }
@@ -83,6 +85,14 @@ impl Topics {
     }
     pub fn event_log(&self) -> String {
         format!("{}/events/log", self.prefix)
+    }
+    /// An approval request's state, retained: `{rollout}-{group}` or `{rollout}-before-{group}`.
+    pub fn approval_event(&self, name: &str) -> String {
+        format!("{}/events/approvals/{name}", self.prefix)
+    }
+    /// Filter matching all approval requests.
+    pub fn approval_events_filter(&self) -> String {
+        format!("{}/events/approvals/+", self.prefix)
     }
     pub fn control_request(&self) -> String {
         format!("{}/control/request", self.prefix)
@@ -133,6 +143,10 @@ impl Topics {
                 Some(Topic::RolloutEvent((*name).to_owned()))
             }
             ["events", "log"] => Some(Topic::EventLog),
+            ["events", "approvals", name] => {
+                validate_id("approval name", name).ok()?;
+                Some(Topic::ApprovalEvent((*name).to_owned()))
+            }
             ["control", "request"] => Some(Topic::ControlRequest),
             ["control", "reply", client] if !client.is_empty() => {
                 Some(Topic::ControlReply((*client).to_owned()))
@@ -161,6 +175,10 @@ mod tests {
                 Topic::RolloutEvent("fw-2-4".into()),
             ),
             (t.event_log(), Topic::EventLog),
+            (
+                t.approval_event("fw-2-4-before-canary"),
+                Topic::ApprovalEvent("fw-2-4-before-canary".into()),
+            ),
             (t.control_request(), Topic::ControlRequest),
             (
                 t.control_reply("cli-7"),
@@ -172,6 +190,14 @@ mod tests {
             assert_eq!(t.parse(&topic), Some(parsed), "{topic}");
         }
         assert_eq!(t.desired(&id), "site-a/flotilla/v1/devices/dev-1/desired");
+        assert_eq!(
+            t.approval_event("fw-2-4-canary"),
+            "site-a/flotilla/v1/events/approvals/fw-2-4-canary"
+        );
+        assert_eq!(
+            t.approval_events_filter(),
+            "site-a/flotilla/v1/events/approvals/+"
+        );
     }
 
     #[test]
@@ -183,6 +209,8 @@ mod tests {
             "flotilla/v1/devices/a/unknown",
             "flotilla/v1/devices/a+b/state",
             "flotilla/v1/devices/a/state/extra",
+            "flotilla/v1/events/approvals/a+b",
+            "flotilla/v1/events/approvals/",
             "flotilla/v1",
         ] {
             assert_eq!(t.parse(topic), None, "{topic}");
