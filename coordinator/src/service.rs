@@ -699,25 +699,22 @@ fn check_label(what: &str, text: &str) -> Result<(), String> {
 /// The stages themselves are validated when a staged rollout resolves the strategy.
 fn check_strategy(name: &str, text: &str) -> Result<(), String> {
     validate_id("strategy name", name).map_err(|e| format!("name: {e}"))?;
-    let table: toml::Table = toml::from_str(text)
-        .map_err(|e| format!("spec: strategy {name} is not valid TOML: {e}"))?;
-    match table.get("stage") {
-        Some(toml::Value::Array(stages)) if !stages.is_empty() => Ok(()),
-        _ => Err(format!(
-            "spec: strategy {name} has no stages; add at least one [[stage]] entry"
-        )),
-    }
+    crate::spec::StagedStrategy::from_toml(name, text)
+        .map(|_| ())
+        .map_err(|e| format!("spec: strategy {name}: {e}"))
 }
 
-/// The stored strategy a staged rollout spec names. Staged specs arrive with the staged
-/// vocabulary in `spec.rs` (`RolloutSpec::staged_strategy_name`); until then no spec names one.
-fn staged_strategy_name(_spec: &RolloutSpec) -> Option<&str> {
-    None
+/// The stored strategy a staged rollout spec names, if it names one.
+fn staged_strategy_name(spec: &RolloutSpec) -> Option<&str> {
+    spec.staged_strategy_name()
 }
 
-/// Resolves a staged spec against the stored strategy it names (`StagedStrategy::from_toml`
-/// and `RolloutSpec::resolve_strategy` once the staged vocabulary is in `spec.rs`).
-fn resolve_with(spec: RolloutSpec, _stored: &StoredStrategy) -> Result<RolloutSpec, String> {
+/// Snapshots the stored strategy a staged spec names into the spec (KubeFleet: a run keeps the
+/// strategy as it was when the run was created).
+fn resolve_with(mut spec: RolloutSpec, stored: &StoredStrategy) -> Result<RolloutSpec, String> {
+    let strategy = crate::spec::StagedStrategy::from_toml(&stored.name, &stored.text)
+        .map_err(|e| format!("stored strategy {}: {e}", stored.name))?;
+    spec.resolve_strategy(&strategy);
     Ok(spec)
 }
 
@@ -1275,7 +1272,7 @@ mod tests {
         .expect_err("no stages");
         assert!(
             err.to_string()
-                .contains("spec: strategy empty has no stages"),
+                .contains("spec: strategy empty: stage: [] is not a list of at least one [[stage]] entry"),
             "{err}"
         );
         let err = ask(
