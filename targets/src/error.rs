@@ -142,4 +142,75 @@ pub enum TargetError {
         /// What is wrong with it.
         reason: String,
     },
+
+    /// A target's configuration cannot be used; nothing was touched.
+    #[error("invalid {field} {value:?}: {reason}")]
+    InvalidConfig {
+        /// The configuration field, as an operator writes it (e.g. `slots`).
+        field: &'static str,
+        /// The value found there.
+        value: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
+
+    /// Reading or writing the boot-control environment failed.
+    #[error("boot control through {backend} failed: {reason}")]
+    BootControl {
+        /// The backend and where it keeps its state, e.g. `U-Boot environment (/etc/fw_env.config)`.
+        backend: String,
+        /// What went wrong, including the tool's own message.
+        reason: String,
+    },
+
+    /// After the reboot the bootloader did not keep the new slot: it fell back to the old one,
+    /// so the update never came up.
+    #[error(
+        "the bootloader fell back to slot {booted} after trying slot {tried} for action \
+         {action_id}; the new image did not come up"
+    )]
+    FellBack {
+        /// The action whose slot was tried.
+        action_id: String,
+        /// The slot the update was written to.
+        tried: String,
+        /// The slot the bootloader booted instead.
+        booted: String,
+    },
+
+    /// The slot switch is committed but the device has not rebooted into the new slot yet.
+    #[error(
+        "action {action_id} switched the boot slot to {slot}, but the device still runs slot \
+         {running}; reboot before confirming"
+    )]
+    RebootPending {
+        /// The action.
+        action_id: String,
+        /// The slot the bootloader will try next.
+        slot: String,
+        /// The slot the device runs now.
+        running: String,
+    },
+
+    /// Rebooting the device failed.
+    #[error("cannot reboot the device with {command:?}: {reason}")]
+    Reboot {
+        /// The reboot command as configured.
+        command: String,
+        /// Why it failed.
+        reason: String,
+    },
+
+    /// A script target's subcommand failed.
+    #[error("{script} {subcommand} failed: {reason}")]
+    Script {
+        /// The script.
+        script: PathBuf,
+        /// The subcommand that failed (`check`, `stage`, ...).
+        subcommand: &'static str,
+        /// What the script said (its message, or the last line of its stderr) and its exit code.
+        reason: String,
+        /// The script reported a temporary failure (exit code 3): trying again later may work.
+        temporary: bool,
+    },
 }

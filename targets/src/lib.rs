@@ -11,6 +11,10 @@
 //!   contract every target follows.
 //! - [`error`]: [`TargetError`], one variant per failed operation, worded for device operators.
 //! - [`file`](mod@file): [`FileTarget`], which replaces one file atomically and keeps the previous one.
+//! - [`ab`]: [`AbTarget`], which writes an image into the inactive slot of an A/B pair and
+//!   switches the boot slot through a [`bootctl`] backend (U-Boot, GRUB or a plain file).
+//! - [`script`]: [`ScriptTarget`], which hands each step to a user's executable with a fixed
+//!   contract (subcommands, environment, JSON on stdout, exit codes); see `docs/targets.md`.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
 //!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
 //!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
@@ -44,11 +48,18 @@
 //! # }
 //! ```
 
+pub mod ab;
+pub mod bootctl;
 pub mod error;
 pub mod file;
 pub mod fs;
+mod process;
+pub mod script;
 pub mod target;
 
+pub use ab::{AbConfig, AbTarget};
+pub use bootctl::{BootControl, BootControlKind, Slot};
 pub use error::TargetError;
 pub use file::FileTarget;
+pub use script::{ScriptConfig, ScriptTarget, ScriptTimeouts};
 pub use target::{ActionContext, Activation, UpdateTarget};

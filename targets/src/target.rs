@@ -9,6 +9,11 @@
 //!                         \-> rollback (activate failed)
 //! ```
 //!
+//! `activate` (and [`UpdateTarget::rollback_activation`]) may answer
+//! [`Activation::RebootRequired`]: the content becomes live after the agent persists its state and
+//! calls [`UpdateTarget::reboot`]. The agent then confirms from the new boot, with a new target
+//! instance; an A/B target finds out there whether the bootloader kept the new slot.
+//!
 //! Because the agent persists *before* acting, a kill -9 or a power cut in the middle of a step
 //! makes the restarted agent call the same step again for the same action. A target therefore
 //! keys everything it remembers on [`ActionContext::action_id`], keeps that memory on disk (a new
@@ -120,6 +125,32 @@ pub trait UpdateTarget: Send + Sync {
     /// here at all, this fails with [`TargetError::NothingToRollBack`] rather than undoing some
     /// other action's update.
     fn rollback(&self, ctx: &ActionContext) -> Result<(), TargetError>;
+
+    /// [`rollback`](Self::rollback), also saying whether the old content is live now
+    /// ([`Activation::Done`]) or only after a reboot ([`Activation::RebootRequired`], e.g. an A/B
+    /// slot switched back while the new slot is still running).
+    ///
+    /// Added after `rollback` and provided, so existing targets and callers keep working: the
+    /// default runs `rollback` and answers `Done`. Targets that need a reboot to go back
+    /// override it, and their `rollback` does the same work and ignores the answer.
+    fn rollback_activation(&self, ctx: &ActionContext) -> Result<Activation, TargetError> {
+        self.rollback(ctx).map(|()| Activation::Done)
+    }
+
+    /// Reboots the device after a step answered [`Activation::RebootRequired`]. The caller
+    /// persists its own state first: on success this may not return at all.
+    ///
+    /// The default fails, naming the target kind: targets that never ask for a reboot do not
+    /// know how to do one.
+    fn reboot(&self) -> Result<(), TargetError> {
+        Err(TargetError::Reboot {
+            command: String::new(),
+            reason: format!(
+                "the {} target has no reboot command configured",
+                self.kind()
+            ),
+        })
+    }
 
     /// May the agent run `stage` a second time for one action after a crash?
     fn stage_is_repeatable(&self) -> bool {

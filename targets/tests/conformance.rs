@@ -7,12 +7,25 @@
 //!
 //! "Crash" means what it means for the agent: the process dies, a new one builds a *new* target
 //! instance on the same device state and calls the interrupted step again for the same action.
+//! A reboot a target asks for is played by the harness (for A/B targets: the bootloader, per the
+//! boot script contract in `flotilla_targets::bootctl`) and also restarts the agent.
+//!
+//! Targets run here: `file`; `ab` with the file, U-Boot (`fw_setenv` on a file-backed
+//! environment) and GRUB (`grub-editenv`) backends; `script` with `tests/scripts/copy-target.sh`.
+//! The U-Boot and GRUB suites need libubootenv-tool and grub-common; without them each test
+//! prints a loud SKIPPED line and passes.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
-use flotilla_targets::{ActionContext, Activation, FileTarget, TargetError, UpdateTarget};
+use flotilla_targets::bootctl::{BootControl, Slot};
+use flotilla_targets::{
+    AbConfig, AbTarget, ActionContext, Activation, BootControlKind, FileTarget, ScriptConfig,
+    ScriptTarget, TargetError, UpdateTarget,
+};
 
 /// How the suite drives and observes one kind of target on one simulated device.
 trait Harness {
@@ -27,6 +40,14 @@ trait Harness {
 
     /// Simulates the reboot a target asked for with [`Activation::RebootRequired`].
     fn reboot(&self) {}
+
+    /// Makes the confirm path of the release just activated fail the way it fails on a device
+    /// (the bootloader falls back to the old slot, the script's `confirm` reports the service
+    /// down). Returns false for a target that has no such path: there only the agent's health
+    /// checks can fail, and they lead straight to a rollback.
+    fn break_confirm(&self) -> bool {
+        false
+    }
 }
 
 /// Builds a harness whose device starts with `initial` installed (`None`: nothing yet).
@@ -48,6 +69,22 @@ fn activate(
     c: &ActionContext,
 ) -> Box<dyn UpdateTarget> {
     match target.activate(c).expect("activate") {
+        Activation::Done => target,
+        Activation::RebootRequired => {
+            h.reboot();
+            h.open()
+        }
+    }
+}
+
+/// Rolls `c` back through [`UpdateTarget::rollback_activation`] and reboots if the target needs
+/// it; returns the target to use afterwards.
+fn roll_back(
+    h: &dyn Harness,
+    target: Box<dyn UpdateTarget>,
+    c: &ActionContext,
+) -> Box<dyn UpdateTarget> {
+    match target.rollback_activation(c).expect("rollback") {
         Activation::Done => target,
         Activation::RebootRequired => {
             h.reboot();
@@ -95,7 +132,7 @@ mod scenarios {
         let c = ctx("rollback-1");
         let target = stage_and_activate(&*h, &c, NEW);
         assert_eq!(h.installed().as_deref(), Some(NEW));
-        target.rollback(&c).expect("rollback");
+        roll_back(&*h, target, &c);
         assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
     }
 
@@ -105,7 +142,7 @@ mod scenarios {
         let c = ctx("first-install");
         let target = stage_and_activate(&*h, &c, NEW);
         assert_eq!(h.installed().as_deref(), Some(NEW));
-        target.rollback(&c).expect("rollback");
+        roll_back(&*h, target, &c);
         assert_eq!(h.installed(), None);
     }
 
@@ -128,6 +165,99 @@ mod scenarios {
         assert_eq!(h.installed().as_deref(), Some(NEW));
     }
 
+    /// The agent dies after stage; the restarted one rolls back (the action was canceled):
+    /// the running content is untouched and the staged update never shows up.
+    pub fn crash_between_stage_and_rollback(make: MakeHarness) {
+        let h = make(Some(ORIGINAL));
+        let c = ctx("crash-then-cancel");
+        {
+            let before_crash = h.open();
+            before_crash.check(&c).expect("check");
+            before_crash
+                .stage(&c, &h.artifact("a", NEW))
+                .expect("stage");
+        }
+        roll_back(&*h, h.open(), &c);
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+        let err = h
+            .open()
+            .activate(&c)
+            .expect_err("a rolled-back action stays off");
+        assert!(
+            matches!(
+                err,
+                TargetError::RolledBack { .. } | TargetError::NotStaged { .. }
+            ),
+            "{err}"
+        );
+        h.reboot();
+        assert_eq!(
+            h.installed().as_deref(),
+            Some(ORIGINAL),
+            "also after a reboot"
+        );
+    }
+
+    /// The agent dies right after activate (for reboot targets: the reboot itself); the
+    /// restarted one confirms with a new instance and the new content stays.
+    pub fn crash_after_activate_then_confirm(make: MakeHarness) {
+        let h = make(Some(ORIGINAL));
+        let c = ctx("crash-after-activate");
+        drop(stage_and_activate(&*h, &c, NEW));
+        h.open().confirm(&c).expect("confirm from a new instance");
+        assert_eq!(h.installed().as_deref(), Some(NEW));
+        h.reboot();
+        assert_eq!(
+            h.installed().as_deref(),
+            Some(NEW),
+            "a confirmed update survives a reboot"
+        );
+    }
+
+    /// The agent dies right after activate; the restarted one rolls back with a new instance
+    /// and the exact old content is back.
+    pub fn crash_after_activate_then_rollback(make: MakeHarness) {
+        let h = make(Some(ORIGINAL));
+        let c = ctx("crash-then-rollback");
+        drop(stage_and_activate(&*h, &c, NEW));
+        roll_back(&*h, h.open(), &c);
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+        h.reboot();
+        assert_eq!(
+            h.installed().as_deref(),
+            Some(ORIGINAL),
+            "a rollback survives a reboot"
+        );
+    }
+
+    /// Health checks fail: where the target has a confirm path that can fail (bootloader
+    /// fallback, a script's confirm), it does; either way the agent rolls back and the old
+    /// content is back, and the failed release can no longer be confirmed.
+    pub fn failing_health_check(make: MakeHarness) {
+        let h = make(Some(ORIGINAL));
+        let c = ctx("unhealthy");
+        let target = stage_and_activate(&*h, &c, NEW);
+        let target = if h.break_confirm() {
+            let target = h.open();
+            let err = target.confirm(&c).expect_err("the confirm path must fail");
+            assert!(
+                matches!(
+                    err,
+                    TargetError::FellBack { .. } | TargetError::Script { .. }
+                ),
+                "{err}"
+            );
+            target
+        } else {
+            target
+        };
+        let target = roll_back(&*h, target, &c);
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+        let err = target.confirm(&c).expect_err("rolled back");
+        assert!(matches!(err, TargetError::RolledBack { .. }), "{err}");
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+    }
+
     /// The agent dies inside activate and calls it again: the second call is a no-op, and a
     /// rollback still returns the ORIGINAL content, not a copy of the new one.
     pub fn activate_twice(make: MakeHarness) {
@@ -139,7 +269,7 @@ mod scenarios {
         stage_and_activate(&*h, &c, NEW);
         let restarted = activate(&*h, h.open(), &c);
         assert_eq!(h.installed().as_deref(), Some(NEW));
-        restarted.rollback(&c).expect("rollback");
+        roll_back(&*h, restarted, &c);
         assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
     }
 
@@ -165,10 +295,9 @@ mod scenarios {
     pub fn rollback_twice(make: MakeHarness) {
         let h = make(Some(ORIGINAL));
         let c = ctx("rollback-twice");
-        stage_and_activate(&*h, &c, NEW)
-            .rollback(&c)
-            .expect("rollback");
-        h.open().rollback(&c).expect("rollback again");
+        let target = stage_and_activate(&*h, &c, NEW);
+        roll_back(&*h, target, &c);
+        roll_back(&*h, h.open(), &c);
         assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
     }
 
@@ -219,44 +348,73 @@ mod scenarios {
 /// One `#[test]` per scenario for a target kind, so a failure names both.
 macro_rules! conformance_suite {
     ($kind:ident, $make:expr) => {
+        conformance_suite!($kind, $make, requires || Ok(()));
+    };
+    ($kind:ident, $make:expr, requires $requires:expr) => {
         mod $kind {
             use super::*;
 
+            /// Runs `scenario` unless the suite's tools are missing; then it says so loudly
+            /// and passes: the machine lacks them, the target is not wrong.
+            fn run(scenario: fn(MakeHarness)) {
+                let requires: fn() -> Result<(), String> = $requires;
+                match requires() {
+                    Ok(()) => scenario($make),
+                    Err(why) => eprintln!("SKIPPED conformance suite {}: {why}", stringify!($kind)),
+                }
+            }
+
             #[test]
             fn install() {
-                scenarios::install($make)
+                run(scenarios::install)
             }
             #[test]
             fn rollback() {
-                scenarios::rollback($make)
+                run(scenarios::rollback)
             }
             #[test]
             fn rollback_without_previous() {
-                scenarios::rollback_without_previous($make)
+                run(scenarios::rollback_without_previous)
             }
             #[test]
             fn crash_between_stage_and_activate() {
-                scenarios::crash_between_stage_and_activate($make)
+                run(scenarios::crash_between_stage_and_activate)
             }
             #[test]
             fn activate_twice() {
-                scenarios::activate_twice($make)
+                run(scenarios::activate_twice)
             }
             #[test]
             fn stage_twice() {
-                scenarios::stage_twice($make)
+                run(scenarios::stage_twice)
             }
             #[test]
             fn rollback_twice() {
-                scenarios::rollback_twice($make)
+                run(scenarios::rollback_twice)
             }
             #[test]
             fn rollback_of_another_action_changes_nothing() {
-                scenarios::rollback_of_another_action_changes_nothing($make)
+                run(scenarios::rollback_of_another_action_changes_nothing)
             }
             #[test]
             fn stage_of_missing_artifact() {
-                scenarios::stage_of_missing_artifact($make)
+                run(scenarios::stage_of_missing_artifact)
+            }
+            #[test]
+            fn crash_between_stage_and_rollback() {
+                run(scenarios::crash_between_stage_and_rollback)
+            }
+            #[test]
+            fn crash_after_activate_then_confirm() {
+                run(scenarios::crash_after_activate_then_confirm)
+            }
+            #[test]
+            fn crash_after_activate_then_rollback() {
+                run(scenarios::crash_after_activate_then_rollback)
+            }
+            #[test]
+            fn failing_health_check() {
+                run(scenarios::failing_health_check)
             }
         }
     };
@@ -306,4 +464,213 @@ conformance_suite!(file, FileHarness::make);
 #[test]
 fn the_file_target_reports_its_kind() {
     assert_eq!(FileHarness::make(None).open().kind(), "file");
+}
+
+/// Reads what is installed at `path`; an empty or missing file is "nothing installed".
+fn read_installed(path: &Path) -> Option<Vec<u8>> {
+    match fs::read(path) {
+        Ok(bytes) if bytes.is_empty() => None,
+        Ok(bytes) => Some(bytes),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => panic!("cannot read {}: {e}", path.display()),
+    }
+}
+
+/// Where an A/B harness keeps its boot-control variables.
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    File,
+    UBoot,
+    Grub,
+}
+
+/// The A/B target on two image files, with the bootloader played by
+/// [`BootControl::simulate_boot`]. Slot `a` runs with the initial content; slot `b` holds stale
+/// bytes longer than any new image, so a missing truncation would show.
+struct AbHarness {
+    dir: tempfile::TempDir,
+    config: AbConfig,
+}
+
+impl AbHarness {
+    fn make(backend: Backend, initial: Option<&[u8]>) -> Box<dyn Harness> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path();
+        fs::create_dir_all(p.join("downloads")).expect("downloads");
+        fs::write(p.join("slot-a.img"), initial.unwrap_or_default()).expect("slot a");
+        fs::write(p.join("slot-b.img"), [0x5a; 4096]).expect("slot b");
+        let bootctl = match backend {
+            Backend::File => BootControlKind::File {
+                path: p.join("bootenv"),
+            },
+            Backend::UBoot => {
+                // A file-backed U-Boot environment: fw_env.config points at a plain file.
+                let config = p.join("fw_env.config");
+                fs::write(p.join("uboot-env.bin"), [0u8; 0x4000]).expect("env");
+                fs::write(
+                    &config,
+                    format!("{} 0x0 0x4000\n", p.join("uboot-env.bin").display()),
+                )
+                .expect("fw_env.config");
+                fs::write(p.join("default-env"), "bootdelay=3\n").expect("default env");
+                let status = Command::new("fw_setenv")
+                    .arg("-c")
+                    .arg(&config)
+                    .arg("-f")
+                    .arg(p.join("default-env"))
+                    .args(["bootcmd", "run flotilla_boot"])
+                    .status()
+                    .expect("fw_setenv runs");
+                assert!(status.success(), "initialising the U-Boot environment");
+                BootControlKind::UBoot {
+                    config: Some(config),
+                }
+            }
+            Backend::Grub => BootControlKind::Grub {
+                env_file: p.join("grubenv"),
+            },
+        };
+        // A board set up for flotilla: it boots slot a and its boot script records that.
+        bootctl
+            .open()
+            .store(&[
+                ("flotilla_slot", "a".to_owned()),
+                ("flotilla_booted", "a".to_owned()),
+            ])
+            .expect("initial boot environment");
+        let config = AbConfig {
+            slots: [p.join("slot-a.img"), p.join("slot-b.img")],
+            bootctl,
+            state_dir: p.join("ab-state"),
+            reboot_command: vec!["true".to_owned()],
+        };
+        Box::new(Self { dir, config })
+    }
+
+    fn bootctl(&self) -> Box<dyn BootControl> {
+        self.config.bootctl.open()
+    }
+}
+
+impl Harness for AbHarness {
+    fn open(&self) -> Box<dyn UpdateTarget> {
+        Box::new(AbTarget::new(self.config.clone()).expect("valid A/B config"))
+    }
+
+    fn artifact(&self, name: &str, content: &[u8]) -> PathBuf {
+        let path = self.dir.path().join("downloads").join(name);
+        fs::write(&path, content).expect("write artifact");
+        path
+    }
+
+    /// The content of the slot the bootloader booted.
+    fn installed(&self) -> Option<Vec<u8>> {
+        let env = self.bootctl().read().expect("boot environment");
+        let slot = env.running().expect("a booted slot");
+        read_installed(&self.config.slots[slot.index()])
+    }
+
+    fn reboot(&self) {
+        self.bootctl().simulate_boot().expect("boot");
+    }
+
+    /// The new slot was tried once (the reboot after activate) and hung before the agent
+    /// could confirm it; at the next power-on the bootloader falls back.
+    fn break_confirm(&self) -> bool {
+        let booted = self.bootctl().simulate_boot().expect("boot");
+        assert_eq!(
+            booted,
+            Some(Slot::A),
+            "the bootloader falls back to the old slot"
+        );
+        true
+    }
+}
+
+fn tool_runs(program: &str, arg: &str, package: &str) -> Result<(), String> {
+    match Command::new(program).arg(arg).output() {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(format!("`{program} {arg}` failed ({})", out.status)),
+        Err(e) => Err(format!(
+            "{program} is not installed ({e}); install it with `apt-get install {package}`"
+        )),
+    }
+}
+
+conformance_suite!(ab_file, |initial| AbHarness::make(Backend::File, initial));
+conformance_suite!(
+    ab_uboot,
+    |initial| AbHarness::make(Backend::UBoot, initial),
+    requires || tool_runs("fw_setenv", "-V", "libubootenv-tool")
+);
+conformance_suite!(
+    ab_grub,
+    |initial| AbHarness::make(Backend::Grub, initial),
+    requires || tool_runs("grub-editenv", "--version", "grub-common")
+);
+
+/// The script target with `tests/scripts/copy-target.sh`, which keeps one file.
+struct ScriptHarness {
+    dir: tempfile::TempDir,
+    dest: PathBuf,
+}
+
+impl ScriptHarness {
+    fn make(initial: Option<&[u8]>) -> Box<dyn Harness> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dest = dir.path().join("etc").join("app.conf");
+        fs::create_dir_all(dir.path().join("etc")).expect("etc");
+        fs::create_dir_all(dir.path().join("downloads")).expect("downloads");
+        if let Some(content) = initial {
+            fs::write(&dest, content).expect("seed");
+        }
+        Box::new(Self { dir, dest })
+    }
+
+    fn fail_flag(&self) -> PathBuf {
+        self.dir.path().join("service-down")
+    }
+}
+
+impl Harness for ScriptHarness {
+    fn open(&self) -> Box<dyn UpdateTarget> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/copy-target.sh");
+        let mut config = ScriptConfig::new(script, self.dir.path().join("state"));
+        config.env = BTreeMap::from([
+            ("DEST".to_owned(), self.dest.display().to_string()),
+            (
+                "FAIL_CONFIRM_FILE".to_owned(),
+                self.fail_flag().display().to_string(),
+            ),
+        ]);
+        Box::new(ScriptTarget::new(config).expect("valid script config"))
+    }
+
+    fn artifact(&self, name: &str, content: &[u8]) -> PathBuf {
+        let path = self.dir.path().join("downloads").join(name);
+        fs::write(&path, content).expect("write artifact");
+        path
+    }
+
+    fn installed(&self) -> Option<Vec<u8>> {
+        match fs::read(&self.dest) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => panic!("cannot read {}: {e}", self.dest.display()),
+        }
+    }
+
+    /// The script's `confirm` finds the service down.
+    fn break_confirm(&self) -> bool {
+        fs::write(self.fail_flag(), "").expect("flag");
+        true
+    }
+}
+
+conformance_suite!(script, ScriptHarness::make);
+
+#[test]
+fn every_target_reports_its_kind() {
+    assert_eq!(AbHarness::make(Backend::File, None).open().kind(), "ab");
+    assert_eq!(ScriptHarness::make(None).open().kind(), "script");
 }
