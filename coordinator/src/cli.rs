@@ -79,6 +79,10 @@ pub enum Cmd {
     Group(GroupCmd),
     /// Run a self-contained demo: broker, coordinator and simulated devices.
     Demo(demo::DemoArgs),
+    /// Show the groups a spec makes of a fleet file, without a coordinator.
+    Plan(crate::fleetfile::PlanArgs),
+    /// Run a spec against a scripted fleet in virtual time, without a coordinator.
+    Simulate(crate::simulate::SimulateArgs),
 }
 
 #[derive(Debug, Args)]
@@ -449,6 +453,8 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             group(&client, cmd).await
         }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
+        Cmd::Plan(args) => Ok(crate::fleetfile::run_plan(&args)),
+        Cmd::Simulate(args) => Ok(crate::simulate::run_simulate(&args)),
     }
 }
 

@@ -180,14 +180,14 @@ impl Entry {
             .enumerate()
             .flat_map(|(gi, g)| g.devices.iter().map(move |d| (d.clone(), gi)))
             .collect();
-        // Specs were validated when created; a window that no longer parses (a zone file gone)
-        // keeps the rollout closed rather than open.
+        // Specs were validated when created; a window that no longer parses (its zone file
+        // gone) is left out.
         let windows = rollout
             .spec
             .policies
             .windows
             .iter()
-            .map(|w| Window::parse(w).unwrap_or_else(|_| Window::never()))
+            .filter_map(|w| Window::parse(w).ok())
             .collect();
         Self {
             rollout,
