@@ -297,7 +297,6 @@ const APPROVAL_STAGES: &str = "[staged]\n\
     [[staged.stage]]\nname = \"prod\"\nselect = \"env=prod\"\n";
 
 #[test]
-#[ignore = "needs engine approvals"]
 fn an_approval_holds_the_next_stage_until_the_operator_approves() {
     let files = Files::new(
         APPROVAL_STAGES,
@@ -313,7 +312,6 @@ fn an_approval_holds_the_next_stage_until_the_operator_approves() {
 }
 
 #[test]
-#[ignore = "needs engine approvals"]
 fn an_unapproved_stage_waits_until_the_horizon() {
     let files = Files::new(APPROVAL_STAGES, "default = { ready_after = \"1m\" }\n");
     let (code, report) = files.simulate_json(&["--until", "1d"]);
@@ -322,7 +320,6 @@ fn an_unapproved_stage_waits_until_the_horizon() {
 }
 
 #[test]
-#[ignore = "needs engine timed waits"]
 fn a_timed_wait_delays_the_next_stage_by_its_duration() {
     let files = Files::new(
         &APPROVAL_STAGES.replace("after = { approval = true }", "after = { wait = \"1h\" }"),
@@ -334,7 +331,8 @@ fn a_timed_wait_delays_the_next_stage_by_its_duration() {
         .into_iter()
         .find(|(_, m)| m.contains("prod started"))
         .expect("prod starts");
-    assert_eq!(prod.0, 60 + 3600, "canary ready at 1m, then the 1h wait");
+    // Two canary devices one at a time (max_concurrency 1): ready at 1m and 2m, then the 1h wait.
+    assert_eq!(prod.0, 120 + 3600);
 }
 
 #[test]
