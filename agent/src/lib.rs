@@ -13,6 +13,9 @@
 //!   │   Canceled <── (signed cancel, any state before activation)        over the soak time)
 //!   │                                                                      ├──> Ready
 //!   └── every state is persisted (sled) before its side effect runs        └──> Failed{rolled_back}
+//!
+//! A device without health checks goes from Activated straight to Applied: installed, but its
+//! readiness cannot be tracked.
 //! ```
 //!
 //! Layout, one file per concern:

@@ -4,6 +4,7 @@
 //! Accepted -> [Waiting] -> Downloading{artifact, done} ... -> Verified -> Downloaded (download-only)
 //!          Verified -> Staging{0..n} -> Staged -> Activating{0..n} -> Activated -> Confirming
 //!          Confirming -> Ready | Failed{reason, rolled_back: true}
+//!          Activated -> Applied (no health checks configured: readiness cannot be tracked)
 //! any state before Activating{0} -> Canceled (on a signed cancel)
 //! any failing step -> Failed{reason, rolled_back}
 //! ```
@@ -72,6 +73,8 @@ pub enum State {
     },
     Canceled,
     Downloaded,
+    /// Installed on a device without health checks: readiness cannot be tracked.
+    Applied,
 }
 
 impl State {
@@ -83,6 +86,7 @@ impl State {
                 | State::Refused { .. }
                 | State::Canceled
                 | State::Downloaded
+                | State::Applied
         )
     }
 
@@ -133,6 +137,7 @@ impl State {
             },
             State::Canceled => Phase::Canceled,
             State::Downloaded => Phase::Downloaded,
+            State::Applied => Phase::Applied,
         }
     }
 }
@@ -477,6 +482,11 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                 Next::State(State::Activated)
             }
         }
+        // Without health checks there is nothing to soak: confirm at once and say so, because
+        // "ready" would claim a health the device cannot show.
+        State::Activated if env.config.health.checks.is_empty() => {
+            finish(env, record, &manifest, State::Applied).await
+        }
         State::Activated => Next::State(State::Confirming),
         State::Confirming => match health::soak(
             &env.config.health,
@@ -491,29 +501,34 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                 Ok(()) => failed(reason, true),
                 Err(e) => failed(format!("{reason}; {e}"), false),
             },
-            Soak::Healthy => {
-                for a in &manifest.artifacts {
-                    let Some(target) = env.targets.get(&a.target).cloned() else {
-                        continue;
-                    };
-                    let ctx = context(record, &a.name);
-                    if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
-                        let rolled_back = rollback_all(env, record).await.is_ok();
-                        return failed(format!("artifact {}: {reason}", a.name), rolled_back);
-                    }
-                }
-                if let Err(e) = env.set_installed(&manifest) {
-                    tracing::error!("{e}");
-                }
-                Next::State(State::Ready)
-            }
+            Soak::Healthy => finish(env, record, &manifest, State::Ready).await,
         },
         State::Ready
         | State::Failed { .. }
         | State::Refused { .. }
         | State::Canceled
-        | State::Downloaded => Next::State(record.state.clone()),
+        | State::Downloaded
+        | State::Applied => Next::State(record.state.clone()),
     }
+}
+
+/// Confirms every target and records the release as installed; `done` is the final state
+/// (`Ready` after a healthy soak, `Applied` on a device without health checks).
+async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, done: State) -> Next {
+    for a in &manifest.artifacts {
+        let Some(target) = env.targets.get(&a.target).cloned() else {
+            continue;
+        };
+        let ctx = context(record, &a.name);
+        if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
+            let rolled_back = rollback_all(env, record).await.is_ok();
+            return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+        }
+    }
+    if let Err(e) = env.set_installed(manifest) {
+        tracing::error!("{e}");
+    }
+    Next::State(done)
 }
 
 fn failed(reason: String, rolled_back: bool) -> Next {
@@ -902,6 +917,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn without_health_checks_an_install_ends_applied() {
+        let f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"new".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes.clone()),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(rec.phase(), Phase::Applied);
+        assert!(rec.phase().is_terminal());
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        assert_eq!(
+            f.env.store.installed().expect("read").map(|i| i.counter),
+            Some(4),
+            "installed release is recorded"
+        );
+        assert_eq!(
+            crate::trust::read_trust_file(&f.env.config.data_dir).installed_counter,
+            4
+        );
+    }
+
+    #[tokio::test]
     async fn failed_health_check_rolls_back() {
         let f = fixture(None, vec![check("exit 3")]);
         let dest = f.dir.path().join("app.bin");
@@ -956,7 +999,7 @@ mod tests {
             true,
         )
         .await;
-        assert_eq!(rec.state, State::Ready);
+        assert_eq!(rec.state, State::Applied, "no health checks: applied");
         assert_eq!(target.stage.load(Ordering::SeqCst), 0);
         assert_eq!(target.activate.load(Ordering::SeqCst), 1);
         assert_eq!(target.confirm.load(Ordering::SeqCst), 1);
