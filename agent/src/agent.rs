@@ -86,6 +86,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         trust: Mutex::new(trust_state),
     });
     tracing::info!(device = %env.config.device_id, "agent started");
+    env.write_status_file();
 
     let mut running: Option<Running> = None;
     // Finished action tasks send their final record here.
@@ -351,49 +352,6 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
         manifest: None,
         action,
     }
-}
-
-/// What `flotilla-agent status` prints.
-pub fn status(config: &Config) -> Result<String, AgentError> {
-    if !crate::store::db_path(&config.data_dir).exists() {
-        return Ok(format!(
-            "no database in {}: the agent has not run yet\n",
-            config.data_dir.display()
-        ));
-    }
-    let (store, trust, _) = open(config)?;
-    let mut out = String::new();
-    match store.installed()? {
-        Some(i) => out.push_str(&format!(
-            "installed: {} {} (counter {})\n",
-            i.name, i.version, i.counter
-        )),
-        None => out.push_str("installed: nothing recorded\n"),
-    }
-    match store.current()? {
-        Some(r) => {
-            let phase = r.phase();
-            out.push_str(&format!(
-                "action: {} (rollout {})\nphase: {}\n",
-                r.action_id,
-                r.rollout_id,
-                phase.name()
-            ));
-            if let Some(reason) = phase.reason() {
-                out.push_str(&format!("reason: {reason}\n"));
-            }
-        }
-        None => out.push_str("action: none\n"),
-    }
-    if let Some(e) = store.last_error()? {
-        out.push_str(&format!("last error: {e}\n"));
-    }
-    out.push_str(&format!(
-        "unacknowledged reports: {}\n",
-        store.outbox().len()
-    ));
-    out.push_str(&format!("trusted time: {}\n", trust.last_trusted_time));
-    Ok(out)
 }
 
 /// The retained payload the agent publishes as its last will (for tests and tools).

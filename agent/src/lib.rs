@@ -26,6 +26,8 @@
 //! - [`fetch`]: the pipelined, resumable block fetcher.
 //! - [`health`]: health checks over the soak time.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
+//! - [`consent`]: local consent files for soft and time-forced actions.
+//! - [`status`]: the local status view and the status file a running agent keeps.
 //! - [`agent`]: ties them together: [`run`].
 //!
 //! ```no_run
@@ -39,14 +41,18 @@
 
 pub mod agent;
 pub mod config;
+pub mod consent;
 pub mod error;
 pub mod fetch;
 pub mod health;
 pub mod link;
 pub mod machine;
+pub mod status;
 pub mod store;
 pub mod trust;
 
-pub use agent::{run, status};
+pub use agent::run;
 pub use config::{Config, ConfigError, DEFAULT_CONFIG};
+pub use consent::consent;
 pub use error::AgentError;
+pub use status::status;

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::consent;
 use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
 use crate::health::{self, Soak};
 use crate::link::{LinkHandle, Outgoing};
@@ -234,6 +235,13 @@ impl Env {
         self.link
             .send(Outgoing::State(self.device_state(true)))
             .await;
+        self.write_status_file();
+    }
+
+    /// Refreshes `<data_dir>/status`, the view `flotilla-agent status` and `consent` read while
+    /// the agent holds the database.
+    pub fn write_status_file(&self) {
+        crate::status::write_status_file(&self.config.data_dir, &self.store, &self.trust_state());
     }
 
     /// Like [`report`](Self::report) but never waits; for download progress.
@@ -348,6 +356,7 @@ pub async fn drive(
             env.report(&record).await;
         }
     }
+    consent::clear(&env.config.data_dir, &record.action_id);
     record
 }
 
@@ -365,6 +374,24 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
     };
     match &record.state {
         State::Accepted | State::Waiting { .. } => {
+            loop {
+                let consented = consent::given(&env.config.data_dir, &record.action_id);
+                match wait_reason(&record.action, env.now(), consented) {
+                    None => break,
+                    Some((reason, _)) => {
+                        if !matches!(&record.state, State::Waiting { reason: r } if *r == reason) {
+                            return Next::State(State::Waiting { reason });
+                        }
+                    }
+                }
+                // Looked at again every second: consent is a file a person writes and then
+                // watches being taken up, and a time window or a forced time is seconds-exact.
+                tokio::select! {
+                    _ = io.shutdown.cancelled() => return Next::Interrupted,
+                    _ = io.cancel.cancelled() => return Next::State(State::Canceled),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
             // Check the targets before fetching anything: a target that cannot take an update
             // now fails fast instead of after a long download.
             for a in &manifest.artifacts {
@@ -379,26 +406,10 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                     }
                 }
             }
-            match wait_reason(&record.action, env.now()) {
-                None => Next::State(State::Downloading {
-                    artifact: 0,
-                    done: 0,
-                }),
-                Some((reason, until)) => {
-                    if !matches!(&record.state, State::Waiting { reason: r } if *r == reason) {
-                        return Next::State(State::Waiting { reason });
-                    }
-                    // Already reported as waiting: sleep until it may change, then re-check.
-                    let wait = until.map_or(Duration::from_secs(60), |t| {
-                        Duration::from_secs(t.saturating_sub(env.now()).clamp(1, 60))
-                    });
-                    tokio::select! {
-                        _ = io.shutdown.cancelled() => Next::Interrupted,
-                        _ = io.cancel.cancelled() => Next::State(State::Canceled),
-                        _ = tokio::time::sleep(wait) => Next::State(record.state.clone()),
-                    }
-                }
-            }
+            Next::State(State::Downloading {
+                artifact: 0,
+                done: 0,
+            })
         }
         State::Downloading { artifact, done } => {
             download(env, record, &manifest, *artifact, *done, io).await
@@ -592,8 +603,13 @@ async fn rollback_all(env: &Env, record: &ActionRecord) -> Result<(), String> {
     }
 }
 
-/// Why an install must wait now, and until when (if a time is known).
-pub fn wait_reason(action: &DesiredAction, now: UnixTime) -> Option<(String, Option<UnixTime>)> {
+/// Why an install must wait now, and until when (if a time is known). `consented` says the
+/// device's user gave local consent to this action.
+pub fn wait_reason(
+    action: &DesiredAction,
+    now: UnixTime,
+    consented: bool,
+) -> Option<(String, Option<UnixTime>)> {
     let ActionBody::Install { kind, window, .. } = &action.body else {
         return None;
     };
@@ -611,11 +627,16 @@ pub fn wait_reason(action: &DesiredAction, now: UnixTime) -> Option<(String, Opt
             ));
         }
     }
+    let ask = format!(
+        "waiting for local consent (flotilla-agent consent {})",
+        action.action_id
+    );
     match kind {
         ActionKind::Forced | ActionKind::DownloadOnly => None,
-        ActionKind::Soft => Some(("waiting for local consent".into(), None)),
+        ActionKind::Soft | ActionKind::TimeForced { .. } if consented => None,
+        ActionKind::Soft => Some((ask, None)),
         ActionKind::TimeForced { at } if now < *at => {
-            Some((format!("waiting for local consent until {at}"), Some(*at)))
+            Some((format!("{ask}; installs anyway at {at}"), Some(*at)))
         }
         ActionKind::TimeForced { .. } => None,
     }
@@ -778,7 +799,7 @@ mod tests {
     struct Fixture {
         dir: tempfile::TempDir,
         env: Env,
-        _outgoing: mpsc::Receiver<Outgoing>,
+        outgoing: mpsc::Receiver<Outgoing>,
     }
 
     fn fixture(target: Option<Arc<dyn UpdateTarget>>, checks: Vec<HealthCheck>) -> Fixture {
@@ -809,7 +830,7 @@ mod tests {
         Fixture {
             dir,
             env,
-            _outgoing: rx,
+            outgoing: rx,
         }
     }
 
@@ -1069,9 +1090,27 @@ mod tests {
     fn soft_and_windowed_actions_wait() {
         let mut action = record(b"x", State::Accepted, ActionKind::Soft).action;
         assert_eq!(
-            wait_reason(&action, 10).map(|w| w.0),
-            Some("waiting for local consent".into())
+            wait_reason(&action, 10, false).map(|w| w.0),
+            Some("waiting for local consent (flotilla-agent consent act-1)".into())
         );
+        assert_eq!(wait_reason(&action, 10, true), None, "consent given");
+        if let ActionBody::Install { kind, .. } = &mut action.body {
+            *kind = ActionKind::TimeForced { at: 50 };
+        }
+        assert_eq!(
+            wait_reason(&action, 10, false),
+            Some((
+                "waiting for local consent (flotilla-agent consent act-1); installs anyway at 50"
+                    .into(),
+                Some(50)
+            ))
+        );
+        assert_eq!(
+            wait_reason(&action, 10, true),
+            None,
+            "consent before the time"
+        );
+        assert_eq!(wait_reason(&action, 50, false), None, "forced at its time");
         if let ActionBody::Install { kind, window, .. } = &mut action.body {
             *kind = ActionKind::Forced;
             *window = Some(flotilla_protocol::TimeWindow {
@@ -1080,9 +1119,134 @@ mod tests {
             });
         }
         assert_eq!(
-            wait_reason(&action, 10).map(|w| w.0),
+            wait_reason(&action, 10, false).map(|w| w.0),
             Some("outside the time window: opens at 100".into())
         );
-        assert_eq!(wait_reason(&action, 150), None);
+        assert_eq!(wait_reason(&action, 150, false), None);
+    }
+
+    /// Polls the store until the current action is in a waiting state.
+    async fn until_waiting(env: &Env) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !matches!(
+                env.store.current().ok().flatten().map(|r| r.state),
+                Some(State::Waiting { .. })
+            ) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the action did not start waiting");
+    }
+
+    fn reported_phases(rx: &mut mpsc::Receiver<Outgoing>) -> Vec<Phase> {
+        let mut out = Vec::new();
+        while let Ok(o) = rx.try_recv() {
+            if let Outgoing::Report(r) = o {
+                out.push(r.phase);
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn soft_install_waits_for_the_consent_file_then_installs() {
+        let mut f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"soft update".to_vec();
+        let start = record(&bytes, State::Accepted, ActionKind::Soft);
+        f.env.persist(&start);
+        let data_dir = f.env.config.data_dir.clone();
+        let consenter = async {
+            until_waiting(&f.env).await;
+            assert_eq!(
+                std::fs::read(&dest).expect("read"),
+                b"old",
+                "nothing installed yet"
+            );
+            consent::give(&data_dir, "act-1", 0).expect("consent");
+        };
+        let mut io = io(bytes.clone());
+        let (rec, ()) = tokio::join!(drive(&f.env, start, &mut io, false), consenter);
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let phases = reported_phases(&mut f.outgoing);
+        assert!(
+            phases.contains(&Phase::Waiting {
+                reason: "waiting for local consent (flotilla-agent consent act-1)".into()
+            }),
+            "{phases:?}"
+        );
+        assert!(
+            !consent::given(&data_dir, "act-1"),
+            "consent file is cleared"
+        );
+    }
+
+    #[tokio::test]
+    async fn time_forced_install_proceeds_at_its_time_without_consent() {
+        let mut f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        let bytes = b"forced later".to_vec();
+        let at = trust::system_now() + 1;
+        let rec = tokio::time::timeout(
+            Duration::from_secs(30),
+            drive(
+                &f.env,
+                record(&bytes, State::Accepted, ActionKind::TimeForced { at }),
+                &mut io(bytes.clone()),
+                false,
+            ),
+        )
+        .await
+        .expect("installed once its time came");
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let phases: Vec<&str> = reported_phases(&mut f.outgoing)
+            .iter()
+            .map(Phase::name)
+            .collect();
+        assert_eq!(phases.first(), Some(&"waiting"), "{phases:?}");
+        assert!(trust::system_now() >= at, "not installed before its time");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn restart_while_waiting_keeps_waiting() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let start = record(b"x", State::Accepted, ActionKind::Soft);
+        f.env.persist(&start);
+        // First run: reaches Waiting, then the agent stops.
+        let mut first = io(b"x".to_vec());
+        let shutdown = first.shutdown.clone();
+        let (rec, ()) = tokio::join!(drive(&f.env, start, &mut first, false), async {
+            until_waiting(&f.env).await;
+            shutdown.cancel();
+        });
+        assert!(
+            matches!(rec.state, State::Waiting { .. }),
+            "{:?}",
+            rec.state
+        );
+        // Restarted from the persisted state: an hour later it still waits, nothing fetched.
+        let persisted = f.env.store.current().expect("read").expect("kept");
+        assert!(matches!(persisted.state, State::Waiting { .. }));
+        let mut second = io(b"x".to_vec());
+        let shutdown = second.shutdown.clone();
+        let (rec, ()) = tokio::join!(drive(&f.env, persisted, &mut second, true), async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            shutdown.cancel();
+        });
+        assert!(
+            matches!(rec.state, State::Waiting { .. }),
+            "{:?}",
+            rec.state
+        );
+        assert_eq!(target.stage.load(Ordering::SeqCst), 0, "nothing staged");
+        assert!(
+            !downloads_dir(&f.env.config).exists(),
+            "nothing downloaded while waiting"
+        );
     }
 }

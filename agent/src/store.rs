@@ -25,6 +25,8 @@ use crate::trust::TrustState;
 pub enum StoreError {
     #[error("cannot open database {path}: {source}")]
     Open { path: PathBuf, source: sled::Error },
+    #[error("database {path} is in use by another process (is the agent running?)")]
+    Locked { path: PathBuf },
     #[error("cannot move damaged database {path} aside: {source}")]
     MoveAside {
         path: PathBuf,
@@ -75,6 +77,9 @@ impl Store {
         let path = db_path(data_dir);
         match Self::open_at(&path, cache_bytes) {
             Ok(store) => Ok((store, None)),
+            // Never "repair" a database another process holds: that would pull it away from
+            // under a running agent.
+            Err(source) if is_lock(&source) => Err(StoreError::Locked { path }),
             Err(source) if is_damage(&source) => {
                 let aside = data_dir.join(format!("db.corrupt-{now}"));
                 std::fs::rename(&path, &aside).map_err(|e| StoreError::MoveAside {
@@ -282,6 +287,11 @@ impl Store {
     }
 }
 
+/// sled reports a held lock as an `Other` I/O error; its message is the only way to tell.
+fn is_lock(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
+}
+
 fn is_damage(e: &sled::Error) -> bool {
     match e {
         sled::Error::Io(io) => !matches!(
@@ -371,6 +381,27 @@ mod tests {
         assert_eq!(store.outbox().len(), 1);
         store.outbox_remove(2).expect("remove");
         assert!(store.outbox().is_empty());
+    }
+
+    #[test]
+    fn a_database_in_use_is_reported_and_never_moved_aside() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (running, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        running
+            .save_action(&record("a1", State::Accepted))
+            .expect("save");
+        let err = Store::open(dir.path(), 1 << 20, 100).expect_err("locked");
+        assert!(matches!(err, StoreError::Locked { .. }), "{err}");
+        assert!(err.to_string().contains("is the agent running?"), "{err}");
+        assert!(
+            !dir.path().join("db.corrupt-100").exists(),
+            "a locked database is not damaged"
+        );
+        assert_eq!(
+            running.current().expect("read").map(|r| r.action_id),
+            Some("a1".into()),
+            "the running agent keeps its database"
+        );
     }
 
     #[test]

@@ -132,10 +132,28 @@ fn now() -> u64 {
 }
 
 fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
+    sign_action(device, action_id, install(artifact, 2, ActionKind::Forced))
+}
+
+/// The coordinator's signature over a desired action with `body`.
+fn sign_action(device: &str, action_id: &str, body: ActionBody) -> SignedBlob {
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body,
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// An install of release `app-{counter}` holding `artifact`, signed by the release key.
+fn install(artifact: &[u8], counter: u64, kind: ActionKind) -> ActionBody {
     let manifest = ReleaseManifest {
-        name: "app-2".into(),
-        version: "2.0".into(),
-        counter: 2,
+        name: format!("app-{counter}"),
+        version: format!("{counter}.0"),
+        counter,
         hardware: vec!["pi4".into()],
         artifacts: vec![Artifact {
             name: "app.bin".into(),
@@ -146,19 +164,11 @@ fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
         created_at: now(),
         expires_at: now() + 3600,
     };
-    let action = DesiredAction {
-        action_id: action_id.into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body: ActionBody::Install {
-            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
-            kind: ActionKind::Forced,
-            window: None,
-        },
-    };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+    ActionBody::Install {
+        manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+        kind,
+        window: None,
+    }
 }
 
 /// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
@@ -566,4 +576,91 @@ async fn resumes_download_after_kill_9() {
         after.iter().all(|&o| o >= first),
         "never asked for the prefix it had: {after:?}"
     );
+}
+
+/// Runs the agent binary with `args`; returns its stdout, or panics with its stderr.
+async fn agent_cli(args: &[&str], config: &Path) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .await
+        .expect("run flotilla-agent");
+    assert!(
+        out.status.success(),
+        "flotilla-agent {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A soft action waits on the device until its user consents from the command line, while the
+/// agent runs and holds the database; then it installs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_action_waits_for_consent_given_on_the_command_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-soft";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        sign_action(device, "act-soft-1", install(&bytes, 2, ActionKind::Soft)),
+        bytes.clone(),
+    )
+    .await;
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        agent_config_text(broker.port, dir.path(), device, &dest, 0),
+    )
+    .expect("write config");
+    let _agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start agent");
+
+    let waiting = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = reports.recv().await {
+            if let Phase::Waiting { reason } = r.phase {
+                return reason;
+            }
+        }
+        String::new()
+    })
+    .await
+    .expect("no waiting report within 30s");
+    assert_eq!(
+        waiting,
+        "waiting for local consent (flotilla-agent consent act-soft-1)"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
+
+    let status = agent_cli(&["status"], &config).await;
+    assert!(status.contains("the agent is running"), "{status}");
+    assert!(
+        status.contains("action: act-soft-1 (rollout r1)"),
+        "{status}"
+    );
+    assert!(status.contains("phase: waiting"), "{status}");
+
+    let said = agent_cli(&["consent"], &config).await;
+    assert!(said.starts_with("consent given to act-soft-1"), "{said}");
+
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Ready),
+        "reports: {seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), bytes);
 }
