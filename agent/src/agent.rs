@@ -289,16 +289,6 @@ async fn handle_desired(
     let installed = env.trust_state().installed_counter;
     let record = match trust::check_all(&blob, config, installed, now) {
         Err(Refusal(reason)) => refused_record(action, reason),
-        Ok((action, _)) if matches!(action.body, ActionBody::Rollback { .. }) => ActionRecord {
-            action_id: action.action_id.clone(),
-            rollout_id: action.rollout_id.clone(),
-            state: State::Failed {
-                reason: "signed rollback is not supported by this agent yet".into(),
-                rolled_back: false,
-            },
-            manifest: None,
-            action,
-        },
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);
             ActionRecord {

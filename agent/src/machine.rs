@@ -38,7 +38,7 @@ use crate::consent;
 use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
 use crate::health::{self, Soak};
 use crate::link::{LinkHandle, Outgoing};
-use crate::store::{Store, StoreError};
+use crate::store::{RollbackPoint, Store, StoreError};
 use crate::trust::{self, TrustState};
 
 /// The persisted state of one action. `Idle` is the absence of a running action.
@@ -76,6 +76,11 @@ pub enum State {
     Downloaded,
     /// Installed on a device without health checks: readiness cannot be tracked.
     Applied,
+    /// Intent of a signed rollback: about to return (or returning) every target to what was
+    /// there before `point.action_id`. Repeated after a crash (target rollbacks are repeatable).
+    RollingBack {
+        point: RollbackPoint,
+    },
 }
 
 impl State {
@@ -139,6 +144,8 @@ impl State {
             State::Canceled => Phase::Canceled,
             State::Downloaded => Phase::Downloaded,
             State::Applied => Phase::Applied,
+            // Not a phase of its own: a rollback is accepted, then ready or failed.
+            State::RollingBack { .. } => Phase::Accepted,
         }
     }
 }
@@ -293,17 +300,46 @@ impl Env {
         }
     }
 
-    fn set_installed(&self, manifest: &ReleaseManifest) -> Result<(), StoreError> {
+    /// Records `manifest` as installed by `action_id`, first remembering what it replaces so a
+    /// signed rollback can return to it.
+    fn set_installed(&self, action_id: &str, manifest: &ReleaseManifest) -> Result<(), StoreError> {
         let release = InstalledRelease {
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             counter: manifest.counter,
         };
-        self.store.set_installed(&release)?;
         let mut state = self.trust_state();
+        // After a crash between these writes the step runs again; the point recorded the first
+        // time already holds the true previous release, so it is not overwritten.
+        let recorded = self.store.rollback_point()?;
+        if recorded.as_ref().is_none_or(|p| p.action_id != action_id) {
+            self.store.set_rollback_point(Some(&RollbackPoint {
+                action_id: action_id.to_owned(),
+                release: release.clone(),
+                previous: self.store.installed()?,
+                previous_counter: state.installed_counter,
+                artifacts: manifest
+                    .artifacts
+                    .iter()
+                    .map(|a| (a.name.clone(), a.target.clone()))
+                    .collect(),
+            }))?;
+        }
+        self.store.set_installed(&release)?;
         state.installed_counter = state.installed_counter.max(manifest.counter);
         self.save_trust(state);
         Ok(())
+    }
+
+    /// Returns the records to what `point` says was installed before: the only place the
+    /// installed counter goes down.
+    fn restore_installed(&self, point: &RollbackPoint) -> Result<(), StoreError> {
+        self.store.replace_installed(point.previous.as_ref())?;
+        let mut state = self.trust_state();
+        state.installed_counter = point.previous_counter;
+        self.save_trust(state);
+        // One step back only: targets keep one previous version.
+        self.store.set_rollback_point(None)
     }
 }
 
@@ -362,6 +398,9 @@ pub async fn drive(
 
 /// One transition. Side effects happen here, after the driver persisted `record.state`.
 pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: bool) -> Next {
+    if let ActionBody::Rollback { action_id: undo } = &record.action.body {
+        return rollback_step(env, record, undo).await;
+    }
     let Some(manifest) = record.manifest.clone() else {
         return Next::State(State::Failed {
             reason: "action has no release manifest".into(),
@@ -520,6 +559,75 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
         | State::Canceled
         | State::Downloaded
         | State::Applied => Next::State(record.state.clone()),
+        State::RollingBack { .. } => failed("a rollback state in an install".into(), false),
+    }
+}
+
+/// The steps of a signed rollback of the action `undo`:
+/// `Accepted -> RollingBack{point} -> Ready`, or `Failed` when there is nothing to roll back.
+async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str) -> Next {
+    match &record.state {
+        State::Accepted => {
+            let point = match env.store.rollback_point() {
+                Ok(point) => point,
+                Err(e) => return failed(format!("cannot roll back: {e}"), false),
+            };
+            let installed = env.store.installed().ok().flatten();
+            match point {
+                Some(p) if p.action_id == undo && installed.as_ref() == Some(&p.release) => {
+                    Next::State(State::RollingBack { point: p })
+                }
+                Some(p) if p.action_id != undo => failed(
+                    format!(
+                        "nothing to roll back: the installed release was installed by action {}, not {undo}",
+                        p.action_id
+                    ),
+                    false,
+                ),
+                _ => failed(
+                    format!(
+                        "nothing to roll back: this device keeps no release from before action {undo}"
+                    ),
+                    false,
+                ),
+            }
+        }
+        State::RollingBack { point } => {
+            let (mut nothing, mut errors) = (Vec::new(), Vec::new());
+            for (artifact, target_name) in point.artifacts.iter().rev() {
+                let Some(target) = env.targets.get(target_name).cloned() else {
+                    errors.push(format!("target {target_name} is no longer configured"));
+                    continue;
+                };
+                let ctx = ActionContext::new(undo, point.release.name.clone(), artifact.clone());
+                match tokio::task::spawn_blocking(move || target.rollback(&ctx)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e @ TargetError::NothingToRollBack { .. })) => {
+                        nothing.push(format!("{artifact}: {e}"))
+                    }
+                    Ok(Err(e)) => errors.push(format!("{artifact}: {e}")),
+                    Err(e) => errors.push(format!("{artifact}: target step panicked: {e}")),
+                }
+            }
+            if errors.is_empty() && nothing.len() == point.artifacts.len() {
+                return failed(
+                    format!("nothing to roll back: {}", nothing.join("; ")),
+                    false,
+                );
+            }
+            if !errors.is_empty() || !nothing.is_empty() {
+                errors.extend(nothing);
+                return failed(
+                    format!("rollback of action {undo} failed: {}", errors.join("; ")),
+                    false,
+                );
+            }
+            if let Err(e) = env.restore_installed(point) {
+                tracing::error!("{e}");
+            }
+            Next::State(State::Ready)
+        }
+        other => Next::State(other.clone()),
     }
 }
 
@@ -536,7 +644,7 @@ async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, do
             return failed(format!("artifact {}: {reason}", a.name), rolled_back);
         }
     }
-    if let Err(e) = env.set_installed(manifest) {
+    if let Err(e) = env.set_installed(&record.action_id, manifest) {
         tracing::error!("{e}");
     }
     Next::State(done)
@@ -1248,5 +1356,135 @@ mod tests {
             !downloads_dir(&f.env.config).exists(),
             "nothing downloaded while waiting"
         );
+    }
+
+    fn rollback_record(action_id: &str, undo: &str) -> ActionRecord {
+        let mut r = record(b"", State::Accepted, ActionKind::Forced);
+        r.action_id = action_id.into();
+        r.action.action_id = action_id.into();
+        r.action.body = ActionBody::Rollback {
+            action_id: undo.into(),
+        };
+        r.manifest = None;
+        r
+    }
+
+    #[tokio::test]
+    async fn signed_rollback_restores_the_previous_file_and_release() {
+        let f = fixture(None, vec![check("true")]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"release 1").expect("write");
+        let before = InstalledRelease {
+            name: "app-1".into(),
+            version: "1.0".into(),
+            counter: 3,
+        };
+        f.env.store.set_installed(&before).expect("installed");
+        f.env.save_trust(TrustState {
+            installed_counter: 3,
+            last_trusted_time: 0,
+        });
+        let bytes = b"release 2".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes.clone()),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(f.env.trust_state().installed_counter, 4);
+
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-1"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready, "the rollback action is ready");
+        assert_eq!(rec.phase(), Phase::Ready);
+        assert_eq!(std::fs::read(&dest).expect("read"), b"release 1");
+        assert_eq!(f.env.store.installed().expect("read"), Some(before));
+        assert_eq!(
+            crate::trust::read_trust_file(&f.env.config.data_dir).installed_counter,
+            3,
+            "the counter goes back with the release"
+        );
+        assert_eq!(f.env.store.rollback_point().expect("read"), None);
+
+        // A second rollback of the same install has nothing left to return to.
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-2", "act-1"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        match &rec.state {
+            State::Failed {
+                reason,
+                rolled_back: false,
+            } => assert!(reason.starts_with("nothing to roll back: "), "{reason}"),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        assert_eq!(std::fs::read(&dest).expect("read"), b"release 1");
+    }
+
+    #[tokio::test]
+    async fn rollback_with_nothing_kept_fails_cleanly() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-0"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason:
+                    "nothing to roll back: this device keeps no release from before action act-0"
+                        .into(),
+                rolled_back: false
+            }
+        );
+        assert_eq!(
+            target.rollback.load(Ordering::SeqCst),
+            0,
+            "no target touched"
+        );
+        assert_eq!(f.env.store.installed().expect("read"), None);
+    }
+
+    #[tokio::test]
+    async fn rollback_of_an_older_install_is_refused_as_nothing_to_roll_back() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            record(b"x", State::Staged, ActionKind::Forced),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Applied);
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-older"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason: "nothing to roll back: the installed release was installed by action act-1, not act-older".into(),
+                rolled_back: false
+            }
+        );
+        assert_eq!(target.rollback.load(Ordering::SeqCst), 0);
     }
 }

@@ -45,6 +45,20 @@ const INSTALLED: &[u8] = b"installed";
 const SEQ: &[u8] = b"seq";
 const TRUST: &[u8] = b"trust";
 const LAST_ERROR: &[u8] = b"last_error";
+const ROLLBACK: &[u8] = b"rollback";
+
+/// What a signed rollback of the installed release returns to, recorded when an install
+/// finishes: the action that installed it, the release it installed, and what was installed
+/// before (with the installed counter as it was then).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct RollbackPoint {
+    pub action_id: String,
+    pub release: InstalledRelease,
+    pub previous: Option<InstalledRelease>,
+    pub previous_counter: u64,
+    /// `(artifact name, target name)` of every artifact the action installed.
+    pub artifacts: Vec<(String, String)>,
+}
 
 /// Handle to the agent's database; cheap to clone and shareable between tasks.
 #[derive(Clone)]
@@ -215,6 +229,43 @@ impl Store {
 
     pub fn set_installed(&self, release: &InstalledRelease) -> Result<(), StoreError> {
         self.put(&self.meta, INSTALLED, "installed release", release)?;
+        self.flush()
+    }
+
+    /// Sets or (with `None`) forgets the installed release, durably.
+    pub fn replace_installed(&self, release: Option<&InstalledRelease>) -> Result<(), StoreError> {
+        match release {
+            Some(r) => self.set_installed(r),
+            None => {
+                self.meta
+                    .remove(INSTALLED)
+                    .map_err(|source| StoreError::Write {
+                        what: "installed release".into(),
+                        source,
+                    })?;
+                self.flush()
+            }
+        }
+    }
+
+    /// What a signed rollback would return to, if anything.
+    pub fn rollback_point(&self) -> Result<Option<RollbackPoint>, StoreError> {
+        self.get(&self.meta, ROLLBACK, "rollback point")
+    }
+
+    /// Records (or with `None`, forgets) the rollback point, durably.
+    pub fn set_rollback_point(&self, point: Option<&RollbackPoint>) -> Result<(), StoreError> {
+        match point {
+            Some(p) => self.put(&self.meta, ROLLBACK, "rollback point", p)?,
+            None => {
+                self.meta
+                    .remove(ROLLBACK)
+                    .map_err(|source| StoreError::Write {
+                        what: "rollback point".into(),
+                        source,
+                    })?;
+            }
+        }
         self.flush()
     }
 

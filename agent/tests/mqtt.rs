@@ -664,3 +664,79 @@ async fn soft_action_waits_for_consent_given_on_the_command_line() {
     );
     assert_eq!(std::fs::read(&dest).expect("read"), bytes);
 }
+
+/// Replaces the retained desired action of `device`, as the coordinator does for a new action.
+async fn publish_desired(port: u16, device: &str, desired: SignedBlob) {
+    let topics = Topics::default();
+    let id = DeviceId::new(device).expect("device id");
+    let options = MqttOptions::new(format!("test-publisher-{device}"), "127.0.0.1", port);
+    let (client, mut eventloop) = AsyncClient::new(options, 10);
+    client
+        .publish(
+            topics.desired(&id),
+            QoS::AtLeastOnce,
+            true,
+            envelope::encode(&Message::Desired(desired)),
+        )
+        .await
+        .expect("publish desired");
+    tokio::time::timeout(TIMEOUT, async {
+        loop {
+            if let Ok(Event::Incoming(Packet::PubAck(_))) = eventloop.poll().await {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the broker acknowledged the desired action");
+}
+
+/// A signed rollback over the broker: the file and the installed release go back to what the
+/// device kept, and the rollback action is reported Ready under its own id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_rollback_returns_to_the_kept_release() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"factory version").expect("write old");
+    let device = "dev-rollback";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-install-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let config = agent_config(broker.port, dir.path(), device, &dest);
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(seen.last().map(|r| r.phase.clone()), Some(Phase::Ready));
+    assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+
+    publish_desired(
+        broker.port,
+        device,
+        sign_action(
+            device,
+            "act-rollback-1",
+            ActionBody::Rollback {
+                action_id: "act-install-1".into(),
+            },
+        ),
+    )
+    .await;
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().expect("a report");
+    assert_eq!(last.action_id, "act-rollback-1");
+    assert_eq!(last.phase, Phase::Ready, "reports: {seen:#?}");
+    assert_eq!(std::fs::read(&dest).expect("read"), b"factory version");
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let status = flotilla_agent::status(&config).expect("status");
+    assert!(status.contains("installed: nothing recorded"), "{status}");
+}
