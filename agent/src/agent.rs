@@ -95,14 +95,25 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     // Resume an action interrupted by a crash or restart.
     if let Some(record) = env.store.current()? {
         if !record.state.is_terminal() {
-            tracing::info!(action = record.action_id, state = ?record.state, "resuming");
-            running = Some(spawn(
-                env.clone(),
-                record,
-                true,
-                shutdown.clone(),
-                done_tx.clone(),
-            ));
+            // Only unclean stops count (a clean shutdown clears the count), and waiting for
+            // consent or a time window over many reboots is no crash loop.
+            let restarts = if matches!(record.state, State::Waiting { .. }) {
+                0
+            } else {
+                env.store.count_restart(&record)?
+            };
+            if restarts >= env.config.store.max_restarts {
+                machine::give_up(&env, record, restarts).await;
+            } else {
+                tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
+                running = Some(spawn(
+                    env.clone(),
+                    record,
+                    true,
+                    shutdown.clone(),
+                    done_tx.clone(),
+                ));
+            }
         }
     }
 
@@ -177,6 +188,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     tokio::select! {
         _ = &mut grace => {}
         _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+    }
+    if let Err(e) = env.store.clear_restarts() {
+        tracing::warn!("{e}");
     }
     let _ = env.store.flush();
     link_shutdown.cancel();

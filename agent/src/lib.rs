@@ -25,6 +25,7 @@
 //! - [`machine`]: the persisted update state machine.
 //! - [`fetch`]: the pipelined, resumable block fetcher.
 //! - [`health`]: health checks over the soak time.
+//! - [`fault`]: `FLOTILLA_FAULT`, crash points for crash-safety tests.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
 //! - [`consent`]: local consent files for soft and time-forced actions.
 //! - [`status`]: the local status view and the status file a running agent keeps.
@@ -43,6 +44,7 @@ pub mod agent;
 pub mod config;
 pub mod consent;
 pub mod error;
+pub mod fault;
 pub mod fetch;
 pub mod health;
 pub mod link;

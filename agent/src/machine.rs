@@ -109,6 +109,28 @@ impl State {
         )
     }
 
+    /// A short lower-case name, for logs, fault points and give-up reasons.
+    pub fn name(&self) -> &'static str {
+        match self {
+            State::Accepted => "accepted",
+            State::Waiting { .. } => "waiting",
+            State::Downloading { .. } => "downloading",
+            State::Verified => "verified",
+            State::Staging { .. } => "staging",
+            State::Staged => "staged",
+            State::Activating { .. } => "activating",
+            State::Activated => "activated",
+            State::Confirming => "confirming",
+            State::Ready => "ready",
+            State::Failed { .. } => "failed",
+            State::Refused { .. } => "refused",
+            State::Canceled => "canceled",
+            State::Downloaded => "downloaded",
+            State::Applied => "applied",
+            State::RollingBack { .. } => "rolling-back",
+        }
+    }
+
     /// The phase reported for this state.
     pub fn phase(&self, manifest: Option<&ReleaseManifest>) -> Phase {
         match self {
@@ -231,6 +253,7 @@ impl Env {
             // is at risk, and stopping here would strand the device mid-update.
             tracing::error!(action = record.action_id, "{e}");
         }
+        crate::fault::point(&format!("after-{}", record.state.name()));
     }
 
     /// Publishes a report for `record`'s current phase (kept in the outbox until acknowledged),
@@ -648,6 +671,40 @@ async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, do
         tracing::error!("{e}");
     }
     Next::State(done)
+}
+
+/// Ends an action the agent keeps restarting in (a crash loop): rolls the targets back if
+/// anything was staged or switched, persists and reports `Failed`.
+pub async fn give_up(env: &Env, mut record: ActionRecord, restarts: u32) -> ActionRecord {
+    let reason = format!(
+        "gave up after {restarts} restarts in state {}",
+        record.state.name()
+    );
+    tracing::error!(action = record.action_id, "{reason}");
+    let touched = matches!(
+        record.state,
+        State::Staging { .. }
+            | State::Staged
+            | State::Activating { .. }
+            | State::Activated
+            | State::Confirming
+    );
+    let (reason, rolled_back) = if touched {
+        match rollback_all(env, &record).await {
+            Ok(()) => (reason, true),
+            Err(e) => (format!("{reason}; {e}"), false),
+        }
+    } else {
+        (reason, false)
+    };
+    record.state = State::Failed {
+        reason,
+        rolled_back,
+    };
+    env.persist(&record);
+    env.report(&record).await;
+    consent::clear(&env.config.data_dir, &record.action_id);
+    record
 }
 
 fn failed(reason: String, rolled_back: bool) -> Next {

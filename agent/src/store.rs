@@ -46,6 +46,7 @@ const SEQ: &[u8] = b"seq";
 const TRUST: &[u8] = b"trust";
 const LAST_ERROR: &[u8] = b"last_error";
 const ROLLBACK: &[u8] = b"rollback";
+const RESTARTS: &[u8] = b"restarts";
 
 /// What a signed rollback of the installed release returns to, recorded when an install
 /// finishes: the action that installed it, the release it installed, and what was installed
@@ -269,6 +270,39 @@ impl Store {
         self.flush()
     }
 
+    /// Counts a start that found `record` unfinished, durably, and returns how many starts in a
+    /// row found this action in exactly this state. Progress (a download that got further, a
+    /// new state) starts the count again at 1.
+    pub fn count_restart(&self, record: &ActionRecord) -> Result<u32, StoreError> {
+        let state = flotilla_protocol::envelope::to_bytes(&record.state);
+        let last: Option<(String, Vec<u8>, u32)> =
+            self.get(&self.meta, RESTARTS, "restart count")?;
+        let count = match last {
+            Some((id, s, n)) if id == record.action_id && s == state => n.saturating_add(1),
+            _ => 1,
+        };
+        self.put(
+            &self.meta,
+            RESTARTS,
+            "restart count",
+            &(record.action_id.clone(), state, count),
+        )?;
+        self.flush()?;
+        Ok(count)
+    }
+
+    /// Forgets the restart count: the agent stopped cleanly, so the next start is not part of a
+    /// crash loop.
+    pub fn clear_restarts(&self) -> Result<(), StoreError> {
+        self.meta
+            .remove(RESTARTS)
+            .map_err(|source| StoreError::Write {
+                what: "restart count".into(),
+                source,
+            })?;
+        self.flush()
+    }
+
     pub fn trust(&self) -> Result<Option<TrustState>, StoreError> {
         self.get(&self.meta, TRUST, "trust state")
     }
@@ -452,6 +486,30 @@ mod tests {
             running.current().expect("read").map(|r| r.action_id),
             Some("a1".into()),
             "the running agent keeps its database"
+        );
+    }
+
+    #[test]
+    fn restarts_are_counted_per_action_and_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        let staged = record("a1", State::Staged);
+        assert_eq!(store.count_restart(&staged).expect("count"), 1);
+        assert_eq!(store.count_restart(&staged).expect("count"), 2);
+        let moved_on = record("a1", State::Confirming);
+        assert_eq!(
+            store.count_restart(&moved_on).expect("count"),
+            1,
+            "progress resets"
+        );
+        let other = record("a2", State::Confirming);
+        assert_eq!(store.count_restart(&other).expect("count"), 1, "per action");
+        drop(store);
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("reopen");
+        assert_eq!(
+            store.count_restart(&other).expect("count"),
+            2,
+            "survives a restart"
         );
     }
 

@@ -740,3 +740,132 @@ async fn signed_rollback_returns_to_the_kept_release() {
     let status = flotilla_agent::status(&config).expect("status");
     assert!(status.contains("installed: nothing recorded"), "{status}");
 }
+
+/// Writes an agent config file and returns its path.
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("agent.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// Starts the agent binary, with `FLOTILLA_FAULT` set to `fault` if given.
+fn spawn_agent(config: &Path, fault: Option<&str>) -> tokio::process::Child {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"));
+    command
+        .args(["run", "--config"])
+        .arg(config)
+        .env_remove(flotilla_agent::fault::FAULT_VAR)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    if let Some(point) = fault {
+        command.env(flotilla_agent::fault::FAULT_VAR, point);
+    }
+    command.spawn().expect("start agent")
+}
+
+/// A crash right after each persisted transition: the restarted agent finishes the install,
+/// and the file ends up with exactly the new content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_every_persisted_transition_still_ends_ready() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let bytes = artifact();
+    for point in [
+        "after-accepted",
+        "after-downloading",
+        "after-verified",
+        "after-staging",
+        "after-staged",
+        "after-activating",
+        "after-activated",
+        "after-confirming",
+    ] {
+        let sub = dir.path().join(point);
+        std::fs::create_dir_all(&sub).expect("mkdir");
+        let dest = sub.join("app.bin");
+        std::fs::write(&dest, b"old version").expect("write old");
+        let device = format!("dev-{point}");
+        let mut reports = coordinator(
+            broker.port,
+            &device,
+            desired(&device, &format!("act-{point}"), &bytes),
+            bytes.clone(),
+        )
+        .await;
+        let config = write_config(
+            &sub,
+            &agent_config_text(broker.port, &sub, &device, &dest, 0),
+        );
+        let status = tokio::time::timeout(TIMEOUT, spawn_agent(&config, Some(point)).wait())
+            .await
+            .expect("the agent stops at its fault point within 30s")
+            .expect("wait");
+        assert!(!status.success(), "{point}: the agent aborted ({status})");
+        let _agent = spawn_agent(&config, None);
+        let seen = reports_until_final(&mut reports).await;
+        assert_eq!(
+            seen.last().map(|r| r.phase.clone()),
+            Some(Phase::Ready),
+            "{point}: {seen:#?}"
+        );
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes, "{point}");
+    }
+}
+
+/// An update that kills the agent during its health checks (a crash loop) is given up after
+/// `store.max_restarts` restarts: rolled back and reported Failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_is_given_up_and_rolled_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-loop";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-loop-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let text = agent_config_text(broker.port, dir.path(), device, &dest, 0);
+    let check = format!(
+        r#"command = ["/bin/sh", "-c", "test -s {}"]"#,
+        dest.display()
+    );
+    assert!(text.contains(&check));
+    // The health check kills its parent, the agent, like an update that crashes the device.
+    let text = text.replace(&check, r#"command = ["/bin/sh", "-c", "kill -9 $PPID"]"#)
+        + "[store]\nmax_restarts = 2\n";
+    let config = write_config(dir.path(), &text);
+
+    let mut starts = 0;
+    let seen = loop {
+        starts += 1;
+        assert!(starts <= 5, "the agent never gave up");
+        let mut agent = spawn_agent(&config, None);
+        let finished = tokio::select! {
+            r = reports_until_final(&mut reports) => Some(r),
+            _ = agent.wait() => None,
+        };
+        if let Some(seen) = finished {
+            break seen;
+        }
+    };
+    assert_eq!(starts, 3, "first start plus two restarts");
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Failed {
+            reason: "gave up after 2 restarts in state confirming".into(),
+            rolled_back: true
+        }),
+        "{seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
+}
