@@ -92,6 +92,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     // Finished action tasks send their final record here.
     let (done_tx, mut done_rx) = mpsc::channel::<ActionRecord>(4);
     let mut pending: Option<SignedBlob> = None;
+    // A damaged database was moved aside: the first action reconciled from the retained desired
+    // action carries the note to the coordinator.
+    let mut recovered = note;
     // Resume an action interrupted by a crash or restart.
     if let Some(record) = env.store.current()? {
         if !record.state.is_terminal() {
@@ -126,7 +129,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                 }
                 tracing::info!(action = record.action_id, phase = ?record.phase(), "action finished");
                 if let Some(blob) = pending.take() {
-                    handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await;
+                    handle_desired(&env, blob, &mut running, &mut pending, &mut recovered, &shutdown, &done_tx).await;
                 }
             }
             event = events.recv() => match event {
@@ -141,7 +144,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                         let _ = r.inputs.try_send(FetchInput::Reconnected);
                     }
                 }
-                Some(LinkEvent::Desired(blob)) => handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await,
+                Some(LinkEvent::Desired(blob)) => handle_desired(&env, blob, &mut running, &mut pending, &mut recovered, &shutdown, &done_tx).await,
                 Some(LinkEvent::Block(reply)) => {
                     if let Some(r) = &running {
                         // A full queue drops the block; the fetcher asks again.
@@ -243,6 +246,7 @@ async fn handle_desired(
     blob: SignedBlob,
     running: &mut Option<Running>,
     pending: &mut Option<SignedBlob>,
+    recovered: &mut Option<String>,
     shutdown: &CancellationToken,
     done: &mpsc::Sender<ActionRecord>,
 ) {
@@ -301,7 +305,7 @@ async fn handle_desired(
 
     let now = env.now();
     let installed = env.trust_state().installed_counter;
-    let record = match trust::check_all(&blob, config, installed, now) {
+    let mut record = match trust::check_all(&blob, config, installed, now) {
         Err(Refusal(reason)) => refused_record(action, reason),
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);
@@ -314,6 +318,22 @@ async fn handle_desired(
             }
         }
     };
+    if let Some(note) = recovered.take() {
+        // The records of this action went with the damaged database. If it cannot be applied
+        // now (typically: its release is already installed, says the trust file), say why in
+        // a failure the coordinator sees; otherwise it starts again from the beginning.
+        if let State::Refused { reason } = &record.state {
+            record.state = State::Failed {
+                reason: format!("{note}; this action cannot be resumed: {reason}"),
+                rolled_back: false,
+            };
+        } else {
+            tracing::warn!(
+                action = record.action_id,
+                "{note}; starting this action again from the beginning"
+            );
+        }
+    }
     if let State::Refused { reason } = &record.state {
         tracing::warn!(action = record.action_id, "refused: {reason}");
     } else if let Some(r) = running {

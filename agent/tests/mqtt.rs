@@ -869,3 +869,72 @@ async fn a_crash_loop_is_given_up_and_rolled_back() {
     );
     assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
 }
+
+/// A database damaged on disk is moved aside; the agent starts empty, tells the coordinator in
+/// its report on the retained desired action, and leaves the installed release alone (the trust
+/// file still holds its counter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_database_is_moved_aside_and_reported() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-damaged";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-damaged-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let config = write_config(
+        dir.path(),
+        &agent_config_text(broker.port, dir.path(), device, &dest, 0),
+    );
+    let mut agent = spawn_agent(&config, None);
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(seen.last().map(|r| r.phase.clone()), Some(Phase::Ready));
+    agent.start_kill().expect("kill -9");
+    let _ = agent.wait().await;
+
+    let data = dir.path().join("agent-data");
+    let db = data.join("db");
+    for name in ["conf", "db"] {
+        std::fs::write(db.join(name), b"\xff\xfe not a sled file").expect("overwrite");
+    }
+    let _agent = spawn_agent(&config, None);
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().expect("a report");
+    assert_eq!(last.action_id, "act-damaged-1");
+    match &last.phase {
+        Phase::Failed {
+            reason,
+            rolled_back: false,
+        } => {
+            assert!(reason.contains("could not be opened"), "{reason}");
+            assert!(reason.contains("moved it to"), "{reason}");
+            assert!(
+                reason.ends_with(
+                    "this action cannot be resumed: release counter 2 is not higher than installed 2"
+                ),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a failure naming the damage, got {other:?}"),
+    }
+    let aside = std::fs::read_dir(&data)
+        .expect("list data dir")
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().starts_with("db.corrupt-"));
+    assert!(aside, "the damaged database is kept aside for inspection");
+    assert_eq!(
+        std::fs::read(&dest).expect("read"),
+        bytes,
+        "installed file kept"
+    );
+    let status = agent_cli(&["status"], &config).await;
+    assert!(status.contains("last error: database"), "{status}");
+}
