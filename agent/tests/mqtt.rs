@@ -45,36 +45,50 @@ async fn start_broker(dir: &Path) -> Option<Broker> {
         eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
         return None;
     };
-    let port = free_port();
-    let conf = dir.join("mosquitto.conf");
-    std::fs::write(
-        &conf,
-        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-    )
-    .expect("write conf");
-    let child = tokio::process::Command::new(bin)
-        .arg("-c")
-        .arg(&conf)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start mosquitto");
-    // Wait until it accepts connections.
-    tokio::time::timeout(TIMEOUT, async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // Another test may take the same free port between our probe and mosquitto's bind; then
+    // mosquitto exits, and connecting would reach the other test's broker. Try another port.
+    for _ in 0..5 {
+        let port = free_port();
+        let conf = dir.join("mosquitto.conf");
+        std::fs::write(
+            &conf,
+            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        )
+        .expect("write conf");
+        let mut child = tokio::process::Command::new(&bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start mosquitto");
+        // Wait until it accepts connections.
+        let listening = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return false;
+                }
+                if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return matches!(child.try_wait(), Ok(None));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("mosquitto did not start listening within 30s");
+        if listening {
+            return Some(Broker {
+                _child: child,
+                port,
+            });
         }
-    })
-    .await
-    .expect("mosquitto did not start listening within 30s");
-    Some(Broker {
-        _child: child,
-        port,
-    })
+    }
+    panic!("mosquitto could not bind a free port in five tries");
 }
 
 fn key(seed: u8) -> SigningKey {
