@@ -86,22 +86,37 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         trust: Mutex::new(trust_state),
     });
     tracing::info!(device = %env.config.device_id, "agent started");
+    env.write_status_file();
 
     let mut running: Option<Running> = None;
     // Finished action tasks send their final record here.
     let (done_tx, mut done_rx) = mpsc::channel::<ActionRecord>(4);
     let mut pending: Option<SignedBlob> = None;
+    // A damaged database was moved aside: the first action reconciled from the retained desired
+    // action carries the note to the coordinator.
+    let mut recovered = note;
     // Resume an action interrupted by a crash or restart.
     if let Some(record) = env.store.current()? {
         if !record.state.is_terminal() {
-            tracing::info!(action = record.action_id, state = ?record.state, "resuming");
-            running = Some(spawn(
-                env.clone(),
-                record,
-                true,
-                shutdown.clone(),
-                done_tx.clone(),
-            ));
+            // Only unclean stops count (a clean shutdown clears the count), and waiting for
+            // consent or a time window over many reboots is no crash loop.
+            let restarts = if matches!(record.state, State::Waiting { .. }) {
+                0
+            } else {
+                env.store.count_restart(&record)?
+            };
+            if restarts >= env.config.store.max_restarts {
+                machine::give_up(&env, record, restarts).await;
+            } else {
+                tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
+                running = Some(spawn(
+                    env.clone(),
+                    record,
+                    true,
+                    shutdown.clone(),
+                    done_tx.clone(),
+                ));
+            }
         }
     }
 
@@ -114,7 +129,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                 }
                 tracing::info!(action = record.action_id, phase = ?record.phase(), "action finished");
                 if let Some(blob) = pending.take() {
-                    handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await;
+                    handle_desired(&env, blob, &mut running, &mut pending, &mut recovered, &shutdown, &done_tx).await;
                 }
             }
             event = events.recv() => match event {
@@ -129,7 +144,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                         let _ = r.inputs.try_send(FetchInput::Reconnected);
                     }
                 }
-                Some(LinkEvent::Desired(blob)) => handle_desired(&env, blob, &mut running, &mut pending, &shutdown, &done_tx).await,
+                Some(LinkEvent::Desired(blob)) => handle_desired(&env, blob, &mut running, &mut pending, &mut recovered, &shutdown, &done_tx).await,
                 Some(LinkEvent::Block(reply)) => {
                     if let Some(r) = &running {
                         // A full queue drops the block; the fetcher asks again.
@@ -176,6 +191,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     tokio::select! {
         _ = &mut grace => {}
         _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {}
+    }
+    if let Err(e) = env.store.clear_restarts() {
+        tracing::warn!("{e}");
     }
     let _ = env.store.flush();
     link_shutdown.cancel();
@@ -228,6 +246,7 @@ async fn handle_desired(
     blob: SignedBlob,
     running: &mut Option<Running>,
     pending: &mut Option<SignedBlob>,
+    recovered: &mut Option<String>,
     shutdown: &CancellationToken,
     done: &mpsc::Sender<ActionRecord>,
 ) {
@@ -286,18 +305,8 @@ async fn handle_desired(
 
     let now = env.now();
     let installed = env.trust_state().installed_counter;
-    let record = match trust::check_all(&blob, config, installed, now) {
+    let mut record = match trust::check_all(&blob, config, installed, now) {
         Err(Refusal(reason)) => refused_record(action, reason),
-        Ok((action, _)) if matches!(action.body, ActionBody::Rollback { .. }) => ActionRecord {
-            action_id: action.action_id.clone(),
-            rollout_id: action.rollout_id.clone(),
-            state: State::Failed {
-                reason: "signed rollback is not supported by this agent yet".into(),
-                rolled_back: false,
-            },
-            manifest: None,
-            action,
-        },
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);
             ActionRecord {
@@ -309,6 +318,22 @@ async fn handle_desired(
             }
         }
     };
+    if let Some(note) = recovered.take() {
+        // The records of this action went with the damaged database. If it cannot be applied
+        // now (typically: its release is already installed, says the trust file), say why in
+        // a failure the coordinator sees; otherwise it starts again from the beginning.
+        if let State::Refused { reason } = &record.state {
+            record.state = State::Failed {
+                reason: format!("{note}; this action cannot be resumed: {reason}"),
+                rolled_back: false,
+            };
+        } else {
+            tracing::warn!(
+                action = record.action_id,
+                "{note}; starting this action again from the beginning"
+            );
+        }
+    }
     if let State::Refused { reason } = &record.state {
         tracing::warn!(action = record.action_id, "refused: {reason}");
     } else if let Some(r) = running {
@@ -351,49 +376,6 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
         manifest: None,
         action,
     }
-}
-
-/// What `flotilla-agent status` prints.
-pub fn status(config: &Config) -> Result<String, AgentError> {
-    if !crate::store::db_path(&config.data_dir).exists() {
-        return Ok(format!(
-            "no database in {}: the agent has not run yet\n",
-            config.data_dir.display()
-        ));
-    }
-    let (store, trust, _) = open(config)?;
-    let mut out = String::new();
-    match store.installed()? {
-        Some(i) => out.push_str(&format!(
-            "installed: {} {} (counter {})\n",
-            i.name, i.version, i.counter
-        )),
-        None => out.push_str("installed: nothing recorded\n"),
-    }
-    match store.current()? {
-        Some(r) => {
-            let phase = r.phase();
-            out.push_str(&format!(
-                "action: {} (rollout {})\nphase: {}\n",
-                r.action_id,
-                r.rollout_id,
-                phase.name()
-            ));
-            if let Some(reason) = phase.reason() {
-                out.push_str(&format!("reason: {reason}\n"));
-            }
-        }
-        None => out.push_str("action: none\n"),
-    }
-    if let Some(e) = store.last_error()? {
-        out.push_str(&format!("last error: {e}\n"));
-    }
-    out.push_str(&format!(
-        "unacknowledged reports: {}\n",
-        store.outbox().len()
-    ));
-    out.push_str(&format!("trusted time: {}\n", trust.last_trusted_time));
-    Ok(out)
 }
 
 /// The retained payload the agent publishes as its last will (for tests and tools).

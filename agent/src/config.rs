@@ -109,6 +109,8 @@ pub struct DownloadConfig {
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub cache_bytes: u64,
+    /// Restarts that find one action in the same unfinished state before the agent gives it up.
+    pub max_restarts: u32,
 }
 
 impl Config {
@@ -266,14 +268,21 @@ fn default_in_flight() -> usize {
 struct RawStore {
     #[serde(default = "default_cache")]
     cache_bytes: u64,
+    #[serde(default = "default_max_restarts")]
+    max_restarts: u32,
 }
 
 impl Default for RawStore {
     fn default() -> Self {
         Self {
             cache_bytes: default_cache(),
+            max_restarts: default_max_restarts(),
         }
     }
+}
+
+fn default_max_restarts() -> u32 {
+    5
 }
 
 fn default_cache() -> u64 {
@@ -424,6 +433,10 @@ impl TryFrom<RawConfig> for Config {
             ));
         }
 
+        if raw.store.max_restarts == 0 {
+            return Err(invalid("store.max_restarts", "0: must be at least 1"));
+        }
+
         Ok(Config {
             device_id,
             hardware_id: raw.hardware_id,
@@ -440,6 +453,7 @@ impl TryFrom<RawConfig> for Config {
             },
             store: StoreConfig {
                 cache_bytes: raw.store.cache_bytes,
+                max_restarts: raw.store.max_restarts,
             },
         })
     }
@@ -531,6 +545,8 @@ mod tests {
         assert!(e.starts_with("device_id: \"dev/1\""), "{e}");
         let e = err(r#"kind = "file""#, r#"kind = "ab""#);
         assert!(e.starts_with("target[0].kind: \"ab\""), "{e}");
+        let e = err("max_restarts = 5", "max_restarts = 0");
+        assert!(e.starts_with("store.max_restarts: 0"), "{e}");
         let e = err("block_size = 65536", "block_size = 100000");
         assert!(e.starts_with("download.block_size: 100000"), "{e}");
         let e = err(r#"release_keys = ["#, r#"release_keys = ["abc", "#);

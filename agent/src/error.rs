@@ -21,6 +21,18 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("cannot read status file {path} (the agent writes it when it reports): {source}")]
+    ReadStatusFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no action is waiting for local consent; give the action id explicitly")]
+    NothingWaitsForConsent,
+    #[error("cannot write consent file {path}: {source}")]
+    WriteConsent {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot write trust file {path}: {source}")]
     WriteTrustFile {
         path: PathBuf,

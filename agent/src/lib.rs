@@ -13,6 +13,9 @@
 //!   │   Canceled <── (signed cancel, any state before activation)        over the soak time)
 //!   │                                                                      ├──> Ready
 //!   └── every state is persisted (sled) before its side effect runs        └──> Failed{rolled_back}
+//!
+//! A device without health checks goes from Activated straight to Applied: installed, but its
+//! readiness cannot be tracked.
 //! ```
 //!
 //! Layout, one file per concern:
@@ -22,7 +25,10 @@
 //! - [`machine`]: the persisted update state machine.
 //! - [`fetch`]: the pipelined, resumable block fetcher.
 //! - [`health`]: health checks over the soak time.
+//! - [`fault`]: `FLOTILLA_FAULT`, crash points for crash-safety tests.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
+//! - [`consent`]: local consent files for soft and time-forced actions.
+//! - [`status`]: the local status view and the status file a running agent keeps.
 //! - [`agent`]: ties them together: [`run`].
 //!
 //! ```no_run
@@ -36,14 +42,19 @@
 
 pub mod agent;
 pub mod config;
+pub mod consent;
 pub mod error;
+pub mod fault;
 pub mod fetch;
 pub mod health;
 pub mod link;
 pub mod machine;
+pub mod status;
 pub mod store;
 pub mod trust;
 
-pub use agent::{run, status};
+pub use agent::run;
 pub use config::{Config, ConfigError, DEFAULT_CONFIG};
+pub use consent::consent;
 pub use error::AgentError;
+pub use status::status;

@@ -4,6 +4,7 @@
 //! Accepted -> [Waiting] -> Downloading{artifact, done} ... -> Verified -> Downloaded (download-only)
 //!          Verified -> Staging{0..n} -> Staged -> Activating{0..n} -> Activated -> Confirming
 //!          Confirming -> Ready | Failed{reason, rolled_back: true}
+//!          Activated -> Applied (no health checks configured: readiness cannot be tracked)
 //! any state before Activating{0} -> Canceled (on a signed cancel)
 //! any failing step -> Failed{reason, rolled_back}
 //! ```
@@ -33,10 +34,11 @@ use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::consent;
 use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
 use crate::health::{self, Soak};
 use crate::link::{LinkHandle, Outgoing};
-use crate::store::{Store, StoreError};
+use crate::store::{RollbackPoint, Store, StoreError};
 use crate::trust::{self, TrustState};
 
 /// The persisted state of one action. `Idle` is the absence of a running action.
@@ -72,6 +74,13 @@ pub enum State {
     },
     Canceled,
     Downloaded,
+    /// Installed on a device without health checks: readiness cannot be tracked.
+    Applied,
+    /// Intent of a signed rollback: about to return (or returning) every target to what was
+    /// there before `point.action_id`. Repeated after a crash (target rollbacks are repeatable).
+    RollingBack {
+        point: RollbackPoint,
+    },
 }
 
 impl State {
@@ -83,6 +92,7 @@ impl State {
                 | State::Refused { .. }
                 | State::Canceled
                 | State::Downloaded
+                | State::Applied
         )
     }
 
@@ -97,6 +107,28 @@ impl State {
                 | State::Staging { .. }
                 | State::Staged
         )
+    }
+
+    /// A short lower-case name, for logs, fault points and give-up reasons.
+    pub fn name(&self) -> &'static str {
+        match self {
+            State::Accepted => "accepted",
+            State::Waiting { .. } => "waiting",
+            State::Downloading { .. } => "downloading",
+            State::Verified => "verified",
+            State::Staging { .. } => "staging",
+            State::Staged => "staged",
+            State::Activating { .. } => "activating",
+            State::Activated => "activated",
+            State::Confirming => "confirming",
+            State::Ready => "ready",
+            State::Failed { .. } => "failed",
+            State::Refused { .. } => "refused",
+            State::Canceled => "canceled",
+            State::Downloaded => "downloaded",
+            State::Applied => "applied",
+            State::RollingBack { .. } => "rolling-back",
+        }
     }
 
     /// The phase reported for this state.
@@ -133,6 +165,9 @@ impl State {
             },
             State::Canceled => Phase::Canceled,
             State::Downloaded => Phase::Downloaded,
+            State::Applied => Phase::Applied,
+            // Not a phase of its own: a rollback is accepted, then ready or failed.
+            State::RollingBack { .. } => Phase::Accepted,
         }
     }
 }
@@ -218,6 +253,7 @@ impl Env {
             // is at risk, and stopping here would strand the device mid-update.
             tracing::error!(action = record.action_id, "{e}");
         }
+        crate::fault::point(&format!("after-{}", record.state.name()));
     }
 
     /// Publishes a report for `record`'s current phase (kept in the outbox until acknowledged),
@@ -229,6 +265,13 @@ impl Env {
         self.link
             .send(Outgoing::State(self.device_state(true)))
             .await;
+        self.write_status_file();
+    }
+
+    /// Refreshes `<data_dir>/status`, the view `flotilla-agent status` and `consent` read while
+    /// the agent holds the database.
+    pub fn write_status_file(&self) {
+        crate::status::write_status_file(&self.config.data_dir, &self.store, &self.trust_state());
     }
 
     /// Like [`report`](Self::report) but never waits; for download progress.
@@ -280,17 +323,46 @@ impl Env {
         }
     }
 
-    fn set_installed(&self, manifest: &ReleaseManifest) -> Result<(), StoreError> {
+    /// Records `manifest` as installed by `action_id`, first remembering what it replaces so a
+    /// signed rollback can return to it.
+    fn set_installed(&self, action_id: &str, manifest: &ReleaseManifest) -> Result<(), StoreError> {
         let release = InstalledRelease {
             name: manifest.name.clone(),
             version: manifest.version.clone(),
             counter: manifest.counter,
         };
-        self.store.set_installed(&release)?;
         let mut state = self.trust_state();
+        // After a crash between these writes the step runs again; the point recorded the first
+        // time already holds the true previous release, so it is not overwritten.
+        let recorded = self.store.rollback_point()?;
+        if recorded.as_ref().is_none_or(|p| p.action_id != action_id) {
+            self.store.set_rollback_point(Some(&RollbackPoint {
+                action_id: action_id.to_owned(),
+                release: release.clone(),
+                previous: self.store.installed()?,
+                previous_counter: state.installed_counter,
+                artifacts: manifest
+                    .artifacts
+                    .iter()
+                    .map(|a| (a.name.clone(), a.target.clone()))
+                    .collect(),
+            }))?;
+        }
+        self.store.set_installed(&release)?;
         state.installed_counter = state.installed_counter.max(manifest.counter);
         self.save_trust(state);
         Ok(())
+    }
+
+    /// Returns the records to what `point` says was installed before: the only place the
+    /// installed counter goes down.
+    fn restore_installed(&self, point: &RollbackPoint) -> Result<(), StoreError> {
+        self.store.replace_installed(point.previous.as_ref())?;
+        let mut state = self.trust_state();
+        state.installed_counter = point.previous_counter;
+        self.save_trust(state);
+        // One step back only: targets keep one previous version.
+        self.store.set_rollback_point(None)
     }
 }
 
@@ -343,11 +415,15 @@ pub async fn drive(
             env.report(&record).await;
         }
     }
+    consent::clear(&env.config.data_dir, &record.action_id);
     record
 }
 
 /// One transition. Side effects happen here, after the driver persisted `record.state`.
 pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: bool) -> Next {
+    if let ActionBody::Rollback { action_id: undo } = &record.action.body {
+        return rollback_step(env, record, undo).await;
+    }
     let Some(manifest) = record.manifest.clone() else {
         return Next::State(State::Failed {
             reason: "action has no release manifest".into(),
@@ -360,6 +436,24 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
     };
     match &record.state {
         State::Accepted | State::Waiting { .. } => {
+            loop {
+                let consented = consent::given(&env.config.data_dir, &record.action_id);
+                match wait_reason(&record.action, env.now(), consented) {
+                    None => break,
+                    Some((reason, _)) => {
+                        if !matches!(&record.state, State::Waiting { reason: r } if *r == reason) {
+                            return Next::State(State::Waiting { reason });
+                        }
+                    }
+                }
+                // Looked at again every second: consent is a file a person writes and then
+                // watches being taken up, and a time window or a forced time is seconds-exact.
+                tokio::select! {
+                    _ = io.shutdown.cancelled() => return Next::Interrupted,
+                    _ = io.cancel.cancelled() => return Next::State(State::Canceled),
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
             // Check the targets before fetching anything: a target that cannot take an update
             // now fails fast instead of after a long download.
             for a in &manifest.artifacts {
@@ -374,26 +468,10 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                     }
                 }
             }
-            match wait_reason(&record.action, env.now()) {
-                None => Next::State(State::Downloading {
-                    artifact: 0,
-                    done: 0,
-                }),
-                Some((reason, until)) => {
-                    if !matches!(&record.state, State::Waiting { reason: r } if *r == reason) {
-                        return Next::State(State::Waiting { reason });
-                    }
-                    // Already reported as waiting: sleep until it may change, then re-check.
-                    let wait = until.map_or(Duration::from_secs(60), |t| {
-                        Duration::from_secs(t.saturating_sub(env.now()).clamp(1, 60))
-                    });
-                    tokio::select! {
-                        _ = io.shutdown.cancelled() => Next::Interrupted,
-                        _ = io.cancel.cancelled() => Next::State(State::Canceled),
-                        _ = tokio::time::sleep(wait) => Next::State(record.state.clone()),
-                    }
-                }
-            }
+            Next::State(State::Downloading {
+                artifact: 0,
+                done: 0,
+            })
         }
         State::Downloading { artifact, done } => {
             download(env, record, &manifest, *artifact, *done, io).await
@@ -477,6 +555,11 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                 Next::State(State::Activated)
             }
         }
+        // Without health checks there is nothing to soak: confirm at once and say so, because
+        // "ready" would claim a health the device cannot show.
+        State::Activated if env.config.health.checks.is_empty() => {
+            finish(env, record, &manifest, State::Applied).await
+        }
         State::Activated => Next::State(State::Confirming),
         State::Confirming => match health::soak(
             &env.config.health,
@@ -491,29 +574,137 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                 Ok(()) => failed(reason, true),
                 Err(e) => failed(format!("{reason}; {e}"), false),
             },
-            Soak::Healthy => {
-                for a in &manifest.artifacts {
-                    let Some(target) = env.targets.get(&a.target).cloned() else {
-                        continue;
-                    };
-                    let ctx = context(record, &a.name);
-                    if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
-                        let rolled_back = rollback_all(env, record).await.is_ok();
-                        return failed(format!("artifact {}: {reason}", a.name), rolled_back);
-                    }
-                }
-                if let Err(e) = env.set_installed(&manifest) {
-                    tracing::error!("{e}");
-                }
-                Next::State(State::Ready)
-            }
+            Soak::Healthy => finish(env, record, &manifest, State::Ready).await,
         },
         State::Ready
         | State::Failed { .. }
         | State::Refused { .. }
         | State::Canceled
-        | State::Downloaded => Next::State(record.state.clone()),
+        | State::Downloaded
+        | State::Applied => Next::State(record.state.clone()),
+        State::RollingBack { .. } => failed("a rollback state in an install".into(), false),
     }
+}
+
+/// The steps of a signed rollback of the action `undo`:
+/// `Accepted -> RollingBack{point} -> Ready`, or `Failed` when there is nothing to roll back.
+async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str) -> Next {
+    match &record.state {
+        State::Accepted => {
+            let point = match env.store.rollback_point() {
+                Ok(point) => point,
+                Err(e) => return failed(format!("cannot roll back: {e}"), false),
+            };
+            let installed = env.store.installed().ok().flatten();
+            match point {
+                Some(p) if p.action_id == undo && installed.as_ref() == Some(&p.release) => {
+                    Next::State(State::RollingBack { point: p })
+                }
+                Some(p) if p.action_id != undo => failed(
+                    format!(
+                        "nothing to roll back: the installed release was installed by action {}, not {undo}",
+                        p.action_id
+                    ),
+                    false,
+                ),
+                _ => failed(
+                    format!(
+                        "nothing to roll back: this device keeps no release from before action {undo}"
+                    ),
+                    false,
+                ),
+            }
+        }
+        State::RollingBack { point } => {
+            let (mut nothing, mut errors) = (Vec::new(), Vec::new());
+            for (artifact, target_name) in point.artifacts.iter().rev() {
+                let Some(target) = env.targets.get(target_name).cloned() else {
+                    errors.push(format!("target {target_name} is no longer configured"));
+                    continue;
+                };
+                let ctx = ActionContext::new(undo, point.release.name.clone(), artifact.clone());
+                match tokio::task::spawn_blocking(move || target.rollback(&ctx)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e @ TargetError::NothingToRollBack { .. })) => {
+                        nothing.push(format!("{artifact}: {e}"))
+                    }
+                    Ok(Err(e)) => errors.push(format!("{artifact}: {e}")),
+                    Err(e) => errors.push(format!("{artifact}: target step panicked: {e}")),
+                }
+            }
+            if errors.is_empty() && nothing.len() == point.artifacts.len() {
+                return failed(
+                    format!("nothing to roll back: {}", nothing.join("; ")),
+                    false,
+                );
+            }
+            if !errors.is_empty() || !nothing.is_empty() {
+                errors.extend(nothing);
+                return failed(
+                    format!("rollback of action {undo} failed: {}", errors.join("; ")),
+                    false,
+                );
+            }
+            if let Err(e) = env.restore_installed(point) {
+                tracing::error!("{e}");
+            }
+            Next::State(State::Ready)
+        }
+        other => Next::State(other.clone()),
+    }
+}
+
+/// Confirms every target and records the release as installed; `done` is the final state
+/// (`Ready` after a healthy soak, `Applied` on a device without health checks).
+async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, done: State) -> Next {
+    for a in &manifest.artifacts {
+        let Some(target) = env.targets.get(&a.target).cloned() else {
+            continue;
+        };
+        let ctx = context(record, &a.name);
+        if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
+            let rolled_back = rollback_all(env, record).await.is_ok();
+            return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+        }
+    }
+    if let Err(e) = env.set_installed(&record.action_id, manifest) {
+        tracing::error!("{e}");
+    }
+    Next::State(done)
+}
+
+/// Ends an action the agent keeps restarting in (a crash loop): rolls the targets back if
+/// anything was staged or switched, persists and reports `Failed`.
+pub async fn give_up(env: &Env, mut record: ActionRecord, restarts: u32) -> ActionRecord {
+    let reason = format!(
+        "gave up after {restarts} restarts in state {}",
+        record.state.name()
+    );
+    tracing::error!(action = record.action_id, "{reason}");
+    let touched = matches!(
+        record.state,
+        State::Staging { .. }
+            | State::Staged
+            | State::Activating { .. }
+            | State::Activated
+            | State::Confirming
+    );
+    let (reason, rolled_back) = if touched {
+        match rollback_all(env, &record).await {
+            Ok(()) => (reason, true),
+            Err(e) => (format!("{reason}; {e}"), false),
+        }
+    } else {
+        (reason, false)
+    };
+    record.state = State::Failed {
+        reason,
+        rolled_back,
+    };
+    env.persist(&record);
+    env.report(&record).await;
+    consent::clear(&env.config.data_dir, &record.action_id);
+    record
 }
 
 fn failed(reason: String, rolled_back: bool) -> Next {
@@ -577,8 +768,13 @@ async fn rollback_all(env: &Env, record: &ActionRecord) -> Result<(), String> {
     }
 }
 
-/// Why an install must wait now, and until when (if a time is known).
-pub fn wait_reason(action: &DesiredAction, now: UnixTime) -> Option<(String, Option<UnixTime>)> {
+/// Why an install must wait now, and until when (if a time is known). `consented` says the
+/// device's user gave local consent to this action.
+pub fn wait_reason(
+    action: &DesiredAction,
+    now: UnixTime,
+    consented: bool,
+) -> Option<(String, Option<UnixTime>)> {
     let ActionBody::Install { kind, window, .. } = &action.body else {
         return None;
     };
@@ -596,11 +792,16 @@ pub fn wait_reason(action: &DesiredAction, now: UnixTime) -> Option<(String, Opt
             ));
         }
     }
+    let ask = format!(
+        "waiting for local consent (flotilla-agent consent {})",
+        action.action_id
+    );
     match kind {
         ActionKind::Forced | ActionKind::DownloadOnly => None,
-        ActionKind::Soft => Some(("waiting for local consent".into(), None)),
+        ActionKind::Soft | ActionKind::TimeForced { .. } if consented => None,
+        ActionKind::Soft => Some((ask, None)),
         ActionKind::TimeForced { at } if now < *at => {
-            Some((format!("waiting for local consent until {at}"), Some(*at)))
+            Some((format!("{ask}; installs anyway at {at}"), Some(*at)))
         }
         ActionKind::TimeForced { .. } => None,
     }
@@ -763,7 +964,7 @@ mod tests {
     struct Fixture {
         dir: tempfile::TempDir,
         env: Env,
-        _outgoing: mpsc::Receiver<Outgoing>,
+        outgoing: mpsc::Receiver<Outgoing>,
     }
 
     fn fixture(target: Option<Arc<dyn UpdateTarget>>, checks: Vec<HealthCheck>) -> Fixture {
@@ -794,7 +995,7 @@ mod tests {
         Fixture {
             dir,
             env,
-            _outgoing: rx,
+            outgoing: rx,
         }
     }
 
@@ -902,6 +1103,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn without_health_checks_an_install_ends_applied() {
+        let f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"new".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes.clone()),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(rec.phase(), Phase::Applied);
+        assert!(rec.phase().is_terminal());
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        assert_eq!(
+            f.env.store.installed().expect("read").map(|i| i.counter),
+            Some(4),
+            "installed release is recorded"
+        );
+        assert_eq!(
+            crate::trust::read_trust_file(&f.env.config.data_dir).installed_counter,
+            4
+        );
+    }
+
+    #[tokio::test]
     async fn failed_health_check_rolls_back() {
         let f = fixture(None, vec![check("exit 3")]);
         let dest = f.dir.path().join("app.bin");
@@ -956,7 +1185,7 @@ mod tests {
             true,
         )
         .await;
-        assert_eq!(rec.state, State::Ready);
+        assert_eq!(rec.state, State::Applied, "no health checks: applied");
         assert_eq!(target.stage.load(Ordering::SeqCst), 0);
         assert_eq!(target.activate.load(Ordering::SeqCst), 1);
         assert_eq!(target.confirm.load(Ordering::SeqCst), 1);
@@ -1026,9 +1255,27 @@ mod tests {
     fn soft_and_windowed_actions_wait() {
         let mut action = record(b"x", State::Accepted, ActionKind::Soft).action;
         assert_eq!(
-            wait_reason(&action, 10).map(|w| w.0),
-            Some("waiting for local consent".into())
+            wait_reason(&action, 10, false).map(|w| w.0),
+            Some("waiting for local consent (flotilla-agent consent act-1)".into())
         );
+        assert_eq!(wait_reason(&action, 10, true), None, "consent given");
+        if let ActionBody::Install { kind, .. } = &mut action.body {
+            *kind = ActionKind::TimeForced { at: 50 };
+        }
+        assert_eq!(
+            wait_reason(&action, 10, false),
+            Some((
+                "waiting for local consent (flotilla-agent consent act-1); installs anyway at 50"
+                    .into(),
+                Some(50)
+            ))
+        );
+        assert_eq!(
+            wait_reason(&action, 10, true),
+            None,
+            "consent before the time"
+        );
+        assert_eq!(wait_reason(&action, 50, false), None, "forced at its time");
         if let ActionBody::Install { kind, window, .. } = &mut action.body {
             *kind = ActionKind::Forced;
             *window = Some(flotilla_protocol::TimeWindow {
@@ -1037,9 +1284,264 @@ mod tests {
             });
         }
         assert_eq!(
-            wait_reason(&action, 10).map(|w| w.0),
+            wait_reason(&action, 10, false).map(|w| w.0),
             Some("outside the time window: opens at 100".into())
         );
-        assert_eq!(wait_reason(&action, 150), None);
+        assert_eq!(wait_reason(&action, 150, false), None);
+    }
+
+    /// Polls the store until the current action is in a waiting state.
+    async fn until_waiting(env: &Env) {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !matches!(
+                env.store.current().ok().flatten().map(|r| r.state),
+                Some(State::Waiting { .. })
+            ) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the action did not start waiting");
+    }
+
+    fn reported_phases(rx: &mut mpsc::Receiver<Outgoing>) -> Vec<Phase> {
+        let mut out = Vec::new();
+        while let Ok(o) = rx.try_recv() {
+            if let Outgoing::Report(r) = o {
+                out.push(r.phase);
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn soft_install_waits_for_the_consent_file_then_installs() {
+        let mut f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"old").expect("write");
+        let bytes = b"soft update".to_vec();
+        let start = record(&bytes, State::Accepted, ActionKind::Soft);
+        f.env.persist(&start);
+        let data_dir = f.env.config.data_dir.clone();
+        let consenter = async {
+            until_waiting(&f.env).await;
+            assert_eq!(
+                std::fs::read(&dest).expect("read"),
+                b"old",
+                "nothing installed yet"
+            );
+            consent::give(&data_dir, "act-1", 0).expect("consent");
+        };
+        let mut io = io(bytes.clone());
+        let (rec, ()) = tokio::join!(drive(&f.env, start, &mut io, false), consenter);
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let phases = reported_phases(&mut f.outgoing);
+        assert!(
+            phases.contains(&Phase::Waiting {
+                reason: "waiting for local consent (flotilla-agent consent act-1)".into()
+            }),
+            "{phases:?}"
+        );
+        assert!(
+            !consent::given(&data_dir, "act-1"),
+            "consent file is cleared"
+        );
+    }
+
+    #[tokio::test]
+    async fn time_forced_install_proceeds_at_its_time_without_consent() {
+        let mut f = fixture(None, vec![]);
+        let dest = f.dir.path().join("app.bin");
+        let bytes = b"forced later".to_vec();
+        let at = trust::system_now() + 1;
+        let rec = tokio::time::timeout(
+            Duration::from_secs(30),
+            drive(
+                &f.env,
+                record(&bytes, State::Accepted, ActionKind::TimeForced { at }),
+                &mut io(bytes.clone()),
+                false,
+            ),
+        )
+        .await
+        .expect("installed once its time came");
+        assert_eq!(rec.state, State::Applied);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let phases: Vec<&str> = reported_phases(&mut f.outgoing)
+            .iter()
+            .map(Phase::name)
+            .collect();
+        assert_eq!(phases.first(), Some(&"waiting"), "{phases:?}");
+        assert!(trust::system_now() >= at, "not installed before its time");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn restart_while_waiting_keeps_waiting() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let start = record(b"x", State::Accepted, ActionKind::Soft);
+        f.env.persist(&start);
+        // First run: reaches Waiting, then the agent stops.
+        let mut first = io(b"x".to_vec());
+        let shutdown = first.shutdown.clone();
+        let (rec, ()) = tokio::join!(drive(&f.env, start, &mut first, false), async {
+            until_waiting(&f.env).await;
+            shutdown.cancel();
+        });
+        assert!(
+            matches!(rec.state, State::Waiting { .. }),
+            "{:?}",
+            rec.state
+        );
+        // Restarted from the persisted state: an hour later it still waits, nothing fetched.
+        let persisted = f.env.store.current().expect("read").expect("kept");
+        assert!(matches!(persisted.state, State::Waiting { .. }));
+        let mut second = io(b"x".to_vec());
+        let shutdown = second.shutdown.clone();
+        let (rec, ()) = tokio::join!(drive(&f.env, persisted, &mut second, true), async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            shutdown.cancel();
+        });
+        assert!(
+            matches!(rec.state, State::Waiting { .. }),
+            "{:?}",
+            rec.state
+        );
+        assert_eq!(target.stage.load(Ordering::SeqCst), 0, "nothing staged");
+        assert!(
+            !downloads_dir(&f.env.config).exists(),
+            "nothing downloaded while waiting"
+        );
+    }
+
+    fn rollback_record(action_id: &str, undo: &str) -> ActionRecord {
+        let mut r = record(b"", State::Accepted, ActionKind::Forced);
+        r.action_id = action_id.into();
+        r.action.action_id = action_id.into();
+        r.action.body = ActionBody::Rollback {
+            action_id: undo.into(),
+        };
+        r.manifest = None;
+        r
+    }
+
+    #[tokio::test]
+    async fn signed_rollback_restores_the_previous_file_and_release() {
+        let f = fixture(None, vec![check("true")]);
+        let dest = f.dir.path().join("app.bin");
+        std::fs::write(&dest, b"release 1").expect("write");
+        let before = InstalledRelease {
+            name: "app-1".into(),
+            version: "1.0".into(),
+            counter: 3,
+        };
+        f.env.store.set_installed(&before).expect("installed");
+        f.env.save_trust(TrustState {
+            installed_counter: 3,
+            last_trusted_time: 0,
+        });
+        let bytes = b"release 2".to_vec();
+        let rec = drive(
+            &f.env,
+            record(&bytes, State::Accepted, ActionKind::Forced),
+            &mut io(bytes.clone()),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(f.env.trust_state().installed_counter, 4);
+
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-1"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Ready, "the rollback action is ready");
+        assert_eq!(rec.phase(), Phase::Ready);
+        assert_eq!(std::fs::read(&dest).expect("read"), b"release 1");
+        assert_eq!(f.env.store.installed().expect("read"), Some(before));
+        assert_eq!(
+            crate::trust::read_trust_file(&f.env.config.data_dir).installed_counter,
+            3,
+            "the counter goes back with the release"
+        );
+        assert_eq!(f.env.store.rollback_point().expect("read"), None);
+
+        // A second rollback of the same install has nothing left to return to.
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-2", "act-1"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        match &rec.state {
+            State::Failed {
+                reason,
+                rolled_back: false,
+            } => assert!(reason.starts_with("nothing to roll back: "), "{reason}"),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        assert_eq!(std::fs::read(&dest).expect("read"), b"release 1");
+    }
+
+    #[tokio::test]
+    async fn rollback_with_nothing_kept_fails_cleanly() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-0"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason:
+                    "nothing to roll back: this device keeps no release from before action act-0"
+                        .into(),
+                rolled_back: false
+            }
+        );
+        assert_eq!(
+            target.rollback.load(Ordering::SeqCst),
+            0,
+            "no target touched"
+        );
+        assert_eq!(f.env.store.installed().expect("read"), None);
+    }
+
+    #[tokio::test]
+    async fn rollback_of_an_older_install_is_refused_as_nothing_to_roll_back() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let rec = drive(
+            &f.env,
+            record(b"x", State::Staged, ActionKind::Forced),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(rec.state, State::Applied);
+        let rec = drive(
+            &f.env,
+            rollback_record("rb-1", "act-older"),
+            &mut io(vec![]),
+            false,
+        )
+        .await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason: "nothing to roll back: the installed release was installed by action act-1, not act-older".into(),
+                rolled_back: false
+            }
+        );
+        assert_eq!(target.rollback.load(Ordering::SeqCst), 0);
     }
 }

@@ -28,10 +28,18 @@ enum Command {
     },
     /// Print the commented default configuration.
     PrintDefaultConfig,
-    /// Show the installed release and the current action from the local database (no broker).
+    /// Show the installed release and the current action (no broker). Works while the agent
+    /// runs: it then shows the status as of the agent's last report.
     Status {
         #[arg(long)]
         config: PathBuf,
+    },
+    /// Give local consent to a soft or time-forced action (default: the one waiting for it).
+    Consent {
+        #[arg(long)]
+        config: PathBuf,
+        /// The action to consent to; see `status` for the one that waits.
+        action_id: Option<String>,
     },
 }
 
@@ -69,10 +77,16 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Status { config } => {
             let config = flotilla_agent::Config::load(&config)?;
-            let text = flotilla_agent::status(&config).map_err(|e| {
-                anyhow::anyhow!("{e} (a running agent holds the database lock; stop it first)")
-            })?;
-            print!("{text}");
+            print!("{}", flotilla_agent::status(&config)?);
+            Ok(())
+        }
+        Command::Consent { config, action_id } => {
+            let config = flotilla_agent::Config::load(&config)?;
+            let (action_id, path) = flotilla_agent::consent(&config, action_id.as_deref())?;
+            println!(
+                "consent given to {action_id} ({}); the agent proceeds within a second",
+                path.display()
+            );
             Ok(())
         }
         Command::Run { config } => {

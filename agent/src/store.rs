@@ -25,6 +25,8 @@ use crate::trust::TrustState;
 pub enum StoreError {
     #[error("cannot open database {path}: {source}")]
     Open { path: PathBuf, source: sled::Error },
+    #[error("database {path} is in use by another process (is the agent running?)")]
+    Locked { path: PathBuf },
     #[error("cannot move damaged database {path} aside: {source}")]
     MoveAside {
         path: PathBuf,
@@ -43,6 +45,21 @@ const INSTALLED: &[u8] = b"installed";
 const SEQ: &[u8] = b"seq";
 const TRUST: &[u8] = b"trust";
 const LAST_ERROR: &[u8] = b"last_error";
+const ROLLBACK: &[u8] = b"rollback";
+const RESTARTS: &[u8] = b"restarts";
+
+/// What a signed rollback of the installed release returns to, recorded when an install
+/// finishes: the action that installed it, the release it installed, and what was installed
+/// before (with the installed counter as it was then).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct RollbackPoint {
+    pub action_id: String,
+    pub release: InstalledRelease,
+    pub previous: Option<InstalledRelease>,
+    pub previous_counter: u64,
+    /// `(artifact name, target name)` of every artifact the action installed.
+    pub artifacts: Vec<(String, String)>,
+}
 
 /// Handle to the agent's database; cheap to clone and shareable between tasks.
 #[derive(Clone)]
@@ -75,6 +92,9 @@ impl Store {
         let path = db_path(data_dir);
         match Self::open_at(&path, cache_bytes) {
             Ok(store) => Ok((store, None)),
+            // Never "repair" a database another process holds: that would pull it away from
+            // under a running agent.
+            Err(source) if is_lock(&source) => Err(StoreError::Locked { path }),
             Err(source) if is_damage(&source) => {
                 let aside = data_dir.join(format!("db.corrupt-{now}"));
                 std::fs::rename(&path, &aside).map_err(|e| StoreError::MoveAside {
@@ -213,6 +233,76 @@ impl Store {
         self.flush()
     }
 
+    /// Sets or (with `None`) forgets the installed release, durably.
+    pub fn replace_installed(&self, release: Option<&InstalledRelease>) -> Result<(), StoreError> {
+        match release {
+            Some(r) => self.set_installed(r),
+            None => {
+                self.meta
+                    .remove(INSTALLED)
+                    .map_err(|source| StoreError::Write {
+                        what: "installed release".into(),
+                        source,
+                    })?;
+                self.flush()
+            }
+        }
+    }
+
+    /// What a signed rollback would return to, if anything.
+    pub fn rollback_point(&self) -> Result<Option<RollbackPoint>, StoreError> {
+        self.get(&self.meta, ROLLBACK, "rollback point")
+    }
+
+    /// Records (or with `None`, forgets) the rollback point, durably.
+    pub fn set_rollback_point(&self, point: Option<&RollbackPoint>) -> Result<(), StoreError> {
+        match point {
+            Some(p) => self.put(&self.meta, ROLLBACK, "rollback point", p)?,
+            None => {
+                self.meta
+                    .remove(ROLLBACK)
+                    .map_err(|source| StoreError::Write {
+                        what: "rollback point".into(),
+                        source,
+                    })?;
+            }
+        }
+        self.flush()
+    }
+
+    /// Counts a start that found `record` unfinished, durably, and returns how many starts in a
+    /// row found this action in exactly this state. Progress (a download that got further, a
+    /// new state) starts the count again at 1.
+    pub fn count_restart(&self, record: &ActionRecord) -> Result<u32, StoreError> {
+        let state = flotilla_protocol::envelope::to_bytes(&record.state);
+        let last: Option<(String, Vec<u8>, u32)> =
+            self.get(&self.meta, RESTARTS, "restart count")?;
+        let count = match last {
+            Some((id, s, n)) if id == record.action_id && s == state => n.saturating_add(1),
+            _ => 1,
+        };
+        self.put(
+            &self.meta,
+            RESTARTS,
+            "restart count",
+            &(record.action_id.clone(), state, count),
+        )?;
+        self.flush()?;
+        Ok(count)
+    }
+
+    /// Forgets the restart count: the agent stopped cleanly, so the next start is not part of a
+    /// crash loop.
+    pub fn clear_restarts(&self) -> Result<(), StoreError> {
+        self.meta
+            .remove(RESTARTS)
+            .map_err(|source| StoreError::Write {
+                what: "restart count".into(),
+                source,
+            })?;
+        self.flush()
+    }
+
     pub fn trust(&self) -> Result<Option<TrustState>, StoreError> {
         self.get(&self.meta, TRUST, "trust state")
     }
@@ -280,6 +370,11 @@ impl Store {
         }
         out
     }
+}
+
+/// sled reports a held lock as an `Other` I/O error; its message is the only way to tell.
+fn is_lock(e: &sled::Error) -> bool {
+    matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
 }
 
 fn is_damage(e: &sled::Error) -> bool {
@@ -371,6 +466,51 @@ mod tests {
         assert_eq!(store.outbox().len(), 1);
         store.outbox_remove(2).expect("remove");
         assert!(store.outbox().is_empty());
+    }
+
+    #[test]
+    fn a_database_in_use_is_reported_and_never_moved_aside() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (running, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        running
+            .save_action(&record("a1", State::Accepted))
+            .expect("save");
+        let err = Store::open(dir.path(), 1 << 20, 100).expect_err("locked");
+        assert!(matches!(err, StoreError::Locked { .. }), "{err}");
+        assert!(err.to_string().contains("is the agent running?"), "{err}");
+        assert!(
+            !dir.path().join("db.corrupt-100").exists(),
+            "a locked database is not damaged"
+        );
+        assert_eq!(
+            running.current().expect("read").map(|r| r.action_id),
+            Some("a1".into()),
+            "the running agent keeps its database"
+        );
+    }
+
+    #[test]
+    fn restarts_are_counted_per_action_and_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        let staged = record("a1", State::Staged);
+        assert_eq!(store.count_restart(&staged).expect("count"), 1);
+        assert_eq!(store.count_restart(&staged).expect("count"), 2);
+        let moved_on = record("a1", State::Confirming);
+        assert_eq!(
+            store.count_restart(&moved_on).expect("count"),
+            1,
+            "progress resets"
+        );
+        let other = record("a2", State::Confirming);
+        assert_eq!(store.count_restart(&other).expect("count"), 1, "per action");
+        drop(store);
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("reopen");
+        assert_eq!(
+            store.count_restart(&other).expect("count"),
+            2,
+            "survives a restart"
+        );
     }
 
     #[test]

@@ -45,36 +45,50 @@ async fn start_broker(dir: &Path) -> Option<Broker> {
         eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
         return None;
     };
-    let port = free_port();
-    let conf = dir.join("mosquitto.conf");
-    std::fs::write(
-        &conf,
-        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-    )
-    .expect("write conf");
-    let child = tokio::process::Command::new(bin)
-        .arg("-c")
-        .arg(&conf)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start mosquitto");
-    // Wait until it accepts connections.
-    tokio::time::timeout(TIMEOUT, async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // Another test may take the same free port between our probe and mosquitto's bind; then
+    // mosquitto exits, and connecting would reach the other test's broker. Try another port.
+    for _ in 0..5 {
+        let port = free_port();
+        let conf = dir.join("mosquitto.conf");
+        std::fs::write(
+            &conf,
+            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        )
+        .expect("write conf");
+        let mut child = tokio::process::Command::new(&bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start mosquitto");
+        // Wait until it accepts connections.
+        let listening = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return false;
+                }
+                if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return matches!(child.try_wait(), Ok(None));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("mosquitto did not start listening within 30s");
+        if listening {
+            return Some(Broker {
+                _child: child,
+                port,
+            });
         }
-    })
-    .await
-    .expect("mosquitto did not start listening within 30s");
-    Some(Broker {
-        _child: child,
-        port,
-    })
+    }
+    panic!("mosquitto could not bind a free port in five tries");
 }
 
 fn key(seed: u8) -> SigningKey {
@@ -132,10 +146,28 @@ fn now() -> u64 {
 }
 
 fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
+    sign_action(device, action_id, install(artifact, 2, ActionKind::Forced))
+}
+
+/// The coordinator's signature over a desired action with `body`.
+fn sign_action(device: &str, action_id: &str, body: ActionBody) -> SignedBlob {
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body,
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// An install of release `app-{counter}` holding `artifact`, signed by the release key.
+fn install(artifact: &[u8], counter: u64, kind: ActionKind) -> ActionBody {
     let manifest = ReleaseManifest {
-        name: "app-2".into(),
-        version: "2.0".into(),
-        counter: 2,
+        name: format!("app-{counter}"),
+        version: format!("{counter}.0"),
+        counter,
         hardware: vec!["pi4".into()],
         artifacts: vec![Artifact {
             name: "app.bin".into(),
@@ -146,19 +178,11 @@ fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
         created_at: now(),
         expires_at: now() + 3600,
     };
-    let action = DesiredAction {
-        action_id: action_id.into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body: ActionBody::Install {
-            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
-            kind: ActionKind::Forced,
-            window: None,
-        },
-    };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+    ActionBody::Install {
+        manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+        kind,
+        window: None,
+    }
 }
 
 /// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
@@ -566,4 +590,365 @@ async fn resumes_download_after_kill_9() {
         after.iter().all(|&o| o >= first),
         "never asked for the prefix it had: {after:?}"
     );
+}
+
+/// Runs the agent binary with `args`; returns its stdout, or panics with its stderr.
+async fn agent_cli(args: &[&str], config: &Path) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .await
+        .expect("run flotilla-agent");
+    assert!(
+        out.status.success(),
+        "flotilla-agent {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A soft action waits on the device until its user consents from the command line, while the
+/// agent runs and holds the database; then it installs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_action_waits_for_consent_given_on_the_command_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-soft";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        sign_action(device, "act-soft-1", install(&bytes, 2, ActionKind::Soft)),
+        bytes.clone(),
+    )
+    .await;
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        agent_config_text(broker.port, dir.path(), device, &dest, 0),
+    )
+    .expect("write config");
+    let _agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start agent");
+
+    let waiting = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = reports.recv().await {
+            if let Phase::Waiting { reason } = r.phase {
+                return reason;
+            }
+        }
+        String::new()
+    })
+    .await
+    .expect("no waiting report within 30s");
+    assert_eq!(
+        waiting,
+        "waiting for local consent (flotilla-agent consent act-soft-1)"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
+
+    let status = agent_cli(&["status"], &config).await;
+    assert!(status.contains("the agent is running"), "{status}");
+    assert!(
+        status.contains("action: act-soft-1 (rollout r1)"),
+        "{status}"
+    );
+    assert!(status.contains("phase: waiting"), "{status}");
+
+    let said = agent_cli(&["consent"], &config).await;
+    assert!(said.starts_with("consent given to act-soft-1"), "{said}");
+
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Ready),
+        "reports: {seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+}
+
+/// Replaces the retained desired action of `device`, as the coordinator does for a new action.
+async fn publish_desired(port: u16, device: &str, desired: SignedBlob) {
+    let topics = Topics::default();
+    let id = DeviceId::new(device).expect("device id");
+    let options = MqttOptions::new(format!("test-publisher-{device}"), "127.0.0.1", port);
+    let (client, mut eventloop) = AsyncClient::new(options, 10);
+    client
+        .publish(
+            topics.desired(&id),
+            QoS::AtLeastOnce,
+            true,
+            envelope::encode(&Message::Desired(desired)),
+        )
+        .await
+        .expect("publish desired");
+    tokio::time::timeout(TIMEOUT, async {
+        loop {
+            if let Ok(Event::Incoming(Packet::PubAck(_))) = eventloop.poll().await {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the broker acknowledged the desired action");
+}
+
+/// A signed rollback over the broker: the file and the installed release go back to what the
+/// device kept, and the rollback action is reported Ready under its own id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_rollback_returns_to_the_kept_release() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"factory version").expect("write old");
+    let device = "dev-rollback";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-install-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let config = agent_config(broker.port, dir.path(), device, &dest);
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(seen.last().map(|r| r.phase.clone()), Some(Phase::Ready));
+    assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+
+    publish_desired(
+        broker.port,
+        device,
+        sign_action(
+            device,
+            "act-rollback-1",
+            ActionBody::Rollback {
+                action_id: "act-install-1".into(),
+            },
+        ),
+    )
+    .await;
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().expect("a report");
+    assert_eq!(last.action_id, "act-rollback-1");
+    assert_eq!(last.phase, Phase::Ready, "reports: {seen:#?}");
+    assert_eq!(std::fs::read(&dest).expect("read"), b"factory version");
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let status = flotilla_agent::status(&config).expect("status");
+    assert!(status.contains("installed: nothing recorded"), "{status}");
+}
+
+/// Writes an agent config file and returns its path.
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("agent.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// Starts the agent binary, with `FLOTILLA_FAULT` set to `fault` if given.
+fn spawn_agent(config: &Path, fault: Option<&str>) -> tokio::process::Child {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"));
+    command
+        .args(["run", "--config"])
+        .arg(config)
+        .env_remove(flotilla_agent::fault::FAULT_VAR)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    if let Some(point) = fault {
+        command.env(flotilla_agent::fault::FAULT_VAR, point);
+    }
+    command.spawn().expect("start agent")
+}
+
+/// A crash right after each persisted transition: the restarted agent finishes the install,
+/// and the file ends up with exactly the new content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_every_persisted_transition_still_ends_ready() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let bytes = artifact();
+    for point in [
+        "after-accepted",
+        "after-downloading",
+        "after-verified",
+        "after-staging",
+        "after-staged",
+        "after-activating",
+        "after-activated",
+        "after-confirming",
+    ] {
+        let sub = dir.path().join(point);
+        std::fs::create_dir_all(&sub).expect("mkdir");
+        let dest = sub.join("app.bin");
+        std::fs::write(&dest, b"old version").expect("write old");
+        let device = format!("dev-{point}");
+        let mut reports = coordinator(
+            broker.port,
+            &device,
+            desired(&device, &format!("act-{point}"), &bytes),
+            bytes.clone(),
+        )
+        .await;
+        let config = write_config(
+            &sub,
+            &agent_config_text(broker.port, &sub, &device, &dest, 0),
+        );
+        let status = tokio::time::timeout(TIMEOUT, spawn_agent(&config, Some(point)).wait())
+            .await
+            .expect("the agent stops at its fault point within 30s")
+            .expect("wait");
+        assert!(!status.success(), "{point}: the agent aborted ({status})");
+        let _agent = spawn_agent(&config, None);
+        let seen = reports_until_final(&mut reports).await;
+        assert_eq!(
+            seen.last().map(|r| r.phase.clone()),
+            Some(Phase::Ready),
+            "{point}: {seen:#?}"
+        );
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes, "{point}");
+    }
+}
+
+/// An update that kills the agent during its health checks (a crash loop) is given up after
+/// `store.max_restarts` restarts: rolled back and reported Failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_is_given_up_and_rolled_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-loop";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-loop-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let text = agent_config_text(broker.port, dir.path(), device, &dest, 0);
+    let check = format!(
+        r#"command = ["/bin/sh", "-c", "test -s {}"]"#,
+        dest.display()
+    );
+    assert!(text.contains(&check));
+    // The health check kills its parent, the agent, like an update that crashes the device.
+    let text = text.replace(&check, r#"command = ["/bin/sh", "-c", "kill -9 $PPID"]"#)
+        + "[store]\nmax_restarts = 2\n";
+    let config = write_config(dir.path(), &text);
+
+    let mut starts = 0;
+    let seen = loop {
+        starts += 1;
+        assert!(starts <= 5, "the agent never gave up");
+        let mut agent = spawn_agent(&config, None);
+        let finished = tokio::select! {
+            r = reports_until_final(&mut reports) => Some(r),
+            _ = agent.wait() => None,
+        };
+        if let Some(seen) = finished {
+            break seen;
+        }
+    };
+    assert_eq!(starts, 3, "first start plus two restarts");
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Failed {
+            reason: "gave up after 2 restarts in state confirming".into(),
+            rolled_back: true
+        }),
+        "{seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
+}
+
+/// A database damaged on disk is moved aside; the agent starts empty, tells the coordinator in
+/// its report on the retained desired action, and leaves the installed release alone (the trust
+/// file still holds its counter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_database_is_moved_aside_and_reported() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-damaged";
+    let bytes = artifact();
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-damaged-1", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let config = write_config(
+        dir.path(),
+        &agent_config_text(broker.port, dir.path(), device, &dest, 0),
+    );
+    let mut agent = spawn_agent(&config, None);
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(seen.last().map(|r| r.phase.clone()), Some(Phase::Ready));
+    agent.start_kill().expect("kill -9");
+    let _ = agent.wait().await;
+
+    let data = dir.path().join("agent-data");
+    let db = data.join("db");
+    for name in ["conf", "db"] {
+        std::fs::write(db.join(name), b"\xff\xfe not a sled file").expect("overwrite");
+    }
+    let _agent = spawn_agent(&config, None);
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().expect("a report");
+    assert_eq!(last.action_id, "act-damaged-1");
+    match &last.phase {
+        Phase::Failed {
+            reason,
+            rolled_back: false,
+        } => {
+            assert!(reason.contains("could not be opened"), "{reason}");
+            assert!(reason.contains("moved it to"), "{reason}");
+            assert!(
+                reason.ends_with(
+                    "this action cannot be resumed: release counter 2 is not higher than installed 2"
+                ),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a failure naming the damage, got {other:?}"),
+    }
+    let aside = std::fs::read_dir(&data)
+        .expect("list data dir")
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().starts_with("db.corrupt-"));
+    assert!(aside, "the damaged database is kept aside for inspection");
+    assert_eq!(
+        std::fs::read(&dest).expect("read"),
+        bytes,
+        "installed file kept"
+    );
+    let status = agent_cli(&["status"], &config).await;
+    assert!(status.contains("last error: database"), "{status}");
 }

@@ -135,6 +135,9 @@ pub enum Phase {
     },
     /// Download-only actions end here.
     Downloaded,
+    /// Installed and activated; this device has no health checks, so its readiness cannot be
+    /// tracked. Terminal like `Ready`: the installed release is updated.
+    Applied,
 }
 
 impl Phase {
@@ -147,6 +150,7 @@ impl Phase {
                 | Phase::Canceled
                 | Phase::Refused { .. }
                 | Phase::Downloaded
+                | Phase::Applied
         )
     }
 
@@ -165,6 +169,7 @@ impl Phase {
             Phase::Canceled => "canceled",
             Phase::Refused { .. } => "refused",
             Phase::Downloaded => "downloaded",
+            Phase::Applied => "applied",
         }
     }
 

@@ -70,6 +70,7 @@ pub fn phases() -> Vec<Phase> {
             reason: "unknown key".into(),
         },
         Phase::Downloaded,
+        Phase::Applied,
     ]
 }
 
