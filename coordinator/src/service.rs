@@ -1271,8 +1271,9 @@ mod tests {
         .await
         .expect_err("no stages");
         assert!(
-            err.to_string()
-                .contains("spec: strategy empty: stage: [] is not a list of at least one [[stage]] entry"),
+            err.to_string().contains(
+                "spec: strategy empty: stage: [] is not a list of at least one [[stage]] entry"
+            ),
             "{err}"
         );
         let err = ask(

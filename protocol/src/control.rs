@@ -164,6 +164,11 @@ pub struct GroupStatus {
     /// Per-device detail: when it started and ended, the reason of a failure, the attempt.
     #[serde(default)]
     pub device_details: BTreeMap<String, DeviceDetail>,
+    /// Rancher Fleet's per-device states summarised: `Pending` (not started, nothing installed
+    /// yet), `OutOfSync` (not started, an older release installed), `NotReady` (started, not
+    /// ready: in progress, failed, timed out) and `Ready`. Absent from older coordinators.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub summary: BTreeMap<String, usize>,
 }
 
 /// A condition in the KubeFleet style: a type that is true or false since a time, with a reason.

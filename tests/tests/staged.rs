@@ -72,17 +72,26 @@ async fn staged_run_waits_for_approvals_and_its_timed_wait() {
 
     // The canary stage updates, then waits for its approval.
     let status = site
-        .wait_status("run-1", "the canary stage to wait for approval", WAIT, |s| {
-            s.groups[0].state == "waiting"
-        })
+        .wait_status(
+            "run-1",
+            "the canary stage to wait for approval",
+            WAIT,
+            |s| s.groups[0].state == "waiting",
+        )
         .await;
-    assert_eq!(fs::read(site.target_file("canary-1")).expect("read"), FIRMWARE);
+    assert_eq!(
+        fs::read(site.target_file("canary-1")).expect("read"),
+        FIRMWARE
+    );
     assert_eq!(fs::read(site.target_file("prod-a")).expect("read"), OLD);
     let pending: Vec<&ApprovalStatus> = status.approvals.iter().filter(|a| !a.approved).collect();
     assert_eq!(pending.len(), 1, "{status:#?}");
     assert_eq!(pending[0].name, "run-1-canary");
     let waiting = status.waiting.clone().unwrap_or_default();
-    assert!(waiting.contains("flotilla approve run-1-canary"), "{waiting}");
+    assert!(
+        waiting.contains("flotilla approve run-1-canary"),
+        "{waiting}"
+    );
     // The approval request is on the events topic for any MQTT client.
     let published = approvals
         .wait_until("the approval request event", Duration::from_secs(10), |w| {
@@ -139,10 +148,16 @@ async fn staged_run_waits_for_approvals_and_its_timed_wait() {
         .await
         .expect("approved");
     let status = site
-        .wait_status("run-1", "the run to succeed", WAIT, |s| s.state == "finished")
+        .wait_status("run-1", "the run to succeed", WAIT, |s| {
+            s.state == "finished"
+        })
         .await;
     for id in ["canary-1", "prod-a", "prod-b"] {
-        assert_eq!(fs::read(site.target_file(id)).expect("read"), FIRMWARE, "{id}");
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("read"),
+            FIRMWARE,
+            "{id}"
+        );
     }
     assert!(status
         .conditions
@@ -157,7 +172,9 @@ async fn staged_run_waits_for_approvals_and_its_timed_wait() {
     );
     let messages: Vec<String> = status.trace.iter().map(|t| t.message.clone()).collect();
     assert!(
-        messages.iter().any(|m| m.contains("approval run-1-canary approved")),
+        messages
+            .iter()
+            .any(|m| m.contains("approval run-1-canary approved")),
         "{messages:#?}"
     );
 }

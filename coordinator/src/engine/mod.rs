@@ -1173,11 +1173,43 @@ impl Engine {
     }
 
     pub fn status(&self, name: &str) -> Option<RolloutStatus> {
-        self.rollout(name).map(Rollout::status)
+        self.rollout(name).map(|r| self.status_of(r))
     }
 
     pub fn statuses(&self) -> Vec<RolloutStatus> {
-        self.rollouts().map(Rollout::status).collect()
+        self.rollouts().map(|r| self.status_of(r)).collect()
+    }
+
+    /// A rollout's status with what only the registry knows: Fleet's per-group summary of
+    /// Pending, OutOfSync, NotReady and Ready devices.
+    fn status_of(&self, r: &Rollout) -> RolloutStatus {
+        let mut status = r.status();
+        for (g, gs) in r.groups.iter().zip(status.groups.iter_mut()) {
+            let mut summary = BTreeMap::new();
+            for (device, slot) in &g.slots {
+                let state = match &slot.phase {
+                    DevicePhase::Scheduled => {
+                        let installed = self
+                            .devices
+                            .get(device)
+                            .is_some_and(|d| d.installed.is_some());
+                        if installed {
+                            "OutOfSync"
+                        } else {
+                            "Pending"
+                        }
+                    }
+                    DevicePhase::Ready => "Ready",
+                    DevicePhase::Canceled | DevicePhase::Skipped(_) | DevicePhase::RolledBack => {
+                        continue
+                    }
+                    _ => "NotReady",
+                };
+                *summary.entry(state.to_owned()).or_insert(0) += 1;
+            }
+            gs.summary = summary;
+        }
+        status
     }
 
     /// Every device known from its retained state, sorted by id.
@@ -1270,6 +1302,7 @@ impl Rollout {
                             )
                         })
                         .collect(),
+                    summary: BTreeMap::new(),
                 })
                 .collect(),
             trace: self.trace.clone(),

@@ -236,7 +236,7 @@ impl Outcome {
             } => Outcome::Failed(reason.clone()),
             Phase::Refused { reason } => Outcome::Refused(reason.clone()),
             Phase::Canceled => Outcome::Canceled,
-            other if other.name() == "applied" => Outcome::Untracked,
+            Phase::Applied => Outcome::Untracked,
             other => Outcome::Progress(other.name().to_owned()),
         }
     }

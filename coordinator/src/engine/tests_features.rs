@@ -211,6 +211,14 @@ fn fleet_batches_wait_for_the_unavailability_budget() {
     b.create("fw", vec![g], |_| {});
     b.start("fw");
     assert_eq!(b.sent.len(), 50, "the first batch is 50 devices");
+    let summary = b.engine.status("fw").expect("status").groups[0]
+        .summary
+        .clone();
+    assert_eq!(summary["NotReady"], 50);
+    assert_eq!(
+        summary["OutOfSync"], 50,
+        "the devices not started have an older release"
+    );
     // 39 ready: 11 not ready > 10 allowed, so the second batch waits.
     b.ready(&ids(0..39));
     assert_eq!(b.sent.len(), 50);
@@ -226,6 +234,12 @@ fn fleet_batches_wait_for_the_unavailability_budget() {
         "fw",
         "started 50 devices (100 of 100 started, 60 not ready)"
     ));
+    let summary = b.engine.status("fw").expect("status").groups[0]
+        .summary
+        .clone();
+    assert_eq!(summary["Ready"], 40);
+    assert_eq!(summary["NotReady"], 60);
+    assert!(!summary.contains_key("OutOfSync"));
     b.ready(&ids(40..91));
     // 9 not ready of 100, all started: the partition is Ready.
     assert_eq!(b.rollout("fw").groups[0].succeeded_at, Some(T0));
@@ -284,11 +298,26 @@ fn untracked_devices_count_as_available_after_the_unavailable_period() {
     g.pace.concurrency = Some(1);
     b.create("roll", vec![g], |p| p.unavailable_period = 60);
     b.start("roll");
-    // An agent without health checks reports its install as "applied": readiness unknown.
-    let engine_outcome = Outcome::from_phase(&Phase::Ready);
-    assert_eq!(engine_outcome, Outcome::Ready);
-    b.ready(&ids(0..1));
-    assert_eq!(b.sent.len(), 2, "a tracked Ready frees the slot at once");
+    // An agent without health checks reports "applied": installed, readiness unknown.
+    b.report("d000", Phase::Applied);
+    assert_eq!(b.phase("roll", "d000"), "soaking");
+    assert_eq!(
+        b.sent.len(),
+        1,
+        "an untracked device holds its slot for the period"
+    );
+    b.at(59);
+    assert_eq!(b.sent.len(), 1);
+    b.at(60);
+    assert_eq!(b.phase("roll", "d000"), "ready");
+    assert_eq!(
+        b.sent.len(),
+        2,
+        "after the unavailable period it counts as available"
+    );
+    // A tracked Ready frees the slot at once.
+    b.ready(&ids(1..2));
+    assert_eq!(b.rollout("roll").state, RolloutState::Finished);
 }
 
 #[test]
