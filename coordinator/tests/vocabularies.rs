@@ -412,3 +412,347 @@ fn hawkbit_dynamic_rollout_is_accepted_and_keeps_a_group_open() {
     assert_eq!(report.end().1, "idle");
     assert_eq!(code, 2);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Rancher Fleet partitions (rancher-fleet-rollout-strategy)
+
+/// `n` devices; devices `slow` (a range of indexes) are labelled `speed=slow`.
+fn fleet_with_slow(n: usize, slow: std::ops::Range<usize>) -> Fleet {
+    Fleet::generated(
+        n,
+        |i| json!({"speed": if slow.contains(&i) { "slow" } else { "fast" }}),
+    )
+}
+
+#[test]
+fn fleet_50_clusters_one_partition_all_start_at_once() {
+    let fleet = Fleet::plain(50);
+    let plan = plan("rancher/max-unavailable-10.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("all", 50)]));
+    // maxNew 50 and maxUnavailable 10% (in hundredths of a percent).
+    assert_eq!(
+        plan["groups"][0]["pace"],
+        json!({"batch": 50, "gate": {"percent": 1000}, "concurrency": null})
+    );
+
+    // "deploys to all 50 clusters at once (batch behavior overrides maxUnavailable initially)".
+    let (code, report) = simulate("rancher/max-unavailable-10.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(report.started_at(0), 50);
+    assert_eq!(
+        report.at("group all: started 50 devices (50 of 50 started, 50 not ready)"),
+        Some(0)
+    );
+    assert_eq!(
+        report.at("rollout app-2 finished: 50 of 50 devices ready"),
+        Some(30)
+    );
+}
+
+#[test]
+fn fleet_100_clusters_second_batch_waits_until_at_most_10_are_not_ready() {
+    let fleet = fleet_with_slow(100, 40..50);
+    let plan = plan("rancher/max-unavailable-10.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("all", 100)]));
+
+    let (code, report) = simulate(
+        "rancher/max-unavailable-10.toml",
+        &fleet,
+        Some("rancher/hundred-slow.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // "deploys to 50 clusters at once".
+    assert_eq!(report.started_at(0), 50);
+    assert_eq!(report.started("dev-049"), Some(0));
+    assert_eq!(
+        report
+            .at("waiting: group all: 50 of 100 not ready > 10 allowed (10%); the next batch waits"),
+        Some(0)
+    );
+    // At 1 minute 11 of the first 50 are still not ready: more than 10, the batch waits. At 5
+    // minutes dev-039 is ready and exactly 10 are not: the second batch starts.
+    assert_eq!(report.started("dev-050"), Some(300));
+    assert_eq!(report.started_at(300), 50);
+    assert_eq!(
+        report.at("group all: started 50 devices (100 of 100 started, 60 not ready)"),
+        Some(300)
+    );
+    assert_eq!(
+        report.at("group all succeeded: 10 of 100 not ready <= 10 allowed (10%)"),
+        Some(360)
+    );
+    assert_eq!(report.end(), (600, "done".to_owned()));
+}
+
+#[test]
+fn fleet_200_clusters_auto_partition_10_percent_makes_10_partitions_of_20() {
+    let fleet = Fleet::plain(200);
+    let plan = plan("rancher/auto-10-percent.toml", &fleet);
+    let expected: Vec<(String, usize)> = (1..=10).map(|i| (format!("partition-{i}"), 20)).collect();
+    assert_eq!(sizes(&plan), expected);
+    assert_eq!(plan["groups"][9]["devices"][0], "dev-180");
+
+    // With Fleet's default maxUnavailable of 100% every partition is Ready at once.
+    let (code, report) = simulate("rancher/auto-10-percent.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(report.started_at(0), 200);
+}
+
+#[test]
+fn fleet_200_clusters_one_not_ready_partition_may_run_beside_the_next() {
+    let fleet = Fleet::plain(200);
+    let (code, report) = simulate("rancher/auto-10-percent-ready.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    // The first two partitions start together; each later one when an earlier one is Ready,
+    // so at most 40 devices pull the release at a time.
+    assert_eq!(report.started_at(0), 40);
+    assert_eq!(report.started("dev-040"), Some(30));
+    assert_eq!(report.started("dev-180"), Some(120));
+    assert_eq!(
+        report.at("group partition-2 started with 20 devices (group partition-1 is fully started and the unready-group budget allows it)"),
+        Some(0)
+    );
+    let starts = report.start_order();
+    let most = starts
+        .iter()
+        .map(|(_, t)| {
+            starts
+                .iter()
+                .filter(|(_, u)| u <= t && t < &(u + 30))
+                .count()
+        })
+        .max();
+    assert_eq!(most, Some(40), "devices in flight at once");
+
+    // "If one partition is NotReady, rollout can proceed to the next."
+    let (code, report) = simulate(
+        "rancher/auto-10-percent-ready.toml",
+        &fleet,
+        Some("rancher/one-partition-stuck.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2, "dev-000 never becomes ready");
+    assert_eq!(report.phase("dev-000"), "issued");
+    assert_eq!(report.group_state("partition-1"), "running");
+    assert_eq!(report.group_state("partition-10"), "finished");
+    assert_eq!(report.count_phase("ready"), 199);
+
+    // "If two or more partitions become NotReady, rollout pauses."
+    let (code, report) = simulate(
+        "rancher/auto-10-percent-ready.toml",
+        &fleet,
+        Some("rancher/two-partitions-stuck.outcomes.toml"),
+        &["--until", "1d"],
+    );
+    assert_eq!(code, 2);
+    assert_eq!(report.group_state("partition-1"), "running");
+    assert_eq!(report.group_state("partition-2"), "running");
+    assert_eq!(report.group_state("partition-3"), "scheduled");
+    assert_eq!(report.phase("dev-040"), "scheduled");
+    assert_eq!(report.count_phase("ready"), 38);
+}
+
+#[test]
+fn fleet_strict_manual_partitions_wait_for_full_readiness() {
+    let fleet = Fleet::generated(
+        200,
+        |i| json!({"stage": if i < 20 { "demoRollout" } else { "stable" }}),
+    );
+    let plan = plan("rancher/strict-manual.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("demoRollout", 20), ("stable", 180)]));
+    assert_eq!(
+        plan["groups"][1]["success"]["threshold"],
+        json!({"all_but": {"count": 0}})
+    );
+
+    let (code, report) = simulate(
+        "rancher/strict-manual.toml",
+        &fleet,
+        Some("rancher/strict-manual.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // dev-007 is the last of demoRollout to be ready, at 5 minutes: only then does stable start.
+    assert_eq!(
+        report.group_starts(),
+        [("demoRollout".to_owned(), 0), ("stable".to_owned(), 300)]
+    );
+    // Within stable, each batch of 50 waits until every device started so far is ready.
+    assert_eq!(report.started_at(300), 50);
+    assert_eq!(report.started_at(360), 50);
+    assert_eq!(report.started_at(420), 50);
+    assert_eq!(report.started_at(480), 30);
+    assert_eq!(
+        report.at("rollout app-2 finished: 200 of 200 devices ready"),
+        Some(540)
+    );
+}
+
+#[test]
+fn fleet_230_clusters_at_25_percent_round_down_with_a_last_partition_of_2() {
+    let plan = plan("rancher/default-25-percent.toml", &Fleet::plain(230));
+    assert_eq!(
+        sizes(&plan),
+        named(&[
+            ("partition-1", 57),
+            ("partition-2", 57),
+            ("partition-3", 57),
+            ("partition-4", 57),
+            ("partition-5", 2)
+        ])
+    );
+    assert_eq!(plan["groups"][4]["devices"], json!(["dev-228", "dev-229"]));
+}
+
+#[test]
+fn fleet_threshold_50_with_50_percent_makes_2_partitions_of_25() {
+    let plan50 = plan("rancher/threshold-50.toml", &Fleet::plain(50));
+    assert_eq!(
+        sizes(&plan50),
+        named(&[("partition-1", 25), ("partition-2", 25)])
+    );
+    // "Without setting autoPartitionThreshold, those 50 clusters would be in a single partition".
+    let plan = plan("rancher/max-unavailable-10.toml", &Fleet::plain(50));
+    assert_eq!(sizes(&plan), named(&[("all", 50)]));
+    // Below the threshold: one partition.
+    let plan49 = plan_text("rancher/threshold-50.toml", &Fleet::plain(49));
+    assert_eq!(plan49.0, 0, "{}", plan49.2);
+    assert!(plan49.1.contains("49 devices in 1 groups"), "{}", plan49.1);
+}
+
+#[test]
+fn fleet_defaults_make_4_partitions_of_50_that_proceed_regardless_of_readiness() {
+    let fleet = Fleet::plain(200);
+    let plan = plan("rancher/default-25-percent.toml", &fleet);
+    assert_eq!(
+        sizes(&plan),
+        named(&[
+            ("partition-1", 50),
+            ("partition-2", 50),
+            ("partition-3", 50),
+            ("partition-4", 50)
+        ])
+    );
+    assert_eq!(plan["groups"][0]["error"], Value::Null, "Fleet never fails");
+
+    let (code, report) = simulate(
+        "rancher/default-25-percent.toml",
+        &fleet,
+        Some("rancher/defaults.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // "Because maxUnavailable is 100%, each partition is treated as Ready immediately."
+    assert_eq!(report.started_at(0), 200);
+    assert_eq!(
+        report.at("group partition-1 succeeded: 50 of 50 not ready <= 50 allowed (100%)"),
+        Some(0)
+    );
+    assert_eq!(report.phase("dev-000"), "failed");
+    assert_eq!(
+        report.at("rollout app-2 finished: 199 of 200 devices ready, 1 failed"),
+        Some(3600)
+    );
+}
+
+#[test]
+#[ignore = "BUG: no decision-trace entry says why the next partition waits on max_unavailable_partitions"]
+fn fleet_waiting_on_not_ready_partitions_is_in_the_decision_trace() {
+    let (_, report) = simulate(
+        "rancher/auto-10-percent-ready.toml",
+        &Fleet::plain(200),
+        Some("rancher/two-partitions-stuck.outcomes.toml"),
+        &["--until", "1d"],
+    );
+    // Two partitions are NotReady with one allowed: the operator should read why partition-3
+    // does not start, as the batch gate, approvals, windows and the rate limit all say.
+    let waits = report.entries("waiting: ");
+    assert!(
+        waits.iter().any(|(_, m)| m.contains("partition-3")
+            || (m.contains("2 ") && m.contains("not ready") && m.contains("1 allowed"))),
+        "{waits:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// KubeFleet RollingUpdate (kubefleet-safe-rollout)
+
+#[test]
+fn rolling_example_1_picks_3_of_4_and_updates_one_at_a_time() {
+    let fleet = Fleet::fixture("rolling/four-prod.json");
+    let plan = plan("rolling/example-1.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("rolling", 3)]));
+    assert_eq!(
+        plan["groups"][0]["devices"],
+        json!(["cluster-1", "cluster-2", "cluster-3"])
+    );
+    assert_eq!(plan["groups"][0]["pace"]["concurrency"], 1);
+    assert_eq!(plan["unassigned"], json!(["cluster-4"]));
+
+    // "Once the deployment is updated on the first cluster, we will wait for the deployment's
+    // availability to be true before rolling out to the other clusters."
+    let (code, report) = simulate("rolling/example-1.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.start_order(),
+        [
+            ("cluster-1".to_owned(), 0),
+            ("cluster-2".to_owned(), 30),
+            ("cluster-3".to_owned(), 60)
+        ]
+    );
+    assert!(report.0["devices"].get("cluster-4").is_none(), "not picked");
+}
+
+#[test]
+fn rolling_example_1_a_bad_release_stops_spreading_after_the_first_device() {
+    let fleet = Fleet::fixture("rolling/four-prod.json");
+    // "since we rolled out a bad image name update for the deployment its availability will
+    // always be false and hence the rollout for the other two clusters will be stuck".
+    for outcomes in [
+        "rolling/bad-image.outcomes.toml",
+        "rolling/never-available.outcomes.toml",
+    ] {
+        let (code, report) = simulate(
+            "rolling/example-1.toml",
+            &fleet,
+            Some(outcomes),
+            &["--until", "1d"],
+        );
+        assert_eq!(code, 2, "{outcomes}: stuck is not finished");
+        assert_eq!(report.state(), "running", "{outcomes}");
+        assert_eq!(report.phase("cluster-2"), "scheduled", "{outcomes}");
+        assert_eq!(report.phase("cluster-3"), "scheduled", "{outcomes}");
+        assert_eq!(
+            report.at("waiting: group rolling: 1 of 1 allowed at once are not ready"),
+            Some(0),
+            "{outcomes}"
+        );
+        // Nothing else can happen without an operator, so the run ends early.
+        assert_eq!(report.end().1, "idle", "{outcomes}");
+    }
+}
+
+#[test]
+fn rolling_max_surge_is_refused_with_the_reason() {
+    let fleet = Fleet::fixture("rolling/four-prod.json");
+    let (code, out, err) = plan_text("rolling/max-surge.toml", &fleet);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("rolling.max_surge = 1"), "{err}");
+    assert!(err.contains("in place"), "{err}");
+    assert!(err.contains("use max_unavailable"), "{err}");
+}
+
+#[test]
+fn rolling_default_max_unavailable_25_percent_of_4_is_1() {
+    let fleet = Fleet::fixture("rolling/four-prod.json");
+    let plan = plan("rolling/defaults.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("rolling", 4)]));
+    assert_eq!(plan["groups"][0]["pace"]["concurrency"], 1);
+
+    let (code, report) = simulate("rolling/defaults.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    let times: Vec<u64> = report.start_order().into_iter().map(|(_, t)| t).collect();
+    assert_eq!(times, [0, 30, 60, 90]);
+}
