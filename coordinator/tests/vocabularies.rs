@@ -756,3 +756,230 @@ fn rolling_default_max_unavailable_25_percent_of_4_is_1() {
     let times: Vec<u64> = report.start_order().into_iter().map(|(_, t)| t).collect();
     assert_eq!(times, [0, 30, 60, 90]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// KubeFleet staged update runs (kubefleet-staged-update)
+
+const STAGED: &str = "staged/example-strategy.toml";
+
+fn staged_fleet() -> Fleet {
+    Fleet::fixture("staged/example-fleet.json")
+}
+
+#[test]
+fn staged_example_strategy_plans_stages_in_order_with_their_tasks() {
+    let plan = plan(STAGED, &staged_fleet());
+    assert_eq!(
+        sizes(&plan),
+        named(&[("staging", 2), ("canary", 1), ("production", 3)])
+    );
+    // sortingLabelKey order: order 1, 2, 3 are member5, member6, member4.
+    assert_eq!(
+        plan["groups"][2]["devices"],
+        json!(["member5", "member6", "member4"])
+    );
+    assert_eq!(
+        plan["groups"][0]["after"],
+        json!({"approval": false, "wait": 3600})
+    );
+    assert_eq!(
+        plan["groups"][1]["after"],
+        json!({"approval": true, "wait": 0})
+    );
+    assert_eq!(
+        plan["groups"][2]["after"],
+        json!({"approval": true, "wait": 3600})
+    );
+    // "updates clusters within each stage one at a time".
+    assert!(plan["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .all(|g| g["pace"]["concurrency"] == 1));
+    assert_eq!(plan["unassigned"], json!(["member7"]));
+}
+
+#[test]
+fn staged_example_run_starts_each_stage_after_its_approval_and_wait() {
+    let (code, report) = simulate(
+        STAGED,
+        &staged_fleet(),
+        Some("staged/example.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // staging: member1 and member2 one at a time, ready at 1m and 2m; then the 1h TimedWait.
+    // canary: member3 ready at 1h03m; then the approval, given at 2h.
+    // production: by order, one at a time, ready at 2h03m; the approval comes at 2h30m, the
+    // wait ends at 3h03m.
+    assert_eq!(
+        report.group_starts(),
+        [
+            ("staging".to_owned(), 0),
+            ("canary".to_owned(), 3720),
+            ("production".to_owned(), 7200)
+        ]
+    );
+    assert_eq!(report.at("group staging: timed wait elapsed"), Some(3720));
+    assert_eq!(
+        report.start_order(),
+        [
+            ("member1".to_owned(), 0),
+            ("member2".to_owned(), 60),
+            ("member3".to_owned(), 3720),
+            ("member5".to_owned(), 7200),
+            ("member6".to_owned(), 7260),
+            ("member4".to_owned(), 7320)
+        ]
+    );
+    assert_eq!(
+        report.at("approval example-run-canary requested after group canary"),
+        Some(3780)
+    );
+    assert_eq!(
+        report.at("approval example-run-production requested after group production"),
+        Some(7380)
+    );
+    assert_eq!(
+        report.at("approval example-run-production approved"),
+        Some(9000)
+    );
+    assert_eq!(
+        report.at("rollout example-run finished: 6 of 6 devices ready, 0 failed"),
+        Some(7380 + 3600)
+    );
+    // The run ends with KubeFleet's Succeeded condition, and both approvals recorded.
+    let conditions = report.0["rollout"]["conditions"]
+        .as_array()
+        .expect("conditions");
+    assert!(
+        conditions.iter().any(|c| c["type"] == "Succeeded"
+            && c["status"] == true
+            && c["reason"] == "UpdateRunSucceeded"),
+        "{conditions:?}"
+    );
+    let approvals: Vec<(&str, bool)> = report.0["rollout"]["approvals"]
+        .as_array()
+        .expect("approvals")
+        .iter()
+        .map(|a| {
+            (
+                a["name"].as_str().expect("name"),
+                a["approved"].as_bool().expect("approved"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        approvals,
+        [
+            ("example-run-canary", true),
+            ("example-run-production", true)
+        ]
+    );
+}
+
+#[test]
+fn staged_both_after_tasks_must_pass_so_a_late_approval_decides() {
+    let (code, report) = simulate(
+        STAGED,
+        &staged_fleet(),
+        Some("staged/late-approval.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // The wait elapsed at 3h03m, the approval at 5h: the run finishes at the approval.
+    assert_eq!(
+        report.at("group production: timed wait elapsed"),
+        Some(7380 + 3600)
+    );
+    assert_eq!(report.at("rollout example-run finished"), Some(5 * 3600));
+
+    // Without the canary approval, production never starts (members ready after 30s: canary
+    // starts at 1h01m and is ready at 1h01m30s).
+    let (code, report) = simulate(STAGED, &staged_fleet(), None, &["--until", "1d"]);
+    assert_eq!(code, 2);
+    assert_eq!(report.group_state("canary"), "waiting");
+    assert_eq!(report.phase("member5"), "scheduled");
+    assert_eq!(
+        report.at("waiting: group canary waits for approval: flotilla approve example-run-canary"),
+        Some(3690)
+    );
+}
+
+#[test]
+fn staged_before_and_after_approvals_are_named_after_run_and_stage() {
+    let (code, report) = simulate(
+        "staged/before-approval.toml",
+        &staged_fleet(),
+        Some("staged/before-approval.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.at("approval example-run-before-canary requested before group canary: flotilla approve example-run-before-canary"),
+        Some(120)
+    );
+    assert_eq!(
+        report.started("member3"),
+        Some(600),
+        "canary starts on the before approval"
+    );
+    assert_eq!(
+        report.at("approval example-run-canary requested after group canary: flotilla approve example-run-canary"),
+        Some(660)
+    );
+    assert_eq!(
+        report.started("member5"),
+        Some(1200),
+        "production starts on the after approval"
+    );
+}
+
+#[test]
+fn staged_a_failed_device_fails_the_run() {
+    let (code, report) = simulate(
+        STAGED,
+        &staged_fleet(),
+        Some("staged/production-fails.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2, "a failed run is not finished");
+    assert_eq!(report.state(), "failed");
+    assert_eq!(
+        report.at("group production stopped rollout example-run: 1 of 3 failed > 0%"),
+        Some(7320)
+    );
+    assert_eq!(report.phase("member4"), "canceled", "never started");
+    let conditions = report.0["rollout"]["conditions"]
+        .as_array()
+        .expect("conditions");
+    assert!(
+        conditions
+            .iter()
+            .any(|c| c["type"] == "Failed" && c["status"] == true),
+        "{conditions:?}"
+    );
+}
+
+#[test]
+fn staged_stored_strategy_must_be_resolved_and_sort_labels_must_be_integers() {
+    let (code, _, err) = plan_text("staged/stored-strategy.toml", &staged_fleet());
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("strategy \"example-strategy\" was not resolved"),
+        "{err}"
+    );
+
+    let fleet = Fleet::generated(2, |i| {
+        if i == 0 {
+            json!({"environment": "production", "order": "first"})
+        } else {
+            json!({"environment": "production", "order": "2"})
+        }
+    });
+    let (code, _, err) = plan_text(STAGED, &fleet);
+    assert_eq!(code, 1);
+    for word in ["production", "dev-000", "order", "first"] {
+        assert!(err.contains(word), "{word}: {err}");
+    }
+}
