@@ -983,3 +983,203 @@ fn staged_stored_strategy_must_be_resolved_and_sort_labels_must_be_integers() {
         assert!(err.contains(word), "{word}: {err}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Beyond the four documents: rollout-wide policies
+
+/// Ten devices, `dev-000` … `dev-009`; `[groups] count = 2` gives dev-000..004 and dev-005..009.
+fn ten() -> Fleet {
+    Fleet::plain(10)
+}
+
+#[test]
+fn timeout_a_silent_device_times_out_and_counts_as_a_failure() {
+    let (code, report) = simulate(
+        "beyond/timeout.toml",
+        &ten(),
+        Some("beyond/silent.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert_eq!(
+        report.entries("timed out"),
+        [(
+            600,
+            "device dev-002 in group group-1 timed out: no answer within 10m".to_owned()
+        )]
+    );
+    assert_eq!(
+        report.at("group group-1 paused rollout fw-2-4: 1 of 5 failed > 10%"),
+        Some(600)
+    );
+    assert_eq!(report.phase("dev-002"), "timed_out");
+    assert_eq!(report.phase("dev-005"), "scheduled");
+}
+
+#[test]
+fn retries_are_sent_at_the_backoff_times_doubling() {
+    let (code, report) = simulate(
+        "beyond/retry.toml",
+        &ten(),
+        Some("beyond/flaky.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2, "dev-002 fails every attempt");
+    // Attempt 1 fails at 10s; retry 1 after 30s (at 40s) fails at 50s; retry 2 after 60s (at
+    // 1m50s) fails at 2m, and the failure counts.
+    let retries: Vec<(u64, String)> = report.entries("device dev-002");
+    assert_eq!(
+        retries,
+        [
+            (
+                10,
+                "device dev-002 in group group-1: attempt 1 ended (disk full (rolled back)); retry 1 of 2 in 30s".to_owned()
+            ),
+            (40, "device dev-002 in group group-1: attempt 2 sent".to_owned()),
+            (
+                50,
+                "device dev-002 in group group-1: attempt 2 ended (disk full (rolled back)); retry 2 of 2 in 1m".to_owned()
+            ),
+            (110, "device dev-002 in group group-1: attempt 3 sent".to_owned()),
+        ]
+    );
+    assert_eq!(report.phase("dev-002"), "failed");
+    assert_eq!(
+        report.at(
+            "group group-1 paused rollout fw-2-4: every device is done and 4 of 5 ready < 100%"
+        ),
+        Some(120)
+    );
+}
+
+#[test]
+fn offline_skip_leaves_an_offline_device_out_without_failing() {
+    let (code, report) = simulate(
+        "beyond/offline-skip.toml",
+        &ten(),
+        Some("beyond/offline-at-start.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.at("device dev-007 skipped in group group-2: offline when its turn came"),
+        Some(30)
+    );
+    assert_eq!(report.phase("dev-007"), "skipped");
+    assert_eq!(
+        report.at("group group-2 succeeded: 4 of 4 ready >= 100%"),
+        Some(60)
+    );
+    assert_eq!(
+        report.at("rollout fw-2-4 finished: 9 of 10 devices ready, 0 failed"),
+        Some(60)
+    );
+}
+
+#[test]
+fn offline_fail_after_counts_a_vanished_device_timed_out_after_the_grace() {
+    let (code, report) = simulate(
+        "beyond/offline-fail.toml",
+        &ten(),
+        Some("beyond/vanishes.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert_eq!(
+        report.at("device dev-001 in group group-1 timed out: offline for more than 10m"),
+        Some(610)
+    );
+    assert_eq!(
+        report.at("group group-1 stopped rollout fw-2-4: 1 of 5 failed >= 1"),
+        Some(610)
+    );
+    assert_eq!(report.state(), "failed");
+}
+
+#[test]
+fn rate_limit_spaces_starts_and_ramps_up_with_successes() {
+    let (code, report) = simulate(
+        "beyond/rate.toml",
+        &ten(),
+        Some("beyond/quick.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.at("waiting: rate limit of 2.0 devices per minute"),
+        Some(0)
+    );
+    let times: Vec<u64> = report.start_order().into_iter().map(|(_, t)| t).collect();
+    // Two a minute (one every 30s); after 4 successes (the fourth is ready at 1m40s) four a
+    // minute (one every 15s).
+    assert_eq!(times[..8], [0, 30, 60, 90, 105, 120, 135, 150]);
+}
+
+#[test]
+fn maintenance_window_nothing_starts_before_it_opens() {
+    // The run starts at 20:00 UTC; the window opens at 02:00, six hours later.
+    let (code, report) = simulate(
+        "beyond/window.toml",
+        &ten(),
+        None,
+        &["--start", "2027-01-15T20:00:00Z"],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.at("waiting: outside the maintenance windows"),
+        Some(0)
+    );
+    let first = report.start_order()[0].1;
+    assert_eq!(first, 6 * 3600, "the first device starts at 02:00");
+    assert_eq!(report.started_at(6 * 3600), 5);
+    assert_eq!(report.started("dev-005"), Some(6 * 3600 + 30));
+    assert_eq!(report.end(), (6 * 3600 + 60, "done".to_owned()));
+
+    // Started inside the window, the rollout goes at once.
+    let (code, report) = simulate(
+        "beyond/window.toml",
+        &ten(),
+        None,
+        &["--start", "2027-01-15T02:30:00Z"],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(report.started_at(0), 5);
+}
+
+#[test]
+fn soak_the_next_group_starts_only_after_the_soak_time() {
+    let (code, report) = simulate("beyond/soak.toml", &ten(), None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    // Ready at 30s, soaked for 10 minutes: the group succeeds at 10m30s.
+    assert_eq!(
+        report.group_starts(),
+        [("group-1".to_owned(), 0), ("group-2".to_owned(), 630)]
+    );
+    assert_eq!(report.end(), (1260, "done".to_owned()));
+}
+
+#[test]
+fn decision_trace_states_the_numbers_behind_a_pause() {
+    let fleet = Fleet::plain(40);
+    let (code, out, _) = plan_text("beyond/canary-20.toml", &fleet);
+    assert_eq!(code, 0);
+    assert!(out.contains("> 10% failed -> pause"), "{out}");
+
+    let (code, report) = simulate(
+        "beyond/canary-20.toml",
+        &fleet,
+        Some("beyond/three-fail.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2);
+    // 2 of 20 failed is exactly 10%, not more: no pause at 2 minutes.
+    assert_eq!(
+        report.entries("failed >"),
+        [(
+            180,
+            "group canary paused rollout fw-2-4: 3 of 20 failed > 10%".to_owned()
+        )]
+    );
+    assert_eq!(report.state(), "paused");
+    assert_eq!(report.phase("dev-020"), "scheduled");
+}
