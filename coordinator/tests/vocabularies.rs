@@ -1183,3 +1183,120 @@ fn decision_trace_states_the_numbers_behind_a_pause() {
     assert_eq!(report.state(), "paused");
     assert_eq!(report.phase("dev-020"), "scheduled");
 }
+
+#[test]
+fn fleet_manual_partitions_of_40_proceed_once_at_most_4_are_not_ready() {
+    let fleet = Fleet::generated(200, |i| {
+        json!({
+            "rack": (i / 40 + 1).to_string(),
+            "speed": if i < 5 { "slow" } else { "fast" },
+        })
+    });
+    let plan = plan("rancher/manual-40.toml", &fleet);
+    let expected: Vec<(String, usize)> = (1..=5).map(|i| (format!("rack-{i}"), 40)).collect();
+    assert_eq!(sizes(&plan), expected);
+
+    let (code, report) = simulate(
+        "rancher/manual-40.toml",
+        &fleet,
+        Some("rancher/manual-40.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 0, "{}", report.0);
+    // "It deploys up to 50 BundleDeployments at once. So it deploys to all 40 clusters in the
+    // partition in one batch." "Once ≤4 clusters are NotReady, [it] proceeds".
+    assert_eq!(report.started_at(0), 40);
+    assert_eq!(
+        report.at("group rack-1 succeeded: 4 of 40 not ready <= 4 allowed (10%)"),
+        Some(300)
+    );
+    assert_eq!(
+        report.group_starts(),
+        [
+            ("rack-1".to_owned(), 0),
+            ("rack-2".to_owned(), 300),
+            ("rack-3".to_owned(), 360),
+            ("rack-4".to_owned(), 420),
+            ("rack-5".to_owned(), 480)
+        ]
+    );
+    assert_eq!(report.end(), (600, "done".to_owned()));
+}
+
+#[test]
+fn fleet_manual_partition_max_unavailable_overrides_the_rollout_one() {
+    let fleet = Fleet::generated(
+        60,
+        |i| json!({"env": if i < 20 { "staging" } else { "prod" }}),
+    );
+    let plan = plan("rancher/document-partitions.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("demoRollout", 20), ("stable", 40)]));
+    assert_eq!(plan["groups"][0]["pace"]["gate"], json!({"percent": 1000}));
+    assert_eq!(plan["groups"][1]["pace"]["gate"], json!({"percent": 500}));
+    let (_, table, _) = plan_text("rancher/document-partitions.toml", &fleet);
+    assert!(table.contains("next batch at <= 10% not ready"), "{table}");
+    assert!(table.contains("next batch at <= 5% not ready"), "{table}");
+}
+
+#[test]
+fn rolling_max_unavailable_percentage_rounds_down_but_never_below_1() {
+    for (n, concurrency) in [(3, 1), (4, 1), (11, 2), (20, 5)] {
+        let fleet = Fleet::generated(n, |_| json!({"env": "prod"}));
+        let plan = plan("rolling/defaults.toml", &fleet);
+        assert_eq!(
+            plan["groups"][0]["pace"]["concurrency"], concurrency,
+            "25% of {n}"
+        );
+    }
+}
+
+#[test]
+fn timeout_a_timed_out_device_is_retried_with_a_fresh_timeout() {
+    let (code, report) = simulate(
+        "beyond/timeout-retry.toml",
+        &ten(),
+        Some("beyond/silent.outcomes.toml"),
+        &[],
+    );
+    assert_eq!(code, 2);
+    assert_eq!(
+        report.entries("device dev-002"),
+        [
+            (
+                300,
+                "device dev-002 in group group-1: attempt 1 ended (no answer within 5m); retry 1 of 1 in 30s".to_owned()
+            ),
+            (330, "device dev-002 in group group-1: attempt 2 sent".to_owned()),
+            (
+                630,
+                "device dev-002 in group group-1 timed out: no answer within 5m".to_owned()
+            ),
+        ]
+    );
+    assert_eq!(report.phase("dev-002"), "timed_out");
+}
+
+#[test]
+fn hawkbit_percentages_round_up_and_leave_the_rest_unassigned() {
+    // dev-000 and dev-001 are canaries: 10% of 2 is 1; then 10% of the 9 left is 1.
+    let fleet = Fleet::generated(
+        10,
+        |i| json!({"env": if i < 2 { "canary" } else { "prod" }}),
+    );
+    let plan = plan("hawkbit/small-shares.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("canary", 1), ("tenth", 1)]));
+    assert_eq!(plan["groups"][0]["devices"], json!(["dev-000"]));
+    assert_eq!(plan["groups"][1]["devices"], json!(["dev-001"]));
+    assert_eq!(plan["unassigned"].as_array().map(Vec::len), Some(8));
+
+    let (code, report) = simulate("hawkbit/small-shares.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(
+        report.at("rollout fw-2-4 finished: 2 of 2 devices ready"),
+        Some(60)
+    );
+    assert!(
+        report.0["devices"].get("dev-002").is_none(),
+        "not rolled out"
+    );
+}
