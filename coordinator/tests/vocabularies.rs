@@ -1300,3 +1300,30 @@ fn hawkbit_percentages_round_up_and_leave_the_rest_unassigned() {
         "not rolled out"
     );
 }
+
+#[test]
+#[ignore = "BUG: waiting messages print raw Unix seconds (\"timed wait until 1800003720\", \"next opens at 1800064800\")"]
+fn waiting_messages_name_times_an_operator_can_read() {
+    let (_, staged) = simulate(
+        STAGED,
+        &staged_fleet(),
+        Some("staged/example.outcomes.toml"),
+        &[],
+    );
+    let (_, window) = simulate(
+        "beyond/window.toml",
+        &ten(),
+        None,
+        &["--start", "2027-01-15T20:00:00Z"],
+    );
+    for (at, message) in staged
+        .entries("waiting: ")
+        .into_iter()
+        .chain(window.entries("waiting: "))
+    {
+        assert!(
+            !message.contains("18000"),
+            "+{at}s: {message}: a bare Unix time, not a date an operator can read"
+        );
+    }
+}
