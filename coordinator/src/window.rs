@@ -432,6 +432,19 @@ fn value(
 // ---------------------------------------------------------------------------------------------
 // Calendar
 
+/// A Unix time as an RFC 3339 UTC text an operator can read: `2027-01-15T20:00:00Z`.
+pub fn utc_text(unix: u64) -> String {
+    let secs = unix as i64;
+    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
+    let t = secs.rem_euclid(86_400);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        t / 3600,
+        t / 60 % 60,
+        t % 60
+    )
+}
+
 /// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
 pub(crate) fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };

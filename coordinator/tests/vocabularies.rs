@@ -657,7 +657,6 @@ fn fleet_defaults_make_4_partitions_of_50_that_proceed_regardless_of_readiness()
 }
 
 #[test]
-#[ignore = "BUG: no decision-trace entry says why the next partition waits on max_unavailable_partitions"]
 fn fleet_waiting_on_not_ready_partitions_is_in_the_decision_trace() {
     let (_, report) = simulate(
         "rancher/auto-10-percent-ready.toml",
@@ -1302,7 +1301,6 @@ fn hawkbit_percentages_round_up_and_leave_the_rest_unassigned() {
 }
 
 #[test]
-#[ignore = "BUG: waiting messages print raw Unix seconds (\"timed wait until 1800003720\", \"next opens at 1800064800\")"]
 fn waiting_messages_name_times_an_operator_can_read() {
     let (_, staged) = simulate(
         STAGED,

@@ -15,8 +15,9 @@ use super::model::{
 };
 use super::{action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
+use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
-use crate::window::Window;
+use crate::window::{utc_text, Window};
 
 /// What the engine knows about devices, as the rollout logic needs it.
 pub(crate) struct Ctx<'a> {
@@ -194,13 +195,22 @@ impl Rollout {
                 .iter()
                 .filter(|g| g.state != GroupState::Scheduled && !g.released)
                 .count();
-            if unready_budget > 0
-                && self.groups[gi].all_started()
-                && !self.groups[gi].dynamic
-                && unready <= unready_budget
-                && gi + 1 < group_count
-            {
-                continue;
+            let group = &self.groups[gi];
+            if group.all_started() && !group.dynamic && gi + 1 < group_count {
+                if unready_budget > 0 && unready <= unready_budget {
+                    continue;
+                }
+                // Fleet: say why the next partition waits on readiness.
+                if matches!(group.success.threshold, Threshold::AllBut(_)) {
+                    wait.get_or_insert(Wait {
+                        kind: "groups",
+                        text: format!(
+                            "{} waits: {unready} groups not ready > {unready_budget} allowed (group {} is not ready yet)",
+                            self.groups[gi + 1].name,
+                            group.name
+                        ),
+                    });
+                }
             }
             break;
         }
@@ -335,7 +345,10 @@ impl Rollout {
             return Some(Wait {
                 kind: "window",
                 text: match next {
-                    Some(at) => format!("outside the maintenance windows; the next opens at {at}"),
+                    Some(at) => format!(
+                        "outside the maintenance windows; the next opens at {}",
+                        utc_text(at)
+                    ),
                     None => "outside the maintenance windows".to_owned(),
                 },
             });
@@ -691,7 +704,11 @@ impl Rollout {
         if after.wait > 0 {
             let until = succeeded_at + after.wait;
             if now < until {
-                pending.push(format!("timed wait until {until} ({}s left)", until - now));
+                pending.push(format!(
+                    "timed wait until {} ({} left)",
+                    utc_text(until),
+                    seconds(until - now)
+                ));
             } else if !self.groups[gi]
                 .conditions
                 .iter()
