@@ -971,7 +971,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut config = crate::trust::tests::config();
         config.data_dir = dir.path().join("data");
-        config.targets[0].path = dir.path().join("app.bin");
+        config.targets[0].kind = crate::config::TargetKind::File {
+            path: dir.path().join("app.bin"),
+        };
         config.health = crate::config::HealthConfig {
             soak: Duration::ZERO,
             interval: Duration::from_millis(10),
@@ -981,7 +983,7 @@ mod tests {
         let (store, _) = Store::open(&config.data_dir, 1 << 20, 0).expect("store");
         let target = target.unwrap_or_else(|| {
             Arc::new(flotilla_targets::FileTarget::new(
-                config.targets[0].path.clone(),
+                dir.path().join("app.bin"),
             ))
         });
         let (tx, rx) = mpsc::channel(10_000);
