@@ -123,7 +123,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                 env.store.count_restart(&record)?
             };
             if restarts >= env.config.store.max_restarts {
-                machine::give_up(&env, record, restarts).await;
+                let record = machine::give_up(&env, record, restarts).await;
+                if !record.state.is_terminal() {
+                    // Rolled back, and the old content is live only after a reboot: drive that.
+                    running = Some(spawn(
+                        env.clone(),
+                        record,
+                        false,
+                        shutdown.clone(),
+                        done_tx.clone(),
+                    ));
+                }
             } else {
                 tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
                 running = Some(spawn(
