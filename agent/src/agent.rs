@@ -11,12 +11,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use flotilla_protocol::{envelope, ActionBody, DesiredAction, Message, SignedBlob};
-use flotilla_targets::{FileTarget, UpdateTarget};
+use flotilla_targets::{AbTarget, FileTarget, ScriptTarget, TargetError, UpdateTarget};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, TargetKind};
+use crate::config::{Config, ConfigError, TargetKind};
 use crate::error::AgentError;
 use crate::fetch::FetchInput;
 use crate::link::{self, LinkEvent, Outgoing};
@@ -24,18 +24,27 @@ use crate::machine::{self, ActionIo, ActionRecord, Env, State};
 use crate::store::Store;
 use crate::trust::{self, Refusal};
 
-/// Builds the configured update targets, by name.
-pub fn build_targets(config: &Config) -> HashMap<String, Arc<dyn UpdateTarget>> {
-    config
-        .targets
-        .iter()
-        .map(|t| {
-            let target: Arc<dyn UpdateTarget> = match t.kind {
-                TargetKind::File => Arc::new(FileTarget::new(t.path.clone())),
-            };
-            (t.name.clone(), target)
-        })
-        .collect()
+/// Builds the configured update targets, by name. The configuration was validated, so this
+/// only fails if a target refuses settings that validation let through.
+pub fn build_targets(
+    config: &Config,
+) -> Result<HashMap<String, Arc<dyn UpdateTarget>>, ConfigError> {
+    let mut targets = HashMap::new();
+    for (i, t) in config.targets.iter().enumerate() {
+        let refused = |e: TargetError| ConfigError::Invalid {
+            field: format!("target[{i}]"),
+            reason: e.to_string(),
+        };
+        let target: Arc<dyn UpdateTarget> = match &t.kind {
+            TargetKind::File { path } => Arc::new(FileTarget::new(path.clone())),
+            TargetKind::Ab(ab) => Arc::new(AbTarget::new(ab.clone()).map_err(refused)?),
+            TargetKind::Script(script) => {
+                Arc::new(ScriptTarget::new(script.clone()).map_err(refused)?)
+            }
+        };
+        targets.insert(t.name.clone(), target);
+    }
+    Ok(targets)
 }
 
 /// Opens the store and merges the trust file with its mirror in sled.
@@ -76,10 +85,18 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     })?;
     store.set_trust(&trust_state)?;
 
+    let targets = build_targets(&config)?;
+    // Default target state directories live in `<data_dir>/targets/`; the targets create
+    // their own directory but need its parent.
+    let targets_dir = config.data_dir.join("targets");
+    std::fs::create_dir_all(&targets_dir).map_err(|source| AgentError::CreateDataDir {
+        path: targets_dir,
+        source,
+    })?;
     let link_shutdown = CancellationToken::new();
     let (link, mut events) = link::start(&config, link_shutdown.clone());
     let env = Arc::new(Env {
-        targets: build_targets(&config),
+        targets,
         config: Arc::new(config),
         store,
         link,
@@ -106,7 +123,17 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                 env.store.count_restart(&record)?
             };
             if restarts >= env.config.store.max_restarts {
-                machine::give_up(&env, record, restarts).await;
+                let record = machine::give_up(&env, record, restarts).await;
+                if !record.state.is_terminal() {
+                    // Rolled back, and the old content is live only after a reboot: drive that.
+                    running = Some(spawn(
+                        env.clone(),
+                        record,
+                        false,
+                        shutdown.clone(),
+                        done_tx.clone(),
+                    ));
+                }
             } else {
                 tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
                 running = Some(spawn(

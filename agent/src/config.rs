@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
+use flotilla_targets::{
+    AbConfig, AbTarget, BootControlKind, ScriptConfig, ScriptTarget, ScriptTimeouts, TargetError,
+};
 use serde::Deserialize;
 
 /// The commented default configuration.
@@ -70,17 +73,21 @@ pub struct TrustConfig {
     pub coordinator_keys: Vec<VerifyingKey>,
 }
 
-/// The kinds of update target the agent can build from configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The kinds of update target the agent can build from configuration, with their settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TargetKind {
-    File,
+    /// `kind = "file"`: replace one file or directory atomically.
+    File { path: PathBuf },
+    /// `kind = "ab"`: an A/B slot pair switched through a boot-control backend.
+    Ab(AbConfig),
+    /// `kind = "script"`: a user's executable with the fixed subcommands.
+    Script(ScriptConfig),
 }
 
 #[derive(Debug, Clone)]
 pub struct TargetConfig {
     pub name: String,
     pub kind: TargetKind,
-    pub path: PathBuf,
 }
 
 #[derive(Debug, Clone)]
@@ -191,8 +198,36 @@ struct RawTrust {
 struct RawTarget {
     name: String,
     kind: String,
-    path: PathBuf,
+    /// file: the file replaced; script: the executable.
+    path: Option<PathBuf>,
+    /// ab, script: where the target keeps its state; default `<data_dir>/targets/<name>`.
+    state_dir: Option<PathBuf>,
+    /// ab: the two slots.
+    slots: Option<Vec<PathBuf>>,
+    /// ab: `uboot`, `grub` or `file`.
+    bootctl: Option<String>,
+    /// ab: the environment file (grub, file) or `fw_env.config` (uboot).
+    bootctl_path: Option<PathBuf>,
+    /// ab (default `["systemctl", "reboot"]`), script (optional).
+    reboot_command: Option<Vec<String>>,
+    /// script: per-subcommand timeouts.
+    timeouts: Option<RawTimeouts>,
+    /// script: extra environment.
+    env: Option<BTreeMap<String, String>>,
 }
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTimeouts {
+    check: Option<String>,
+    stage: Option<String>,
+    activate: Option<String>,
+    confirm: Option<String>,
+    rollback: Option<String>,
+}
+
+/// Where GRUB keeps its environment block unless `bootctl_path` says otherwise.
+const DEFAULT_GRUBENV: &str = "/boot/grub/grubenv";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -351,32 +386,29 @@ impl TryFrom<RawConfig> for Config {
             if t.name.trim().is_empty() {
                 return Err(invalid(field("name"), "must not be empty"));
             }
+            // The name becomes a directory name (the default state directory of the target).
+            if t.name.starts_with('.')
+                || !t
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+            {
+                return Err(invalid(
+                    field("name"),
+                    format!(
+                        "{:?}: use letters, digits, '.', '_' and '-', not starting with '.'",
+                        t.name
+                    ),
+                ));
+            }
             if targets.iter().any(|o| o.name == t.name) {
                 return Err(invalid(
                     field("name"),
                     format!("{:?} is configured twice", t.name),
                 ));
             }
-            let kind = match t.kind.as_str() {
-                "file" => TargetKind::File,
-                other => {
-                    return Err(invalid(
-                        field("kind"),
-                        format!("{other:?}: supported kinds are \"file\""),
-                    ))
-                }
-            };
-            if !t.path.is_absolute() || t.path.file_name().is_none() {
-                return Err(invalid(
-                    field("path"),
-                    format!("{:?}: must be an absolute path to a file", t.path),
-                ));
-            }
-            targets.push(TargetConfig {
-                name: t.name,
-                kind,
-                path: t.path,
-            });
+            let kind = target_kind(&t, &raw.data_dir, &field)?;
+            targets.push(TargetConfig { name: t.name, kind });
         }
 
         let mut checks = Vec::new();
@@ -459,6 +491,197 @@ impl TryFrom<RawConfig> for Config {
     }
 }
 
+/// Validates one `[[target]]` table; `field` names its fields in errors (`target[1].slots`).
+fn target_kind(
+    t: &RawTarget,
+    data_dir: &Path,
+    field: &dyn Fn(&str) -> String,
+) -> Result<TargetKind, ConfigError> {
+    let only_for = |name: &str, present: bool, kinds: &str| {
+        if present {
+            Err(invalid(
+                field(name),
+                format!("is not a setting of kind {:?} (only of {kinds})", t.kind),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let absolute = |name: &str, path: &Path, what: &str| {
+        if path.is_absolute() && path.file_name().is_some() {
+            Ok(())
+        } else {
+            Err(invalid(
+                field(name),
+                format!("{path:?}: must be an absolute path to {what}"),
+            ))
+        }
+    };
+    let state_dir = || -> Result<PathBuf, ConfigError> {
+        match &t.state_dir {
+            Some(dir) => {
+                absolute("state_dir", dir, "a directory")?;
+                Ok(dir.clone())
+            }
+            None => Ok(data_dir.join("targets").join(&t.name)),
+        }
+    };
+    let reboot_command = |cmd: &Vec<String>| {
+        if cmd.first().is_none_or(|p| p.trim().is_empty()) {
+            Err(invalid(
+                field("reboot_command"),
+                format!(
+                    "{cmd:?}: name a program and its arguments, e.g. [\"systemctl\", \"reboot\"]"
+                ),
+            ))
+        } else {
+            Ok(cmd.clone())
+        }
+    };
+    // The target's own checks name the field without the table; add it.
+    let from_target = |e: TargetError| match e {
+        TargetError::InvalidConfig {
+            field: f,
+            value,
+            reason,
+        } => invalid(field(f), format!("{value:?}: {reason}")),
+        other => invalid(field("kind"), other.to_string()),
+    };
+    match t.kind.as_str() {
+        "file" => {
+            for (name, present) in [
+                ("state_dir", t.state_dir.is_some()),
+                ("slots", t.slots.is_some()),
+                ("bootctl", t.bootctl.is_some()),
+                ("bootctl_path", t.bootctl_path.is_some()),
+                ("reboot_command", t.reboot_command.is_some()),
+                ("timeouts", t.timeouts.is_some()),
+                ("env", t.env.is_some()),
+            ] {
+                only_for(name, present, "\"ab\" or \"script\"")?;
+            }
+            let Some(path) = &t.path else {
+                return Err(invalid(field("path"), "is required for kind \"file\""));
+            };
+            absolute("path", path, "a file")?;
+            Ok(TargetKind::File { path: path.clone() })
+        }
+        "ab" => {
+            only_for("path", t.path.is_some(), "\"file\" or \"script\"")?;
+            only_for("timeouts", t.timeouts.is_some(), "\"script\"")?;
+            only_for("env", t.env.is_some(), "\"script\"")?;
+            let slots = match t.slots.as_deref() {
+                Some([a, b]) => [a.clone(), b.clone()],
+                Some(other) => {
+                    return Err(invalid(
+                        field("slots"),
+                        format!("{other:?}: needs exactly two devices or image files, slot a and slot b"),
+                    ))
+                }
+                None => {
+                    return Err(invalid(
+                        field("slots"),
+                        "is required for kind \"ab\": the two devices, e.g. [\"/dev/mmcblk0p2\", \"/dev/mmcblk0p3\"]",
+                    ))
+                }
+            };
+            for slot in &slots {
+                absolute("slots", slot, "a block device or an image file")?;
+            }
+            let bootctl = match (t.bootctl.as_deref(), &t.bootctl_path) {
+                (Some("uboot"), config) => BootControlKind::UBoot {
+                    config: config.clone(),
+                },
+                (Some("grub"), env_file) => BootControlKind::Grub {
+                    env_file: env_file
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from(DEFAULT_GRUBENV)),
+                },
+                (Some("file"), Some(path)) => BootControlKind::File { path: path.clone() },
+                (Some("file"), None) => {
+                    return Err(invalid(
+                        field("bootctl_path"),
+                        "is required with bootctl = \"file\": the file the boot script reads",
+                    ))
+                }
+                (Some(other), _) => {
+                    return Err(invalid(
+                        field("bootctl"),
+                        format!("{other:?}: supported are \"uboot\", \"grub\" and \"file\""),
+                    ))
+                }
+                (None, _) => {
+                    return Err(invalid(
+                        field("bootctl"),
+                        "is required for kind \"ab\": \"uboot\", \"grub\" or \"file\"",
+                    ))
+                }
+            };
+            if let Some(path) = &t.bootctl_path {
+                absolute("bootctl_path", path, "a file")?;
+            }
+            let config = AbConfig {
+                slots,
+                bootctl,
+                state_dir: state_dir()?,
+                reboot_command: match &t.reboot_command {
+                    Some(cmd) => reboot_command(cmd)?,
+                    None => vec!["systemctl".to_owned(), "reboot".to_owned()],
+                },
+            };
+            AbTarget::new(config.clone()).map_err(from_target)?;
+            Ok(TargetKind::Ab(config))
+        }
+        "script" => {
+            for (name, present) in [
+                ("slots", t.slots.is_some()),
+                ("bootctl", t.bootctl.is_some()),
+                ("bootctl_path", t.bootctl_path.is_some()),
+            ] {
+                only_for(name, present, "\"ab\"")?;
+            }
+            let Some(path) = &t.path else {
+                return Err(invalid(
+                    field("path"),
+                    "is required for kind \"script\": the update script",
+                ));
+            };
+            absolute("path", path, "an executable")?;
+            let mut timeouts = ScriptTimeouts::default();
+            if let Some(raw) = &t.timeouts {
+                for (name, text, slot) in [
+                    ("check", &raw.check, &mut timeouts.check),
+                    ("stage", &raw.stage, &mut timeouts.stage),
+                    ("activate", &raw.activate, &mut timeouts.activate),
+                    ("confirm", &raw.confirm, &mut timeouts.confirm),
+                    ("rollback", &raw.rollback, &mut timeouts.rollback),
+                ] {
+                    let Some(text) = text else { continue };
+                    let name = field(&format!("timeouts.{name}"));
+                    let timeout = parse_duration(&name, text)?;
+                    if timeout.is_zero() {
+                        return Err(invalid(name, format!("{text:?}: must be more than 0")));
+                    }
+                    *slot = timeout;
+                }
+            }
+            let config = ScriptConfig {
+                path: path.clone(),
+                state_dir: state_dir()?,
+                timeouts,
+                env: t.env.clone().unwrap_or_default(),
+                reboot_command: t.reboot_command.as_ref().map(reboot_command).transpose()?,
+            };
+            ScriptTarget::new(config.clone()).map_err(from_target)?;
+            Ok(TargetKind::Script(config))
+        }
+        other => Err(invalid(
+            field("kind"),
+            format!("{other:?}: supported kinds are \"file\", \"ab\" and \"script\""),
+        )),
+    }
+}
+
 fn parse_keys(field: &str, keys: &[String]) -> Result<Vec<VerifyingKey>, ConfigError> {
     if keys.is_empty() {
         return Err(invalid(field, "needs at least one key"));
@@ -517,8 +740,10 @@ mod tests {
         assert_eq!(c.broker.keep_alive, Duration::from_secs(30));
         assert_eq!(c.health.checks[0].name, "app-runs");
         assert_eq!(
-            c.target("app").map(|t| t.path.clone()),
-            Some(PathBuf::from("/opt/app/app.bin"))
+            c.target("app").map(|t| t.kind.clone()),
+            Some(TargetKind::File {
+                path: PathBuf::from("/opt/app/app.bin")
+            })
         );
         assert_eq!(c.labels, vec![("env".to_owned(), "prod".to_owned())]);
     }
@@ -543,8 +768,8 @@ mod tests {
         assert!(e.starts_with("health.soak: \"ten\""), "{e}");
         let e = err(r#"device_id = "dev-1""#, r#"device_id = "dev/1""#);
         assert!(e.starts_with("device_id: \"dev/1\""), "{e}");
-        let e = err(r#"kind = "file""#, r#"kind = "ab""#);
-        assert!(e.starts_with("target[0].kind: \"ab\""), "{e}");
+        let e = err(r#"kind = "file""#, r#"kind = "docker""#);
+        assert!(e.starts_with("target[0].kind: \"docker\""), "{e}");
         let e = err("max_restarts = 5", "max_restarts = 0");
         assert!(e.starts_with("store.max_restarts: 0"), "{e}");
         let e = err("block_size = 65536", "block_size = 100000");
@@ -556,6 +781,142 @@ mod tests {
             r#"path = "relative/app.bin""#,
         );
         assert!(e.starts_with("target[0].path"), "{e}");
+    }
+
+    const FILE_TARGET: &str = "kind = \"file\"\npath = \"/opt/app/app.bin\"";
+
+    #[test]
+    fn ab_target_is_built_with_defaults() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "ab"
+slots = ["/dev/mmcblk0p2", "/dev/mmcblk0p3"]
+bootctl = "uboot""#,
+        )
+        .expect("valid ab target");
+        let Some(TargetKind::Ab(ab)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected an ab target: {:?}", c.targets);
+        };
+        assert_eq!(
+            ab.slots,
+            [
+                PathBuf::from("/dev/mmcblk0p2"),
+                PathBuf::from("/dev/mmcblk0p3")
+            ]
+        );
+        assert_eq!(ab.bootctl, BootControlKind::UBoot { config: None });
+        assert_eq!(ab.reboot_command, ["systemctl", "reboot"]);
+        assert_eq!(
+            ab.state_dir,
+            PathBuf::from("/var/lib/flotilla-agent/targets/app")
+        );
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "ab"
+slots = ["/data/a.img", "/data/b.img"]
+bootctl = "grub""#,
+        )
+        .expect("grub");
+        let Some(TargetKind::Ab(ab)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected an ab target");
+        };
+        assert_eq!(
+            ab.bootctl,
+            BootControlKind::Grub {
+                env_file: PathBuf::from("/boot/grub/grubenv")
+            }
+        );
+    }
+
+    #[test]
+    fn ab_target_errors_name_the_field() {
+        let ab = |rest: &str| {
+            err(
+                FILE_TARGET,
+                &format!("kind = \"ab\"\nbootctl = \"file\"\nbootctl_path = \"/boot/env\"\n{rest}"),
+            )
+        };
+        let e = ab(r#"slots = ["/dev/mmcblk0p2"]"#);
+        assert!(
+            e.starts_with("target[0].slots: [\"/dev/mmcblk0p2\"]: needs exactly two"),
+            "{e}"
+        );
+        let e = ab(r#"slots = ["/dev/sda2", "/dev/sda2"]"#);
+        assert!(e.starts_with("target[0].slots: "), "{e}");
+        assert!(e.contains("must be different"), "{e}");
+        let e = ab(r#"slots = ["/dev/sda2", "sda3"]"#);
+        assert!(
+            e.starts_with("target[0].slots: \"sda3\": must be an absolute"),
+            "{e}"
+        );
+        let e = ab("");
+        assert!(e.starts_with("target[0].slots: is required"), "{e}");
+        let e = ab("slots = [\"/a\", \"/b\"]\nreboot_command = []");
+        assert!(e.starts_with("target[0].reboot_command: []"), "{e}");
+        let e = ab("slots = [\"/a\", \"/b\"]\npath = \"/x\"");
+        assert!(
+            e.starts_with("target[0].path: is not a setting of kind \"ab\""),
+            "{e}"
+        );
+        let e = err(
+            FILE_TARGET,
+            "kind = \"ab\"\nslots = [\"/a\", \"/b\"]\nbootctl = \"lilo\"",
+        );
+        assert!(e.starts_with("target[0].bootctl: \"lilo\""), "{e}");
+        let e = err(
+            FILE_TARGET,
+            "kind = \"ab\"\nslots = [\"/a\", \"/b\"]\nbootctl = \"file\"",
+        );
+        assert!(e.starts_with("target[0].bootctl_path: is required"), "{e}");
+    }
+
+    #[test]
+    fn script_target_takes_timeouts_and_env() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "script"
+path = "/usr/lib/flotilla/compose.sh"
+timeouts = { stage = "45m", confirm = "30s" }
+env = { COMPOSE_DIR = "/srv/app" }"#,
+        )
+        .expect("valid script target");
+        let Some(TargetKind::Script(script)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a script target");
+        };
+        assert_eq!(script.timeouts.stage, Duration::from_secs(45 * 60));
+        assert_eq!(script.timeouts.confirm, Duration::from_secs(30));
+        assert_eq!(script.timeouts.check, ScriptTimeouts::default().check);
+        assert_eq!(
+            script.env.get("COMPOSE_DIR").map(String::as_str),
+            Some("/srv/app")
+        );
+        assert_eq!(script.reboot_command, None);
+
+        let script = |rest: &str| {
+            err(
+                FILE_TARGET,
+                &format!("kind = \"script\"\npath = \"/usr/lib/x.sh\"\n{rest}"),
+            )
+        };
+        let e = script(r#"timeouts = { stage = "0s" }"#);
+        assert!(e.starts_with("target[0].timeouts.stage: \"0s\""), "{e}");
+        let e = script(r#"timeouts = { stage = "soon" }"#);
+        assert!(e.starts_with("target[0].timeouts.stage: \"soon\""), "{e}");
+        let e = script(r#"env = { FLOTILLA_ACTION_ID = "x" }"#);
+        assert!(
+            e.starts_with("target[0].env: \"FLOTILLA_ACTION_ID\""),
+            "{e}"
+        );
+        let e = script(r#"slots = ["/a", "/b"]"#);
+        assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
+        let e = err(FILE_TARGET, "kind = \"script\"\npath = \"x.sh\"");
+        assert!(e.starts_with("target[0].path: \"x.sh\""), "{e}");
+    }
+
+    #[test]
+    fn target_names_are_safe_directory_names() {
+        let e = err(r#"name = "app""#, r#"name = "../app""#);
+        assert!(e.starts_with("target[0].name: \"../app\""), "{e}");
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //!          Activated -> Applied (no health checks configured: readiness cannot be tracked)
 //! any state before Activating{0} -> Canceled (on a signed cancel)
 //! any failing step -> Failed{reason, rolled_back}
+//!
+//! Reboots (a target's activate or rollback answers RebootRequired, e.g. an A/B slot switch):
+//! Activating{i} -> AwaitingReboot{i} --(reboot command; the agent is stopped)-->
+//!     (next start) confirm the boot -> Activating{i+1} | Activated
+//!                                   -> Failed{"...fell back...", rolled_back: true}
+//! a rollback that needs a reboot -> Reverting{reason} --(reboot)--> (next start) Failed{reason, true}
 //! ```
 //!
 //! [`step`] is a plain `match` from one state to the next. The driver ([`drive`]) persists each
@@ -17,6 +23,13 @@
 //!
 //! After a kill -9: Downloading resumes at the first byte not yet on disk; Staged activates;
 //! Activated and Confirming run the health checks again from the start of the soak.
+//!
+//! `AwaitingReboot` is persisted before the reboot command runs. A start that finds it never
+//! stages or activates again: it asks the target to confirm the boot. The target answers
+//! whether the new content runs (go on), the bootloader fell back (Failed, rolled back by the
+//! bootloader), or the device has not rebooted yet (the reboot command runs again).
+//! `Reverting` works the same way for a rollback whose old content is live only after a reboot:
+//! the next start repeats the (repeatable) rollback, which then answers that the old content runs.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -81,6 +94,16 @@ pub enum State {
     RollingBack {
         point: RollbackPoint,
     },
+    /// Artifact `artifact` was activated and its target needs a reboot to make it live.
+    /// Persisted before the reboot command runs; the next start confirms the boot.
+    AwaitingReboot {
+        artifact: u32,
+    },
+    /// The targets were rolled back after `reason`, and the old content is live only after a
+    /// reboot. Persisted before the reboot command runs; the next start finishes as Failed.
+    Reverting {
+        reason: String,
+    },
 }
 
 impl State {
@@ -128,6 +151,8 @@ impl State {
             State::Downloaded => "downloaded",
             State::Applied => "applied",
             State::RollingBack { .. } => "rolling-back",
+            State::AwaitingReboot { .. } => "awaiting-reboot",
+            State::Reverting { .. } => "reverting",
         }
     }
 
@@ -168,6 +193,10 @@ impl State {
             State::Applied => Phase::Applied,
             // Not a phase of its own: a rollback is accepted, then ready or failed.
             State::RollingBack { .. } => Phase::Accepted,
+            // The new content is switched on; it goes live (or is confirmed) after the reboot.
+            State::AwaitingReboot { .. } => Phase::Activated,
+            // An activation is still what runs until the reboot into the old content.
+            State::Reverting { .. } => Phase::Activated,
         }
     }
 }
@@ -422,7 +451,7 @@ pub async fn drive(
 /// One transition. Side effects happen here, after the driver persisted `record.state`.
 pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: bool) -> Next {
     if let ActionBody::Rollback { action_id: undo } = &record.action.body {
-        return rollback_step(env, record, undo).await;
+        return rollback_step(env, record, undo, io).await;
     }
     let Some(manifest) = record.manifest.clone() else {
         return Next::State(State::Failed {
@@ -523,36 +552,82 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
                 );
             };
             if resumed && !target.activate_is_repeatable() {
-                let rolled_back = rollback_all(env, record).await.is_ok();
-                return failed(
-                    format!(
-                        "activating artifact {} was interrupted and target {} cannot repeat it",
-                        a.name, a.target
-                    ),
-                    rolled_back,
+                let reason = format!(
+                    "activating artifact {} was interrupted and target {} cannot repeat it",
+                    a.name, a.target
                 );
+                return revert(env, record, reason).await;
             }
             let ctx = context(record, &a.name);
             match blocking(move || target.activate(&ctx)).await {
-                Ok(Activation::Done) => {}
-                Ok(Activation::RebootRequired) => {
-                    // Rebooting is the operator's business for now; health checks decide.
-                    tracing::warn!(
-                        artifact = a.name,
-                        "target asks for a reboot; this agent does not reboot by itself"
-                    );
-                }
-                Err(reason) => {
-                    let rolled_back = rollback_all(env, record).await.is_ok();
-                    return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+                Ok(Activation::Done) => after_activation(&manifest, *artifact),
+                // Persisted first; the reboot command runs in the next step.
+                Ok(Activation::RebootRequired) => Next::State(State::AwaitingReboot {
+                    artifact: *artifact,
+                }),
+                Err(reason) => revert(env, record, format!("artifact {}: {reason}", a.name)).await,
+            }
+        }
+        State::AwaitingReboot { artifact } => {
+            let Some((a, target)) = artifact_target(env, &manifest, *artifact) else {
+                return failed(
+                    format!("artifact #{artifact} has no configured target"),
+                    false,
+                );
+            };
+            if resumed {
+                let ctx = context(record, &a.name);
+                let confirming = target.clone();
+                let confirmed = match blocking_raw(move || confirming.confirm(&ctx)).await {
+                    Ok(confirmed) => confirmed,
+                    Err(e) => {
+                        return revert(env, record, format!("artifact {}: {e}", a.name)).await
+                    }
+                };
+                match confirmed {
+                    Ok(()) => {
+                        tracing::info!(artifact = a.name, "the new content runs after the reboot");
+                        return after_activation(&manifest, *artifact);
+                    }
+                    // The bootloader already returned to the old content; roll the other
+                    // targets back too.
+                    Err(e @ TargetError::FellBack { .. }) => {
+                        return revert(env, record, e.to_string()).await
+                    }
+                    Err(e @ TargetError::RebootPending { .. }) => {
+                        tracing::warn!(artifact = a.name, "{e}; rebooting again");
+                    }
+                    Err(e) => {
+                        return revert(env, record, format!("artifact {}: {e}", a.name)).await
+                    }
                 }
             }
-            if (*artifact as usize) + 1 < manifest.artifacts.len() {
-                Next::State(State::Activating {
-                    artifact: artifact + 1,
-                })
-            } else {
-                Next::State(State::Activated)
+            match reboot(target, io).await {
+                Ok(next) => next,
+                Err(e) => {
+                    revert(
+                        env,
+                        record,
+                        format!("artifact {}: the reboot it needs failed: {e}", a.name),
+                    )
+                    .await
+                }
+            }
+        }
+        State::Reverting { reason } => {
+            // Rollbacks are repeatable: running them again says which target still needs the
+            // reboot, and after the reboot that the old content runs.
+            let target = match rollback_all(env, record).await {
+                Ok(None) => return failed(reason.clone(), true),
+                Ok(Some(target)) => target,
+                Err(e) => return failed(format!("{reason}; {e}"), false),
+            };
+            match reboot(target, io).await {
+                Ok(next) => next,
+                Err(e) => failed(
+                    format!("{reason}; the rollback needs a reboot, which failed: {e}"),
+                    false,
+                ),
             }
         }
         // Without health checks there is nothing to soak: confirm at once and say so, because
@@ -570,10 +645,7 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
         .await
         {
             Soak::Interrupted => Next::Interrupted,
-            Soak::Unhealthy(reason) => match rollback_all(env, record).await {
-                Ok(()) => failed(reason, true),
-                Err(e) => failed(format!("{reason}; {e}"), false),
-            },
+            Soak::Unhealthy(reason) => revert(env, record, reason).await,
             Soak::Healthy => finish(env, record, &manifest, State::Ready).await,
         },
         State::Ready
@@ -588,7 +660,7 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
 
 /// The steps of a signed rollback of the action `undo`:
 /// `Accepted -> RollingBack{point} -> Ready`, or `Failed` when there is nothing to roll back.
-async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str) -> Next {
+async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str, io: &ActionIo) -> Next {
     match &record.state {
         State::Accepted => {
             let point = match env.store.rollback_point() {
@@ -617,14 +689,19 @@ async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str) -> Next {
         }
         State::RollingBack { point } => {
             let (mut nothing, mut errors) = (Vec::new(), Vec::new());
+            let mut needs_reboot = None;
             for (artifact, target_name) in point.artifacts.iter().rev() {
                 let Some(target) = env.targets.get(target_name).cloned() else {
                     errors.push(format!("target {target_name} is no longer configured"));
                     continue;
                 };
                 let ctx = ActionContext::new(undo, point.release.name.clone(), artifact.clone());
-                match tokio::task::spawn_blocking(move || target.rollback(&ctx)).await {
-                    Ok(Ok(())) => {}
+                let rolling = target.clone();
+                match tokio::task::spawn_blocking(move || rolling.rollback_activation(&ctx)).await {
+                    Ok(Ok(Activation::Done)) => {}
+                    Ok(Ok(Activation::RebootRequired)) => {
+                        needs_reboot.get_or_insert(target);
+                    }
                     Ok(Err(e @ TargetError::NothingToRollBack { .. })) => {
                         nothing.push(format!("{artifact}: {e}"))
                     }
@@ -645,6 +722,17 @@ async fn rollback_step(env: &Env, record: &ActionRecord, undo: &str) -> Next {
                     false,
                 );
             }
+            // The state says "rolling back" across the reboot; the next start repeats the
+            // rollbacks, which then answer that the old content runs.
+            if let Some(target) = needs_reboot {
+                return match reboot(target, io).await {
+                    Ok(next) => next,
+                    Err(e) => failed(
+                        format!("rollback of action {undo} needs a reboot, which failed: {e}"),
+                        false,
+                    ),
+                };
+            }
             if let Err(e) = env.restore_installed(point) {
                 tracing::error!("{e}");
             }
@@ -663,8 +751,7 @@ async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, do
         };
         let ctx = context(record, &a.name);
         if let Err(reason) = blocking(move || target.confirm(&ctx)).await {
-            let rolled_back = rollback_all(env, record).await.is_ok();
-            return failed(format!("artifact {}: {reason}", a.name), rolled_back);
+            return revert(env, record, format!("artifact {}: {reason}", a.name)).await;
         }
     }
     if let Err(e) = env.set_installed(&record.action_id, manifest) {
@@ -688,18 +775,27 @@ pub async fn give_up(env: &Env, mut record: ActionRecord, restarts: u32) -> Acti
             | State::Activating { .. }
             | State::Activated
             | State::Confirming
+            | State::AwaitingReboot { .. }
+            | State::Reverting { .. }
     );
-    let (reason, rolled_back) = if touched {
+    record.state = if touched {
         match rollback_all(env, &record).await {
-            Ok(()) => (reason, true),
-            Err(e) => (format!("{reason}; {e}"), false),
+            Ok(None) => State::Failed {
+                reason,
+                rolled_back: true,
+            },
+            // The caller drives it on: reboot into the old content, then Failed.
+            Ok(Some(_)) => State::Reverting { reason },
+            Err(e) => State::Failed {
+                reason: format!("{reason}; {e}"),
+                rolled_back: false,
+            },
         }
     } else {
-        (reason, false)
-    };
-    record.state = State::Failed {
-        reason,
-        rolled_back,
+        State::Failed {
+            reason,
+            rolled_back: false,
+        }
     };
     env.persist(&record);
     env.report(&record).await;
@@ -737,35 +833,83 @@ pub fn downloads_dir(config: &Config) -> PathBuf {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
 ) -> Result<T, String> {
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(e) => Err(format!("target step panicked: {e}")),
-    }
+    blocking_raw(f).await?.map_err(|e| e.to_string())
+}
+
+/// Like [`blocking`], keeping the target's error so the caller can tell its kinds apart; the
+/// outer error says the step panicked.
+async fn blocking_raw<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
+) -> Result<Result<T, TargetError>, String> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| format!("target step panicked: {e}"))
 }
 
 /// Rolls back every target of the action. Targets that never activated it say
-/// `NothingToRollBack`, which is fine: they are as they were.
-async fn rollback_all(env: &Env, record: &ActionRecord) -> Result<(), String> {
+/// `NothingToRollBack`, which is fine: they are as they were. Answers the first target whose
+/// old content is live only after a reboot, if any.
+async fn rollback_all(
+    env: &Env,
+    record: &ActionRecord,
+) -> Result<Option<Arc<dyn UpdateTarget>>, String> {
     let Some(manifest) = &record.manifest else {
-        return Ok(());
+        return Ok(None);
     };
     let mut errors = Vec::new();
+    let mut needs_reboot = None;
     for a in manifest.artifacts.iter().rev() {
         let Some(target) = env.targets.get(&a.target).cloned() else {
             continue;
         };
         let ctx = context(record, &a.name);
-        match tokio::task::spawn_blocking(move || target.rollback(&ctx)).await {
-            Ok(Ok(())) | Ok(Err(TargetError::NothingToRollBack { .. })) => {}
+        let rolling = target.clone();
+        match tokio::task::spawn_blocking(move || rolling.rollback_activation(&ctx)).await {
+            Ok(Ok(Activation::Done)) | Ok(Err(TargetError::NothingToRollBack { .. })) => {}
+            Ok(Ok(Activation::RebootRequired)) => {
+                needs_reboot.get_or_insert(target);
+            }
             Ok(Err(e)) => errors.push(format!("rollback of {} failed: {e}", a.name)),
             Err(e) => errors.push(format!("rollback of {} panicked: {e}", a.name)),
         }
     }
     if errors.is_empty() {
-        Ok(())
+        Ok(needs_reboot)
     } else {
         Err(errors.join("; "))
     }
+}
+
+/// Rolls every target back after `reason` and ends the action: `Failed { rolled_back: true }`
+/// when the old content runs now, `Reverting` when it runs after a reboot, and
+/// `Failed { rolled_back: false }` naming what could not be rolled back.
+async fn revert(env: &Env, record: &ActionRecord, reason: String) -> Next {
+    match rollback_all(env, record).await {
+        Ok(None) => failed(reason, true),
+        Ok(Some(_)) => Next::State(State::Reverting { reason }),
+        Err(e) => failed(format!("{reason}; {e}"), false),
+    }
+}
+
+/// The state after artifact `index` was activated (and, if it needed one, rebooted into).
+fn after_activation(manifest: &ReleaseManifest, index: u32) -> Next {
+    if (index as usize) + 1 < manifest.artifacts.len() {
+        Next::State(State::Activating {
+            artifact: index + 1,
+        })
+    } else {
+        Next::State(State::Activated)
+    }
+}
+
+/// Runs `target`'s reboot command; the state that explains the reboot is already persisted.
+/// The command only asks for the reboot, which stops the agent: wait for that, leaving the
+/// persisted state for the next start.
+async fn reboot(target: Arc<dyn UpdateTarget>, io: &ActionIo) -> Result<Next, String> {
+    blocking(move || target.reboot()).await?;
+    tracing::info!("reboot requested; waiting for the system to stop the agent");
+    io.shutdown.cancelled().await;
+    Ok(Next::Interrupted)
 }
 
 /// Why an install must wait now, and until when (if a time is known). `consented` says the
@@ -961,6 +1105,103 @@ mod tests {
         }
     }
 
+    /// A target that asks for a reboot on activation, like an A/B pair; the test plays the
+    /// bootloader with [`Rebooting::boot`].
+    #[derive(Default)]
+    struct Rebooting {
+        activate: AtomicUsize,
+        reboot: AtomicUsize,
+        rollback: AtomicUsize,
+        /// A reboot was asked for and has not happened yet.
+        pending: std::sync::atomic::AtomicBool,
+        /// The device runs the new content.
+        new_runs: std::sync::atomic::AtomicBool,
+    }
+
+    impl Rebooting {
+        /// The device boots: into the new content, or the bootloader falls back to the old.
+        fn boot(&self, new: bool) {
+            self.pending.store(false, Ordering::SeqCst);
+            self.new_runs.store(new, Ordering::SeqCst);
+        }
+    }
+
+    impl UpdateTarget for Rebooting {
+        fn kind(&self) -> &'static str {
+            "rebooting"
+        }
+        fn check(&self, _: &ActionContext) -> Result<(), TargetError> {
+            Ok(())
+        }
+        fn stage(&self, _: &ActionContext, _: &std::path::Path) -> Result<(), TargetError> {
+            Ok(())
+        }
+        fn activate(&self, _: &ActionContext) -> Result<Activation, TargetError> {
+            self.activate.fetch_add(1, Ordering::SeqCst);
+            Ok(Activation::RebootRequired)
+        }
+        fn confirm(&self, ctx: &ActionContext) -> Result<(), TargetError> {
+            if self.pending.load(Ordering::SeqCst) {
+                return Err(TargetError::RebootPending {
+                    action_id: ctx.action_id.clone(),
+                    slot: "b".into(),
+                    running: "a".into(),
+                });
+            }
+            if !self.new_runs.load(Ordering::SeqCst) {
+                return Err(TargetError::FellBack {
+                    action_id: ctx.action_id.clone(),
+                    tried: "b".into(),
+                    booted: "a".into(),
+                });
+            }
+            Ok(())
+        }
+        fn rollback(&self, ctx: &ActionContext) -> Result<(), TargetError> {
+            self.rollback_activation(ctx).map(|_| ())
+        }
+        fn rollback_activation(&self, _: &ActionContext) -> Result<Activation, TargetError> {
+            self.rollback.fetch_add(1, Ordering::SeqCst);
+            if self.new_runs.load(Ordering::SeqCst) {
+                Ok(Activation::RebootRequired)
+            } else {
+                Ok(Activation::Done)
+            }
+        }
+        fn reboot(&self) -> Result<(), TargetError> {
+            self.reboot.fetch_add(1, Ordering::SeqCst);
+            self.pending.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+        fn activate_is_repeatable(&self) -> bool {
+            true
+        }
+    }
+
+    /// Drives `record` until the target's reboot command ran `reboots` times in all, then
+    /// stops the agent the way the system does when it goes down.
+    async fn drive_until_reboot(
+        env: &Env,
+        target: &Rebooting,
+        record: ActionRecord,
+        resumed: bool,
+        reboots: usize,
+    ) -> ActionRecord {
+        let mut io = io(vec![]);
+        let shutdown = io.shutdown.clone();
+        let (rec, ()) = tokio::join!(drive(env, record, &mut io, resumed), async {
+            tokio::time::timeout(Duration::from_secs(30), async {
+                while target.reboot.load(Ordering::SeqCst) < reboots {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("the reboot command did not run");
+            shutdown.cancel();
+        });
+        rec
+    }
+
     struct Fixture {
         dir: tempfile::TempDir,
         env: Env,
@@ -971,7 +1212,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut config = crate::trust::tests::config();
         config.data_dir = dir.path().join("data");
-        config.targets[0].path = dir.path().join("app.bin");
+        config.targets[0].kind = crate::config::TargetKind::File {
+            path: dir.path().join("app.bin"),
+        };
         config.health = crate::config::HealthConfig {
             soak: Duration::ZERO,
             interval: Duration::from_millis(10),
@@ -981,7 +1224,7 @@ mod tests {
         let (store, _) = Store::open(&config.data_dir, 1 << 20, 0).expect("store");
         let target = target.unwrap_or_else(|| {
             Arc::new(flotilla_targets::FileTarget::new(
-                config.targets[0].path.clone(),
+                dir.path().join("app.bin"),
             ))
         });
         let (tx, rx) = mpsc::channel(10_000);
@@ -1249,6 +1492,121 @@ mod tests {
             Some(State::Staged)
         );
         assert_eq!(target.activate.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_reboot_is_awaited_and_the_next_start_confirms_the_boot() {
+        let target = Arc::new(Rebooting::default());
+        let f = fixture(Some(target.clone()), vec![check("true")]);
+        let start = record(b"x", State::Staged, ActionKind::Forced);
+        f.env.persist(&start);
+        let rec = drive_until_reboot(&f.env, &target, start, false, 1).await;
+        assert_eq!(rec.state, State::AwaitingReboot { artifact: 0 });
+        assert_eq!(rec.phase(), Phase::Activated);
+        assert_eq!(
+            f.env.store.current().expect("read").map(|r| r.state),
+            Some(State::AwaitingReboot { artifact: 0 }),
+            "persisted across the reboot"
+        );
+        assert_eq!(f.env.store.installed().expect("read"), None);
+
+        target.boot(true);
+        let persisted = f.env.store.current().expect("read").expect("kept");
+        let rec = drive(&f.env, persisted, &mut io(vec![]), true).await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(
+            target.activate.load(Ordering::SeqCst),
+            1,
+            "never activated again"
+        );
+        assert_eq!(target.reboot.load(Ordering::SeqCst), 1, "rebooted once");
+        assert_eq!(
+            f.env.store.installed().expect("read").map(|i| i.counter),
+            Some(4)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_start_before_the_reboot_happened_reboots_again() {
+        let target = Arc::new(Rebooting::default());
+        target.pending.store(true, Ordering::SeqCst);
+        let f = fixture(Some(target.clone()), vec![]);
+        let start = record(
+            b"x",
+            State::AwaitingReboot { artifact: 0 },
+            ActionKind::Forced,
+        );
+        f.env.persist(&start);
+        let rec = drive_until_reboot(&f.env, &target, start, true, 1).await;
+        assert_eq!(rec.state, State::AwaitingReboot { artifact: 0 });
+        assert_eq!(target.activate.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_bootloader_fallback_is_reported_rolled_back() {
+        let target = Arc::new(Rebooting::default());
+        let f = fixture(Some(target.clone()), vec![check("true")]);
+        target.boot(false);
+        let rec = drive(
+            &f.env,
+            record(
+                b"x",
+                State::AwaitingReboot { artifact: 0 },
+                ActionKind::Forced,
+            ),
+            &mut io(vec![]),
+            true,
+        )
+        .await;
+        let State::Failed {
+            reason,
+            rolled_back: true,
+        } = &rec.state
+        else {
+            panic!("expected a rolled-back failure, got {:?}", rec.state);
+        };
+        assert!(reason.contains("fell back to slot a"), "{reason}");
+        assert_eq!(target.activate.load(Ordering::SeqCst), 0);
+        assert_eq!(target.reboot.load(Ordering::SeqCst), 0, "no reboot needed");
+        assert_eq!(f.env.store.installed().expect("read"), None);
+    }
+
+    #[tokio::test]
+    async fn an_unhealthy_update_reboots_into_the_old_content_then_fails() {
+        let target = Arc::new(Rebooting::default());
+        let f = fixture(Some(target.clone()), vec![check("exit 4")]);
+        target.boot(true);
+        let start = record(
+            b"x",
+            State::AwaitingReboot { artifact: 0 },
+            ActionKind::Forced,
+        );
+        f.env.persist(&start);
+        let rec = drive_until_reboot(&f.env, &target, start, true, 1).await;
+        assert_eq!(
+            rec.state,
+            State::Reverting {
+                reason: "health check app-runs failed: exit status 4".into()
+            }
+        );
+        assert_eq!(
+            rec.phase(),
+            Phase::Activated,
+            "not failed before the reboot"
+        );
+
+        target.boot(false);
+        let persisted = f.env.store.current().expect("read").expect("kept");
+        let rec = drive(&f.env, persisted, &mut io(vec![]), true).await;
+        assert_eq!(
+            rec.state,
+            State::Failed {
+                reason: "health check app-runs failed: exit status 4".into(),
+                rolled_back: true
+            }
+        );
+        assert_eq!(target.reboot.load(Ordering::SeqCst), 1);
+        assert_eq!(f.env.store.installed().expect("read"), None);
     }
 
     #[test]

@@ -1,0 +1,580 @@
+//! End-to-end tests of the `ab` and `script` targets through real agent processes and a real
+//! mosquitto broker. The test plays the coordinator (signs a release and a desired action,
+//! serves the artifact's blocks) and the bootloader: the A/B slots are image files, the boot
+//! environment is a plain file (`bootctl = "file"`), and "rebooting" is stopping the agent,
+//! playing one or more boots with [`BootControl::simulate_boot`], and starting it again.
+//!
+//! Skipped with a notice when `mosquitto` is not installed.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use flotilla_protocol::{
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message,
+    Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
+};
+use flotilla_targets::bootctl::{BootControl, FileBootControl};
+use flotilla_targets::Slot;
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+fn find_mosquitto() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join("mosquitto"))
+        .find(|p| p.is_file())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+struct Broker {
+    _child: tokio::process::Child,
+    port: u16,
+}
+
+async fn start_broker(dir: &Path) -> Option<Broker> {
+    let Some(bin) = find_mosquitto() else {
+        eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping A/B test");
+        return None;
+    };
+    // Another test may take the probed port before mosquitto binds it; then try another.
+    for _ in 0..5 {
+        let port = free_port();
+        let conf = dir.join("mosquitto.conf");
+        std::fs::write(
+            &conf,
+            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        )
+        .expect("write conf");
+        let mut child = tokio::process::Command::new(&bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start mosquitto");
+        let listening = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return false;
+                }
+                if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return matches!(child.try_wait(), Ok(None));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("mosquitto did not start listening within 30s");
+        if listening {
+            return Some(Broker {
+                _child: child,
+                port,
+            });
+        }
+    }
+    panic!("mosquitto could not bind a free port in five tries");
+}
+
+fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A forced install of release `os-2` whose one artifact goes to target `target`.
+fn desired(device: &str, action_id: &str, target: &str, artifact: &[u8]) -> SignedBlob {
+    let manifest = ReleaseManifest {
+        name: "os-2".into(),
+        version: "2.0".into(),
+        counter: 2,
+        hardware: vec!["pi4".into()],
+        artifacts: vec![Artifact {
+            name: "image.bin".into(),
+            target: target.into(),
+            size: artifact.len() as u64,
+            sha256: flotilla_protocol::sha256(artifact),
+        }],
+        created_at: now(),
+        expires_at: now() + 3600,
+    };
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body: ActionBody::Install {
+            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+            kind: ActionKind::Forced,
+            window: None,
+        },
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
+/// artifact, and forwards the agent's reports.
+async fn coordinator(
+    port: u16,
+    device: &str,
+    desired: SignedBlob,
+    served: Vec<u8>,
+) -> mpsc::Receiver<Report> {
+    let topics = Topics::default();
+    let id = DeviceId::new(device).expect("device id");
+    let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
+    options.set_max_packet_size(
+        flotilla_protocol::MAX_PACKET_SIZE,
+        flotilla_protocol::MAX_PACKET_SIZE,
+    );
+    let (client, mut eventloop) = AsyncClient::new(options, 100);
+    for topic in [topics.report(&id), topics.fetch(&id)] {
+        client
+            .subscribe(topic, QoS::AtLeastOnce)
+            .await
+            .expect("subscribe");
+    }
+    client
+        .publish(
+            topics.desired(&id),
+            QoS::AtLeastOnce,
+            true,
+            envelope::encode(&Message::Desired(desired)),
+        )
+        .await
+        .expect("publish desired");
+    let (tx, rx) = mpsc::channel(1000);
+    let block_topic = topics.block(&id);
+    tokio::spawn(async move {
+        loop {
+            let event = match eventloop.poll().await {
+                Ok(e) => e,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Event::Incoming(Packet::Publish(p)) = event else {
+                continue;
+            };
+            match envelope::decode(&p.payload) {
+                Ok(Message::Report(r)) => {
+                    let _ = tx.send(r).await;
+                }
+                Ok(Message::Fetch(req)) => {
+                    let start = (req.offset as usize).min(served.len());
+                    let end = (start + req.length as usize).min(served.len());
+                    let reply = BlockReply::Data {
+                        sha256: req.sha256,
+                        offset: req.offset,
+                        data: served[start..end].to_vec(),
+                    };
+                    let (c, topic) = (client.clone(), block_topic.clone());
+                    // Never wait on the client inside its own poll loop.
+                    tokio::spawn(async move {
+                        let _ = c
+                            .publish(
+                                topic,
+                                QoS::AtLeastOnce,
+                                false,
+                                envelope::encode(&Message::Block(reply)),
+                            )
+                            .await;
+                    });
+                }
+                _ => {}
+            }
+        }
+    });
+    rx
+}
+
+/// Collects reports until `done` says stop; returns them all.
+async fn reports_until(
+    rx: &mut mpsc::Receiver<Report>,
+    what: &str,
+    done: impl Fn(&Report) -> bool,
+) -> Vec<Report> {
+    let mut seen = Vec::new();
+    let result = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = rx.recv().await {
+            let stop = done(&r);
+            seen.push(r);
+            if stop {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        result.is_ok(),
+        "no {what} report within 30s; reports so far: {seen:#?}"
+    );
+    seen
+}
+
+fn image() -> Vec<u8> {
+    (0..20_000u32).map(|i| (i % 251) as u8).collect()
+}
+
+/// A device with an A/B pair of image files, a boot-environment file, and a reboot command
+/// that records each call and exits (as `systemctl reboot` does before the system goes down).
+struct Device {
+    dir: PathBuf,
+    config: PathBuf,
+}
+
+impl Device {
+    fn new(dir: &Path, port: u16, device: &str) -> Self {
+        std::fs::write(dir.join("slot-a.img"), b"release one").expect("slot a");
+        std::fs::write(dir.join("slot-b.img"), b"").expect("slot b");
+        std::fs::write(dir.join("bootenv"), "flotilla_slot=a\nflotilla_booted=a\n").expect("env");
+        let reboot = dir.join("reboot.sh");
+        std::fs::write(
+            &reboot,
+            format!(
+                "#!/bin/sh\necho reboot >> {}\n",
+                dir.join("reboots").display()
+            ),
+        )
+        .expect("reboot script");
+        make_executable(&reboot);
+        let text = format!(
+            r#"
+device_id = "{device}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[trust]
+release_keys = ["{rk}"]
+coordinator_keys = ["{ck}"]
+[[target]]
+name = "rootfs"
+kind = "ab"
+slots = ["{a}", "{b}"]
+bootctl = "file"
+bootctl_path = "{env}"
+reboot_command = ["{reboot}"]
+[health]
+soak = "300ms"
+interval = "100ms"
+[[health.check]]
+name = "system-up"
+command = ["true"]
+[download]
+block_size = 4000
+"#,
+            data = dir.join("agent-data").display(),
+            rk = hex::encode(key(1).verifying_key().as_bytes()),
+            ck = hex::encode(key(2).verifying_key().as_bytes()),
+            a = dir.join("slot-a.img").display(),
+            b = dir.join("slot-b.img").display(),
+            env = dir.join("bootenv").display(),
+            reboot = reboot.display(),
+        );
+        let config = dir.join("agent.toml");
+        std::fs::write(&config, text).expect("config");
+        Self {
+            dir: dir.to_path_buf(),
+            config,
+        }
+    }
+
+    fn bootctl(&self) -> FileBootControl {
+        FileBootControl::new(self.dir.join("bootenv"))
+    }
+
+    fn env(&self) -> String {
+        std::fs::read_to_string(self.dir.join("bootenv")).expect("boot env")
+    }
+
+    fn reboots(&self) -> usize {
+        std::fs::read_to_string(self.dir.join("reboots"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+
+    fn slot(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.dir.join(name)).expect("slot")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    fn start(&self) -> tokio::process::Child {
+        spawn_agent(&self.config, &self.dir.join("agent.log"))
+    }
+
+    /// Waits until the reboot command ran `n` times in all.
+    async fn until_reboots(&self, n: usize) {
+        let waited = tokio::time::timeout(TIMEOUT, async {
+            while self.reboots() < n {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(
+            waited.is_ok(),
+            "the reboot command did not run; agent log:\n{}",
+            self.log()
+        );
+    }
+}
+
+fn make_executable(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Starts the agent binary, appending its log to `log`.
+fn spawn_agent(config: &Path, log: &Path) -> tokio::process::Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("agent log");
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(["run", "--config"])
+        .arg(config)
+        .env_remove(flotilla_agent::fault::FAULT_VAR)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start agent")
+}
+
+/// Stops the agent the way the system does when it goes down for a reboot: SIGTERM, then wait.
+async fn stop(mut agent: tokio::process::Child) {
+    if let Some(pid) = agent.id() {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid}");
+    }
+    let exited = tokio::time::timeout(TIMEOUT, agent.wait()).await;
+    assert!(exited.is_ok(), "the agent did not stop within 30s");
+}
+
+/// Installs the image up to the reboot: returns the device and the stopped agent's reports.
+async fn install_until_reboot(
+    dir: &Path,
+    port: u16,
+    device: &str,
+    action: &str,
+) -> (Device, mpsc::Receiver<Report>, Vec<Report>) {
+    let d = Device::new(dir, port, device);
+    let bytes = image();
+    let mut reports = coordinator(
+        port,
+        device,
+        desired(device, action, "rootfs", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let agent = d.start();
+    let seen = reports_until(&mut reports, "activated", |r| {
+        r.phase == Phase::Activated || r.phase.is_terminal()
+    })
+    .await;
+    assert_eq!(
+        seen.last().map(|r| &r.phase),
+        Some(&Phase::Activated),
+        "reports: {seen:#?}\nagent log:\n{}",
+        d.log()
+    );
+    d.until_reboots(1).await;
+    assert_eq!(
+        d.slot("slot-b.img"),
+        bytes,
+        "the inactive slot holds the image"
+    );
+    assert_eq!(
+        d.slot("slot-a.img"),
+        b"release one",
+        "the running slot is untouched"
+    );
+    let env = d.env();
+    for line in ["flotilla_slot=b", "upgrade_available=1"] {
+        assert!(env.lines().any(|l| l == line), "{line} in {env}");
+    }
+    stop(agent).await;
+    (d, reports, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ab_update_reboots_once_and_is_ready_on_the_new_slot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let (d, mut reports, _) =
+        install_until_reboot(dir.path(), broker.port, "ab-ok", "act-ab-ok").await;
+
+    // The bootloader boots the new slot on trial.
+    assert_eq!(d.bootctl().simulate_boot().expect("boot"), Some(Slot::B));
+    let agent = d.start();
+    let seen = reports_until(&mut reports, "final", |r| r.phase.is_terminal()).await;
+    assert_eq!(
+        seen.last().map(|r| &r.phase),
+        Some(&Phase::Ready),
+        "reports: {seen:#?}\nagent log:\n{}",
+        d.log()
+    );
+    let phases: Vec<&str> = seen.iter().map(|r| r.phase.name()).collect();
+    assert!(phases.contains(&"confirming"), "{phases:?}");
+    assert!(
+        !phases.contains(&"staged") && !phases.contains(&"downloading"),
+        "nothing is staged or fetched again after the reboot: {phases:?}"
+    );
+    assert_eq!(d.reboots(), 1, "the reboot command ran once");
+    let env = d.env();
+    for line in ["flotilla_slot=b", "upgrade_available=0"] {
+        assert!(
+            env.lines().any(|l| l == line),
+            "slot b is marked good: {env}"
+        );
+    }
+    // A second power cycle stays on the confirmed slot.
+    assert_eq!(d.bootctl().simulate_boot().expect("boot"), Some(Slot::B));
+    stop(agent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootloader_fallback_is_reported_failed_and_rolled_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let (d, mut reports, _) =
+        install_until_reboot(dir.path(), broker.port, "ab-fall", "act-ab-fall").await;
+
+    // Slot b is tried and hangs before the agent runs; the next boot falls back to slot a.
+    assert_eq!(d.bootctl().simulate_boot().expect("boot"), Some(Slot::B));
+    assert_eq!(d.bootctl().simulate_boot().expect("boot"), Some(Slot::A));
+    let agent = d.start();
+    let seen = reports_until(&mut reports, "final", |r| r.phase.is_terminal()).await;
+    let Some(Phase::Failed {
+        reason,
+        rolled_back,
+    }) = seen.last().map(|r| r.phase.clone())
+    else {
+        panic!("expected a failure: {seen:#?}\nagent log:\n{}", d.log());
+    };
+    assert!(rolled_back, "the bootloader rolled back: {reason}");
+    assert!(reason.contains("fell back to slot a"), "{reason}");
+    assert_eq!(
+        d.reboots(),
+        1,
+        "no second reboot: the old slot already runs"
+    );
+    let env = d.env();
+    for line in ["flotilla_slot=a", "upgrade_available=0"] {
+        assert!(env.lines().any(|l| l == line), "{line} in {env}");
+    }
+    stop(agent).await;
+    let status = flotilla_agent::status(&flotilla_agent::Config::load(&d.config).expect("config"))
+        .expect("status");
+    assert!(status.contains("installed: nothing recorded"), "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_target_installs_through_the_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let device = "script-ok";
+    let dest = dir.path().join("app.conf");
+    std::fs::write(&dest, b"old config").expect("old");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../targets/tests/scripts/copy-target.sh")
+        .canonicalize()
+        .expect("copy-target.sh");
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+device_id = "{device}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[trust]
+release_keys = ["{rk}"]
+coordinator_keys = ["{ck}"]
+[[target]]
+name = "app"
+kind = "script"
+path = "{script}"
+timeouts = {{ stage = "1m", activate = "1m" }}
+env = {{ DEST = "{dest}" }}
+[health]
+soak = "300ms"
+interval = "100ms"
+[[health.check]]
+name = "config-present"
+command = ["test", "-s", "{dest}"]
+"#,
+            port = broker.port,
+            data = dir.path().join("agent-data").display(),
+            rk = hex::encode(key(1).verifying_key().as_bytes()),
+            ck = hex::encode(key(2).verifying_key().as_bytes()),
+            script = script.display(),
+            dest = dest.display(),
+        ),
+    )
+    .expect("config");
+    let bytes = b"listen = 8080\n".repeat(300);
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        desired(device, "act-script-1", "app", &bytes),
+        bytes.clone(),
+    )
+    .await;
+    let log = dir.path().join("agent.log");
+    let agent = spawn_agent(&config, &log);
+    let seen = reports_until(&mut reports, "final", |r| r.phase.is_terminal()).await;
+    assert_eq!(
+        seen.last().map(|r| &r.phase),
+        Some(&Phase::Ready),
+        "reports: {seen:#?}\nagent log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(std::fs::read(&dest).expect("dest"), bytes);
+    let state_dir = dir.path().join("agent-data/targets/app");
+    assert!(
+        state_dir.join("previous-act-script-1").is_file(),
+        "the script kept the old file for rollback in its state directory"
+    );
+    stop(agent).await;
+}
