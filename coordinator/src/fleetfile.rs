@@ -65,7 +65,10 @@ pub enum FleetError {
         source: serde_json::Error,
     },
     #[error("spec {path}: {source}")]
-    Spec { path: PathBuf, source: SpecError },
+    Spec {
+        path: PathBuf,
+        source: Box<SpecError>,
+    },
     #[error(transparent)]
     Plan(#[from] PlanError),
 }
@@ -184,9 +187,9 @@ pub fn load_fleet(path: &Path) -> Result<Vec<FleetDevice>, FleetError> {
 
 /// Reads and validates a rollout spec file.
 pub fn load_spec(path: &Path) -> Result<RolloutSpec, FleetError> {
-    RolloutSpec::from_toml(&read("spec", path)?).map_err(|source| FleetError::Spec {
+    RolloutSpec::from_toml(&read("spec", path)?).map_err(|e| FleetError::Spec {
+        source: Box::new(e),
         path: path.to_owned(),
-        source,
     })
 }
 
