@@ -829,6 +829,137 @@ async fn a_crash_after_every_persisted_transition_still_ends_ready() {
     }
 }
 
+/// A config for the script target, through a wrapper that logs every subcommand with its action
+/// id to `calls.log` before running the conformance suite's copy script.
+fn script_config_text(port: u16, dir: &Path, device: &str, dest: &Path, rate: u64) -> String {
+    let copy =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../targets/tests/scripts/copy-target.sh");
+    let wrapper = dir.join("wrapper.sh");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\necho \"$1 $FLOTILLA_ACTION_ID\" >> {log}\nexec sh {copy} \"$@\"\n",
+            log = dir.join("calls.log").display(),
+            copy = copy.display()
+        ),
+    )
+    .expect("write wrapper");
+    let mut perms = std::fs::metadata(&wrapper).expect("stat").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&wrapper, perms).expect("chmod");
+    agent_config_text(port, dir, device, dest, rate).replace(
+        &format!("kind = \"file\"\npath = \"{}\"", dest.display()),
+        &format!(
+            "kind = \"script\"\npath = \"{}\"\nenv = {{ DEST = \"{}\" }}",
+            wrapper.display(),
+            dest.display()
+        ),
+    )
+}
+
+/// How many times the script target ran `subcommand` for `action`.
+fn calls(dir: &Path, subcommand: &str, action: &str) -> usize {
+    std::fs::read_to_string(dir.join("calls.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| *l == format!("{subcommand} {action}"))
+        .count()
+}
+
+/// Crashes at every persisted transition and SIGKILLs at pseudo-random moments during the
+/// download: every run ends Ready, the file holds the new content, and the target's stage and
+/// activate ran exactly once for the action, as its log shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crashes_never_make_the_target_stage_or_activate_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let bytes: Vec<u8> = (0..120_000u32).map(|i| (i % 241) as u8).collect();
+    let points = [
+        "after-accepted",
+        "after-downloading",
+        "after-verified",
+        "after-staging",
+        "after-staged",
+        "after-activating",
+        "after-activated",
+        "after-confirming",
+    ];
+    for (round, point) in points.iter().map(Some).chain([None]).enumerate() {
+        let name = point.copied().unwrap_or("random-kills");
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).expect("mkdir");
+        let dest = sub.join("app.bin");
+        std::fs::write(&dest, b"old version").expect("write old");
+        let device = format!("dev-{name}");
+        let action = format!("act-{name}");
+        let mut reports = coordinator(
+            broker.port,
+            &device,
+            desired(&device, &action, &bytes),
+            bytes.clone(),
+        )
+        .await;
+        // Throttled to 40 kB/s so the random kills land in the middle of the download.
+        let config = write_config(
+            &sub,
+            &script_config_text(broker.port, &sub, &device, &dest, 40_000),
+        );
+        match point {
+            Some(point) => {
+                let status =
+                    tokio::time::timeout(TIMEOUT, spawn_agent(&config, Some(point)).wait())
+                        .await
+                        .expect("the agent stops at its fault point within 30s")
+                        .expect("wait");
+                assert!(!status.success(), "{point}: the agent aborted ({status})");
+            }
+            None => {
+                // A small linear congruential sequence: different moments, the same every run.
+                let mut seed = 0x2545_f491_u64 + round as u64;
+                for _ in 0..3 {
+                    seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    let after = Duration::from_millis(300 + (seed >> 33) % 900);
+                    let mut agent = spawn_agent(&config, None);
+                    tokio::time::sleep(after).await;
+                    agent.start_kill().expect("kill -9");
+                    let _ = agent.wait().await;
+                }
+            }
+        }
+        let _agent = spawn_agent(&config, None);
+        let seen = reports_until_final(&mut reports).await;
+        let content = std::fs::read(&dest).expect("read");
+        match seen.last().map(|r| r.phase.clone()) {
+            Some(Phase::Ready) => {
+                assert_eq!(content, bytes, "{name}: Ready means the new content");
+                assert_eq!(calls(&sub, "stage", &action), 1, "{name}: stage ran once");
+                assert_eq!(
+                    calls(&sub, "activate", &action),
+                    1,
+                    "{name}: activate ran once"
+                );
+            }
+            // A crash while activating a target that cannot repeat activate: the agent cannot
+            // know whether it ran, so it rolls back and says so instead of activating twice.
+            Some(Phase::Failed {
+                reason,
+                rolled_back: true,
+            }) if name == "after-activating" => {
+                assert!(reason.contains("cannot repeat it"), "{name}: {reason}");
+                assert_eq!(content, b"old version", "{name}: rolled back");
+                assert_eq!(calls(&sub, "stage", &action), 1, "{name}: stage ran once");
+                assert!(
+                    calls(&sub, "activate", &action) <= 1,
+                    "{name}: activate at most once"
+                );
+            }
+            other => panic!("{name}: ended in {other:?}: {seen:#?}"),
+        }
+    }
+}
+
 /// An update that kills the agent during its health checks (a crash loop) is given up after
 /// `store.max_restarts` restarts: rolled back and reported Failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
