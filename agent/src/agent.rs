@@ -59,7 +59,13 @@ pub fn open(config: &Config) -> Result<(Store, trust::TrustState, Option<String>
         config.store.cache_bytes,
         file.now(trust::system_now()),
     )?;
-    let trust = file.merge(store.trust()?.unwrap_or_default());
+    // A mirror this build cannot read (written before the trust file gained fields) is
+    // ignored: the trust file is the authority and the two are merged for safety only.
+    let mirror = store.trust().unwrap_or_else(|e| {
+        tracing::warn!("{e}; using the trust file alone");
+        None
+    });
+    let trust = file.merge(mirror.unwrap_or_default());
     Ok((store, trust, note))
 }
 
@@ -278,7 +284,8 @@ async fn handle_desired(
     done: &mpsc::Sender<ActionRecord>,
 ) {
     let config = &env.config;
-    let action = match trust::verify_desired(&blob, &config.trust.coordinator_keys) {
+    let keys = env.trust_state().ring(&config.trust);
+    let action = match trust::verify_desired(&blob, &keys.coordinator_keys) {
         Ok(action) => action,
         Err(Refusal(reason)) => {
             // Not persisted under its action id: an unauthenticated message must not be able to
@@ -331,8 +338,7 @@ async fn handle_desired(
     }
 
     let now = env.now();
-    let installed = env.trust_state().installed_counter;
-    let mut record = match trust::check_all(&blob, config, installed, now) {
+    let mut record = match trust::check_all(&blob, config, &env.trust_state(), now) {
         Err(Refusal(reason)) => refused_record(action, reason),
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);

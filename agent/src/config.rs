@@ -71,6 +71,10 @@ pub struct BrokerConfig {
 pub struct TrustConfig {
     pub release_keys: Vec<VerifyingKey>,
     pub coordinator_keys: Vec<VerifyingKey>,
+    /// Keys that sign keys documents (key rotation); empty disables rotation.
+    pub root_keys: Vec<VerifyingKey>,
+    /// Root signatures a keys document needs.
+    pub root_threshold: u32,
 }
 
 /// The kinds of update target the agent can build from configuration, with their settings.
@@ -191,6 +195,14 @@ fn default_keep_alive() -> String {
 struct RawTrust {
     release_keys: Vec<String>,
     coordinator_keys: Vec<String>,
+    #[serde(default)]
+    root_keys: Vec<String>,
+    #[serde(default = "default_root_threshold")]
+    root_threshold: u32,
+}
+
+fn default_root_threshold() -> u32 {
+    2
 }
 
 #[derive(Debug, Deserialize)]
@@ -375,9 +387,28 @@ impl TryFrom<RawConfig> for Config {
             }
         }
 
+        let root_keys = if raw.trust.root_keys.is_empty() {
+            Vec::new()
+        } else {
+            parse_keys("trust.root_keys", &raw.trust.root_keys)?
+        };
+        let root_threshold = raw.trust.root_threshold;
+        if !root_keys.is_empty()
+            && (root_threshold == 0 || root_threshold as usize > root_keys.len())
+        {
+            return Err(invalid(
+                "trust.root_threshold",
+                format!(
+                    "{root_threshold} is not between 1 and the {} root keys",
+                    root_keys.len()
+                ),
+            ));
+        }
         let trust = TrustConfig {
             release_keys: parse_keys("trust.release_keys", &raw.trust.release_keys)?,
             coordinator_keys: parse_keys("trust.coordinator_keys", &raw.trust.coordinator_keys)?,
+            root_keys,
+            root_threshold,
         };
 
         let mut targets: Vec<TargetConfig> = Vec::new();
@@ -776,6 +807,18 @@ mod tests {
         assert!(e.starts_with("download.block_size: 100000"), "{e}");
         let e = err(r#"release_keys = ["#, r#"release_keys = ["abc", "#);
         assert!(e.starts_with("trust.release_keys[0]: \"abc\""), "{e}");
+        let one_root = format!("root_keys = [\"{}\"]\ncoordinator_keys = [", "0".repeat(64));
+        let e = err("coordinator_keys = [", &one_root);
+        assert_eq!(
+            e,
+            "trust.root_threshold: 2 is not between 1 and the 1 root keys"
+        );
+        let c = with(
+            "coordinator_keys = [",
+            &format!("root_threshold = 1\n{one_root}"),
+        )
+        .expect("one root key, one signature");
+        assert_eq!((c.trust.root_keys.len(), c.trust.root_threshold), (1, 1));
         let e = err(
             r#"path = "/opt/app/app.bin""#,
             r#"path = "relative/app.bin""#,

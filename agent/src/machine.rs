@@ -251,21 +251,21 @@ impl Env {
     }
 
     pub fn trust_state(&self) -> TrustState {
-        self.trust.lock().map(|t| *t).unwrap_or_default()
+        self.trust.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
-    /// Records a time as trusted (a verified action's issue time), in sled and the trust file.
+    /// Records a verified action's issue time as trusted (and as the last accepted action's,
+    /// see [`trust::check_issued`]), in sled and the trust file.
     pub fn advance_trusted_time(&self, at: UnixTime) {
         let mut state = self.trust_state();
-        if at > state.last_trusted_time {
-            state.last_trusted_time = at;
+        if state.accept_action_at(at) {
             self.save_trust(state);
         }
     }
 
     fn save_trust(&self, state: TrustState) {
         if let Ok(mut t) = self.trust.lock() {
-            *t = state;
+            *t = state.clone();
         }
         if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
             tracing::error!("cannot write trust file: {e}");
@@ -1797,7 +1797,7 @@ mod tests {
         f.env.store.set_installed(&before).expect("installed");
         f.env.save_trust(TrustState {
             installed_counter: 3,
-            last_trusted_time: 0,
+            ..TrustState::default()
         });
         let bytes = b"release 2".to_vec();
         let rec = drive(

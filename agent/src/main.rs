@@ -41,6 +41,22 @@ enum Command {
         /// The action to consent to; see `status` for the one that waits.
         action_id: Option<String>,
     },
+    /// Key rotation (the agent must be stopped).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// Install a keys document signed by enough of the device's root keys.
+    Install {
+        #[arg(long)]
+        config: PathBuf,
+        /// The signed keys document file.
+        file: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -86,6 +102,22 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             println!(
                 "consent given to {action_id} ({}); the agent proceeds within a second",
                 path.display()
+            );
+            Ok(())
+        }
+        Command::Keys {
+            command: KeysCommand::Install { config, file },
+        } => {
+            let config = flotilla_agent::Config::load(&config)?;
+            let ring = flotilla_agent::trust::install_keys(&config, &file)?;
+            println!(
+                "keys version {} installed: {} release, {} coordinator and {} root key(s), \
+                 {} root signature(s) needed for the next; used from the agent's next start",
+                ring.version,
+                ring.release_keys.len(),
+                ring.coordinator_keys.len(),
+                ring.root_keys.len(),
+                ring.root_threshold
             );
             Ok(())
         }

@@ -8,15 +8,28 @@
 //! last trusted time, written atomically and mirrored in sled. The agent's notion of "now" is
 //! `max(system clock, last trusted time)`, so a clock that jumps back cannot bring an expired
 //! action back to life.
+//!
+//! Replays: an action id already handled is never applied again (the agent loop re-reports its
+//! phase instead), and an action issued before the last accepted one is refused, so a captured
+//! old action cannot be published again once a newer one was accepted. The last accepted issue
+//! time lives in the trust file too.
+//!
+//! Key rotation: the trust file also holds the keys of the last accepted keys document
+//! ([`flotilla_protocol::keys`]); once present they replace the configured release,
+//! coordinator and root keys. [`install_keys`] checks a keys document against the current root
+//! keys and persists it (`flotilla-agent keys install`, with the agent stopped).
 
 use std::path::{Path, PathBuf};
 
 use flotilla_protocol::{
-    envelope, hex, ActionBody, DesiredAction, ReleaseManifest, SignedBlob, UnixTime, VerifyingKey,
+    envelope, hex, keys, ActionBody, DecodeError, DesiredAction, KeyRing, KeysError,
+    ReleaseManifest, SignedBlob, UnixTime, VerifyingKey,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::config::Config;
+use crate::config::{Config, TrustConfig};
+use crate::error::AgentError;
+use crate::store::StoreError;
 
 /// Why an action was refused. The text goes into `Phase::Refused { reason }`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,24 +124,38 @@ pub fn check_manifest(
     Ok(manifest)
 }
 
-/// Runs every check on a signed desired action. `Ok` carries the action and, for installs, the
-/// verified manifest.
+/// Refuses an action issued before the last accepted one: a replay of a captured old action.
+/// The same second is allowed, since a coordinator may issue several actions within it.
+pub fn check_issued(action: &DesiredAction, last_accepted: UnixTime) -> Result<(), Refusal> {
+    if action.issued_at < last_accepted {
+        return Err(Refusal(format!(
+            "action {} issued at {}, older than the last accepted action issued at {last_accepted}",
+            action.action_id, action.issued_at
+        )));
+    }
+    Ok(())
+}
+
+/// Runs every check on a signed desired action against the keys and counters in `trust`. `Ok`
+/// carries the action and, for installs, the verified manifest.
 pub fn check_all(
     blob: &SignedBlob,
     config: &Config,
-    installed_counter: u64,
+    trust: &TrustState,
     now: UnixTime,
 ) -> Result<(DesiredAction, Option<ReleaseManifest>), Refusal> {
-    let action = verify_desired(blob, &config.trust.coordinator_keys)?;
+    let ring = trust.ring(&config.trust);
+    let action = verify_desired(blob, &ring.coordinator_keys)?;
     check_action(&action, config.device_id.as_str(), now)?;
+    check_issued(&action, trust.last_action_issued_at)?;
     let manifest = match &action.body {
         ActionBody::Install { manifest, .. } => Some(check_manifest(
             manifest,
             &DeviceFacts {
                 hardware_id: &config.hardware_id,
-                installed_counter,
+                installed_counter: trust.installed_counter,
                 now,
-                release_keys: &config.trust.release_keys,
+                release_keys: &ring.release_keys,
                 config,
             },
         )?),
@@ -151,12 +178,50 @@ pub fn check_digest(artifact: &str, expected: &[u8; 32], got: &[u8; 32]) -> Resu
 }
 
 /// What the trust file holds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrustState {
     /// Counter of the installed release; only higher counters are installed.
     pub installed_counter: u64,
     /// The latest time the agent has trusted; the clock never goes back before it.
     pub last_trusted_time: UnixTime,
+    /// Issue time of the last accepted action; older actions are refused as replays.
+    pub last_action_issued_at: UnixTime,
+    /// The keys of the last accepted keys document; `None`: the configured keys.
+    pub keys: Option<StoredKeys>,
+}
+
+/// An accepted key ring as the trust file keeps it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredKeys {
+    pub version: u64,
+    pub release_keys: Vec<[u8; 32]>,
+    pub coordinator_keys: Vec<[u8; 32]>,
+    pub root_keys: Vec<[u8; 32]>,
+    pub root_threshold: u32,
+}
+
+impl StoredKeys {
+    pub fn from_ring(ring: &KeyRing) -> Self {
+        let bytes = |keys: &[VerifyingKey]| keys.iter().map(|k| k.to_bytes()).collect();
+        StoredKeys {
+            version: ring.version,
+            release_keys: bytes(&ring.release_keys),
+            coordinator_keys: bytes(&ring.coordinator_keys),
+            root_keys: bytes(&ring.root_keys),
+            root_threshold: ring.root_threshold,
+        }
+    }
+}
+
+/// The configured keys, as the key ring of version 0.
+pub fn configured_ring(config: &TrustConfig) -> KeyRing {
+    KeyRing {
+        version: 0,
+        release_keys: config.release_keys.clone(),
+        coordinator_keys: config.coordinator_keys.clone(),
+        root_keys: config.root_keys.clone(),
+        root_threshold: config.root_threshold,
+    }
 }
 
 impl TrustState {
@@ -165,39 +230,127 @@ impl TrustState {
         system.max(self.last_trusted_time)
     }
 
-    /// The higher of two states, field by field: the file and sled can disagree after a crash
-    /// between their writes, and the safe answer is the stricter one.
-    pub fn merge(self, other: TrustState) -> TrustState {
-        TrustState {
-            installed_counter: self.installed_counter.max(other.installed_counter),
-            last_trusted_time: self.last_trusted_time.max(other.last_trusted_time),
+    /// The keys trusted now: the last accepted keys document's, else the configured ones.
+    pub fn ring(&self, config: &TrustConfig) -> KeyRing {
+        let Some(stored) = &self.keys else {
+            return configured_ring(config);
+        };
+        // Keys are validated before they are stored; one that no longer parses (a hand-edited
+        // file) is left out rather than trusted or allowed to stop the agent.
+        let parse = |keys: &[[u8; 32]]| -> Vec<VerifyingKey> {
+            keys.iter()
+                .filter_map(|k| match VerifyingKey::from_bytes(k) {
+                    Ok(key) => Some(key),
+                    Err(_) => {
+                        tracing::warn!("trust file: ignoring invalid key {}", hex::encode(k));
+                        None
+                    }
+                })
+                .collect()
+        };
+        KeyRing {
+            version: stored.version,
+            release_keys: parse(&stored.release_keys),
+            coordinator_keys: parse(&stored.coordinator_keys),
+            root_keys: parse(&stored.root_keys),
+            root_threshold: stored.root_threshold,
         }
     }
 
-    /// Text form of the trust file: two `key = value` lines, readable by an operator.
-    pub fn to_text(&self) -> String {
-        format!(
-            "installed_counter = {}\nlast_trusted_time = {}\n",
-            self.installed_counter, self.last_trusted_time
-        )
+    /// Records an accepted action's issue time: it becomes trusted time, and older actions are
+    /// refused from now on. Returns whether anything changed.
+    pub fn accept_action_at(&mut self, issued_at: UnixTime) -> bool {
+        let before = (self.last_trusted_time, self.last_action_issued_at);
+        self.last_trusted_time = self.last_trusted_time.max(issued_at);
+        self.last_action_issued_at = self.last_action_issued_at.max(issued_at);
+        before != (self.last_trusted_time, self.last_action_issued_at)
     }
 
-    /// Parses the trust file; `None` names the first bad line.
+    /// The stricter of two states, field by field: the file and sled can disagree after a
+    /// crash between their writes (or one of them was lost), and the safe answer is the
+    /// higher counter, the later times and the newer keys.
+    pub fn merge(self, other: TrustState) -> TrustState {
+        let version = |k: &Option<StoredKeys>| k.as_ref().map_or(0, |k| k.version);
+        let keys = if version(&other.keys) > version(&self.keys) {
+            other.keys
+        } else {
+            self.keys
+        };
+        TrustState {
+            installed_counter: self.installed_counter.max(other.installed_counter),
+            last_trusted_time: self.last_trusted_time.max(other.last_trusted_time),
+            last_action_issued_at: self.last_action_issued_at.max(other.last_action_issued_at),
+            keys,
+        }
+    }
+
+    /// Text form of the trust file: `key = value` lines, readable by an operator. Keys of an
+    /// accepted keys document follow as one `*_key = <hex>` line per key.
+    pub fn to_text(&self) -> String {
+        let mut out = format!(
+            "installed_counter = {}\nlast_trusted_time = {}\nlast_action_issued_at = {}\n",
+            self.installed_counter, self.last_trusted_time, self.last_action_issued_at
+        );
+        if let Some(k) = &self.keys {
+            out.push_str(&format!(
+                "keys_version = {}\nroot_threshold = {}\n",
+                k.version, k.root_threshold
+            ));
+            for (name, keys) in [
+                ("root_key", &k.root_keys),
+                ("release_key", &k.release_keys),
+                ("coordinator_key", &k.coordinator_keys),
+            ] {
+                for key in keys {
+                    out.push_str(&format!("{name} = {}\n", hex::encode(key)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Parses the trust file; the error names the first bad line.
     pub fn from_text(text: &str) -> Result<TrustState, String> {
         let mut state = TrustState::default();
+        let mut keys = StoredKeys::default();
+        let mut keys_version = None;
+        let mut has_keys = false;
         for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let (key, value) = line
                 .split_once('=')
                 .ok_or_else(|| format!("line {line:?} is not key = value"))?;
-            let value: u64 = value
-                .trim()
-                .parse()
-                .map_err(|_| format!("line {line:?}: value is not a number"))?;
-            match key.trim() {
-                "installed_counter" => state.installed_counter = value,
-                "last_trusted_time" => state.last_trusted_time = value,
+            let (key, value) = (key.trim(), value.trim());
+            let number = || -> Result<u64, String> {
+                value
+                    .parse()
+                    .map_err(|_| format!("line {line:?}: value is not a number"))
+            };
+            let public_key = || -> Result<[u8; 32], String> {
+                hex::decode_array::<32>(value).map_err(|e| format!("line {line:?}: {e}"))
+            };
+            match key {
+                "installed_counter" => state.installed_counter = number()?,
+                "last_trusted_time" => state.last_trusted_time = number()?,
+                "last_action_issued_at" => state.last_action_issued_at = number()?,
+                "keys_version" => keys_version = Some(number()?),
+                "root_threshold" => {
+                    keys.root_threshold = u32::try_from(number()?)
+                        .map_err(|_| format!("line {line:?}: value is too large"))?;
+                }
+                "root_key" => keys.root_keys.push(public_key()?),
+                "release_key" => keys.release_keys.push(public_key()?),
+                "coordinator_key" => keys.coordinator_keys.push(public_key()?),
                 other => return Err(format!("unknown key {other:?}")),
             }
+            has_keys |= key.ends_with("_key") || key == "root_threshold";
+        }
+        match keys_version {
+            Some(version) => {
+                keys.version = version;
+                state.keys = Some(keys);
+            }
+            None if has_keys => return Err("key lines without a keys_version line".into()),
+            None => {}
         }
         Ok(state)
     }
@@ -242,6 +395,59 @@ pub fn system_now() -> UnixTime {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// Why `flotilla-agent keys install` did not install a keys document. Nothing was changed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallKeysError {
+    #[error("cannot read keys file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("keys file {path}: {source}")]
+    Decode { path: PathBuf, source: DecodeError },
+    #[error("keys file {path} refused: {source}")]
+    Refused { path: PathBuf, source: KeysError },
+    #[error("cannot open the agent's state (stop the agent before installing keys): {0}")]
+    Open(#[source] AgentError),
+    #[error("cannot write trust file {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Installs a signed keys document from `file`: it must be signed by enough of the device's
+/// current root keys and be newer than the keys it has. The accepted keys are written to the
+/// trust file (atomically) and its mirror in the database, and the agent uses them from its
+/// next start. The agent must be stopped (its database is locked while it runs).
+pub fn install_keys(config: &Config, file: &Path) -> Result<KeyRing, InstallKeysError> {
+    let bytes = std::fs::read(file).map_err(|source| InstallKeysError::Read {
+        path: file.to_owned(),
+        source,
+    })?;
+    let signed = keys::decode_file(&bytes).map_err(|source| InstallKeysError::Decode {
+        path: file.to_owned(),
+        source,
+    })?;
+    let (store, mut state, _) = crate::agent::open(config).map_err(InstallKeysError::Open)?;
+    let ring = state
+        .ring(&config.trust)
+        .accept(&signed)
+        .map_err(|source| InstallKeysError::Refused {
+            path: file.to_owned(),
+            source,
+        })?;
+    state.keys = Some(StoredKeys::from_ring(&ring));
+    write_trust_file(&config.data_dir, &state).map_err(|source| InstallKeysError::Write {
+        path: trust_file(&config.data_dir),
+        source,
+    })?;
+    store.set_trust(&state)?;
+    Ok(ring)
 }
 
 #[cfg(test)]
@@ -309,8 +515,15 @@ pub(crate) mod tests {
         SignedBlob::sign(k, envelope::to_bytes(action))
     }
 
-    fn refusal(blob: &SignedBlob, installed: u64) -> String {
-        check_all(blob, &config(), installed, 100)
+    fn installed(counter: u64) -> TrustState {
+        TrustState {
+            installed_counter: counter,
+            ..TrustState::default()
+        }
+    }
+
+    fn refusal(blob: &SignedBlob, counter: u64) -> String {
+        check_all(blob, &config(), &installed(counter), 100)
             .expect_err("refused")
             .0
     }
@@ -318,7 +531,7 @@ pub(crate) mod tests {
     #[test]
     fn good_action_passes() {
         let blob = sign(&desired("dev-1", 500, &manifest(5), &key(1)), &key(2));
-        let (action, manifest) = check_all(&blob, &config(), 4, 100).expect("accepted");
+        let (action, manifest) = check_all(&blob, &config(), &installed(4), 100).expect("accepted");
         assert_eq!(action.action_id, "act-1");
         assert_eq!(manifest.map(|m| m.counter), Some(5));
     }
@@ -413,6 +626,7 @@ pub(crate) mod tests {
         let t = TrustState {
             installed_counter: 1,
             last_trusted_time: 1_000,
+            ..TrustState::default()
         };
         assert_eq!(t.now(500), 1_000);
         assert_eq!(t.now(2_000), 2_000);
@@ -425,18 +639,104 @@ pub(crate) mod tests {
         let t = TrustState {
             installed_counter: 7,
             last_trusted_time: 1234,
+            last_action_issued_at: 1200,
+            keys: Some(rotated_keys(3)),
         };
         write_trust_file(dir.path(), &t).expect("write");
         assert_eq!(read_trust_file(dir.path()), t);
+        let other = TrustState {
+            installed_counter: 9,
+            last_trusted_time: 5,
+            last_action_issued_at: 1300,
+            keys: Some(rotated_keys(2)),
+        };
         assert_eq!(
-            t.merge(TrustState {
-                installed_counter: 9,
-                last_trusted_time: 5
-            }),
+            t.clone().merge(other.clone()),
             TrustState {
                 installed_counter: 9,
-                last_trusted_time: 1234
+                last_trusted_time: 1234,
+                last_action_issued_at: 1300,
+                keys: Some(rotated_keys(3)),
+            },
+            "the newer keys win, whichever copy holds them"
+        );
+        assert_eq!(other.merge(t).keys, Some(rotated_keys(3)));
+    }
+
+    /// Keys as a keys document of `version` would leave them: coordinator key 3, roots 4 and 5.
+    fn rotated_keys(version: u64) -> StoredKeys {
+        StoredKeys {
+            version,
+            release_keys: vec![key(1).verifying_key().to_bytes()],
+            coordinator_keys: vec![key(3).verifying_key().to_bytes()],
+            root_keys: vec![
+                key(4).verifying_key().to_bytes(),
+                key(5).verifying_key().to_bytes(),
+            ],
+            root_threshold: 2,
+        }
+    }
+
+    #[test]
+    fn older_trust_files_still_read_and_damaged_key_lines_are_named() {
+        // A trust file written before replays and rotation were tracked.
+        let old = TrustState::from_text("installed_counter = 4\nlast_trusted_time = 99\n")
+            .expect("reads");
+        assert_eq!(
+            old,
+            TrustState {
+                installed_counter: 4,
+                last_trusted_time: 99,
+                ..TrustState::default()
             }
         );
+        assert_eq!(
+            TrustState::from_text("coordinator_key = 00\n").expect_err("bad key"),
+            "line \"coordinator_key = 00\": expected 64 hex digits, found 2"
+        );
+        assert_eq!(
+            TrustState::from_text(&format!(
+                "coordinator_key = {}\n",
+                hex::encode(key(3).verifying_key().as_bytes())
+            ))
+            .expect_err("no version"),
+            "key lines without a keys_version line"
+        );
+    }
+
+    #[test]
+    fn rotated_keys_replace_the_configured_ones() {
+        let state = TrustState {
+            keys: Some(rotated_keys(1)),
+            ..installed(4)
+        };
+        let by_new = sign(&desired("dev-1", 500, &manifest(5), &key(1)), &key(3));
+        let (action, _) = check_all(&by_new, &config(), &state, 100).expect("new key accepted");
+        assert_eq!(action.action_id, "act-1");
+        let by_old = sign(&desired("dev-1", 500, &manifest(5), &key(1)), &key(2));
+        let r = check_all(&by_old, &config(), &state, 100).expect_err("old key refused");
+        assert!(
+            r.0.starts_with("desired action is signed by unknown key "),
+            "{r}"
+        );
+        // The configured keys are still what a device without a keys document trusts.
+        assert!(check_all(&by_old, &config(), &installed(4), 100).is_ok());
+    }
+
+    #[test]
+    fn an_action_older_than_the_last_accepted_is_a_replay() {
+        let mut state = installed(4);
+        assert!(state.accept_action_at(50));
+        assert!(!state.accept_action_at(20), "an older time changes nothing");
+        let blob = sign(&desired("dev-1", 500, &manifest(5), &key(1)), &key(2));
+        assert_eq!(
+            check_all(&blob, &config(), &state, 100)
+                .expect_err("replay")
+                .0,
+            "action act-1 issued at 10, older than the last accepted action issued at 50"
+        );
+        let mut same_second = desired("dev-1", 500, &manifest(5), &key(1));
+        same_second.issued_at = 50;
+        assert!(check_all(&sign(&same_second, &key(2)), &config(), &state, 100).is_ok());
     }
 }

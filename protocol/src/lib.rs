@@ -7,6 +7,7 @@
 //! - [`envelope`]: the versioned postcard envelope around device-facing messages.
 //! - [`messages`]: release manifests, desired actions, reports, device states, artifact blocks.
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
+//! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
 //! - [`control`]: the JSON control requests, replies and status documents.
 //! - [`ids`]: the safe character set for ids that appear in topics.
 //!
@@ -24,14 +25,16 @@ pub mod control;
 pub mod envelope;
 pub mod hex;
 pub mod ids;
+pub mod keys;
 pub mod messages;
 pub mod signing;
 pub mod topics;
 
 pub use envelope::{DecodeError, Message, MAX_PACKET_SIZE, PROTOCOL_VERSION};
 pub use ids::{validate_id, DeviceId, IdError};
+pub use keys::{KeyRing, KeysDocument, KeysError};
 pub use messages::*;
-pub use signing::{SignatureError, SignedBlob};
+pub use signing::{MultiSignedBlob, SignatureError, SignedBlob};
 pub use topics::{Topic, Topics};
 
 pub use ed25519_dalek::{SigningKey, VerifyingKey};

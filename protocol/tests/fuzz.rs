@@ -5,7 +5,10 @@
 mod samples;
 
 use flotilla_protocol::control::ControlRequest;
-use flotilla_protocol::{envelope, DesiredAction, ReleaseManifest, Topics};
+use flotilla_protocol::{
+    envelope, keys, DesiredAction, KeyRing, KeysDocument, MultiSignedBlob, ReleaseManifest,
+    SigningKey, Topics,
+};
 
 /// A small deterministic generator so failures reproduce.
 struct Rng(u64);
@@ -27,9 +30,41 @@ fn decode_all(bytes: &[u8]) {
     let _ = envelope::from_bytes::<ReleaseManifest>("manifest", bytes);
     let _ = envelope::from_bytes::<DesiredAction>("desired action", bytes);
     let _ = serde_json::from_slice::<ControlRequest>(bytes);
+    let _ = envelope::from_bytes::<KeysDocument>("keys document", bytes);
+    if let Ok(signed) = keys::decode_file(bytes) {
+        let _ = ring().accept(&signed);
+    }
     if let Ok(text) = std::str::from_utf8(bytes) {
         let _ = Topics::default().parse(text);
     }
+}
+
+fn root(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+/// A device's key ring with two root keys, both needed.
+fn ring() -> KeyRing {
+    KeyRing {
+        version: 1,
+        release_keys: vec![root(7).verifying_key()],
+        coordinator_keys: vec![root(8).verifying_key()],
+        root_keys: vec![root(1).verifying_key(), root(2).verifying_key()],
+        root_threshold: 2,
+    }
+}
+
+/// A keys file the ring above accepts.
+fn keys_file() -> Vec<u8> {
+    let doc = KeysDocument {
+        version: 2,
+        release_keys: vec![root(7).verifying_key().to_bytes()],
+        coordinator_keys: vec![root(9).verifying_key().to_bytes()],
+        root_keys: None,
+        root_threshold: 2,
+    };
+    let signed = MultiSignedBlob::sign(&[&root(1), &root(2)], envelope::to_bytes(&doc));
+    keys::encode_file(&signed)
 }
 
 fn mutate(rng: &mut Rng, valid: &[u8]) -> Vec<u8> {
@@ -74,6 +109,7 @@ fn mutated_valid_messages_never_panic() {
     let mut valid: Vec<Vec<u8>> = samples::messages().iter().map(envelope::encode).collect();
     valid.push(envelope::to_bytes(&samples::manifest()));
     valid.push(envelope::to_bytes(&samples::install()));
+    valid.push(keys_file());
     valid.push(br#"{"id":"1","reply_to":"r","command":"start_rollout","rollout":"x"}"#.to_vec());
     let mut decoded_ok = 0usize;
     for i in 0..60_000 {
@@ -113,4 +149,25 @@ fn wrong_version_is_named() {
         err.to_string().contains("unsupported protocol version 2"),
         "{err}"
     );
+}
+
+#[test]
+fn mutated_keys_files_are_never_accepted() {
+    let valid = keys_file();
+    let accepted = |bytes: &[u8]| {
+        keys::decode_file(bytes)
+            .ok()
+            .and_then(|signed| ring().accept(&signed).ok())
+    };
+    let good = accepted(&valid).expect("the unmutated file is accepted");
+    let mut rng = Rng(7);
+    for _ in 0..5_000 {
+        let bytes = mutate(&mut rng, &valid);
+        // A mutation may only be accepted if it changed nothing that was signed (e.g. a
+        // signature's encoding it cannot change without failing); what it establishes is
+        // exactly what the root keys signed.
+        if let Some(ring) = accepted(&bytes) {
+            assert_eq!(ring, good, "a mutated keys file established other keys");
+        }
+    }
 }

@@ -5,7 +5,9 @@
 #[allow(dead_code)] // each test binary uses a different subset of the samples
 mod samples;
 
-use flotilla_protocol::{envelope, hex, ActionBody, ActionKind};
+use flotilla_protocol::{
+    envelope, hex, keys, ActionBody, ActionKind, KeysDocument, MultiSignedBlob,
+};
 
 fn actual() -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -57,7 +59,25 @@ fn actual() -> Vec<(String, String)> {
             hex::encode(&envelope::to_bytes(&phase)),
         ));
     }
+    let doc = keys_document();
+    out.push((
+        "keys document".into(),
+        hex::encode(&envelope::to_bytes(&doc)),
+    ));
+    let signed = MultiSignedBlob::sign(&[&samples::key()], envelope::to_bytes(&doc));
+    out.push(("keys file".into(), hex::encode(&keys::encode_file(&signed))));
     out
+}
+
+/// A keys document that rotates every kind of key, including the roots.
+fn keys_document() -> KeysDocument {
+    KeysDocument {
+        version: 2,
+        release_keys: vec![[0x11; 32]],
+        coordinator_keys: vec![[0x22; 32], [0x23; 32]],
+        root_keys: Some(vec![[0x33; 32]]),
+        root_threshold: 1,
+    }
 }
 
 const GOLDEN: &str = include_str!("golden.txt");

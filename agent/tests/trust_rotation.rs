@@ -1,0 +1,608 @@
+//! Trust hardening end to end: key rotation through `flotilla-agent keys install`, replayed
+//! actions, and the release counter surviving the loss of the database.
+//!
+//! The broker tests run a real mosquitto and play the coordinator; they are skipped with a
+//! notice when `mosquitto` is not installed. The refused rotations need no broker.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_agent::trust::{self, InstallKeysError};
+use flotilla_agent::Config;
+use flotilla_protocol::{
+    envelope, hex, keys, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId,
+    KeysDocument, Message, MultiSignedBlob, Phase, ReleaseManifest, Report, SignedBlob, SigningKey,
+    Topics,
+};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+const RELEASE: u8 = 1;
+const OLD_COORDINATOR: u8 = 2;
+const NEW_COORDINATOR: u8 = 20;
+const ROOTS: [u8; 3] = [11, 12, 13];
+const STRANGER: u8 = 99;
+
+fn pubkey(seed: u8) -> String {
+    format!("\"{}\"", hex::encode(key(seed).verifying_key().as_bytes()))
+}
+
+fn config_text(port: u16, dir: &Path, device: &str, dest: &Path) -> String {
+    format!(
+        r#"
+device_id = "{device}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[trust]
+release_keys = [{rk}]
+coordinator_keys = [{ck}]
+root_keys = [{r0}, {r1}, {r2}]
+root_threshold = 2
+[[target]]
+name = "app"
+kind = "file"
+path = "{dest}"
+"#,
+        data = dir.join("agent-data").display(),
+        rk = pubkey(RELEASE),
+        ck = pubkey(OLD_COORDINATOR),
+        r0 = pubkey(ROOTS[0]),
+        r1 = pubkey(ROOTS[1]),
+        r2 = pubkey(ROOTS[2]),
+        dest = dest.display(),
+    )
+}
+
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("agent.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// A keys document of `version` that makes `coordinator` the coordinator key, signed by
+/// `signers`, as the file an operator installs.
+fn keys_file(version: u64, coordinator: u8, signers: &[u8]) -> Vec<u8> {
+    let doc = KeysDocument {
+        version,
+        release_keys: vec![key(RELEASE).verifying_key().to_bytes()],
+        coordinator_keys: vec![key(coordinator).verifying_key().to_bytes()],
+        root_keys: None,
+        root_threshold: 2,
+    };
+    let signers: Vec<SigningKey> = signers.iter().map(|s| key(*s)).collect();
+    let signers: Vec<&SigningKey> = signers.iter().collect();
+    keys::encode_file(&MultiSignedBlob::sign(&signers, envelope::to_bytes(&doc)))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn artifact(counter: u64) -> Vec<u8> {
+    format!("release {counter}\n").repeat(200).into_bytes()
+}
+
+/// An install of release `app-{counter}`, issued at `issued_at`, signed by `coordinator`.
+fn install(
+    device: &str,
+    action_id: &str,
+    counter: u64,
+    issued_at: u64,
+    coordinator: u8,
+) -> SignedBlob {
+    let bytes = artifact(counter);
+    let manifest = ReleaseManifest {
+        name: format!("app-{counter}"),
+        version: format!("{counter}.0"),
+        counter,
+        hardware: vec!["pi4".into()],
+        artifacts: vec![Artifact {
+            name: "app.bin".into(),
+            target: "app".into(),
+            size: bytes.len() as u64,
+            sha256: flotilla_protocol::sha256(&bytes),
+        }],
+        created_at: issued_at,
+        expires_at: now() + 3600,
+    };
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at,
+        expires_at: now() + 3600,
+        body: ActionBody::Install {
+            manifest: SignedBlob::sign(&key(RELEASE), envelope::to_bytes(&manifest)),
+            kind: ActionKind::Forced,
+            window: None,
+        },
+    };
+    SignedBlob::sign(&key(coordinator), envelope::to_bytes(&action))
+}
+
+fn find_mosquitto() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
+        .map(|dir| dir.join("mosquitto"))
+        .find(|p| p.is_file())
+}
+
+struct Broker {
+    _child: tokio::process::Child,
+    port: u16,
+}
+
+async fn start_broker(dir: &Path) -> Option<Broker> {
+    let Some(bin) = find_mosquitto() else {
+        eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
+        return None;
+    };
+    // Another test may take the probed port before mosquitto binds it: try another one.
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let conf = dir.join("mosquitto.conf");
+        std::fs::write(
+            &conf,
+            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        )
+        .expect("write conf");
+        let mut child = tokio::process::Command::new(&bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start mosquitto");
+        let listening = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if matches!(child.try_wait(), Ok(Some(_))) {
+                    return false;
+                }
+                if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    return matches!(child.try_wait(), Ok(None));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("mosquitto did not start listening within 30s");
+        if listening {
+            return Some(Broker {
+                _child: child,
+                port,
+            });
+        }
+    }
+    panic!("mosquitto could not bind a free port in five tries");
+}
+
+/// Plays the coordinator for one device: publishes desired actions retained, serves the
+/// artifacts of releases 1 to 9 by digest, and collects reports.
+struct Coordinator {
+    client: AsyncClient,
+    topic: String,
+    reports: mpsc::Receiver<Report>,
+    /// Block requests served so far.
+    fetches: Arc<AtomicUsize>,
+}
+
+impl Coordinator {
+    async fn start(port: u16, device: &str) -> Coordinator {
+        let topics = Topics::default();
+        let id = DeviceId::new(device).expect("device id");
+        let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
+        options.set_max_packet_size(
+            flotilla_protocol::MAX_PACKET_SIZE,
+            flotilla_protocol::MAX_PACKET_SIZE,
+        );
+        let (client, mut eventloop) = AsyncClient::new(options, 100);
+        for topic in [topics.report(&id), topics.fetch(&id)] {
+            client
+                .subscribe(topic, QoS::AtLeastOnce)
+                .await
+                .expect("subscribe");
+        }
+        let served: HashMap<[u8; 32], Vec<u8>> = (1..10)
+            .map(|c| {
+                let bytes = artifact(c);
+                (flotilla_protocol::sha256(&bytes), bytes)
+            })
+            .collect();
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let (tx, reports) = mpsc::channel(1000);
+        let block_topic = topics.block(&id);
+        let c = client.clone();
+        let counted = fetches.clone();
+        tokio::spawn(async move {
+            loop {
+                let event = match eventloop.poll().await {
+                    Ok(e) => e,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let Event::Incoming(Packet::Publish(p)) = event else {
+                    continue;
+                };
+                match envelope::decode(&p.payload) {
+                    Ok(Message::Report(r)) => {
+                        let _ = tx.send(r).await;
+                    }
+                    Ok(Message::Fetch(req)) => {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let data = served.get(&req.sha256).cloned().unwrap_or_default();
+                        let start = (req.offset as usize).min(data.len());
+                        let end = (start + req.length as usize).min(data.len());
+                        let reply = BlockReply::Data {
+                            sha256: req.sha256,
+                            offset: req.offset,
+                            data: data[start..end].to_vec(),
+                        };
+                        let c = c.clone();
+                        let topic = block_topic.clone();
+                        // Never wait on the client inside its own poll loop.
+                        tokio::spawn(async move {
+                            let _ = c
+                                .publish(
+                                    topic,
+                                    QoS::AtLeastOnce,
+                                    false,
+                                    envelope::encode(&Message::Block(reply)),
+                                )
+                                .await;
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Coordinator {
+            client,
+            topic: topics.desired(&id),
+            reports,
+            fetches,
+        }
+    }
+
+    /// Replaces the retained desired action.
+    async fn publish(&self, desired: SignedBlob) {
+        self.client
+            .publish(
+                self.topic.clone(),
+                QoS::AtLeastOnce,
+                true,
+                envelope::encode(&Message::Desired(desired)),
+            )
+            .await
+            .expect("publish desired");
+    }
+
+    /// Waits for a final report about `action_id`; earlier reports are skipped.
+    async fn final_phase(&mut self, action_id: &str) -> Phase {
+        let mut seen = Vec::new();
+        let found = tokio::time::timeout(TIMEOUT, async {
+            while let Some(r) = self.reports.recv().await {
+                if r.action_id == action_id && r.phase.is_terminal() {
+                    return Some(r.phase);
+                }
+                seen.push(r);
+            }
+            None
+        })
+        .await;
+        match found {
+            Ok(Some(phase)) => phase,
+            _ => panic!("no final report for {action_id} within 30s; reports: {seen:#?}"),
+        }
+    }
+}
+
+fn refused_reason(phase: Phase) -> String {
+    match phase {
+        Phase::Refused { reason } => reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Runs the agent binary's `keys install`; returns (success, stdout + stderr).
+async fn keys_install(config: &Path, file: &Path) -> (bool, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_flotilla-agent"))
+        .args(["keys", "install", "--config"])
+        .arg(config)
+        .arg(file)
+        .output()
+        .await
+        .expect("run flotilla-agent");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Two of the three root keys rotate the coordinator key: from then on an action signed by
+/// the new key is applied and one signed by the old key is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_coordinator_key_replaces_the_old_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"factory").expect("write old");
+    let device = "dev-rotate";
+    let config_path = write_config(
+        dir.path(),
+        &config_text(broker.port, dir.path(), device, &dest),
+    );
+    let file = dir.path().join("keys-1.bin");
+    std::fs::write(&file, keys_file(1, NEW_COORDINATOR, &[ROOTS[0], ROOTS[2]])).expect("write");
+    let (ok, said) = keys_install(&config_path, &file).await;
+    assert!(ok, "{said}");
+    assert!(said.starts_with("keys version 1 installed"), "{said}");
+    let trust_file = std::fs::read_to_string(dir.path().join("agent-data/trust")).expect("read");
+    assert!(
+        trust_file.contains(&format!(
+            "coordinator_key = {}",
+            hex::encode(key(NEW_COORDINATOR).verifying_key().as_bytes())
+        )),
+        "{trust_file}"
+    );
+
+    let mut coordinator = Coordinator::start(broker.port, device).await;
+    let config = Config::load(&config_path).expect("config");
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(config, shutdown.clone()));
+
+    coordinator
+        .publish(install(device, "by-old-key", 2, now(), OLD_COORDINATOR))
+        .await;
+    let reason = refused_reason(coordinator.final_phase("by-old-key").await);
+    assert!(
+        reason.starts_with("desired action is signed by unknown key "),
+        "{reason}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"factory");
+
+    coordinator
+        .publish(install(device, "by-new-key", 2, now(), NEW_COORDINATOR))
+        .await;
+    assert_eq!(coordinator.final_phase("by-new-key").await, Phase::Applied);
+    assert_eq!(std::fs::read(&dest).expect("read"), artifact(2));
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
+/// Every refused keys document names its reason and leaves the trusted keys as they were.
+#[test]
+fn refused_rotations_leave_the_keys_unchanged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dest = dir.path().join("app.bin");
+    let config =
+        Config::from_toml(&config_text(1883, dir.path(), "dev-refuse", &dest)).expect("config");
+    let install = |name: &str, bytes: Vec<u8>| {
+        let file = dir.path().join(name);
+        std::fs::write(&file, bytes).expect("write");
+        trust::install_keys(&config, &file)
+    };
+    let accepted = install("v2", keys_file(2, NEW_COORDINATOR, &[ROOTS[0], ROOTS[1]]))
+        .expect("version 2 accepted");
+    assert_eq!(accepted.version, 2);
+    let trust_path = dir.path().join("agent-data/trust");
+    let before = std::fs::read(&trust_path).expect("trust file");
+
+    let mut tampered = keys::decode_file(&keys_file(3, STRANGER, &ROOTS)).expect("decodes");
+    let last = tampered.payload.len() - 1;
+    tampered.payload[last] ^= 1;
+    let cases: Vec<(&str, Vec<u8>, String)> = vec![
+        (
+            "one signature short",
+            keys_file(3, STRANGER, &[ROOTS[1]]),
+            "keys document is signed by 1 root key(s), it needs 2".into(),
+        ),
+        (
+            "signed by a key that is not a root",
+            keys_file(3, STRANGER, &[ROOTS[1], STRANGER]),
+            format!(
+                "keys document is signed by 1 root key(s), it needs 2 (ignored signatures by \
+                 keys that are not a root key: {})",
+                hex::encode(key(STRANGER).verifying_key().as_bytes())
+            ),
+        ),
+        (
+            "a replayed older version",
+            keys_file(1, STRANGER, &ROOTS),
+            "keys document version 1 is not newer than the accepted version 2".into(),
+        ),
+        (
+            "tampered",
+            keys::encode_file(&tampered),
+            format!(
+                "keys document signature by root key {} does not verify",
+                hex::encode(key(ROOTS[0]).verifying_key().as_bytes())
+            ),
+        ),
+    ];
+    for (case, bytes, reason) in cases {
+        match install(case, bytes) {
+            Err(InstallKeysError::Refused { source, .. }) => {
+                assert_eq!(source.to_string(), reason, "{case}")
+            }
+            other => panic!("{case}: expected a refusal, got {other:?}"),
+        }
+        assert_eq!(
+            std::fs::read(&trust_path).expect("trust file"),
+            before,
+            "{case}: the trust file changed"
+        );
+    }
+    let (_, trust) = open_trust(&config);
+    let ring = trust.ring(&config.trust);
+    assert_eq!(ring.version, 2);
+    assert_eq!(
+        ring.coordinator_keys,
+        vec![key(NEW_COORDINATOR).verifying_key()]
+    );
+}
+
+/// The trust state as the agent would start with it (trust file merged with the database).
+fn open_trust(config: &Config) -> (flotilla_agent::store::Store, trust::TrustState) {
+    let (store, trust, _) = flotilla_agent::agent::open(config).expect("open");
+    (store, trust)
+}
+
+/// A handled action id is not applied again: the agent re-reports its phase without fetching
+/// or writing anything. An action issued before the last accepted one is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_actions_are_not_applied() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"factory").expect("write old");
+    let device = "dev-replay";
+    let config_path = write_config(
+        dir.path(),
+        &config_text(broker.port, dir.path(), device, &dest),
+    );
+    let mut coordinator = Coordinator::start(broker.port, device).await;
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        Config::load(&config_path).expect("config"),
+        shutdown.clone(),
+    ));
+
+    let issued = now();
+    let first = install(device, "act-3", 3, issued, OLD_COORDINATOR);
+    coordinator.publish(first.clone()).await;
+    assert_eq!(coordinator.final_phase("act-3").await, Phase::Applied);
+    let fetched = coordinator.fetches.load(Ordering::SeqCst);
+    assert!(fetched > 0);
+
+    // Someone changes the file by hand; a replay of the same action must not rewrite it.
+    std::fs::write(&dest, b"changed locally").expect("write");
+    coordinator.publish(first).await;
+    assert_eq!(coordinator.final_phase("act-3").await, Phase::Applied);
+    assert_eq!(std::fs::read(&dest).expect("read"), b"changed locally");
+    assert_eq!(
+        coordinator.fetches.load(Ordering::SeqCst),
+        fetched,
+        "nothing fetched again"
+    );
+
+    coordinator
+        .publish(install(
+            device,
+            "act-4-old",
+            4,
+            issued - 100,
+            OLD_COORDINATOR,
+        ))
+        .await;
+    assert_eq!(
+        refused_reason(coordinator.final_phase("act-4-old").await),
+        format!(
+            "action act-4-old issued at {}, older than the last accepted action issued at {issued}",
+            issued - 100
+        )
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"changed locally");
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
+/// Stop the agent, delete its database, start it again: the trust file still refuses a lower
+/// release counter and an action older than the last accepted one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_database_keeps_the_release_counter() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"factory").expect("write old");
+    let device = "dev-nodb";
+    let config_path = write_config(
+        dir.path(),
+        &config_text(broker.port, dir.path(), device, &dest),
+    );
+    let config = Config::load(&config_path).expect("config");
+    let mut coordinator = Coordinator::start(broker.port, device).await;
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let issued = now();
+    coordinator
+        .publish(install(device, "act-5", 5, issued, OLD_COORDINATOR))
+        .await;
+    assert_eq!(coordinator.final_phase("act-5").await, Phase::Applied);
+    shutdown.cancel();
+    tokio::time::timeout(TIMEOUT, agent)
+        .await
+        .expect("agent stops")
+        .expect("agent task")
+        .expect("agent ran");
+
+    let db = flotilla_agent::store::db_path(&config.data_dir);
+    std::fs::remove_dir_all(&db).expect("rm -r the database");
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    coordinator
+        .publish(install(
+            device,
+            "act-3-lower",
+            3,
+            issued + 1,
+            OLD_COORDINATOR,
+        ))
+        .await;
+    assert_eq!(
+        refused_reason(coordinator.final_phase("act-3-lower").await),
+        "release counter 3 is not higher than installed 5"
+    );
+    coordinator
+        .publish(install(device, "act-6-old", 6, issued - 1, OLD_COORDINATOR))
+        .await;
+    let reason = refused_reason(coordinator.final_phase("act-6-old").await);
+    assert!(
+        reason.contains("older than the last accepted action"),
+        "{reason}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), artifact(5));
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
