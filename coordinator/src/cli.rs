@@ -42,9 +42,50 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum KeysCmd {
+    /// Write a keys document that replaces the release and coordinator keys (and optionally the
+    /// root keys) on devices that accept it: `flotilla-agent keys install FILE` on each device.
+    Rotate {
+        /// Must be higher than the last version the devices accepted.
+        #[arg(long)]
+        version: u64,
+        /// Public release key files devices trust from now on (repeat for several).
+        #[arg(long = "release-key", required = true)]
+        release_keys: Vec<PathBuf>,
+        /// Public coordinator key files devices trust from now on (repeat for several).
+        #[arg(long = "coordinator-key", required = true)]
+        coordinator_keys: Vec<PathBuf>,
+        /// New public root key files; without them devices keep their root keys.
+        #[arg(long = "root-key")]
+        root_keys: Vec<PathBuf>,
+        /// Root signatures the next keys document will need.
+        #[arg(long, default_value_t = 2)]
+        root_threshold: u32,
+        /// Secret root key files to sign with now (repeat); others can add theirs with
+        /// `flotilla keys sign`.
+        #[arg(long = "sign", required = true)]
+        signers: Vec<PathBuf>,
+        /// Where to write the document.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Add a root key's signature to a keys document, in place.
+    Sign {
+        /// The secret root key file.
+        #[arg(long)]
+        key: PathBuf,
+        /// The keys document.
+        file: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Generate ed25519 key pairs (release and coordinator keys).
     Keygen(KeygenArgs),
+    /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
+    #[command(subcommand)]
+    Keys(KeysCmd),
     /// Create, inspect, verify and list signed releases.
     #[command(subcommand)]
     Release(ReleaseCmd),
@@ -351,6 +392,36 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
 /// Runs every command except `demo`; returns the exit code. `shutdown` stops `serve`.
 pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError> {
     match cli.command {
+        Cmd::Keys(KeysCmd::Rotate {
+            version,
+            release_keys,
+            coordinator_keys,
+            root_keys,
+            root_threshold,
+            signers,
+            out,
+        }) => {
+            let rotation = keys::Rotation {
+                version,
+                release_keys,
+                coordinator_keys,
+                root_keys,
+                root_threshold,
+                signers,
+            };
+            let signed = keys::rotate(&rotation, &out)?;
+            println!(
+                "wrote keys document version {version} to {} with {signed} root signature(s)",
+                out.display()
+            );
+            println!("  devices accept it with: flotilla-agent keys install --config CONFIG FILE");
+            Ok(0)
+        }
+        Cmd::Keys(KeysCmd::Sign { key, file }) => {
+            let count = keys::cosign(&file, &key)?;
+            println!("{} now has {count} signature(s)", file.display());
+            Ok(0)
+        }
         Cmd::Keygen(args) => {
             let names: Vec<String> = args.name.into_iter().collect();
             for written in keys::keygen(&args.out, &names, args.force)? {

@@ -40,6 +40,10 @@ pub enum KeysError {
         name: String,
         source: flotilla_protocol::IdError,
     },
+    #[error("keys document: {0}")]
+    Document(String),
+    #[error("keys document {path} cannot be read as one: {reason}")]
+    DocumentFile { path: PathBuf, reason: String },
 }
 
 /// One key pair written by [`keygen`].
@@ -146,6 +150,90 @@ pub fn load_public_key(path: &Path) -> Result<VerifyingKey, KeysError> {
     })
 }
 
+/// What a key rotation document replaces (see `flotilla keys rotate`).
+#[derive(Debug, Clone)]
+pub struct Rotation {
+    pub version: u64,
+    pub release_keys: Vec<PathBuf>,
+    pub coordinator_keys: Vec<PathBuf>,
+    /// New root keys; empty keeps the devices' current ones.
+    pub root_keys: Vec<PathBuf>,
+    pub root_threshold: u32,
+    /// Secret root keys to sign with now; more can sign later with [`cosign`].
+    pub signers: Vec<PathBuf>,
+}
+
+/// Builds and signs a keys document, written to `out` (mode 0644; it holds no secret).
+/// Devices accept it with `flotilla-agent keys install` once enough current root keys signed it.
+pub fn rotate(rotation: &Rotation, out: &Path) -> Result<usize, KeysError> {
+    let publics = |paths: &[PathBuf]| -> Result<Vec<[u8; 32]>, KeysError> {
+        paths
+            .iter()
+            .map(|p| load_public_key(p).map(|k| k.to_bytes()))
+            .collect()
+    };
+    let doc = flotilla_protocol::keys::KeysDocument {
+        version: rotation.version,
+        release_keys: publics(&rotation.release_keys)?,
+        coordinator_keys: publics(&rotation.coordinator_keys)?,
+        root_keys: if rotation.root_keys.is_empty() {
+            None
+        } else {
+            Some(publics(&rotation.root_keys)?)
+        },
+        root_threshold: rotation.root_threshold,
+    };
+    if doc.release_keys.is_empty() || doc.coordinator_keys.is_empty() {
+        return Err(KeysError::Document(
+            "name at least one --release-key and one --coordinator-key".into(),
+        ));
+    }
+    if let Some(roots) = &doc.root_keys {
+        if doc.root_threshold == 0 || doc.root_threshold as usize > roots.len() {
+            return Err(KeysError::Document(format!(
+                "--root-threshold {} must be from 1 to the {} new root keys",
+                doc.root_threshold,
+                roots.len()
+            )));
+        }
+    }
+    if rotation.signers.is_empty() {
+        return Err(KeysError::Document(
+            "sign with at least one root key (--sign ROOT.key)".into(),
+        ));
+    }
+    let signers = rotation
+        .signers
+        .iter()
+        .map(|p| load_secret_key(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let refs: Vec<&SigningKey> = signers.iter().collect();
+    let signed = flotilla_protocol::signing::MultiSignedBlob::sign(
+        &refs,
+        flotilla_protocol::envelope::to_bytes(&doc),
+    );
+    write_file(out, &flotilla_protocol::keys::encode_file(&signed), 0o644)?;
+    Ok(signers.len())
+}
+
+/// Adds a root key's signature to a keys document file, in place; returns how many signatures
+/// it now has.
+pub fn cosign(file: &Path, key: &Path) -> Result<usize, KeysError> {
+    let bytes = fs::read(file).map_err(|source| KeysError::Read {
+        path: file.to_owned(),
+        source,
+    })?;
+    let mut signed =
+        flotilla_protocol::keys::decode_file(&bytes).map_err(|e| KeysError::DocumentFile {
+            path: file.to_owned(),
+            reason: e.to_string(),
+        })?;
+    signed.add_signature(&load_secret_key(key)?);
+    let count = signed.signatures.len();
+    write_file(file, &flotilla_protocol::keys::encode_file(&signed), 0o644)?;
+    Ok(count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,5 +284,52 @@ mod tests {
         assert!(err.to_string().contains("bad.pub"), "{err}");
         let err = keygen(dir.path(), &["a/b".into()], false).expect_err("bad name");
         assert!(err.to_string().contains("a/b"), "{err}");
+    }
+
+    #[test]
+    fn rotation_documents_are_accepted_by_the_current_roots_only() {
+        use flotilla_protocol::keys::{decode_file, KeyRing};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let names: Vec<String> = ["root1", "root2", "root3", "release2", "coord2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        keygen(dir.path(), &names, false).expect("keys");
+        let p = |n: &str| dir.path().join(n);
+        let rotation = Rotation {
+            version: 1,
+            release_keys: vec![p("release2.pub")],
+            coordinator_keys: vec![p("coord2.pub")],
+            root_keys: Vec::new(),
+            root_threshold: 2,
+            signers: vec![p("root1.key")],
+        };
+        let out = p("keys-v1.flkeys");
+        assert_eq!(rotate(&rotation, &out).expect("written"), 1);
+        let roots: Vec<VerifyingKey> = ["root1.pub", "root2.pub", "root3.pub"]
+            .iter()
+            .map(|n| load_public_key(&p(n)).expect("pub"))
+            .collect();
+        let ring = KeyRing {
+            version: 0,
+            release_keys: Vec::new(),
+            coordinator_keys: Vec::new(),
+            root_keys: roots,
+            root_threshold: 2,
+        };
+        let read = || decode_file(&fs::read(&out).expect("read")).expect("decodes");
+        let err = ring.accept(&read()).expect_err("one signature is short");
+        assert!(err.to_string().contains("needs 2"), "{err}");
+        assert_eq!(cosign(&out, &p("root3.key")).expect("cosigned"), 2);
+        let next = ring.accept(&read()).expect("two of three roots signed");
+        assert_eq!(
+            next.coordinator_keys,
+            vec![load_public_key(&p("coord2.pub")).expect("pub")]
+        );
+        let bad = Rotation {
+            signers: Vec::new(),
+            ..rotation
+        };
+        assert!(rotate(&bad, &p("x")).is_err());
     }
 }
