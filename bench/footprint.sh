@@ -130,7 +130,7 @@ pids+=("$agent_pid")
 
 online=""
 for _ in $(seq 300); do
-  if fl devices --json 2>/dev/null | python3 -c 'import json,sys; sys.exit(0 if any(d["id"]=="bench-01" and d["online"] for d in json.load(sys.stdin)) else 1)'; then
+  if fl devices --json 2>/dev/null | python3 -c 'import json,sys; sys.exit(0 if any(d["id"]=="bench-01" and d["online"] for d in json.load(sys.stdin)) else 1)' 2>/dev/null; then
     online=1
     break
   fi
@@ -155,7 +155,7 @@ started="$(now)"
 fl rollout start fw-bench-rollout >/dev/null
 state=""
 for _ in $(seq 3000); do
-  state="$(fl rollout status fw-bench-rollout --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' || true)"
+  state="$(fl rollout status fw-bench-rollout --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null || true)"
   case "$state" in finished | paused | stopped | error) break ;; esac
   sleep 0.5
 done
