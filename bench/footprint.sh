@@ -90,7 +90,9 @@ coordinator_key = "$work/keys/coordinator.key"
 host = "127.0.0.1"
 port = $port
 EOF
-RUST_LOG=warn fl serve --config "$work/coordinator.toml" >"$work/coordinator.log" 2>&1 &
+# Not through fl(): a backgrounded function is a subshell, and killing it would leave the
+# coordinator running.
+RUST_LOG=warn "$flotilla_bin" --broker "127.0.0.1:$port" serve --config "$work/coordinator.toml" >"$work/coordinator.log" 2>&1 &
 pids+=($!)
 
 mkdir -p "$work/agent"
