@@ -35,6 +35,10 @@ pub struct AgentOptions {
     pub soak: &'static str,
     /// Release keys it trusts; by default the site's release key.
     pub release_keys: Option<Vec<String>>,
+    /// The command that runs the agent instead of the workspace's `flotilla-agent` binary, such
+    /// as `qemu-aarch64-static -L /usr/aarch64-linux-gnu <arm binary>`; the agent's arguments
+    /// follow it.
+    pub launcher: Option<Vec<String>>,
 }
 
 impl Default for AgentOptions {
@@ -45,6 +49,7 @@ impl Default for AgentOptions {
             block_size: 16384,
             soak: "1s",
             release_keys: None,
+            launcher: None,
         }
     }
 }
@@ -303,7 +308,14 @@ max_bytes_per_sec = {rate}
 
     /// Starts (or restarts) an agent process.
     pub fn start_agent(&mut self, id: &str) {
-        let mut command = Command::new(bin("flotilla-agent"));
+        let mut command = match self.agent_options[id].launcher.as_deref() {
+            Some([program, args @ ..]) => {
+                let mut command = Command::new(program);
+                command.args(args);
+                command
+            }
+            _ => Command::new(bin("flotilla-agent")),
+        };
         command
             .args(["run", "--config"])
             .arg(self.agent_config(id))
