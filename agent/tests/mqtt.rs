@@ -857,6 +857,30 @@ fn script_config_text(port: u16, dir: &Path, device: &str, dest: &Path, rate: u6
     )
 }
 
+/// What the coordinator saw across the restarts: sequence numbers from 1 with no gap, in order,
+/// where a number seen again (a re-send of an unacknowledged report) carries the same phase.
+fn assert_consistent_stream(name: &str, seen: &[Report]) {
+    let mut phases: Vec<&Phase> = Vec::new();
+    for r in seen {
+        let seq = r.seq as usize;
+        assert!(seq >= 1, "{name}: seq starts at 1: {seen:#?}");
+        if seq <= phases.len() {
+            assert_eq!(
+                phases[seq - 1],
+                &r.phase,
+                "{name}: seq {seq} re-sent with another phase: {seen:#?}"
+            );
+            continue;
+        }
+        assert_eq!(
+            seq,
+            phases.len() + 1,
+            "{name}: a gap before seq {seq}, a report was lost: {seen:#?}"
+        );
+        phases.push(&r.phase);
+    }
+}
+
 /// How many times the script target ran `subcommand` for `action`.
 fn calls(dir: &Path, subcommand: &str, action: &str) -> usize {
     std::fs::read_to_string(dir.join("calls.log"))
@@ -930,6 +954,7 @@ async fn crashes_never_make_the_target_stage_or_activate_twice() {
         }
         let _agent = spawn_agent(&config, None);
         let seen = reports_until_final(&mut reports).await;
+        assert_consistent_stream(name, &seen);
         let content = std::fs::read(&dest).expect("read");
         match seen.last().map(|r| r.phase.clone()) {
             Some(Phase::Ready) => {
