@@ -37,7 +37,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -45,7 +45,7 @@ use std::time::Duration;
 use tracing::{debug, info};
 
 use crate::bootctl::{BootControl, BootControlKind, BootEnv, Slot};
-use crate::fs::{atomic_write, fsync_dir, parent_dir};
+use crate::fs::{atomic_write, create_private_dir, parent_dir, read_state_file};
 use crate::process::{self, last_line};
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
@@ -161,15 +161,7 @@ impl AbTarget {
     }
 
     fn read_state(&self) -> Result<Option<AbState>, TargetError> {
-        let path = self.state_path();
-        let text = match fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(TargetError::ReadState { path, source }),
-        };
-        AbState::parse(&text)
-            .map(Some)
-            .map_err(|reason| TargetError::CorruptState { path, reason })
+        read_state_file(self.state_path(), AbState::parse)
     }
 
     fn write_state(&self, state: &AbState) -> io::Result<()> {
@@ -177,11 +169,7 @@ impl AbTarget {
     }
 
     fn ensure_state_dir(&self) -> io::Result<()> {
-        match fs::DirBuilder::new().mode(0o700).create(&self.state_dir) {
-            Ok(()) => fsync_dir(parent_dir(&self.state_dir)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && self.state_dir.is_dir() => Ok(()),
-            Err(e) => Err(e),
-        }
+        create_private_dir(&self.state_dir)
     }
 
     /// How many bytes `slot` can hold: a block device's size, or unlimited for an image file.

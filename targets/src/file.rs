@@ -41,12 +41,15 @@
 use std::ffi::OsStr;
 use std::fs::{self, File, Metadata, Permissions};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use tracing::{debug, info, warn};
 
-use crate::fs::{atomic_copy, atomic_rename, atomic_write, fsync_dir, parent_dir, TEMP_MARKER};
+use crate::fs::{
+    atomic_copy, atomic_rename, atomic_write, create_private_dir, fsync_dir, parent_dir,
+    read_state_file, TEMP_MARKER,
+};
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
 /// Name of the marker file inside the state directory.
@@ -117,15 +120,7 @@ impl FileTarget {
 
     /// The marker, if an action was ever activated here.
     fn read_marker(&self) -> Result<Option<Marker>, TargetError> {
-        let path = self.marker_path();
-        let text = match fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(TargetError::ReadState { path, source }),
-        };
-        Marker::parse(&text)
-            .map(Some)
-            .map_err(|reason| TargetError::CorruptState { path, reason })
+        read_state_file(self.marker_path(), Marker::parse)
     }
 
     fn write_marker(&self, marker: &Marker) -> io::Result<()> {
@@ -135,20 +130,7 @@ impl FileTarget {
     /// Creates the state directory if needed, durably (its entry in the parent directory must
     /// survive a power cut, or the staged file would vanish with it).
     fn ensure_state_dir(&self) -> io::Result<()> {
-        match fs::DirBuilder::new().mode(0o700).create(&self.state_dir) {
-            Ok(()) => fsync_dir(parent_dir(&self.state_dir)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                if fs::symlink_metadata(&self.state_dir)?.is_dir() {
-                    Ok(())
-                } else {
-                    Err(io::Error::new(
-                        io::ErrorKind::AlreadyExists,
-                        "something that is not a directory is in the way of the state directory",
-                    ))
-                }
-            }
-            Err(e) => Err(e),
-        }
+        create_private_dir(&self.state_dir)
     }
 
     /// Removes leftovers we own (staged and previous copies, restore scratch, temp files of

@@ -98,6 +98,43 @@ pub fn fsync_dir(dir: impl AsRef<Path>) -> io::Result<()> {
 }
 
 /// The directory holding `path`; `.` for a bare file name, so callers can always open it.
+/// Creates a directory only its owner can read (for a target's state), fsyncing its parent so the
+/// new entry survives a power cut. An existing directory is fine; anything else in the way is an
+/// error.
+pub(crate) fn create_private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => fsync_dir(parent_dir(dir)),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            if fs::symlink_metadata(dir)?.is_dir() {
+                Ok(())
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "something that is not a directory is in the way of the state directory",
+                ))
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Reads a small state file written with [`atomic_write`] and parses it; `None` when it does not
+/// exist yet. Errors name the file.
+pub(crate) fn read_state_file<T>(
+    path: PathBuf,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<Option<T>, crate::TargetError> {
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(crate::TargetError::ReadState { path, source }),
+    };
+    parse(&text)
+        .map(Some)
+        .map_err(|reason| crate::TargetError::CorruptState { path, reason })
+}
+
 pub(crate) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,

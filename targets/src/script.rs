@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -35,7 +35,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tracing::{debug, info};
 
-use crate::fs::{atomic_write, fsync_dir, parent_dir};
+use crate::fs::{atomic_write, create_private_dir, read_state_file};
 use crate::process::{self, last_line, RunError};
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
@@ -209,15 +209,7 @@ impl ScriptTarget {
     }
 
     fn read_state(&self) -> Result<Option<ScriptState>, TargetError> {
-        let path = self.state_path();
-        let text = match fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(TargetError::ReadState { path, source }),
-        };
-        ScriptState::parse(&text)
-            .map(Some)
-            .map_err(|reason| TargetError::CorruptState { path, reason })
+        read_state_file(self.state_path(), ScriptState::parse)
     }
 
     fn write_state(&self, state: &ScriptState) -> io::Result<()> {
@@ -225,12 +217,7 @@ impl ScriptTarget {
     }
 
     fn ensure_state_dir(&self) -> io::Result<()> {
-        let dir = &self.config.state_dir;
-        match fs::DirBuilder::new().mode(0o700).create(dir) {
-            Ok(()) => fsync_dir(parent_dir(dir)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
-            Err(e) => Err(e),
-        }
+        create_private_dir(&self.config.state_dir)
     }
 
     /// Runs one subcommand and interprets its exit code and reply.
