@@ -875,14 +875,7 @@ pub fn render(report: &SimReport) -> String {
         report.rollout.name,
         report.rollout.state
     );
-    let width = report
-        .rollout
-        .groups
-        .iter()
-        .map(|g| g.name.len())
-        .max()
-        .unwrap_or(0)
-        .max(5);
+    let width = view::group_name_width(&report.rollout.groups);
     for g in &report.rollout.groups {
         out.push_str(&view::group_line(g, width));
         out.push('\n');

@@ -56,13 +56,7 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
     if let Some(waiting) = &status.waiting {
         out.push_str(&format!("  waiting: {waiting}\n"));
     }
-    let name_width = status
-        .groups
-        .iter()
-        .map(|g| g.name.len())
-        .max()
-        .unwrap_or(0)
-        .max(5);
+    let name_width = group_name_width(&status.groups);
     if status.groups.is_empty() {
         out.push_str("  (no groups)\n");
     }
@@ -193,6 +187,16 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
         out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
     out
+}
+
+/// The width of the group name column for [`group_line`].
+pub fn group_name_width(groups: &[GroupStatus]) -> usize {
+    groups
+        .iter()
+        .map(|g| g.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(5)
 }
 
 /// The UTC time of day of a Unix timestamp, `18:03:51Z`: decisions of one rollout are minutes

@@ -6,14 +6,14 @@
 //! input (a report, a command, a timer) and is idempotent: calling it again with nothing changed
 //! changes nothing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use flotilla_protocol::control::{ApprovalStatus, TraceEntry};
 
 use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
-use super::{action_id, Effect, TRACE_LIMIT};
+use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
@@ -98,12 +98,7 @@ impl Rollout {
 
     /// The action id of a device's current attempt.
     pub(crate) fn attempt_id(&self, device: &str, attempt: u32) -> String {
-        let base = action_id(&self.name, self.created_at, device);
-        if attempt <= 1 {
-            base
-        } else {
-            format!("{base}:{attempt}")
-        }
+        attempt_action_id(&self.name, self.created_at, device, attempt)
     }
 
     fn desired(&self, device: &str, attempt: u32) -> Effect {
@@ -353,7 +348,7 @@ impl Rollout {
                 },
             });
         }
-        let policies = self.spec.policies.clone();
+        let (offline_policy, my_weight) = (self.spec.policies.offline, self.spec.policies.weight);
         let successes = self.successes();
         let mut started = 0usize;
         let mut result = None;
@@ -414,7 +409,7 @@ impl Rollout {
                     }
                 }
                 let offline_since = ctx.offline.get(&device).copied().flatten();
-                if offline_since.is_some() && policies.offline == OfflinePolicy::Skip {
+                if offline_since.is_some() && offline_policy == OfflinePolicy::Skip {
                     let group = &mut self.groups[gi];
                     group.set_phase(
                         &device,
@@ -436,12 +431,11 @@ impl Rollout {
                 }
                 if let Some((owner, weight)) = ctx.owners.get(&device) {
                     if owner != &self.name {
-                        if *weight > policies.weight {
+                        if *weight > my_weight {
                             result = Some(Wait {
                                 kind: "overlap",
                                 text: format!(
-                                    "device {device} is busy with rollout {owner} (weight {weight} > {})",
-                                    policies.weight
+                                    "device {device} is busy with rollout {owner} (weight {weight} > {my_weight})"
                                 ),
                             });
                             break 'batches;
@@ -609,12 +603,7 @@ impl Rollout {
                     slot.ended_at = Some(now);
                 }
                 if !scheduled {
-                    let base = action_id(&rname, created_at, &device);
-                    let action_id = if attempt <= 1 {
-                        base
-                    } else {
-                        format!("{base}:{attempt}")
-                    };
+                    let action_id = attempt_action_id(&rname, created_at, &device, attempt);
                     out.releases.push((device.clone(), rname.clone()));
                     out.commands.push(Effect::Cancel {
                         action_id,
@@ -652,17 +641,11 @@ impl Rollout {
                 .collect();
             for (device, attempt) in installed {
                 group.set_phase(&device, DevicePhase::InProgress(ROLLING_BACK.to_owned()));
-                let base = action_id(&rname, created_at, &device);
-                let undo = if attempt <= 1 {
-                    base.clone()
-                } else {
-                    format!("{base}:{attempt}")
-                };
                 out.commands.push(Effect::Rollback {
                     device: device.clone(),
-                    action_id: format!("{base}:rollback"),
+                    action_id: rollback_action_id(&rname, created_at, &device),
+                    undo: attempt_action_id(&rname, created_at, &device, attempt),
                     rollout: rname.clone(),
-                    undo,
                 });
                 out.claims.push((device, rname.clone(), u32::MAX));
                 rolled += 1;
@@ -841,7 +824,7 @@ impl Rollout {
     /// Timers: start time, soak, retries, in-progress timeouts and offline grace. Returns
     /// whether anything changed.
     pub(crate) fn run_timers(&mut self, now: u64, ctx: &Ctx, out: &mut Out) -> bool {
-        let p = self.spec.policies.clone();
+        let (timeout, offline) = (self.spec.policies.timeout, self.spec.policies.offline);
         let mut changed = false;
         let running = self.state == RolloutState::Running;
         for gi in 0..self.groups.len() {
@@ -863,7 +846,7 @@ impl Rollout {
                         retry.push(device.clone());
                     }
                     DevicePhase::InProgress(name) if name != ROLLING_BACK => {
-                        if let (Some(limit), Some(at)) = (p.timeout, slot.attempt_at) {
+                        if let (Some(limit), Some(at)) = (timeout, slot.attempt_at) {
                             if at + limit <= now {
                                 timed_out.push((
                                     device.clone(),
@@ -872,7 +855,7 @@ impl Rollout {
                                 continue;
                             }
                         }
-                        if let OfflinePolicy::Fail { grace } = p.offline {
+                        if let OfflinePolicy::Fail { grace } = offline {
                             if let Some(Some(since)) = ctx.offline.get(device) {
                                 if since + grace <= now {
                                     timed_out.push((
@@ -1036,18 +1019,6 @@ impl Rollout {
             out,
         );
         Some(gi)
-    }
-
-    /// Devices of the rollout per phase name, for summaries.
-    pub(crate) fn phase_names(&self) -> BTreeMap<String, String> {
-        self.groups
-            .iter()
-            .flat_map(|g| {
-                g.slots
-                    .iter()
-                    .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
-            })
-            .collect()
     }
 }
 

@@ -131,6 +131,21 @@ pub fn action_id(rollout: &str, created_at: u64, device: &str) -> String {
     format!("{rollout}@{created_at}:{device}")
 }
 
+/// The action id of a device's `attempt` (1 for the first) in a rollout.
+pub fn attempt_action_id(rollout: &str, created_at: u64, device: &str, attempt: u32) -> String {
+    let base = action_id(rollout, created_at, device);
+    if attempt <= 1 {
+        base
+    } else {
+        format!("{base}:{attempt}")
+    }
+}
+
+/// The action id of the rollback a rollout's rollback error action sends a device.
+pub fn rollback_action_id(rollout: &str, created_at: u64, device: &str) -> String {
+    format!("{}:rollback", action_id(rollout, created_at, device))
+}
+
 /// What an action id names, beyond the rollout and device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActionPart {
@@ -264,10 +279,7 @@ impl Engine {
                         DevicePhase::InProgress(p) if p == model::ROLLING_BACK => {
                             effects.push(Effect::Rollback {
                                 device: device.clone(),
-                                action_id: format!(
-                                    "{}:rollback",
-                                    action_id(&r.name, r.created_at, device)
-                                ),
+                                action_id: rollback_action_id(&r.name, r.created_at, device),
                                 rollout: r.name.clone(),
                                 undo: id,
                             });
@@ -318,18 +330,17 @@ impl Engine {
                 windows: &entry.windows,
             };
             entry.rollout.advance(now, &ctx, out);
-            for (other, device) in self.apply_bookkeeping(now, out) {
+            for other in self.apply_bookkeeping(now, out) {
                 if !pending.contains(&other) {
                     pending.push(other);
                 }
-                let _ = device;
             }
         }
     }
 
     /// Applies claims, releases and preemptions collected in `out`; returns the rollouts that
     /// lost a device and must be advanced again.
-    fn apply_bookkeeping(&mut self, now: u64, out: &mut Out) -> Vec<(String, String)> {
+    fn apply_bookkeeping(&mut self, now: u64, out: &mut Out) -> Vec<String> {
         for (device, rollout) in std::mem::take(&mut out.releases) {
             if self.owners.get(&device).is_some_and(|(r, _)| *r == rollout) {
                 self.owners.remove(&device);
@@ -362,7 +373,7 @@ impl Engine {
                     format!("device {device}: action canceled, rollout {by} took the device over"),
                     out,
                 );
-                touched.push((other.clone(), device));
+                touched.push(other.clone());
             }
         }
         touched
@@ -1315,7 +1326,14 @@ impl Rollout {
 
     /// Every device of the rollout with its phase name.
     pub fn device_phases(&self) -> BTreeMap<String, String> {
-        self.phase_names()
+        self.groups
+            .iter()
+            .flat_map(|g| {
+                g.slots
+                    .iter()
+                    .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+            })
+            .collect()
     }
 }
 
