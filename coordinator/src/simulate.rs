@@ -49,7 +49,6 @@ use crate::planner::{DeviceGroup, FleetDevice};
 use crate::selector::Selector;
 use crate::spec::RolloutSpec;
 use crate::view;
-use crate::window::{civil_from_days, days_from_civil};
 
 /// Where the virtual clock starts unless `--start` says otherwise (2027-01-15T08:00:00Z).
 pub const DEFAULT_START: u64 = 1_800_000_000;
@@ -903,49 +902,8 @@ pub fn render(report: &SimReport) -> String {
 
 /// Parses `YYYY-MM-DDTHH:MM:SS` followed by `Z` or `±HH:MM` (fractions of a second ignored).
 pub fn parse_rfc3339(text: &str) -> Result<u64, String> {
-    let bad = || "expected an RFC 3339 time like 2027-01-04T09:00:00Z".to_owned();
-    let b = text.as_bytes();
-    if b.len() < 20 || !matches!(b[10], b'T' | b't' | b' ') {
-        return Err(bad());
-    }
-    let num = |range: std::ops::Range<usize>| -> Result<i64, String> {
-        let s = text.get(range).ok_or_else(bad)?;
-        if !s.bytes().all(|c| c.is_ascii_digit()) {
-            return Err(bad());
-        }
-        s.parse().map_err(|_| bad())
-    };
-    if b[4] != b'-' || b[7] != b'-' || b[13] != b':' || b[16] != b':' {
-        return Err(bad());
-    }
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, s) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    let mut rest = &text[19..];
-    if let Some(r) = rest.strip_prefix('.') {
-        let digits = r.find(|c: char| !c.is_ascii_digit()).unwrap_or(r.len());
-        rest = &r[digits..];
-    }
-    let zone = match rest {
-        "Z" | "z" => 0,
-        _ if rest.len() == 6 && matches!(&rest[..1], "+" | "-") && &rest[3..4] == ":" => {
-            let sign = if rest.starts_with('-') { -1 } else { 1 };
-            let zh: i64 = rest[1..3].parse().map_err(|_| bad())?;
-            let zm: i64 = rest[4..6].parse().map_err(|_| bad())?;
-            sign * (zh * 3600 + zm * 60)
-        }
-        _ => return Err(bad()),
-    };
-    let month = u32::try_from(mo).map_err(|_| bad())?;
-    let day = u32::try_from(d).map_err(|_| bad())?;
-    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || h > 23 || mi > 59 || s > 60 {
-        return Err(bad());
-    }
-    let days = days_from_civil(y, month, day);
-    if civil_from_days(days) != (y, month, day) {
-        return Err(format!("{y:04}-{mo:02}-{d:02} is not a date"));
-    }
-    let unix = days * 86_400 + h * 3600 + mi * 60 + s - zone;
-    u64::try_from(unix).map_err(|_| "must be after 1970".to_owned())
+    crate::spec::rfc3339(text)
+        .ok_or_else(|| "expected an RFC 3339 time after 1970, like 2027-01-04T09:00:00Z".to_owned())
 }
 
 #[cfg(test)]

@@ -702,7 +702,7 @@ fn time(field: &str, value: &toml::Value) -> Result<u64, SpecError> {
 }
 
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|+hh:mm|-hh:mm)` to Unix seconds (fractions dropped).
-fn rfc3339(text: &str) -> Option<u64> {
+pub(crate) fn rfc3339(text: &str) -> Option<u64> {
     let b = text.trim().as_bytes();
     let num = |from: usize, len: usize| -> Option<i64> {
         let digits = b.get(from..from + len)?;
@@ -756,14 +756,7 @@ fn rfc3339(text: &str) -> Option<u64> {
     if day < 1 || day > days_in_month || hour > 23 || minute > 59 || second > 59 {
         return None;
     }
-    // Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = crate::window::days_from_civil(year, month as u32, day as u32);
     let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset;
     u64::try_from(secs).ok()
 }
