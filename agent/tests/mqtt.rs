@@ -4,96 +4,22 @@
 //!
 //! Skipped with a notice when `mosquitto` is not installed.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::{key, now, start_broker, TIMEOUT};
 use flotilla_agent::Config;
 use flotilla_protocol::{
     envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId,
-    DeviceState, Message, Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
+    DeviceState, Message, Phase, ReleaseManifest, Report, SignedBlob, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-const TIMEOUT: Duration = Duration::from_secs(30);
-
-fn find_mosquitto() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join("mosquitto"))
-        .find(|p| p.is_file())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-struct Broker {
-    _child: tokio::process::Child,
-    port: u16,
-}
-
-async fn start_broker(dir: &Path) -> Option<Broker> {
-    let Some(bin) = find_mosquitto() else {
-        eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
-        return None;
-    };
-    // Another test may take the same free port between our probe and mosquitto's bind; then
-    // mosquitto exits, and connecting would reach the other test's broker. Try another port.
-    for _ in 0..5 {
-        let port = free_port();
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-        )
-        .expect("write conf");
-        let mut child = tokio::process::Command::new(&bin)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start mosquitto");
-        // Wait until it accepts connections.
-        let listening = tokio::time::timeout(TIMEOUT, async {
-            loop {
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    return false;
-                }
-                if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-                {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    return matches!(child.try_wait(), Ok(None));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("mosquitto did not start listening within 30s");
-        if listening {
-            return Some(Broker {
-                _child: child,
-                port,
-            });
-        }
-    }
-    panic!("mosquitto could not bind a free port in five tries");
-}
-
-fn key(seed: u8) -> SigningKey {
-    SigningKey::from_bytes(&[seed; 32])
-}
 
 fn agent_config(port: u16, dir: &Path, device: &str, dest: &Path) -> Config {
     Config::from_toml(&agent_config_text(port, dir, device, dest, 0)).expect("test config is valid")
@@ -136,13 +62,6 @@ max_bytes_per_sec = {rate}
         ck = hex::encode(key(2).verifying_key().as_bytes()),
         dest = dest.display(),
     )
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {

@@ -4,13 +4,15 @@
 //! The broker tests run a real mosquitto and play the coordinator; they are skipped with a
 //! notice when `mosquitto` is not installed. The refused rotations need no broker.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{key, now, start_broker, TIMEOUT};
 use flotilla_agent::trust::{self, InstallKeysError};
 use flotilla_agent::Config;
 use flotilla_protocol::{
@@ -21,12 +23,6 @@ use flotilla_protocol::{
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-const TIMEOUT: Duration = Duration::from_secs(30);
-
-fn key(seed: u8) -> SigningKey {
-    SigningKey::from_bytes(&[seed; 32])
-}
 
 const RELEASE: u8 = 1;
 const OLD_COORDINATOR: u8 = 2;
@@ -89,13 +85,6 @@ fn keys_file(version: u64, coordinator: u8, signers: &[u8]) -> Vec<u8> {
     keys::encode_file(&MultiSignedBlob::sign(&signers, envelope::to_bytes(&doc)))
 }
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 fn artifact(counter: u64) -> Vec<u8> {
     format!("release {counter}\n").repeat(200).into_bytes()
 }
@@ -136,71 +125,6 @@ fn install(
         },
     };
     SignedBlob::sign(&key(coordinator), envelope::to_bytes(&action))
-}
-
-fn find_mosquitto() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/local/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join("mosquitto"))
-        .find(|p| p.is_file())
-}
-
-struct Broker {
-    _child: tokio::process::Child,
-    port: u16,
-}
-
-async fn start_broker(dir: &Path) -> Option<Broker> {
-    let Some(bin) = find_mosquitto() else {
-        eprintln!("NOTICE: mosquitto not found on PATH or in /usr/sbin; skipping MQTT test");
-        return None;
-    };
-    // Another test may take the probed port before mosquitto binds it: try another one.
-    for _ in 0..5 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-        )
-        .expect("write conf");
-        let mut child = tokio::process::Command::new(&bin)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start mosquitto");
-        let listening = tokio::time::timeout(TIMEOUT, async {
-            loop {
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    return false;
-                }
-                if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-                {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    return matches!(child.try_wait(), Ok(None));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("mosquitto did not start listening within 30s");
-        if listening {
-            return Some(Broker {
-                _child: child,
-                port,
-            });
-        }
-    }
-    panic!("mosquitto could not bind a free port in five tries");
 }
 
 /// Plays the coordinator for one device: publishes desired actions retained, serves the
