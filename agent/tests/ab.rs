@@ -12,14 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{key, now, start_broker, TIMEOUT};
+use common::{coordinator, key, now, start_broker, TIMEOUT};
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId, Message,
-    Phase, ReleaseManifest, Report, SignedBlob, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, DesiredAction, Phase, ReleaseManifest, Report,
+    SignedBlob,
 };
 use flotilla_targets::bootctl::{BootControl, FileBootControl};
 use flotilla_targets::Slot;
-use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
 
 /// A forced install of release `os-2` whose one artifact goes to target `target`.
@@ -51,83 +50,6 @@ fn desired(device: &str, action_id: &str, target: &str, artifact: &[u8]) -> Sign
         },
     };
     SignedBlob::sign(&key(2), envelope::to_bytes(&action))
-}
-
-/// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
-/// artifact, and forwards the agent's reports.
-async fn coordinator(
-    port: u16,
-    device: &str,
-    desired: SignedBlob,
-    served: Vec<u8>,
-) -> mpsc::Receiver<Report> {
-    let topics = Topics::default();
-    let id = DeviceId::new(device).expect("device id");
-    let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
-    options.set_max_packet_size(
-        flotilla_protocol::MAX_PACKET_SIZE,
-        flotilla_protocol::MAX_PACKET_SIZE,
-    );
-    let (client, mut eventloop) = AsyncClient::new(options, 100);
-    for topic in [topics.report(&id), topics.fetch(&id)] {
-        client
-            .subscribe(topic, QoS::AtLeastOnce)
-            .await
-            .expect("subscribe");
-    }
-    client
-        .publish(
-            topics.desired(&id),
-            QoS::AtLeastOnce,
-            true,
-            envelope::encode(&Message::Desired(desired)),
-        )
-        .await
-        .expect("publish desired");
-    let (tx, rx) = mpsc::channel(1000);
-    let block_topic = topics.block(&id);
-    tokio::spawn(async move {
-        loop {
-            let event = match eventloop.poll().await {
-                Ok(e) => e,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Event::Incoming(Packet::Publish(p)) = event else {
-                continue;
-            };
-            match envelope::decode(&p.payload) {
-                Ok(Message::Report(r)) => {
-                    let _ = tx.send(r).await;
-                }
-                Ok(Message::Fetch(req)) => {
-                    let start = (req.offset as usize).min(served.len());
-                    let end = (start + req.length as usize).min(served.len());
-                    let reply = BlockReply::Data {
-                        sha256: req.sha256,
-                        offset: req.offset,
-                        data: served[start..end].to_vec(),
-                    };
-                    let (c, topic) = (client.clone(), block_topic.clone());
-                    // Never wait on the client inside its own poll loop.
-                    tokio::spawn(async move {
-                        let _ = c
-                            .publish(
-                                topic,
-                                QoS::AtLeastOnce,
-                                false,
-                                envelope::encode(&Message::Block(reply)),
-                            )
-                            .await;
-                    });
-                }
-                _ => {}
-            }
-        }
-    });
-    rx
 }
 
 /// Collects reports until `done` says stop; returns them all.

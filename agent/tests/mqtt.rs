@@ -11,11 +11,11 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{key, now, start_broker, TIMEOUT};
+use common::{coordinator, coordinator_with, key, now, start_broker, TIMEOUT};
 use flotilla_agent::Config;
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId,
-    DeviceState, Message, Phase, ReleaseManifest, Report, SignedBlob, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, DesiredAction, DeviceId, Message, Phase,
+    ReleaseManifest, Report, SignedBlob, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
@@ -102,119 +102,6 @@ fn install(artifact: &[u8], counter: u64, kind: ActionKind) -> ActionBody {
         kind,
         window: None,
     }
-}
-
-/// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
-/// artifact, and forwards the agent's reports.
-async fn coordinator(
-    port: u16,
-    device: &str,
-    desired: SignedBlob,
-    served: Vec<u8>,
-) -> mpsc::Receiver<Report> {
-    coordinator_with(
-        port,
-        device,
-        desired,
-        served,
-        Arc::new(Mutex::new(Vec::new())),
-        None,
-    )
-    .await
-}
-
-/// Like [`coordinator`], also recording every requested offset in `asked` and forwarding
-/// device states to `states`.
-async fn coordinator_with(
-    port: u16,
-    device: &str,
-    desired: SignedBlob,
-    served: Vec<u8>,
-    asked: Arc<Mutex<Vec<u64>>>,
-    states: Option<mpsc::Sender<DeviceState>>,
-) -> mpsc::Receiver<Report> {
-    let topics = Topics::default();
-    let id = DeviceId::new(device).expect("device id");
-    let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
-    options.set_max_packet_size(
-        flotilla_protocol::MAX_PACKET_SIZE,
-        flotilla_protocol::MAX_PACKET_SIZE,
-    );
-    let (client, mut eventloop) = AsyncClient::new(options, 100);
-    client
-        .subscribe(topics.report(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .subscribe(topics.fetch(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .subscribe(topics.state(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .publish(
-            topics.desired(&id),
-            QoS::AtLeastOnce,
-            true,
-            envelope::encode(&Message::Desired(desired)),
-        )
-        .await
-        .expect("publish desired");
-    let (tx, rx) = mpsc::channel(1000);
-    let block_topic = topics.block(&id);
-    tokio::spawn(async move {
-        loop {
-            let event = match eventloop.poll().await {
-                Ok(e) => e,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Event::Incoming(Packet::Publish(p)) = event else {
-                continue;
-            };
-            match envelope::decode(&p.payload) {
-                Ok(Message::Report(r)) => {
-                    let _ = tx.send(r).await;
-                }
-                Ok(Message::State(state)) => {
-                    if let Some(states) = &states {
-                        let _ = states.try_send(state);
-                    }
-                }
-                Ok(Message::Fetch(req)) => {
-                    if let Ok(mut a) = asked.lock() {
-                        a.push(req.offset);
-                    }
-                    let start = (req.offset as usize).min(served.len());
-                    let end = (start + req.length as usize).min(served.len());
-                    let reply = BlockReply::Data {
-                        sha256: req.sha256,
-                        offset: req.offset,
-                        data: served[start..end].to_vec(),
-                    };
-                    let c = client.clone();
-                    let topic = block_topic.clone();
-                    // Publishing from a separate task: never wait on the client inside the poll loop.
-                    tokio::spawn(async move {
-                        let _ = c
-                            .publish(
-                                topic,
-                                QoS::AtLeastOnce,
-                                false,
-                                envelope::encode(&Message::Block(reply)),
-                            )
-                            .await;
-                    });
-                }
-                _ => {}
-            }
-        }
-    });
-    rx
 }
 
 /// Collects reports until one is terminal; returns them all.
