@@ -45,7 +45,7 @@ use std::time::Duration;
 use tracing::{debug, info};
 
 use crate::bootctl::{BootControl, BootControlKind, BootEnv, Slot};
-use crate::fs::{atomic_write, create_private_dir, parent_dir, read_state_file};
+use crate::fs::{atomic_write, create_private_dir, parent_dir, read_state_file, state_lines};
 use crate::process::{self, last_line};
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
@@ -655,14 +655,8 @@ impl AbState {
     fn parse(text: &str) -> Result<Self, String> {
         let (mut action_id, mut release, mut phase, mut from, mut to, mut size) =
             (None, None, None, None, None, None);
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let (key, value) = line
-                .split_once('=')
-                .ok_or_else(|| format!("line {line:?} is not key=value"))?;
+        for entry in state_lines(text) {
+            let (key, value) = entry?;
             let bad = || format!("{key}={value:?} is not valid");
             match key {
                 "action" => {

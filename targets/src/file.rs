@@ -48,7 +48,7 @@ use tracing::{debug, info, warn};
 
 use crate::fs::{
     atomic_copy, atomic_rename, atomic_write, create_private_dir, fsync_dir, parent_dir,
-    read_state_file, TEMP_MARKER,
+    read_state_file, state_lines, TEMP_MARKER,
 };
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
@@ -694,14 +694,8 @@ impl Marker {
     fn parse(text: &str) -> Result<Self, String> {
         let (mut action_id, mut release, mut phase, mut previous, mut mode, mut owner) =
             (None, None, None, None, None, None);
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let (key, value) = line
-                .split_once('=')
-                .ok_or_else(|| format!("line {line:?} is not key=value"))?;
+        for entry in state_lines(text) {
+            let (key, value) = entry?;
             match key {
                 "action" => action_id = Some(value.to_owned()),
                 "release" => release = Some(value.to_owned()),

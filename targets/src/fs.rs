@@ -135,6 +135,17 @@ pub(crate) fn read_state_file<T>(
         .map_err(|reason| crate::TargetError::CorruptState { path, reason })
 }
 
+/// The `key=value` lines of a state file, skipping blank lines and `#` comments.
+pub(crate) fn state_lines(text: &str) -> impl Iterator<Item = Result<(&str, &str), String>> {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(|line| {
+            line.split_once('=')
+                .ok_or_else(|| format!("line {line:?} is not key=value"))
+        })
+}
+
 pub(crate) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,

@@ -35,7 +35,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tracing::{debug, info};
 
-use crate::fs::{atomic_write, create_private_dir, read_state_file};
+use crate::fs::{atomic_write, create_private_dir, read_state_file, state_lines};
 use crate::process::{self, last_line, RunError};
 use crate::{ActionContext, Activation, TargetError, UpdateTarget};
 
@@ -692,14 +692,8 @@ impl ScriptState {
 
     fn parse(text: &str) -> Result<Self, String> {
         let (mut action_id, mut phase, mut reboot) = (None, None, false);
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let (key, value) = line
-                .split_once('=')
-                .ok_or_else(|| format!("line {line:?} is not key=value"))?;
+        for entry in state_lines(text) {
+            let (key, value) = entry?;
             let bad = || format!("{key}={value:?} is not valid");
             match key {
                 "action" => {
