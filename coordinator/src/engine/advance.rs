@@ -825,11 +825,16 @@ impl Rollout {
     /// whether anything changed.
     pub(crate) fn run_timers(&mut self, now: u64, ctx: &Ctx, out: &mut Out) -> bool {
         let (timeout, offline) = (self.spec.policies.timeout, self.spec.policies.offline);
+        // Only soaking devices, retries, timeouts and offline grace have per-device timers; a
+        // rollout without them skips the scan (it runs every second).
+        let per_device = timeout.is_some()
+            || self.spec.policies.retry.is_some()
+            || matches!(offline, OfflinePolicy::Fail { .. });
         let mut changed = false;
         let running = self.state == RolloutState::Running;
         for gi in 0..self.groups.len() {
             let group = &self.groups[gi];
-            if group.counts.in_progress + group.counts.soaking == 0 {
+            if group.counts.soaking == 0 && (!per_device || group.counts.in_progress == 0) {
                 continue;
             }
             let mut soaked = Vec::new();
