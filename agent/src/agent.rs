@@ -20,7 +20,8 @@ use crate::config::{Config, ConfigError, TargetKind};
 use crate::error::AgentError;
 use crate::fetch::FetchInput;
 use crate::link::{self, LinkEvent, Outgoing};
-use crate::machine::{self, ActionIo, ActionRecord, Env, State};
+use crate::machine::{self, ActionIo, Env};
+use crate::record::{ActionRecord, State};
 use crate::store::Store;
 use crate::trust::{self, Refusal};
 

@@ -22,6 +22,7 @@
 //! - [`config`]: the TOML configuration, validated into [`Config`].
 //! - [`store`]: sled: action records, installed release, report sequence, outbox.
 //! - [`trust`]: signature, device, expiry, hardware and counter checks; the trust file.
+//! - [`record`]: the persisted records of an action: its state, action record, rollback point.
 //! - [`machine`]: the persisted update state machine.
 //! - [`fetch`]: the pipelined, resumable block fetcher.
 //! - [`health`]: health checks over the soak time.
@@ -49,6 +50,7 @@ pub mod fetch;
 pub mod health;
 pub mod link;
 pub mod machine;
+pub mod record;
 pub mod status;
 pub mod store;
 pub mod trust;

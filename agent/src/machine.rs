@@ -38,11 +38,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    ActionBody, ActionKind, CurrentAction, DesiredAction, DeviceState, InstalledRelease, Phase,
+    ActionBody, ActionKind, CurrentAction, DesiredAction, DeviceState, InstalledRelease,
     ReleaseManifest, Report, UnixTime,
 };
 use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
-use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
@@ -51,180 +50,9 @@ use crate::consent;
 use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
 use crate::health::{self, Soak};
 use crate::link::{LinkHandle, Outgoing};
-use crate::store::{RollbackPoint, Store, StoreError};
+use crate::record::{ActionRecord, RollbackPoint, State};
+use crate::store::{Store, StoreError};
 use crate::trust::{self, TrustState};
-
-/// The persisted state of one action. `Idle` is the absence of a running action.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum State {
-    Accepted,
-    Waiting {
-        reason: String,
-    },
-    Downloading {
-        artifact: u32,
-        done: u64,
-    },
-    Verified,
-    /// Intent: about to stage (or staging) artifact `artifact`.
-    Staging {
-        artifact: u32,
-    },
-    Staged,
-    /// Intent: about to activate (or activating) artifact `artifact`.
-    Activating {
-        artifact: u32,
-    },
-    Activated,
-    Confirming,
-    Ready,
-    Failed {
-        reason: String,
-        rolled_back: bool,
-    },
-    Refused {
-        reason: String,
-    },
-    Canceled,
-    Downloaded,
-    /// Installed on a device without health checks: readiness cannot be tracked.
-    Applied,
-    /// Intent of a signed rollback: about to return (or returning) every target to what was
-    /// there before `point.action_id`. Repeated after a crash (target rollbacks are repeatable).
-    RollingBack {
-        point: RollbackPoint,
-    },
-    /// Artifact `artifact` was activated and its target needs a reboot to make it live.
-    /// Persisted before the reboot command runs; the next start confirms the boot.
-    AwaitingReboot {
-        artifact: u32,
-    },
-    /// The targets were rolled back after `reason`, and the old content is live only after a
-    /// reboot. Persisted before the reboot command runs; the next start finishes as Failed.
-    Reverting {
-        reason: String,
-    },
-}
-
-impl State {
-    pub fn is_terminal(&self) -> bool {
-        matches!(
-            self,
-            State::Ready
-                | State::Failed { .. }
-                | State::Refused { .. }
-                | State::Canceled
-                | State::Downloaded
-                | State::Applied
-        )
-    }
-
-    /// A signed cancel still applies: nothing has been switched over yet.
-    pub fn is_cancelable(&self) -> bool {
-        matches!(
-            self,
-            State::Accepted
-                | State::Waiting { .. }
-                | State::Downloading { .. }
-                | State::Verified
-                | State::Staging { .. }
-                | State::Staged
-        )
-    }
-
-    /// A short lower-case name, for logs, fault points and give-up reasons.
-    pub fn name(&self) -> &'static str {
-        match self {
-            State::Accepted => "accepted",
-            State::Waiting { .. } => "waiting",
-            State::Downloading { .. } => "downloading",
-            State::Verified => "verified",
-            State::Staging { .. } => "staging",
-            State::Staged => "staged",
-            State::Activating { .. } => "activating",
-            State::Activated => "activated",
-            State::Confirming => "confirming",
-            State::Ready => "ready",
-            State::Failed { .. } => "failed",
-            State::Refused { .. } => "refused",
-            State::Canceled => "canceled",
-            State::Downloaded => "downloaded",
-            State::Applied => "applied",
-            State::RollingBack { .. } => "rolling-back",
-            State::AwaitingReboot { .. } => "awaiting-reboot",
-            State::Reverting { .. } => "reverting",
-        }
-    }
-
-    /// The phase reported for this state.
-    pub fn phase(&self, manifest: Option<&ReleaseManifest>) -> Phase {
-        match self {
-            State::Accepted => Phase::Accepted,
-            State::Waiting { reason } => Phase::Waiting {
-                reason: reason.clone(),
-            },
-            State::Downloading { artifact, done } => {
-                let sizes: Vec<u64> = manifest
-                    .map(|m| m.artifacts.iter().map(|a| a.size).collect())
-                    .unwrap_or_default();
-                let before: u64 = sizes.iter().take(*artifact as usize).sum();
-                Phase::Downloading {
-                    done: before + done,
-                    total: sizes.iter().sum(),
-                }
-            }
-            State::Verified | State::Staging { .. } => Phase::Verified,
-            State::Staged | State::Activating { .. } => Phase::Staged,
-            State::Activated => Phase::Activated,
-            State::Confirming => Phase::Confirming,
-            State::Ready => Phase::Ready,
-            State::Failed {
-                reason,
-                rolled_back,
-            } => Phase::Failed {
-                reason: reason.clone(),
-                rolled_back: *rolled_back,
-            },
-            State::Refused { reason } => Phase::Refused {
-                reason: reason.clone(),
-            },
-            State::Canceled => Phase::Canceled,
-            State::Downloaded => Phase::Downloaded,
-            State::Applied => Phase::Applied,
-            // Not a phase of its own: a rollback is accepted, then ready or failed.
-            State::RollingBack { .. } => Phase::Accepted,
-            // The new content is switched on; it goes live (or is confirmed) after the reboot.
-            State::AwaitingReboot { .. } => Phase::Activated,
-            // An activation is still what runs until the reboot into the old content.
-            State::Reverting { .. } => Phase::Activated,
-        }
-    }
-}
-
-/// Everything the agent remembers about one action.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ActionRecord {
-    pub action_id: String,
-    pub rollout_id: String,
-    /// The verified desired action (or, for a refusal, what it claimed).
-    pub action: DesiredAction,
-    /// The verified release manifest, for installs.
-    pub manifest: Option<ReleaseManifest>,
-    pub state: State,
-}
-
-impl ActionRecord {
-    pub fn phase(&self) -> Phase {
-        self.state.phase(self.manifest.as_ref())
-    }
-
-    fn release_name(&self) -> &str {
-        self.manifest
-            .as_ref()
-            .map(|m| m.name.as_str())
-            .unwrap_or("")
-    }
-}
 
 /// What the machine needs from the rest of the agent; shared by the agent loop and the action
 /// task.
@@ -1065,7 +893,7 @@ async fn download(
 mod tests {
     use super::*;
     use crate::config::HealthCheck;
-    use flotilla_protocol::{Artifact, BlockReply, BlockRequest};
+    use flotilla_protocol::{Artifact, BlockReply, BlockRequest, Phase};
     use std::sync::atomic::AtomicUsize;
 
     /// A target that counts its steps, to prove what a resumed action does and does not repeat.

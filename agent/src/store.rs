@@ -17,7 +17,7 @@ use flotilla_protocol::{InstalledRelease, Report, UnixTime};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::machine::ActionRecord;
+use crate::record::{ActionRecord, RollbackPoint};
 use crate::trust::TrustState;
 
 /// Why a store operation failed.
@@ -47,19 +47,6 @@ const TRUST: &[u8] = b"trust";
 const LAST_ERROR: &[u8] = b"last_error";
 const ROLLBACK: &[u8] = b"rollback";
 const RESTARTS: &[u8] = b"restarts";
-
-/// What a signed rollback of the installed release returns to, recorded when an install
-/// finishes: the action that installed it, the release it installed, and what was installed
-/// before (with the installed counter as it was then).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct RollbackPoint {
-    pub action_id: String,
-    pub release: InstalledRelease,
-    pub previous: Option<InstalledRelease>,
-    pub previous_counter: u64,
-    /// `(artifact name, target name)` of every artifact the action installed.
-    pub artifacts: Vec<(String, String)>,
-}
 
 /// Handle to the agent's database; cheap to clone and shareable between tasks.
 #[derive(Clone)]
@@ -393,7 +380,7 @@ fn is_damage(e: &sled::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::{ActionRecord, State};
+    use crate::record::{ActionRecord, State};
     use flotilla_protocol::{ActionBody, DesiredAction, Phase};
 
     fn record(id: &str, state: State) -> ActionRecord {
