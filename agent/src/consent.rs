@@ -73,7 +73,7 @@ pub fn consent(config: &Config, action_id: Option<&str>) -> Result<(String, Path
             crate::status::waiting_for_consent(&view).ok_or(AgentError::NothingWaitsForConsent)?
         }
     };
-    let now = crate::trust::system_now();
+    let now = crate::trust_state::system_now();
     let path =
         give(&config.data_dir, &action_id, now).map_err(|source| AgentError::WriteConsent {
             path: consent_file(&config.data_dir, &action_id),

@@ -22,6 +22,7 @@
 //! - [`config`]: the TOML configuration, validated into [`Config`].
 //! - [`store`]: sled: action records, installed release, report sequence, outbox.
 //! - [`trust`]: signature, device, expiry, hardware and counter checks; the trust file.
+//! - `trust_state` (private, re-exported by [`trust`]): the trust state and the trust file.
 //! - [`record`]: the persisted records of an action: its state, action record, rollback point.
 //! - [`machine`]: the persisted update state machine.
 //! - [`fetch`]: the pipelined, resumable block fetcher.
@@ -54,6 +55,7 @@ pub mod record;
 pub mod status;
 pub mod store;
 pub mod trust;
+mod trust_state;
 
 pub use agent::run;
 pub use config::{Config, ConfigError, DEFAULT_CONFIG};

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use crate::config::Config;
 use crate::error::AgentError;
 use crate::store::{Store, StoreError};
-use crate::trust::TrustState;
+use crate::trust_state::TrustState;
 
 /// Path of the status file.
 pub fn status_file(data_dir: &Path) -> PathBuf {

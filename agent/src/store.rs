@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::record::{ActionRecord, RollbackPoint};
-use crate::trust::TrustState;
+use crate::trust_state::TrustState;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
