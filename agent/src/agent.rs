@@ -22,7 +22,6 @@ use crate::fetch::FetchInput;
 use crate::link::{self, LinkEvent, Outgoing};
 use crate::machine::{self, ActionIo, Env};
 use crate::record::{ActionRecord, State};
-use crate::store::Store;
 use crate::trust::{self, Refusal};
 
 /// Builds the configured update targets, by name. The configuration was validated, so this
@@ -48,28 +47,6 @@ pub fn build_targets(
     Ok(targets)
 }
 
-/// Opens the store and merges the trust file with its mirror in sled.
-pub fn open(config: &Config) -> Result<(Store, trust::TrustState, Option<String>), AgentError> {
-    std::fs::create_dir_all(&config.data_dir).map_err(|source| AgentError::CreateDataDir {
-        path: config.data_dir.clone(),
-        source,
-    })?;
-    let file = trust::read_trust_file(&config.data_dir);
-    let (store, note) = Store::open(
-        &config.data_dir,
-        config.store.cache_bytes,
-        file.now(trust::system_now()),
-    )?;
-    // A mirror this build cannot read (written before the trust file gained fields) is
-    // ignored: the trust file is the authority and the two are merged for safety only.
-    let mirror = store.trust().unwrap_or_else(|e| {
-        tracing::warn!("{e}; using the trust file alone");
-        None
-    });
-    let trust = file.merge(mirror.unwrap_or_default());
-    Ok((store, trust, note))
-}
-
 struct Running {
     action_id: String,
     cancel: CancellationToken,
@@ -79,7 +56,7 @@ struct Running {
 
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), AgentError> {
-    let (store, trust_state, note) = open(&config)?;
+    let (store, trust_state, note) = crate::store::open_data_dir(&config)?;
     if let Some(note) = &note {
         tracing::error!("{note}");
         store.set_last_error(note)?;

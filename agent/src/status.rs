@@ -88,9 +88,9 @@ pub fn status(config: &Config) -> Result<String, AgentError> {
             config.data_dir.display()
         ));
     }
-    match crate::agent::open(config) {
+    match crate::store::open_data_dir(config) {
         Ok((store, trust, _)) => Ok(status_text(&store, &trust)?),
-        Err(AgentError::Store(StoreError::Locked { .. })) => {
+        Err(StoreError::Locked { .. }) => {
             let path = status_file(&config.data_dir);
             let text =
                 std::fs::read_to_string(&path).map_err(|source| AgentError::ReadStatusFile {
@@ -102,7 +102,7 @@ pub fn status(config: &Config) -> Result<String, AgentError> {
                 path.display()
             ))
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     }
 }
 

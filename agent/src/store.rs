@@ -17,12 +17,18 @@ use flotilla_protocol::{InstalledRelease, Report, UnixTime};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::config::Config;
 use crate::record::{ActionRecord, RollbackPoint};
-use crate::trust_state::TrustState;
+use crate::trust_state::{self, TrustState};
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    #[error("cannot create data directory {path}: {source}")]
+    CreateDataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot open database {path}: {source}")]
     Open { path: PathBuf, source: sled::Error },
     #[error("database {path} is in use by another process (is the agent running?)")]
@@ -66,6 +72,31 @@ impl std::fmt::Debug for Store {
 /// The database directory inside the data directory.
 pub fn db_path(data_dir: &Path) -> PathBuf {
     data_dir.join("db")
+}
+
+/// Opens the agent's state in `config.data_dir` (creating the directory): the store, and the
+/// trust state as the trust file and its mirror in the store, merged. The third value says that
+/// a damaged database was moved aside (see [`Store::open`]). Used by the daemon, `status` and
+/// `keys install`, so all three see the same state.
+pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<String>), StoreError> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| StoreError::CreateDataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let file = trust_state::read_trust_file(&config.data_dir);
+    let (store, note) = Store::open(
+        &config.data_dir,
+        config.store.cache_bytes,
+        file.now(trust_state::system_now()),
+    )?;
+    // A mirror this build cannot read (written before the trust file gained fields) is
+    // ignored: the trust file is the authority and the two are merged for safety only.
+    let mirror = store.trust().unwrap_or_else(|e| {
+        tracing::warn!("{e}; using the trust file alone");
+        None
+    });
+    let trust = file.merge(mirror.unwrap_or_default());
+    Ok((store, trust, note))
 }
 
 impl Store {

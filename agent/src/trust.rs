@@ -31,8 +31,7 @@ use flotilla_protocol::{
 };
 
 use crate::config::Config;
-use crate::error::AgentError;
-use crate::store::StoreError;
+use crate::store::{self, StoreError};
 pub use crate::trust_state::{
     configured_ring, read_trust_file, system_now, trust_file, write_trust_file, StoredKeys,
     TrustState,
@@ -197,7 +196,7 @@ pub enum InstallKeysError {
     #[error("keys file {path} refused: {source}")]
     Refused { path: PathBuf, source: KeysError },
     #[error("cannot open the agent's state (stop the agent before installing keys): {0}")]
-    Open(#[source] AgentError),
+    Open(#[source] StoreError),
     #[error("cannot write trust file {path}: {source}")]
     Write {
         path: PathBuf,
@@ -220,7 +219,7 @@ pub fn install_keys(config: &Config, file: &Path) -> Result<KeyRing, InstallKeys
         path: file.to_owned(),
         source,
     })?;
-    let (store, mut state, _) = crate::agent::open(config).map_err(InstallKeysError::Open)?;
+    let (store, mut state, _) = store::open_data_dir(config).map_err(InstallKeysError::Open)?;
     let ring = state
         .ring(&config.trust)
         .accept(&signed)

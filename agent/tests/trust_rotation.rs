@@ -401,7 +401,7 @@ fn refused_rotations_leave_the_keys_unchanged() {
 
 /// The trust state as the agent would start with it (trust file merged with the database).
 fn open_trust(config: &Config) -> (flotilla_agent::store::Store, trust::TrustState) {
-    let (store, trust, _) = flotilla_agent::agent::open(config).expect("open");
+    let (store, trust, _) = flotilla_agent::store::open_data_dir(config).expect("open");
     (store, trust)
 }
 
