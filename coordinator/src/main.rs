@@ -3,8 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use flotilla_coordinator::cli::{self, Cli, Cmd};
-use flotilla_coordinator::demo;
+use flotilla_coordinator::cli::{self, demo, Cli, Cmd};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use flotilla_coordinator::broker::EmbeddedBroker;
-use flotilla_coordinator::client::ControlClient;
+use flotilla_coordinator::cli::client::ControlClient;
+use flotilla_coordinator::service::broker::EmbeddedBroker;
 use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
 
 use crate::{bin, free_port, mosquitto_binary, WAIT};

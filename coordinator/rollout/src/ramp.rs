@@ -10,8 +10,8 @@
 //! The ramp is plain data and stored inside the rollout; it never reads a clock.
 //!
 //! ```
-//! use flotilla_coordinator::plan::RateLimit;
-//! use flotilla_coordinator::ramp::Ramp;
+//! use flotilla_rollout::plan::RateLimit;
+//! use flotilla_rollout::ramp::Ramp;
 //!
 //! let limit = RateLimit { base: 5.0, factor: 2.0, every: 10, max: Some(40.0) };
 //! let mut ramp = Ramp::new(limit, 1_000);

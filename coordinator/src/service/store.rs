@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Rollout;
-use crate::planner::DeviceGroup;
+use flotilla_rollout::engine::Rollout;
+use flotilla_rollout::planner::DeviceGroup;
 
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
@@ -324,13 +324,14 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{Engine, ReleaseRef};
-    use crate::spec::RolloutSpec;
     use flotilla_protocol::DeviceState;
+    use flotilla_rollout::engine::{Engine, ReleaseRef};
+    use flotilla_rollout::spec::RolloutSpec;
+    use flotilla_rollout::zoneinfo::SystemZones;
 
     /// A started rollout over three devices, the way the engine builds it.
     fn rollout(name: &str) -> Rollout {
-        let mut engine = Engine::new();
+        let mut engine = Engine::new(SystemZones);
         for id in ["dev-1", "dev-2", "dev-3"] {
             engine.observe_state(
                 DeviceState {
@@ -349,7 +350,7 @@ mod tests {
         let spec = RolloutSpec::from_toml(&format!(
             "name = \"{name}\"\nrelease = \"fw-1\"\nselect = \"env in (prod, beta)\"\n[groups]\n\
              error = {{ threshold = \"10%\" }}\n[[groups.group]]\nname = \"canary\"\npercent = 33\n[[groups.group]]\n"
-        ))
+        ), &SystemZones)
         .expect("valid spec");
         let release = ReleaseRef {
             name: "fw-1".into(),
@@ -410,7 +411,7 @@ mod tests {
     fn group(name: &str, select: &str, labels: &[(&str, &str)]) -> DeviceGroup {
         DeviceGroup {
             name: name.into(),
-            select: crate::selector::Selector::parse(select).expect("valid selector"),
+            select: flotilla_rollout::selector::Selector::parse(select).expect("valid selector"),
             labels: labels
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

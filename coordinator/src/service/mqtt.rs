@@ -185,7 +185,7 @@ fn subscribe(client: &AsyncClient, filters: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::EmbeddedBroker;
+    use crate::service::broker::EmbeddedBroker;
 
     async fn next(link: &mut MqttLink) -> LinkEvent {
         tokio::time::timeout(Duration::from_secs(20), link.events.recv())

@@ -12,8 +12,9 @@
 //!
 //! `hardware_id` defaults to `any`; `labels` defaults to none. Every error names the entry's
 //! index and field, and a device id may appear only once. The same file feeds
-//! `flotilla simulate` ([`crate::simulate`]).
+//! `flotilla simulate` (the `simulate` module).
 
+use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -21,11 +22,11 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use serde_json::Value;
 
-use crate::plan::{
+use flotilla_rollout::plan::{
     ErrorAction, ErrorCondition, Gate, Pace, Plan, SuccessAction, SuccessCondition, Threshold,
 };
-use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
-use crate::spec::{RolloutSpec, SpecError};
+use flotilla_rollout::planner::{self, DeviceGroup, FleetDevice, PlanError};
+use flotilla_rollout::spec::{RolloutSpec, SpecError};
 
 /// The hardware id of a fleet entry that does not name one.
 pub const ANY_HARDWARE: &str = "any";
@@ -187,7 +188,7 @@ pub fn load_fleet(path: &Path) -> Result<Vec<FleetDevice>, FleetError> {
 
 /// Reads and validates a rollout spec file.
 pub fn load_spec(path: &Path) -> Result<RolloutSpec, FleetError> {
-    RolloutSpec::from_toml(&read("spec", path)?).map_err(|e| FleetError::Spec {
+    RolloutSpec::from_toml(&read("spec", path)?, &SystemZones).map_err(|e| FleetError::Spec {
         source: Box::new(e),
         path: path.to_owned(),
     })
@@ -457,7 +458,7 @@ mod tests {
         .expect("valid");
         let spec = RolloutSpec::from_toml(
             "name = \"r\"\nrelease = \"fw\"\n[groups]\nerror = { threshold = \"20%\" }\n\
-             [[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n[[groups.group]]\nname = \"rest\"\n",
+             [[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n[[groups.group]]\nname = \"rest\"\n", &SystemZones
         )
         .expect("valid spec");
         let plan = planner::plan(&spec, &fleet, &[], &[]).expect("plans");

@@ -12,25 +12,26 @@
 //! DST change skips open the window at the instant of the change, and local times that a DST
 //! change repeats open it only the first time, like cronie.
 //!
-//! Time zones: `UTC` is built in; any other name is read once, in [`Window::parse`], from
-//! `$TZDIR/<name>` (default `/usr/share/zoneinfo`): the 64-bit section of a TZif v2+ file,
-//! extended with its POSIX footer rule up to [`RULE_LAST_YEAR`]. [`Window::is_open`] and
-//! [`Window::next_open`] do no I/O and only look at the days a window could span.
+//! Time zones: `UTC` is built in; any other name is asked for once, in [`Window::parse`], from a
+//! [`ZoneSource`] (the service and the CLI pass `zoneinfo::SystemZones`, which reads
+//! `$TZDIR/<name>`): the 64-bit section of a TZif v2+ file, extended with its POSIX
+//! footer rule up to [`RULE_LAST_YEAR`]. Nothing in this module does I/O; [`Window::is_open`] and
+//! [`Window::next_open`] only look at the days a window could span.
 //!
 //! ```
-//! use flotilla_coordinator::plan::WindowSpec;
-//! use flotilla_coordinator::window::Window;
+//! use flotilla_rollout::plan::WindowSpec;
+//! use flotilla_rollout::window::Window;
+//! use flotilla_rollout::zoneinfo::SystemZones;
 //!
 //! let nightly = WindowSpec { cron: "0 22 * * mon-fri".into(), duration: 4 * 3600, tz: "UTC".into() };
-//! let w = Window::parse(&nightly).unwrap();
+//! let w = Window::parse(&nightly, &SystemZones).unwrap();
 //! // Monday 2027-01-04 23:00 UTC is inside Monday's window, 12:00 is not.
 //! assert!(w.is_open(1_799_103_600));
 //! assert!(!w.is_open(1_799_064_000));
 //! ```
 
-use std::path::{Path, PathBuf};
-
 use crate::plan::WindowSpec;
+use crate::zoneinfo::ZoneSource;
 
 /// How far ahead [`Window::next_open`] looks.
 pub const LOOKAHEAD: u64 = 366 * 86_400;
@@ -61,20 +62,27 @@ impl Window {
     /// Validates a window spec and loads its time zone. Errors read
     /// `window.cron: "61 * * * *": minute 61 is not from 0 to 59`; [`Window::parse_all`] names
     /// the index instead (`window[0].cron: …`).
-    pub fn parse(spec: &WindowSpec) -> Result<Window, WindowError> {
-        Self::parse_named("window", spec)
+    pub fn parse(spec: &WindowSpec, zones: &dyn ZoneSource) -> Result<Window, WindowError> {
+        Self::parse_named("window", spec, zones)
     }
 
     /// Parses every window of a spec; errors name the window as `window[i]`.
-    pub fn parse_all(specs: &[WindowSpec]) -> Result<Vec<Window>, WindowError> {
+    pub fn parse_all(
+        specs: &[WindowSpec],
+        zones: &dyn ZoneSource,
+    ) -> Result<Vec<Window>, WindowError> {
         specs
             .iter()
             .enumerate()
-            .map(|(i, s)| Self::parse_named(&format!("window[{i}]"), s))
+            .map(|(i, s)| Self::parse_named(&format!("window[{i}]"), s, zones))
             .collect()
     }
 
-    fn parse_named(field: &str, spec: &WindowSpec) -> Result<Window, WindowError> {
+    fn parse_named(
+        field: &str,
+        spec: &WindowSpec,
+        zones: &dyn ZoneSource,
+    ) -> Result<Window, WindowError> {
         let cron = Cron::parse(&spec.cron)
             .map_err(|e| WindowError(format!("{field}.cron: {:?}: {e}", spec.cron)))?;
         if spec.duration == 0 {
@@ -88,7 +96,7 @@ impl Window {
                 spec.duration
             )));
         }
-        let zone = Zone::load(&spec.tz)
+        let zone = Zone::load(&spec.tz, zones)
             .map_err(|e| WindowError(format!("{field}.tz: {:?}: {e}", spec.tz)))?;
         Ok(Window {
             spec: spec.clone(),
@@ -501,7 +509,7 @@ impl Zone {
         }
     }
 
-    fn load(name: &str) -> Result<Zone, String> {
+    fn load(name: &str, zones: &dyn ZoneSource) -> Result<Zone, String> {
         if name == "UTC" {
             return Ok(Zone::utc());
         }
@@ -513,21 +521,8 @@ impl Zone {
         {
             return Err("not a time zone name like Europe/Berlin or UTC".into());
         }
-        let dir = std::env::var_os("TZDIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/usr/share/zoneinfo"));
-        Self::load_from(&dir.join(name))
-    }
-
-    fn load_from(path: &Path) -> Result<Zone, String> {
-        let bytes = std::fs::read(path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                format!("unknown time zone (no file {})", path.display())
-            } else {
-                format!("cannot read {}: {e}", path.display())
-            }
-        })?;
-        parse_tzif(&bytes).map_err(|e| format!("{} is not a usable TZif file: {e}", path.display()))
+        let bytes = zones.tzif(name)?;
+        parse_tzif(&bytes).map_err(|e| format!("{name} is not a usable TZif file: {e}"))
     }
 
     fn segments(&self) -> usize {
@@ -804,22 +799,29 @@ fn offset(p: &mut &str) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::zoneinfo::SystemZones;
 
     fn window(cron: &str, duration: u64, tz: &str) -> Window {
-        Window::parse(&WindowSpec {
-            cron: cron.into(),
-            duration,
-            tz: tz.into(),
-        })
+        Window::parse(
+            &WindowSpec {
+                cron: cron.into(),
+                duration,
+                tz: tz.into(),
+            },
+            &SystemZones,
+        )
         .expect("valid window")
     }
 
     fn err(cron: &str, tz: &str) -> String {
-        Window::parse_all(&[WindowSpec {
-            cron: cron.into(),
-            duration: 3600,
-            tz: tz.into(),
-        }])
+        Window::parse_all(
+            &[WindowSpec {
+                cron: cron.into(),
+                duration: 3600,
+                tz: tz.into(),
+            }],
+            &SystemZones,
+        )
         .expect_err("invalid")
         .to_string()
     }
@@ -963,11 +965,14 @@ mod tests {
                 "{bad}"
             );
         }
-        let zero = Window::parse(&WindowSpec {
-            cron: "0 0 * * *".into(),
-            duration: 0,
-            tz: "UTC".into(),
-        })
+        let zero = Window::parse(
+            &WindowSpec {
+                cron: "0 0 * * *".into(),
+                duration: 0,
+                tz: "UTC".into(),
+            },
+            &SystemZones,
+        )
         .expect_err("zero duration");
         assert!(zero.to_string().starts_with("window.duration: 0"), "{zero}");
     }

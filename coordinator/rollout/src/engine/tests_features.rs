@@ -6,6 +6,7 @@ use crate::plan::{
     Budget, ErrorAction, ErrorCondition, OfflinePolicy, Percent, PlannedGroup, Policies, RateLimit,
     Retry, Threshold,
 };
+use crate::zoneinfo::SystemZones;
 use flotilla_protocol::InstalledRelease;
 
 const T0: u64 = 1_800_000_000;
@@ -57,7 +58,7 @@ struct Bench {
 
 impl Bench {
     fn new(devices: usize) -> Self {
-        let mut engine = Engine::new();
+        let mut engine = Engine::new(SystemZones);
         for id in ids(0..devices) {
             engine.observe_state(state(&id, true), T0);
         }
@@ -101,9 +102,10 @@ impl Bench {
         groups: Vec<PlannedGroup>,
         policies: impl FnOnce(&mut Policies),
     ) {
-        let mut spec = RolloutSpec::from_toml(&format!(
-            "name = \"{name}\"\nrelease = \"fw-2\"\n[groups]\ncount = 1\n"
-        ))
+        let mut spec = RolloutSpec::from_toml(
+            &format!("name = \"{name}\"\nrelease = \"fw-2\"\n[groups]\ncount = 1\n"),
+            &SystemZones,
+        )
         .expect("valid spec");
         policies(&mut spec.policies);
         let plan = planner::Plan {
@@ -749,7 +751,7 @@ max_concurrency = 2
 
 #[test]
 fn staged_runs_over_the_same_devices_need_identical_strategies() {
-    let mut engine = Engine::new();
+    let mut engine = Engine::new(SystemZones);
     engine.observe_state(labelled("c1", &[("env", "canary")]), T0);
     for (id, order) in [("p1", "3"), ("p2", "1"), ("p3", "2")] {
         engine.observe_state(labelled(id, &[("env", "production"), ("order", order)]), T0);
@@ -759,7 +761,8 @@ fn staged_runs_over_the_same_devices_need_identical_strategies() {
         counter: 2,
         hardware: Vec::new(),
     };
-    let first = RolloutSpec::from_toml(&format!("name = \"run-1\"\n{STAGED}")).expect("spec");
+    let first =
+        RolloutSpec::from_toml(&format!("name = \"run-1\"\n{STAGED}"), &SystemZones).expect("spec");
     engine
         .create_rollout(first, release.clone(), T0)
         .expect("created");
@@ -779,14 +782,18 @@ fn staged_runs_over_the_same_devices_need_identical_strategies() {
         "sorted by the order label"
     );
     // The same strategy pipelines; a different one fails at initialization.
-    let same = RolloutSpec::from_toml(&format!("name = \"run-2\"\n{STAGED}")).expect("spec");
+    let same =
+        RolloutSpec::from_toml(&format!("name = \"run-2\"\n{STAGED}"), &SystemZones).expect("spec");
     engine
         .create_rollout(same, release.clone(), T0)
         .expect("identical strategies are fine");
-    let other = RolloutSpec::from_toml(&format!(
-        "name = \"run-3\"\n{}",
-        STAGED.replace("max_concurrency = 2", "max_concurrency = 3")
-    ))
+    let other = RolloutSpec::from_toml(
+        &format!(
+            "name = \"run-3\"\n{}",
+            STAGED.replace("max_concurrency = 2", "max_concurrency = 3")
+        ),
+        &SystemZones,
+    )
     .expect("spec");
     let err = engine
         .create_rollout(other, release, T0)

@@ -6,13 +6,14 @@
 //! config behaves the same under systemd as in a shell. The commented default is embedded and
 //! printed by `flotilla serve --print-default-config`.
 
+use flotilla_rollout::duration::parse_duration;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 /// The commented default configuration.
-pub const DEFAULT_CONFIG: &str = include_str!("../default-config.toml");
+pub const DEFAULT_CONFIG: &str = include_str!("../../default-config.toml");
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -215,30 +216,6 @@ impl Config {
     }
 }
 
-/// Parses `30s`, `15m`, `12h`, `7d` (or a bare number of seconds) into seconds.
-pub fn parse_duration(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => text.split_at(i),
-        None => (text, "s"),
-    };
-    if digits.is_empty() {
-        return Err("expected a number followed by s, m, h or d, like 7d".into());
-    }
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{digits} is too large"))?;
-    let scale = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        other => return Err(format!("unknown unit {other:?}; use s, m, h or d")),
-    };
-    n.checked_mul(scale)
-        .ok_or_else(|| format!("{text} is too large"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,15 +295,5 @@ mod tests {
         assert!(err.to_string().contains("colour"), "{err}");
         let err = parse("coordinator_key = \"k\"\n").expect_err("missing");
         assert!(err.to_string().contains("data_dir"), "{err}");
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("7d"), Ok(604_800));
-        assert_eq!(parse_duration("90"), Ok(90));
-        assert_eq!(parse_duration("15m"), Ok(900));
-        assert!(parse_duration("d").is_err());
-        assert!(parse_duration("1y").is_err());
-        assert!(parse_duration("99999999999999999999d").is_err());
     }
 }

@@ -42,13 +42,14 @@ use flotilla_protocol::control::{RolloutStatus, TraceEntry};
 use flotilla_protocol::{CurrentAction, DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
-use crate::config::parse_duration;
-use crate::engine::{Effect, Engine, EngineError, ReleaseRef};
-use crate::fleetfile::{self, FleetError};
-use crate::planner::{DeviceGroup, FleetDevice};
-use crate::selector::Selector;
-use crate::spec::RolloutSpec;
-use crate::view;
+use crate::cli::fleetfile::{self, FleetError};
+use crate::cli::view;
+use flotilla_rollout::duration::parse_duration;
+use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef};
+use flotilla_rollout::planner::{DeviceGroup, FleetDevice};
+use flotilla_rollout::selector::Selector;
+use flotilla_rollout::spec::RolloutSpec;
+use flotilla_rollout::zoneinfo::SystemZones;
 
 /// Where the virtual clock starts unless `--start` says otherwise (2027-01-15T08:00:00Z).
 pub const DEFAULT_START: u64 = 1_800_000_000;
@@ -691,7 +692,7 @@ pub fn simulate(
     let start = options.start;
     let rollout = spec.name.clone();
     let mut sim = Sim {
-        engine: Engine::new(),
+        engine: Engine::new(SystemZones),
         rollout: rollout.clone(),
         start,
         devices: Vec::with_capacity(fleet.len()),
@@ -902,7 +903,7 @@ pub fn render(report: &SimReport) -> String {
 
 /// Parses `YYYY-MM-DDTHH:MM:SS` followed by `Z` or `±HH:MM` (fractions of a second ignored).
 pub fn parse_rfc3339(text: &str) -> Result<u64, String> {
-    crate::spec::rfc3339(text)
+    flotilla_rollout::spec::rfc3339(text)
         .ok_or_else(|| "expected an RFC 3339 time after 1970, like 2027-01-04T09:00:00Z".to_owned())
 }
 
@@ -924,9 +925,10 @@ mod tests {
     }
 
     fn spec(groups: &str) -> RolloutSpec {
-        RolloutSpec::from_toml(&format!(
-            "name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}"
-        ))
+        RolloutSpec::from_toml(
+            &format!("name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}"),
+            &SystemZones,
+        )
         .expect("valid spec")
     }
 

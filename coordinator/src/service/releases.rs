@@ -22,7 +22,7 @@ use flotilla_protocol::{envelope, hex, Artifact, DecodeError, Digest, IdError, R
 use flotilla_protocol::{SignatureError, SignedBlob, SigningKey, UnixTime, VerifyingKey};
 use sha2::Digest as _;
 
-use crate::artifacts::artifact_path;
+use crate::service::artifacts::artifact_path;
 
 /// Why a release operation failed. Every variant names the file, field or artifact involved.
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,7 @@
 //!
 //! ```
 //! use std::collections::BTreeMap;
-//! use flotilla_coordinator::selector::Selector;
+//! use flotilla_rollout::selector::Selector;
 //!
 //! let sel = Selector::parse("hw=pi4, env in (canary, beta), !quarantined").unwrap();
 //! let labels = BTreeMap::from([("hw".to_string(), "pi4".to_string()), ("env".to_string(), "beta".to_string())]);

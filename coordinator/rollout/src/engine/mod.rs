@@ -17,7 +17,7 @@
 //! ```
 //!
 //! Every vocabulary arrives as the same compiled plan (`crate::plan`); how a rollout moves is in
-//! [`advance`], the stored shape in [`model`].
+//! `advance`, the stored shape in [`model`].
 //!
 //! Scale: a report is routed through a per-rollout index (device -> group) and updates that
 //! group's counters incrementally. Per-device changes do not emit `Save`/`Status` (serializing a
@@ -43,6 +43,7 @@ use crate::ramp::Ramp;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
 
 use crate::window::Window;
+use crate::zoneinfo::ZoneSource;
 
 use advance::{Ctx, Out};
 pub use model::{
@@ -188,7 +189,7 @@ struct Entry {
 }
 
 impl Entry {
-    fn new(rollout: Rollout) -> Self {
+    fn new(rollout: Rollout, zones: &dyn ZoneSource) -> Self {
         let index = rollout
             .groups
             .iter()
@@ -202,7 +203,7 @@ impl Entry {
             .policies
             .windows
             .iter()
-            .filter_map(|w| Window::parse(w).ok())
+            .filter_map(|w| Window::parse(w, zones).ok())
             .collect();
         Self {
             rollout,
@@ -213,8 +214,9 @@ impl Entry {
 }
 
 /// The rollout engine. See the module documentation.
-#[derive(Default)]
 pub struct Engine {
+    /// Time zone rules for maintenance windows.
+    zones: Box<dyn ZoneSource + Send + Sync>,
     rollouts: BTreeMap<String, Entry>,
     devices: BTreeMap<String, DeviceRecord>,
     /// Device id -> offline since (None when online).
@@ -239,14 +241,24 @@ impl fmt::Debug for Engine {
 }
 
 impl Engine {
-    pub fn new() -> Self {
-        Self::default()
+    /// An engine with no rollouts; maintenance windows look their time zones up in `zones`.
+    pub fn new(zones: impl ZoneSource + Send + Sync + 'static) -> Self {
+        Self {
+            zones: Box::new(zones),
+            rollouts: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            offline: HashMap::new(),
+            owners: HashMap::new(),
+            last_seq: HashMap::new(),
+            dirty: BTreeSet::new(),
+            device_groups: Vec::new(),
+        }
     }
 
     /// Rebuilds the engine from stored rollouts after a restart. The device registry starts
     /// empty and refills from the retained state topics.
-    pub fn restore(rollouts: Vec<Rollout>) -> Self {
-        let mut engine = Self::new();
+    pub fn restore(rollouts: Vec<Rollout>, zones: impl ZoneSource + Send + Sync + 'static) -> Self {
+        let mut engine = Self::new(zones);
         for r in rollouts {
             if r.state.is_active() {
                 for g in &r.groups {
@@ -259,7 +271,8 @@ impl Engine {
                     }
                 }
             }
-            engine.rollouts.insert(r.name.clone(), Entry::new(r));
+            let entry = Entry::new(r, &*engine.zones);
+            engine.rollouts.insert(entry.rollout.name.clone(), entry);
         }
         engine
     }
@@ -727,7 +740,8 @@ impl Engine {
         rollout.record(now, message, &mut out);
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
-        self.rollouts.insert(name, Entry::new(rollout));
+        self.rollouts
+            .insert(name, Entry::new(rollout, &*self.zones));
         Ok(out.into_effects())
     }
 
@@ -1062,7 +1076,8 @@ impl Engine {
             ),
             &mut out,
         );
-        self.rollouts.insert(new_name, Entry::new(rollout));
+        self.rollouts
+            .insert(new_name, Entry::new(rollout, &*self.zones));
         Ok(out.into_effects())
     }
 

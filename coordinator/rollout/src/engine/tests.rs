@@ -1,4 +1,5 @@
 use super::*;
+use crate::zoneinfo::SystemZones;
 use flotilla_protocol::{CurrentAction, InstalledRelease};
 
 const NOW: u64 = 1_700_000_000;
@@ -32,9 +33,10 @@ fn release() -> ReleaseRef {
 }
 
 fn spec(groups: &str) -> RolloutSpec {
-    RolloutSpec::from_toml(&format!(
-        "name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}"
-    ))
+    RolloutSpec::from_toml(
+        &format!("name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\n{groups}"),
+        &SystemZones,
+    )
     .expect("valid spec")
 }
 
@@ -54,7 +56,7 @@ struct Sim {
 
 impl Sim {
     fn new(devices: usize, label: impl Fn(usize) -> Vec<(&'static str, &'static str)>) -> Self {
-        let mut engine = Engine::new();
+        let mut engine = Engine::new(SystemZones);
         for i in 0..devices {
             let effects = engine.observe_state(state(&format!("dev-{i:03}"), &label(i), None), NOW);
             assert!(effects.is_empty());
@@ -505,7 +507,7 @@ fn restore_and_reissue_resume_without_starting_groups_twice() {
     let json = serde_json::to_string(sim.rollout()).expect("encodes");
     let saved: Rollout = serde_json::from_str(&json).expect("decodes");
     assert_eq!(&saved, sim.rollout());
-    let mut engine = Engine::restore(vec![saved]);
+    let mut engine = Engine::restore(vec![saved], SystemZones);
     let reissued = engine.reissue(sim.now);
     assert_eq!(
         desired(&reissued),
@@ -651,6 +653,7 @@ fn create_fails_clearly_without_devices() {
     let mut sim = Sim::new(3, |_| vec![("hw", "pi4")]);
     let s = RolloutSpec::from_toml(
         "name = \"fw-2-4\"\nrelease = \"fw-2.4.0\"\nselect = \"site=mars\"\n[groups]\ncount = 1\n",
+        &SystemZones,
     )
     .expect("valid");
     let err = sim
@@ -726,7 +729,7 @@ fn trace_keeps_the_last_thousand_entries() {
 #[test]
 fn a_hundred_thousand_devices_finish() {
     const N: usize = 100_000;
-    let mut engine = Engine::new();
+    let mut engine = Engine::new(SystemZones);
     for i in 0..N {
         engine.observe_state(state(&format!("d{i:06}"), &[], None), NOW);
     }

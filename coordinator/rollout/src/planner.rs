@@ -458,6 +458,7 @@ fn staged(spec: &StagedSpec, selected: &[&FleetDevice]) -> Result<Groups, PlanEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::zoneinfo::SystemZones;
 
     fn device(i: usize, labels: &[(&str, &str)], hw: &str) -> FleetDevice {
         FleetDevice {
@@ -476,8 +477,11 @@ mod tests {
     }
 
     fn spec(groups: &str) -> RolloutSpec {
-        RolloutSpec::from_toml(&format!("name = \"r\"\nrelease = \"rel\"\n{groups}"))
-            .expect("valid spec")
+        RolloutSpec::from_toml(
+            &format!("name = \"r\"\nrelease = \"rel\"\n{groups}"),
+            &SystemZones,
+        )
+        .expect("valid spec")
     }
 
     fn sizes(plan: &Plan) -> Vec<usize> {
@@ -560,6 +564,7 @@ mod tests {
         ];
         let s = RolloutSpec::from_toml(
             "name = \"r\"\nrelease = \"rel\"\nselect = \"site=a\"\n[groups]\ncount = 1\n",
+            &SystemZones,
         )
         .expect("valid");
         let plan =
@@ -756,7 +761,7 @@ mod tests {
              [[partitions.partition]]\nname = \"pilots\"\ndevices = [\"c\", \"a\", \"ghost\", \"g\"]\nmax_unavailable = 0\n\
              [[partitions.partition]]\nname = \"rack-1\"\ngroup = \"rack-1\"\n\
              [[partitions.partition]]\nname = \"west\"\ngroup_select = \"region=west\"\n\
-             [[partitions.partition]]\nname = \"lab\"\nselect = \"env=lab\"\n",
+             [[partitions.partition]]\nname = \"lab\"\nselect = \"env=lab\"\n", &SystemZones
         )
         .expect("valid");
         let plan = super::plan(&s, &f, &[], &groups).expect("plans");
@@ -1017,7 +1022,7 @@ after = { approval = true, wait = "1h" }
 
     #[test]
     fn every_complete_example_in_the_docs_parses_and_plans() {
-        let doc = include_str!("../../docs/rollout-spec.md");
+        let doc = include_str!("../../../docs/rollout-spec.md");
         let mut complete = 0;
         for block in doc.split("```toml\n").skip(1) {
             let text = block.split("```").next().unwrap_or_default();
@@ -1028,7 +1033,7 @@ after = { approval = true, wait = "1h" }
                 continue;
             }
             complete += 1;
-            let s = RolloutSpec::from_toml(text)
+            let s = RolloutSpec::from_toml(text, &SystemZones)
                 .unwrap_or_else(|e| panic!("doc example refused: {e}\n{text}"));
             let f: Vec<FleetDevice> = staged_fleet()
                 .into_iter()

@@ -21,12 +21,13 @@ use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatu
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{BrokerError, EmbeddedBroker};
-use crate::client::{ClientError, ControlClient};
-use crate::config::{BrokerConfig, Config};
-use crate::keys::{self, KeysError};
-use crate::releases::{NewRelease, ReleaseError, ReleaseStore};
-use crate::{service, view};
+use crate::cli::client::{ClientError, ControlClient};
+use crate::cli::view;
+use crate::service;
+use crate::service::broker::{BrokerError, EmbeddedBroker};
+use crate::service::config::{BrokerConfig, Config};
+use crate::service::keys::{self, KeysError};
+use crate::service::releases::{NewRelease, ReleaseError, ReleaseStore};
 
 const ROLLOUT: &str = "demo-fw-2";
 const RELEASE: &str = "demo-fw-2.0.0";

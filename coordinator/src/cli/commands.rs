@@ -1,4 +1,4 @@
-//! The `flotilla` command line: clap definitions and what each subcommand does.
+//! What each `flotilla` subcommand does (the arguments are in [`args`](super::args)).
 //!
 //! `main.rs` only parses, sets up logging and signals, and calls [`run`] (or the demo, which
 //! manages its own runtime). Commands that talk to a running coordinator go through
@@ -8,309 +8,21 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
 use flotilla_protocol::control::{
     ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, ReleaseSummary, RolloutStatus,
     StrategyInfo,
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::client::{ClientError, ControlClient};
-use crate::config::{self, Config, ConfigError};
-use crate::keys::{self, KeysError};
-use crate::releases::{self, NewRelease, ReleaseError, ReleaseStore};
+use crate::cli::args::{
+    Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, ReleaseCmd, RolloutCmd, StrategyCmd,
+};
+use crate::cli::client::{ClientError, ControlClient};
+use crate::cli::view;
+use crate::service::config::{self, Config, ConfigError};
+use crate::service::keys::{self, KeysError};
+use crate::service::releases::{self, NewRelease, ReleaseError, ReleaseStore};
 use crate::service::{self, ServiceError};
-use crate::{demo, view};
-
-/// Staged, health-gated software rollouts to fleets of Linux edge devices.
-#[derive(Debug, Parser)]
-#[command(name = "flotilla", version, about)]
-pub struct Cli {
-    /// The MQTT broker the coordinator listens on, as HOST:PORT.
-    #[arg(
-        long,
-        global = true,
-        env = "FLOTILLA_BROKER",
-        default_value = "127.0.0.1:1883"
-    )]
-    pub broker: String,
-    /// Root of every flotilla topic.
-    #[arg(long, global = true, default_value = flotilla_protocol::topics::DEFAULT_ROOT)]
-    pub topic_root: String,
-    #[command(subcommand)]
-    pub command: Cmd,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum KeysCmd {
-    /// Write a keys document that replaces the release and coordinator keys (and optionally the
-    /// root keys) on devices that accept it: `flotilla-agent keys install FILE` on each device.
-    Rotate {
-        /// Must be higher than the last version the devices accepted.
-        #[arg(long)]
-        version: u64,
-        /// Public release key files devices trust from now on (repeat for several).
-        #[arg(long = "release-key", required = true)]
-        release_keys: Vec<PathBuf>,
-        /// Public coordinator key files devices trust from now on (repeat for several).
-        #[arg(long = "coordinator-key", required = true)]
-        coordinator_keys: Vec<PathBuf>,
-        /// New public root key files; without them devices keep their root keys.
-        #[arg(long = "root-key")]
-        root_keys: Vec<PathBuf>,
-        /// Root signatures the next keys document will need.
-        #[arg(long, default_value_t = 2)]
-        root_threshold: u32,
-        /// Secret root key files to sign with now (repeat); others can add theirs with
-        /// `flotilla keys sign`.
-        #[arg(long = "sign", required = true)]
-        signers: Vec<PathBuf>,
-        /// Where to write the document.
-        #[arg(long)]
-        out: PathBuf,
-    },
-    /// Add a root key's signature to a keys document, in place.
-    Sign {
-        /// The secret root key file.
-        #[arg(long)]
-        key: PathBuf,
-        /// The keys document.
-        file: PathBuf,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Cmd {
-    /// Generate ed25519 key pairs (release and coordinator keys).
-    Keygen(KeygenArgs),
-    /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
-    #[command(subcommand)]
-    Keys(KeysCmd),
-    /// Create, inspect, verify and list signed releases.
-    #[command(subcommand)]
-    Release(ReleaseCmd),
-    /// Run the coordinator service.
-    Serve(ServeArgs),
-    /// Create and drive rollouts on a running coordinator.
-    #[command(subcommand)]
-    Rollout(RolloutCmd),
-    /// List the devices a running coordinator knows, or delete one.
-    Devices {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        #[command(subcommand)]
-        cmd: Option<DevicesCmd>,
-    },
-    /// Approve an approval request, e.g. `flotilla approve fw-2-4-canary`.
-    Approve {
-        /// `<rollout>-<group>` (after a group) or `<rollout>-before-<group>`.
-        name: String,
-    },
-    /// List approval requests, pending and approved.
-    Approvals {
-        #[arg(long)]
-        json: bool,
-    },
-    /// Store, list and show staged update strategies that staged rollouts refer to.
-    #[command(subcommand)]
-    Strategy(StrategyCmd),
-    /// Store, list and delete device groups (named selectors) that partitions refer to.
-    #[command(subcommand)]
-    Group(GroupCmd),
-    /// Run a self-contained demo: broker, coordinator and simulated devices.
-    Demo(demo::DemoArgs),
-    /// Show the groups a spec makes of a fleet file, without a coordinator.
-    Plan(crate::fleetfile::PlanArgs),
-    /// Run a spec against a scripted fleet in virtual time, without a coordinator.
-    Simulate(crate::simulate::SimulateArgs),
-}
-
-#[derive(Debug, Args)]
-pub struct KeygenArgs {
-    /// Directory to write the key files into.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Write only NAME.key / NAME.pub instead of release and coordinator keys.
-    #[arg(long)]
-    pub name: Option<String>,
-    /// Replace existing key files.
-    #[arg(long)]
-    pub force: bool,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum ReleaseCmd {
-    /// Import artifacts into the store and write a signed release.
-    Create(ReleaseCreateArgs),
-    /// Show a release's manifest.
-    Inspect {
-        #[arg(long, required_unless_present = "file")]
-        data_dir: Option<PathBuf>,
-        /// Release name (with --data-dir).
-        #[arg(required_unless_present = "file")]
-        name: Option<String>,
-        /// Read this release file instead.
-        #[arg(long, conflicts_with_all = ["data_dir", "name"])]
-        file: Option<PathBuf>,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Check a release's signature and every artifact in the store.
-    Verify {
-        #[arg(long)]
-        data_dir: PathBuf,
-        /// The release public key.
-        #[arg(long)]
-        key: PathBuf,
-        name: String,
-    },
-    /// List the releases in a data directory.
-    List {
-        #[arg(long)]
-        data_dir: PathBuf,
-        #[arg(long)]
-        json: bool,
-    },
-}
-
-#[derive(Debug, Args)]
-pub struct ReleaseCreateArgs {
-    #[arg(long)]
-    pub data_dir: PathBuf,
-    /// The release secret key.
-    #[arg(long)]
-    pub key: PathBuf,
-    /// Release name, e.g. fw-2.4.0.
-    #[arg(long)]
-    pub name: String,
-    #[arg(long)]
-    pub version: String,
-    /// Monotonic release counter; devices only install a higher one.
-    #[arg(long)]
-    pub counter: u64,
-    /// Compatible hardware id (repeatable); none means any.
-    #[arg(long)]
-    pub hardware: Vec<String>,
-    /// TARGET=PATH (repeatable).
-    #[arg(long, required = true)]
-    pub artifact: Vec<String>,
-    /// How long the release stays installable (s, m, h, d).
-    #[arg(long, default_value = "365d")]
-    pub expires_in: String,
-}
-
-#[derive(Debug, Args)]
-pub struct ServeArgs {
-    /// The coordinator config file.
-    #[arg(long, required_unless_present = "print_default_config")]
-    pub config: Option<PathBuf>,
-    /// Run an embedded broker on this address (overrides the config).
-    #[arg(long)]
-    pub embedded_broker: Option<String>,
-    /// Print the commented default config and exit.
-    #[arg(long)]
-    pub print_default_config: bool,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum RolloutCmd {
-    /// Create a rollout from a TOML spec file.
-    Create {
-        #[arg(long)]
-        spec: PathBuf,
-    },
-    Start {
-        name: String,
-    },
-    Pause {
-        name: String,
-    },
-    Resume {
-        name: String,
-    },
-    Stop {
-        name: String,
-    },
-    /// Show one rollout, or all.
-    Status {
-        name: Option<String>,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Start the next group now, without waiting for the current group's success condition.
-    Next {
-        name: String,
-    },
-    /// Create a rollout over the failed, refused and timed-out devices of a rollout.
-    Retry {
-        #[arg(value_name = "NAME")]
-        rollout: String,
-        /// Name of the new rollout (default `<NAME>-retry`).
-        #[arg(long)]
-        name: Option<String>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum DevicesCmd {
-    /// Forget a device and clear its retained topics.
-    ///
-    /// The device leaves the registry and the groups of unfinished rollouts. A device that is
-    /// still running reappears when it next announces itself.
-    Delete { id: String },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum StrategyCmd {
-    /// Store (or replace) a staged strategy from a TOML file of `[[stage]]` entries.
-    Create {
-        name: String,
-        #[arg(long)]
-        file: PathBuf,
-    },
-    List {
-        #[arg(long)]
-        json: bool,
-    },
-    /// Print a stored strategy's TOML.
-    Show {
-        name: String,
-        #[arg(long)]
-        json: bool,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum GroupCmd {
-    /// Store (or replace) a device group.
-    Create {
-        name: String,
-        /// Label selector of the group's devices, e.g. "site in (a,b),!quarantined".
-        #[arg(long)]
-        select: String,
-        /// KEY=VALUE label of the group itself (repeatable).
-        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
-        labels: Vec<(String, String)>,
-    },
-    List {
-        #[arg(long)]
-        json: bool,
-    },
-    Delete {
-        name: String,
-    },
-}
-
-/// Parses `--label KEY=VALUE`.
-pub fn parse_label(value: &str) -> Result<(String, String), String> {
-    match value.split_once('=') {
-        Some((key, val)) if !key.trim().is_empty() => {
-            Ok((key.trim().to_owned(), val.trim().to_owned()))
-        }
-        _ => Err(format!("expected KEY=VALUE like tier=1, got {value:?}")),
-    }
-}
 
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
@@ -362,19 +74,6 @@ pub fn parse_broker(value: &str) -> Result<(String, u16), CliError> {
         return Err(err());
     }
     Ok((host.to_owned(), port))
-}
-
-impl Cli {
-    /// The default log filter: `info` for the long-running service, `warn` for one-shot commands.
-    /// rumqttd is silenced by default because it logs ordinary client disconnects at ERROR,
-    /// which would drown the coordinator's own messages; `RUST_LOG=rumqttd=info` brings it back.
-    pub fn default_log_level(&self) -> &'static str {
-        match self.command {
-            Cmd::Serve(_) => "info,rumqttd=off",
-            // The demo draws its own live view; the service's logs would tear it apart.
-            _ => "warn,rumqttd=off",
-        }
-    }
 }
 
 fn now() -> u64 {
@@ -466,7 +165,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             client
                 .request(
                     Command::DeleteDevice { device: id.clone() },
-                    crate::client::DEFAULT_TIMEOUT,
+                    crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
             println!("deleted device {id}; its retained desired and state topics are cleared");
@@ -476,7 +175,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             let (host, port) = parse_broker(&cli.broker)?;
             let client = ControlClient::connect(&host, port, &cli.topic_root).await?;
             let result = client
-                .request(Command::ListDevices, crate::client::DEFAULT_TIMEOUT)
+                .request(Command::ListDevices, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
             let devices: Vec<DeviceSummary> =
                 serde_json::from_value(result).map_err(|source| CliError::Reply {
@@ -495,7 +194,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             client
                 .request(
                     Command::Approve { name: name.clone() },
-                    crate::client::DEFAULT_TIMEOUT,
+                    crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
             println!("approved {name}");
@@ -504,7 +203,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         Cmd::Approvals { json } => {
             let client = connect(&cli.broker, &cli.topic_root).await?;
             let result = client
-                .request(Command::ListApprovals, crate::client::DEFAULT_TIMEOUT)
+                .request(Command::ListApprovals, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
             let approvals: Vec<ApprovalStatus> =
                 serde_json::from_value(result).map_err(|source| CliError::Reply {
@@ -524,8 +223,8 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             group(&client, cmd).await
         }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
-        Cmd::Plan(args) => Ok(crate::fleetfile::run_plan(&args)),
-        Cmd::Simulate(args) => Ok(crate::simulate::run_simulate(&args)),
+        Cmd::Plan(args) => Ok(crate::cli::fleetfile::run_plan(&args)),
+        Cmd::Simulate(args) => Ok(crate::cli::simulate::run_simulate(&args)),
     }
 }
 
@@ -536,7 +235,7 @@ async fn connect(broker: &str, topic_root: &str) -> Result<ControlClient, CliErr
 
 /// `strategy …`; the file is read before connecting, so a wrong path fails at once.
 async fn strategy(broker: &str, topic_root: &str, cmd: StrategyCmd) -> Result<i32, CliError> {
-    let timeout = crate::client::DEFAULT_TIMEOUT;
+    let timeout = crate::cli::client::DEFAULT_TIMEOUT;
     let reply = |what: &'static str| move |source| CliError::Reply { what, source };
     let file = match &cmd {
         StrategyCmd::Create { file, .. } => Some(std::fs::read_to_string(file).map_err(
@@ -592,7 +291,7 @@ async fn strategy(broker: &str, topic_root: &str, cmd: StrategyCmd) -> Result<i3
 }
 
 async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
-    let timeout = crate::client::DEFAULT_TIMEOUT;
+    let timeout = crate::cli::client::DEFAULT_TIMEOUT;
     let reply = |what: &'static str| move |source| CliError::Reply { what, source };
     match cmd {
         GroupCmd::Create {
@@ -634,9 +333,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
     match cmd {
         ReleaseCmd::Create(args) => {
             let expires_in =
-                config::parse_duration(&args.expires_in).map_err(|reason| CliError::ExpiresIn {
-                    value: args.expires_in.clone(),
-                    reason,
+                flotilla_rollout::duration::parse_duration(&args.expires_in).map_err(|reason| {
+                    CliError::ExpiresIn {
+                        value: args.expires_in.clone(),
+                        reason,
+                    }
                 })?;
             let key = keys::load_secret_key(&args.key)?;
             let store = ReleaseStore::new(&args.data_dir);
@@ -718,7 +419,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
 }
 
 async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliError> {
-    let timeout: Duration = crate::client::DEFAULT_TIMEOUT;
+    let timeout: Duration = crate::cli::client::DEFAULT_TIMEOUT;
     let (command, json) = match cmd {
         RolloutCmd::Create { spec } => {
             let text = std::fs::read_to_string(&spec).map_err(|source| CliError::ReadSpec {
@@ -766,6 +467,7 @@ pub fn render_statuses(result: serde_json::Value) -> Result<String, CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser as _;
 
     #[test]
     fn broker_addresses() {

@@ -12,7 +12,7 @@ use flotilla_protocol::Topics;
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
 
-use crate::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
+use crate::service::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
 
 /// The default time to wait for a reply.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -181,7 +181,7 @@ impl ControlClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::broker::EmbeddedBroker;
+    use crate::service::broker::EmbeddedBroker;
 
     #[tokio::test]
     async fn times_out_with_a_helpful_message_when_nobody_answers() {

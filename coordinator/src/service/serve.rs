@@ -17,6 +17,7 @@
 //! text that staged rollout specs refer to by name) and device groups (named selectors). The
 //! engine gets the full list of device groups at startup and after every change.
 
+use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -31,17 +32,17 @@ use flotilla_protocol::{SigningKey, Topic, Topics};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
-use crate::artifacts::BlockServer;
-use crate::broker::{BrokerError, EmbeddedBroker};
-use crate::config::Config;
-use crate::engine::{Effect, Engine, ReleaseRef};
-use crate::keys::{self, KeysError};
-use crate::mqtt::{self, LinkEvent, LinkOptions};
-use crate::planner::DeviceGroup;
-use crate::releases::ReleaseStore;
-use crate::selector::Selector;
-use crate::spec::RolloutSpec;
-use crate::store::{Store, StoreError, StoredStrategy};
+use crate::service::artifacts::BlockServer;
+use crate::service::broker::{BrokerError, EmbeddedBroker};
+use crate::service::config::Config;
+use crate::service::keys::{self, KeysError};
+use crate::service::mqtt::{self, LinkEvent, LinkOptions};
+use crate::service::releases::ReleaseStore;
+use crate::service::store::{Store, StoreError, StoredStrategy};
+use flotilla_rollout::engine::{Effect, Engine, ReleaseRef};
+use flotilla_rollout::planner::DeviceGroup;
+use flotilla_rollout::selector::Selector;
+use flotilla_rollout::spec::RolloutSpec;
 
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
@@ -108,7 +109,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             source,
         })?;
     tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), data_dir = %config.data_dir.display(), "coordinator starting");
-    let mut engine = Engine::restore(rollouts);
+    let mut engine = Engine::restore(rollouts, SystemZones);
     engine.set_device_groups(groups);
 
     let topics = Topics::new(&config.broker.topic_root);
@@ -339,16 +340,17 @@ impl Service {
     /// Hands a command to the engine or the store. Returns the effects to apply and what to
     /// answer once they are applied, or the error for the reply; nothing here publishes.
     fn dispatch(&mut self, command: Command, now: u64) -> Result<(Vec<Effect>, Answer), String> {
-        let engine_error = |e: crate::engine::EngineError| e.to_string();
+        let engine_error = |e: flotilla_rollout::engine::EngineError| e.to_string();
         let store_error = |e: StoreError| e.to_string();
-        let status = |name: String, r: Result<Vec<Effect>, crate::engine::EngineError>| {
-            r.map(|effects| (effects, Answer::Status(name)))
-                .map_err(engine_error)
-        };
+        let status =
+            |name: String, r: Result<Vec<Effect>, flotilla_rollout::engine::EngineError>| {
+                r.map(|effects| (effects, Answer::Status(name)))
+                    .map_err(engine_error)
+            };
         let value = |v: serde_json::Value| Ok((Vec::new(), Answer::Value(v)));
         match command {
             Command::CreateRollout { spec } => {
-                let spec = RolloutSpec::from_toml(&spec)
+                let spec = RolloutSpec::from_toml(&spec, &SystemZones)
                     .map_err(|e| format!("invalid rollout spec: {e}"))?;
                 let spec = self.resolve_strategy(spec)?;
                 let (blob, manifest) = self
@@ -699,7 +701,7 @@ fn check_label(what: &str, text: &str) -> Result<(), String> {
 /// The stages themselves are validated when a staged rollout resolves the strategy.
 fn check_strategy(name: &str, text: &str) -> Result<(), String> {
     validate_id("strategy name", name).map_err(|e| format!("name: {e}"))?;
-    crate::spec::StagedStrategy::from_toml(name, text)
+    flotilla_rollout::spec::StagedStrategy::from_toml(name, text)
         .map(|_| ())
         .map_err(|e| format!("spec: strategy {name}: {e}"))
 }
@@ -712,7 +714,7 @@ fn staged_strategy_name(spec: &RolloutSpec) -> Option<&str> {
 /// Snapshots the stored strategy a staged spec names into the spec (KubeFleet: a run keeps the
 /// strategy as it was when the run was created).
 fn resolve_with(mut spec: RolloutSpec, stored: &StoredStrategy) -> Result<RolloutSpec, String> {
-    let strategy = crate::spec::StagedStrategy::from_toml(&stored.name, &stored.text)
+    let strategy = flotilla_rollout::spec::StagedStrategy::from_toml(&stored.name, &stored.text)
         .map_err(|e| format!("stored strategy {}: {e}", stored.name))?;
     spec.resolve_strategy(&strategy);
     Ok(spec)
@@ -724,8 +726,8 @@ fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
 }
 
 /// The protocol's action kind for a spec's action type.
-fn action_kind(action: crate::plan::ActionType) -> ActionKind {
-    use crate::plan::ActionType;
+fn action_kind(action: flotilla_rollout::plan::ActionType) -> ActionKind {
+    use flotilla_rollout::plan::ActionType;
     match action {
         ActionType::Forced => ActionKind::Forced,
         ActionType::Soft => ActionKind::Soft,
@@ -737,22 +739,11 @@ fn action_kind(action: crate::plan::ActionType) -> ActionKind {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::ControlClient;
-    use crate::config::BrokerConfig;
-    use crate::releases::NewRelease;
-    use flotilla_protocol::control::{DeviceSummary, RolloutStatus};
-    use flotilla_protocol::{DeviceState, VerifyingKey};
+    use flotilla_protocol::DeviceState;
     use rumqttc::{Event, EventLoop, MqttOptions, Packet};
     use std::collections::BTreeMap;
 
     const WAIT: Duration = Duration::from_secs(20);
-
-    struct Harness {
-        _dir: tempfile::TempDir,
-        config: Config,
-        coordinator_pub: VerifyingKey,
-        release_blob: SignedBlob,
-    }
 
     fn free_addr() -> std::net::SocketAddr {
         std::net::TcpListener::bind("127.0.0.1:0")
@@ -761,598 +752,10 @@ mod tests {
             .expect("addr")
     }
 
-    fn harness() -> Harness {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let keys_dir = dir.path().join("keys");
-        keys::keygen(&keys_dir, &[], false).expect("keygen");
-        let data_dir = dir.path().join("data");
-        let app = dir.path().join("app.bin");
-        std::fs::write(&app, b"new firmware").expect("write");
-        let release_key = keys::load_secret_key(&keys_dir.join("release.key")).expect("key");
-        let releases = ReleaseStore::new(&data_dir);
-        let new = NewRelease {
-            name: "fw-1".into(),
-            version: "1.0.0".into(),
-            counter: 1,
-            hardware: vec![],
-            artifacts: vec![format!("app={}", app.display())],
-            expires_in: 86_400,
-        };
-        releases.create(&new, &release_key, now()).expect("release");
-        let (release_blob, _) = releases.load("fw-1").expect("load");
-        let addr = free_addr();
-        let config = Config {
-            data_dir,
-            coordinator_key: keys_dir.join("coordinator.key"),
-            broker: BrokerConfig {
-                host: "127.0.0.1".into(),
-                port: addr.port(),
-                topic_root: "flotilla".into(),
-                embedded: Some(addr),
-            },
-            action_validity: 3600,
-        };
-        let coordinator_pub =
-            keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
-        Harness {
-            _dir: dir,
-            config,
-            coordinator_pub,
-            release_blob,
-        }
-    }
-
-    /// Sends a request, retrying while the coordinator is still subscribing (a request sent
-    /// before its subscription is lost, by MQTT's design).
-    async fn ask(
-        client: &ControlClient,
-        command: Command,
-    ) -> Result<serde_json::Value, crate::client::ClientError> {
-        for _ in 0..20 {
-            match client
-                .request(command.clone(), Duration::from_secs(1))
-                .await
-            {
-                Err(crate::client::ClientError::NoReply { .. }) => continue,
-                other => return other,
-            }
-        }
-        client.request(command, Duration::from_secs(1)).await
-    }
-
     fn device_client(port: u16) -> (AsyncClient, EventLoop) {
         let mut o = MqttOptions::new(mqtt::unique_client_id("fake-device"), "127.0.0.1", port);
         o.set_max_packet_size(1 << 20, 1 << 20);
         AsyncClient::new(o, 100)
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
-        let h = harness();
-        let topics = Topics::default();
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(h.config.clone(), shutdown.clone()));
-        let port = h.config.broker.port;
-        let client = ControlClient::connect("127.0.0.1", port, "flotilla")
-            .await
-            .expect("client connects");
-        let releases = ask(&client, Command::ListReleases)
-            .await
-            .expect("coordinator answers");
-        assert_eq!(releases[0]["name"], "fw-1");
-
-        // A device announces itself (retained state), then garbage arrives on its topics and on
-        // the control topic.
-        let (device, mut device_el) = device_client(port);
-        let id = DeviceId::new("dev-1").expect("id");
-        let state = DeviceState {
-            device_id: "dev-1".into(),
-            hardware_id: "pi4".into(),
-            labels: vec![("env".into(), "canary".into())],
-            installed: None,
-            current: None,
-            online: true,
-            agent_version: "test".into(),
-            at: now(),
-        };
-        device
-            .publish(
-                topics.state(&id),
-                QoS::AtLeastOnce,
-                true,
-                envelope::encode(&Message::State(state)),
-            )
-            .await
-            .expect("queue");
-        device
-            .publish(
-                topics.report(&id),
-                QoS::AtLeastOnce,
-                false,
-                b"\xff\xfegarbage".to_vec(),
-            )
-            .await
-            .expect("queue");
-        device
-            .publish(
-                topics.control_request(),
-                QoS::AtLeastOnce,
-                false,
-                b"{not json".to_vec(),
-            )
-            .await
-            .expect("queue");
-        device
-            .subscribe(topics.desired(&id), QoS::AtLeastOnce)
-            .await
-            .expect("queue");
-        // Drive the fake device's connection until the broker has its messages.
-        let mut acks = 0;
-        tokio::time::timeout(WAIT, async {
-            while acks < 3 {
-                if let Event::Incoming(Packet::PubAck(_)) =
-                    device_el.poll().await.expect("device connection")
-                {
-                    acks += 1;
-                }
-            }
-        })
-        .await
-        .expect("device publishes acknowledged");
-
-        // The coordinator keeps answering, and learned the device despite the garbage.
-        let devices: Vec<DeviceSummary> = tokio::time::timeout(WAIT, async {
-            loop {
-                let value = ask(&client, Command::ListDevices)
-                    .await
-                    .expect("answers after garbage");
-                let devices: Vec<DeviceSummary> = serde_json::from_value(value).expect("devices");
-                if !devices.is_empty() {
-                    return devices;
-                }
-            }
-        })
-        .await
-        .expect("device registered");
-        assert_eq!(devices[0].id, "dev-1");
-        assert!(devices[0].online);
-
-        // Bad input gets a clear refusal naming the problem.
-        let err = ask(
-            &client,
-            Command::CreateRollout {
-                spec: "name = \"r\"\nrelease = \"nope\"\n[groups]\ncount = 1\n".into(),
-            },
-        )
-        .await
-        .expect_err("unknown release");
-        assert!(err.to_string().contains("no release named nope"), "{err}");
-
-        let spec = "name = \"r1\"\nrelease = \"fw-1\"\n[groups]\ncount = 1\n";
-        let created: RolloutStatus = serde_json::from_value(
-            ask(&client, Command::CreateRollout { spec: spec.into() })
-                .await
-                .expect("created"),
-        )
-        .expect("status");
-        assert_eq!(
-            (
-                created.name.as_str(),
-                created.release.as_str(),
-                created.state.as_str()
-            ),
-            ("r1", "fw-1", "ready")
-        );
-        assert_eq!(created.groups.iter().map(|g| g.total).sum::<usize>(), 1);
-
-        let started: RolloutStatus = serde_json::from_value(
-            ask(
-                &client,
-                Command::StartRollout {
-                    rollout: "r1".into(),
-                },
-            )
-            .await
-            .expect("started"),
-        )
-        .expect("status");
-        assert_eq!(started.state, "running");
-
-        // The device receives a retained, coordinator-signed install of the stored release.
-        let desired = tokio::time::timeout(WAIT, async {
-            loop {
-                if let Event::Incoming(Packet::Publish(p)) =
-                    device_el.poll().await.expect("device connection")
-                {
-                    if p.topic == topics.desired(&id) {
-                        return p;
-                    }
-                }
-            }
-        })
-        .await
-        .expect("desired action published");
-        let Ok(Message::Desired(blob)) = envelope::decode(&desired.payload) else {
-            panic!("not a desired action")
-        };
-        let bytes = blob
-            .verify("desired action", &[h.coordinator_pub])
-            .expect("signed by the coordinator key");
-        let action: DesiredAction = envelope::from_bytes("desired action", bytes).expect("decodes");
-        assert_eq!(action.device_id, "dev-1");
-        let action_id = action.action_id.clone();
-        assert_eq!(action.rollout_id, "r1");
-        assert_eq!(action.expires_at - action.issued_at, 3600);
-        match action.body {
-            ActionBody::Install { manifest, kind, .. } => {
-                assert_eq!(manifest, h.release_blob);
-                assert_eq!(kind, ActionKind::Forced);
-            }
-            other => panic!("expected an install, got {other:?}"),
-        }
-
-        // The artifact is served in blocks on the device's own block topic.
-        let sha256 = flotilla_protocol::sha256(b"new firmware");
-        device
-            .subscribe(topics.block(&id), QoS::AtLeastOnce)
-            .await
-            .expect("queue");
-        let fetch = Message::Fetch(flotilla_protocol::BlockRequest {
-            sha256,
-            offset: 4,
-            length: 1000,
-        });
-        device
-            .publish(
-                topics.fetch(&id),
-                QoS::AtLeastOnce,
-                false,
-                envelope::encode(&fetch),
-            )
-            .await
-            .expect("queue");
-        let block = tokio::time::timeout(WAIT, async {
-            loop {
-                if let Event::Incoming(Packet::Publish(p)) =
-                    device_el.poll().await.expect("device connection")
-                {
-                    if p.topic == topics.block(&id) {
-                        return p;
-                    }
-                }
-            }
-        })
-        .await
-        .expect("block served");
-        assert_eq!(
-            envelope::decode(&block.payload).expect("decodes"),
-            Message::Block(flotilla_protocol::BlockReply::Data {
-                sha256,
-                offset: 4,
-                data: b"firmware".to_vec()
-            })
-        );
-
-        let err = ask(
-            &client,
-            Command::StartRollout {
-                rollout: "r1".into(),
-            },
-        )
-        .await
-        .expect_err("already running");
-        assert!(err.to_string().contains("r1"), "{err}");
-
-        shutdown.cancel();
-        tokio::time::timeout(WAIT, server)
-            .await
-            .expect("stops")
-            .expect("no panic")
-            .expect("clean shutdown");
-
-        // The rollout survived in the store.
-        {
-            let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
-            let stored = store.load_rollouts().expect("loads");
-            assert_eq!(stored.len(), 1);
-            assert_eq!(stored[0].name, "r1");
-        }
-
-        // A restarted coordinator, on a fresh broker that lost every retained message, still
-        // knows the rollout and re-publishes the running group's desired action.
-        let mut config = h.config.clone();
-        let addr = free_addr();
-        config.broker.port = addr.port();
-        config.broker.embedded = Some(addr);
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(config, shutdown.clone()));
-        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla")
-            .await
-            .expect("client connects");
-        let status: RolloutStatus = serde_json::from_value(
-            ask(
-                &client,
-                Command::RolloutStatus {
-                    rollout: Some("r1".into()),
-                },
-            )
-            .await
-            .expect("status after restart"),
-        )
-        .expect("status");
-        assert_eq!(status.state, "running");
-        let (device, mut device_el) = device_client(addr.port());
-        device
-            .subscribe(topics.desired(&id), QoS::AtLeastOnce)
-            .await
-            .expect("queue");
-        let reissued = tokio::time::timeout(WAIT, async {
-            loop {
-                if let Event::Incoming(Packet::Publish(p)) =
-                    device_el.poll().await.expect("device connection")
-                {
-                    if p.topic == topics.desired(&id) {
-                        return p;
-                    }
-                }
-            }
-        })
-        .await
-        .expect("desired action reissued after restart");
-        let Ok(Message::Desired(blob)) = envelope::decode(&reissued.payload) else {
-            panic!("not a desired action")
-        };
-        let bytes = blob
-            .verify("desired action", &[h.coordinator_pub])
-            .expect("signed");
-        let again: DesiredAction = envelope::from_bytes("desired action", bytes).expect("decodes");
-        assert_eq!(
-            again.action_id, action_id,
-            "same action id, so the agent does not apply it twice"
-        );
-        shutdown.cancel();
-        tokio::time::timeout(WAIT, server)
-            .await
-            .expect("stops")
-            .expect("no panic")
-            .expect("clean shutdown");
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn device_groups_strategies_and_approvals_over_mqtt() {
-        let h = harness();
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(h.config.clone(), shutdown.clone()));
-        let client = ControlClient::connect("127.0.0.1", h.config.broker.port, "flotilla")
-            .await
-            .expect("client connects");
-
-        // A device group: stored, listed with its canonical selector and labels.
-        let created = ask(
-            &client,
-            Command::CreateGroup {
-                name: "kitchens".into(),
-                select: "site in (a, b), !quarantined".into(),
-                labels: BTreeMap::from([("tier".into(), "1".into())]),
-            },
-        )
-        .await
-        .expect("group created");
-        assert_eq!(created["select"], "site in (a,b),!quarantined");
-        ask(
-            &client,
-            Command::CreateGroup {
-                name: "beta".into(),
-                select: "ring=beta".into(),
-                labels: BTreeMap::new(),
-            },
-        )
-        .await
-        .expect("group created");
-        let groups: Vec<DeviceGroupInfo> =
-            serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-                .expect("group list");
-        assert_eq!(
-            groups
-                .iter()
-                .map(|g| (g.name.as_str(), g.labels.len()))
-                .collect::<Vec<_>>(),
-            vec![("beta", 0), ("kitchens", 1)]
-        );
-
-        // Bad input names the field and stores nothing.
-        let err = ask(
-            &client,
-            Command::CreateGroup {
-                name: "broken".into(),
-                select: "env in (".into(),
-                labels: BTreeMap::new(),
-            },
-        )
-        .await
-        .expect_err("bad selector");
-        assert!(
-            err.to_string().contains("select: selector \"env in (\""),
-            "{err}"
-        );
-        let err = ask(
-            &client,
-            Command::CreateGroup {
-                name: "no/slash".into(),
-                select: "env=prod".into(),
-                labels: BTreeMap::new(),
-            },
-        )
-        .await
-        .expect_err("bad name");
-        assert!(
-            err.to_string()
-                .contains("name: device group name \"no/slash\""),
-            "{err}"
-        );
-        let err = ask(
-            &client,
-            Command::CreateGroup {
-                name: "spaced".into(),
-                select: "env=prod".into(),
-                labels: BTreeMap::from([("tier".into(), "one two".into())]),
-            },
-        )
-        .await
-        .expect_err("bad label value");
-        assert!(
-            err.to_string().contains("labels.tier: value \"one two\""),
-            "{err}"
-        );
-
-        let deleted = ask(
-            &client,
-            Command::DeleteGroup {
-                name: "beta".into(),
-            },
-        )
-        .await
-        .expect("deleted");
-        assert_eq!(deleted["name"], "beta");
-        let err = ask(
-            &client,
-            Command::DeleteGroup {
-                name: "beta".into(),
-            },
-        )
-        .await
-        .expect_err("already gone");
-        assert!(
-            err.to_string().contains("no device group named \"beta\""),
-            "{err}"
-        );
-        let groups: Vec<DeviceGroupInfo> =
-            serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-                .expect("group list");
-        assert_eq!(
-            groups.len(),
-            1,
-            "only kitchens and none of the refused ones: {groups:?}"
-        );
-
-        // A staged strategy: stored verbatim and shown back.
-        let text = "# two stages\n[[stage]]\nname = \"canary\"\nselect = \"env=canary\"\n\
-                    [[stage]]\nname = \"prod\"\n";
-        ask(
-            &client,
-            Command::CreateStrategy {
-                name: "two-stage".into(),
-                spec: text.into(),
-            },
-        )
-        .await
-        .expect("strategy stored");
-        let shown: StrategyInfo = serde_json::from_value(
-            ask(
-                &client,
-                Command::ShowStrategy {
-                    name: "two-stage".into(),
-                },
-            )
-            .await
-            .expect("shown"),
-        )
-        .expect("strategy");
-        assert_eq!(shown.spec, text);
-        let listed = ask(&client, Command::ListStrategies).await.expect("lists");
-        assert_eq!(listed[0]["name"], "two-stage");
-        let err = ask(
-            &client,
-            Command::CreateStrategy {
-                name: "empty".into(),
-                spec: "# nothing\n".into(),
-            },
-        )
-        .await
-        .expect_err("no stages");
-        assert!(
-            err.to_string().contains(
-                "spec: strategy empty: stage: [] is not a list of at least one [[stage]] entry"
-            ),
-            "{err}"
-        );
-        let err = ask(
-            &client,
-            Command::ShowStrategy {
-                name: "nope".into(),
-            },
-        )
-        .await
-        .expect_err("unknown");
-        assert!(
-            err.to_string().contains(
-                "no stored strategy named nope; create it with `flotilla strategy create`"
-            ),
-            "{err}"
-        );
-
-        // Approvals: the engine's own words come back to the operator.
-        let err = ask(
-            &client,
-            Command::Approve {
-                name: "nope-canary".into(),
-            },
-        )
-        .await
-        .expect_err("unknown approval");
-        assert!(
-            err.to_string().contains(
-                &crate::engine::EngineError::UnknownApproval("nope-canary".into()).to_string()
-            ),
-            "{err}"
-        );
-        let approvals = ask(&client, Command::ListApprovals).await.expect("lists");
-        assert_eq!(approvals, serde_json::json!([]));
-        let err = ask(
-            &client,
-            Command::TriggerNext {
-                rollout: "ghost".into(),
-            },
-        )
-        .await
-        .expect_err("unknown rollout");
-        assert!(
-            err.to_string().contains("no rollout named \"ghost\""),
-            "{err}"
-        );
-        let err = ask(
-            &client,
-            Command::RetryRollout {
-                rollout: "ghost".into(),
-                name: Some("bad name".into()),
-            },
-        )
-        .await
-        .expect_err("bad retry name");
-        assert!(
-            err.to_string().contains("name: rollout name \"bad name\""),
-            "{err}"
-        );
-
-        shutdown.cancel();
-        tokio::time::timeout(WAIT, server)
-            .await
-            .expect("stops")
-            .expect("no panic")
-            .expect("clean shutdown");
-
-        // Groups and strategies are in the store for the next start.
-        let store = Store::open(h.config.data_dir.join("db")).expect("store reopens");
-        assert_eq!(
-            store
-                .list_groups()
-                .expect("loads")
-                .iter()
-                .map(|g| g.name.as_str())
-                .collect::<Vec<_>>(),
-            vec!["kitchens"]
-        );
-        assert!(store.load_strategy("two-stage").expect("loads").is_some());
     }
 
     /// The retained messages under `devices/{id}/`, by topic: a fresh subscription gets every
@@ -1390,8 +793,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn forget_clears_the_retained_desired_and_state_topics() {
-        let h = harness();
-        let addr = h.config.broker.embedded.expect("embedded");
+        let addr = free_addr();
         let _broker = tokio::task::spawn_blocking(move || EmbeddedBroker::start(addr))
             .await
             .expect("task")
@@ -1467,7 +869,7 @@ mod tests {
         );
         let releases = ReleaseStore::new(dir.path());
         let mut service = Service {
-            engine: Engine::new(),
+            engine: Engine::new(SystemZones),
             store: Store::open(dir.path().join("db")).expect("store"),
             key: SigningKey::from_bytes(&[7; 32]),
             blocks: BlockServer::new(releases.artifacts_dir()),

@@ -37,12 +37,13 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::parse_duration;
+use crate::duration::parse_duration;
 use crate::plan::{
     ActionType, FailureClasses, Gate, OfflinePolicy, RateLimit, Retry, WindowSpec, DEFAULT_WEIGHT,
 };
 use crate::selector::{Selector, SelectorError};
 use crate::window::Window;
+use crate::zoneinfo::ZoneSource;
 
 pub use crate::plan::{
     Budget, ErrorAction, ErrorCondition, Percent, Policies, SuccessAction, SuccessCondition,
@@ -297,12 +298,13 @@ pub enum SpecError {
 }
 
 impl RolloutSpec {
-    /// Parses and validates a TOML rollout spec.
-    pub fn from_toml(text: &str) -> Result<RolloutSpec, SpecError> {
+    /// Parses and validates a TOML rollout spec; maintenance windows look their time zones up
+    /// in `zones`.
+    pub fn from_toml(text: &str, zones: &dyn ZoneSource) -> Result<RolloutSpec, SpecError> {
         let raw: RawSpec = toml::from_str(text).map_err(|e| SpecError::Toml {
             message: e.to_string(),
         })?;
-        raw.validate()
+        raw.validate(zones)
     }
 
     /// The vocabulary the spec is written in: "groups", "partitions", "rolling" or "staged".
@@ -702,7 +704,7 @@ fn time(field: &str, value: &toml::Value) -> Result<u64, SpecError> {
 }
 
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|+hh:mm|-hh:mm)` to Unix seconds (fractions dropped).
-pub(crate) fn rfc3339(text: &str) -> Option<u64> {
+pub fn rfc3339(text: &str) -> Option<u64> {
     let b = text.trim().as_bytes();
     let num = |from: usize, len: usize| -> Option<i64> {
         let digits = b.get(from..from + len)?;
@@ -888,11 +890,11 @@ fn error_condition(
 // Validation
 
 impl RawSpec {
-    fn validate(self) -> Result<RolloutSpec, SpecError> {
+    fn validate(self, zones: &dyn ZoneSource) -> Result<RolloutSpec, SpecError> {
         id("rollout name", "name".into(), &self.name)?;
         id("release name", "release".into(), &self.release)?;
         let select = selector("select", self.select.as_deref())?;
-        let mut policies = self.policies()?;
+        let mut policies = self.policies(zones)?;
 
         let mut found = Vec::new();
         for (name, present) in [
@@ -954,7 +956,7 @@ impl RawSpec {
     }
 
     /// The rollout-wide policies from the top-level keys.
-    fn policies(&self) -> Result<Policies, SpecError> {
+    fn policies(&self, zones: &dyn ZoneSource) -> Result<Policies, SpecError> {
         let mut p = Policies::default();
         let force_at = self
             .force_at
@@ -1037,7 +1039,7 @@ impl RawSpec {
             p.unavailable_period = duration("unavailable_period", u)?;
         }
         for (i, w) in self.window.iter().enumerate() {
-            p.windows.push(w.validate(&format!("window[{i}]"))?);
+            p.windows.push(w.validate(&format!("window[{i}]"), zones)?);
         }
         Ok(p)
     }
@@ -1123,7 +1125,7 @@ impl RawRate {
 }
 
 impl RawWindow {
-    fn validate(&self, field: &str) -> Result<WindowSpec, SpecError> {
+    fn validate(&self, field: &str, zones: &dyn ZoneSource) -> Result<WindowSpec, SpecError> {
         let duration_secs = duration(&format!("{field}.duration"), &self.duration)?;
         if duration_secs == 0 {
             return Err(SpecError::Duration {
@@ -1137,7 +1139,7 @@ impl RawWindow {
             duration: duration_secs,
             tz: self.tz.clone().unwrap_or_else(|| "UTC".into()),
         };
-        Window::parse(&spec).map_err(|e| SpecError::Window {
+        Window::parse(&spec, zones).map_err(|e| SpecError::Window {
             field: field.to_owned(),
             cron: spec.cron.clone(),
             tz: spec.tz.clone(),
@@ -1528,13 +1530,15 @@ fn stages(field: &str, raw: Vec<RawStage>) -> Result<Vec<StageSpec>, SpecError> 
 mod tests {
     use super::*;
     use crate::plan::{ActionType, FailureClasses, OfflinePolicy, RateLimit, Retry};
+    use crate::zoneinfo::SystemZones;
 
     fn parse(text: &str) -> RolloutSpec {
-        RolloutSpec::from_toml(text).unwrap_or_else(|e| panic!("spec should parse: {e}\n{text}"))
+        RolloutSpec::from_toml(text, &SystemZones)
+            .unwrap_or_else(|e| panic!("spec should parse: {e}\n{text}"))
     }
 
     fn error(text: &str) -> String {
-        match RolloutSpec::from_toml(text) {
+        match RolloutSpec::from_toml(text, &SystemZones) {
             Ok(spec) => panic!("spec should be refused, got {spec:?}"),
             Err(e) => e.to_string(),
         }
@@ -2180,7 +2184,7 @@ after = { approval = true, wait = "1h" }
         ];
         let mut wrong = Vec::new();
         for (tail, want) in cases {
-            match RolloutSpec::from_toml(&format!("{BASE}{tail}")) {
+            match RolloutSpec::from_toml(&format!("{BASE}{tail}"), &SystemZones) {
                 Ok(_) => wrong.push(format!("{tail:?} was accepted, expected {want:?}")),
                 Err(e) if !e.to_string().contains(want) => {
                     wrong.push(format!("{tail:?} gave {e:?}, expected {want:?}"))

@@ -1,0 +1,312 @@
+//! The `flotilla` command line's arguments: clap definitions of every subcommand and flag.
+//!
+//! What each subcommand does is in the `commands` module.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::cli::demo;
+
+/// Staged, health-gated software rollouts to fleets of Linux edge devices.
+#[derive(Debug, Parser)]
+#[command(name = "flotilla", version, about)]
+pub struct Cli {
+    /// The MQTT broker the coordinator listens on, as HOST:PORT.
+    #[arg(
+        long,
+        global = true,
+        env = "FLOTILLA_BROKER",
+        default_value = "127.0.0.1:1883"
+    )]
+    pub broker: String,
+    /// Root of every flotilla topic.
+    #[arg(long, global = true, default_value = flotilla_protocol::topics::DEFAULT_ROOT)]
+    pub topic_root: String,
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCmd {
+    /// Write a keys document that replaces the release and coordinator keys (and optionally the
+    /// root keys) on devices that accept it: `flotilla-agent keys install FILE` on each device.
+    Rotate {
+        /// Must be higher than the last version the devices accepted.
+        #[arg(long)]
+        version: u64,
+        /// Public release key files devices trust from now on (repeat for several).
+        #[arg(long = "release-key", required = true)]
+        release_keys: Vec<PathBuf>,
+        /// Public coordinator key files devices trust from now on (repeat for several).
+        #[arg(long = "coordinator-key", required = true)]
+        coordinator_keys: Vec<PathBuf>,
+        /// New public root key files; without them devices keep their root keys.
+        #[arg(long = "root-key")]
+        root_keys: Vec<PathBuf>,
+        /// Root signatures the next keys document will need.
+        #[arg(long, default_value_t = 2)]
+        root_threshold: u32,
+        /// Secret root key files to sign with now (repeat); others can add theirs with
+        /// `flotilla keys sign`.
+        #[arg(long = "sign", required = true)]
+        signers: Vec<PathBuf>,
+        /// Where to write the document.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Add a root key's signature to a keys document, in place.
+    Sign {
+        /// The secret root key file.
+        #[arg(long)]
+        key: PathBuf,
+        /// The keys document.
+        file: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Generate ed25519 key pairs (release and coordinator keys).
+    Keygen(KeygenArgs),
+    /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
+    #[command(subcommand)]
+    Keys(KeysCmd),
+    /// Create, inspect, verify and list signed releases.
+    #[command(subcommand)]
+    Release(ReleaseCmd),
+    /// Run the coordinator service.
+    Serve(ServeArgs),
+    /// Create and drive rollouts on a running coordinator.
+    #[command(subcommand)]
+    Rollout(RolloutCmd),
+    /// List the devices a running coordinator knows, or delete one.
+    Devices {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        cmd: Option<DevicesCmd>,
+    },
+    /// Approve an approval request, e.g. `flotilla approve fw-2-4-canary`.
+    Approve {
+        /// `<rollout>-<group>` (after a group) or `<rollout>-before-<group>`.
+        name: String,
+    },
+    /// List approval requests, pending and approved.
+    Approvals {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Store, list and show staged update strategies that staged rollouts refer to.
+    #[command(subcommand)]
+    Strategy(StrategyCmd),
+    /// Store, list and delete device groups (named selectors) that partitions refer to.
+    #[command(subcommand)]
+    Group(GroupCmd),
+    /// Run a self-contained demo: broker, coordinator and simulated devices.
+    Demo(demo::DemoArgs),
+    /// Show the groups a spec makes of a fleet file, without a coordinator.
+    Plan(crate::cli::fleetfile::PlanArgs),
+    /// Run a spec against a scripted fleet in virtual time, without a coordinator.
+    Simulate(crate::cli::simulate::SimulateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KeygenArgs {
+    /// Directory to write the key files into.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Write only NAME.key / NAME.pub instead of release and coordinator keys.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Replace existing key files.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReleaseCmd {
+    /// Import artifacts into the store and write a signed release.
+    Create(ReleaseCreateArgs),
+    /// Show a release's manifest.
+    Inspect {
+        #[arg(long, required_unless_present = "file")]
+        data_dir: Option<PathBuf>,
+        /// Release name (with --data-dir).
+        #[arg(required_unless_present = "file")]
+        name: Option<String>,
+        /// Read this release file instead.
+        #[arg(long, conflicts_with_all = ["data_dir", "name"])]
+        file: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check a release's signature and every artifact in the store.
+    Verify {
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The release public key.
+        #[arg(long)]
+        key: PathBuf,
+        name: String,
+    },
+    /// List the releases in a data directory.
+    List {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ReleaseCreateArgs {
+    #[arg(long)]
+    pub data_dir: PathBuf,
+    /// The release secret key.
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Release name, e.g. fw-2.4.0.
+    #[arg(long)]
+    pub name: String,
+    #[arg(long)]
+    pub version: String,
+    /// Monotonic release counter; devices only install a higher one.
+    #[arg(long)]
+    pub counter: u64,
+    /// Compatible hardware id (repeatable); none means any.
+    #[arg(long)]
+    pub hardware: Vec<String>,
+    /// TARGET=PATH (repeatable).
+    #[arg(long, required = true)]
+    pub artifact: Vec<String>,
+    /// How long the release stays installable (s, m, h, d).
+    #[arg(long, default_value = "365d")]
+    pub expires_in: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The coordinator config file.
+    #[arg(long, required_unless_present = "print_default_config")]
+    pub config: Option<PathBuf>,
+    /// Run an embedded broker on this address (overrides the config).
+    #[arg(long)]
+    pub embedded_broker: Option<String>,
+    /// Print the commented default config and exit.
+    #[arg(long)]
+    pub print_default_config: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RolloutCmd {
+    /// Create a rollout from a TOML spec file.
+    Create {
+        #[arg(long)]
+        spec: PathBuf,
+    },
+    Start {
+        name: String,
+    },
+    Pause {
+        name: String,
+    },
+    Resume {
+        name: String,
+    },
+    Stop {
+        name: String,
+    },
+    /// Show one rollout, or all.
+    Status {
+        name: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start the next group now, without waiting for the current group's success condition.
+    Next {
+        name: String,
+    },
+    /// Create a rollout over the failed, refused and timed-out devices of a rollout.
+    Retry {
+        #[arg(value_name = "NAME")]
+        rollout: String,
+        /// Name of the new rollout (default `<NAME>-retry`).
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DevicesCmd {
+    /// Forget a device and clear its retained topics.
+    ///
+    /// The device leaves the registry and the groups of unfinished rollouts. A device that is
+    /// still running reappears when it next announces itself.
+    Delete { id: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StrategyCmd {
+    /// Store (or replace) a staged strategy from a TOML file of `[[stage]]` entries.
+    Create {
+        name: String,
+        #[arg(long)]
+        file: PathBuf,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a stored strategy's TOML.
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GroupCmd {
+    /// Store (or replace) a device group.
+    Create {
+        name: String,
+        /// Label selector of the group's devices, e.g. "site in (a,b),!quarantined".
+        #[arg(long)]
+        select: String,
+        /// KEY=VALUE label of the group itself (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    Delete {
+        name: String,
+    },
+}
+
+/// Parses `--label KEY=VALUE`.
+pub fn parse_label(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((key, val)) if !key.trim().is_empty() => {
+            Ok((key.trim().to_owned(), val.trim().to_owned()))
+        }
+        _ => Err(format!("expected KEY=VALUE like tier=1, got {value:?}")),
+    }
+}
+
+impl Cli {
+    /// The default log filter: `info` for the long-running service, `warn` for one-shot commands.
+    /// rumqttd is silenced by default because it logs ordinary client disconnects at ERROR,
+    /// which would drown the coordinator's own messages; `RUST_LOG=rumqttd=info` brings it back.
+    pub fn default_log_level(&self) -> &'static str {
+        match self.command {
+            Cmd::Serve(_) => "info,rumqttd=off",
+            // The demo draws its own live view; the service's logs would tear it apart.
+            _ => "warn,rumqttd=off",
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! The `flotilla` command line: what an operator types, and everything that runs on the
+//! operator's side of the broker.
+//!
+//! - [`args`]: clap definitions of every subcommand and flag.
+//! - [`commands`]: what each subcommand does; [`run`] dispatches.
+//! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
+//! - [`view`]: tables and progress bars for rollouts, devices and approvals.
+//! - [`fleetfile`]: `flotilla plan` and the fleet files it reads.
+//! - [`simulate`]: `flotilla simulate`, the engine in virtual time.
+//! - [`demo`]: `flotilla demo`, an embedded broker, a coordinator and real agents on one box.
+//!
+//! `plan` and `simulate` use the rollout crate alone; the other commands talk to a coordinator
+//! through [`client`], or start one (`serve`, `demo`) from [`crate::service`].
+
+pub mod args;
+pub mod client;
+pub mod commands;
+pub mod demo;
+pub mod fleetfile;
+pub mod simulate;
+pub mod view;
+
+pub use args::{Cli, Cmd};
+pub use commands::{run, CliError};

@@ -1,0 +1,23 @@
+//! The coordinator service, `flotilla serve`, and what it owns.
+//!
+//! - [`serve`](mod@serve): the service loop. One task owns the rollout engine
+//!   ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign and
+//!   publish.
+//! - [`config`]: the coordinator's TOML configuration, validated.
+//! - [`store`]: sled persistence of rollouts, strategies and device groups.
+//! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
+//! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
+//! - [`artifacts`]: the artifact block server.
+//! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
+//! - [`keys`]: the coordinator's and the release key files.
+
+pub mod artifacts;
+pub mod broker;
+pub mod config;
+pub mod keys;
+pub mod mqtt;
+pub mod releases;
+pub mod serve;
+pub mod store;
+
+pub use serve::{serve, ServiceError};
