@@ -15,7 +15,21 @@ use std::path::{Path, PathBuf};
 use flotilla_protocol::{hex, UnixTime};
 
 use crate::config::Config;
-use crate::error::AgentError;
+use crate::status::StatusError;
+
+/// Why `flotilla-agent consent` could not give consent.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsentError {
+    #[error(transparent)]
+    Status(#[from] StatusError),
+    #[error("no action is waiting for local consent; give the action id explicitly")]
+    NothingWaiting,
+    #[error("cannot write consent file {path}: {source}")]
+    WriteFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
 
 /// The directory consent files live in.
 pub fn consent_dir(data_dir: &Path) -> PathBuf {
@@ -65,17 +79,20 @@ pub fn clear(data_dir: &Path, action_id: &str) {
 
 /// What `flotilla-agent consent [ACTION_ID]` does: gives consent to `action_id`, or to the action
 /// the status view says is waiting for consent. Returns the action id and the file written.
-pub fn consent(config: &Config, action_id: Option<&str>) -> Result<(String, PathBuf), AgentError> {
+pub fn consent(
+    config: &Config,
+    action_id: Option<&str>,
+) -> Result<(String, PathBuf), ConsentError> {
     let action_id = match action_id {
         Some(id) => id.to_owned(),
         None => {
             let view = crate::status::status(config)?;
-            crate::status::waiting_for_consent(&view).ok_or(AgentError::NothingWaitsForConsent)?
+            crate::status::waiting_for_consent(&view).ok_or(ConsentError::NothingWaiting)?
         }
     };
     let now = crate::trust_state::system_now();
     let path =
-        give(&config.data_dir, &action_id, now).map_err(|source| AgentError::WriteConsent {
+        give(&config.data_dir, &action_id, now).map_err(|source| ConsentError::WriteFile {
             path: consent_file(&config.data_dir, &action_id),
             source,
         })?;

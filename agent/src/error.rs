@@ -3,6 +3,11 @@
 //! Failures of a single update action are not errors of the agent: they end that action as
 //! `Failed` or `Refused` and are reported to the coordinator. What lands here is what stops the
 //! daemon (the database cannot be opened, the data directory cannot be created).
+//!
+//! Errors are defined where they arise and wrapped here only if they stop the daemon:
+//! [`ConfigError`] (config), [`StoreError`] (store). The commands beside the daemon have their
+//! own: `StatusError` (status), `ConsentError` (consent), `InstallKeysError` (trust). Only the
+//! agent module uses this one, so no lower module depends on it.
 
 use std::path::PathBuf;
 
@@ -14,6 +19,8 @@ use crate::store::StoreError;
 pub enum AgentError {
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// `<data_dir>/targets`, the parent of the targets' state directories (the data directory
+    /// itself is created by [`crate::store::open_data_dir`]).
     #[error("cannot create data directory {path}: {source}")]
     CreateDataDir {
         path: PathBuf,
@@ -21,18 +28,6 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("cannot read status file {path} (the agent writes it when it reports): {source}")]
-    ReadStatusFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("no action is waiting for local consent; give the action id explicitly")]
-    NothingWaitsForConsent,
-    #[error("cannot write consent file {path}: {source}")]
-    WriteConsent {
-        path: PathBuf,
-        source: std::io::Error,
-    },
     #[error("cannot write trust file {path}: {source}")]
     WriteTrustFile {
         path: PathBuf,

@@ -59,6 +59,6 @@ mod trust_state;
 
 pub use agent::run;
 pub use config::{Config, ConfigError, DEFAULT_CONFIG};
-pub use consent::consent;
+pub use consent::{consent, ConsentError};
 pub use error::AgentError;
-pub use status::status;
+pub use status::{status, StatusError};

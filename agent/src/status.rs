@@ -18,9 +18,20 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::Config;
-use crate::error::AgentError;
 use crate::store::{Store, StoreError};
 use crate::trust_state::TrustState;
+
+/// Why `flotilla-agent status` could not show the status.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot read status file {path} (the agent writes it when it reports): {source}")]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
 
 /// Path of the status file.
 pub fn status_file(data_dir: &Path) -> PathBuf {
@@ -81,7 +92,7 @@ pub fn write_status_file(data_dir: &Path, store: &Store, trust: &TrustState) {
 
 /// What `flotilla-agent status` prints: from the database if the agent is not running, else from
 /// the status file the running agent keeps.
-pub fn status(config: &Config) -> Result<String, AgentError> {
+pub fn status(config: &Config) -> Result<String, StatusError> {
     if !crate::store::db_path(&config.data_dir).exists() {
         return Ok(format!(
             "no database in {}: the agent has not run yet\n",
@@ -92,11 +103,10 @@ pub fn status(config: &Config) -> Result<String, AgentError> {
         Ok((store, trust, _)) => Ok(status_text(&store, &trust)?),
         Err(StoreError::Locked { .. }) => {
             let path = status_file(&config.data_dir);
-            let text =
-                std::fs::read_to_string(&path).map_err(|source| AgentError::ReadStatusFile {
-                    path: path.clone(),
-                    source,
-                })?;
+            let text = std::fs::read_to_string(&path).map_err(|source| StatusError::ReadFile {
+                path: path.clone(),
+                source,
+            })?;
             Ok(format!(
                 "(the agent is running; as of its last report, from {})\n{text}",
                 path.display()
