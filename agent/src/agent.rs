@@ -294,6 +294,20 @@ async fn handle_desired(
         Err(e) => tracing::warn!("{e}"),
     }
 
+    // "Nothing to do" and cancels are never stored, but they count in the per-device order: once
+    // accepted, every action issued before them is a replay (a captured install re-published
+    // after `rollout stop` is older than the stop's cancel, decision 0011).
+    if matches!(action.body, ActionBody::Nothing | ActionBody::Cancel { .. }) {
+        let last = env.trust_state().last_action_issued_at;
+        let checked = trust::check_action(&action, config.device_id.as_str(), env.now())
+            .and_then(|()| trust::check_issued(&action, last));
+        if let Err(Refusal(reason)) = checked {
+            tracing::debug!(action = %action.action_id, "ignoring desired action: {reason}");
+            return;
+        }
+        env.advance_trusted_time(action.issued_at);
+    }
+
     match &action.body {
         ActionBody::Nothing => {
             tracing::debug!("nothing to do");

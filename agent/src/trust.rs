@@ -131,6 +131,9 @@ pub fn check_manifest(
 }
 
 /// Refuses an action issued before the last accepted one: a replay of a captured old action.
+/// The coordinator issues each device's actions at strictly increasing times (a per-device
+/// sequence, decision 0011), so the same time means the same action: delivered again, or kept
+/// by a device whose database was lost, where the release counter check decides.
 /// The same second is allowed, since a coordinator may issue several actions within it.
 pub fn check_issued(action: &DesiredAction, last_accepted: UnixTime) -> Result<(), Refusal> {
     if action.issued_at < last_accepted {

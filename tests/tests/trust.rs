@@ -218,3 +218,87 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
     assert_refused(&phase, "counter", "lower release counter");
     assert_eq!(fs::read(&target).expect("target"), b"firmware five\n");
 }
+
+/// The desired action on `watcher`'s messages with this body kind, as published (signed bytes).
+fn captured(watcher: &Watcher, cancel: bool) -> Option<(Vec<u8>, DesiredAction)> {
+    watcher.messages().into_iter().find_map(|m| {
+        let Some(Message::Desired(blob)) = m.decode() else {
+            return None;
+        };
+        let action: DesiredAction = envelope::from_bytes("desired action", &blob.payload).ok()?;
+        (matches!(action.body, ActionBody::Cancel { .. }) == cancel).then_some((m.payload, action))
+    })
+}
+
+/// issue 9, "Replay and revocation": a captured signed install, re-published after `rollout
+/// stop`, must not install the stopped release. The device was offline while the install was
+/// published, so it never saw it under that action id; when it comes back it finds the stop's
+/// cancel, which is newer than the install and becomes the last action it accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_install_replayed_after_stop_is_refused() {
+    const ID: &str = "dev-replay";
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-7", 7, b"firmware seven\n");
+    site.start_coordinator();
+    site.add_agent(ID, &[("ring", "replay")], AgentOptions::default());
+    site.wait_online(ID, true).await;
+    site.kill_agent(ID);
+    site.wait_online(ID, false).await;
+
+    let desired_topic = Topics::default().desired(&DeviceId::new(ID).expect("id"));
+    let desired = Watcher::start(site.port, std::slice::from_ref(&desired_topic)).await;
+    site.create_and_start(
+        "name = \"replay\"\nrelease = \"fw-7\"\nselect = \"ring=replay\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let (install, install_action) = desired
+        .wait_until(
+            "the install, published while the device is offline",
+            WAIT,
+            |w| captured(w, false),
+        )
+        .await;
+    site.flotilla(&["rollout", "stop", "replay"]);
+    let (_, cancel) = desired
+        .wait_until("the stop's cancel", WAIT, |w| captured(w, true))
+        .await;
+    assert!(
+        cancel.issued_at > install_action.issued_at,
+        "the cancel is issued after the install: {} vs {}",
+        cancel.issued_at,
+        install_action.issued_at
+    );
+
+    // The device comes back and reads the retained cancel; the trust file then holds it as the
+    // last accepted action.
+    let reports = Watcher::start(
+        site.port,
+        &[Topics::default().report(&DeviceId::new(ID).expect("id"))],
+    )
+    .await;
+    site.start_agent(ID);
+    site.wait_online(ID, true).await;
+    let trust_file = site.path(&format!("agents/{ID}/data/trust"));
+    let needle = format!("last_action_issued_at = {}", cancel.issued_at);
+    reports
+        .wait_until("the device to accept the cancel", WAIT, |_| {
+            fs::read_to_string(&trust_file)
+                .ok()
+                .filter(|text| text.contains(&needle))
+        })
+        .await;
+
+    // An attacker re-publishes the captured install.
+    site.publish(&desired_topic, install, true).await;
+    let phase = reports.final_report(ID, WAIT).await.phase;
+    assert_refused(
+        &phase,
+        "older than the last accepted action",
+        "replayed install",
+    );
+    assert_eq!(
+        fs::read(site.target_file(ID)).expect("target"),
+        FACTORY,
+        "the stopped release is not installed"
+    );
+}

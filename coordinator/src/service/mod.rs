@@ -10,6 +10,7 @@
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
 //! - [`keys`]: the coordinator's and the release key files.
+//! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
 
 pub mod artifacts;
 pub mod broker;
@@ -17,6 +18,7 @@ pub mod config;
 pub mod keys;
 pub mod mqtt;
 pub mod releases;
+pub mod sequence;
 pub mod serve;
 pub mod store;
 

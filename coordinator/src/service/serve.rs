@@ -38,6 +38,7 @@ use crate::service::config::Config;
 use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::releases::ReleaseStore;
+use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
 use flotilla_rollout::engine::{Effect, Engine, ReleaseRef};
 use flotilla_rollout::planner::DeviceGroup;
@@ -63,6 +64,8 @@ pub enum ServiceError {
     LoadRollouts { path: PathBuf, source: StoreError },
     #[error("cannot load device groups from {path}: {source}")]
     LoadGroups { path: PathBuf, source: StoreError },
+    #[error("cannot load the per-device action sequence from {path}: {source}")]
+    LoadSequence { path: PathBuf, source: StoreError },
     #[error("cannot persist rollout {rollout}; stopping before publishing anything it would justify: {source}")]
     Save { rollout: String, source: StoreError },
     #[error("the MQTT link to {addr} stopped unexpectedly")]
@@ -108,6 +111,12 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             path: db.clone(),
             source,
         })?;
+    let issued = store
+        .load_issued()
+        .map_err(|source| ServiceError::LoadSequence {
+            path: db.clone(),
+            source,
+        })?;
     tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), data_dir = %config.data_dir.display(), "coordinator starting");
     let mut engine = Engine::restore(rollouts, SystemZones);
     engine.set_device_groups(groups);
@@ -131,6 +140,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         blocks: BlockServer::new(releases.artifacts_dir()),
         releases,
         manifests: HashMap::new(),
+        sequence: ActionSequence::new(issued),
         topics,
         client: link.client.clone(),
         validity: config.action_validity,
@@ -179,6 +189,8 @@ struct Service {
     /// Signed manifests by release name. Release names are never reused, so a cached blob
     /// cannot go stale, and a group start does not re-read the file once per device.
     manifests: HashMap<String, SignedBlob>,
+    /// The `issued_at` of the next action per device (see [`ActionSequence`]).
+    sequence: ActionSequence,
     blocks: BlockServer,
     topics: Topics,
     client: AsyncClient,
@@ -541,10 +553,17 @@ impl Service {
                         tracing::error!(%device, "engine asked to forget an invalid device id; skipped");
                         continue;
                     };
-                    // An empty retained payload deletes the retained message: a device that
-                    // comes back finds no stale action, and nobody sees a stale state.
-                    self.publish(self.topics.desired(&id), true, Vec::new())
-                        .await?;
+                    // A signed "nothing to do", newer than anything the device was sent, replaces
+                    // its retained action: a device that comes back finds no stale action, and a
+                    // replayed older action is refused. The empty retained state deletes it, so
+                    // nobody sees a stale state.
+                    self.publish_action(
+                        &device,
+                        forget_action_id(&device),
+                        String::new(),
+                        ActionBody::Nothing,
+                    )
+                    .await?;
                     self.publish(self.topics.state(&id), true, Vec::new())
                         .await?;
                 }
@@ -604,13 +623,17 @@ impl Service {
             tracing::error!(%device, "engine produced an action for an invalid device id; skipped");
             return Ok(());
         };
-        let now = now();
+        let issued_at = self.sequence.next(device, now());
+        if let Err(e) = self.store.save_issued(device, issued_at) {
+            // Still strictly increasing while this process runs; only a restart could repeat it.
+            tracing::warn!(%device, error = %e, "the action sequence could not be stored");
+        }
         let action = DesiredAction {
             action_id,
             device_id: device.to_owned(),
             rollout_id,
-            issued_at: now,
-            expires_at: now.saturating_add(self.validity),
+            issued_at,
+            expires_at: issued_at.saturating_add(self.validity),
             body,
         };
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
@@ -640,6 +663,11 @@ enum Answer {
     /// This approval request, read after the effects.
     Approval(String),
     Value(serde_json::Value),
+}
+
+/// The action id of the "nothing to do" that replaces a deleted device's action.
+fn forget_action_id(device: &str) -> String {
+    format!("forget:{device}")
 }
 
 fn no_strategy(name: &str) -> String {
@@ -875,6 +903,7 @@ mod tests {
             blocks: BlockServer::new(releases.artifacts_dir()),
             releases,
             manifests: HashMap::new(),
+            sequence: ActionSequence::default(),
             topics: topics.clone(),
             client: link.client.clone(),
             validity: 60,
@@ -887,23 +916,46 @@ mod tests {
             }])
             .await
             .expect("applied");
-        let mut cleared = BTreeMap::new();
+        // Until the state is deleted and the desired topic holds a signed action (the watcher
+        // first gets the retained messages from before).
+        let (mut state_deleted, mut desired_replaced) = (false, false);
         tokio::time::timeout(WAIT, async {
-            while cleared.len() < 2 {
+            while !(state_deleted && desired_replaced) {
                 if let Event::Incoming(Packet::Publish(p)) = watcher_el.poll().await.expect("poll")
                 {
-                    if p.payload.is_empty() {
-                        cleared.insert(p.topic.clone(), ());
+                    if p.topic == topics.state(&id) && p.payload.is_empty() {
+                        state_deleted = true;
+                    }
+                    if p.topic == topics.desired(&id)
+                        && matches!(envelope::decode(&p.payload), Ok(Message::Desired(_)))
+                    {
+                        desired_replaced = true;
                     }
                 }
             }
         })
         .await
-        .expect("empty payloads published");
-        assert!(cleared.contains_key(&topics.state(&id)), "{cleared:?}");
+        .expect("the state deleted and the desired action replaced");
 
+        // The desired action is not deleted but replaced by a signed "nothing to do", so a
+        // replayed older action stays older than what the device was last told.
         let after = retained_under_device(port, &id).await;
-        assert!(after.is_empty(), "nothing retained is left: {after:?}");
+        assert_eq!(
+            after.keys().cloned().collect::<Vec<_>>(),
+            vec![topics.desired(&id)],
+            "only the desired topic stays retained: {after:?}"
+        );
+        let Ok(Message::Desired(blob)) = envelope::decode(&after[&topics.desired(&id)]) else {
+            panic!("the retained desired topic holds a desired action");
+        };
+        let coordinator = SigningKey::from_bytes(&[7; 32]).verifying_key();
+        let bytes = blob
+            .verify("desired action", &[coordinator])
+            .expect("signed by the coordinator");
+        let action: DesiredAction =
+            envelope::from_bytes("desired action", bytes).expect("a desired action");
+        assert_eq!(action.body, ActionBody::Nothing);
+        assert_eq!(action.device_id, "dev-9");
         link_token.cancel();
     }
 }

@@ -17,6 +17,7 @@
 //! A record that does not decode is logged, naming it, and skipped, so one bad record cannot keep
 //! the coordinator from starting; it stays in the database for an operator to inspect.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
@@ -31,6 +32,8 @@ const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
 const ROLLOUTS: &str = "rollouts";
 const STRATEGIES: &str = "strategies";
 const DEVICE_GROUPS: &str = "device_groups";
+/// Device id -> `issued_at` of the last desired action signed for it (big-endian u64).
+const ISSUED: &str = "issued";
 
 /// A staged update strategy as the operator wrote it: the TOML text (`[[stage]]` entries) under
 /// a name that staged rollout specs refer to. The text is kept verbatim so `strategy show`
@@ -62,6 +65,8 @@ pub enum StoreError {
     },
     #[error("cannot read the rollout store: {source}")]
     Read { source: sled::Error },
+    #[error("cannot record the last action issued to device {device}: {source}")]
+    WriteIssued { device: String, source: sled::Error },
     #[error("cannot encode {kind} {name}: {source}")]
     EncodeRecord {
         kind: &'static str,
@@ -100,6 +105,7 @@ pub struct Store {
     rollouts: sled::Tree,
     strategies: sled::Tree,
     device_groups: sled::Tree,
+    issued: sled::Tree,
 }
 
 impl std::fmt::Debug for Store {
@@ -208,11 +214,13 @@ impl Store {
         let rollouts = db.open_tree(ROLLOUTS).map_err(open_error)?;
         let strategies = db.open_tree(STRATEGIES).map_err(open_error)?;
         let device_groups = db.open_tree(DEVICE_GROUPS).map_err(open_error)?;
+        let issued = db.open_tree(ISSUED).map_err(open_error)?;
         Ok(Store {
             db,
             rollouts,
             strategies,
             device_groups,
+            issued,
         })
     }
 
@@ -305,6 +313,34 @@ impl Store {
             }
         }
         Ok(rollouts)
+    }
+
+    /// The `issued_at` of the last desired action signed for each device. Entries that do not
+    /// decode are skipped: the sequence then restarts from the clock for that device.
+    pub fn load_issued(&self) -> Result<HashMap<String, u64>, StoreError> {
+        let mut issued = HashMap::new();
+        for item in self.issued.iter() {
+            let (key, value) = item.map_err(|source| StoreError::Read { source })?;
+            if let (Ok(device), Ok(at)) = (
+                String::from_utf8(key.to_vec()),
+                <[u8; 8]>::try_from(value.as_ref()),
+            ) {
+                issued.insert(device, u64::from_be_bytes(at));
+            }
+        }
+        Ok(issued)
+    }
+
+    /// Records the `issued_at` of the desired action just signed for `device`. Not flushed
+    /// here: the rollout save that precedes every publish flushes the database.
+    pub fn save_issued(&self, device: &str, at: u64) -> Result<(), StoreError> {
+        self.issued
+            .insert(device.as_bytes(), &at.to_be_bytes())
+            .map_err(|source| StoreError::WriteIssued {
+                device: device.to_owned(),
+                source,
+            })?;
+        Ok(())
     }
 
     /// Removes a rollout; removing one that is not stored is not an error.

@@ -1,0 +1,71 @@
+//! The per-device order of desired actions.
+//!
+//! Every desired action the coordinator signs for a device carries an `issued_at` strictly
+//! greater than that of the action before it, so `issued_at` is a per-device sequence that only
+//! grows, and an agent refuses any action older than the last one it accepted: a captured
+//! install re-published after `rollout stop` is older than the cancel that stop published, and
+//! is refused (docs/security.md, "Replay of desired actions"; decision 0011).
+//!
+//! The sequence follows the clock (`issued_at` stays a time in seconds, so expiry and the
+//! agent's trusted time keep their meaning) and runs ahead of it only by the number of actions
+//! a device gets within one second. The last value per device is kept in the store, so a
+//! restart never issues a lower one.
+
+use std::collections::HashMap;
+
+/// The last `issued_at` signed for each device.
+#[derive(Debug, Default)]
+pub struct ActionSequence {
+    last: HashMap<String, u64>,
+}
+
+impl ActionSequence {
+    /// Continues from the values the store kept.
+    pub fn new(last: HashMap<String, u64>) -> Self {
+        Self { last }
+    }
+
+    /// The `issued_at` for the next action to `device`: `now`, or one more than the last one
+    /// when the clock has not moved past it.
+    pub fn next(&mut self, device: &str, now: u64) -> u64 {
+        let at = match self.last.get(device) {
+            Some(&last) if last >= now => last.saturating_add(1),
+            _ => now,
+        };
+        self.last.insert(device.to_owned(), at);
+        at
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_in_one_second_get_increasing_times() {
+        let mut seq = ActionSequence::default();
+        assert_eq!(seq.next("dev-1", 100), 100);
+        assert_eq!(
+            seq.next("dev-1", 100),
+            101,
+            "a second action in the same second"
+        );
+        assert_eq!(seq.next("dev-1", 100), 102);
+        assert_eq!(
+            seq.next("dev-2", 100),
+            100,
+            "each device has its own sequence"
+        );
+        assert_eq!(
+            seq.next("dev-1", 200),
+            200,
+            "the clock takes over once it is ahead"
+        );
+    }
+
+    #[test]
+    fn a_restart_continues_above_the_stored_value_even_when_the_clock_went_back() {
+        let mut seq = ActionSequence::new(HashMap::from([("dev-1".to_owned(), 500)]));
+        assert_eq!(seq.next("dev-1", 400), 501);
+    }
+}
