@@ -45,9 +45,10 @@ use std::time::Duration;
 use tracing::{debug, info};
 
 use crate::bootctl::{BootControl, BootControlKind, BootEnv, Slot};
+use crate::error::TargetError;
 use crate::fs::{atomic_write, create_private_dir, parent_dir, read_state_file, state_lines};
 use crate::process::{self, last_line};
-use crate::{ActionContext, Activation, TargetError, UpdateTarget};
+use crate::target::{ActionContext, Activation, UpdateTarget};
 
 /// Name of the state record inside the state directory.
 const STATE_FILE: &str = "ab-state";

@@ -40,9 +40,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crate::error::TargetError;
 use crate::fs::atomic_write;
 use crate::process::{self, last_line};
-use crate::TargetError;
 
 /// Slot to boot next.
 pub const VAR_SLOT: &str = "flotilla_slot";

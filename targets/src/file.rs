@@ -46,11 +46,12 @@ use std::path::{Path, PathBuf};
 
 use tracing::{debug, info, warn};
 
+use crate::error::TargetError;
 use crate::fs::{
     atomic_copy, atomic_rename, atomic_write, create_private_dir, fsync_dir, parent_dir,
     read_state_file, state_lines, TEMP_MARKER,
 };
-use crate::{ActionContext, Activation, TargetError, UpdateTarget};
+use crate::target::{ActionContext, Activation, UpdateTarget};
 
 /// Name of the marker file inside the state directory.
 const MARKER: &str = "activated";

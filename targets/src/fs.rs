@@ -124,15 +124,15 @@ pub(crate) fn create_private_dir(dir: &Path) -> io::Result<()> {
 pub(crate) fn read_state_file<T>(
     path: PathBuf,
     parse: impl FnOnce(&str) -> Result<T, String>,
-) -> Result<Option<T>, crate::TargetError> {
+) -> Result<Option<T>, crate::error::TargetError> {
     let text = match fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(crate::TargetError::ReadState { path, source }),
+        Err(source) => return Err(crate::error::TargetError::ReadState { path, source }),
     };
     parse(&text)
         .map(Some)
-        .map_err(|reason| crate::TargetError::CorruptState { path, reason })
+        .map_err(|reason| crate::error::TargetError::CorruptState { path, reason })
 }
 
 /// The `key=value` lines of a state file, skipping blank lines and `#` comments.

@@ -35,9 +35,10 @@ use std::time::Duration;
 use serde::Deserialize;
 use tracing::{debug, info};
 
+use crate::error::TargetError;
 use crate::fs::{atomic_write, create_private_dir, read_state_file, state_lines};
 use crate::process::{self, last_line, RunError};
-use crate::{ActionContext, Activation, TargetError, UpdateTarget};
+use crate::target::{ActionContext, Activation, UpdateTarget};
 
 /// Name of the bookkeeping record in the state directory; scripts must not use names that
 /// start with `flotilla-`.

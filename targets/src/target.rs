@@ -22,7 +22,7 @@
 
 use std::path::Path;
 
-use crate::TargetError;
+use crate::error::TargetError;
 
 /// The action a step belongs to. Targets key their on-disk state on `action_id`.
 #[derive(Debug, Clone, PartialEq, Eq)]
