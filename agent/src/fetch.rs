@@ -11,7 +11,14 @@
 //!   the local file and asks only for what follows.
 //! - No reply for [`REPLY_TIMEOUT`]: every outstanding block is asked for again (the broker may
 //!   have dropped requests while the connection was down).
-//! - At the end the sha256 must match; the part file is then renamed to `<sha256>`.
+//! - A bad reply (`Unavailable`, an empty block, a block longer than asked or past the declared
+//!   size) is discarded, and the block is asked for again after a backoff; only after
+//!   [`BLOCK_ATTEMPTS`] bad replies for one block does the download fail, naming the last one.
+//!   Anyone on the broker can publish on a device's block topic, so one bad reply proves nothing.
+//! - At the end the sha256 must match; the part file is then renamed to `<sha256>`. A mismatch
+//!   (a corrupt block from someone on the broker) discards the download and starts it again, at
+//!   most [`DOWNLOAD_ATTEMPTS`] times in all. Until the manifest carries a hash per block, a
+//!   corrupt block can only be found here, after the whole artifact.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -27,6 +34,17 @@ use tokio_util::sync::CancellationToken;
 
 /// How long to wait for any reply before asking for outstanding blocks again.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many bad replies one block may get before the download fails.
+pub const BLOCK_ATTEMPTS: u32 = 5;
+
+/// How many times a download that hashed wrong is started again from nothing, in all.
+pub const DOWNLOAD_ATTEMPTS: u32 = 3;
+
+/// The wait before asking again for a block that got a bad reply; doubles with each bad reply
+/// for that block, up to [`RETRY_MAX`].
+pub const RETRY_FIRST: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// The part file is synced whenever the download crosses a multiple of this.
 const SYNC_EVERY: u64 = 1 << 20;
@@ -87,12 +105,14 @@ pub enum FetchError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("artifact {artifact}: server sent more than the declared {size} bytes")]
-    TooLarge { artifact: String, size: u64 },
-    #[error("artifact {artifact}: server sent an empty block at offset {offset}")]
-    EmptyBlock { artifact: String, offset: u64 },
-    #[error("artifact {artifact}: server cannot provide it: {reason}")]
-    Unavailable { artifact: String, reason: String },
+    /// [`BLOCK_ATTEMPTS`] bad replies for the block at `offset`; `reason` is the last one's.
+    #[error("artifact {artifact}: {reason} (block at offset {offset}, {attempts} bad replies)")]
+    BadBlock {
+        artifact: String,
+        offset: u64,
+        attempts: u32,
+        reason: String,
+    },
     /// The finished download does not hash to the manifest's sha256; the message is the
     /// trust check's ([`crate::trust::check_digest`]).
     #[error("{0}")]
@@ -130,6 +150,111 @@ pub async fn fetch(
         }
     }
 
+    let mut done = done;
+    let mut attempt = 1;
+    loop {
+        match fetch_once(spec, done, requests, inputs, progress, cancel).await {
+            Err(FetchError::Digest(refusal)) if attempt < DOWNLOAD_ATTEMPTS => {
+                tracing::warn!(
+                    artifact,
+                    attempt,
+                    "{refusal}; discarding the download and fetching it again"
+                );
+                attempt += 1;
+                done = 0;
+                progress(0);
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Bad replies so far, and blocks waiting out their backoff before they are asked for again.
+#[derive(Default)]
+struct Retries {
+    /// offset -> bad replies for the block at that offset.
+    bad: BTreeMap<u64, u32>,
+    /// (when, offset, length) of blocks to ask for again.
+    due: Vec<(Instant, u64, u32)>,
+    /// Blocks whose latest request already got a bad reply: more bad replies to the same request
+    /// (a flood of forged ones) count once.
+    spent: std::collections::BTreeSet<u64>,
+}
+
+impl Retries {
+    /// Counts a bad reply for the block at `offset`; schedules it to be asked for again, or
+    /// fails once it had [`BLOCK_ATTEMPTS`] bad replies.
+    fn bad_reply(
+        &mut self,
+        artifact: &str,
+        offset: u64,
+        length: u32,
+        reason: String,
+    ) -> Result<(), FetchError> {
+        if !self.spent.insert(offset) {
+            return Ok(());
+        }
+        let attempts = self.bad.entry(offset).or_insert(0);
+        *attempts += 1;
+        if *attempts >= BLOCK_ATTEMPTS {
+            return Err(FetchError::BadBlock {
+                artifact: artifact.to_owned(),
+                offset,
+                attempts: *attempts,
+                reason,
+            });
+        }
+        let backoff = RETRY_FIRST
+            .saturating_mul(1 << (*attempts - 1).min(16))
+            .min(RETRY_MAX);
+        tracing::debug!(
+            artifact,
+            offset,
+            attempts = *attempts,
+            "bad block reply ({reason}); asking again in {backoff:?}"
+        );
+        self.due.push((Instant::now() + backoff, offset, length));
+        Ok(())
+    }
+
+    /// When the next retry is due.
+    fn next_due(&self) -> Option<Instant> {
+        self.due.iter().map(|(at, ..)| *at).min()
+    }
+
+    /// The blocks whose backoff is over.
+    fn take_due(&mut self) -> Vec<(u64, u32)> {
+        let now = Instant::now();
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            self.due.drain(..).partition(|(at, ..)| *at <= now);
+        self.due = waiting;
+        ready
+            .into_iter()
+            .map(|(_, o, l)| {
+                self.spent.remove(&o);
+                (o, l)
+            })
+            .collect()
+    }
+
+    /// Every outstanding block is asked for again now.
+    fn asking_all_again(&mut self) {
+        self.due.clear();
+        self.spent.clear();
+    }
+}
+
+/// One pass over the artifact, from `done` contiguous bytes to the digest check.
+async fn fetch_once(
+    spec: &FetchSpec,
+    done: u64,
+    requests: &mpsc::Sender<BlockRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    progress: &mut (dyn FnMut(u64) + Send),
+    cancel: &CancellationToken,
+) -> Result<PathBuf, FetchError> {
+    let artifact = spec.name.clone();
+    let final_path = spec.final_path();
     let part = spec.part_path();
     let (mut file, mut hasher, mut expected) = open_part(spec, done)?;
     let write_err = |source| FetchError::WritePart {
@@ -137,11 +262,18 @@ pub async fn fetch(
         path: part.clone(),
         source,
     };
+    let request = |offset: u64, length: u32| BlockRequest {
+        sha256: spec.sha256,
+        offset,
+        length,
+    };
 
-    // offset -> requested length, for blocks asked for and not yet received.
+    // offset -> requested length, for blocks asked for (or waiting out a backoff) and not yet
+    // received.
     let mut outstanding: BTreeMap<u64, u32> = BTreeMap::new();
     // offset -> data, for blocks received ahead of a gap.
     let mut buffered: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut retries = Retries::default();
     let mut next_request = expected;
     let started = Instant::now();
     let start_bytes = expected;
@@ -150,16 +282,7 @@ pub async fn fetch(
         // Keep the pipeline full.
         while outstanding.len() < spec.in_flight && next_request < spec.size {
             let length = (spec.size - next_request).min(u64::from(spec.block_size)) as u32;
-            send(
-                requests,
-                BlockRequest {
-                    sha256: spec.sha256,
-                    offset: next_request,
-                    length,
-                },
-                &artifact,
-            )
-            .await?;
+            send(requests, request(next_request, length), &artifact).await?;
             outstanding.insert(next_request, length);
             next_request += u64::from(length);
         }
@@ -167,28 +290,35 @@ pub async fn fetch(
             break;
         }
 
+        let wait = retries
+            .next_due()
+            .map_or(REPLY_TIMEOUT, |at| {
+                at.saturating_duration_since(Instant::now())
+            })
+            .min(REPLY_TIMEOUT);
         let input = tokio::select! {
             _ = cancel.cancelled() => return Err(FetchError::Canceled),
-            input = tokio::time::timeout(REPLY_TIMEOUT, inputs.recv()) => input,
+            input = tokio::time::timeout(wait, inputs.recv()) => input,
         };
         let reply = match input {
+            Err(_) if retries.next_due().is_some_and(|at| at <= Instant::now()) => {
+                for (offset, length) in retries.take_due() {
+                    // The real reply may have come in while this block waited.
+                    if outstanding.contains_key(&offset) {
+                        send(requests, request(offset, length), &artifact).await?;
+                    }
+                }
+                continue;
+            }
             Err(_) | Ok(Some(FetchInput::Reconnected)) => {
                 tracing::debug!(
                     artifact,
                     outstanding = outstanding.len(),
                     "asking for outstanding blocks again"
                 );
+                retries.asking_all_again();
                 for (&offset, &length) in &outstanding {
-                    send(
-                        requests,
-                        BlockRequest {
-                            sha256: spec.sha256,
-                            offset,
-                            length,
-                        },
-                        &artifact,
-                    )
-                    .await?;
+                    send(requests, request(offset, length), &artifact).await?;
                 }
                 continue;
             }
@@ -201,40 +331,42 @@ pub async fn fetch(
             {
                 continue; // a late answer for another download
             }
-            BlockReply::Unavailable { reason, .. } => {
-                return Err(FetchError::Unavailable { artifact, reason })
+            BlockReply::Unavailable { offset, reason, .. } => {
+                if let Some(&length) = outstanding.get(&offset) {
+                    let reason = format!("server cannot provide it: {reason}");
+                    retries.bad_reply(&artifact, offset, length, reason)?;
+                }
+                continue;
             }
             BlockReply::Data { offset, data, .. } => (offset, data),
         };
-        if offset
-            .checked_add(data.len() as u64)
-            .is_none_or(|end| end > spec.size)
-        {
-            return Err(FetchError::TooLarge {
-                artifact,
-                size: spec.size,
-            });
-        }
-        let Some(requested) = outstanding.remove(&offset) else {
-            continue; // a duplicate of a block already received (after a re-request)
+        let Some(&requested) = outstanding.get(&offset) else {
+            continue; // not asked for, or a duplicate of a block already received
         };
-        if data.is_empty() {
-            return Err(FetchError::EmptyBlock { artifact, offset });
+        let bad = if data.is_empty() {
+            Some("server sent an empty block".to_owned())
+        } else if data.len() > requested as usize
+            || offset
+                .checked_add(data.len() as u64)
+                .is_none_or(|end| end > spec.size)
+        {
+            Some(format!(
+                "server sent more than the declared {} bytes",
+                spec.size
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = bad {
+            retries.bad_reply(&artifact, offset, requested, reason)?;
+            continue;
         }
+        outstanding.remove(&offset);
         if data.len() < requested as usize {
             // A short block: ask for the rest of it separately.
             let rest = offset + data.len() as u64;
             let length = requested - data.len() as u32;
-            send(
-                requests,
-                BlockRequest {
-                    sha256: spec.sha256,
-                    offset: rest,
-                    length,
-                },
-                &artifact,
-            )
-            .await?;
+            send(requests, request(rest, length), &artifact).await?;
             outstanding.insert(rest, length);
         }
         buffered.insert(offset, data);
@@ -488,11 +620,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn tampered_artifact_fails_with_sha_mismatch() {
+    async fn tampered_artifact_fails_with_sha_mismatch_after_fetching_it_again() {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(500);
         let spec = spec(dir.path(), &bytes);
-        let (tx, mut rx, _server) = server(bytes, false, Some(123));
+        let (tx, mut rx, server) = server(bytes, false, Some(123));
         let err = fetch(
             &spec,
             0,
@@ -512,28 +644,48 @@ mod tests {
             !spec.final_path().exists() && !spec.part_path().exists(),
             "nothing verified is left behind"
         );
+        drop(tx);
+        let asked = server.await.expect("server");
+        assert_eq!(
+            asked.iter().filter(|&&o| o == 0).count(),
+            DOWNLOAD_ATTEMPTS as usize,
+            "the artifact was downloaded {DOWNLOAD_ATTEMPTS} times before giving up: {asked:?}"
+        );
     }
 
-    #[tokio::test]
-    async fn more_than_declared_size_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let bytes = data(150);
-        let spec = spec(dir.path(), &bytes);
-        let (req_tx, mut req_rx) = mpsc::channel(16);
-        let (rep_tx, mut rep_rx) = mpsc::channel(16);
-        tokio::spawn(async move {
+    /// A server that answers every request with `reply(request)`; records the offsets asked.
+    fn hostile_server(
+        reply: impl Fn(&BlockRequest) -> BlockReply + Send + 'static,
+    ) -> (
+        mpsc::Sender<BlockRequest>,
+        mpsc::Receiver<FetchInput>,
+        tokio::task::JoinHandle<Vec<u64>>,
+    ) {
+        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(16);
+        let (rep_tx, rep_rx) = mpsc::channel(16);
+        let task = tokio::spawn(async move {
+            let mut asked = Vec::new();
             while let Some(r) = req_rx.recv().await {
-                let r: BlockRequest = r;
-                // A hostile server pads every block to 200 bytes.
-                let reply = BlockReply::Data {
-                    sha256: r.sha256,
-                    offset: r.offset,
-                    data: vec![0; 200],
-                };
-                if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                asked.push(r.offset);
+                if rep_tx.send(FetchInput::Reply(reply(&r))).await.is_err() {
                     break;
                 }
             }
+            asked
+        });
+        (req_tx, rep_rx, task)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn more_than_declared_size_is_refused_block_by_block() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(150);
+        let spec = spec(dir.path(), &bytes);
+        // A hostile server pads every block to 200 bytes.
+        let (req_tx, mut rep_rx, server) = hostile_server(|r| BlockReply::Data {
+            sha256: r.sha256,
+            offset: r.offset,
+            data: vec![0; 200],
         });
         let err = fetch(
             &spec,
@@ -547,25 +699,30 @@ mod tests {
         .expect_err("too large");
         assert_eq!(
             err.to_string(),
-            "artifact app.bin: server sent more than the declared 150 bytes"
+            "artifact app.bin: server sent more than the declared 150 bytes \
+             (block at offset 0, 5 bad replies)"
+        );
+        assert!(!spec.final_path().exists(), "nothing padded is kept");
+        drop(req_tx);
+        let asked = server.await.expect("server");
+        assert_eq!(
+            asked.iter().filter(|&&o| o == 0).count(),
+            BLOCK_ATTEMPTS as usize,
+            "{asked:?}"
         );
     }
 
-    #[tokio::test]
-    async fn unavailable_reply_fails_with_its_reason() {
+    #[tokio::test(start_paused = true)]
+    async fn unavailable_replies_fail_with_their_reason_after_the_retries() {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(10);
         let spec = spec(dir.path(), &bytes);
-        let (req_tx, _req_rx) = mpsc::channel(16);
-        let (rep_tx, mut rep_rx) = mpsc::channel(16);
-        rep_tx
-            .send(FetchInput::Reply(BlockReply::Unavailable {
-                sha256: spec.sha256,
-                offset: 0,
-                reason: "no such artifact".into(),
-            }))
-            .await
-            .expect("send");
+        let (req_tx, mut rep_rx, _server) = hostile_server(|r| BlockReply::Unavailable {
+            sha256: r.sha256,
+            offset: r.offset,
+            reason: "no such artifact".into(),
+        });
+        let started = Instant::now();
         let err = fetch(
             &spec,
             0,
@@ -578,7 +735,66 @@ mod tests {
         .expect_err("unavailable");
         assert_eq!(
             err.to_string(),
-            "artifact app.bin: server cannot provide it: no such artifact"
+            "artifact app.bin: server cannot provide it: no such artifact \
+             (block at offset 0, 5 bad replies)"
+        );
+        // 1 + 2 + 4 + 8 seconds of backoff between the five replies.
+        assert_eq!(started.elapsed(), Duration::from_secs(15));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bad_reply_is_discarded_and_the_block_fetched_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(300);
+        let spec = spec(dir.path(), &bytes);
+        // The first answer for each block is bad: an Unavailable for block 0, an empty block 100
+        // and an oversized block 200. Every later answer is right.
+        let first = std::sync::Mutex::new(std::collections::BTreeSet::new());
+        let good = bytes.clone();
+        let (tx, mut rx, server) = hostile_server(move |r| {
+            let sha256 = r.sha256;
+            let offset = r.offset;
+            let fresh = first.lock().map(|mut f| f.insert(offset)).unwrap_or(false);
+            match (fresh, offset) {
+                (true, 0) => BlockReply::Unavailable {
+                    sha256,
+                    offset,
+                    reason: "busy".into(),
+                },
+                (true, 100) => BlockReply::Data {
+                    sha256,
+                    offset,
+                    data: Vec::new(),
+                },
+                (true, _) => BlockReply::Data {
+                    sha256,
+                    offset,
+                    data: vec![7; 150],
+                },
+                (false, _) => BlockReply::Data {
+                    sha256,
+                    offset,
+                    data: good[offset as usize..offset as usize + r.length as usize].to_vec(),
+                },
+            }
+        });
+        let path = fetch(
+            &spec,
+            0,
+            &tx,
+            &mut rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("the download survives one bad reply per block");
+        assert_eq!(std::fs::read(&path).expect("read"), bytes);
+        drop(tx);
+        let asked = server.await.expect("server");
+        assert_eq!(
+            asked,
+            [0, 100, 200, 0, 100, 200],
+            "each block asked for twice"
         );
     }
 

@@ -11,7 +11,9 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{coordinator, coordinator_with, key, now, start_broker, TIMEOUT};
+use common::{
+    coordinator, coordinator_bad_first, coordinator_with, key, now, start_broker, TIMEOUT,
+};
 use flotilla_agent::Config;
 use flotilla_protocol::{
     envelope, hex, ActionBody, ActionKind, Artifact, DesiredAction, DeviceId, Message, Phase,
@@ -213,6 +215,52 @@ async fn installs_signed_release_and_reports_ready() {
     assert_eq!(phases, ["ready"], "nothing is applied twice: {again:#?}");
     assert!(again[0].seq > last_seq, "seq keeps growing across restarts");
     assert_eq!(std::fs::read(&dest).expect("read"), b"changed by hand");
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
+/// issue 10, case 7: a single `Unavailable` or empty block reply, as anyone on the broker can
+/// publish, used to fail the install. Every block's first answer here is bad; the agent discards
+/// it, asks again after a backoff, and installs the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_block_replies_are_retried_and_the_install_succeeds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-badblocks";
+    let bytes = artifact();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let mut reports = coordinator_bad_first(
+        broker.port,
+        device,
+        desired(device, "act-bad-1", &bytes),
+        bytes.clone(),
+        asked.clone(),
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| r.phase.clone()),
+        Some(Phase::Ready),
+        "reports: {seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read target"), bytes);
+    let asked = asked.lock().expect("asked").clone();
+    let blocks = bytes.len().div_ceil(1000);
+    for block in 0..blocks as u64 {
+        assert!(
+            asked.iter().filter(|&&o| o == block * 1000).count() >= 2,
+            "block {block} was asked for again after its bad reply: {asked:?}"
+        );
+    }
     shutdown.cancel();
     let _ = tokio::time::timeout(TIMEOUT, agent).await;
 }

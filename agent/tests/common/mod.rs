@@ -126,6 +126,31 @@ pub async fn coordinator_with(
     asked: Arc<Mutex<Vec<u64>>>,
     states: Option<mpsc::Sender<DeviceState>>,
 ) -> mpsc::Receiver<Report> {
+    stand_in(port, device, desired, served, asked, states, false).await
+}
+
+/// Like [`coordinator`], but the first answer to every block is a bad one, as a client on the
+/// broker would send: `Unavailable` for even blocks, an empty block for odd ones. Records every
+/// requested offset in `asked`.
+pub async fn coordinator_bad_first(
+    port: u16,
+    device: &str,
+    desired: SignedBlob,
+    served: Vec<u8>,
+    asked: Arc<Mutex<Vec<u64>>>,
+) -> mpsc::Receiver<Report> {
+    stand_in(port, device, desired, served, asked, None, true).await
+}
+
+async fn stand_in(
+    port: u16,
+    device: &str,
+    desired: SignedBlob,
+    served: Vec<u8>,
+    asked: Arc<Mutex<Vec<u64>>>,
+    states: Option<mpsc::Sender<DeviceState>>,
+    bad_first: bool,
+) -> mpsc::Receiver<Report> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("device id");
     let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
@@ -179,15 +204,30 @@ pub async fn coordinator_with(
                     }
                 }
                 Ok(Message::Fetch(req)) => {
-                    if let Ok(mut a) = asked.lock() {
+                    let first = asked.lock().is_ok_and(|mut a| {
+                        let first = !a.contains(&req.offset);
                         a.push(req.offset);
-                    }
+                        first
+                    });
                     let start = (req.offset as usize).min(served.len());
                     let end = (start + req.length as usize).min(served.len());
-                    let reply = BlockReply::Data {
-                        sha256: req.sha256,
-                        offset: req.offset,
-                        data: served[start..end].to_vec(),
+                    let block = req.offset / u64::from(req.length.max(1));
+                    let reply = match (bad_first && first, block % 2) {
+                        (true, 0) => BlockReply::Unavailable {
+                            sha256: req.sha256,
+                            offset: req.offset,
+                            reason: "forged".into(),
+                        },
+                        (true, _) => BlockReply::Data {
+                            sha256: req.sha256,
+                            offset: req.offset,
+                            data: Vec::new(),
+                        },
+                        (false, _) => BlockReply::Data {
+                            sha256: req.sha256,
+                            offset: req.offset,
+                            data: served[start..end].to_vec(),
+                        },
                     };
                     let c = client.clone();
                     let topic = block_topic.clone();
