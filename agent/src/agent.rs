@@ -298,9 +298,7 @@ async fn handle_desired(
     // accepted, every action issued before them is a replay (a captured install re-published
     // after `rollout stop` is older than the stop's cancel, decision 0011).
     if matches!(action.body, ActionBody::Nothing | ActionBody::Cancel { .. }) {
-        let last = env.trust_state().last_action_issued_at;
-        let checked = trust::check_action(&action, config.device_id.as_str(), env.now())
-            .and_then(|()| trust::check_issued(&action, last));
+        let checked = trust::check_timely(&action, config, &env.trust_state(), trust::system_now());
         if let Err(Refusal(reason)) = checked {
             tracing::debug!(action = %action.action_id, "ignoring desired action: {reason}");
             return;
@@ -329,8 +327,8 @@ async fn handle_desired(
         _ => {}
     }
 
-    let now = env.now();
-    let mut record = match trust::check_all(&blob, config, &env.trust_state(), now) {
+    let system = trust::system_now();
+    let mut record = match trust::check_all(&blob, config, &env.trust_state(), system) {
         Err(Refusal(reason)) => refused_record(action, reason),
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);

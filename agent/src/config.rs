@@ -75,6 +75,9 @@ pub struct TrustConfig {
     pub root_keys: Vec<VerifyingKey>,
     /// Root signatures a keys document needs.
     pub root_threshold: u32,
+    /// How far ahead of this device's clock an action may be issued, in seconds; `None`: no
+    /// bound (for devices without a trustworthy clock). Trusted time never runs further ahead.
+    pub max_clock_skew: Option<u64>,
 }
 
 /// The kinds of update target the agent can build from configuration, with their settings.
@@ -199,10 +202,16 @@ struct RawTrust {
     root_keys: Vec<String>,
     #[serde(default = "default_root_threshold")]
     root_threshold: u32,
+    #[serde(default = "default_max_clock_skew")]
+    max_clock_skew: String,
 }
 
 fn default_root_threshold() -> u32 {
     2
+}
+
+fn default_max_clock_skew() -> String {
+    "1h".into()
 }
 
 #[derive(Debug, Deserialize)]
@@ -404,11 +413,25 @@ impl TryFrom<RawConfig> for Config {
                 ),
             ));
         }
+        let max_clock_skew = match raw.trust.max_clock_skew.trim() {
+            "off" => None,
+            text => {
+                let skew = parse_duration("trust.max_clock_skew", text)?;
+                if skew < Duration::from_secs(60) {
+                    return Err(invalid(
+                        "trust.max_clock_skew",
+                        format!("{text:?} is under a minute; use at least 1m, or \"off\""),
+                    ));
+                }
+                Some(skew.as_secs())
+            }
+        };
         let trust = TrustConfig {
             release_keys: parse_keys("trust.release_keys", &raw.trust.release_keys)?,
             coordinator_keys: parse_keys("trust.coordinator_keys", &raw.trust.coordinator_keys)?,
             root_keys,
             root_threshold,
+            max_clock_skew,
         };
 
         let mut targets: Vec<TargetConfig> = Vec::new();

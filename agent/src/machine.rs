@@ -75,7 +75,8 @@ impl std::fmt::Debug for Env {
 impl Env {
     /// `max(system time, last trusted time)`.
     pub fn now(&self) -> UnixTime {
-        self.trust_state().now(trust::system_now())
+        self.trust_state()
+            .now(trust::system_now(), self.config.trust.max_clock_skew)
     }
 
     pub fn trust_state(&self) -> TrustState {

@@ -87,7 +87,7 @@ pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<Strin
     let (store, note) = Store::open(
         &config.data_dir,
         config.store.cache_bytes,
-        file.now(trust_state::system_now()),
+        file.now(trust_state::system_now(), config.trust.max_clock_skew),
     )?;
     // A mirror this build cannot read (written before the trust file gained fields) is
     // ignored: the trust file is the authority and the two are merged for safety only.

@@ -145,18 +145,53 @@ pub fn check_issued(action: &DesiredAction, last_accepted: UnixTime) -> Result<(
     Ok(())
 }
 
-/// Runs every check on a signed desired action against the keys and counters in `trust`. `Ok`
-/// carries the action and, for installs, the verified manifest.
+/// Refuses an action issued more than `skew` seconds ahead of this device's clock: the
+/// coordinator's clock (or the device's) is wrong, and trusting that time would make every later
+/// action look expired or replayed.
+pub fn check_not_ahead(
+    action: &DesiredAction,
+    system: UnixTime,
+    skew: Option<u64>,
+) -> Result<(), Refusal> {
+    match skew {
+        Some(skew) if action.issued_at > system.saturating_add(skew) => Err(Refusal(format!(
+            "action {} issued at {}, {}s ahead of this device's clock ({system}), more than \
+             trust.max_clock_skew ({skew}s) allows: check the coordinator's and this device's clocks",
+            action.action_id,
+            action.issued_at,
+            action.issued_at - system
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The checks every verified action passes, whatever its body: for this device, not expired,
+/// not issued too far ahead of this device's clock, not older than the last accepted action.
+/// `system` is the device's own clock.
+pub fn check_timely(
+    action: &DesiredAction,
+    config: &Config,
+    trust: &TrustState,
+    system: UnixTime,
+) -> Result<(), Refusal> {
+    let skew = config.trust.max_clock_skew;
+    check_action(action, config.device_id.as_str(), trust.now(system, skew))?;
+    check_not_ahead(action, system, skew)?;
+    check_issued(action, trust.last_accepted(system, skew))
+}
+
+/// Runs every check on a signed desired action against the keys and counters in `trust`; `system`
+/// is the device's own clock. `Ok` carries the action and, for installs, the verified manifest.
 pub fn check_all(
     blob: &SignedBlob,
     config: &Config,
     trust: &TrustState,
-    now: UnixTime,
+    system: UnixTime,
 ) -> Result<(DesiredAction, Option<ReleaseManifest>), Refusal> {
     let ring = trust.ring(&config.trust);
     let action = verify_desired(blob, &ring.coordinator_keys)?;
-    check_action(&action, config.device_id.as_str(), now)?;
-    check_issued(&action, trust.last_action_issued_at)?;
+    check_timely(&action, config, trust, system)?;
+    let now = trust.now(system, config.trust.max_clock_skew);
     let manifest = match &action.body {
         ActionBody::Install { manifest, .. } => Some(check_manifest(
             manifest,

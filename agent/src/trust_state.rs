@@ -61,9 +61,17 @@ pub fn configured_ring(config: &TrustConfig) -> KeyRing {
 }
 
 impl TrustState {
-    /// `max(system time, last trusted time)`.
-    pub fn now(&self, system: UnixTime) -> UnixTime {
-        system.max(self.last_trusted_time)
+    /// `max(system time, last trusted time)`, where trusted time counts only up to `skew`
+    /// ahead of the system clock: time trusted from a coordinator whose clock had jumped ahead
+    /// (before the bound existed) must not make every later action look expired.
+    pub fn now(&self, system: UnixTime, skew: Option<u64>) -> UnixTime {
+        system.max(capped(self.last_trusted_time, system, skew))
+    }
+
+    /// The issue time of the last accepted action, counted only up to `skew` ahead of the
+    /// system clock, for the same reason as [`TrustState::now`].
+    pub fn last_accepted(&self, system: UnixTime, skew: Option<u64>) -> UnixTime {
+        capped(self.last_action_issued_at, system, skew)
     }
 
     /// The keys trusted now: the last accepted keys document's, else the configured ones.
@@ -192,6 +200,14 @@ impl TrustState {
     }
 }
 
+/// `time`, but at most `skew` past `system` (no bound without a skew).
+fn capped(time: UnixTime, system: UnixTime, skew: Option<u64>) -> UnixTime {
+    match skew {
+        Some(skew) => time.min(system.saturating_add(skew)),
+        None => time,
+    }
+}
+
 /// Path of the trust file.
 pub fn trust_file(data_dir: &Path) -> PathBuf {
     data_dir.join("trust")
@@ -249,8 +265,29 @@ pub(crate) mod tests {
             last_trusted_time: 1_000,
             ..TrustState::default()
         };
-        assert_eq!(t.now(500), 1_000);
-        assert_eq!(t.now(2_000), 2_000);
+        assert_eq!(t.now(500, None), 1_000);
+        assert_eq!(t.now(2_000, None), 2_000);
+        assert_eq!(t.now(500, Some(3600)), 1_000, "within the skew");
+    }
+
+    /// issue 10, case 5: time trusted from a coordinator whose clock was 30 days ahead (accepted
+    /// before the bound existed) counts only up to the skew past the device's own clock, so the
+    /// device does not take every later action for expired or replayed.
+    #[test]
+    fn trusted_time_far_ahead_of_the_device_clock_counts_only_up_to_the_skew() {
+        let month = 30 * 86_400;
+        let t = TrustState {
+            last_trusted_time: 1_000 + month,
+            last_action_issued_at: 1_000 + month,
+            ..TrustState::default()
+        };
+        assert_eq!(t.now(1_000, Some(3600)), 4_600);
+        assert_eq!(t.last_accepted(1_000, Some(3600)), 4_600);
+        assert_eq!(
+            t.now(1_000, None),
+            1_000 + month,
+            "\"off\" keeps the old rule"
+        );
     }
 
     #[test]

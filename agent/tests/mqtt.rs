@@ -265,6 +265,66 @@ async fn bad_block_replies_are_retried_and_the_install_succeeds() {
     let _ = tokio::time::timeout(TIMEOUT, agent).await;
 }
 
+/// issue 10, case 5: after one action from a coordinator whose clock was 30 days ahead, a device
+/// used to take that time as trusted and refuse every later action for 30 days. The action is
+/// now refused, naming both clocks, and the next correct action installs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_from_a_clock_far_ahead_is_refused_and_locks_nobody_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    std::fs::write(&dest, b"old version").expect("write old");
+    let device = "dev-clock";
+    let bytes = artifact();
+    let month = 30 * 86_400;
+    let ahead = DesiredAction {
+        action_id: "act-ahead".into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now() + month,
+        expires_at: now() + month + 3600,
+        body: install(&bytes, 2, ActionKind::Forced),
+    };
+    let mut reports = coordinator(
+        broker.port,
+        device,
+        SignedBlob::sign(&key(2), envelope::to_bytes(&ahead)),
+        bytes.clone(),
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        agent_config(broker.port, dir.path(), device, &dest),
+        shutdown.clone(),
+    ));
+    let seen = reports_until_final(&mut reports).await;
+    let last = seen.last().expect("a report");
+    assert_eq!(last.action_id, "act-ahead");
+    let reason = last.phase.reason().unwrap_or_default();
+    assert!(
+        matches!(last.phase, Phase::Refused { .. })
+            && reason.contains("ahead of this device's clock")
+            && reason.contains("max_clock_skew"),
+        "{:?}",
+        last.phase
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), b"old version");
+
+    // The coordinator's clock is fixed: its next action installs.
+    publish_desired(broker.port, device, desired(device, "act-now", &bytes)).await;
+    let seen = reports_until_final(&mut reports).await;
+    assert_eq!(
+        seen.last().map(|r| (r.action_id.as_str(), r.phase.clone())),
+        Some(("act-now", Phase::Ready)),
+        "{seen:#?}"
+    );
+    assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn action_for_another_device_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -10,8 +10,16 @@
 //! agent's trusted time keep their meaning) and runs ahead of it only by the number of actions
 //! a device gets within one second. The last value per device is kept in the store, so a
 //! restart never issues a lower one.
+//!
+//! One exception: a last value more than [`AHEAD_LIMIT`] ahead of the clock was issued while the
+//! clock was wrong (agents refuse actions issued further ahead of their own clock than their
+//! `max_clock_skew`, default 1h, so they never accepted it). Continuing above it would keep every
+//! later action as far ahead, refused too; the sequence starts again from the clock instead.
 
 use std::collections::HashMap;
+
+/// How far ahead of the clock the sequence may run before it is taken for a clock glitch.
+pub const AHEAD_LIMIT: u64 = 10 * 60;
 
 /// The last `issued_at` signed for each device.
 #[derive(Debug, Default)]
@@ -29,7 +37,18 @@ impl ActionSequence {
     /// when the clock has not moved past it.
     pub fn next(&mut self, device: &str, now: u64) -> u64 {
         let at = match self.last.get(device) {
-            Some(&last) if last >= now => last.saturating_add(1),
+            Some(&last) if last >= now && last - now < AHEAD_LIMIT => last.saturating_add(1),
+            Some(&last) if last >= now => {
+                tracing::warn!(
+                    %device,
+                    last,
+                    now,
+                    "the last action for this device was issued {}s ahead of the clock; \
+                     starting again from the clock",
+                    last - now
+                );
+                now
+            }
             _ => now,
         };
         self.last.insert(device.to_owned(), at);
@@ -67,5 +86,15 @@ mod tests {
     fn a_restart_continues_above_the_stored_value_even_when_the_clock_went_back() {
         let mut seq = ActionSequence::new(HashMap::from([("dev-1".to_owned(), 500)]));
         assert_eq!(seq.next("dev-1", 400), 501);
+    }
+
+    /// issue 10, case 5: a month issued ahead while the clock was wrong does not keep every
+    /// later action a month ahead.
+    #[test]
+    fn a_value_far_ahead_of_the_clock_is_a_glitch_and_the_clock_takes_over() {
+        let month = 30 * 86_400;
+        let mut seq = ActionSequence::new(HashMap::from([("dev-1".to_owned(), 1_000 + month)]));
+        assert_eq!(seq.next("dev-1", 1_000), 1_000);
+        assert_eq!(seq.next("dev-1", 1_000), 1_001);
     }
 }
