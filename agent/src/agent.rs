@@ -376,8 +376,12 @@ async fn handle_desired(
         if let Err(e) = env.store.save_action_aside(&record) {
             tracing::error!("{e}");
         }
-    } else {
-        env.persist(&record);
+    } else if let Err(e) = env.persist(&record) {
+        // Never act on an action that could not be recorded (a full disk).
+        record.state = State::Failed {
+            reason: format!("cannot record the action: {e}; it was not started"),
+            rolled_back: false,
+        };
     }
     env.report(&record).await;
     if !record.state.is_terminal() {

@@ -15,6 +15,7 @@
 //!   size) is discarded, and the block is asked for again after a backoff; only after
 //!   [`BLOCK_ATTEMPTS`] bad replies for one block does the download fail, naming the last one.
 //!   Anyone on the broker can publish on a device's block topic, so one bad reply proves nothing.
+//! - A write error (a full disk) removes the partial download before the error is returned.
 //! - At the end the sha256 must match; the part file is then renamed to `<sha256>`. A mismatch
 //!   (a corrupt block from someone on the broker) discards the download and starts it again, at
 //!   most [`DOWNLOAD_ATTEMPTS`] times in all. Until the manifest carries a hash per block, a
@@ -163,6 +164,16 @@ pub async fn fetch(
                 attempt += 1;
                 done = 0;
                 progress(0);
+            }
+            Err(e @ FetchError::WritePart { .. }) => {
+                // Typically a full disk: the partial download must not keep the space (nor stop
+                // the store from recording why the action failed).
+                if let Err(rm) = std::fs::remove_file(spec.part_path()) {
+                    if rm.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!(artifact, "cannot remove the partial download: {rm}");
+                    }
+                }
+                return Err(e);
             }
             other => return other,
         }
@@ -453,7 +464,9 @@ fn open_part(spec: &FetchSpec, done: u64) -> Result<(File, sha2::Sha256, u64), F
         remaining -= n as u64;
     }
     // Drop anything past the contiguous prefix: it may be a block written out of a torn order.
-    file.set_len(keep).map_err(read_err)?;
+    if len > keep {
+        file.set_len(keep).map_err(read_err)?;
+    }
     Ok((file, hasher, keep))
 }
 
@@ -795,6 +808,37 @@ mod tests {
             asked,
             [0, 100, 200, 0, 100, 200],
             "each block asked for twice"
+        );
+    }
+
+    /// issue 10, case 6: a download that hits a full disk (`/dev/full` stands in for the part
+    /// file) fails naming the error, and leaves no partial download behind.
+    #[tokio::test]
+    async fn a_full_disk_fails_the_download_and_removes_the_part_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(300);
+        let spec = spec(dir.path(), &bytes);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+        let (tx, mut rx, _server) = server(bytes, false, None);
+        let err = fetch(
+            &spec,
+            0,
+            &tx,
+            &mut rx,
+            &mut |_| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("no space");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("artifact app.bin: cannot write ") && msg.contains("No space left"),
+            "{msg}"
+        );
+        assert!(
+            std::fs::symlink_metadata(spec.part_path()).is_err(),
+            "the partial download is removed"
         );
     }
 

@@ -104,14 +104,35 @@ impl Env {
         }
     }
 
-    /// Persists a new state of an action (flushed).
-    pub fn persist(&self, record: &ActionRecord) {
-        if let Err(e) = self.store.save_action(record) {
-            // Keep going: the update itself is still correct, only resumption after a crash
-            // is at risk, and stopping here would strand the device mid-update.
+    /// Persists a new state of an action (flushed). On an error the state's side effects must
+    /// not run: "persist, then act" must never quietly become "act" (see [`drive`]).
+    pub fn persist(&self, record: &ActionRecord) -> Result<(), StoreError> {
+        self.store.save_action(record).inspect_err(|e| {
             tracing::error!(action = record.action_id, "{e}");
-        }
+        })?;
         crate::fault::point(&format!("after-{}", record.state.name()));
+        Ok(())
+    }
+
+    /// [`persist`](Self::persist), tried again after 1 and 2 seconds (a full disk may have
+    /// room again once a partial download was removed); the last error if all three fail.
+    async fn persist_retrying(
+        &self,
+        record: &ActionRecord,
+        shutdown: &CancellationToken,
+    ) -> Result<(), StoreError> {
+        let mut wait = Duration::from_secs(1);
+        loop {
+            let result = self.persist(record);
+            if result.is_ok() || wait > Duration::from_secs(2) {
+                return result;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return result,
+                _ = tokio::time::sleep(wait) => {}
+            }
+            wait *= 2;
+        }
     }
 
     /// Publishes a report for `record`'s current phase (kept in the outbox until acknowledged),
@@ -267,8 +288,23 @@ pub async fn drive(
             return record;
         };
         let phase_before = record.phase();
-        record.state = state;
-        env.persist(&record);
+        let previous = std::mem::replace(&mut record.state, state);
+        if let Err(e) = env.persist_retrying(&record, &io.shutdown).await {
+            if record.state.is_terminal() {
+                // Nothing more will run; a restart resumes from the recorded state and reaches
+                // this end again. Report it, so the coordinator is not kept waiting.
+                env.report(&record).await;
+                break;
+            }
+            // The new state is not on disk, so its side effects must not run: end the action
+            // from the state that is, undoing whatever it staged.
+            let reason = format!(
+                "cannot record state {}: {e}; stopped before acting on it",
+                record.state.name()
+            );
+            record.state = previous;
+            return abandon(env, record, reason).await;
+        }
         if record.phase() != phase_before || matches!(record.state, State::Downloading { .. }) {
             env.report(&record).await;
         }
@@ -591,11 +627,17 @@ async fn finish(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest, do
 
 /// Ends an action the agent keeps restarting in (a crash loop): rolls the targets back if
 /// anything was staged or switched, persists and reports `Failed`.
-pub async fn give_up(env: &Env, mut record: ActionRecord, restarts: u32) -> ActionRecord {
+pub async fn give_up(env: &Env, record: ActionRecord, restarts: u32) -> ActionRecord {
     let reason = format!(
         "gave up after {restarts} restarts in state {}",
         record.state.name()
     );
+    abandon(env, record, reason).await
+}
+
+/// Ends an action that cannot go on from its current state: rolls the targets back if anything
+/// was staged or switched, persists (if it can) and reports `Failed { reason }`.
+pub async fn abandon(env: &Env, mut record: ActionRecord, reason: String) -> ActionRecord {
     tracing::error!(action = record.action_id, "{reason}");
     let touched = matches!(
         record.state,
@@ -626,7 +668,8 @@ pub async fn give_up(env: &Env, mut record: ActionRecord, restarts: u32) -> Acti
             rolled_back: false,
         }
     };
-    env.persist(&record);
+    // Reported even when it cannot be recorded (a full disk): the coordinator learns why.
+    let _ = env.persist(&record);
     env.report(&record).await;
     consent::clear(&env.config.data_dir, &record.action_id);
     record
@@ -1306,6 +1349,37 @@ mod tests {
         assert_eq!(target.activate.load(Ordering::SeqCst), 0);
     }
 
+    /// issue 10, case 6: a state that cannot be recorded (a full disk) is never acted on. Here
+    /// `Staged` cannot be saved after staging: the target is not activated, what was staged is
+    /// rolled back, and the action fails naming why.
+    #[tokio::test(start_paused = true)]
+    async fn a_state_that_cannot_be_recorded_is_not_acted_on() {
+        let target = Arc::new(Counting::default());
+        let f = fixture(Some(target.clone()), vec![]);
+        let mut io = io(b"x".to_vec());
+        let start = record(b"x", State::Staging { artifact: 0 }, ActionKind::Forced);
+        f.env.persist(&start).expect("persist");
+        f.env
+            .store
+            .fail_saves
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let rec = drive(&f.env, start, &mut io, false).await;
+        assert_eq!(target.stage.load(Ordering::SeqCst), 1, "staged once");
+        assert_eq!(target.activate.load(Ordering::SeqCst), 0, "never activated");
+        assert_eq!(target.rollback.load(Ordering::SeqCst), 1, "staging undone");
+        match rec.state {
+            State::Failed {
+                reason,
+                rolled_back: true,
+            } => assert!(
+                reason.starts_with("cannot record state staged: ")
+                    && reason.ends_with("stopped before acting on it"),
+                "{reason}"
+            ),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn shutdown_keeps_the_persisted_state_for_resumption() {
         let target = Arc::new(Counting::default());
@@ -1313,7 +1387,7 @@ mod tests {
         let mut io = io(b"x".to_vec());
         io.shutdown.cancel();
         let start = record(b"x", State::Staged, ActionKind::Forced);
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         let rec = drive(&f.env, start, &mut io, true).await;
         assert_eq!(rec.state, State::Staged);
         assert_eq!(
@@ -1328,7 +1402,7 @@ mod tests {
         let target = Arc::new(Rebooting::default());
         let f = fixture(Some(target.clone()), vec![check("true")]);
         let start = record(b"x", State::Staged, ActionKind::Forced);
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         let rec = drive_until_reboot(&f.env, &target, start, false, 1).await;
         assert_eq!(rec.state, State::AwaitingReboot { artifact: 0 });
         assert_eq!(rec.phase(), Phase::Activated);
@@ -1365,7 +1439,7 @@ mod tests {
             State::AwaitingReboot { artifact: 0 },
             ActionKind::Forced,
         );
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         let rec = drive_until_reboot(&f.env, &target, start, true, 1).await;
         assert_eq!(rec.state, State::AwaitingReboot { artifact: 0 });
         assert_eq!(target.activate.load(Ordering::SeqCst), 0);
@@ -1410,7 +1484,7 @@ mod tests {
             State::AwaitingReboot { artifact: 0 },
             ActionKind::Forced,
         );
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         let rec = drive_until_reboot(&f.env, &target, start, true, 1).await;
         assert_eq!(
             rec.state,
@@ -1508,7 +1582,7 @@ mod tests {
         std::fs::write(&dest, b"old").expect("write");
         let bytes = b"soft update".to_vec();
         let start = record(&bytes, State::Accepted, ActionKind::Soft);
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         let data_dir = f.env.config.data_dir.clone();
         let consenter = async {
             until_waiting(&f.env).await;
@@ -1568,7 +1642,7 @@ mod tests {
         let target = Arc::new(Counting::default());
         let f = fixture(Some(target.clone()), vec![]);
         let start = record(b"x", State::Accepted, ActionKind::Soft);
-        f.env.persist(&start);
+        f.env.persist(&start).expect("persist");
         // First run: reaches Waiting, then the agent stops.
         let mut first = io(b"x".to_vec());
         let shutdown = first.shutdown.clone();

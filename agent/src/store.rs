@@ -61,6 +61,9 @@ pub struct Store {
     actions: sled::Tree,
     meta: sled::Tree,
     outbox: sled::Tree,
+    /// Tests: make every action save fail, as a full disk would.
+    #[cfg(test)]
+    pub fail_saves: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Store {
@@ -142,6 +145,8 @@ impl Store {
             meta: db.open_tree("meta")?,
             outbox: db.open_tree("outbox")?,
             db,
+            #[cfg(test)]
+            fail_saves: Default::default(),
         })
     }
 
@@ -220,6 +225,13 @@ impl Store {
     /// few blocks to a power cut only means fetching them again.
     pub fn save_action_unflushed(&self, record: &ActionRecord) -> Result<(), StoreError> {
         let what = format!("action {}", record.action_id);
+        #[cfg(test)]
+        if self.fail_saves.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(StoreError::Write {
+                what,
+                source: sled::Error::Io(std::io::ErrorKind::StorageFull.into()),
+            });
+        }
         self.put(&self.actions, record.action_id.as_bytes(), &what, record)?;
         self.meta
             .insert(CURRENT, record.action_id.as_bytes())
@@ -395,13 +407,24 @@ fn is_lock(e: &sled::Error) -> bool {
     matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
 }
 
+/// Whether the database itself is damaged, as opposed to the system refusing it something for
+/// now (a full disk, a quota, a read-only mount, permissions): only damage is a reason to move a
+/// database aside. Moving a healthy one aside for a full disk lost it, restart after restart.
 fn is_damage(e: &sled::Error) -> bool {
+    use std::io::ErrorKind as K;
     match e {
         sled::Error::Io(io) => !matches!(
             io.kind(),
-            std::io::ErrorKind::WouldBlock
-                | std::io::ErrorKind::PermissionDenied
-                | std::io::ErrorKind::NotFound
+            K::WouldBlock
+                | K::PermissionDenied
+                | K::NotFound
+                | K::StorageFull
+                | K::QuotaExceeded
+                | K::ReadOnlyFilesystem
+                | K::OutOfMemory
+                | K::Interrupted
+                | K::ResourceBusy
+                | K::FileTooLarge
         ),
         sled::Error::CollectionNotFound(_) => false,
         _ => true,
@@ -413,6 +436,18 @@ mod tests {
     use super::*;
     use crate::record::{ActionRecord, State};
     use flotilla_protocol::{ActionBody, DesiredAction, Phase};
+
+    /// issue 10, case 6: a full disk (or a quota, a read-only mount) is not damage: the healthy
+    /// database stays where it is and the open fails with the reason.
+    #[test]
+    fn a_full_disk_is_not_taken_for_a_damaged_database() {
+        use std::io::ErrorKind as K;
+        for kind in [K::StorageFull, K::QuotaExceeded, K::ReadOnlyFilesystem] {
+            assert!(!is_damage(&sled::Error::Io(kind.into())), "{kind:?}");
+        }
+        assert!(is_damage(&sled::Error::Io(K::InvalidData.into())));
+        assert!(is_damage(&sled::Error::Corruption { at: None, bt: () }));
+    }
 
     fn record(id: &str, state: State) -> ActionRecord {
         ActionRecord {
