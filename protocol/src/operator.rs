@@ -52,7 +52,9 @@ pub enum RequestSignatureError {
     Key { key: String },
     #[error("malformed signature: expected 128 hex digits ({reason})")]
     Signature { reason: String },
-    #[error("wrong signature: the signature does not verify over the request bytes with key {key}")]
+    #[error(
+        "wrong signature: the signature does not verify over the request bytes with key {key}"
+    )]
     Invalid { key: String },
 }
 
@@ -98,6 +100,14 @@ impl SignedRequest {
             })?;
         Ok(&self.request)
     }
+}
+
+/// A fresh nonce: 16 random bytes from the operating system, in hex.
+pub fn new_nonce() -> String {
+    use rand_core::RngCore as _;
+    let mut bytes = [0u8; 16];
+    rand_core::OsRng.fill_bytes(&mut bytes);
+    hex::encode(&bytes)
 }
 
 /// What an operator may do. Each role may do everything the roles before it may.
@@ -266,7 +276,8 @@ mod tests {
         let signed = SignedRequest::sign_text(&SigningKey::from_bytes(&[3; 32]), "{}".into());
         let json = serde_json::to_value(&signed).expect("encodes");
         assert_eq!(
-            json.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()),
+            json.as_object()
+                .map(|o| o.keys().cloned().collect::<Vec<_>>()),
             Some(vec!["key".into(), "request".into(), "signature".into()])
         );
         assert_eq!(json["key"].as_str().map(str::len), Some(64));

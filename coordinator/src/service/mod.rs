@@ -10,12 +10,15 @@
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
 //! - [`keys`]: the coordinator's and the release key files.
+//! - [`operators`]: who sent a control request and whether they may (signature, clock window,
+//!   replay, role).
 
 pub mod artifacts;
 pub mod broker;
 pub mod config;
 pub mod keys;
 pub mod mqtt;
+pub mod operators;
 pub mod releases;
 pub mod serve;
 pub mod store;
