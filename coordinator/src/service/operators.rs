@@ -55,10 +55,14 @@ pub struct Gate {
     seen: HashSet<Digest>,
     /// Requests at or before this time are refused: their nonces may have been evicted.
     floor: Option<u64>,
+    /// When this gate was made (the service started). The nonce cache lives in memory, so a
+    /// request made before then may have been accepted by the previous run: refused.
+    started: u64,
 }
 
 impl Gate {
-    pub fn new(operators: Vec<OperatorConfig>, window: u64, topics: Topics) -> Gate {
+    /// A gate for a service started at `started` (Unix seconds).
+    pub fn new(operators: Vec<OperatorConfig>, window: u64, topics: Topics, started: u64) -> Gate {
         Gate {
             operators,
             window,
@@ -66,6 +70,7 @@ impl Gate {
             by_time: BTreeSet::new(),
             seen: HashSet::new(),
             floor: None,
+            started,
         }
     }
 
@@ -155,6 +160,15 @@ impl Gate {
                 format!(
                     "replayed request: nonce {:?} of operator {} was already used",
                     request.nonce, operator.name
+                ),
+            );
+        }
+        if request.at < self.started {
+            return refuse(
+                refusal,
+                format!(
+                    "replayed request: made at {}, before the coordinator started at {}; make a new request",
+                    request.at, self.started
                 ),
             );
         }
@@ -267,7 +281,7 @@ mod tests {
                 key: key(seed).verifying_key(),
             })
             .collect();
-        Gate::new(ops, 60, Topics::default())
+        Gate::new(ops, 60, Topics::default(), NOW - 3600)
     }
 
     fn signed(seed: u8, at: u64, nonce: &str, command: Command) -> Vec<u8> {
@@ -386,5 +400,22 @@ mod tests {
         assert_eq!(g.floor, Some(NOW - 10));
         let r = refused(&mut g, &signed(1, NOW - 10, "other", Command::ListDevices));
         assert!(r.reason.starts_with("replayed request"), "{}", r.reason);
+    }
+
+    #[test]
+    fn requests_from_before_a_restart_are_refused() {
+        // The cache of the previous run is gone: anything made before this run started could
+        // be a copy of a request that run accepted.
+        let mut g = gate();
+        g.started = NOW;
+        let r = refused(&mut g, &signed(1, NOW - 1, "x", Command::ListDevices));
+        assert!(
+            r.reason.starts_with("replayed request")
+                && r.reason.contains("before the coordinator started"),
+            "{}",
+            r.reason
+        );
+        g.check(&signed(1, NOW, "y", Command::ListDevices), NOW)
+            .expect("made after the start");
     }
 }

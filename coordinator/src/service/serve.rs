@@ -116,6 +116,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         config.operators.clone(),
         config.clock_window,
         topics.clone(),
+        now(),
     );
     if gate.operator_count() == 0 {
         tracing::warn!("no [[operators]] configured: every control request will be refused");
@@ -905,7 +906,7 @@ mod tests {
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
-            gate: Gate::new(Vec::new(), 60, topics.clone()),
+            gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
             refused: 0,
         };
         service
