@@ -10,7 +10,7 @@ use std::time::Duration;
 use flotilla_protocol::control::{Command, ControlReply, ControlRequest, RolloutStatus};
 use flotilla_protocol::operator::{new_nonce, Role, SignedRequest};
 use flotilla_protocol::{SigningKey, Topics};
-use flotilla_tests::{AgentOptions, BrokerKind, Site, WAIT};
+use flotilla_tests::{broker_kinds, AgentOptions, BrokerKind, Site, WAIT};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
 
@@ -135,9 +135,17 @@ async fn state(site: &Site) -> RolloutStatus {
     site.status("r1").await.expect("r1 status")
 }
 
+/// On every broker: Mosquitto drops a client that publishes on a wildcard topic, so it also shows
+/// that a hostile `reply_to` never costs the coordinator its link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_and_unauthorized_requests_are_refused_with_a_reason() {
-    let mut site = Site::new(BrokerKind::Embedded);
+    for kind in broker_kinds() {
+        refusals_on(kind).await;
+    }
+}
+
+async fn refusals_on(kind: BrokerKind) {
+    let mut site = Site::new(kind);
     site.add_operator("alice", Role::Operator);
     site.add_operator("vic", Role::Viewer);
     site.release("fw-2", 2, b"firmware 2\n");

@@ -240,9 +240,14 @@ impl Gate {
         refusal
     }
 
-    /// Reads `id` and a valid `reply_to` out of JSON that failed a stricter parse.
+    /// Reads `id` and a valid `reply_to` out of JSON that failed a stricter parse: a request,
+    /// or a wrapper whose `request` string is one.
     fn salvage(&self, bytes: &[u8], refusal: &mut Refusal) -> Option<serde_json::Value> {
         let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+        if let Some(inner) = value.get("request").and_then(|r| r.as_str()) {
+            self.salvage(inner.as_bytes(), refusal);
+            return Some(value);
+        }
         refusal.id = value.get("id").and_then(|v| v.as_str()).map(str::to_owned);
         refusal.reply_to = value
             .get("reply_to")
@@ -354,6 +359,14 @@ mod tests {
 
         let r = refused(&mut g, &signed(1, NOW, "", start()));
         assert!(r.reason.contains("nonce"), "{}", r.reason);
+
+        // A wrapper without its signature still gets an answer.
+        let mut wrapper: serde_json::Value =
+            serde_json::from_slice(&signed(1, NOW, "n6", start())).expect("json");
+        wrapper.as_object_mut().map(|o| o.remove("signature"));
+        let r = refused(&mut g, &serde_json::to_vec(&wrapper).expect("json"));
+        assert!(r.reason.starts_with("malformed request"), "{}", r.reason);
+        assert_eq!(r.reply_to.as_deref(), Some(REPLY));
 
         let r = refused(&mut g, b"not json");
         assert!(r.reason.starts_with("malformed request"), "{}", r.reason);
