@@ -11,6 +11,11 @@
 //! artifact block server, and signing desired actions with the coordinator key. A malformed
 //! payload is logged with its topic and reason, counted, and skipped; it never stops the loop.
 //!
+//! Control requests pass the operator gate (`operators.rs`) first: signed by a configured
+//! operator key, inside the clock window, not a replay, within the operator's role. A refusal
+//! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
+//! command into the engine, whose trace says who did what.
+//!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
 //! the service keeps in its own store rather than in the engine: staged update strategies (TOML
