@@ -416,6 +416,32 @@ mod tests {
     }
 
     #[test]
+    fn mutated_payloads_never_panic_and_never_pass_altered() {
+        let original = ControlRequest::new("r1", REPLY, NOW, "n-m", start());
+        let text = serde_json::to_string(&original).expect("json");
+        let payload = signed(1, NOW, "n-m", start());
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        for _ in 0..5000 {
+            let mut bytes = payload.clone();
+            for _ in 0..=(state % 3) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let i = (state % bytes.len() as u64) as usize;
+                bytes[i] ^= 1 << (state % 8);
+            }
+            // A fresh gate each time, so a surviving copy is not refused as a replay.
+            if let Ok(ok) = gate().check(&bytes, NOW) {
+                assert_eq!(
+                    serde_json::to_string(&ok.request).expect("json"),
+                    text,
+                    "only the exact signed request passes"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn requests_from_before_a_restart_are_refused() {
         // The cache of the previous run is gone: anything made before this run started could
         // be a copy of a request that run accepted.
