@@ -420,6 +420,7 @@ mod tests {
         }
         let err =
             parse("data_dir = \"d\"\ncoordinator_key = \"k\"\ncolour = 1\n").expect_err("unknown");
+        assert!(err.to_string().contains("colour"), "{err}");
         let key = "8a88e3dd7409f195fd52db2d3cba5d72ca6709bf1d94121bf3748801b40f6f5c";
         let cases = [
             (
@@ -463,7 +464,27 @@ mod tests {
         assert_eq!(ok.clock_window, 120);
         assert_eq!(ok.operators[0].name, "alice");
         assert_eq!(ok.operators[0].role, Role::Operator);
-        assert!(err.to_string().contains("colour"), "{err}");
+
+        // key_file resolves against the config file's directory, like every path.
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("bob.pub"), format!("{key}\n")).expect("write");
+        let text = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[[operators]]\nname = \"bob\"\nrole = \"viewer\"\nkey_file = \"bob.pub\"\n";
+        let from_file =
+            Config::from_toml(text, dir.path(), &dir.path().join("c.toml")).expect("valid");
+        assert_eq!(from_file.operators[0].key, ok.operators[0].key);
+        let missing = text.replace("bob.pub", "nobody.pub");
+        let file_err = Config::from_toml(&missing, dir.path(), &dir.path().join("c.toml"))
+            .expect_err("missing file")
+            .to_string();
+        assert!(
+            file_err.contains("operators.key_file") && file_err.contains("nobody.pub"),
+            "{file_err}"
+        );
+        let both = format!("{text}key = \"{key}\"\n");
+        let both_err = Config::from_toml(&both, dir.path(), &dir.path().join("c.toml"))
+            .expect_err("both")
+            .to_string();
+        assert!(both_err.contains("exactly one of key"), "{both_err}");
         let err = parse("coordinator_key = \"k\"\n").expect_err("missing");
         assert!(err.to_string().contains("data_dir"), "{err}");
     }
