@@ -169,7 +169,8 @@ fn operations_commands_check_their_arguments_before_connecting() {
 #[test]
 fn help_lists_the_operations_commands() {
     let help = ok(&["--help"]);
-    for command in ["approve", "approvals", "strategy", "group", "devices"] {
+    assert!(help.contains("--operator-key"), "{help}");
+    for command in ["approve", "approvals", "strategy", "group", "devices", "operator"] {
         assert!(
             help.lines()
                 .any(|l| l.trim_start().starts_with(&format!("{command} "))),
