@@ -8,6 +8,7 @@ use std::process::{Command, Output};
 fn flotilla(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_flotilla"))
         .args(args)
+        .env_remove("FLOTILLA_OPERATOR_KEY")
         .output()
         .expect("run flotilla")
 }
@@ -168,7 +169,15 @@ fn operations_commands_check_their_arguments_before_connecting() {
 #[test]
 fn help_lists_the_operations_commands() {
     let help = ok(&["--help"]);
-    for command in ["approve", "approvals", "strategy", "group", "devices"] {
+    assert!(help.contains("--operator-key"), "{help}");
+    for command in [
+        "approve",
+        "approvals",
+        "strategy",
+        "group",
+        "devices",
+        "operator",
+    ] {
         assert!(
             help.lines()
                 .any(|l| l.trim_start().starts_with(&format!("{command} "))),
@@ -179,5 +188,51 @@ fn help_lists_the_operations_commands() {
     assert!(
         rollout.contains("next") && rollout.contains("retry"),
         "{rollout}"
+    );
+}
+
+#[test]
+fn operator_keygen_writes_a_private_key_and_requests_need_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("ops");
+    let text = ok(&[
+        "operator",
+        "keygen",
+        "--out",
+        &out.to_string_lossy(),
+        "--name",
+        "alice",
+    ]);
+    let public = fs::read_to_string(out.join("alice.pub")).expect("public key");
+    assert!(
+        text.contains("[[operators]]") && text.contains(public.trim()),
+        "{text}"
+    );
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = fs::metadata(out.join("alice.key"))
+            .expect("secret key")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    let again = flotilla(&[
+        "operator",
+        "keygen",
+        "--out",
+        &out.to_string_lossy(),
+        "--name",
+        "alice",
+    ]);
+    assert!(!again.status.success(), "no silent overwrite");
+
+    // Without a key, a request is not even sent.
+    let err = refused(&["rollout", "status"]);
+    assert!(
+        err.contains("no operator key")
+            && err.contains("--operator-key")
+            && err.contains("FLOTILLA_OPERATOR_KEY"),
+        "{err}"
     );
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use flotilla_coordinator::cli::client::ControlClient;
-use flotilla_coordinator::service::config::{BrokerConfig, Config};
+use flotilla_coordinator::service::config::{BrokerConfig, Config, OperatorConfig};
 use flotilla_coordinator::service::keys;
 use flotilla_coordinator::service::releases::{NewRelease, ReleaseStore};
 use flotilla_coordinator::service::store::Store;
@@ -14,7 +14,7 @@ use flotilla_protocol::control::{
 };
 use flotilla_protocol::{
     envelope, ActionBody, ActionKind, DesiredAction, DeviceId, DeviceState, Message, SignedBlob,
-    Topics, VerifyingKey,
+    SigningKey, Topics, VerifyingKey,
 };
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use std::collections::BTreeMap;
@@ -34,6 +34,11 @@ struct Harness {
     config: Config,
     coordinator_pub: VerifyingKey,
     release_blob: SignedBlob,
+}
+
+/// The admin operator every harness coordinator knows.
+fn operator() -> SigningKey {
+    SigningKey::from_bytes(&[42; 32])
 }
 
 fn free_addr() -> std::net::SocketAddr {
@@ -73,6 +78,12 @@ fn harness() -> Harness {
             embedded: Some(addr),
         },
         action_validity: 3600,
+        operators: vec![OperatorConfig {
+            name: "tester".into(),
+            role: flotilla_protocol::operator::Role::Admin,
+            key: operator().verifying_key(),
+        }],
+        clock_window: 60,
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {
@@ -114,7 +125,7 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(serve(h.config.clone(), shutdown.clone()));
     let port = h.config.broker.port;
-    let client = ControlClient::connect("127.0.0.1", port, "flotilla")
+    let client = ControlClient::connect("127.0.0.1", port, "flotilla", operator())
         .await
         .expect("client connects");
     let releases = ask(&client, Command::ListReleases)
@@ -347,7 +358,7 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     config.broker.embedded = Some(addr);
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(serve(config, shutdown.clone()));
-    let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla")
+    let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla", operator())
         .await
         .expect("client connects");
     let status: RolloutStatus = serde_json::from_value(
@@ -404,7 +415,7 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
     let h = harness();
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(serve(h.config.clone(), shutdown.clone()));
-    let client = ControlClient::connect("127.0.0.1", h.config.broker.port, "flotilla")
+    let client = ControlClient::connect("127.0.0.1", h.config.broker.port, "flotilla", operator())
         .await
         .expect("client connects");
 

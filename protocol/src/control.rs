@@ -16,8 +16,38 @@ pub struct ControlRequest {
     pub id: String,
     /// Topic to publish the reply on.
     pub reply_to: String,
+    /// When the client made the request, Unix seconds. Inside the signed bytes, so the
+    /// coordinator can refuse a request outside its clock window (see [`crate::operator`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub at: u64,
+    /// A value the client never reuses (within the clock window), so the coordinator can refuse
+    /// the same signed request published twice.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub nonce: String,
     #[serde(flatten)]
     pub command: Command,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl ControlRequest {
+    pub fn new(
+        id: impl Into<String>,
+        reply_to: impl Into<String>,
+        at: u64,
+        nonce: impl Into<String>,
+        command: Command,
+    ) -> ControlRequest {
+        ControlRequest {
+            id: id.into(),
+            reply_to: reply_to.into(),
+            at,
+            nonce: nonce.into(),
+            command,
+        }
+    }
 }
 
 /// What a control request asks for.
@@ -288,13 +318,15 @@ mod tests {
 
     #[test]
     fn request_json_is_flat_and_stable() {
-        let req = ControlRequest {
-            id: "1".into(),
-            reply_to: "flotilla/v1/control/reply/cli".into(),
-            command: Command::PauseRollout {
+        let req = ControlRequest::new(
+            "1",
+            "flotilla/v1/control/reply/cli",
+            0,
+            "",
+            Command::PauseRollout {
                 rollout: "fw-2-4".into(),
             },
-        };
+        );
         let json = serde_json::to_value(&req).expect("encodes");
         assert_eq!(
             json,

@@ -9,6 +9,7 @@
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
 //! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
 //! - [`control`]: the JSON control requests, replies and status documents.
+//! - [`operator`]: signed control requests, operator roles, the checks on `reply_to`.
 //! - [`ids`]: the safe character set for ids that appear in topics.
 //!
 //! ```
@@ -27,6 +28,7 @@ pub mod hex;
 pub mod ids;
 pub mod keys;
 pub mod messages;
+pub mod operator;
 pub mod signing;
 pub mod topics;
 

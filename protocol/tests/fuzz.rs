@@ -5,6 +5,7 @@
 mod samples;
 
 use flotilla_protocol::control::ControlRequest;
+use flotilla_protocol::operator::{check_reply_to, SignedRequest};
 use flotilla_protocol::{
     envelope, keys, DesiredAction, KeyRing, KeysDocument, MultiSignedBlob, ReleaseManifest,
     SigningKey, Topics,
@@ -30,12 +31,18 @@ fn decode_all(bytes: &[u8]) {
     let _ = envelope::from_bytes::<ReleaseManifest>("manifest", bytes);
     let _ = envelope::from_bytes::<DesiredAction>("desired action", bytes);
     let _ = serde_json::from_slice::<ControlRequest>(bytes);
+    if let Ok(signed) = serde_json::from_slice::<SignedRequest>(bytes) {
+        if let Ok(key) = signed.public_key() {
+            let _ = signed.verify_with(&key);
+        }
+    }
     let _ = envelope::from_bytes::<KeysDocument>("keys document", bytes);
     if let Ok(signed) = keys::decode_file(bytes) {
         let _ = ring().accept(&signed);
     }
     if let Ok(text) = std::str::from_utf8(bytes) {
         let _ = Topics::default().parse(text);
+        let _ = check_reply_to(&Topics::default(), text);
     }
 }
 

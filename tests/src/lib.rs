@@ -22,7 +22,7 @@ pub mod mqtt;
 pub mod site;
 
 pub use mqtt::{WatchedMessage, Watcher};
-pub use site::{AgentOptions, BrokerKind, Site};
+pub use site::{AgentOptions, BrokerKind, Site, ADMIN};
 
 use std::path::PathBuf;
 use std::time::Duration;

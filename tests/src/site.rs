@@ -10,8 +10,14 @@ use std::time::{Duration, Instant};
 use flotilla_coordinator::cli::client::ControlClient;
 use flotilla_coordinator::service::broker::EmbeddedBroker;
 use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use flotilla_protocol::operator::Role;
+use flotilla_protocol::SigningKey;
 
 use crate::{bin, free_port, mosquitto_binary, WAIT};
+
+/// The operator every site has, with role admin; [`Site::client`] and [`Site::flotilla`] sign
+/// as this operator.
+pub const ADMIN: &str = "admin";
 
 /// Which broker a site runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +96,8 @@ pub struct Site {
     coordinator: Option<Process>,
     agents: BTreeMap<String, Process>,
     agent_options: BTreeMap<String, AgentOptions>,
+    /// Operators in the coordinator's config: name and role. `admin` (role admin) always.
+    operators: Vec<(String, Role)>,
 }
 
 impl Drop for Site {
@@ -124,7 +132,7 @@ impl Site {
             }
             BrokerKind::Mosquitto => (None, Some(start_mosquitto(dir.path(), port))),
         };
-        let site = Site {
+        let mut site = Site {
             dir,
             kind,
             port,
@@ -133,9 +141,36 @@ impl Site {
             coordinator: None,
             agents: BTreeMap::new(),
             agent_options: BTreeMap::new(),
+            operators: Vec::new(),
         };
         site.flotilla(&["keygen", "--out", &site.path("keys").to_string_lossy()]);
+        site.add_operator(ADMIN, Role::Admin);
         site
+    }
+
+    /// Makes an operator key `keys/{name}.key` and lists its public key with `role` in the
+    /// coordinator's config from the next [`Site::start_coordinator`] on.
+    pub fn add_operator(&mut self, name: &str, role: Role) {
+        self.flotilla(&[
+            "operator",
+            "keygen",
+            "--out",
+            &self.path("keys").to_string_lossy(),
+            "--name",
+            name,
+        ]);
+        self.operators.push((name.to_owned(), role));
+    }
+
+    /// The secret key file of an operator made by [`Site::add_operator`].
+    pub fn operator_key_file(&self, name: &str) -> PathBuf {
+        self.path(&format!("keys/{name}.key"))
+    }
+
+    /// The secret key of an operator made by [`Site::add_operator`].
+    pub fn operator_key(&self, name: &str) -> SigningKey {
+        let text = fs::read_to_string(self.operator_key_file(name)).expect("read operator key");
+        flotilla_protocol::signing::secret_key_from_text(&text).expect("operator key")
     }
 
     /// A path inside the site's directory.
@@ -162,6 +197,7 @@ impl Site {
             .args(["--broker", &format!("127.0.0.1:{}", self.port)])
             .args(args)
             .env_remove("FLOTILLA_BROKER")
+            .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN))
             .output()
             .expect("run flotilla")
     }
@@ -203,16 +239,19 @@ impl Site {
     /// Starts (or restarts) `flotilla serve`.
     pub fn start_coordinator(&mut self) {
         let config = self.path("coordinator.toml");
-        fs::write(
-            &config,
-            format!(
-                "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
-                self.path("coordinator"),
-                self.path("keys/coordinator.key"),
-                self.port
-            ),
-        )
-        .expect("write coordinator config");
+        let mut text = format!(
+            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
+            self.path("coordinator"),
+            self.path("keys/coordinator.key"),
+            self.port
+        );
+        for (name, role) in &self.operators {
+            text.push_str(&format!(
+                "[[operators]]\nname = {name:?}\nrole = \"{role}\"\nkey_file = {:?}\n",
+                self.path(&format!("keys/{name}.pub"))
+            ));
+        }
+        fs::write(&config, text).expect("write coordinator config");
         let mut command = Command::new(bin("flotilla"));
         command
             .args(["serve", "--config"])
@@ -332,9 +371,14 @@ max_bytes_per_sec = {rate}
         }
     }
 
-    /// A control client connected to the site's broker.
+    /// A control client connected to the site's broker, signing as the `admin` operator.
     pub async fn client(&self) -> ControlClient {
-        ControlClient::connect("127.0.0.1", self.port, "flotilla")
+        self.client_as(ADMIN).await
+    }
+
+    /// A control client signing as operator `name` (see [`Site::add_operator`]).
+    pub async fn client_as(&self, name: &str) -> ControlClient {
+        ControlClient::connect("127.0.0.1", self.port, "flotilla", self.operator_key(name))
             .await
             .expect("connect control client")
     }

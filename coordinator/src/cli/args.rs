@@ -23,6 +23,15 @@ pub struct Cli {
     /// Root of every flotilla topic.
     #[arg(long, global = true, default_value = flotilla_protocol::topics::DEFAULT_ROOT)]
     pub topic_root: String,
+    /// The operator's secret key file; signs every request to the coordinator
+    /// (`flotilla operator keygen` makes one).
+    #[arg(
+        long,
+        global = true,
+        env = "FLOTILLA_OPERATOR_KEY",
+        value_name = "FILE"
+    )]
+    pub operator_key: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Cmd,
 }
@@ -66,9 +75,29 @@ pub enum KeysCmd {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum OperatorCmd {
+    /// Write an operator's key pair: NAME.key (secret, mode 0600, stays with the operator) and
+    /// NAME.pub (for the coordinator's `[[operators]]`).
+    Keygen {
+        /// Directory to write the key files into.
+        #[arg(long)]
+        out: PathBuf,
+        /// The operator's name, as the coordinator's config and trace will name them.
+        #[arg(long)]
+        name: String,
+        /// Replace existing key files.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Generate ed25519 key pairs (release and coordinator keys).
     Keygen(KeygenArgs),
+    /// Operator keys, which sign control requests.
+    #[command(subcommand)]
+    Operator(OperatorCmd),
     /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
     #[command(subcommand)]
     Keys(KeysCmd),

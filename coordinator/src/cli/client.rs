@@ -1,6 +1,10 @@
 //! The control client: sends one JSON control request to a running coordinator over MQTT and
 //! waits for its reply. Used by `flotilla rollout …`, `flotilla devices` and tests.
 //!
+//! Every request is signed with the operator's key ([`SignedRequest`]): the request's JSON text
+//! with the current time and a fresh nonce inside, so the coordinator can name who sent it and
+//! refuse stale or replayed copies.
+//!
 //! Each client has a unique id and its own reply topic `control/reply/{client}`. It subscribes
 //! to that topic and waits for the SubAck before publishing anything: with clean sessions and
 //! no retained replies, a reply that arrives before the subscription is lost for good.
@@ -8,7 +12,8 @@
 use std::time::Duration;
 
 use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
-use flotilla_protocol::Topics;
+use flotilla_protocol::operator::{new_nonce, SignedRequest};
+use flotilla_protocol::{SigningKey, Topics};
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +51,8 @@ pub struct ControlClient {
     reply_topic: String,
     addr: String,
     shutdown: CancellationToken,
+    /// The operator's key; signs every request.
+    key: SigningKey,
 }
 
 impl Drop for ControlClient {
@@ -56,12 +63,14 @@ impl Drop for ControlClient {
 
 impl ControlClient {
     /// Connects and subscribes to this client's reply topic, within [`DEFAULT_TIMEOUT`].
+    /// Requests are signed with the operator key `key`.
     pub async fn connect(
         host: &str,
         port: u16,
         topic_root: &str,
+        key: SigningKey,
     ) -> Result<ControlClient, ClientError> {
-        Self::connect_within(host, port, topic_root, DEFAULT_TIMEOUT).await
+        Self::connect_within(host, port, topic_root, key, DEFAULT_TIMEOUT).await
     }
 
     /// [`ControlClient::connect`] with an explicit timeout.
@@ -69,6 +78,7 @@ impl ControlClient {
         host: &str,
         port: u16,
         topic_root: &str,
+        key: SigningKey,
         timeout: Duration,
     ) -> Result<ControlClient, ClientError> {
         let topics = Topics::new(topic_root);
@@ -105,6 +115,7 @@ impl ControlClient {
             reply_topic,
             addr,
             shutdown,
+            key,
         })
     }
 
@@ -116,13 +127,20 @@ impl ControlClient {
         timeout: Duration,
     ) -> Result<serde_json::Value, ClientError> {
         let id = mqtt::unique_client_id("req");
-        let request = ControlRequest {
-            id: id.clone(),
-            reply_to: self.reply_topic.clone(),
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let request = ControlRequest::new(
+            id.clone(),
+            self.reply_topic.clone(),
+            at,
+            new_nonce(),
             command,
-        };
-        // Serializing plain strings and enums into JSON cannot fail.
-        let payload = serde_json::to_vec(&request).unwrap_or_default();
+        );
+        let signed = SignedRequest::sign(&self.key, &request);
+        // Serializing plain strings into JSON cannot fail.
+        let payload = serde_json::to_vec(&signed).unwrap_or_default();
         let mut link = self.link.lock().await;
         link.client
             .publish(
@@ -190,7 +208,8 @@ mod tests {
             .local_addr()
             .expect("addr");
         let _broker = EmbeddedBroker::start(addr).expect("broker");
-        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla")
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let client = ControlClient::connect("127.0.0.1", addr.port(), "flotilla", key)
             .await
             .expect("connects");
         // A short timeout keeps the test quick; the message format is what users see.
@@ -213,10 +232,15 @@ mod tests {
             .local_addr()
             .expect("addr")
             .port();
-        let err =
-            ControlClient::connect_within("127.0.0.1", port, "flotilla", Duration::from_secs(1))
-                .await
-                .expect_err("nothing listening");
+        let err = ControlClient::connect_within(
+            "127.0.0.1",
+            port,
+            "flotilla",
+            SigningKey::from_bytes(&[1; 32]),
+            Duration::from_secs(1),
+        )
+        .await
+        .expect_err("nothing listening");
         assert!(
             err.to_string().contains(&format!("127.0.0.1:{port}")),
             "{err}"

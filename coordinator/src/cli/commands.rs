@@ -15,7 +15,7 @@ use flotilla_protocol::control::{
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::args::{
-    Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, ReleaseCmd, RolloutCmd, StrategyCmd,
+    Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd, StrategyCmd,
 };
 use crate::cli::client::{ClientError, ControlClient};
 use crate::cli::view;
@@ -60,6 +60,8 @@ pub enum CliError {
     },
     #[error("`flotilla demo` is started by main (demo::run), not by cli::run")]
     DemoInRuntime,
+    #[error("no operator key: requests to the coordinator must be signed; pass --operator-key FILE or set FLOTILLA_OPERATOR_KEY (make a key with `flotilla operator keygen --out DIR --name NAME` and list NAME.pub under [[operators]] in the coordinator's config)")]
+    NoOperatorKey,
 }
 
 /// Parses `HOST:PORT`.
@@ -90,7 +92,28 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
 
 /// Runs every command except `demo`; returns the exit code. `shutdown` stops `serve`.
 pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError> {
+    let key = cli.operator_key.as_deref();
     match cli.command {
+        Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
+            let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
+            for w in &written {
+                println!(
+                    "wrote {} (secret, keep it with {name}) and {}",
+                    w.secret.display(),
+                    w.public.display()
+                );
+                println!("  add to the coordinator's config (role: viewer, operator or admin):");
+                println!(
+                    "  [[operators]]\n  name = {name:?}\n  role = \"operator\"\n  key = {:?}",
+                    w.public_hex
+                );
+                println!(
+                    "  then: flotilla --operator-key {} rollout status",
+                    w.secret.display()
+                );
+            }
+            Ok(0)
+        }
         Cmd::Keys(KeysCmd::Rotate {
             version,
             release_keys,
@@ -153,15 +176,14 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Rollout(cmd) => {
-            let (host, port) = parse_broker(&cli.broker)?;
-            let client = ControlClient::connect(&host, port, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             rollout(&client, cmd).await
         }
         Cmd::Devices {
             cmd: Some(DevicesCmd::Delete { id }),
             ..
         } => {
-            let client = connect(&cli.broker, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             client
                 .request(
                     Command::DeleteDevice { device: id.clone() },
@@ -172,8 +194,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Devices { json, cmd: None } => {
-            let (host, port) = parse_broker(&cli.broker)?;
-            let client = ControlClient::connect(&host, port, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             let result = client
                 .request(Command::ListDevices, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
@@ -190,7 +211,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Approve { name } => {
-            let client = connect(&cli.broker, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             client
                 .request(
                     Command::Approve { name: name.clone() },
@@ -201,7 +222,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Approvals { json } => {
-            let client = connect(&cli.broker, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             let result = client
                 .request(Command::ListApprovals, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
@@ -217,9 +238,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             }
             Ok(0)
         }
-        Cmd::Strategy(cmd) => strategy(&cli.broker, &cli.topic_root, cmd).await,
+        Cmd::Strategy(cmd) => strategy(&cli.broker, &cli.topic_root, key, cmd).await,
         Cmd::Group(cmd) => {
-            let client = connect(&cli.broker, &cli.topic_root).await?;
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
             group(&client, cmd).await
         }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
@@ -228,13 +249,24 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
     }
 }
 
-async fn connect(broker: &str, topic_root: &str) -> Result<ControlClient, CliError> {
+/// Loads the operator key (a clear error without one) and connects the control client.
+async fn connect(
+    broker: &str,
+    topic_root: &str,
+    key: Option<&std::path::Path>,
+) -> Result<ControlClient, CliError> {
+    let key = keys::load_secret_key(key.ok_or(CliError::NoOperatorKey)?)?;
     let (host, port) = parse_broker(broker)?;
-    Ok(ControlClient::connect(&host, port, topic_root).await?)
+    Ok(ControlClient::connect(&host, port, topic_root, key).await?)
 }
 
 /// `strategy …`; the file is read before connecting, so a wrong path fails at once.
-async fn strategy(broker: &str, topic_root: &str, cmd: StrategyCmd) -> Result<i32, CliError> {
+async fn strategy(
+    broker: &str,
+    topic_root: &str,
+    key: Option<&std::path::Path>,
+    cmd: StrategyCmd,
+) -> Result<i32, CliError> {
     let timeout = crate::cli::client::DEFAULT_TIMEOUT;
     let reply = |what: &'static str| move |source| CliError::Reply { what, source };
     let file = match &cmd {
@@ -246,7 +278,7 @@ async fn strategy(broker: &str, topic_root: &str, cmd: StrategyCmd) -> Result<i3
         )?),
         _ => None,
     };
-    let client = connect(broker, topic_root).await?;
+    let client = connect(broker, topic_root, key).await?;
     match cmd {
         StrategyCmd::Create { name, .. } => {
             let spec = file.unwrap_or_default();

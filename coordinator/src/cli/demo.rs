@@ -25,7 +25,7 @@ use crate::cli::client::{ClientError, ControlClient};
 use crate::cli::view;
 use crate::service;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
-use crate::service::config::{BrokerConfig, Config};
+use crate::service::config::{BrokerConfig, Config, OperatorConfig};
 use crate::service::keys::{self, KeysError};
 use crate::service::releases::{NewRelease, ReleaseError, ReleaseStore};
 
@@ -168,6 +168,9 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     let keys = keys::keygen(&root.join("keys"), &[], false)?;
     let (release_pub, coordinator_pub) = (keys[0].public_hex.clone(), keys[1].public_hex.clone());
     let release_key = keys::load_secret_key(&keys[0].secret)?;
+    // The demo's own operator: an admin whose key signs the demo's control requests.
+    let operator = keys::keygen(&root.join("keys"), &["demo".to_owned()], false)?;
+    let operator_key = keys::load_secret_key(&operator[0].secret)?;
     let data_dir = root.join("coordinator");
     let artifact = root.join("app-2.0.0.bin");
     fs::write(&artifact, demo_artifact()).map_err(io("write the demo artifact"))?;
@@ -201,6 +204,12 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
             embedded: None,
         },
         action_validity: 24 * 3600,
+        operators: vec![OperatorConfig {
+            name: "demo".into(),
+            role: flotilla_protocol::operator::Role::Admin,
+            key: operator_key.verifying_key(),
+        }],
+        clock_window: 60,
     };
     let mut coordinator = tokio::spawn(service::serve(config, shutdown.clone()));
 
@@ -230,8 +239,13 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         root.display()
     ));
 
-    let client =
-        ControlClient::connect("127.0.0.1", port, flotilla_protocol::topics::DEFAULT_ROOT).await?;
+    let client = ControlClient::connect(
+        "127.0.0.1",
+        port,
+        flotilla_protocol::topics::DEFAULT_ROOT,
+        operator_key,
+    )
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
     say(format!("all {} agents registered\n", args.devices));

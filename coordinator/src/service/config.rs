@@ -10,6 +10,8 @@ use flotilla_rollout::duration::parse_duration;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use flotilla_protocol::operator::Role;
+use flotilla_protocol::VerifyingKey;
 use serde::Deserialize;
 
 /// The commented default configuration.
@@ -46,6 +48,19 @@ pub struct Config {
     pub broker: BrokerConfig,
     /// How long a desired action stays valid after it is issued, in seconds.
     pub action_validity: u64,
+    /// Who may send control requests, and what each may do.
+    pub operators: Vec<OperatorConfig>,
+    /// How far a signed control request's `at` may be from the coordinator's clock, in seconds.
+    pub clock_window: u64,
+}
+
+/// One operator allowed to send signed control requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OperatorConfig {
+    /// Named in the decision trace and the logs ("rollout fw-2-4 started by alice").
+    pub name: String,
+    pub role: Role,
+    pub key: VerifyingKey,
 }
 
 /// Where the MQTT broker is, and whether to run one in-process.
@@ -67,6 +82,37 @@ struct RawConfig {
     broker: RawBroker,
     #[serde(default)]
     actions: RawActions,
+    #[serde(default)]
+    control: RawControl,
+    #[serde(default)]
+    operators: Vec<RawOperator>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawControl {
+    clock_window: String,
+}
+
+impl Default for RawControl {
+    fn default() -> Self {
+        Self {
+            clock_window: "60s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOperator {
+    name: String,
+    role: String,
+    /// The public key in hex, inline.
+    #[serde(default)]
+    key: Option<String>,
+    /// Or a public key file (`flotilla operator keygen` writes NAME.pub).
+    #[serde(default)]
+    key_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -162,7 +208,19 @@ impl TryFrom<Located> for Config {
                 "must be longer than 0s",
             ));
         }
+        let clock_window = parse_duration(&raw.control.clock_window)
+            .map_err(|reason| field("control.clock_window", &raw.control.clock_window, &reason))?;
+        if clock_window == 0 {
+            return Err(field(
+                "control.clock_window",
+                &raw.control.clock_window,
+                "must be longer than 0s",
+            ));
+        }
+        let operators = operators(&raw.operators, &base)?;
         Ok(Config {
+            operators,
+            clock_window,
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
             broker: BrokerConfig {
@@ -174,6 +232,74 @@ impl TryFrom<Located> for Config {
             action_validity,
         })
     }
+}
+
+/// Validates the `[[operators]]` entries: names follow the id rules and are unique, the role is
+/// known, exactly one of `key` and `key_file` is given and holds a valid key, no key twice.
+fn operators(raw: &[RawOperator], base: &Path) -> Result<Vec<OperatorConfig>, ConfigError> {
+    let field = |field, value: &str, reason: String| ConfigError::Field {
+        field,
+        value: value.to_owned(),
+        reason,
+    };
+    let mut out: Vec<OperatorConfig> = Vec::new();
+    for op in raw {
+        flotilla_protocol::validate_id("operator name", &op.name)
+            .map_err(|e| field("operators.name", &op.name, e.to_string()))?;
+        if out.iter().any(|o| o.name == op.name) {
+            return Err(field(
+                "operators.name",
+                &op.name,
+                "appears twice".to_owned(),
+            ));
+        }
+        let role = Role::parse(&op.role).ok_or_else(|| {
+            field(
+                "operators.role",
+                &op.role,
+                format!("operator {}: expected viewer, operator or admin", op.name),
+            )
+        })?;
+        let (what, value, text) = match (&op.key, &op.key_file) {
+            (Some(key), None) => ("operators.key", key.clone(), key.clone()),
+            (None, Some(file)) => {
+                let path = base.join(file);
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    field(
+                        "operators.key_file",
+                        file,
+                        format!("operator {}: cannot read {}: {e}", op.name, path.display()),
+                    )
+                })?;
+                ("operators.key_file", file.clone(), text)
+            }
+            _ => {
+                return Err(field(
+                    "operators",
+                    &op.name,
+                    "give exactly one of key (hex) and key_file".to_owned(),
+                ))
+            }
+        };
+        let key = flotilla_protocol::signing::public_key_from_text(&text)
+            .map_err(|e| field(what, &value, format!("operator {}: {e}", op.name)))?;
+        if let Some(other) = out.iter().find(|o| o.key == key) {
+            return Err(field(
+                what,
+                &value,
+                format!(
+                    "operator {}: the same key as operator {}",
+                    op.name, other.name
+                ),
+            ));
+        }
+        out.push(OperatorConfig {
+            name: op.name.clone(),
+            role,
+            key,
+        });
+    }
+    Ok(out)
 }
 
 impl Config {
@@ -234,6 +360,8 @@ mod tests {
         assert_eq!(config.broker.port, 1883);
         assert_eq!(config.broker.topic_root, "flotilla");
         assert_eq!(config.action_validity, 7 * 86_400);
+        assert_eq!(config.clock_window, 60);
+        assert!(config.operators.is_empty());
         assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
     }
 
@@ -293,6 +421,70 @@ mod tests {
         let err =
             parse("data_dir = \"d\"\ncoordinator_key = \"k\"\ncolour = 1\n").expect_err("unknown");
         assert!(err.to_string().contains("colour"), "{err}");
+        let key = "8a88e3dd7409f195fd52db2d3cba5d72ca6709bf1d94121bf3748801b40f6f5c";
+        let cases = [
+            (
+                format!("[[operators]]\nname = \"a/b\"\nrole = \"admin\"\nkey = \"{key}\"\n"),
+                "operators.name",
+                "a/b",
+            ),
+            (
+                format!("[[operators]]\nname = \"alice\"\nrole = \"root\"\nkey = \"{key}\"\n"),
+                "operators.role",
+                "root",
+            ),
+            (
+                "[[operators]]\nname = \"alice\"\nrole = \"admin\"\nkey = \"zz\"\n".to_owned(),
+                "operators.key",
+                "zz",
+            ),
+            (
+                "[control]\nclock_window = \"0s\"\n".to_owned(),
+                "control.clock_window",
+                "0s",
+            ),
+            (
+                format!("[[operators]]\nname = \"a\"\nrole = \"admin\"\nkey = \"{key}\"\n[[operators]]\nname = \"b\"\nrole = \"viewer\"\nkey = \"{key}\"\n"),
+                "operators.key",
+                key,
+            ),
+        ];
+        for (tail, field, value) in cases {
+            let text = format!("data_dir = \"d\"\ncoordinator_key = \"k\"\n{tail}");
+            let err = parse(&text).expect_err(field).to_string();
+            assert!(
+                err.contains(field) && err.contains(&format!("{value:?}")),
+                "{err}"
+            );
+        }
+        let ok = parse(&format!(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[control]\nclock_window = \"2m\"\n[[operators]]\nname = \"alice\"\nrole = \"operator\"\nkey = \"{key}\"\n"
+        ))
+        .expect("valid");
+        assert_eq!(ok.clock_window, 120);
+        assert_eq!(ok.operators[0].name, "alice");
+        assert_eq!(ok.operators[0].role, Role::Operator);
+
+        // key_file resolves against the config file's directory, like every path.
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("bob.pub"), format!("{key}\n")).expect("write");
+        let text = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[[operators]]\nname = \"bob\"\nrole = \"viewer\"\nkey_file = \"bob.pub\"\n";
+        let from_file =
+            Config::from_toml(text, dir.path(), &dir.path().join("c.toml")).expect("valid");
+        assert_eq!(from_file.operators[0].key, ok.operators[0].key);
+        let missing = text.replace("bob.pub", "nobody.pub");
+        let file_err = Config::from_toml(&missing, dir.path(), &dir.path().join("c.toml"))
+            .expect_err("missing file")
+            .to_string();
+        assert!(
+            file_err.contains("operators.key_file") && file_err.contains("nobody.pub"),
+            "{file_err}"
+        );
+        let both = format!("{text}key = \"{key}\"\n");
+        let both_err = Config::from_toml(&both, dir.path(), &dir.path().join("c.toml"))
+            .expect_err("both")
+            .to_string();
+        assert!(both_err.contains("exactly one of key"), "{both_err}");
         let err = parse("coordinator_key = \"k\"\n").expect_err("missing");
         assert!(err.to_string().contains("data_dir"), "{err}");
     }

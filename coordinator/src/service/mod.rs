@@ -11,12 +11,15 @@
 //! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
 //! - [`keys`]: the coordinator's and the release key files.
 //! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
+//! - [`operators`]: who sent a control request and whether they may (signature, clock window,
+//!   replay, role).
 
 pub mod artifacts;
 pub mod broker;
 pub mod config;
 pub mod keys;
 pub mod mqtt;
+pub mod operators;
 pub mod releases;
 pub mod sequence;
 pub mod serve;

@@ -11,6 +11,11 @@
 //! artifact block server, and signing desired actions with the coordinator key. A malformed
 //! payload is logged with its topic and reason, counted, and skipped; it never stops the loop.
 //!
+//! Control requests pass the operator gate (`operators.rs`) first: signed by a configured
+//! operator key, inside the clock window, not a replay, within the operator's role. A refusal
+//! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
+//! command into the engine, whose trace says who did what.
+//!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
 //! the service keeps in its own store rather than in the engine: staged update strategies (TOML
@@ -22,9 +27,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_protocol::control::{
-    Command, ControlReply, ControlRequest, DeviceGroupInfo, StrategyInfo,
-};
+use flotilla_protocol::control::{Command, ControlReply, DeviceGroupInfo, StrategyInfo};
 use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, DesiredAction, DeviceId, Message, SignedBlob,
 };
@@ -37,6 +40,7 @@ use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
 use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
+use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
 use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
@@ -122,6 +126,15 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     engine.set_device_groups(groups);
 
     let topics = Topics::new(&config.broker.topic_root);
+    let gate = Gate::new(
+        config.operators.clone(),
+        config.clock_window,
+        topics.clone(),
+        now(),
+    );
+    if gate.operator_count() == 0 {
+        tracing::warn!("no [[operators]] configured: every control request will be refused");
+    }
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
     let (host, port) = config.connect_to();
@@ -146,6 +159,8 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
+        gate,
+        refused: 0,
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -176,6 +191,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
     tracing::info!(
         malformed_payloads = service.malformed,
+        refused_control_requests = service.refused,
         "coordinator stopped"
     );
     result
@@ -197,6 +213,9 @@ struct Service {
     validity: u64,
     addr: String,
     malformed: u64,
+    /// Checks who sent each control request and whether they may.
+    gate: Gate,
+    refused: u64,
 }
 
 impl Service {
@@ -280,30 +299,32 @@ impl Service {
     }
 
     async fn on_control(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
-        let request: ControlRequest = match serde_json::from_slice(payload) {
-            Ok(r) => r,
-            Err(e) => {
-                self.reject(
-                    topic,
-                    &format!("control request is not valid JSON for the control API: {e}"),
-                );
-                return Ok(());
+        let authorized = match self.gate.check(payload, now()) {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.refused += 1;
+                tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
+                    refused_total = self.refused, "refusing control request");
+                // Only a reply_to that passed the checks (a plain reply topic under the root)
+                // is ever published on; otherwise the refusal is logged and counted only.
+                let Some(reply_to) = refusal.reply_to else {
+                    return Ok(());
+                };
+                let reply = ControlReply {
+                    id: refusal.id.unwrap_or_default(),
+                    ok: false,
+                    error: Some(refusal.reason),
+                    result: serde_json::Value::Null,
+                };
+                let bytes = serde_json::to_vec(&reply).unwrap_or_default();
+                return self.publish(reply_to, false, bytes).await;
             }
         };
-        // Only reply on reply topics: a request must not make the coordinator publish on a
-        // device's desired topic or anywhere else.
-        if !matches!(
-            self.topics.parse(&request.reply_to),
-            Some(Topic::ControlReply(_))
-        ) {
-            let reason = format!(
-                "reply_to {:?} is not a control reply topic",
-                request.reply_to
-            );
-            self.reject(topic, &reason);
-            return Ok(());
-        }
-        let reply = match self.command(request.command).await? {
+        let request = authorized.request;
+        let operator = authorized.operator;
+        tracing::info!(%operator, role = %authorized.role, command = request.command.name(),
+            id = %request.id, "control request");
+        let reply = match self.command(request.command, &operator).await? {
             Ok(result) => ControlReply {
                 id: request.id,
                 ok: true,
@@ -327,8 +348,9 @@ impl Service {
     async fn command(
         &mut self,
         command: Command,
+        by: &str,
     ) -> Result<Result<serde_json::Value, String>, ServiceError> {
-        let (effects, answer) = match self.dispatch(command, now()) {
+        let (effects, answer) = match self.dispatch(command, by, now()) {
             Ok(done) => done,
             Err(e) => return Ok(Err(e)),
         };
@@ -349,9 +371,15 @@ impl Service {
         })
     }
 
-    /// Hands a command to the engine or the store. Returns the effects to apply and what to
-    /// answer once they are applied, or the error for the reply; nothing here publishes.
-    fn dispatch(&mut self, command: Command, now: u64) -> Result<(Vec<Effect>, Answer), String> {
+    /// Hands a command to the engine or the store on behalf of operator `by`, whom the
+    /// engine's trace names. Returns the effects to apply and what to answer once they are
+    /// applied, or the error for the reply; nothing here publishes.
+    fn dispatch(
+        &mut self,
+        command: Command,
+        by: &str,
+        now: u64,
+    ) -> Result<(Vec<Effect>, Answer), String> {
         let engine_error = |e: flotilla_rollout::engine::EngineError| e.to_string();
         let store_error = |e: StoreError| e.to_string();
         let status =
@@ -376,27 +404,27 @@ impl Service {
                     hardware: manifest.hardware,
                 };
                 let name = spec.name.clone();
-                let r = self.engine.create_rollout(spec, release, now);
+                let r = self.engine.create_rollout_by(spec, release, by, now);
                 status(name, r)
             }
             Command::StartRollout { rollout } => {
-                let r = self.engine.start(&rollout, now);
+                let r = self.engine.start_by(&rollout, by, now);
                 status(rollout, r)
             }
             Command::PauseRollout { rollout } => {
-                let r = self.engine.pause(&rollout, now);
+                let r = self.engine.pause_by(&rollout, by, now);
                 status(rollout, r)
             }
             Command::ResumeRollout { rollout } => {
-                let r = self.engine.resume(&rollout, now);
+                let r = self.engine.resume_by(&rollout, by, now);
                 status(rollout, r)
             }
             Command::StopRollout { rollout } => {
-                let r = self.engine.stop(&rollout, now);
+                let r = self.engine.stop_by(&rollout, by, now);
                 status(rollout, r)
             }
             Command::TriggerNext { rollout } => {
-                let r = self.engine.trigger_next(&rollout, now);
+                let r = self.engine.trigger_next_by(&rollout, by, now);
                 status(rollout, r)
             }
             Command::RetryRollout { rollout, name } => {
@@ -404,7 +432,7 @@ impl Service {
                 validate_id("rollout name", &new_name).map_err(|e| format!("name: {e}"))?;
                 let r = self
                     .engine
-                    .retry_failed(&rollout, Some(new_name.clone()), now);
+                    .retry_failed_by(&rollout, Some(new_name.clone()), by, now);
                 status(new_name, r)
             }
             Command::RolloutStatus {
@@ -424,7 +452,7 @@ impl Service {
                 DeviceId::new(&device).map_err(|e| format!("device: {e}"))?;
                 let effects = self
                     .engine
-                    .delete_device(&device, now)
+                    .delete_device_by(&device, by, now)
                     .map_err(engine_error)?;
                 Ok((
                     effects,
@@ -432,7 +460,10 @@ impl Service {
                 ))
             }
             Command::Approve { name } => {
-                let effects = self.engine.approve(&name, now).map_err(engine_error)?;
+                let effects = self
+                    .engine
+                    .approve_by(&name, by, now)
+                    .map_err(engine_error)?;
                 Ok((effects, Answer::Approval(name)))
             }
             Command::ListApprovals => value(json(&self.engine.approvals())),
@@ -909,6 +940,8 @@ mod tests {
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
+            gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
+            refused: 0,
         };
         service
             .apply(vec![Effect::Forget {

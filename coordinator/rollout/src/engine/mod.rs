@@ -53,6 +53,10 @@ pub use model::{
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
 pub const TRACE_LIMIT: usize = 1000;
 
+/// Who a command is attributed to when the caller names nobody (simulations, tests): the trace
+/// says "paused by operator".
+pub const OPERATOR: &str = "operator";
+
 /// What the service must do, in this order: persist, publish commands, publish events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
@@ -627,6 +631,27 @@ impl Engine {
         release: ReleaseRef,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
+        self.create(spec, release, None, now)
+    }
+
+    /// [`Engine::create_rollout`] on behalf of an operator, whom the trace names.
+    pub fn create_rollout_by(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        self.create(spec, release, Some(by), now)
+    }
+
+    fn create(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        by: Option<&str>,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
         if self.rollouts.contains_key(&name) {
             return Err(EngineError::AlreadyExists(name));
@@ -640,7 +665,7 @@ impl Engine {
         }
         let fleet = self.fleet();
         let plan = planner::plan(&spec, &fleet, &release.hardware, &self.device_groups)?;
-        self.create_planned(spec, release, plan, now)
+        self.create_planned(spec, release, plan, by, now)
     }
 
     /// Creates a rollout from an already computed plan.
@@ -649,6 +674,7 @@ impl Engine {
         spec: RolloutSpec,
         release: ReleaseRef,
         plan: planner::Plan,
+        by: Option<&str>,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
@@ -720,8 +746,9 @@ impl Engine {
             checked_at: now,
         };
         let mut out = Out::default();
+        let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
         let mut message = format!(
-            "created for release {}: {planned} devices in {} groups ({sizes})",
+            "created{by} for release {}: {planned} devices in {} groups ({sizes})",
             rollout.release.name,
             rollout.groups.len()
         );
@@ -789,6 +816,11 @@ impl Engine {
     /// ready -> running (or scheduled until `start_at`): the first group starts. Scheduled
     /// actions of older rollouts on the same devices are canceled (hawkBit).
     pub fn start(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.start_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::start`] on behalf of `by`, whom the trace names.
+    pub fn start_by(&mut self, name: &str, by: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
         if r.state != RolloutState::Ready {
             return Err(Self::invalid(r, "start"));
@@ -800,14 +832,14 @@ impl Engine {
                 r.state = RolloutState::Scheduled;
                 r.record(
                     now,
-                    format!("started by operator; waits for its start time {at}"),
+                    format!("started by {by}; waits for its start time {at}"),
                     &mut out,
                 );
             }
             _ => {
                 r.state = RolloutState::Running;
                 r.started_at = Some(now);
-                r.record(now, "rollout started by operator".to_owned(), &mut out);
+                r.record(now, format!("rollout started by {by}"), &mut out);
             }
         }
         self.cancel_older_scheduled(name, now, &mut out);
@@ -860,6 +892,11 @@ impl Engine {
 
     /// running -> paused: actions already sent continue and keep reporting; nothing new starts.
     pub fn pause(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.pause_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::pause`] on behalf of `by`, whom the trace names.
+    pub fn pause_by(&mut self, name: &str, by: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
         if !matches!(r.state, RolloutState::Running | RolloutState::Scheduled) {
             return Err(Self::invalid(r, "pause"));
@@ -867,13 +904,23 @@ impl Engine {
         let mut out = Out::default();
         r.state = RolloutState::Paused;
         r.set_condition("Progressing", false, "UpdateRunPaused", now);
-        r.record(now, "paused by operator".to_owned(), &mut out);
+        r.record(now, format!("paused by {by}"), &mut out);
         Ok(out.into_effects())
     }
 
     /// paused -> running. A group in error, or whose success action paused the rollout, counts
     /// as done: the operator chose to continue, so the group after it starts.
     pub fn resume(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.resume_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::resume`] on behalf of `by`, whom the trace names.
+    pub fn resume_by(
+        &mut self,
+        name: &str,
+        by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
         if r.state != RolloutState::Paused {
             return Err(Self::invalid(r, "resume"));
@@ -889,10 +936,10 @@ impl Engine {
             }
         }
         let message = if passed.is_empty() {
-            "resumed by operator".to_owned()
+            format!("resumed by {by}")
         } else {
             format!(
-                "resumed by operator; group {} in error counts as done",
+                "resumed by {by}; group {} in error counts as done",
                 passed.join(", ")
             )
         };
@@ -903,6 +950,11 @@ impl Engine {
 
     /// Stops a rollout for good: unfinished device actions are canceled and no group starts again.
     pub fn stop(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.stop_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::stop`] on behalf of `by`, whom the trace names.
+    pub fn stop_by(&mut self, name: &str, by: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
         if r.state.is_terminal() {
             return Err(Self::invalid(r, "stop"));
@@ -914,7 +966,7 @@ impl Engine {
         r.set_condition("Progressing", false, "UpdateRunStopped", now);
         r.record(
             now,
-            format!("stopped by operator; canceled {canceled} unfinished device actions"),
+            format!("stopped by {by}; canceled {canceled} unfinished device actions"),
             &mut out,
         );
         self.apply_bookkeeping(now, &mut out);
@@ -923,6 +975,16 @@ impl Engine {
 
     /// Approves an approval request by name; approving twice is harmless.
     pub fn approve(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.approve_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::approve`] on behalf of `by`, whom the trace names.
+    pub fn approve_by(
+        &mut self,
+        name: &str,
+        by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         let rollout = self
             .rollouts
             .values()
@@ -949,7 +1011,7 @@ impl Engine {
             );
         }
         out.commands.push(Effect::Approval(approval));
-        r.record(now, format!("approval {name} approved"), &mut out);
+        r.record(now, format!("approval {name} approved by {by}"), &mut out);
         self.advance(&rollout, now, &mut out);
         Ok(out.into_effects())
     }
@@ -965,6 +1027,16 @@ impl Engine {
     /// Starts the next group of a running rollout now (hawkBit's manual trigger): the last
     /// started group is released without waiting for its success condition or its gates.
     pub fn trigger_next(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.trigger_next_by(name, OPERATOR, now)
+    }
+
+    /// [`Engine::trigger_next`] on behalf of `by`, whom the trace names.
+    pub fn trigger_next_by(
+        &mut self,
+        name: &str,
+        by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
         if r.state != RolloutState::Running {
             return Err(Self::invalid(r, "trigger the next group of"));
@@ -985,7 +1057,7 @@ impl Engine {
         let mut out = Out::default();
         r.groups[last].released = true;
         let message = format!(
-            "operator triggered the next group after group {}",
+            "{by} triggered the next group after group {}",
             r.groups[last].name
         );
         r.record(now, message, &mut out);
@@ -999,6 +1071,17 @@ impl Engine {
         &mut self,
         name: &str,
         new_name: Option<String>,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        self.retry_failed_by(name, new_name, OPERATOR, now)
+    }
+
+    /// [`Engine::retry_failed`] on behalf of `by`, whom the trace names.
+    pub fn retry_failed_by(
+        &mut self,
+        name: &str,
+        new_name: Option<String>,
+        by: &str,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let r = &self
@@ -1071,7 +1154,7 @@ impl Engine {
         rollout.record(
             now,
             format!(
-                "created to retry the {} failed devices of rollout {name}",
+                "created by {by} to retry the {} failed devices of rollout {name}",
                 failed.len()
             ),
             &mut out,
@@ -1084,6 +1167,16 @@ impl Engine {
     /// Forgets a device: it leaves the registry and the groups that have not finished (hawkBit:
     /// counts are recomputed; an emptied group succeeds). Finished groups keep it.
     pub fn delete_device(&mut self, device: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
+        self.delete_device_by(device, OPERATOR, now)
+    }
+
+    /// [`Engine::delete_device`] on behalf of `by`, whom the trace names.
+    pub fn delete_device_by(
+        &mut self,
+        device: &str,
+        by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
         if self.devices.remove(device).is_none() {
             return Err(EngineError::UnknownDevice(device.to_owned()));
         }
@@ -1118,7 +1211,7 @@ impl Engine {
             entry.rollout.record(
                 now,
                 format!(
-                    "device {device} deleted; group {gname} now has {} devices",
+                    "device {device} deleted by {by}; group {gname} now has {} devices",
                     { entry.rollout.groups[gi].devices.len() }
                 ),
                 &mut out,

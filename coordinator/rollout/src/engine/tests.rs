@@ -763,3 +763,57 @@ fn a_hundred_thousand_devices_finish() {
         .iter()
         .all(|g| g.state == GroupState::Finished && g.counts.ready == N / 4));
 }
+
+#[test]
+fn commands_by_an_operator_name_them_in_the_trace() {
+    let mut sim = Sim::new(4, no_labels);
+    sim.engine
+        .create_rollout_by(spec("[groups]\ncount = 2\n"), release(), "alice", NOW)
+        .expect("created");
+    assert!(
+        sim.last_trace().starts_with("created by alice for release"),
+        "{}",
+        sim.last_trace()
+    );
+    let effects = sim
+        .engine
+        .start_by("fw-2-4", "alice", NOW)
+        .expect("started");
+    let traced: Vec<String> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Trace(t) => Some(t.message.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        traced.iter().any(|m| m == "rollout started by alice"),
+        "the events/log entry names alice: {traced:?}"
+    );
+    sim.engine.pause_by("fw-2-4", "bob", NOW).expect("paused");
+    assert_eq!(sim.last_trace(), "paused by bob");
+    sim.engine.resume_by("fw-2-4", "bob", NOW).expect("resumed");
+    assert_eq!(sim.last_trace(), "resumed by bob");
+    sim.engine
+        .trigger_next_by("fw-2-4", "carol", NOW)
+        .expect("next");
+    assert!(
+        sim.rollout()
+            .trace
+            .iter()
+            .any(|t| t.message == "carol triggered the next group after group group-1"),
+        "{:?}",
+        sim.rollout().trace
+    );
+    sim.engine.stop_by("fw-2-4", "dave", NOW).expect("stopped");
+    assert!(
+        sim.last_trace().starts_with("stopped by dave; canceled"),
+        "{}",
+        sim.last_trace()
+    );
+    // The commands without a name keep the words they always had.
+    let mut plain = Sim::new(2, no_labels);
+    plain.create_and_start("[groups]\ncount = 1\n");
+    plain.engine.pause("fw-2-4", NOW).expect("paused");
+    assert_eq!(plain.last_trace(), "paused by operator");
+}

@@ -120,7 +120,7 @@ impl Bench {
         };
         let effects = self
             .engine
-            .create_planned(spec, release, plan, self.now)
+            .create_planned(spec, release, plan, None, self.now)
             .expect("created");
         self.take(effects);
     }
