@@ -22,6 +22,7 @@
 //! ```
 
 pub mod control;
+pub mod device;
 pub mod envelope;
 pub mod hex;
 pub mod ids;
@@ -30,6 +31,7 @@ pub mod messages;
 pub mod signing;
 pub mod topics;
 
+pub use device::DeviceMessageError;
 pub use envelope::{DecodeError, Message, MAX_PACKET_SIZE, PROTOCOL_VERSION};
 pub use ids::{validate_id, DeviceId, IdError};
 pub use keys::{KeyRing, KeysDocument, KeysError};
