@@ -22,7 +22,7 @@
 
 use ed25519_dalek::{SigningKey, VerifyingKey};
 
-use crate::envelope::{self, DecodeError};
+use crate::envelope::{self, DecodeError, Message};
 use crate::messages::{DeviceMessage, Digest};
 use crate::signing::{SignatureError, SignedBlob};
 
@@ -77,6 +77,22 @@ pub fn enrollment_proof(token: &str, device_id: &str, key: &VerifyingKey) -> Dig
         bytes.extend_from_slice(part);
     }
     crate::sha256(&bytes)
+}
+
+/// For watchers and test tools: the content of a signed device message as the unsigned
+/// message of the same kind, opened with the key it names (which proves only that the sender
+/// holds that key, not that it is the device's enrolled key). Other messages pass unchanged, as
+/// does a device message whose signature or content does not check out.
+pub fn plain(message: Message) -> Message {
+    let Message::Device(blob) = &message else {
+        return message;
+    };
+    match open_self_signed(blob) {
+        Ok((_, DeviceMessage::State { state, .. })) => Message::State(state),
+        Ok((_, DeviceMessage::Report(report))) => Message::Report(report),
+        Ok((_, DeviceMessage::Fetch { request, .. })) => Message::Fetch(request),
+        Err(_) => message,
+    }
 }
 
 /// A short, stable name for a device key in tables and logs: the first 16 hex digits.

@@ -169,7 +169,7 @@ pub async fn coordinator_with(
             let Event::Incoming(Packet::Publish(p)) = event else {
                 continue;
             };
-            match envelope::decode(&p.payload) {
+            match envelope::decode(&p.payload).map(flotilla_protocol::device::plain) {
                 Ok(Message::Report(r)) => {
                     let _ = tx.send(r).await;
                 }

@@ -46,6 +46,21 @@ pub struct Config {
     pub broker: BrokerConfig,
     /// How long a desired action stays valid after it is issued, in seconds.
     pub action_validity: u64,
+    /// Which devices are accepted without an operator.
+    pub enrollment: EnrollmentConfig,
+}
+
+/// Device enrollment: what is accepted without an operator (`[enrollment]`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EnrollmentConfig {
+    /// A file of pre-authorized device keys: one hex public key per line, optionally followed
+    /// by the only device id it may enroll; `#` starts a comment.
+    pub authorized_keys: Option<PathBuf>,
+    /// One-time enrollment tokens; each accepts the first device that shows it, then never again.
+    pub tokens: Vec<String>,
+    /// How many devices may wait for an operator at once; states of further unknown devices are
+    /// ignored (and counted) so a flood of made-up devices cannot fill the store.
+    pub max_pending: usize,
 }
 
 /// Where the MQTT broker is, and whether to run one in-process.
@@ -67,6 +82,26 @@ struct RawConfig {
     broker: RawBroker,
     #[serde(default)]
     actions: RawActions,
+    #[serde(default)]
+    enrollment: RawEnrollment,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawEnrollment {
+    authorized_keys: Option<String>,
+    tokens: Vec<String>,
+    max_pending: usize,
+}
+
+impl Default for RawEnrollment {
+    fn default() -> Self {
+        Self {
+            authorized_keys: None,
+            tokens: Vec::new(),
+            max_pending: 1000,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -162,7 +197,35 @@ impl TryFrom<Located> for Config {
                 "must be longer than 0s",
             ));
         }
+        if let Some(path) = &raw.enrollment.authorized_keys {
+            if path.trim().is_empty() {
+                return Err(field(
+                    "enrollment.authorized_keys",
+                    path,
+                    "must not be empty (leave it out for none)",
+                ));
+            }
+        }
+        for token in &raw.enrollment.tokens {
+            if token.trim().len() < 8 {
+                // Do not echo a secret back in full, even a short one.
+                return Err(field(
+                    "enrollment.tokens",
+                    "(a token)",
+                    "every token must be at least 8 characters long",
+                ));
+            }
+        }
+        if raw.enrollment.max_pending == 0 {
+            return Err(field("enrollment.max_pending", "0", "must be at least 1"));
+        }
+        let enrollment = EnrollmentConfig {
+            authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
+            tokens: raw.enrollment.tokens,
+            max_pending: raw.enrollment.max_pending,
+        };
         Ok(Config {
+            enrollment,
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
             broker: BrokerConfig {
@@ -235,6 +298,30 @@ mod tests {
         assert_eq!(config.broker.topic_root, "flotilla");
         assert_eq!(config.action_validity, 7 * 86_400);
         assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
+        assert_eq!(config.enrollment.max_pending, 1000);
+        assert!(config.enrollment.tokens.is_empty());
+    }
+
+    #[test]
+    fn enrollment_section_is_validated() {
+        let config = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"0123456789abcdef\"]\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            config.enrollment.authorized_keys,
+            Some(PathBuf::from("/etc/flotilla/devices.keys"))
+        );
+        assert_eq!(config.enrollment.tokens, vec!["0123456789abcdef"]);
+        let err = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"short\"]\n",
+        )
+        .expect_err("short token")
+        .to_string();
+        assert!(
+            err.contains("enrollment.tokens") && !err.contains("short"),
+            "{err}"
+        );
     }
 
     #[test]

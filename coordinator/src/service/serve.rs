@@ -23,10 +23,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
-    Command, ControlReply, ControlRequest, DeviceGroupInfo, StrategyInfo,
+    Command, ControlReply, ControlRequest, DeviceGroupInfo, DeviceSummary, StrategyInfo,
 };
 use flotilla_protocol::{
-    envelope, validate_id, ActionBody, ActionKind, DesiredAction, DeviceId, Message, SignedBlob,
+    envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
+    DeviceMessage, Digest, Message, SignedBlob,
 };
 use flotilla_protocol::{SigningKey, Topic, Topics};
 use rumqttc::{AsyncClient, QoS};
@@ -35,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::service::artifacts::BlockServer;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
+use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
 use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::releases::ReleaseStore;
@@ -46,6 +48,9 @@ use flotilla_rollout::spec::RolloutSpec;
 
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
+
+/// At most one log line per this interval about ignored device messages.
+const IGNORED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Why the service stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +72,12 @@ pub enum ServiceError {
     Save { rollout: String, source: StoreError },
     #[error("the MQTT link to {addr} stopped unexpectedly")]
     LinkClosed { addr: String },
+    #[error("cannot read the authorized device keys {path}: {reason}")]
+    AuthorizedKeys { path: PathBuf, reason: String },
+    #[error("cannot load device enrollments from {path}: {source}")]
+    LoadEnrollments { path: PathBuf, source: StoreError },
+    #[error("cannot persist the enrollment of device {device}: {source}")]
+    SaveEnrollment { device: String, source: StoreError },
 }
 
 /// Seconds since the Unix epoch.
@@ -108,7 +119,28 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             path: db.clone(),
             source,
         })?;
-    tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), data_dir = %config.data_dir.display(), "coordinator starting");
+    let authorized = match &config.enrollment.authorized_keys {
+        None => Vec::new(),
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| enrollment::parse_authorized_keys(&text))
+            .map_err(|reason| ServiceError::AuthorizedKeys {
+                path: path.clone(),
+                reason,
+            })?,
+    };
+    let load_enrollments = |source| ServiceError::LoadEnrollments {
+        path: db.clone(),
+        source,
+    };
+    let registry = Registry::new(
+        store.list_enrollments().map_err(load_enrollments)?,
+        authorized,
+        config.enrollment.tokens.clone(),
+        store.used_tokens().map_err(load_enrollments)?,
+        config.enrollment.max_pending,
+    );
+    tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), enrollments = registry.all().count(), data_dir = %config.data_dir.display(), "coordinator starting");
     let mut engine = Engine::restore(rollouts, SystemZones);
     engine.set_device_groups(groups);
 
@@ -136,6 +168,9 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
+        registry,
+        ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+        release_digests: HashMap::new(),
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -166,6 +201,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
     tracing::info!(
         malformed_payloads = service.malformed,
+        ignored_device_messages = service.ignored.total(),
         "coordinator stopped"
     );
     result
@@ -185,12 +221,71 @@ struct Service {
     validity: u64,
     addr: String,
     malformed: u64,
+    /// Device keys and enrollment: which signed device messages pass.
+    registry: Registry,
+    /// Device messages ignored (unsigned, another key, not accepted…), counted and rate-limited.
+    ignored: IgnoredLog,
+    /// The artifact digests of each release, for deciding who may fetch what.
+    release_digests: HashMap<String, Vec<Digest>>,
 }
 
 impl Service {
     fn reject(&mut self, topic: &str, reason: &str) {
         self.malformed += 1;
         tracing::warn!(%topic, %reason, malformed_total = self.malformed, "ignoring malformed payload");
+    }
+
+    /// Counts an ignored device message; logs at most one line per interval.
+    fn ignore(&mut self, topic: &str, why: Ignored) {
+        if let Some(line) = self.ignored.count(why, topic, std::time::Instant::now()) {
+            tracing::warn!(ignored_total = self.ignored.total(), "{line}");
+        }
+    }
+
+    /// Stores a device's enrollment record; a failure stops the service (an unstored token use
+    /// or revocation would be undone by a restart).
+    fn save_enrollment(&self, device: &str) -> Result<(), ServiceError> {
+        let Some(record) = self.registry.get(device) else {
+            return Ok(());
+        };
+        self.store
+            .save_enrollment(record)
+            .map_err(|source| ServiceError::SaveEnrollment {
+                device: device.to_owned(),
+                source,
+            })
+    }
+
+    /// Whether `device` holds a live action for a release with this artifact.
+    fn may_fetch(&mut self, device: &str, sha256: &Digest) -> bool {
+        let releases: Vec<String> = self
+            .engine
+            .device_releases(device)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        for release in releases {
+            if !self.release_digests.contains_key(&release) {
+                match self.releases.load(&release) {
+                    Ok((_, manifest)) => {
+                        let digests = manifest.artifacts.iter().map(|a| a.sha256).collect();
+                        self.release_digests.insert(release.clone(), digests);
+                    }
+                    Err(e) => {
+                        tracing::error!(%release, error = %e, "cannot check a block request: release unreadable");
+                        continue;
+                    }
+                }
+            }
+            if self
+                .release_digests
+                .get(&release)
+                .is_some_and(|d| d.contains(sha256))
+            {
+                return true;
+            }
+        }
+        false
     }
 
     async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
@@ -228,41 +323,72 @@ impl Service {
                 return Ok(());
             }
         };
+        let blob = match message {
+            Message::Device(blob) => blob,
+            Message::State(_) | Message::Report(_) | Message::Fetch(_) => {
+                self.ignore(topic, Ignored::Unsigned);
+                return Ok(());
+            }
+            other => {
+                let reason = format!("unexpected {} on this topic", other.name());
+                self.reject(topic, &reason);
+                return Ok(());
+            }
+        };
+        let expected = match parsed {
+            Topic::State(_) => "device state",
+            Topic::Report(_) => "report",
+            _ => "block request",
+        };
         let now = now();
-        match (parsed, message) {
-            (Topic::State(_), Message::State(state)) => {
-                if state.device_id != id.as_str() {
-                    let reason = format!(
-                        "state claims device {:?} on device {id}'s topic",
-                        state.device_id
-                    );
-                    self.reject(topic, &reason);
-                    return Ok(());
-                }
+        let verdict = self.registry.observe(id.as_str(), expected, &blob, now);
+        if let Some(token) = &verdict.used_token {
+            self.store
+                .use_token(token, now)
+                .map_err(|source| ServiceError::SaveEnrollment {
+                    device: id.to_string(),
+                    source,
+                })?;
+        }
+        if verdict.changed {
+            self.save_enrollment(id.as_str())?;
+        }
+        if let Some(note) = &verdict.note {
+            tracing::info!(device = %id, "{note}");
+        }
+        if let Some(why) = verdict.ignored {
+            self.ignore(topic, why);
+        }
+        let Some(message) = verdict.accepted else {
+            return Ok(());
+        };
+        // Only now, signed by the device's accepted key, does anything reach the engine: a
+        // forged report's seq never counts.
+        match message {
+            DeviceMessage::State { state, .. } => {
                 let effects = self.engine.observe_state(state, now);
                 self.apply(effects).await
             }
-            (Topic::Report(_), Message::Report(report)) => {
-                if report.device_id != id.as_str() {
-                    let reason = format!(
-                        "report claims device {:?} on device {id}'s topic",
-                        report.device_id
-                    );
-                    self.reject(topic, &reason);
-                    return Ok(());
-                }
+            DeviceMessage::Report(report) => {
                 let effects = self.engine.observe_report(report, now);
                 self.apply(effects).await
             }
-            (Topic::Fetch(_), Message::Fetch(request)) => {
-                let reply = self.blocks.serve(&request);
+            DeviceMessage::Fetch { request, .. } => {
+                let reply = if self.may_fetch(id.as_str(), &request.sha256) {
+                    self.blocks.serve(&request)
+                } else {
+                    self.ignore(topic, Ignored::NoAction);
+                    BlockReply::Unavailable {
+                        sha256: request.sha256,
+                        offset: request.offset,
+                        reason: format!(
+                            "device {id} holds no action for artifact {}",
+                            flotilla_protocol::hex::encode(&request.sha256)
+                        ),
+                    }
+                };
                 let bytes = envelope::encode(&Message::Block(reply));
                 self.publish(self.topics.block(&id), false, bytes).await
-            }
-            (_, other) => {
-                let reason = format!("unexpected {} on this topic", other.name());
-                self.reject(topic, &reason);
-                Ok(())
             }
         }
     }
@@ -402,7 +528,39 @@ impl Service {
                 None => Err(format!("no rollout named {name:?}")),
             },
             Command::RolloutStatus { rollout: None } => value(json(&self.engine.statuses())),
-            Command::ListDevices => value(json(&self.engine.devices())),
+            Command::ListDevices => value(json(&self.device_list())),
+            Command::PendingDevices => value(json(&self.registry.pending())),
+            Command::AcceptDevice { device, key } => {
+                let state = self.registry.accept(&device, key.as_deref(), now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device accepted by an operator");
+                let effects = match state {
+                    Some(state) => self.engine.observe_state(state, now),
+                    None => Vec::new(),
+                };
+                let info = self.registry.info(&device);
+                Ok((effects, Answer::Value(json(&info))))
+            }
+            Command::RejectDevice { device, key } => {
+                self.registry.reject(&device, key.as_deref(), now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device key rejected by an operator");
+                value(json(&self.registry.info(&device)))
+            }
+            Command::RevokeDevice { device } => {
+                self.registry.revoke(&device, now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device revoked by an operator");
+                // It leaves the rollouts not yet finished and its retained topics are cleared.
+                let effects = match self.engine.delete_device(&device, now) {
+                    Ok(effects) => effects,
+                    Err(_) => vec![Effect::Forget {
+                        device: device.clone(),
+                    }],
+                };
+                let info = self.registry.info(&device);
+                Ok((effects, Answer::Value(json(&info))))
+            }
             Command::ListReleases => self
                 .releases
                 .summaries()
@@ -464,6 +622,39 @@ impl Service {
                 value(json(&group_info(&group)))
             }
         }
+    }
+
+    /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
+    /// operator, each with its enrollment status. Devices that are not accepted show what their
+    /// last state claims, never online.
+    fn device_list(&self) -> Vec<DeviceSummary> {
+        let mut devices = self.engine.devices();
+        for d in &mut devices {
+            d.enrollment = self.registry.status_text(&d.id);
+        }
+        let known: std::collections::BTreeSet<String> =
+            devices.iter().map(|d| d.id.clone()).collect();
+        for record in self.registry.all() {
+            if known.contains(&record.device) {
+                continue;
+            }
+            let Some(info) = self.registry.info(&record.device) else {
+                continue;
+            };
+            devices.push(DeviceSummary {
+                id: record.device.clone(),
+                hardware_id: info.hardware_id.unwrap_or_default(),
+                labels: info.labels,
+                online: false,
+                installed: None,
+                rollout: None,
+                phase: None,
+                reason: None,
+                enrollment: self.registry.status_text(&record.device),
+            });
+        }
+        devices.sort_by(|a, b| a.id.cmp(&b.id));
+        devices
     }
 
     /// Gives the engine the stored device groups, all of them.
@@ -880,6 +1071,9 @@ mod tests {
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
+            registry: Registry::default(),
+            ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+            release_digests: HashMap::new(),
         };
         service
             .apply(vec![Effect::Forget {

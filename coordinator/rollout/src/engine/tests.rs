@@ -763,3 +763,17 @@ fn a_hundred_thousand_devices_finish() {
         .iter()
         .all(|g| g.state == GroupState::Finished && g.counts.ready == N / 4));
 }
+
+#[test]
+fn device_releases_name_only_devices_with_a_live_action() {
+    let mut sim = Sim::new(4, no_labels);
+    assert!(sim.engine.device_releases("dev-000").is_empty());
+    sim.create_and_start("[groups]\ncount = 2\n");
+    // The first group's devices were sent the release; the second group's were not yet.
+    assert_eq!(sim.engine.device_releases("dev-000"), vec!["fw-2.4.0"]);
+    assert!(sim.engine.device_releases("dev-002").is_empty());
+    assert!(sim.engine.device_releases("nobody").is_empty());
+    // Once the device is done with it, the action is no longer live.
+    sim.report("dev-000", failed());
+    assert!(sim.engine.device_releases("dev-000").is_empty());
+}
