@@ -148,12 +148,9 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
     let (host, port) = config.connect_to();
-    let options = LinkOptions::new(
-        &host,
-        port,
-        "flotilla-coordinator",
-        topics.coordinator_filters(),
-    );
+    let mut filters = topics.coordinator_filters();
+    filters.push(topics.desired_filter());
+    let options = LinkOptions::new(&host, port, "flotilla-coordinator", filters);
     let mut link = mqtt::start(options, link_token.clone());
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
@@ -171,6 +168,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         registry,
         ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
         release_digests: HashMap::new(),
+        holdings: HashMap::new(),
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -227,6 +225,10 @@ struct Service {
     ignored: IgnoredLog,
     /// The artifact digests of each release, for deciding who may fetch what.
     release_digests: HashMap<String, Vec<Digest>>,
+    /// Device id -> the artifacts of the install its retained desired action (signed with this
+    /// coordinator's key) names: what it published itself, and what it reads back from the
+    /// retained `desired` topics (after a restart, or another instance with the same key).
+    holdings: HashMap<String, Vec<Digest>>,
 }
 
 impl Service {
@@ -256,8 +258,57 @@ impl Service {
             })
     }
 
-    /// Whether `device` holds a live action for a release with this artifact.
+    /// Records which artifacts `device` may fetch under the desired action `body`: those of
+    /// an install, none for anything else (nothing, cancel, rollback to a kept release).
+    fn hold(&mut self, device: &str, body: &ActionBody) {
+        let digests = match body {
+            ActionBody::Install { manifest, .. } => envelope::from_bytes::<
+                flotilla_protocol::ReleaseManifest,
+            >(
+                "release manifest", &manifest.payload
+            )
+            .map(|m| m.artifacts.iter().map(|a| a.sha256).collect::<Vec<_>>())
+            .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        if digests.is_empty() {
+            self.holdings.remove(device);
+        } else {
+            self.holdings.insert(device.to_owned(), digests);
+        }
+    }
+
+    /// A retained desired action read back from the broker: only one signed with this
+    /// coordinator's key, for the device of its topic, counts.
+    fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) {
+        if payload.is_empty() {
+            self.holdings.remove(id.as_str());
+            return;
+        }
+        let Ok(Message::Desired(blob)) = envelope::decode(payload) else {
+            return;
+        };
+        let Ok(bytes) = blob.verify("desired action", &[self.key.verifying_key()]) else {
+            return;
+        };
+        let Ok(action) = envelope::from_bytes::<DesiredAction>("desired action", bytes) else {
+            return;
+        };
+        if action.device_id == id.as_str() {
+            self.hold(id.as_str(), &action.body);
+        }
+    }
+
+    /// Whether `device` holds an action for a release with this artifact: its retained desired
+    /// action installs it, or it has a live slot in an active rollout of such a release.
     fn may_fetch(&mut self, device: &str, sha256: &Digest) -> bool {
+        if self
+            .holdings
+            .get(device)
+            .is_some_and(|held| held.contains(sha256))
+        {
+            return true;
+        }
         let releases: Vec<String> = self
             .engine
             .device_releases(device)
@@ -309,6 +360,11 @@ impl Service {
         let id = match &parsed {
             Topic::ControlRequest => return self.on_control(topic, payload).await,
             Topic::State(id) | Topic::Report(id) | Topic::Fetch(id) => id.clone(),
+            Topic::Desired(id) => {
+                let id = id.clone();
+                self.on_desired(&id, payload);
+                return Ok(());
+            }
             // Not subscribed to; a broker that forwards it anyway is not worth an error.
             _ => return Ok(()),
         };
@@ -732,6 +788,7 @@ impl Service {
                         tracing::error!(%device, "engine asked to forget an invalid device id; skipped");
                         continue;
                     };
+                    self.holdings.remove(&device);
                     // An empty retained payload deletes the retained message: a device that
                     // comes back finds no stale action, and nobody sees a stale state.
                     self.publish(self.topics.desired(&id), true, Vec::new())
@@ -804,6 +861,7 @@ impl Service {
             expires_at: now.saturating_add(self.validity),
             body,
         };
+        self.hold(device, &action.body);
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
         let bytes = envelope::encode(&Message::Desired(blob));
         self.publish(self.topics.desired(&id), true, bytes).await
@@ -1074,6 +1132,7 @@ mod tests {
             registry: Registry::default(),
             ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
             release_digests: HashMap::new(),
+            holdings: HashMap::new(),
         };
         service
             .apply(vec![Effect::Forget {
