@@ -16,9 +16,8 @@ pub struct WatchedMessage {
 }
 
 impl WatchedMessage {
-    /// The device-facing message, if this is one.
-    /// The decoded message; a signed device message is shown as its content
-    /// ([`flotilla_protocol::device::plain`]).
+    /// The device-facing message, if this is one; a signed device message is shown as its
+    /// content ([`flotilla_protocol::device::plain`]).
     pub fn decode(&self) -> Option<Message> {
         envelope::decode(&self.payload)
             .ok()
