@@ -69,6 +69,18 @@ pub fn load_or_create(data_dir: &Path) -> Result<SigningKey, IdentityError> {
     }
 }
 
+/// The device's public key in hex, making the key (and the data directory) on first use.
+pub fn public_key(data_dir: &Path) -> Result<String, IdentityError> {
+    std::fs::create_dir_all(data_dir).map_err(|source| IdentityError::Write {
+        path: data_dir.to_owned(),
+        source,
+    })?;
+    let key = load_or_create(data_dir)?;
+    Ok(flotilla_protocol::hex::encode(
+        key.verifying_key().as_bytes(),
+    ))
+}
+
 fn narrow_permissions(path: &Path) -> Result<(), IdentityError> {
     let error = |source| IdentityError::Permissions {
         path: path.to_owned(),
@@ -117,6 +129,10 @@ mod tests {
         let other = tempfile::tempdir().expect("tempdir");
         let second = load_or_create(other.path()).expect("made");
         assert_ne!(second.to_bytes(), first.to_bytes());
+        assert_eq!(
+            public_key(dir.path()).expect("public key"),
+            flotilla_protocol::hex::encode(first.verifying_key().as_bytes())
+        );
     }
 
     #[test]
