@@ -371,12 +371,12 @@ impl Registry {
                     }
                 }
                 Status::Pending => {
-                    let mut verdict = Verdict::ignored(Ignored::Pending);
+                    // Kept in memory only: the retained state comes back after a restart, and a
+                    // flood of states must not become a flood of store flushes.
                     if is_state {
                         record.waiting_state = Some(blob.clone());
-                        verdict.changed = true;
                     }
-                    verdict
+                    Verdict::ignored(Ignored::Pending)
                 }
                 Status::Rejected => Verdict::ignored(Ignored::Rejected),
                 Status::Revoked => Verdict::ignored(Ignored::Revoked),
@@ -400,33 +400,32 @@ impl Registry {
                 used_token: token,
                 note: Some(format!(
                     "device {topic_device} changed key from {} to {}, enrolled by {}",
-                    &old[..16],
+                    old.get(..16).unwrap_or(&old),
                     device::fingerprint(&key.to_bytes()),
                     via.replace('_', " ")
                 )),
                 ignored: None,
             };
         }
+        // The latest claimant waits (the operator pins the key to accept with --key). Only the
+        // first new key is stored and logged: keys that keep changing stay in memory, so
+        // alternating made-up keys cannot turn into store flushes and log lines.
         let mut verdict = Verdict::ignored(Ignored::OtherKey);
+        record.waiting_state = Some(blob.clone());
         if record.status == Status::Pending {
-            // Never accepted: the latest claimant waits; the operator pins a key with --key.
             record.key = key_hex;
             record.since = now;
-            record.waiting_state = Some(blob.clone());
-            verdict.changed = true;
-        } else if record.new_key.as_deref() != Some(&key_hex) {
-            verdict.note = Some(format!(
-                "device {topic_device} ({}) shows a new key {}; it stays {} with its old key until an operator accepts or rejects the new one",
-                record.status.name(),
-                device::fingerprint(&key.to_bytes()),
-                record.status.name()
-            ));
-            record.new_key = Some(key_hex);
-            record.waiting_state = Some(blob.clone());
-            verdict.changed = true;
         } else {
-            record.waiting_state = Some(blob.clone());
-            verdict.changed = true;
+            if record.new_key.is_none() {
+                verdict.note = Some(format!(
+                    "device {topic_device} ({}) shows a new key {}; it stays {} with its old key until an operator accepts or rejects the new one",
+                    record.status.name(),
+                    device::fingerprint(&key.to_bytes()),
+                    record.status.name()
+                ));
+                verdict.changed = true;
+            }
+            record.new_key = Some(key_hex);
         }
         verdict
     }

@@ -11,6 +11,12 @@
 //! artifact block server, and signing desired actions with the coordinator key. A malformed
 //! payload is logged with its topic and reason, counted, and skipped; it never stops the loop.
 //!
+//! Nothing a device sends reaches the engine unverified: states, reports and block requests are
+//! signed device messages, checked against the device's enrolled key by the enrollment
+//! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
+//! else is ignored and counted, with at most one log line per interval. Blocks go only to
+//! devices that hold an action for the artifact.
+//!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
 //! the service keeps in its own store rather than in the engine: staged update strategies (TOML

@@ -1,6 +1,6 @@
 //! Persistence in sled, so a restarted coordinator continues where it stopped.
 //!
-//! Three trees, each keyed by name with the JSON of one record as the value:
+//! Five trees, each keyed by name with the JSON of one record as the value:
 //!
 //! ```text
 //! rollouts       rollout name  -> Rollout          (engine state)
