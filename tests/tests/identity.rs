@@ -548,3 +548,44 @@ async fn a_preauthorized_key_or_a_token_enrolls_without_an_operator() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_for_a_known_device_waits_for_an_operator() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_coordinator();
+    site.add_agent("dev-x", &[("env", "test")], AgentOptions::default());
+    site.wait_devices(1).await;
+    wait_enrollment(&site, "dev-x", "accepted").await;
+    let old = site.device_key("dev-x").expect("key");
+
+    // Re-imaged: the agent loses its key and makes a new one. Its token is used up, so the new
+    // key is not accepted by itself; the device stays accepted with the old key meanwhile.
+    site.kill_agent("dev-x");
+    fs::remove_file(site.path("agents/dev-x/data/device.key")).expect("remove key");
+    site.start_agent("dev-x");
+    wait_enrollment(&site, "dev-x", "accepted, new key pending").await;
+    let new = site.device_key("dev-x").expect("new key");
+    assert_ne!(new, old);
+    let pending = site.flotilla(&["devices", "pending"]);
+    assert!(
+        pending.contains("dev-x") && pending.contains(&new),
+        "{pending}"
+    );
+
+    // Accepting some other key fails; accepting the key the device shows works, and the
+    // device's reports (signed with it) now count.
+    let wrong = site.flotilla_output(&["devices", "accept", "dev-x", "--key", &old]);
+    assert!(
+        !wrong.status.success(),
+        "the old key is not the waiting one"
+    );
+    let out = site.flotilla(&["devices", "accept", "dev-x", "--key", &new]);
+    assert!(out.contains("dev-x is accepted"), "{out}");
+    site.create_and_start(&one_group("after-rekey", "fw-2"))
+        .await;
+    site.wait_status("after-rekey", "the rollout to finish", WAIT, |s| {
+        s.state == "finished" && s.groups[0].ready == 1
+    })
+    .await;
+}
