@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use flotilla_protocol::{envelope, ActionBody, DesiredAction, Message, SignedBlob};
+use flotilla_protocol::{ActionBody, DesiredAction, SignedBlob, SigningKey};
 use flotilla_targets::{AbTarget, FileTarget, ScriptTarget, TargetError, UpdateTarget};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ConfigError, TargetKind};
 use crate::error::AgentError;
 use crate::fetch::FetchInput;
+use crate::identity;
 use crate::link::{self, LinkEvent, Outgoing};
 use crate::machine::{self, ActionIo, Env};
 use crate::record::{ActionRecord, State};
@@ -79,7 +80,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         source,
     })?;
     let link_shutdown = CancellationToken::new();
-    let (link, mut events) = link::start(&config, link_shutdown.clone());
+    let key = identity::load_or_create(&config.data_dir)?;
+    let (link, mut events) = link::start(
+        &config,
+        link::Signer::new(&config, key),
+        link_shutdown.clone(),
+    );
     let env = Arc::new(Env {
         targets,
         config: Arc::new(config),
@@ -434,7 +440,8 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
     }
 }
 
-/// The retained payload the agent publishes as its last will (for tests and tools).
-pub fn last_will_payload(config: &Config) -> Vec<u8> {
-    envelope::encode(&Message::State(link::offline_state(config)))
+/// The retained payload the agent publishes as its last will, signed with `key` (for tests and
+/// tools).
+pub fn last_will_payload(config: &Config, key: SigningKey) -> Vec<u8> {
+    link::Signer::new(config, key).state(link::offline_state(config))
 }

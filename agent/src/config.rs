@@ -49,6 +49,9 @@ pub struct Config {
     pub device_id: DeviceId,
     pub hardware_id: String,
     pub data_dir: PathBuf,
+    /// A one-time enrollment token the coordinator lists: the first state signed with this
+    /// device's key carries a proof of it and is accepted without an operator.
+    pub enrollment_token: Option<String>,
     pub broker: BrokerConfig,
     /// Sorted by key, as published in the device state.
     pub labels: Vec<(String, String)>,
@@ -157,6 +160,8 @@ struct RawConfig {
     device_id: String,
     hardware_id: String,
     data_dir: PathBuf,
+    #[serde(default)]
+    enrollment_token: Option<String>,
     broker: RawBroker,
     #[serde(default)]
     labels: BTreeMap<String, String>,
@@ -357,6 +362,14 @@ impl TryFrom<RawConfig> for Config {
         if raw.data_dir.as_os_str().is_empty() {
             return Err(invalid("data_dir", "must not be empty"));
         }
+        if let Some(token) = &raw.enrollment_token {
+            if token.trim().is_empty() {
+                return Err(invalid(
+                    "enrollment_token",
+                    "must not be empty (leave it out to enroll through an operator)",
+                ));
+            }
+        }
 
         if raw.broker.host.trim().is_empty() {
             return Err(invalid("broker.host", "must not be empty"));
@@ -527,6 +540,7 @@ impl TryFrom<RawConfig> for Config {
             device_id,
             hardware_id: raw.hardware_id,
             data_dir: raw.data_dir,
+            enrollment_token: raw.enrollment_token,
             broker,
             labels: raw.labels.into_iter().collect(),
             trust,

@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 
 use crate::config::ConfigError;
+use crate::identity::IdentityError;
 use crate::store::StoreError;
 
 /// Why the agent stopped or could not start.
@@ -28,6 +29,9 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The device key (`<data_dir>/device.key`) cannot be read or made.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
     #[error("cannot write trust file {path}: {source}")]
     WriteTrustFile {
         path: PathBuf,

@@ -30,7 +30,7 @@
 //! fetch   health   link   consent    what a step uses: blocks, health checks, MQTT, consent
 //! trust   status   error             trust checks, keys install; status view; AgentError
 //! store                              sled, and opening the agent's state
-//! record  trust_state                persisted data: action records; the trust state
+//! record  trust_state  identity      persisted data: action records; the trust state; device key
 //! config  fault                      used from every layer
 //! ```
 //!
@@ -49,6 +49,7 @@
 //!   outbox, trust mirror; [`store::open_data_dir`] opens it with the trust state.
 //! - [`record`]: the persisted records of an action: its state, action record, rollback point.
 //! - `trust_state` (private, re-exported by [`trust`]): the trust state and the trust file.
+//! - [`identity`]: the device's own key (`<data_dir>/device.key`), which signs what it sends.
 //! - [`config`]: the TOML configuration, validated into [`Config`].
 //! - [`fault`]: `FLOTILLA_FAULT`, crash points for crash-safety tests.
 //!
@@ -98,6 +99,7 @@ pub mod error;
 pub mod fault;
 pub mod fetch;
 pub mod health;
+pub mod identity;
 pub mod link;
 pub mod machine;
 pub mod record;

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    envelope, BlockReply, BlockRequest, DeviceId, DeviceState, Message, Report, SignedBlob, Topic,
-    Topics, MAX_PACKET_SIZE,
+    device, envelope, BlockReply, BlockRequest, DeviceId, DeviceMessage, DeviceState, Digest,
+    Message, Report, SignedBlob, SigningKey, Topic, Topics, MAX_PACKET_SIZE,
 };
 use rumqttc::{AsyncClient, Event, LastWill, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
@@ -101,9 +101,53 @@ pub fn offline_state(config: &Config) -> DeviceState {
     }
 }
 
-/// Starts the link's tasks. They stop when `shutdown` is cancelled.
+/// Signs what the device sends with its own key ([`crate::identity`]).
+#[derive(Clone)]
+pub struct Signer {
+    key: SigningKey,
+    /// Proof of the configured enrollment token, carried in every state.
+    enrollment: Option<Digest>,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the secret key.
+        f.debug_struct("Signer")
+            .field(
+                "key",
+                &flotilla_protocol::hex::encode(self.key.verifying_key().as_bytes()),
+            )
+            .finish()
+    }
+}
+
+impl Signer {
+    pub fn new(config: &Config, key: SigningKey) -> Self {
+        let enrollment = config.enrollment_token.as_deref().map(|token| {
+            device::enrollment_proof(token, config.device_id.as_str(), &key.verifying_key())
+        });
+        Self { key, enrollment }
+    }
+
+    /// The envelope bytes of a signed state.
+    pub fn state(&self, state: DeviceState) -> Vec<u8> {
+        self.encode(&DeviceMessage::State {
+            state,
+            enrollment: self.enrollment,
+        })
+    }
+
+    /// The envelope bytes of a signed device message.
+    pub fn encode(&self, message: &DeviceMessage) -> Vec<u8> {
+        envelope::encode(&Message::Device(device::sign(&self.key, message)))
+    }
+}
+
+/// Starts the link's tasks. They stop when `shutdown` is cancelled. Everything the link sends
+/// is signed by `signer`.
 pub fn start(
     config: &Config,
+    signer: Signer,
     shutdown: CancellationToken,
 ) -> (LinkHandle, mpsc::Receiver<LinkEvent>) {
     let topics = Topics::new(&config.broker.topic_root);
@@ -119,7 +163,7 @@ pub fn start(
         .set_max_packet_size(MAX_PACKET_SIZE, MAX_PACKET_SIZE)
         .set_last_will(LastWill::new(
             topics.state(&id),
-            envelope::encode(&Message::State(offline_state(config))),
+            signer.state(offline_state(config)),
             QoS::AtLeastOnce,
             true,
         ));
@@ -131,6 +175,7 @@ pub fn start(
 
     tokio::spawn(writer(
         client.clone(),
+        signer,
         topics.clone(),
         id.clone(),
         out_rx,
@@ -158,8 +203,10 @@ pub fn start(
 /// Which queued publish was which report, in queue order.
 type Tags = Arc<Mutex<VecDeque<Option<u64>>>>;
 
+#[allow(clippy::too_many_arguments)]
 async fn writer(
     client: AsyncClient,
+    signer: Signer,
     topics: Topics,
     id: DeviceId,
     mut rx: mpsc::Receiver<Outgoing>,
@@ -180,15 +227,36 @@ async fn writer(
                 }
                 continue;
             }
-            Outgoing::Report(r) => (topics.report(&id), false, Some(r.seq), Message::Report(r)),
-            Outgoing::State(s) => (topics.state(&id), true, None, Message::State(s)),
-            Outgoing::Fetch(f) => (topics.fetch(&id), false, None, Message::Fetch(f)),
+            Outgoing::Report(r) => (
+                topics.report(&id),
+                false,
+                Some(r.seq),
+                DeviceMessage::Report(r),
+            ),
+            Outgoing::State(state) => (
+                topics.state(&id),
+                true,
+                None,
+                DeviceMessage::State {
+                    state,
+                    enrollment: signer.enrollment,
+                },
+            ),
+            Outgoing::Fetch(request) => (
+                topics.fetch(&id),
+                false,
+                None,
+                DeviceMessage::Fetch {
+                    device_id: id.to_string(),
+                    request,
+                },
+            ),
         };
         if let Ok(mut t) = tags.lock() {
             t.push_back(tag);
         }
         if let Err(e) = client
-            .publish(topic, QoS::AtLeastOnce, retain, envelope::encode(&payload))
+            .publish(topic, QoS::AtLeastOnce, retain, signer.encode(&payload))
             .await
         {
             tracing::warn!("cannot queue {}: {e}", payload.name());

@@ -28,6 +28,12 @@ enum Command {
     },
     /// Print the commented default configuration.
     PrintDefaultConfig,
+    /// Print this device's public key (hex), making the key on first use, so an operator can
+    /// pre-authorize it or compare it before `flotilla devices accept --key`.
+    Identity {
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Show the installed release and the current action (no broker). Works while the agent
     /// runs: it then shows the status as of the agent's last report.
     Status {
@@ -84,6 +90,12 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::PrintDefaultConfig => {
             print!("{}", flotilla_agent::DEFAULT_CONFIG);
+            Ok(())
+        }
+        Command::Identity { config } => {
+            let config = flotilla_agent::Config::load(&config)?;
+            let key = flotilla_agent::identity::public_key(&config.data_dir)?;
+            println!("{key}");
             Ok(())
         }
         Command::CheckConfig { config } => {

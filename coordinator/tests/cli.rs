@@ -184,6 +184,15 @@ fn help_lists_the_operations_commands() {
             "{command} missing from:\n{help}"
         );
     }
+    let devices = ok(&["devices", "--help"]);
+    for command in ["pending", "accept", "reject", "revoke", "delete"] {
+        assert!(
+            devices
+                .lines()
+                .any(|l| l.trim_start().starts_with(&format!("{command} "))),
+            "{command} missing from:\n{devices}"
+        );
+    }
     let rollout = ok(&["rollout", "--help"]);
     assert!(
         rollout.contains("next") && rollout.contains("retry"),

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use flotilla_coordinator::cli::client::ControlClient;
-use flotilla_coordinator::service::config::{BrokerConfig, Config, OperatorConfig};
+use flotilla_coordinator::service::config::{
+    BrokerConfig, Config, EnrollmentConfig, OperatorConfig,
+};
 use flotilla_coordinator::service::keys;
 use flotilla_coordinator::service::releases::{NewRelease, ReleaseStore};
 use flotilla_coordinator::service::store::Store;
@@ -21,6 +23,22 @@ use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(20);
+
+/// The one-time enrollment token the fake device enrolls with.
+const TOKEN: &str = "service-test-token";
+
+/// The fake device's own key.
+fn device_key() -> flotilla_protocol::SigningKey {
+    flotilla_protocol::SigningKey::from_bytes(&[42; 32])
+}
+
+/// A device message signed by the fake device, in its envelope.
+fn signed(message: &flotilla_protocol::DeviceMessage) -> Vec<u8> {
+    envelope::encode(&Message::Device(flotilla_protocol::device::sign(
+        &device_key(),
+        message,
+    )))
+}
 
 fn now() -> u64 {
     std::time::SystemTime::now()
@@ -84,6 +102,11 @@ fn harness() -> Harness {
             key: operator().verifying_key(),
         }],
         clock_window: 60,
+        enrollment: EnrollmentConfig {
+            authorized_keys: None,
+            tokens: vec![TOKEN.into()],
+            max_pending: 10,
+        },
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {
@@ -152,7 +175,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
             topics.state(&id),
             QoS::AtLeastOnce,
             true,
-            envelope::encode(&Message::State(state)),
+            signed(&flotilla_protocol::DeviceMessage::State {
+                state,
+                enrollment: Some(flotilla_protocol::device::enrollment_proof(
+                    TOKEN,
+                    "dev-1",
+                    &device_key().verifying_key(),
+                )),
+            }),
         )
         .await
         .expect("queue");
@@ -289,18 +319,16 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
         .subscribe(topics.block(&id), QoS::AtLeastOnce)
         .await
         .expect("queue");
-    let fetch = Message::Fetch(flotilla_protocol::BlockRequest {
-        sha256,
-        offset: 4,
-        length: 1000,
-    });
+    let fetch = flotilla_protocol::DeviceMessage::Fetch {
+        device_id: "dev-1".into(),
+        request: flotilla_protocol::BlockRequest {
+            sha256,
+            offset: 4,
+            length: 1000,
+        },
+    };
     device
-        .publish(
-            topics.fetch(&id),
-            QoS::AtLeastOnce,
-            false,
-            envelope::encode(&fetch),
-        )
+        .publish(topics.fetch(&id), QoS::AtLeastOnce, false, signed(&fetch))
         .await
         .expect("queue");
     let block = tokio::time::timeout(WAIT, async {

@@ -128,6 +128,53 @@ pub enum Command {
     },
     /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`].
     ListApprovals,
+    /// Devices waiting for an operator: new devices, and new keys of known devices.
+    /// Result: a list of [`EnrollmentInfo`], in device order.
+    PendingDevices,
+    /// Accept a pending device (or the new key of a known one). `key`, the full hex key or its
+    /// first 16 hex digits, pins which key is accepted: the request fails if another key is
+    /// waiting. Result: the [`EnrollmentInfo`], now accepted.
+    AcceptDevice {
+        device: String,
+        #[serde(default)]
+        key: Option<String>,
+    },
+    /// Reject a pending device, or the new key of an accepted one (which stays accepted with
+    /// its old key). Result: the [`EnrollmentInfo`].
+    RejectDevice {
+        device: String,
+        #[serde(default)]
+        key: Option<String>,
+    },
+    /// Revoke an accepted device: everything it signs is ignored from now on, it leaves the
+    /// rollouts not yet finished and its retained topics are cleared. Result: the
+    /// [`EnrollmentInfo`], now revoked.
+    RevokeDevice {
+        device: String,
+    },
+}
+
+/// A device's enrollment: which key the coordinator knows for it and whether it is accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnrollmentInfo {
+    pub device: String,
+    /// pending, accepted, rejected or revoked.
+    pub status: String,
+    /// The device's key (hex) this status is about.
+    pub key: String,
+    /// How an accepted device was accepted: operator, token or authorized_key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub via: Option<String>,
+    /// Unix seconds of the last status change.
+    pub since: u64,
+    /// Another key (hex) that signed a state for this device and waits for an operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_key: Option<String>,
+    /// What the waiting key's last state claims (not trusted until accepted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware_id: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The answer to a control request.
@@ -272,6 +319,10 @@ pub struct DeviceSummary {
     pub phase: Option<String>,
     /// Reason of a failed or refused action.
     pub reason: Option<String>,
+    /// accepted, pending, rejected or revoked (`accepted, new key pending` when another key
+    /// waits for an operator). Absent from older coordinators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enrollment: Option<String>,
 }
 
 /// A release the coordinator holds.

@@ -26,6 +26,10 @@ pub enum Message {
     State(DeviceState),
     Fetch(BlockRequest),
     Block(BlockReply),
+    /// A [`DeviceMessage`](crate::DeviceMessage) signed with the device's own key, on the
+    /// device's `state`, `report` or `fetch` topic. Replaces the unsigned `Report`, `State` and
+    /// `Fetch`, which a coordinator ignores.
+    Device(SignedBlob),
 }
 
 impl Message {
@@ -37,6 +41,7 @@ impl Message {
             Message::State(_) => "device state",
             Message::Fetch(_) => "block request",
             Message::Block(_) => "block reply",
+            Message::Device(_) => "signed device message",
         }
     }
 }

@@ -23,6 +23,7 @@
 //! ```
 
 pub mod control;
+pub mod device;
 pub mod envelope;
 pub mod hex;
 pub mod ids;
@@ -32,6 +33,7 @@ pub mod operator;
 pub mod signing;
 pub mod topics;
 
+pub use device::DeviceMessageError;
 pub use envelope::{DecodeError, Message, MAX_PACKET_SIZE, PROTOCOL_VERSION};
 pub use ids::{validate_id, DeviceId, IdError};
 pub use keys::{KeyRing, KeysDocument, KeysError};

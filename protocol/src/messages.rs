@@ -238,3 +238,44 @@ pub enum BlockReply {
         reason: String,
     },
 }
+
+/// What a device signs with its own key: every state, report and block request it sends
+/// travels as the postcard bytes of one of these inside a [`SignedBlob`], wrapped in
+/// [`Message::Device`](crate::Message::Device). See [`crate::device`] for signing and checking.
+///
+/// Each variant names the device it speaks for, so a signed message cannot be moved to another
+/// device's topic, and the variant names its kind, so a signed report cannot pass as a state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceMessage {
+    /// The device's retained state. `enrollment` proves knowledge of a one-time enrollment
+    /// token without revealing it ([`crate::device::enrollment_proof`]).
+    State {
+        state: DeviceState,
+        enrollment: Option<Digest>,
+    },
+    Report(Report),
+    Fetch {
+        device_id: String,
+        request: BlockRequest,
+    },
+}
+
+impl DeviceMessage {
+    /// The device the message speaks for.
+    pub fn device_id(&self) -> &str {
+        match self {
+            DeviceMessage::State { state, .. } => &state.device_id,
+            DeviceMessage::Report(r) => &r.device_id,
+            DeviceMessage::Fetch { device_id, .. } => device_id,
+        }
+    }
+
+    /// The message's name, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceMessage::State { .. } => "device state",
+            DeviceMessage::Report(_) => "report",
+            DeviceMessage::Fetch { .. } => "block request",
+        }
+    }
+}

@@ -171,6 +171,10 @@ impl Command {
             Command::ListGroups => "list_groups",
             Command::DeleteGroup { .. } => "delete_group",
             Command::ListApprovals => "list_approvals",
+            Command::PendingDevices => "pending_devices",
+            Command::AcceptDevice { .. } => "accept_device",
+            Command::RejectDevice { .. } => "reject_device",
+            Command::RevokeDevice { .. } => "revoke_device",
         }
     }
 
@@ -183,7 +187,8 @@ impl Command {
             | Command::ListApprovals
             | Command::ListStrategies
             | Command::ShowStrategy { .. }
-            | Command::ListGroups => Role::Viewer,
+            | Command::ListGroups
+            | Command::PendingDevices => Role::Viewer,
             Command::CreateRollout { .. }
             | Command::StartRollout { .. }
             | Command::PauseRollout { .. }
@@ -193,6 +198,9 @@ impl Command {
             | Command::TriggerNext { .. }
             | Command::RetryRollout { .. } => Role::Operator,
             Command::DeleteDevice { .. }
+            | Command::AcceptDevice { .. }
+            | Command::RejectDevice { .. }
+            | Command::RevokeDevice { .. }
             | Command::CreateStrategy { .. }
             | Command::CreateGroup { .. }
             | Command::DeleteGroup { .. } => Role::Admin,

@@ -112,6 +112,12 @@ impl Topics {
         ]
     }
 
+    /// Every device's `desired` topic: the coordinator reads back the retained desired actions
+    /// (its own, signed with its key) to know which artifacts each device may fetch.
+    pub fn desired_filter(&self) -> String {
+        format!("{}/devices/+/desired", self.prefix)
+    }
+
     /// Subscription filters for one agent.
     pub fn agent_filters(&self, id: &DeviceId) -> Vec<String> {
         vec![self.desired(id), self.block(id)]

@@ -7,8 +7,8 @@ mod samples;
 use flotilla_protocol::control::ControlRequest;
 use flotilla_protocol::operator::{check_reply_to, SignedRequest};
 use flotilla_protocol::{
-    envelope, keys, DesiredAction, KeyRing, KeysDocument, MultiSignedBlob, ReleaseManifest,
-    SigningKey, Topics,
+    device, envelope, keys, DesiredAction, DeviceMessage, KeyRing, KeysDocument, Message,
+    MultiSignedBlob, ReleaseManifest, SigningKey, Topics,
 };
 
 /// A small deterministic generator so failures reproduce.
@@ -37,6 +37,11 @@ fn decode_all(bytes: &[u8]) {
         }
     }
     let _ = envelope::from_bytes::<KeysDocument>("keys document", bytes);
+    let _ = envelope::from_bytes::<DeviceMessage>("device message", bytes);
+    if let Ok(Message::Device(blob)) = envelope::decode(bytes) {
+        let _ = device::open_self_signed(&blob);
+        let _ = device::open(&blob, &root(7).verifying_key());
+    }
     if let Ok(signed) = keys::decode_file(bytes) {
         let _ = ring().accept(&signed);
     }
@@ -117,6 +122,9 @@ fn mutated_valid_messages_never_panic() {
     valid.push(envelope::to_bytes(&samples::manifest()));
     valid.push(envelope::to_bytes(&samples::install()));
     valid.push(keys_file());
+    for m in samples::device_messages() {
+        valid.push(envelope::to_bytes(&m));
+    }
     valid.push(br#"{"id":"1","reply_to":"r","command":"start_rollout","rollout":"x"}"#.to_vec());
     let mut decoded_ok = 0usize;
     for i in 0..60_000 {
@@ -175,6 +183,32 @@ fn mutated_keys_files_are_never_accepted() {
         // exactly what the root keys signed.
         if let Some(ring) = accepted(&bytes) {
             assert_eq!(ring, good, "a mutated keys file established other keys");
+        }
+    }
+}
+
+#[test]
+fn mutated_signed_device_messages_open_only_as_signed() {
+    let key = samples::key();
+    let mut rng = Rng(11);
+    for m in samples::device_messages() {
+        let valid = envelope::encode(&Message::Device(device::sign(&key, &m)));
+        for _ in 0..3_000 {
+            let bytes = mutate(&mut rng, &valid);
+            let Ok(Message::Device(blob)) = envelope::decode(&bytes) else {
+                continue;
+            };
+            // Whatever was changed, a message that still opens is exactly the signed one.
+            if let Ok(opened) = device::open(&blob, &key.verifying_key()) {
+                assert_eq!(
+                    opened, m,
+                    "a mutated device message opened as something else"
+                );
+            }
+            if let Ok((signer, opened)) = device::open_self_signed(&blob) {
+                assert_eq!(signer, key.verifying_key(), "a signature by another key");
+                assert_eq!(opened, m);
+            }
         }
     }
 }

@@ -59,6 +59,12 @@ fn actual() -> Vec<(String, String)> {
             hex::encode(&envelope::to_bytes(&phase)),
         ));
     }
+    for m in samples::device_messages() {
+        out.push((
+            format!("device message {}", m.name()),
+            hex::encode(&envelope::to_bytes(&m)),
+        ));
+    }
     let doc = keys_document();
     out.push((
         "keys document".into(),
@@ -108,5 +114,12 @@ fn wire_format_is_unchanged() {
 fn every_fixture_decodes_back() {
     for m in samples::messages() {
         assert_eq!(envelope::decode(&envelope::encode(&m)), Ok(m));
+    }
+    for m in samples::device_messages() {
+        let blob = flotilla_protocol::device::sign(&samples::key(), &m);
+        assert_eq!(
+            flotilla_protocol::device::open(&blob, &samples::key().verifying_key()),
+            Ok(m)
+        );
     }
 }

@@ -127,5 +127,38 @@ pub fn messages() -> Vec<Message> {
             offset: 9,
             reason: "no such artifact".into(),
         }),
+        Message::Device(device::sign(&key(), &device_state())),
     ]
+}
+
+/// One of every signed device message.
+pub fn device_messages() -> Vec<DeviceMessage> {
+    vec![
+        device_state(),
+        DeviceMessage::State {
+            state: state(),
+            enrollment: None,
+        },
+        DeviceMessage::Report(report(Phase::Ready)),
+        DeviceMessage::Fetch {
+            device_id: "dev-1".into(),
+            request: BlockRequest {
+                sha256: [1; 32],
+                offset: 65536,
+                length: 16384,
+            },
+        },
+    ]
+}
+
+/// A signed state with an enrollment proof.
+pub fn device_state() -> DeviceMessage {
+    DeviceMessage::State {
+        state: state(),
+        enrollment: Some(device::enrollment_proof(
+            "token",
+            "dev-1",
+            &key().verifying_key(),
+        )),
+    }
 }

@@ -50,6 +50,18 @@ pub fn atomic_write(path: impl AsRef<Path>, contents: impl AsRef<[u8]>) -> io::R
     temp.commit(path)
 }
 
+/// Like [`atomic_write`], but the file is readable and writable by its owner only (`0o600`),
+/// from the moment the temporary file exists: for secrets such as a device's signing key.
+/// An existing file at `path` is replaced and its permission bits are not kept.
+pub fn atomic_write_private(path: impl AsRef<Path>, contents: impl AsRef<[u8]>) -> io::Result<()> {
+    let path = path.as_ref();
+    let mut temp = TempFile::create_beside(path, 0o600)?;
+    temp.file.write_all(contents.as_ref())?;
+    // The umask can only narrow 0o600, but make it exact.
+    temp.file.set_permissions(Permissions::from_mode(0o600))?;
+    temp.commit(path)
+}
+
 /// Copies `src` over `dest` atomically and durably, streaming the source so large artifacts are
 /// never held in memory. Returns the number of bytes copied.
 ///
@@ -233,6 +245,18 @@ mod tests {
 
     fn mode_of(path: &Path) -> u32 {
         fs::metadata(path).expect("metadata").permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn atomic_write_private_is_owner_only_even_over_a_wider_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("device.key");
+        fs::write(&path, b"old").expect("write");
+        fs::set_permissions(&path, Permissions::from_mode(0o644)).expect("chmod");
+        atomic_write_private(&path, b"secret").expect("write");
+        assert_eq!(fs::read(&path).expect("read"), b"secret");
+        assert_eq!(mode_of(&path), 0o600);
+        assert_eq!(names_in(dir.path()), ["device.key"]);
     }
 
     #[test]

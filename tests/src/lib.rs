@@ -15,6 +15,10 @@
 //! # }
 //! ```
 //!
+//! Every agent of a site enrolls with its own one-time token from the coordinator's config, so
+//! tests see accepted devices as before; `AgentOptions { enroll: false, .. }` leaves a device
+//! pending, and [`Site::authorize_key`] pre-authorizes one's key instead.
+//!
 //! Nothing here depends on a fixed port or on services already running on the machine. When a
 //! test panics, the harness prints the tail of every process's log.
 

@@ -16,9 +16,12 @@ pub struct WatchedMessage {
 }
 
 impl WatchedMessage {
-    /// The device-facing message, if this is one.
+    /// The device-facing message, if this is one; a signed device message is shown as its
+    /// content ([`flotilla_protocol::device::plain`]).
     pub fn decode(&self) -> Option<Message> {
-        envelope::decode(&self.payload).ok()
+        envelope::decode(&self.payload)
+            .ok()
+            .map(flotilla_protocol::device::plain)
     }
 }
 

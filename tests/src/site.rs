@@ -18,6 +18,8 @@ use crate::{bin, free_port, mosquitto_binary, WAIT};
 /// The operator every site has, with role admin; [`Site::client`] and [`Site::flotilla`] sign
 /// as this operator.
 pub const ADMIN: &str = "admin";
+/// How many agents of one site can enroll with a token.
+const TOKENS: usize = 64;
 
 /// Which broker a site runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +47,10 @@ pub struct AgentOptions {
     /// as `qemu-aarch64-static -L /usr/aarch64-linux-gnu <arm binary>`; the agent's arguments
     /// follow it.
     pub launcher: Option<Vec<String>>,
+    /// Whether the agent's config carries one of the site's one-time enrollment tokens, so the
+    /// coordinator accepts it without an operator (the default). Without one, the device stays
+    /// pending until `flotilla devices accept` or a pre-authorized key ([`Site::authorize_key`]).
+    pub enroll: bool,
 }
 
 impl Default for AgentOptions {
@@ -56,6 +62,7 @@ impl Default for AgentOptions {
             soak: "1s",
             release_keys: None,
             launcher: None,
+            enroll: true,
         }
     }
 }
@@ -98,6 +105,10 @@ pub struct Site {
     agent_options: BTreeMap<String, AgentOptions>,
     /// Operators in the coordinator's config: name and role. `admin` (role admin) always.
     operators: Vec<(String, Role)>,
+    /// One-time enrollment tokens the coordinator lists; each agent that enrolls takes one.
+    tokens: Vec<String>,
+    /// Which agent got which token.
+    agent_tokens: BTreeMap<String, String>,
 }
 
 impl Drop for Site {
@@ -142,7 +153,20 @@ impl Site {
             agents: BTreeMap::new(),
             agent_options: BTreeMap::new(),
             operators: Vec::new(),
+            tokens: (0..TOKENS)
+                .map(|_| {
+                    flotilla_protocol::hex::encode(
+                        flotilla_protocol::signing::generate_key().as_bytes(),
+                    )
+                })
+                .collect(),
+            agent_tokens: BTreeMap::new(),
         };
+        fs::write(
+            site.authorized_keys_file(),
+            "# pre-authorized device keys\n",
+        )
+        .expect("write authorized keys file");
         site.flotilla(&["keygen", "--out", &site.path("keys").to_string_lossy()]);
         site.add_operator(ADMIN, Role::Admin);
         site
@@ -236,14 +260,50 @@ impl Site {
         artifact
     }
 
+    /// The coordinator's file of pre-authorized device keys (read when it starts).
+    pub fn authorized_keys_file(&self) -> PathBuf {
+        self.path("authorized_devices")
+    }
+
+    /// Pre-authorizes a device: makes the agent's device key in its data directory before it
+    /// first starts (the agent reuses it) and lists it, bound to `id`, in the coordinator's
+    /// authorized keys file. Takes effect at the coordinator's next (re)start. Returns the
+    /// public key in hex.
+    pub fn authorize_key(&self, id: &str) -> String {
+        let data = self.path(&format!("agents/{id}/data"));
+        fs::create_dir_all(&data).expect("agent data directory");
+        let key = flotilla_protocol::signing::generate_key();
+        flotilla_targets::fs::atomic_write_private(
+            data.join("device.key"),
+            flotilla_protocol::signing::secret_key_to_text(&key),
+        )
+        .expect("write device key");
+        let public = flotilla_protocol::hex::encode(key.verifying_key().as_bytes());
+        let mut text = fs::read_to_string(self.authorized_keys_file()).unwrap_or_default();
+        text.push_str(&format!("{public} {id}\n"));
+        fs::write(self.authorized_keys_file(), text).expect("write authorized keys file");
+        public
+    }
+
+    /// The device's public key (hex), once its agent has made it.
+    pub fn device_key(&self, id: &str) -> Option<String> {
+        let text = fs::read_to_string(self.path(&format!("agents/{id}/data/device.key"))).ok()?;
+        let key = flotilla_protocol::signing::secret_key_from_text(&text).ok()?;
+        Some(flotilla_protocol::hex::encode(
+            key.verifying_key().as_bytes(),
+        ))
+    }
+
     /// Starts (or restarts) `flotilla serve`.
     pub fn start_coordinator(&mut self) {
         let config = self.path("coordinator.toml");
         let mut text = format!(
-            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
+            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n[enrollment]\nauthorized_keys = {:?}\ntokens = {:?}\n",
             self.path("coordinator"),
             self.path("keys/coordinator.key"),
-            self.port
+            self.port,
+            self.authorized_keys_file(),
+            self.tokens,
         );
         for (name, role) in &self.operators {
             text.push_str(&format!(
@@ -269,6 +329,14 @@ impl Site {
 
     /// Writes an agent's config and starts it.
     pub fn add_agent(&mut self, id: &str, labels: &[(&str, &str)], options: AgentOptions) {
+        if options.enroll && !self.agent_tokens.contains_key(id) {
+            let token = self
+                .tokens
+                .get(self.agent_tokens.len())
+                .expect("the site has enough enrollment tokens")
+                .clone();
+            self.agent_tokens.insert(id.to_owned(), token);
+        }
         self.agent_options.insert(id.to_owned(), options);
         self.write_agent_config(id, labels);
         self.start_agent(id);
@@ -301,11 +369,15 @@ impl Site {
         } else {
             "echo self-test failed >&2; exit 1"
         };
+        let token = match (options.enroll, self.agent_tokens.get(id)) {
+            (true, Some(token)) => format!("enrollment_token = {token:?}\n"),
+            _ => String::new(),
+        };
         let mut text = format!(
             r#"device_id = "{id}"
 hardware_id = "test-board"
 data_dir = {data:?}
-[broker]
+{token}[broker]
 host = "127.0.0.1"
 port = {port}
 keep_alive = "5s"

@@ -194,7 +194,7 @@ async fn stand_in(
             let Event::Incoming(Packet::Publish(p)) = event else {
                 continue;
             };
-            match envelope::decode(&p.payload) {
+            match envelope::decode(&p.payload).map(flotilla_protocol::device::plain) {
                 Ok(Message::Report(r)) => {
                     let _ = tx.send(r).await;
                 }

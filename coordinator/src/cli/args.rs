@@ -109,7 +109,7 @@ pub enum Cmd {
     /// Create and drive rollouts on a running coordinator.
     #[command(subcommand)]
     Rollout(RolloutCmd),
-    /// List the devices a running coordinator knows, or delete one.
+    /// List the devices a running coordinator knows with their enrollment, enroll, or delete one.
     Devices {
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -274,6 +274,27 @@ pub enum DevicesCmd {
     /// The device leaves the registry and the groups of unfinished rollouts. A device that is
     /// still running reappears when it next announces itself.
     Delete { id: String },
+    /// Devices waiting for an operator: new devices and new keys of known devices.
+    Pending,
+    /// Accept a pending device (or a known device's new key).
+    ///
+    /// Compare the key with the one the device prints (`flotilla-agent identity`) and pass it
+    /// with --key, so that a different key that shows up meanwhile is not accepted instead.
+    Accept {
+        id: String,
+        /// The key to accept: full hex, or at least its first 16 hex digits.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Reject a pending device, or a known device's new key (it stays accepted with the old).
+    Reject {
+        id: String,
+        /// The key to reject: full hex, or at least its first 16 hex digits.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Revoke an accepted device: it is ignored from now on and leaves unfinished rollouts.
+    Revoke { id: String },
 }
 
 #[derive(Debug, Subcommand)]

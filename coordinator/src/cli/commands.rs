@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
-    ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, ReleaseSummary, RolloutStatus,
-    StrategyInfo,
+    ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, ReleaseSummary,
+    RolloutStatus, StrategyInfo,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -190,7 +190,49 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("deleted device {id}; its retained desired and state topics are cleared");
+            println!("deleted device {id}; its retained state is cleared and its desired action replaced by a signed \"nothing to do\"");
+            Ok(0)
+        }
+        Cmd::Devices {
+            json,
+            cmd:
+                Some(
+                    cmd @ (DevicesCmd::Pending
+                    | DevicesCmd::Accept { .. }
+                    | DevicesCmd::Reject { .. }
+                    | DevicesCmd::Revoke { .. }),
+                ),
+        } => {
+            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let (command, what) = match cmd {
+                DevicesCmd::Pending => (Command::PendingDevices, "pending_devices"),
+                DevicesCmd::Accept { id, key } => {
+                    (Command::AcceptDevice { device: id, key }, "accept_device")
+                }
+                DevicesCmd::Reject { id, key } => {
+                    (Command::RejectDevice { device: id, key }, "reject_device")
+                }
+                DevicesCmd::Revoke { id } => {
+                    (Command::RevokeDevice { device: id }, "revoke_device")
+                }
+                DevicesCmd::Delete { .. } => unreachable!("matched above"),
+            };
+            let pending = matches!(command, Command::PendingDevices);
+            let result = client
+                .request(command, crate::cli::client::DEFAULT_TIMEOUT)
+                .await?;
+            if json {
+                println!("{}", to_json(&result));
+            } else if pending {
+                let list: Vec<EnrollmentInfo> = serde_json::from_value(result)
+                    .map_err(|source| CliError::Reply { what, source })?;
+                print!("{}", view::enrollments_table(&list));
+            } else {
+                let info: EnrollmentInfo = serde_json::from_value(result)
+                    .map_err(|source| CliError::Reply { what, source })?;
+                let key = info.new_key.as_deref().unwrap_or(&info.key);
+                println!("device {} is {} (key {key})", info.device, info.status);
+            }
             Ok(0)
         }
         Cmd::Devices { json, cmd: None } => {

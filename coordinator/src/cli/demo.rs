@@ -25,7 +25,7 @@ use crate::cli::client::{ClientError, ControlClient};
 use crate::cli::view;
 use crate::service;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
-use crate::service::config::{BrokerConfig, Config, OperatorConfig};
+use crate::service::config::{BrokerConfig, Config, EnrollmentConfig, OperatorConfig};
 use crate::service::keys::{self, KeysError};
 use crate::service::releases::{NewRelease, ReleaseError, ReleaseStore};
 
@@ -193,6 +193,13 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         &flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)[..16]
     ));
 
+    // Each demo device enrolls itself with a one-time token the coordinator lists, so the demo
+    // needs no operator to accept devices (`flotilla devices pending` shows how that looks).
+    let tokens: Vec<String> = (1..=args.devices)
+        .map(|_| {
+            flotilla_protocol::hex::encode(flotilla_protocol::signing::generate_key().as_bytes())
+        })
+        .collect();
     let shutdown = CancellationToken::new();
     let config = Config {
         data_dir: data_dir.clone(),
@@ -210,6 +217,11 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
             key: operator_key.verifying_key(),
         }],
         clock_window: 60,
+        enrollment: EnrollmentConfig {
+            authorized_keys: None,
+            tokens: tokens.clone(),
+            max_pending: 1000,
+        },
     };
     let mut coordinator = tokio::spawn(service::serve(config, shutdown.clone()));
 
@@ -217,7 +229,12 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     for i in 1..=args.devices {
         let id = format!("dev-{i:02}");
         let healthy = i > args.fail;
-        let config = write_agent_config(&root, &id, port, healthy, &release_pub, &coordinator_pub)?;
+        let keys = AgentKeys {
+            release_pub: &release_pub,
+            coordinator_pub: &coordinator_pub,
+            token: &tokens[i - 1],
+        };
+        let config = write_agent_config(&root, &id, port, healthy, &keys)?;
         let log =
             fs::File::create(root.join(format!("{id}.log"))).map_err(io("create an agent log"))?;
         let err = log.try_clone().map_err(io("open an agent log"))?;
@@ -389,14 +406,25 @@ error = {{ threshold = "{ERROR_THRESHOLD}", action = "pause" }}
     )
 }
 
+/// What a demo agent trusts, and the token it enrolls with.
+struct AgentKeys<'a> {
+    release_pub: &'a str,
+    coordinator_pub: &'a str,
+    token: &'a str,
+}
+
 fn write_agent_config(
     root: &Path,
     id: &str,
     port: u16,
     healthy: bool,
-    release_pub: &str,
-    coordinator_pub: &str,
+    keys: &AgentKeys<'_>,
 ) -> Result<PathBuf, DemoError> {
+    let AgentKeys {
+        release_pub,
+        coordinator_pub,
+        token,
+    } = keys;
     let dir = root.join("agents").join(id);
     fs::create_dir_all(&dir).map_err(io(format!("create {}", dir.display())))?;
     let target = dir.join("app.bin");
@@ -411,6 +439,7 @@ fn write_agent_config(
         r#"device_id = "{id}"
 hardware_id = "demo-board"
 data_dir = {data:?}
+enrollment_token = "{token}"
 [broker]
 host = "127.0.0.1"
 port = {port}
@@ -644,6 +673,7 @@ mod tests {
             rollout: Some(ROLLOUT.into()),
             phase: Some("failed".into()),
             reason: Some("health check self-test failed".into()),
+            enrollment: None,
         }];
         let summary = summarize(&status("paused", 0), &devices);
         assert_eq!(summary.devices[0].group.as_deref(), Some("group-1"));

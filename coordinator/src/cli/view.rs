@@ -4,8 +4,8 @@
 //! asserted on.
 
 use flotilla_protocol::control::{
-    ApprovalStatus, Condition, DeviceGroupInfo, DeviceSummary, GroupStatus, RolloutStatus,
-    StrategyInfo,
+    ApprovalStatus, Condition, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, GroupStatus,
+    RolloutStatus, StrategyInfo,
 };
 
 /// Width of the progress bar between the brackets.
@@ -222,17 +222,19 @@ pub fn rollout_statuses(statuses: &[RolloutStatus]) -> String {
         .join("\n")
 }
 
-/// The devices table: id, online, installed, rollout, phase, reason.
+/// The devices table: id, online, enrollment, installed, rollout, phase, reason.
 pub fn devices_table(devices: &[DeviceSummary]) -> String {
     if devices.is_empty() {
         return "no devices have reported yet\n".to_owned();
     }
-    let rows: Vec<[String; 6]> = devices
+    const N: usize = 7;
+    let rows: Vec<[String; N]> = devices
         .iter()
         .map(|d| {
             [
                 d.id.clone(),
                 if d.online { "yes".into() } else { "no".into() },
+                d.enrollment.clone().unwrap_or_else(|| "-".into()),
                 d.installed.clone().unwrap_or_else(|| "-".into()),
                 d.rollout.clone().unwrap_or_else(|| "-".into()),
                 d.phase.clone().unwrap_or_else(|| "-".into()),
@@ -243,6 +245,7 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
     let header = [
         "DEVICE",
         "ONLINE",
+        "ENROLLMENT",
         "INSTALLED",
         "ROLLOUT",
         "PHASE",
@@ -254,10 +257,10 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
             *w = (*w).max(cell.len());
         }
     }
-    let line = |cells: [&str; 6]| {
+    let line = |cells: [&str; N]| {
         let mut s = String::new();
         for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
-            if i == 5 {
+            if i == N - 1 {
                 s.push_str(cell);
             } else {
                 s.push_str(&format!("{cell:w$}  "));
@@ -267,9 +270,33 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
     };
     let mut out = line(header);
     for row in &rows {
-        out.push_str(&line([
-            &row[0], &row[1], &row[2], &row[3], &row[4], &row[5],
-        ]));
+        out.push_str(&line(std::array::from_fn(|i| row[i].as_str())));
+    }
+    out
+}
+
+/// The table of devices waiting for an operator: id, status, key, what they claim.
+pub fn enrollments_table(pending: &[EnrollmentInfo]) -> String {
+    if pending.is_empty() {
+        return "no devices are waiting for an operator\n".to_owned();
+    }
+    let mut out = String::new();
+    for e in pending {
+        let (waiting, what) = match &e.new_key {
+            Some(new) => (new.as_str(), format!("{}, new key", e.status)),
+            None => (e.key.as_str(), e.status.clone()),
+        };
+        let labels: Vec<String> = e.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        out.push_str(&format!(
+            "{}  {what}  key {waiting}  hardware {}  labels {}\n",
+            e.device,
+            e.hardware_id.as_deref().unwrap_or("-"),
+            if labels.is_empty() {
+                "-".to_owned()
+            } else {
+                labels.join(",")
+            }
+        ));
     }
     out
 }
@@ -513,6 +540,7 @@ mod tests {
                 rollout: Some("fw-2-4".into()),
                 phase: Some("ready".into()),
                 reason: None,
+                enrollment: Some("accepted".into()),
             },
             DeviceSummary {
                 id: "pi-kitchen-22".into(),
@@ -523,17 +551,18 @@ mod tests {
                 rollout: Some("fw-2-4".into()),
                 phase: Some("failed".into()),
                 reason: Some("health check failed".into()),
+                enrollment: None,
             },
         ];
         let text = devices_table(&devices);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
         assert!(
-            lines[0].starts_with("DEVICE         ONLINE  INSTALLED"),
+            lines[0].starts_with("DEVICE         ONLINE  ENROLLMENT  INSTALLED"),
             "{text}"
         );
         assert!(
-            lines[1].starts_with("pi-1           yes     fw-2.4.0"),
+            lines[1].starts_with("pi-1           yes     accepted    fw-2.4.0"),
             "{text}"
         );
         assert!(lines[2].ends_with("failed  health check failed"), "{text}");

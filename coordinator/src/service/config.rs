@@ -52,6 +52,8 @@ pub struct Config {
     pub operators: Vec<OperatorConfig>,
     /// How far a signed control request's `at` may be from the coordinator's clock, in seconds.
     pub clock_window: u64,
+    /// Which devices are accepted without an operator.
+    pub enrollment: EnrollmentConfig,
 }
 
 /// One operator allowed to send signed control requests.
@@ -61,6 +63,19 @@ pub struct OperatorConfig {
     pub name: String,
     pub role: Role,
     pub key: VerifyingKey,
+}
+
+/// Device enrollment: what is accepted without an operator (`[enrollment]`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EnrollmentConfig {
+    /// A file of pre-authorized device keys: one hex public key per line, optionally followed
+    /// by the only device id it may enroll; `#` starts a comment.
+    pub authorized_keys: Option<PathBuf>,
+    /// One-time enrollment tokens; each accepts the first device that shows it, then never again.
+    pub tokens: Vec<String>,
+    /// How many devices may wait for an operator at once; states of further unknown devices are
+    /// ignored (and counted) so a flood of made-up devices cannot fill the store.
+    pub max_pending: usize,
 }
 
 /// Where the MQTT broker is, and whether to run one in-process.
@@ -86,6 +101,8 @@ struct RawConfig {
     control: RawControl,
     #[serde(default)]
     operators: Vec<RawOperator>,
+    #[serde(default)]
+    enrollment: RawEnrollment,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +130,24 @@ struct RawOperator {
     /// Or a public key file (`flotilla operator keygen` writes NAME.pub).
     #[serde(default)]
     key_file: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawEnrollment {
+    authorized_keys: Option<String>,
+    tokens: Vec<String>,
+    max_pending: usize,
+}
+
+impl Default for RawEnrollment {
+    fn default() -> Self {
+        Self {
+            authorized_keys: None,
+            tokens: Vec::new(),
+            max_pending: 1000,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -218,9 +253,37 @@ impl TryFrom<Located> for Config {
             ));
         }
         let operators = operators(&raw.operators, &base)?;
+        if let Some(path) = &raw.enrollment.authorized_keys {
+            if path.trim().is_empty() {
+                return Err(field(
+                    "enrollment.authorized_keys",
+                    path,
+                    "must not be empty (leave it out for none)",
+                ));
+            }
+        }
+        for token in &raw.enrollment.tokens {
+            if token.trim().len() < 8 {
+                // Do not echo a secret back in full, even a short one.
+                return Err(field(
+                    "enrollment.tokens",
+                    "(a token)",
+                    "every token must be at least 8 characters long",
+                ));
+            }
+        }
+        if raw.enrollment.max_pending == 0 {
+            return Err(field("enrollment.max_pending", "0", "must be at least 1"));
+        }
+        let enrollment = EnrollmentConfig {
+            authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
+            tokens: raw.enrollment.tokens,
+            max_pending: raw.enrollment.max_pending,
+        };
         Ok(Config {
             operators,
             clock_window,
+            enrollment,
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
             broker: BrokerConfig {
@@ -363,6 +426,30 @@ mod tests {
         assert_eq!(config.clock_window, 60);
         assert!(config.operators.is_empty());
         assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
+        assert_eq!(config.enrollment.max_pending, 1000);
+        assert!(config.enrollment.tokens.is_empty());
+    }
+
+    #[test]
+    fn enrollment_section_is_validated() {
+        let config = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"0123456789abcdef\"]\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            config.enrollment.authorized_keys,
+            Some(PathBuf::from("/etc/flotilla/devices.keys"))
+        );
+        assert_eq!(config.enrollment.tokens, vec!["0123456789abcdef"]);
+        let err = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"short\"]\n",
+        )
+        .expect_err("short token")
+        .to_string();
+        assert!(
+            err.contains("enrollment.tokens") && !err.contains("short"),
+            "{err}"
+        );
     }
 
     #[test]

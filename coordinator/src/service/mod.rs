@@ -4,7 +4,8 @@
 //!   ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign and
 //!   publish.
 //! - [`config`]: the coordinator's TOML configuration, validated.
-//! - [`store`]: sled persistence of rollouts, strategies and device groups.
+//! - [`enrollment`]: device keys and enrollment; which signed device messages pass.
+//! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
 //! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
@@ -17,6 +18,7 @@
 pub mod artifacts;
 pub mod broker;
 pub mod config;
+pub mod enrollment;
 pub mod keys;
 pub mod mqtt;
 pub mod operators;

@@ -16,6 +16,12 @@
 //! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
 //! command into the engine, whose trace says who did what.
 //!
+//! Nothing a device sends reaches the engine unverified: states, reports and block requests are
+//! signed device messages, checked against the device's enrolled key by the enrollment
+//! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
+//! else is ignored and counted, with at most one log line per interval. Blocks go only to
+//! devices that hold an action for the artifact.
+//!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
 //! the service keeps in its own store rather than in the engine: staged update strategies (TOML
@@ -27,9 +33,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_protocol::control::{Command, ControlReply, DeviceGroupInfo, StrategyInfo};
+use flotilla_protocol::control::{
+    Command, ControlReply, DeviceGroupInfo, DeviceSummary, StrategyInfo,
+};
 use flotilla_protocol::{
-    envelope, validate_id, ActionBody, ActionKind, DesiredAction, DeviceId, Message, SignedBlob,
+    envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
+    DeviceMessage, Digest, Message, SignedBlob,
 };
 use flotilla_protocol::{SigningKey, Topic, Topics};
 use rumqttc::{AsyncClient, QoS};
@@ -38,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use crate::service::artifacts::BlockServer;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
+use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
 use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
@@ -51,6 +61,9 @@ use flotilla_rollout::spec::RolloutSpec;
 
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
+
+/// At most one log line per this interval about ignored device messages.
+const IGNORED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Why the service stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +87,12 @@ pub enum ServiceError {
     Save { rollout: String, source: StoreError },
     #[error("the MQTT link to {addr} stopped unexpectedly")]
     LinkClosed { addr: String },
+    #[error("cannot read the authorized device keys {path}: {reason}")]
+    AuthorizedKeys { path: PathBuf, reason: String },
+    #[error("cannot load device enrollments from {path}: {source}")]
+    LoadEnrollments { path: PathBuf, source: StoreError },
+    #[error("cannot persist the enrollment of device {device}: {source}")]
+    SaveEnrollment { device: String, source: StoreError },
 }
 
 /// Seconds since the Unix epoch.
@@ -121,7 +140,28 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             path: db.clone(),
             source,
         })?;
-    tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), data_dir = %config.data_dir.display(), "coordinator starting");
+    let authorized = match &config.enrollment.authorized_keys {
+        None => Vec::new(),
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| enrollment::parse_authorized_keys(&text))
+            .map_err(|reason| ServiceError::AuthorizedKeys {
+                path: path.clone(),
+                reason,
+            })?,
+    };
+    let load_enrollments = |source| ServiceError::LoadEnrollments {
+        path: db.clone(),
+        source,
+    };
+    let registry = Registry::new(
+        store.list_enrollments().map_err(load_enrollments)?,
+        authorized,
+        config.enrollment.tokens.clone(),
+        store.used_tokens().map_err(load_enrollments)?,
+        config.enrollment.max_pending,
+    );
+    tracing::info!(rollouts = rollouts.len(), device_groups = groups.len(), enrollments = registry.all().count(), data_dir = %config.data_dir.display(), "coordinator starting");
     let mut engine = Engine::restore(rollouts, SystemZones);
     engine.set_device_groups(groups);
 
@@ -138,12 +178,9 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
     let (host, port) = config.connect_to();
-    let options = LinkOptions::new(
-        &host,
-        port,
-        "flotilla-coordinator",
-        topics.coordinator_filters(),
-    );
+    let mut filters = topics.coordinator_filters();
+    filters.push(topics.desired_filter());
+    let options = LinkOptions::new(&host, port, "flotilla-coordinator", filters);
     let mut link = mqtt::start(options, link_token.clone());
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
@@ -161,6 +198,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         malformed: 0,
         gate,
         refused: 0,
+        registry,
+        ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+        release_digests: HashMap::new(),
+        holdings: HashMap::new(),
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -192,6 +233,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     tracing::info!(
         malformed_payloads = service.malformed,
         refused_control_requests = service.refused,
+        ignored_device_messages = service.ignored.total(),
         "coordinator stopped"
     );
     result
@@ -216,12 +258,124 @@ struct Service {
     /// Checks who sent each control request and whether they may.
     gate: Gate,
     refused: u64,
+    /// Device keys and enrollment: which signed device messages pass.
+    registry: Registry,
+    /// Device messages ignored (unsigned, another key, not accepted…), counted and rate-limited.
+    ignored: IgnoredLog,
+    /// The artifact digests of each release, for deciding who may fetch what.
+    release_digests: HashMap<String, Vec<Digest>>,
+    /// Device id -> the artifacts of the install its retained desired action (signed with this
+    /// coordinator's key) names: what it published itself, and what it reads back from the
+    /// retained `desired` topics (after a restart, or another instance with the same key).
+    holdings: HashMap<String, Vec<Digest>>,
 }
 
 impl Service {
     fn reject(&mut self, topic: &str, reason: &str) {
         self.malformed += 1;
         tracing::warn!(%topic, %reason, malformed_total = self.malformed, "ignoring malformed payload");
+    }
+
+    /// Counts an ignored device message; logs at most one line per interval.
+    fn ignore(&mut self, topic: &str, why: Ignored) {
+        if let Some(line) = self.ignored.count(why, topic, std::time::Instant::now()) {
+            tracing::warn!(ignored_total = self.ignored.total(), "{line}");
+        }
+    }
+
+    /// Stores a device's enrollment record; a failure stops the service (an unstored token use
+    /// or revocation would be undone by a restart).
+    fn save_enrollment(&self, device: &str) -> Result<(), ServiceError> {
+        let Some(record) = self.registry.get(device) else {
+            return Ok(());
+        };
+        self.store
+            .save_enrollment(record)
+            .map_err(|source| ServiceError::SaveEnrollment {
+                device: device.to_owned(),
+                source,
+            })
+    }
+
+    /// Records which artifacts `device` may fetch under the desired action `body`: those of
+    /// an install, none for anything else (nothing, cancel, rollback to a kept release).
+    fn hold(&mut self, device: &str, body: &ActionBody) {
+        let digests = match body {
+            ActionBody::Install { manifest, .. } => envelope::from_bytes::<
+                flotilla_protocol::ReleaseManifest,
+            >(
+                "release manifest", &manifest.payload
+            )
+            .map(|m| m.artifacts.iter().map(|a| a.sha256).collect::<Vec<_>>())
+            .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        if digests.is_empty() {
+            self.holdings.remove(device);
+        } else {
+            self.holdings.insert(device.to_owned(), digests);
+        }
+    }
+
+    /// A retained desired action read back from the broker: only one signed with this
+    /// coordinator's key, for the device of its topic, counts.
+    fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) {
+        if payload.is_empty() {
+            self.holdings.remove(id.as_str());
+            return;
+        }
+        let Ok(Message::Desired(blob)) = envelope::decode(payload) else {
+            return;
+        };
+        let Ok(bytes) = blob.verify("desired action", &[self.key.verifying_key()]) else {
+            return;
+        };
+        let Ok(action) = envelope::from_bytes::<DesiredAction>("desired action", bytes) else {
+            return;
+        };
+        if action.device_id == id.as_str() {
+            self.hold(id.as_str(), &action.body);
+        }
+    }
+
+    /// Whether `device` holds an action for a release with this artifact: its retained desired
+    /// action installs it, or it has a live slot in an active rollout of such a release.
+    fn may_fetch(&mut self, device: &str, sha256: &Digest) -> bool {
+        if self
+            .holdings
+            .get(device)
+            .is_some_and(|held| held.contains(sha256))
+        {
+            return true;
+        }
+        let releases: Vec<String> = self
+            .engine
+            .device_releases(device)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        for release in releases {
+            if !self.release_digests.contains_key(&release) {
+                match self.releases.load(&release) {
+                    Ok((_, manifest)) => {
+                        let digests = manifest.artifacts.iter().map(|a| a.sha256).collect();
+                        self.release_digests.insert(release.clone(), digests);
+                    }
+                    Err(e) => {
+                        tracing::error!(%release, error = %e, "cannot check a block request: release unreadable");
+                        continue;
+                    }
+                }
+            }
+            if self
+                .release_digests
+                .get(&release)
+                .is_some_and(|d| d.contains(sha256))
+            {
+                return true;
+            }
+        }
+        false
     }
 
     async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
@@ -245,6 +399,11 @@ impl Service {
         let id = match &parsed {
             Topic::ControlRequest => return self.on_control(topic, payload).await,
             Topic::State(id) | Topic::Report(id) | Topic::Fetch(id) => id.clone(),
+            Topic::Desired(id) => {
+                let id = id.clone();
+                self.on_desired(&id, payload);
+                return Ok(());
+            }
             // Not subscribed to; a broker that forwards it anyway is not worth an error.
             _ => return Ok(()),
         };
@@ -259,41 +418,72 @@ impl Service {
                 return Ok(());
             }
         };
+        let blob = match message {
+            Message::Device(blob) => blob,
+            Message::State(_) | Message::Report(_) | Message::Fetch(_) => {
+                self.ignore(topic, Ignored::Unsigned);
+                return Ok(());
+            }
+            other => {
+                let reason = format!("unexpected {} on this topic", other.name());
+                self.reject(topic, &reason);
+                return Ok(());
+            }
+        };
+        let expected = match parsed {
+            Topic::State(_) => "device state",
+            Topic::Report(_) => "report",
+            _ => "block request",
+        };
         let now = now();
-        match (parsed, message) {
-            (Topic::State(_), Message::State(state)) => {
-                if state.device_id != id.as_str() {
-                    let reason = format!(
-                        "state claims device {:?} on device {id}'s topic",
-                        state.device_id
-                    );
-                    self.reject(topic, &reason);
-                    return Ok(());
-                }
+        let verdict = self.registry.observe(id.as_str(), expected, &blob, now);
+        if let Some(token) = &verdict.used_token {
+            self.store
+                .use_token(token, now)
+                .map_err(|source| ServiceError::SaveEnrollment {
+                    device: id.to_string(),
+                    source,
+                })?;
+        }
+        if verdict.changed {
+            self.save_enrollment(id.as_str())?;
+        }
+        if let Some(note) = &verdict.note {
+            tracing::info!(device = %id, "{note}");
+        }
+        if let Some(why) = verdict.ignored {
+            self.ignore(topic, why);
+        }
+        let Some(message) = verdict.accepted else {
+            return Ok(());
+        };
+        // Only now, signed by the device's accepted key, does anything reach the engine: a
+        // forged report's seq never counts.
+        match message {
+            DeviceMessage::State { state, .. } => {
                 let effects = self.engine.observe_state(state, now);
                 self.apply(effects).await
             }
-            (Topic::Report(_), Message::Report(report)) => {
-                if report.device_id != id.as_str() {
-                    let reason = format!(
-                        "report claims device {:?} on device {id}'s topic",
-                        report.device_id
-                    );
-                    self.reject(topic, &reason);
-                    return Ok(());
-                }
+            DeviceMessage::Report(report) => {
                 let effects = self.engine.observe_report(report, now);
                 self.apply(effects).await
             }
-            (Topic::Fetch(_), Message::Fetch(request)) => {
-                let reply = self.blocks.serve(&request);
+            DeviceMessage::Fetch { request, .. } => {
+                let reply = if self.may_fetch(id.as_str(), &request.sha256) {
+                    self.blocks.serve(&request)
+                } else {
+                    self.ignore(topic, Ignored::NoAction);
+                    BlockReply::Unavailable {
+                        sha256: request.sha256,
+                        offset: request.offset,
+                        reason: format!(
+                            "device {id} holds no action for artifact {}",
+                            flotilla_protocol::hex::encode(&request.sha256)
+                        ),
+                    }
+                };
                 let bytes = envelope::encode(&Message::Block(reply));
                 self.publish(self.topics.block(&id), false, bytes).await
-            }
-            (_, other) => {
-                let reason = format!("unexpected {} on this topic", other.name());
-                self.reject(topic, &reason);
-                Ok(())
             }
         }
     }
@@ -442,7 +632,39 @@ impl Service {
                 None => Err(format!("no rollout named {name:?}")),
             },
             Command::RolloutStatus { rollout: None } => value(json(&self.engine.statuses())),
-            Command::ListDevices => value(json(&self.engine.devices())),
+            Command::ListDevices => value(json(&self.device_list())),
+            Command::PendingDevices => value(json(&self.registry.pending())),
+            Command::AcceptDevice { device, key } => {
+                let state = self.registry.accept(&device, key.as_deref(), now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device accepted by an operator");
+                let effects = match state {
+                    Some(state) => self.engine.observe_state(state, now),
+                    None => Vec::new(),
+                };
+                let info = self.registry.info(&device);
+                Ok((effects, Answer::Value(json(&info))))
+            }
+            Command::RejectDevice { device, key } => {
+                self.registry.reject(&device, key.as_deref(), now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device key rejected by an operator");
+                value(json(&self.registry.info(&device)))
+            }
+            Command::RevokeDevice { device } => {
+                self.registry.revoke(&device, now)?;
+                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                tracing::info!(%device, "device revoked by an operator");
+                // It leaves the rollouts not yet finished and its retained topics are cleared.
+                let effects = match self.engine.delete_device(&device, now) {
+                    Ok(effects) => effects,
+                    Err(_) => vec![Effect::Forget {
+                        device: device.clone(),
+                    }],
+                };
+                let info = self.registry.info(&device);
+                Ok((effects, Answer::Value(json(&info))))
+            }
             Command::ListReleases => self
                 .releases
                 .summaries()
@@ -507,6 +729,39 @@ impl Service {
                 value(json(&group_info(&group)))
             }
         }
+    }
+
+    /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
+    /// operator, each with its enrollment status. Devices that are not accepted show what their
+    /// last state claims, never online.
+    fn device_list(&self) -> Vec<DeviceSummary> {
+        let mut devices = self.engine.devices();
+        for d in &mut devices {
+            d.enrollment = self.registry.status_text(&d.id);
+        }
+        let known: std::collections::BTreeSet<String> =
+            devices.iter().map(|d| d.id.clone()).collect();
+        for record in self.registry.all() {
+            if known.contains(&record.device) {
+                continue;
+            }
+            let Some(info) = self.registry.info(&record.device) else {
+                continue;
+            };
+            devices.push(DeviceSummary {
+                id: record.device.clone(),
+                hardware_id: info.hardware_id.unwrap_or_default(),
+                labels: info.labels,
+                online: false,
+                installed: None,
+                rollout: None,
+                phase: None,
+                reason: None,
+                enrollment: self.registry.status_text(&record.device),
+            });
+        }
+        devices.sort_by(|a, b| a.id.cmp(&b.id));
+        devices
     }
 
     /// Gives the engine the stored device groups, all of them.
@@ -584,6 +839,7 @@ impl Service {
                         tracing::error!(%device, "engine asked to forget an invalid device id; skipped");
                         continue;
                     };
+                    self.holdings.remove(&device);
                     // A signed "nothing to do", newer than anything the device was sent, replaces
                     // its retained action: a device that comes back finds no stale action, and a
                     // replayed older action is refused. The empty retained state deletes it, so
@@ -667,6 +923,7 @@ impl Service {
             expires_at: issued_at.saturating_add(self.validity),
             body,
         };
+        self.hold(device, &action.body);
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
         let bytes = envelope::encode(&Message::Desired(blob));
         self.publish(self.topics.desired(&id), true, bytes).await
@@ -942,6 +1199,10 @@ mod tests {
             malformed: 0,
             gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
             refused: 0,
+            registry: Registry::default(),
+            ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+            release_digests: HashMap::new(),
+            holdings: HashMap::new(),
         };
         service
             .apply(vec![Effect::Forget {

@@ -1,11 +1,13 @@
 //! Persistence in sled, so a restarted coordinator continues where it stopped.
 //!
-//! Three trees, each keyed by name with the JSON of one record as the value:
+//! Five trees, each keyed by name with the JSON of one record as the value:
 //!
 //! ```text
 //! rollouts       rollout name  -> Rollout          (engine state)
 //! strategies     strategy name -> StoredStrategy   (`flotilla strategy create`)
 //! device_groups  group name    -> DeviceGroup      (`flotilla group create`)
+//! enrollments    device id     -> Enrollment       (device keys and whether they are accepted)
+//! used_tokens    sha256 hex    -> unix time        (enrollment tokens already used up)
 //! ```
 //!
 //! JSON rather than postcard because it is self-describing: a record written by an older version
@@ -26,6 +28,8 @@ use serde::{Deserialize, Serialize};
 use flotilla_rollout::engine::Rollout;
 use flotilla_rollout::planner::DeviceGroup;
 
+use crate::service::enrollment::Enrollment;
+
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
 
@@ -34,6 +38,8 @@ const STRATEGIES: &str = "strategies";
 const DEVICE_GROUPS: &str = "device_groups";
 /// Device id -> `issued_at` of the last desired action signed for it (big-endian u64).
 const ISSUED: &str = "issued";
+const ENROLLMENTS: &str = "enrollments";
+const USED_TOKENS: &str = "used_tokens";
 
 /// A staged update strategy as the operator wrote it: the TOML text (`[[stage]]` entries) under
 /// a name that staged rollout specs refer to. The text is kept verbatim so `strategy show`
@@ -106,6 +112,8 @@ pub struct Store {
     strategies: sled::Tree,
     device_groups: sled::Tree,
     issued: sled::Tree,
+    enrollments: sled::Tree,
+    used_tokens: sled::Tree,
 }
 
 impl std::fmt::Debug for Store {
@@ -215,12 +223,16 @@ impl Store {
         let strategies = db.open_tree(STRATEGIES).map_err(open_error)?;
         let device_groups = db.open_tree(DEVICE_GROUPS).map_err(open_error)?;
         let issued = db.open_tree(ISSUED).map_err(open_error)?;
+        let enrollments = db.open_tree(ENROLLMENTS).map_err(open_error)?;
+        let used_tokens = db.open_tree(USED_TOKENS).map_err(open_error)?;
         Ok(Store {
             db,
             rollouts,
             strategies,
             device_groups,
             issued,
+            enrollments,
+            used_tokens,
         })
     }
 
@@ -236,6 +248,46 @@ impl Store {
             tree: &self.device_groups,
             kind: "device group",
         }
+    }
+
+    fn enrollment_records(&self) -> Records<'_> {
+        Records {
+            tree: &self.enrollments,
+            kind: "device enrollment",
+        }
+    }
+
+    fn token_records(&self) -> Records<'_> {
+        Records {
+            tree: &self.used_tokens,
+            kind: "used enrollment token",
+        }
+    }
+
+    /// Stores (or replaces) a device's enrollment, flushed before returning.
+    pub fn save_enrollment(&self, enrollment: &Enrollment) -> Result<(), StoreError> {
+        self.enrollment_records()
+            .save(&enrollment.device, enrollment)
+    }
+
+    /// Every stored enrollment that decodes, in device order.
+    pub fn list_enrollments(&self) -> Result<Vec<Enrollment>, StoreError> {
+        self.enrollment_records().list()
+    }
+
+    /// Records that the enrollment token with this sha256 (hex) is used up, at `at`.
+    pub fn use_token(&self, digest: &str, at: u64) -> Result<(), StoreError> {
+        self.token_records().save(digest, &at)
+    }
+
+    /// The sha256 (hex) of every used-up enrollment token.
+    pub fn used_tokens(&self) -> Result<Vec<String>, StoreError> {
+        let mut out = Vec::new();
+        for item in self.used_tokens.iter() {
+            let (key, _) = item.map_err(|source| StoreError::Read { source })?;
+            out.push(String::from_utf8_lossy(&key).into_owned());
+        }
+        Ok(out)
     }
 
     /// Stores (or replaces) a staged strategy, flushed before returning.

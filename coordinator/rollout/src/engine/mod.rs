@@ -1331,6 +1331,23 @@ impl Engine {
         status
     }
 
+    /// The releases `device` was sent a desired action for that it may still act on: its live
+    /// slots in active rollouts (in progress, soaking or retrying). The artifact server serves
+    /// a device only the artifacts of these releases.
+    pub fn device_releases(&self, device: &str) -> Vec<&str> {
+        self.rollouts
+            .values()
+            .filter(|e| e.rollout.state.is_active())
+            .filter_map(|e| {
+                let gi = *e.index.get(device)?;
+                let slot = e.rollout.groups.get(gi)?.slots.get(device)?;
+                slot.phase
+                    .is_live()
+                    .then_some(e.rollout.release.name.as_str())
+            })
+            .collect()
+    }
+
     /// Every device known from its retained state, sorted by id.
     pub fn devices(&self) -> Vec<DeviceSummary> {
         self.devices
@@ -1344,6 +1361,7 @@ impl Engine {
                 rollout: d.rollout.clone(),
                 phase: d.phase.clone(),
                 reason: d.reason.clone(),
+                enrollment: None,
             })
             .collect()
     }

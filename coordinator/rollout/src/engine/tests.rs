@@ -817,3 +817,17 @@ fn commands_by_an_operator_name_them_in_the_trace() {
     plain.engine.pause("fw-2-4", NOW).expect("paused");
     assert_eq!(plain.last_trace(), "paused by operator");
 }
+
+#[test]
+fn device_releases_name_only_devices_with_a_live_action() {
+    let mut sim = Sim::new(4, no_labels);
+    assert!(sim.engine.device_releases("dev-000").is_empty());
+    sim.create_and_start("[groups]\ncount = 2\n");
+    // The first group's devices were sent the release; the second group's were not yet.
+    assert_eq!(sim.engine.device_releases("dev-000"), vec!["fw-2.4.0"]);
+    assert!(sim.engine.device_releases("dev-002").is_empty());
+    assert!(sim.engine.device_releases("nobody").is_empty());
+    // Once the device is done with it, the action is no longer live.
+    sim.report("dev-000", failed());
+    assert!(sim.engine.device_releases("dev-000").is_empty());
+}
