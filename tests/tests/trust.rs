@@ -309,3 +309,70 @@ async fn a_captured_install_replayed_after_stop_is_refused() {
         "the stopped release is not installed"
     );
 }
+
+/// issue 10, case 3: a desired action signed by someone else, claiming the action id of the
+/// device's real action while it runs, used to be reported as a refusal of that action, and the
+/// rollout paused on "1 of 1 failed" while the device was fine. It is ignored: the device ends
+/// ready and the rollout finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgery_claiming_a_real_action_id_does_not_fail_it() {
+    const ID: &str = "dev-claimed";
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-8", 8, b"firmware eight\n");
+    site.start_coordinator();
+    site.add_agent(
+        ID,
+        &[("ring", "claimed")],
+        AgentOptions {
+            soak: "3s",
+            ..AgentOptions::default()
+        },
+    );
+    site.wait_online(ID, true).await;
+    let desired_topic = Topics::default().desired(&DeviceId::new(ID).expect("id"));
+    let desired_watch = Watcher::start(site.port, std::slice::from_ref(&desired_topic)).await;
+    site.create_and_start(
+        "name = \"claimed\"\nrelease = \"fw-8\"\nselect = \"ring=claimed\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let (_, real) = desired_watch
+        .wait_until("the real install", WAIT, |w| captured(w, false))
+        .await;
+
+    // While the device soaks, a forgery names the same action id, signed by another key.
+    let rogue = generate_key();
+    let mut forged = real.clone();
+    forged.issued_at += 1;
+    let forged = envelope::encode(&Message::Desired(SignedBlob::sign(
+        &rogue,
+        envelope::to_bytes(&forged),
+    )));
+    let reports = Watcher::start(
+        site.port,
+        &[Topics::default().report(&DeviceId::new(ID).expect("id"))],
+    )
+    .await;
+    site.publish(&desired_topic, forged, false).await;
+
+    let status = site
+        .wait_status("claimed", "the rollout to end", WAIT, |s| {
+            matches!(
+                s.state.as_str(),
+                "finished" | "paused" | "failed" | "stopped"
+            )
+        })
+        .await;
+    assert_eq!(status.state, "finished", "{status:#?}");
+    assert!(
+        reports
+            .reports(ID)
+            .iter()
+            .all(|r| !matches!(r.phase, Phase::Refused { .. })),
+        "nothing refused is reported for the real action: {:?}",
+        reports.reports(ID)
+    );
+    assert_eq!(
+        fs::read(site.target_file(ID)).expect("target"),
+        b"firmware eight\n"
+    );
+}
