@@ -2,7 +2,12 @@
 //!
 //! One task owns the [`rumqttc::EventLoop`] and does nothing but poll it and translate what
 //! arrives into [`LinkEvent`]s on a channel; it never publishes and waits inside that loop (a
-//! full request channel would then deadlock the client). A second task takes [`Outgoing`]
+//! full request channel would then deadlock the client), and it never waits on the event
+//! channel either: while the agent is busy, events wait in `Undelivered`, which a third task
+//! hands on as the agent catches up (a newer desired
+//! action replaces an older one, block replies are dropped and asked for again, acknowledgements
+//! beyond a bound are dropped and their reports re-sent), so the event loop keeps draining the
+//! client's requests and a flood of messages cannot stall the agent. A second task takes [`Outgoing`]
 //! messages from the domain code and hands them to the client. rumqttc reconnects when polled
 //! after an error; the poll task sleeps 1s, 2s, ... up to 10s between failed attempts.
 //!
@@ -280,6 +285,14 @@ async fn poll(
     let mut backoff = Duration::from_secs(1);
     // packet id -> report seq, for publishes sent on this connection.
     let mut pending: HashMap<u16, u64> = HashMap::new();
+    let undelivered = Arc::new(Mutex::new(Undelivered::default()));
+    let backlog = Arc::new(tokio::sync::Notify::new());
+    tokio::spawn(deliver_backlog(
+        undelivered.clone(),
+        backlog.clone(),
+        events.clone(),
+        shutdown.clone(),
+    ));
     loop {
         let event = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -322,15 +335,100 @@ async fn poll(
             }
         };
         let Some(event) = forward else { continue };
-        if matches!(event, LinkEvent::Block(_)) {
-            // Block replies beyond a full queue are dropped rather than stalling the poll loop:
-            // the fetcher asks for them again.
-            if events.try_send(event).is_err() {
-                tracing::debug!("agent is not keeping up with blocks; one dropped");
-            }
-        } else if events.send(event).await.is_err() {
+        let Ok(mut waiting) = undelivered.lock() else {
             break;
+        };
+        if waiting.offer(event, &events) {
+            backlog.notify_one();
         }
+    }
+}
+
+/// Hands the events that found the agent's channel full to the agent loop, in the background, so
+/// the poll task never waits for it.
+async fn deliver_backlog(
+    undelivered: Arc<Mutex<Undelivered>>,
+    backlog: Arc<tokio::sync::Notify>,
+    events: mpsc::Sender<LinkEvent>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = backlog.notified() => {}
+        }
+        loop {
+            let next = undelivered.lock().ok().and_then(|mut u| u.take());
+            let Some(event) = next else { break };
+            if events.send(event).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Events the agent loop has not taken yet because its channel was full. Bounded: it holds at
+/// most one reconnect, the newest desired action and [`MAX_UNDELIVERED_ACKS`] acknowledgements.
+#[derive(Debug, Default)]
+struct Undelivered {
+    connected: bool,
+    acks: VecDeque<u64>,
+    desired: Option<SignedBlob>,
+}
+
+/// Acknowledgements kept while the agent is busy; an older one dropped only means its report
+/// stays in the outbox and is sent again after the next reconnect.
+const MAX_UNDELIVERED_ACKS: usize = 1024;
+
+impl Undelivered {
+    fn is_empty(&self) -> bool {
+        !self.connected && self.acks.is_empty() && self.desired.is_none()
+    }
+
+    /// Sends `event` now if the channel has room and nothing older waits; keeps it otherwise.
+    /// Returns whether something now waits for [`deliver_backlog`].
+    fn offer(&mut self, event: LinkEvent, events: &mpsc::Sender<LinkEvent>) -> bool {
+        let event = if self.is_empty() {
+            match events.try_send(event) {
+                Ok(()) => return false,
+                Err(mpsc::error::TrySendError::Full(event)) => event,
+                Err(mpsc::error::TrySendError::Closed(_)) => return false,
+            }
+        } else {
+            event
+        };
+        match event {
+            LinkEvent::Connected => self.connected = true,
+            LinkEvent::Desired(blob) => {
+                // Level-triggered: only the newest desired action matters.
+                if self.desired.replace(blob).is_some() {
+                    tracing::debug!("agent busy: an older desired action was superseded");
+                }
+            }
+            LinkEvent::ReportAcked(seq) => {
+                if self.acks.len() == MAX_UNDELIVERED_ACKS {
+                    self.acks.pop_front();
+                }
+                self.acks.push_back(seq);
+            }
+            // The fetcher asks again for a block it did not get.
+            LinkEvent::Block(_) => {
+                tracing::debug!("agent is not keeping up with blocks; one dropped")
+            }
+        }
+        !self.is_empty()
+    }
+
+    /// The next waiting event, in the order the agent needs them: a reconnect first (it
+    /// resubscribes and re-sends the outbox), then acknowledgements, then the desired action.
+    fn take(&mut self) -> Option<LinkEvent> {
+        if std::mem::take(&mut self.connected) {
+            return Some(LinkEvent::Connected);
+        }
+        if let Some(seq) = self.acks.pop_front() {
+            return Some(LinkEvent::ReportAcked(seq));
+        }
+        self.desired.take().map(LinkEvent::Desired)
     }
 }
 
@@ -372,6 +470,52 @@ fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// issue 10, case 2: while the agent loop is busy, the poll task keeps what it cannot hand
+    /// over without waiting, bounded: one reconnect, every acknowledgement up to a bound, and
+    /// only the newest of many desired actions.
+    #[test]
+    fn a_busy_agent_loop_never_makes_the_poll_task_wait() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let mut waiting = Undelivered::default();
+        let blob = |n: u8| SignedBlob {
+            payload: vec![n],
+            signer: [0; 32],
+            signature: Vec::new(),
+        };
+        assert!(
+            !waiting.offer(LinkEvent::ReportAcked(1), &tx),
+            "sent at once"
+        );
+        assert!(
+            waiting.offer(LinkEvent::Desired(blob(1)), &tx),
+            "kept: the channel is full"
+        );
+        for n in 2..=200 {
+            waiting.offer(LinkEvent::Desired(blob(n)), &tx);
+        }
+        waiting.offer(LinkEvent::Connected, &tx);
+        waiting.offer(LinkEvent::ReportAcked(2), &tx);
+        waiting.offer(
+            LinkEvent::Block(BlockReply::Unavailable {
+                sha256: [0; 32],
+                offset: 0,
+                reason: String::new(),
+            }),
+            &tx,
+        );
+        assert!(matches!(rx.try_recv(), Ok(LinkEvent::ReportAcked(1))));
+        let mut order = Vec::new();
+        while let Some(event) = waiting.take() {
+            order.push(match event {
+                LinkEvent::Connected => "connected".to_owned(),
+                LinkEvent::ReportAcked(seq) => format!("ack {seq}"),
+                LinkEvent::Desired(b) => format!("desired {}", b.payload[0]),
+                LinkEvent::Block(_) => "block".to_owned(),
+            });
+        }
+        assert_eq!(order, ["connected", "ack 2", "desired 200"]);
+    }
 
     #[test]
     fn malformed_payloads_are_counted_not_fatal() {
