@@ -260,6 +260,26 @@ fn credentials(
 }
 
 fn tls(raw: RawTls, base: &Path) -> Result<Tls, FieldError> {
+    let cert = raw.client_cert.map(|p| base.join(p));
+    let key = raw.client_key.map(|p| base.join(p));
+    let pair = match (cert, key) {
+        (None, None) => None,
+        (Some(cert), None) => {
+            return Err(field_error(
+                "tls.client_key",
+                "",
+                format!("client_cert {} needs its key", cert.display()),
+            ))
+        }
+        (None, Some(key)) => {
+            return Err(field_error(
+                "tls.client_cert",
+                "",
+                format!("client_key {} needs its certificate", key.display()),
+            ))
+        }
+        (Some(cert), Some(key)) => Some((cert, key)),
+    };
     let mut roots = RootCertStore::empty();
     let ca_file = raw.ca_file.map(|p| base.join(p));
     match &ca_file {
@@ -291,25 +311,9 @@ fn tls(raw: RawTls, base: &Path) -> Result<Tls, FieldError> {
         .with_safe_default_protocol_versions()
         .map_err(|e| field_error("tls", "", format!("no usable TLS version: {e}")))?
         .with_root_certificates(roots);
-    let cert = raw.client_cert.map(|p| base.join(p));
-    let key = raw.client_key.map(|p| base.join(p));
-    let (config, client_cert) = match (cert, key) {
-        (None, None) => (builder.with_no_client_auth(), None),
-        (Some(cert), None) => {
-            return Err(field_error(
-                "tls.client_key",
-                "",
-                format!("client_cert {} needs its key", cert.display()),
-            ))
-        }
-        (None, Some(key)) => {
-            return Err(field_error(
-                "tls.client_cert",
-                "",
-                format!("client_key {} needs its certificate", key.display()),
-            ))
-        }
-        (Some(cert), Some(key)) => {
+    let (config, client_cert) = match pair {
+        None => (builder.with_no_client_auth(), None),
+        Some((cert, key)) => {
             let chain = read_certs("tls.client_cert", &cert)?;
             let secret = PrivateKeyDer::from_pem_file(&key).map_err(|e| {
                 field_error(

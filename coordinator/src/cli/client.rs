@@ -1,12 +1,15 @@
 //! The control client: sends one JSON control request to a running coordinator over MQTT and
 //! waits for its reply. Used by `flotilla rollout …`, `flotilla devices` and tests.
 //!
-//! Each client has a unique id and its own reply topic `control/reply/{client}`. It subscribes
+//! Each client has a unique id (`flotilla-cli-…`, one per invocation) and its own reply topic
+//! `control/reply/{client}`; the shipped Mosquitto ACL lets an operator read exactly the reply
+//! topic of its own client id (deploy/mosquitto/acl). It subscribes
 //! to that topic and waits for the SubAck before publishing anything: with clean sessions and
 //! no retained replies, a reply that arrives before the subscription is lost for good.
 
 use std::time::Duration;
 
+use flotilla_mqtt::Connection;
 use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
 use flotilla_protocol::Topics;
 use rumqttc::QoS;
@@ -71,12 +74,24 @@ impl ControlClient {
         topic_root: &str,
         timeout: Duration,
     ) -> Result<ControlClient, ClientError> {
+        let plain = LinkOptions::new(host, port, "flotilla-cli", Vec::new()).connection;
+        Self::connect_with(plain, topic_root, timeout).await
+    }
+
+    /// Connects over `connection` (credentials, TLS) and subscribes to this client's reply
+    /// topic, within `timeout`.
+    pub async fn connect_with(
+        connection: Connection,
+        topic_root: &str,
+        timeout: Duration,
+    ) -> Result<ControlClient, ClientError> {
         let topics = Topics::new(topic_root);
-        let mut options = LinkOptions::new(host, port, "flotilla-cli", Vec::new());
-        let reply_topic = topics.control_reply(&options.client_id);
-        options.subscriptions = vec![reply_topic.clone()];
+        let addr = connection.addr();
+        let client_id = mqtt::unique_client_id("flotilla-cli");
+        let reply_topic = topics.control_reply(&client_id);
+        let mut options =
+            LinkOptions::with_connection(connection, client_id, vec![reply_topic.clone()]);
         options.keep_alive = Duration::from_secs(10);
-        let addr = format!("{host}:{port}");
         let shutdown = CancellationToken::new();
         let mut link = mqtt::start(options, shutdown.clone());
         let mut last = "no answer".to_owned();
