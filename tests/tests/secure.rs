@@ -73,6 +73,30 @@ async fn only_known_clients_over_tls_get_in() {
         "mutual TLS without a certificate: {answer:?}"
     );
 
+    // A client that trusts another CA does not talk to this broker: it could be anyone.
+    let other_ca = dir.path().join("other-ca");
+    let out = std::process::Command::new("sh")
+        .arg(flotilla_tests::secure::deploy_dir().join("make-certs.sh"))
+        .arg(&other_ca)
+        .arg("ca")
+        .output()
+        .expect("run make-certs.sh");
+    assert!(out.status.success(), "{out:?}");
+    let untrusted = flotilla_mqtt::ConnectionSpec {
+        tls: Some(flotilla_mqtt::RawTls {
+            ca_file: Some(other_ca.join("ca.crt")),
+            ..Default::default()
+        }),
+        ..flotilla_mqtt::ConnectionSpec::plain("127.0.0.1", broker.tls_port)
+    }
+    .validate(dir.path(), &|_| None)
+    .expect("valid settings");
+    let (answer, _) = Probe::connect(&untrusted, "dev-a").await;
+    assert!(
+        matches!(&answer, Connected::Failed(e) if e.contains("certificate") || e.contains("Certificate")),
+        "a broker certificate from an unknown CA is refused: {answer:?}"
+    );
+
     let (answer, _) = Probe::connect(&broker.login("dev-a"), "dev-a").await;
     assert_eq!(answer, Connected::Accepted, "the device's password");
     let (answer, _) = Probe::connect(&broker.cert_login("dev-b"), "dev-b").await;
