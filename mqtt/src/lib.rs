@@ -363,6 +363,16 @@ fn read_certs(
 }
 
 impl Connection {
+    /// Plain TCP to `host:port` without credentials (the embedded broker, tests).
+    pub fn plain(host: &str, port: u16) -> Connection {
+        Connection {
+            host: host.to_owned(),
+            port,
+            credentials: None,
+            tls: None,
+        }
+    }
+
     /// `host:port`, for messages.
     pub fn addr(&self) -> String {
         if self.host.contains(':') {

@@ -74,8 +74,7 @@ impl ControlClient {
         topic_root: &str,
         timeout: Duration,
     ) -> Result<ControlClient, ClientError> {
-        let plain = LinkOptions::new(host, port, "flotilla-cli", Vec::new()).connection;
-        Self::connect_with(plain, topic_root, timeout).await
+        Self::connect_with(Connection::plain(host, port), topic_root, timeout).await
     }
 
     /// Connects over `connection` (credentials, TLS) and subscribes to this client's reply

@@ -295,12 +295,7 @@ impl Config {
     pub fn connection(&self) -> Connection {
         let (host, port) = self.connect_to();
         if self.broker.embedded.is_some() {
-            return Connection {
-                host,
-                port,
-                credentials: None,
-                tls: None,
-            };
+            return Connection::plain(&host, port);
         }
         Connection {
             host,

@@ -55,13 +55,11 @@ pub struct LinkOptions {
 impl LinkOptions {
     /// Plain TCP to `host:port` as `{client_prefix}-{unique}`, 30 s keep alive.
     pub fn new(host: &str, port: u16, client_prefix: &str, subscriptions: Vec<String>) -> Self {
-        let connection = Connection {
-            host: host.to_owned(),
-            port,
-            credentials: None,
-            tls: None,
-        };
-        Self::with_connection(connection, unique_client_id(client_prefix), subscriptions)
+        Self::with_connection(
+            Connection::plain(host, port),
+            unique_client_id(client_prefix),
+            subscriptions,
+        )
     }
 
     /// Options for `connection` under exactly `client_id`, 30 s keep alive.
