@@ -12,7 +12,7 @@
 //!
 //! TLS is rustls with the `ring` provider only, passed explicitly (no process-wide default
 //! provider, no aws-lc): `ring` cross-compiles with Debian's gcc cross toolchains and keeps the
-//! agent small (docs/decisions/0011-broker-tls.md).
+//! agent small (docs/decisions/0014-broker-tls.md).
 //!
 //! ```
 //! use flotilla_mqtt::ConnectionSpec;
