@@ -5,7 +5,10 @@
 # Environment: CARGO_TARGET_DIR (default: <repo>/target), ARTIFACT_MB (default 256),
 #              VERIFY_RUNS (default 5), RESULTS (default bench/results.txt),
 #              AGENT_FEATURES (cargo --features for the agent builds, e.g.
-#              sled/miri_optimizations; default none).
+#              sled/miri_optimizations; default none),
+#              BROKER_TLS=1 (run the site on the shipped deploy/mosquitto configuration: TLS,
+#              passwords for the coordinator and the CLI, a client certificate for the agent),
+#              MENDER=0 (skip the mender-client figures).
 #
 # Prints, and writes to bench/results.txt:
 #   - stripped sizes of the release agent for aarch64 and x86-64;
@@ -27,6 +30,8 @@ ARTIFACT_MB="${ARTIFACT_MB:-256}"
 VERIFY_RUNS="${VERIFY_RUNS:-5}"
 results="${RESULTS:-$repo/bench/results.txt}"
 AGENT_FEATURES="${AGENT_FEATURES:-}"
+BROKER_TLS="${BROKER_TLS:-0}"
+MENDER="${MENDER:-1}"
 feature_args=()
 [ -z "$AGENT_FEATURES" ] || feature_args=(--features "$AGENT_FEATURES")
 
@@ -49,7 +54,7 @@ now() { date +%s.%N; }
 
 say "# flotilla footprint, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 say "# host: $(uname -m), $(nproc) cores, $(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)"
-say "# commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown), agent features: ${AGENT_FEATURES:-none}"
+say "# commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown), agent features: ${AGENT_FEATURES:-none}, broker TLS: $BROKER_TLS"
 
 # ---- builds -------------------------------------------------------------------------------
 echo "footprint: building (release agent x86-64 and aarch64, flotilla CLI, verify loop)" >&2
@@ -69,15 +74,51 @@ say "size.aarch64: $(stat -c %s "$arm_agent") bytes ($(mib "$(stat -c %s "$arm_a
 say "size.x86_64: $(stat -c %s "$agent") bytes ($(mib "$(stat -c %s "$agent")"))"
 
 # ---- a site: Mosquitto, coordinator, one release agent ----------------------------------
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n' "$port" >"$work/mosquitto.conf"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port="$(free_port)"
+agent_port="$port"
+coordinator_login=""
+agent_login=""
+login_args=()
+if [ "$BROKER_TLS" = 1 ]; then
+  # The shipped configuration and ACL, on free loopback ports (as tests/src/secure.rs does).
+  b="$work/broker"
+  mkdir -p "$b"
+  sh deploy/mosquitto/make-certs.sh "$b/tls" ca
+  sh deploy/mosquitto/make-certs.sh "$b/tls" server broker DNS:localhost IP:127.0.0.1
+  sh deploy/mosquitto/make-certs.sh "$b/tls" client bench-01
+  : >"$b/passwords"
+  for user in flotilla-coordinator flotilla-operator; do
+    head -c 24 /dev/urandom | base64 >"$b/$user.password"
+    mosquitto_passwd -b "$b/passwords" "$user" "$(cat "$b/$user.password")"
+  done
+  agent_port="$(free_port)"
+  sed -e "s#^acl_file /etc/mosquitto/flotilla/acl#acl_file $repo/deploy/mosquitto/acl#" \
+    -e "s#/etc/mosquitto/flotilla/#$b/#" -e "s#^persistence true#persistence false#" \
+    -e "/^persistence_location/d" -e "s#^listener 8883\$#listener $port 127.0.0.1#" \
+    -e "s#^listener 8884\$#listener $agent_port 127.0.0.1#" deploy/mosquitto/mosquitto.conf >"$work/mosquitto.conf"
+  printf 'user root\nlog_dest stderr\n' >>"$work/mosquitto.conf"
+  coordinator_login="username = \"flotilla-coordinator\"
+password_file = \"$b/flotilla-coordinator.password\"
+[broker.tls]
+ca_file = \"$b/tls/ca.crt\""
+  agent_login="[broker.tls]
+ca_file = \"$b/tls/ca.crt\"
+client_cert = \"$b/tls/bench-01.crt\"
+client_key = \"$b/tls/bench-01.key\""
+  login_args=(--username flotilla-operator --password-file "$b/flotilla-operator.password" --ca-file "$b/tls/ca.crt")
+else
+  printf 'listener %s 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n' "$port" >"$work/mosquitto.conf"
+fi
 mosquitto -c "$work/mosquitto.conf" >"$work/mosquitto.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 100); do
-  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-  sleep 0.1
+for p in "$port" "$agent_port"; do
+  for _ in $(seq 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break
+    sleep 0.1
+  done
 done
-fl() { "$flotilla_bin" --broker "127.0.0.1:$port" "$@"; }
+fl() { "$flotilla_bin" --broker "127.0.0.1:$port" "${login_args[@]}" "$@"; }
 
 fl keygen --out "$work/keys" >/dev/null
 head -c "$((ARTIFACT_MB * 1024 * 1024))" /dev/urandom >"$work/artifact.bin"
@@ -89,6 +130,7 @@ coordinator_key = "$work/keys/coordinator.key"
 [broker]
 host = "127.0.0.1"
 port = $port
+$coordinator_login
 EOF
 # Not through fl(): a backgrounded function is a subshell, and killing it would leave the
 # coordinator running.
@@ -103,8 +145,9 @@ hardware_id = "bench-board"
 data_dir = "$work/agent/data"
 [broker]
 host = "127.0.0.1"
-port = $port
+port = $agent_port
 keep_alive = "30s"
+$agent_login
 [labels]
 env = "bench"
 [trust]
@@ -142,7 +185,7 @@ done
 # Let it settle: connection set up, retained messages read, state reported.
 sleep 5
 idle_rss="$(kb VmRSS "$agent_pid")"
-say "rss.idle: $idle_rss kB ($(kib_mib "$idle_rss")), x86-64 release agent connected to Mosquitto"
+say "rss.idle: $idle_rss kB ($(kib_mib "$idle_rss")), x86-64 release agent connected to Mosquitto$([ "$BROKER_TLS" = 1 ] && echo " over mutual TLS")"
 
 cat >"$work/rollout.toml" <<EOF
 name = "fw-bench-rollout"
@@ -195,6 +238,10 @@ say "verify.ratio: $(awk -v a="$t_agent" -v s="$t_sum" 'BEGIN {printf "%.2f", s 
 say "cpu.sha_extensions: $(grep -o -w -m1 sha_ni /proc/cpuinfo | head -n 1 || echo none)"
 
 # ---- Debian's mender-client -----------------------------------------------------------------
+if [ "$MENDER" = 0 ]; then
+  echo "footprint: wrote $results (MENDER=0: no mender-client figures)" >&2
+  exit 0
+fi
 say ""
 say "## mender-client (Debian)"
 mender_why=""

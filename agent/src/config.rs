@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
 use flotilla_targets::{
     AbConfig, AbTarget, BootControlKind, ScriptConfig, ScriptTarget, ScriptTimeouts, TargetError,
@@ -68,6 +69,22 @@ pub struct BrokerConfig {
     pub port: u16,
     pub topic_root: String,
     pub keep_alive: Duration,
+    /// Username (the device id, for the shipped ACL) and the password read at load time.
+    pub credentials: Option<Credentials>,
+    /// TLS; `None` is plain TCP.
+    pub tls: Option<Tls>,
+}
+
+impl BrokerConfig {
+    /// How the link reaches the broker. The MQTT client id is the device id.
+    pub fn connection(&self) -> Connection {
+        Connection {
+            host: self.host.clone(),
+            port: self.port,
+            credentials: self.credentials.clone(),
+            tls: self.tls.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -186,6 +203,10 @@ struct RawBroker {
     topic_root: String,
     #[serde(default = "default_keep_alive")]
     keep_alive: String,
+    username: Option<String>,
+    password_file: Option<PathBuf>,
+    password_env: Option<String>,
+    tls: Option<RawTls>,
 }
 
 fn default_port() -> u16 {
@@ -377,6 +398,22 @@ impl TryFrom<RawConfig> for Config {
         if raw.broker.port == 0 {
             return Err(invalid("broker.port", "0 is not a port"));
         }
+        // Relative paths resolve against the working directory, like data_dir.
+        let connection = ConnectionSpec {
+            host: raw.broker.host.clone(),
+            port: raw.broker.port,
+            username: raw.broker.username.clone(),
+            password_file: raw.broker.password_file.clone(),
+            password_env: raw.broker.password_env.clone(),
+            tls: raw.broker.tls.clone(),
+        }
+        .validate(Path::new(""), &|name| std::env::var(name).ok())
+        .map_err(|e| {
+            invalid(
+                format!("broker.{}", e.field),
+                format!("{:?}: {}", e.value, e.reason),
+            )
+        })?;
         let root = raw.broker.topic_root.trim_end_matches('/');
         if root.is_empty() || root.contains(['+', '#']) {
             return Err(invalid(
@@ -392,6 +429,8 @@ impl TryFrom<RawConfig> for Config {
             port: raw.broker.port,
             topic_root: raw.broker.topic_root.clone(),
             keep_alive: parse_duration("broker.keep_alive", &raw.broker.keep_alive)?,
+            credentials: connection.credentials,
+            tls: connection.tls,
         };
         if broker.keep_alive < Duration::from_secs(1) {
             return Err(invalid(
@@ -814,6 +853,56 @@ mod tests {
             })
         );
         assert_eq!(c.labels, vec![("env".to_owned(), "prod".to_owned())]);
+    }
+
+    #[test]
+    fn broker_credentials_and_tls_are_read_at_load_and_errors_name_the_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pw = dir.path().join("broker.password");
+        std::fs::write(&pw, "device-secret\n").expect("write");
+        let c = with(
+            "keep_alive = \"30s\"\n",
+            &format!("keep_alive = \"30s\"\nusername = \"dev-1\"\npassword_file = {pw:?}\n"),
+        )
+        .expect("valid");
+        let login = c
+            .broker
+            .connection()
+            .options("dev-1")
+            .credentials()
+            .expect("login");
+        assert_eq!(
+            (login.username.as_str(), login.password.as_str()),
+            ("dev-1", "device-secret")
+        );
+        assert!(!format!("{c:?}").contains("device-secret"));
+        assert_eq!(c.broker.tls, None);
+
+        let missing = dir.path().join("nope.password");
+        let text = err(
+            "keep_alive = \"30s\"\n",
+            &format!("keep_alive = \"30s\"\nusername = \"dev-1\"\npassword_file = {missing:?}\n"),
+        );
+        assert!(
+            text.starts_with("broker.password_file: ") && text.contains("nope.password"),
+            "{text}"
+        );
+        let text = err(
+            "keep_alive = \"30s\"\n",
+            "keep_alive = \"30s\"\n[broker.tls]\nca_file = \"/nonexistent/ca.crt\"\n",
+        );
+        assert!(
+            text.starts_with("broker.tls.ca_file: ") && text.contains("/nonexistent/ca.crt"),
+            "{text}"
+        );
+        let text = err(
+            "keep_alive = \"30s\"\n",
+            "keep_alive = \"30s\"\npassword = \"inline\"\n",
+        );
+        assert!(
+            text.contains("password"),
+            "an inline password is refused: {text}"
+        );
     }
 
     #[test]

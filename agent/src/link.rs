@@ -27,7 +27,7 @@ use flotilla_protocol::{
     device, envelope, BlockReply, BlockRequest, DeviceId, DeviceMessage, DeviceState, Digest,
     Message, Report, SignedBlob, SigningKey, Topic, Topics, MAX_PACKET_SIZE,
 };
-use rumqttc::{AsyncClient, Event, LastWill, MqttOptions, Packet, QoS};
+use rumqttc::{AsyncClient, Event, LastWill, Packet, QoS};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -157,11 +157,9 @@ pub fn start(
 ) -> (LinkHandle, mpsc::Receiver<LinkEvent>) {
     let topics = Topics::new(&config.broker.topic_root);
     let id = config.device_id.clone();
-    let mut options = MqttOptions::new(
-        format!("flotilla-agent-{id}"),
-        config.broker.host.clone(),
-        config.broker.port,
-    );
+    // The client id is the device id, so a broker ACL can tie the client to its own topics
+    // (`%c`); address, credentials and TLS come from flotilla-mqtt.
+    let mut options = config.broker.connection().options(id.to_string());
     options
         .set_clean_session(true)
         .set_keep_alive(config.broker.keep_alive)

@@ -90,10 +90,8 @@ fn harness() -> Harness {
         data_dir,
         coordinator_key: keys_dir.join("coordinator.key"),
         broker: BrokerConfig {
-            host: "127.0.0.1".into(),
-            port: addr.port(),
-            topic_root: "flotilla".into(),
             embedded: Some(addr),
+            ..BrokerConfig::plain("127.0.0.1", addr.port())
         },
         action_validity: 3600,
         operators: vec![OperatorConfig {

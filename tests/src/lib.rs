@@ -23,9 +23,11 @@
 //! test panics, the harness prints the tail of every process's log.
 
 pub mod mqtt;
+pub mod secure;
 pub mod site;
 
 pub use mqtt::{WatchedMessage, Watcher};
+pub use secure::{Connected, Probe, SecureBroker};
 pub use site::{AgentOptions, BrokerKind, Site, ADMIN};
 
 use std::path::PathBuf;

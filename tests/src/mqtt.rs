@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::{envelope, BlockRequest, Message, Report, Topic, Topics};
-use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use rumqttc::{AsyncClient, Event, Packet, QoS};
 
 /// One message seen on the broker.
 #[derive(Debug, Clone)]
@@ -39,16 +39,17 @@ impl Drop for Watcher {
 }
 
 impl Watcher {
-    /// Connects to the broker and subscribes to `filters`, returning once the broker
-    /// acknowledged the subscriptions.
+    /// Connects to the loopback broker on `port` (plain TCP) and subscribes to `filters`,
+    /// returning once the broker acknowledged the subscriptions.
     pub async fn start(port: u16, filters: &[String]) -> Watcher {
+        Self::connect(crate::site::plain(port), filters).await
+    }
+
+    /// [`Watcher::start`] over `connection` (credentials, TLS).
+    pub async fn connect(connection: flotilla_mqtt::Connection, filters: &[String]) -> Watcher {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut options = MqttOptions::new(
-            format!("watcher-{}-{n}", std::process::id()),
-            "127.0.0.1",
-            port,
-        );
+        let mut options = connection.options(format!("watcher-{}-{n}", std::process::id()));
         options.set_max_packet_size(
             flotilla_protocol::MAX_PACKET_SIZE,
             flotilla_protocol::MAX_PACKET_SIZE,

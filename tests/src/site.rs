@@ -13,7 +13,8 @@ use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatu
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
-use crate::{bin, free_port, mosquitto_binary, WAIT};
+use crate::secure::{SecureBroker, COORDINATOR, OPERATOR};
+use crate::{bin, free_port, mosquitto_binary, Watcher, WAIT};
 
 /// The operator every site has, with role admin; [`Site::client`] and [`Site::flotilla`] sign
 /// as this operator.
@@ -28,6 +29,11 @@ pub enum BrokerKind {
     Embedded,
     /// A Mosquitto process with its own config on a free port.
     Mosquitto,
+    /// Mosquitto as `deploy/mosquitto/` ships it ([`SecureBroker`]): TLS only, credentials,
+    /// the shipped ACL. The coordinator logs in as `flotilla-coordinator` with a password, the
+    /// CLI and [`Site::client`] as `flotilla-operator`, agents with a client certificate whose
+    /// common name is their device id.
+    Secure,
 }
 
 /// How an agent of the site behaves.
@@ -67,13 +73,13 @@ impl Default for AgentOptions {
     }
 }
 
-struct Process {
+pub(crate) struct Process {
     child: Child,
-    log: PathBuf,
+    pub(crate) log: PathBuf,
 }
 
 impl Process {
-    fn spawn(mut command: Command, log: PathBuf) -> Process {
+    pub(crate) fn spawn(mut command: Command, log: PathBuf) -> Process {
         let out = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -87,7 +93,7 @@ impl Process {
         Process { child, log }
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -100,6 +106,7 @@ pub struct Site {
     pub port: u16,
     _embedded: Option<EmbeddedBroker>,
     broker: Option<Process>,
+    secure: Option<SecureBroker>,
     coordinator: Option<Process>,
     agents: BTreeMap<String, Process>,
     agent_options: BTreeMap<String, AgentOptions>,
@@ -133,22 +140,23 @@ impl Site {
     pub fn new(kind: BrokerKind) -> Site {
         let dir = tempfile::tempdir().expect("temporary directory");
         let port = free_port();
-        let (embedded, broker) = match kind {
+        let (mut embedded, mut broker, mut secure) = (None, None, None);
+        match kind {
             BrokerKind::Embedded => {
                 let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
-                (
-                    Some(EmbeddedBroker::start(addr).expect("start embedded broker")),
-                    None,
-                )
+                embedded = Some(EmbeddedBroker::start(addr).expect("start embedded broker"));
             }
-            BrokerKind::Mosquitto => (None, Some(start_mosquitto(dir.path(), port))),
-        };
+            BrokerKind::Mosquitto => broker = Some(start_mosquitto(dir.path(), port)),
+            BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
+        }
+        let port = secure.as_ref().map_or(port, |s| s.tls_port);
         let mut site = Site {
             dir,
             kind,
             port,
             _embedded: embedded,
             broker,
+            secure,
             coordinator: None,
             agents: BTreeMap::new(),
             agent_options: BTreeMap::new(),
@@ -215,15 +223,42 @@ impl Site {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
-    /// Runs the `flotilla` CLI and returns whatever happened.
+    /// Runs the `flotilla` CLI and returns whatever happened. On a [`BrokerKind::Secure`]
+    /// site it logs in as the operator over TLS.
     pub fn flotilla_output(&self, args: &[&str]) -> std::process::Output {
-        Command::new(bin("flotilla"))
-            .args(["--broker", &format!("127.0.0.1:{}", self.port)])
+        let mut command = Command::new(bin("flotilla"));
+        command.args(["--broker", &format!("127.0.0.1:{}", self.port)]);
+        if let Some(secure) = &self.secure {
+            command
+                .args(["--username", OPERATOR, "--password-file"])
+                .arg(secure.password_file(OPERATOR))
+                .arg("--ca-file")
+                .arg(secure.ca_file());
+        }
+        command
             .args(args)
             .env_remove("FLOTILLA_BROKER")
             .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN))
             .output()
             .expect("run flotilla")
+    }
+
+    /// The secure broker of a [`BrokerKind::Secure`] site.
+    pub fn secure(&self) -> &SecureBroker {
+        self.secure.as_ref().expect("a BrokerKind::Secure site")
+    }
+
+    /// How the site's trusted side (the coordinator's login) reaches the broker.
+    pub fn connection(&self) -> flotilla_mqtt::Connection {
+        match &self.secure {
+            Some(secure) => secure.login(COORDINATOR),
+            None => plain(self.port),
+        }
+    }
+
+    /// A watcher on the site's broker that sees what the coordinator may see.
+    pub async fn watcher(&self, filters: &[String]) -> Watcher {
+        Watcher::connect(self.connection(), filters).await
     }
 
     /// The hex text of a public key file of the site.
@@ -298,13 +333,23 @@ impl Site {
     pub fn start_coordinator(&mut self) {
         let config = self.path("coordinator.toml");
         let mut text = format!(
-            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n[enrollment]\nauthorized_keys = {:?}\ntokens = {:?}\n",
+            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
             self.path("coordinator"),
             self.path("keys/coordinator.key"),
-            self.port,
+            self.port
+        );
+        if let Some(secure) = &self.secure {
+            text.push_str(&format!(
+                "username = {COORDINATOR:?}\npassword_file = {:?}\n[broker.tls]\nca_file = {:?}\n",
+                secure.password_file(COORDINATOR),
+                secure.ca_file()
+            ));
+        }
+        text.push_str(&format!(
+            "[enrollment]\nauthorized_keys = {:?}\ntokens = {:?}\n",
             self.authorized_keys_file(),
             self.tokens,
-        );
+        ));
         for (name, role) in &self.operators {
             text.push_str(&format!(
                 "[[operators]]\nname = {name:?}\nrole = \"{role}\"\nkey_file = {:?}\n",
@@ -373,6 +418,17 @@ impl Site {
             (true, Some(token)) => format!("enrollment_token = {token:?}\n"),
             _ => String::new(),
         };
+        let tls = match &self.secure {
+            // Mutual TLS: the certificate's common name (the device id) is the login.
+            Some(secure) => {
+                let (cert, key) = secure.client_cert(id);
+                format!(
+                    "[broker.tls]\nca_file = {:?}\nclient_cert = {cert:?}\nclient_key = {key:?}\n",
+                    secure.ca_file()
+                )
+            }
+            None => String::new(),
+        };
         let mut text = format!(
             r#"device_id = "{id}"
 hardware_id = "test-board"
@@ -381,10 +437,10 @@ data_dir = {data:?}
 host = "127.0.0.1"
 port = {port}
 keep_alive = "5s"
-[labels]
+{tls}[labels]
 "#,
             data = dir.join("data"),
-            port = self.port,
+            port = self.secure.as_ref().map_or(self.port, |s| s.mtls_port),
         );
         for (k, v) in labels {
             text.push_str(&format!("{k} = {v:?}\n"));
@@ -443,14 +499,19 @@ max_bytes_per_sec = {rate}
         }
     }
 
-    /// A control client connected to the site's broker, signing as the `admin` operator.
+    /// A control client connected to the site's broker (as the operator on a secure site),
+    /// signing as the `admin` operator.
     pub async fn client(&self) -> ControlClient {
         self.client_as(ADMIN).await
     }
 
     /// A control client signing as operator `name` (see [`Site::add_operator`]).
     pub async fn client_as(&self, name: &str) -> ControlClient {
-        ControlClient::connect("127.0.0.1", self.port, "flotilla", self.operator_key(name))
+        let connection = match &self.secure {
+            Some(secure) => secure.login(OPERATOR),
+            None => plain(self.port),
+        };
+        ControlClient::connect_with(connection, "flotilla", self.operator_key(name), WAIT)
             .await
             .expect("connect control client")
     }
@@ -594,6 +655,11 @@ max_bytes_per_sec = {rate}
     }
 }
 
+/// Plain TCP to the loopback `port`.
+pub fn plain(port: u16) -> flotilla_mqtt::Connection {
+    flotilla_mqtt::Connection::plain("127.0.0.1", port)
+}
+
 fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
@@ -621,11 +687,9 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
 impl Site {
     /// Publishes raw bytes on a topic (QoS 1), as any client of the shared broker could.
     pub async fn publish(&self, topic: &str, payload: Vec<u8>, retain: bool) {
-        let mut options = rumqttc::MqttOptions::new(
-            format!("publisher-{}", crate::free_port()),
-            "127.0.0.1",
-            self.port,
-        );
+        let mut options = self
+            .connection()
+            .options(format!("publisher-{}", crate::free_port()));
         options.set_max_packet_size(
             flotilla_protocol::MAX_PACKET_SIZE,
             flotilla_protocol::MAX_PACKET_SIZE,

@@ -32,8 +32,35 @@ pub struct Cli {
         value_name = "FILE"
     )]
     pub operator_key: Option<PathBuf>,
+    #[command(flatten)]
+    pub auth: BrokerAuth,
     #[command(subcommand)]
     pub command: Cmd,
+}
+
+/// How the CLI logs in to the broker (docs/security.md, "The broker connection"). The password
+/// is never a flag: it comes from `--password-file` or the FLOTILLA_BROKER_PASSWORD variable.
+#[derive(Debug, Clone, Default, Args)]
+pub struct BrokerAuth {
+    /// MQTT username (an operator's, from the broker's password file).
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_USERNAME")]
+    pub username: Option<String>,
+    /// A file holding the password; without it the password is read from the
+    /// FLOTILLA_BROKER_PASSWORD environment variable.
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_PASSWORD_FILE")]
+    pub password_file: Option<PathBuf>,
+    /// Connect with TLS, checking the broker's certificate against this CA file (PEM).
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Connect with TLS, checking the broker's certificate against the system's roots.
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_TLS")]
+    pub tls: bool,
+    /// Client certificate (PEM) for mutual TLS; needs --client-key.
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_CLIENT_CERT")]
+    pub client_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, global = true, env = "FLOTILLA_BROKER_CLIENT_KEY")]
+    pub client_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -5,12 +5,15 @@
 //! with the current time and a fresh nonce inside, so the coordinator can name who sent it and
 //! refuse stale or replayed copies.
 //!
-//! Each client has a unique id and its own reply topic `control/reply/{client}`. It subscribes
+//! Each client has a unique id (`flotilla-cli-…`, one per invocation) and its own reply topic
+//! `control/reply/{client}`; the shipped Mosquitto ACL lets an operator read exactly the reply
+//! topic of its own client id (deploy/mosquitto/acl). It subscribes
 //! to that topic and waits for the SubAck before publishing anything: with clean sessions and
 //! no retained replies, a reply that arrives before the subscription is lost for good.
 
 use std::time::Duration;
 
+use flotilla_mqtt::Connection;
 use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
 use flotilla_protocol::operator::{new_nonce, SignedRequest};
 use flotilla_protocol::{SigningKey, Topics};
@@ -81,12 +84,24 @@ impl ControlClient {
         key: SigningKey,
         timeout: Duration,
     ) -> Result<ControlClient, ClientError> {
+        Self::connect_with(Connection::plain(host, port), topic_root, key, timeout).await
+    }
+
+    /// Connects over `connection` (credentials, TLS) and subscribes to this client's reply
+    /// topic, within `timeout`.
+    pub async fn connect_with(
+        connection: Connection,
+        topic_root: &str,
+        key: SigningKey,
+        timeout: Duration,
+    ) -> Result<ControlClient, ClientError> {
         let topics = Topics::new(topic_root);
-        let mut options = LinkOptions::new(host, port, "flotilla-cli", Vec::new());
-        let reply_topic = topics.control_reply(&options.client_id);
-        options.subscriptions = vec![reply_topic.clone()];
+        let addr = connection.addr();
+        let client_id = mqtt::unique_client_id("flotilla-cli");
+        let reply_topic = topics.control_reply(&client_id);
+        let mut options =
+            LinkOptions::with_connection(connection, client_id, vec![reply_topic.clone()]);
         options.keep_alive = Duration::from_secs(10);
-        let addr = format!("{host}:{port}");
         let shutdown = CancellationToken::new();
         let mut link = mqtt::start(options, shutdown.clone());
         let mut last = "no answer".to_owned();

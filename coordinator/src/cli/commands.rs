@@ -5,9 +5,10 @@
 //! [`ControlClient`]; `keygen` and `release …` work on files and need no coordinator, so they
 //! can run on an offline signing machine.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use flotilla_mqtt::{Connection, ConnectionSpec, RawTls, PASSWORD_ENV};
 use flotilla_protocol::control::{
     ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, ReleaseSummary,
     RolloutStatus, StrategyInfo,
@@ -15,9 +16,10 @@ use flotilla_protocol::control::{
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::args::{
-    Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd, StrategyCmd,
+    BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
+    StrategyCmd,
 };
-use crate::cli::client::{ClientError, ControlClient};
+use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
 use crate::cli::view;
 use crate::service::config::{self, Config, ConfigError};
 use crate::service::keys::{self, KeysError};
@@ -39,6 +41,12 @@ pub enum CliError {
     Client(#[from] ClientError),
     #[error("--broker {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
     BrokerAddr { value: String },
+    #[error("{flag} {value:?} is invalid: {reason}")]
+    BrokerAuth {
+        flag: &'static str,
+        value: String,
+        reason: String,
+    },
     #[error("--embedded-broker {value:?} is invalid: expected IP:PORT like 127.0.0.1:1883")]
     EmbeddedAddr { value: String },
     #[error("--expires-in {value:?} is invalid: {reason}")]
@@ -78,6 +86,55 @@ pub fn parse_broker(value: &str) -> Result<(String, u16), CliError> {
     Ok((host.to_owned(), port))
 }
 
+/// Where and how the CLI connects: the global broker flags, kept apart from the subcommand.
+#[derive(Debug, Clone)]
+struct BrokerTarget {
+    broker: String,
+    topic_root: String,
+    auth: BrokerAuth,
+    /// The operator's secret key file, which signs every request.
+    operator_key: Option<PathBuf>,
+}
+
+/// Builds the validated connection from `--broker` and the login flags; errors name the flag.
+pub fn connection(broker: &str, auth: &BrokerAuth) -> Result<Connection, CliError> {
+    let (host, port) = parse_broker(broker)?;
+    let tls = (auth.tls
+        || auth.ca_file.is_some()
+        || auth.client_cert.is_some()
+        || auth.client_key.is_some())
+    .then(|| RawTls {
+        ca_file: auth.ca_file.clone(),
+        client_cert: auth.client_cert.clone(),
+        client_key: auth.client_key.clone(),
+    });
+    let spec = ConnectionSpec {
+        host,
+        port,
+        username: auth.username.clone(),
+        password_file: auth.password_file.clone(),
+        // Only looked at when there is a username and no password file.
+        password_env: (auth.username.is_some() && auth.password_file.is_none())
+            .then(|| PASSWORD_ENV.to_owned()),
+        tls,
+    };
+    spec.validate(Path::new("."), &|name| std::env::var(name).ok())
+        .map_err(|e| CliError::BrokerAuth {
+            flag: match e.field {
+                "username" => "--username",
+                "password_file" => "--password-file",
+                "password_env" => PASSWORD_ENV,
+                "tls.ca_file" => "--ca-file",
+                "tls.client_cert" => "--client-cert",
+                "tls.client_key" => "--client-key",
+                "host" | "port" => "--broker",
+                _ => "--tls",
+            },
+            value: e.value,
+            reason: e.reason,
+        })
+}
+
 fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -92,7 +149,12 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
 
 /// Runs every command except `demo`; returns the exit code. `shutdown` stops `serve`.
 pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError> {
-    let key = cli.operator_key.as_deref();
+    let target = BrokerTarget {
+        broker: cli.broker.clone(),
+        topic_root: cli.topic_root.clone(),
+        auth: cli.auth.clone(),
+        operator_key: cli.operator_key.clone(),
+    };
     match cli.command {
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
             let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
@@ -176,14 +238,14 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Rollout(cmd) => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             rollout(&client, cmd).await
         }
         Cmd::Devices {
             cmd: Some(DevicesCmd::Delete { id }),
             ..
         } => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             client
                 .request(
                     Command::DeleteDevice { device: id.clone() },
@@ -203,7 +265,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     | DevicesCmd::Revoke { .. }),
                 ),
         } => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             let (command, what) = match cmd {
                 DevicesCmd::Pending => (Command::PendingDevices, "pending_devices"),
                 DevicesCmd::Accept { id, key } => {
@@ -236,7 +298,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Devices { json, cmd: None } => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             let result = client
                 .request(Command::ListDevices, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
@@ -253,7 +315,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Approve { name } => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             client
                 .request(
                     Command::Approve { name: name.clone() },
@@ -264,7 +326,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             Ok(0)
         }
         Cmd::Approvals { json } => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             let result = client
                 .request(Command::ListApprovals, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
@@ -280,9 +342,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             }
             Ok(0)
         }
-        Cmd::Strategy(cmd) => strategy(&cli.broker, &cli.topic_root, key, cmd).await,
+        Cmd::Strategy(cmd) => strategy(&target, cmd).await,
         Cmd::Group(cmd) => {
-            let client = connect(&cli.broker, &cli.topic_root, key).await?;
+            let client = connect(&target).await?;
             group(&client, cmd).await
         }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
@@ -292,23 +354,19 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
 }
 
 /// Loads the operator key (a clear error without one) and connects the control client.
-async fn connect(
-    broker: &str,
-    topic_root: &str,
-    key: Option<&std::path::Path>,
-) -> Result<ControlClient, CliError> {
-    let key = keys::load_secret_key(key.ok_or(CliError::NoOperatorKey)?)?;
-    let (host, port) = parse_broker(broker)?;
-    Ok(ControlClient::connect(&host, port, topic_root, key).await?)
+async fn connect(target: &BrokerTarget) -> Result<ControlClient, CliError> {
+    let key = keys::load_secret_key(
+        target
+            .operator_key
+            .as_deref()
+            .ok_or(CliError::NoOperatorKey)?,
+    )?;
+    let connection = connection(&target.broker, &target.auth)?;
+    Ok(ControlClient::connect_with(connection, &target.topic_root, key, DEFAULT_TIMEOUT).await?)
 }
 
 /// `strategy …`; the file is read before connecting, so a wrong path fails at once.
-async fn strategy(
-    broker: &str,
-    topic_root: &str,
-    key: Option<&std::path::Path>,
-    cmd: StrategyCmd,
-) -> Result<i32, CliError> {
+async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliError> {
     let timeout = crate::cli::client::DEFAULT_TIMEOUT;
     let reply = |what: &'static str| move |source| CliError::Reply { what, source };
     let file = match &cmd {
@@ -320,7 +378,7 @@ async fn strategy(
         )?),
         _ => None,
     };
-    let client = connect(broker, topic_root, key).await?;
+    let client = connect(target).await?;
     match cmd {
         StrategyCmd::Create { name, .. } => {
             let spec = file.unwrap_or_default();
@@ -558,6 +616,53 @@ mod tests {
             let err = parse_broker(bad).expect_err(bad);
             assert!(err.to_string().contains(bad), "{err}");
         }
+    }
+
+    #[test]
+    fn login_flags_build_the_connection_and_errors_name_the_flag() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pw = dir.path().join("pw");
+        std::fs::write(&pw, "op-secret\n").expect("write");
+        let cli = Cli::try_parse_from([
+            "flotilla",
+            "--broker",
+            "mqtt.example.com:8883",
+            "--username",
+            "flotilla-operator",
+            "--password-file",
+            &pw.to_string_lossy(),
+            "rollout",
+            "status",
+        ])
+        .expect("parses");
+        let c = connection(&cli.broker, &cli.auth).expect("valid");
+        let login = c.options("x").credentials().expect("login");
+        assert_eq!(
+            (login.username.as_str(), login.password.as_str()),
+            ("flotilla-operator", "op-secret")
+        );
+        assert_eq!(c.tls, None, "no TLS flag, no TLS");
+
+        let auth = |f: fn(&mut BrokerAuth)| {
+            let mut a = BrokerAuth::default();
+            f(&mut a);
+            connection("h:8883", &a).expect_err("refused").to_string()
+        };
+        let text = auth(|a| {
+            a.username = Some("u".into());
+            a.password_file = Some("/nonexistent/pw".into());
+        });
+        assert!(
+            text.starts_with("--password-file \"/nonexistent/pw\""),
+            "{text}"
+        );
+        let text = auth(|a| a.ca_file = Some("/nonexistent/ca.crt".into()));
+        assert!(
+            text.starts_with("--ca-file \"/nonexistent/ca.crt\""),
+            "{text}"
+        );
+        let text = auth(|a| a.client_cert = Some("/nonexistent/c.crt".into()));
+        assert!(text.starts_with("--client-key"), "{text}");
     }
 
     #[test]

@@ -204,12 +204,8 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     let config = Config {
         data_dir: data_dir.clone(),
         coordinator_key: keys[1].secret.clone(),
-        broker: BrokerConfig {
-            host: "127.0.0.1".into(),
-            port,
-            topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
-            embedded: None,
-        },
+        // The embedded broker is loopback only: plain TCP, no credentials.
+        broker: BrokerConfig::plain("127.0.0.1", port),
         action_validity: 24 * 3600,
         operators: vec![OperatorConfig {
             name: "demo".into(),

@@ -6,6 +6,7 @@
 //! config behaves the same under systemd as in a shell. The commented default is embedded and
 //! printed by `flotilla serve --print-default-config`.
 
+use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_rollout::duration::parse_duration;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -78,7 +79,7 @@ pub struct EnrollmentConfig {
     pub max_pending: usize,
 }
 
-/// Where the MQTT broker is, and whether to run one in-process.
+/// Where the MQTT broker is, how to log in, and whether to run one in-process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BrokerConfig {
     pub host: String,
@@ -86,6 +87,30 @@ pub struct BrokerConfig {
     pub topic_root: String,
     /// Run rumqttd inside the coordinator, listening here.
     pub embedded: Option<SocketAddr>,
+    /// The coordinator's MQTT client id: stable, so a broker ACL can name it.
+    pub client_id: String,
+    /// Username and password (read from its file or variable when the config was loaded).
+    pub credentials: Option<Credentials>,
+    /// TLS to the external broker; `None` is plain TCP.
+    pub tls: Option<Tls>,
+}
+
+/// The coordinator's client id when the config names none.
+pub const DEFAULT_CLIENT_ID: &str = "flotilla-coordinator";
+
+impl BrokerConfig {
+    /// Plain TCP to `host:port`, no credentials, the default root and client id.
+    pub fn plain(host: &str, port: u16) -> Self {
+        Self {
+            host: host.to_owned(),
+            port,
+            topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
+            embedded: None,
+            client_id: DEFAULT_CLIENT_ID.into(),
+            credentials: None,
+            tls: None,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -157,6 +182,11 @@ struct RawBroker {
     port: u16,
     topic_root: String,
     embedded: Option<String>,
+    client_id: String,
+    username: Option<String>,
+    password_file: Option<PathBuf>,
+    password_env: Option<String>,
+    tls: Option<RawTls>,
 }
 
 impl Default for RawBroker {
@@ -166,6 +196,11 @@ impl Default for RawBroker {
             port: 1883,
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
             embedded: None,
+            client_id: DEFAULT_CLIENT_ID.into(),
+            username: None,
+            password_file: None,
+            password_env: None,
+            tls: None,
         }
     }
 }
@@ -216,6 +251,19 @@ impl TryFrom<Located> for Config {
         if raw.broker.port == 0 {
             return Err(field("broker.port", "0", "must be between 1 and 65535"));
         }
+        let client_id = &raw.broker.client_id;
+        if client_id.is_empty()
+            || client_id.len() > 64
+            || !client_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(field(
+                "broker.client_id",
+                client_id,
+                "use 1 to 64 of letters, digits, '.', '_' and '-'",
+            ));
+        }
         let root = &raw.broker.topic_root;
         if root.is_empty() || root.contains(['+', '#']) || root.starts_with('/') {
             return Err(field(
@@ -243,6 +291,21 @@ impl TryFrom<Located> for Config {
                 "must be longer than 0s",
             ));
         }
+        let broker = raw.broker;
+        let connection = ConnectionSpec {
+            host: broker.host,
+            port: broker.port,
+            username: broker.username,
+            password_file: broker.password_file,
+            password_env: broker.password_env,
+            tls: broker.tls,
+        }
+        .validate(&base, &|name| std::env::var(name).ok())
+        .map_err(|e| ConfigError::Field {
+            field: broker_field(e.field),
+            value: e.value,
+            reason: e.reason,
+        })?;
         let clock_window = parse_duration(&raw.control.clock_window)
             .map_err(|reason| field("control.clock_window", &raw.control.clock_window, &reason))?;
         if clock_window == 0 {
@@ -287,10 +350,13 @@ impl TryFrom<Located> for Config {
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
             broker: BrokerConfig {
-                host: raw.broker.host,
-                port: raw.broker.port,
-                topic_root: raw.broker.topic_root,
+                host: connection.host,
+                port: connection.port,
+                topic_root: broker.topic_root,
                 embedded,
+                client_id: broker.client_id,
+                credentials: connection.credentials,
+                tls: connection.tls,
             },
             action_validity,
         })
@@ -365,6 +431,21 @@ fn operators(raw: &[RawOperator], base: &Path) -> Result<Vec<OperatorConfig>, Co
     Ok(out)
 }
 
+/// `broker.`-prefixed names for the fields flotilla-mqtt validates.
+fn broker_field(field: &'static str) -> &'static str {
+    match field {
+        "host" => "broker.host",
+        "port" => "broker.port",
+        "username" => "broker.username",
+        "password_file" => "broker.password_file",
+        "password_env" => "broker.password_env",
+        "tls.ca_file" => "broker.tls.ca_file",
+        "tls.client_cert" => "broker.tls.client_cert",
+        "tls.client_key" => "broker.tls.client_key",
+        _ => "broker.tls",
+    }
+}
+
 impl Config {
     /// Parses config text; relative paths resolve against `base`.
     pub fn from_toml(text: &str, base: &Path, origin: &Path) -> Result<Config, ConfigError> {
@@ -398,6 +479,21 @@ impl Config {
         }
     }
 
+    /// How the coordinator connects: plain TCP to its embedded broker (loopback, no TLS, the
+    /// credentials are not needed there), otherwise the configured host, credentials and TLS.
+    pub fn connection(&self) -> Connection {
+        let (host, port) = self.connect_to();
+        if self.broker.embedded.is_some() {
+            return Connection::plain(&host, port);
+        }
+        Connection {
+            host,
+            port,
+            credentials: self.broker.credentials.clone(),
+            tls: self.broker.tls.clone(),
+        }
+    }
+
     /// The broker address the coordinator connects to, as `HOST:PORT` for messages.
     pub fn broker_addr(&self) -> String {
         let (host, port) = self.connect_to();
@@ -425,6 +521,9 @@ mod tests {
         assert_eq!(config.action_validity, 7 * 86_400);
         assert_eq!(config.clock_window, 60);
         assert!(config.operators.is_empty());
+        assert_eq!(config.broker.client_id, "flotilla-coordinator");
+        assert_eq!(config.broker.credentials, None);
+        assert_eq!(config.broker.tls, None);
         assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
         assert_eq!(config.enrollment.max_pending, 1000);
         assert!(config.enrollment.tokens.is_empty());
@@ -479,6 +578,35 @@ mod tests {
     }
 
     #[test]
+    fn credentials_come_from_a_file_beside_the_config_and_the_client_id_is_stable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("broker.password"), "hunter2\n").expect("write");
+        let text = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nhost = \"mqtt.example.com\"\nport = 8883\nclient_id = \"coord-eu\"\nusername = \"flotilla-coordinator\"\npassword_file = \"broker.password\"\n";
+        let config =
+            Config::from_toml(text, dir.path(), &dir.path().join("c.toml")).expect("valid");
+        assert_eq!(config.broker.client_id, "coord-eu");
+        let connection = config.connection();
+        let options = connection.options(config.broker.client_id.clone());
+        let login = options.credentials().expect("credentials");
+        assert_eq!(login.username, "flotilla-coordinator");
+        assert_eq!(login.password, "hunter2");
+        assert_eq!(connection.addr(), "mqtt.example.com:8883");
+        assert!(
+            !format!("{config:?}").contains("hunter2"),
+            "the password must not show in logs"
+        );
+        // The embedded broker is plain loopback: no credentials, no TLS.
+        let embedded = Config::from_toml(
+            &format!("{text}embedded = \"127.0.0.1:18831\"\n"),
+            dir.path(),
+            &dir.path().join("c.toml"),
+        )
+        .expect("valid");
+        assert_eq!(embedded.connection().credentials, None);
+        assert_eq!(embedded.connection().addr(), "127.0.0.1:18831");
+    }
+
+    #[test]
     fn errors_name_the_field_and_value() {
         let cases = [
             (
@@ -497,6 +625,21 @@ mod tests {
                 "a/#",
             ),
             ("data_dir = \"\"\ncoordinator_key = \"k\"\n", "data_dir", ""),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nclient_id = \"a/b\"\n",
+                "broker.client_id",
+                "a/b",
+            ),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nusername = \"u\"\npassword_file = \"no-such-file\"\n",
+                "broker.password_file",
+                "/etc/flotilla/no-such-file",
+            ),
+            (
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker.tls]\nca_file = \"tls/missing.crt\"\n",
+                "broker.tls.ca_file",
+                "/etc/flotilla/tls/missing.crt",
+            ),
         ];
         for (text, field, value) in cases {
             let err = parse(text).expect_err(field).to_string();

@@ -8,11 +8,15 @@
 //! Sessions are clean (state is level-triggered through retained messages, ADR 0002), so the
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
 //! what it must. Connection failures are retried forever with a capped exponential backoff.
+//!
+//! How to reach the broker (address, credentials, TLS) is a [`flotilla_mqtt::Connection`],
+//! shared with the agent; this module only adds what the coordinator's side needs.
 
 use std::time::Duration;
 
+use flotilla_mqtt::Connection;
 use flotilla_protocol::MAX_PACKET_SIZE;
-use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS, SubscribeFilter};
+use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -40,8 +44,8 @@ pub enum LinkEvent {
 /// How to connect.
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
-    pub host: String,
-    pub port: u16,
+    /// Address, credentials and TLS.
+    pub connection: Connection,
     pub client_id: String,
     /// Filters subscribed (QoS 1) after every ConnAck.
     pub subscriptions: Vec<String>,
@@ -49,12 +53,24 @@ pub struct LinkOptions {
 }
 
 impl LinkOptions {
-    /// Options for the coordinator: `flotilla-coordinator-{unique}`, 30 s keep alive.
+    /// Plain TCP to `host:port` as `{client_prefix}-{unique}`, 30 s keep alive.
     pub fn new(host: &str, port: u16, client_prefix: &str, subscriptions: Vec<String>) -> Self {
+        Self::with_connection(
+            Connection::plain(host, port),
+            unique_client_id(client_prefix),
+            subscriptions,
+        )
+    }
+
+    /// Options for `connection` under exactly `client_id`, 30 s keep alive.
+    pub fn with_connection(
+        connection: Connection,
+        client_id: String,
+        subscriptions: Vec<String>,
+    ) -> Self {
         Self {
-            host: host.to_owned(),
-            port,
-            client_id: unique_client_id(client_prefix),
+            connection,
+            client_id,
             subscriptions,
             keep_alive: Duration::from_secs(30),
         }
@@ -89,11 +105,7 @@ pub fn unique_client_id(prefix: &str) -> String {
 /// Starts the link on the current tokio runtime. It stops when `shutdown` is cancelled or the
 /// receiver is dropped.
 pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
-    let mut mqtt = MqttOptions::new(
-        options.client_id.clone(),
-        options.host.clone(),
-        options.port,
-    );
+    let mut mqtt = options.connection.options(options.client_id.clone());
     mqtt.set_clean_session(true);
     mqtt.set_keep_alive(options.keep_alive);
     mqtt.set_max_packet_size(MAX_PACKET_SIZE + 4096, MAX_PACKET_SIZE + 4096);
@@ -117,7 +129,7 @@ async fn run(
     tx: mpsc::UnboundedSender<LinkEvent>,
     shutdown: CancellationToken,
 ) {
-    let addr = format!("{}:{}", options.host, options.port);
+    let addr = options.connection.describe();
     let mut backoff = BACKOFF_START;
     loop {
         let event = tokio::select! {

@@ -177,10 +177,16 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     }
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
-    let (host, port) = config.connect_to();
+    // A stable client id, so the broker's ACL can name the coordinator (and a second
+    // coordinator started by mistake takes the connection over instead of running beside it).
     let mut filters = topics.coordinator_filters();
     filters.push(topics.desired_filter());
-    let options = LinkOptions::new(&host, port, "flotilla-coordinator", filters);
+    let options = LinkOptions::with_connection(
+        config.connection(),
+        config.broker.client_id.clone(),
+        filters,
+    );
+    tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let mut link = mqtt::start(options, link_token.clone());
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {

@@ -1,0 +1,384 @@
+//! A Mosquitto broker set up the way `deploy/mosquitto/` ships it: TLS only, no anonymous
+//! clients, a password file, client certificates on a second listener, and the shipped ACL file
+//! itself (not a copy of it). Certificates come from the shipped `make-certs.sh` (openssl CLI),
+//! passwords from `mosquitto_passwd`. A missing tool fails the test with a message that says
+//! what to install; nothing is skipped.
+//!
+//! Also: [`Probe`], a bare MQTT client that says what the broker answered (ConnAck, SubAck), so
+//! tests can check what a role may do.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use flotilla_mqtt::{Connection, ConnectionSpec, RawTls};
+use rumqttc::{AsyncClient, ConnectReturnCode, Event, Packet, QoS, SubscribeReasonCode};
+
+use crate::site::Process;
+use crate::{free_port, mosquitto_binary};
+
+/// The broker's user names for the three roles of the shipped ACL.
+pub const COORDINATOR: &str = "flotilla-coordinator";
+pub const OPERATOR: &str = "flotilla-operator";
+pub const OBSERVER: &str = "flotilla-observer";
+
+/// The repository's `deploy/mosquitto` directory.
+pub fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/mosquitto")
+}
+
+fn run(program: &str, args: &[&str], what: &str) {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {program} ({e}); .ci/run installs it"));
+    assert!(
+        out.status.success(),
+        "{what}: {program} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A running TLS Mosquitto with the shipped configuration.
+pub struct SecureBroker {
+    dir: PathBuf,
+    /// TLS with user name and password.
+    pub tls_port: u16,
+    /// Mutual TLS: the client certificate's common name is the user name.
+    pub mtls_port: u16,
+    process: Process,
+}
+
+impl Drop for SecureBroker {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Ok(log) = fs::read_to_string(&self.process.log) {
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                eprintln!("---- mosquitto (last {} lines)", tail.len());
+                for line in tail.iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+        }
+        self.process.kill();
+    }
+}
+
+impl SecureBroker {
+    /// Starts a broker in `dir`, with passwords for the three roles and for `devices`.
+    pub fn start(dir: &Path, devices: &[&str]) -> SecureBroker {
+        let binary = mosquitto_binary()
+            .expect("mosquitto is not installed; .ci/run installs it (apt-get install mosquitto)");
+        let dir = dir.join("broker");
+        let tls = dir.join("tls");
+        let script = deploy_dir().join("make-certs.sh");
+        let script = script.to_string_lossy();
+        let tls_s = tls.to_string_lossy();
+        run("sh", &[&script, &tls_s, "ca"], "make the CA");
+        run(
+            "sh",
+            &[
+                &script,
+                &tls_s,
+                "server",
+                "broker",
+                "DNS:localhost",
+                "IP:127.0.0.1",
+            ],
+            "make the broker certificate",
+        );
+        let passwords = dir.join("passwords");
+        fs::write(&passwords, "").expect("password file");
+        let secrets = dir.join("secrets");
+        fs::create_dir_all(&secrets).expect("secrets directory");
+        for user in [COORDINATOR, OPERATOR, OBSERVER].iter().chain(devices) {
+            let password = format!("pw-{user}-{}", free_port());
+            fs::write(secrets.join(format!("{user}.password")), &password).expect("password");
+            run(
+                "mosquitto_passwd",
+                &["-b", &passwords.to_string_lossy(), user, &password],
+                "add a broker user",
+            );
+        }
+        let (tls_port, mtls_port) = (free_port(), free_port());
+        let config = shipped_config(&dir, tls_port, mtls_port);
+        let config_path = dir.join("mosquitto.conf");
+        fs::write(&config_path, config).expect("write mosquitto.conf");
+        let mut command = Command::new(binary);
+        command.arg("-c").arg(&config_path);
+        let process = Process::spawn(command, dir.join("mosquitto.log"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for port in [tls_port, mtls_port] {
+            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(
+                    Instant::now() < deadline,
+                    "mosquitto did not listen on {port} within 10s: {}",
+                    fs::read_to_string(&process.log).unwrap_or_default()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        SecureBroker {
+            dir,
+            tls_port,
+            mtls_port,
+            process,
+        }
+    }
+
+    /// The CA certificate clients check the broker against.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join("tls/ca.crt")
+    }
+
+    /// The file holding `user`'s password.
+    pub fn password_file(&self, user: &str) -> PathBuf {
+        self.dir.join(format!("secrets/{user}.password"))
+    }
+
+    /// A client certificate and key with common name `name`, made on first use.
+    pub fn client_cert(&self, name: &str) -> (PathBuf, PathBuf) {
+        let (cert, key) = (
+            self.dir.join(format!("tls/{name}.crt")),
+            self.dir.join(format!("tls/{name}.key")),
+        );
+        if !cert.exists() {
+            let script = deploy_dir().join("make-certs.sh");
+            run(
+                "sh",
+                &[
+                    &script.to_string_lossy(),
+                    &self.dir.join("tls").to_string_lossy(),
+                    "client",
+                    name,
+                ],
+                "make a client certificate",
+            );
+        }
+        (cert, key)
+    }
+
+    /// TLS with `user`'s password, on the password listener.
+    pub fn login(&self, user: &str) -> Connection {
+        self.spec(self.tls_port, Some(user), None)
+            .validate(Path::new("/"), &|_| None)
+            .expect("valid login")
+    }
+
+    /// TLS with a client certificate for `name` and no password, on the mutual-TLS listener.
+    pub fn cert_login(&self, name: &str) -> Connection {
+        let cert = self.client_cert(name);
+        self.spec(self.mtls_port, None, Some(cert))
+            .validate(Path::new("/"), &|_| None)
+            .expect("valid certificate login")
+    }
+
+    /// TLS without credentials, on the password listener.
+    pub fn anonymous(&self) -> Connection {
+        self.spec(self.tls_port, None, None)
+            .validate(Path::new("/"), &|_| None)
+            .expect("valid TLS settings")
+    }
+
+    fn spec(
+        &self,
+        port: u16,
+        user: Option<&str>,
+        cert: Option<(PathBuf, PathBuf)>,
+    ) -> ConnectionSpec {
+        ConnectionSpec {
+            host: "127.0.0.1".into(),
+            port,
+            username: user.map(str::to_owned),
+            password_file: user.map(|u| self.password_file(u)),
+            password_env: None,
+            tls: Some(RawTls {
+                ca_file: Some(self.ca_file()),
+                client_cert: cert.as_ref().map(|c| c.0.clone()),
+                client_key: cert.map(|c| c.1),
+            }),
+        }
+    }
+}
+
+/// The shipped `deploy/mosquitto/mosquitto.conf` with this broker's paths and free loopback
+/// ports, persistence off and logging to stderr. Every edit must apply, so a change to the
+/// shipped file that the tests no longer cover fails here.
+fn shipped_config(dir: &Path, tls_port: u16, mtls_port: u16) -> String {
+    let shipped =
+        fs::read_to_string(deploy_dir().join("mosquitto.conf")).expect("read the shipped config");
+    let acl = deploy_dir().join("acl");
+    let acl = acl.canonicalize().expect("the shipped ACL file");
+    let edits = [
+        (
+            "acl_file /etc/mosquitto/flotilla/acl".to_owned(),
+            format!("acl_file {}", acl.display()),
+        ),
+        (
+            "/etc/mosquitto/flotilla/".to_owned(),
+            format!("{}/", dir.display()),
+        ),
+        (
+            "persistence true".to_owned(),
+            "persistence false".to_owned(),
+        ),
+        (
+            "persistence_location /var/lib/mosquitto/".to_owned(),
+            String::new(),
+        ),
+        (
+            "listener 8883\n".to_owned(),
+            format!("listener {tls_port} 127.0.0.1\n"),
+        ),
+        (
+            "listener 8884\n".to_owned(),
+            format!("listener {mtls_port} 127.0.0.1\n"),
+        ),
+    ];
+    let mut config = shipped;
+    for (from, to) in edits {
+        assert!(
+            config.contains(&from),
+            "deploy/mosquitto/mosquitto.conf no longer has {from:?}; update tests/src/secure.rs"
+        );
+        config = config.replace(&from, &to);
+    }
+    // Run as whoever runs the tests (mosquitto started as root switches to the mosquitto user,
+    // who cannot read a test's temporary files).
+    config.push_str(
+        "\nuser root\nlog_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n",
+    );
+    config
+}
+
+/// What the broker said to a connection attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Connected {
+    Accepted,
+    /// A ConnAck with this refusal.
+    Refused(ConnectReturnCode),
+    /// No ConnAck: the TLS handshake or the socket failed.
+    Failed(String),
+}
+
+/// A bare MQTT client for checking what a login may do.
+pub struct Probe {
+    client: AsyncClient,
+    task: tokio::task::JoinHandle<()>,
+    events: tokio::sync::mpsc::UnboundedReceiver<Packet>,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Probe {
+    /// Connects over `connection` as `client_id` and returns the broker's answer, with the
+    /// probe when it was accepted.
+    pub async fn connect(connection: &Connection, client_id: &str) -> (Connected, Option<Probe>) {
+        let mut options = connection.options(client_id);
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, mut eventloop) = AsyncClient::new(options, 100);
+        let first = tokio::time::timeout(crate::WAIT, async {
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                        return match ack.code {
+                            ConnectReturnCode::Success => Connected::Accepted,
+                            code => Connected::Refused(code),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(rumqttc::ConnectionError::ConnectionRefused(code)) => {
+                        return Connected::Refused(code)
+                    }
+                    Err(e) => return Connected::Failed(e.to_string()),
+                }
+            }
+        })
+        .await
+        .expect("the broker answered the connection attempt");
+        if first != Connected::Accepted {
+            return (first, None);
+        }
+        let (tx, events) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(packet)) => {
+                        if tx.send(packet).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        });
+        (
+            first,
+            Some(Probe {
+                client,
+                task,
+                events,
+            }),
+        )
+    }
+
+    async fn next(&mut self, what: &str) -> Packet {
+        tokio::time::timeout(crate::WAIT, self.events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {what} from the broker within {:?}", crate::WAIT))
+            .expect("probe connection alive")
+    }
+
+    /// Subscribes to `filter` and returns whether the broker granted it.
+    pub async fn subscribe(&mut self, filter: &str) -> bool {
+        self.client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .await
+            .expect("queue subscribe");
+        loop {
+            if let Packet::SubAck(ack) = self.next("SubAck").await {
+                return ack
+                    .return_codes
+                    .iter()
+                    .all(|c| matches!(c, SubscribeReasonCode::Success(_)));
+            }
+        }
+    }
+
+    /// Publishes at QoS 1 and waits for the PubAck. Mosquitto acknowledges a publish its ACL
+    /// denies too (MQTT 3.1.1 has no way to say no), so the PubAck proves only that the broker
+    /// processed it; whether it was delivered is for a subscriber to tell.
+    pub async fn publish(&mut self, topic: &str, payload: &[u8], retain: bool) {
+        self.client
+            .publish(topic, QoS::AtLeastOnce, retain, payload.to_vec())
+            .await
+            .expect("queue publish");
+        loop {
+            if let Packet::PubAck(_) = self.next("PubAck").await {
+                return;
+            }
+        }
+    }
+
+    /// Waits for a publish on `marker` and returns every publish received before it. A broker
+    /// delivers one subscriber's messages in order, so when the marker was published after
+    /// another message was processed (its PubAck came back), that message, had it been
+    /// delivered, is in this list: no waiting for something not to happen.
+    pub async fn until(&mut self, marker: &str) -> Vec<(String, Vec<u8>)> {
+        let mut before = Vec::new();
+        loop {
+            if let Packet::Publish(p) = self.next(&format!("publish on {marker}")).await {
+                if p.topic == marker {
+                    return before;
+                }
+                before.push((p.topic.clone(), p.payload.to_vec()));
+            }
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! The broker as the second wall: Mosquitto with the shipped `deploy/mosquitto` configuration
+//! and ACL, TLS only, a password file and client certificates (tests/src/secure.rs).
+//!
+//! Mosquitto drops a publish its ACL denies and still acknowledges it (MQTT 3.1.1), and grants
+//! subscriptions whose messages it then filters. So "cannot" is checked the way a user would
+//! notice: a subscriber that may see everything (the coordinator's login) or the reader in
+//! question receives a marker published after the forbidden message was processed, and nothing
+//! of the forbidden message before it.
+
+use std::fs;
+
+use flotilla_protocol::Phase;
+use flotilla_tests::secure::{COORDINATOR, OBSERVER, OPERATOR};
+use flotilla_tests::{AgentOptions, BrokerKind, Connected, Probe, SecureBroker, Site, WAIT};
+use rumqttc::ConnectReturnCode;
+
+const ROOT: &str = "flotilla/v1";
+
+async fn accepted(connection: &flotilla_mqtt::Connection, client_id: &str) -> Probe {
+    match Probe::connect(connection, client_id).await {
+        (Connected::Accepted, Some(probe)) => probe,
+        (other, _) => panic!("{client_id} was not let in: {other:?}"),
+    }
+}
+
+/// The coordinator's login, subscribed to every flotilla topic.
+async fn everything(broker: &SecureBroker) -> Probe {
+    let mut all = accepted(&broker.login(COORDINATOR), COORDINATOR).await;
+    assert!(all.subscribe(&format!("{ROOT}/#")).await);
+    all
+}
+
+fn topics(messages: &[(String, Vec<u8>)]) -> Vec<&str> {
+    messages.iter().map(|(t, _)| t.as_str()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_known_clients_over_tls_get_in() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = SecureBroker::start(dir.path(), &["dev-a"]);
+
+    let (anonymous, _) = Probe::connect(&broker.anonymous(), "anon").await;
+    assert_eq!(
+        anonymous,
+        Connected::Refused(ConnectReturnCode::NotAuthorized),
+        "an anonymous client is refused"
+    );
+
+    let mut wrong = broker.login("dev-a");
+    if let Some(c) = wrong.credentials.as_mut() {
+        c.password = flotilla_mqtt::Password::new("not-the-password");
+    }
+    let (answer, _) = Probe::connect(&wrong, "dev-a").await;
+    assert!(
+        matches!(answer, Connected::Refused(_)),
+        "a wrong password is refused: {answer:?}"
+    );
+
+    let mut cleartext = broker.login("dev-a");
+    cleartext.tls = None;
+    let (answer, _) = Probe::connect(&cleartext, "dev-a").await;
+    assert!(
+        matches!(answer, Connected::Failed(_)),
+        "no MQTT without TLS: {answer:?}"
+    );
+
+    // The mutual-TLS listener wants a certificate: a password alone does not get in.
+    let mut no_cert = broker.login("dev-a");
+    no_cert.port = broker.mtls_port;
+    let (answer, _) = Probe::connect(&no_cert, "dev-a").await;
+    assert!(
+        matches!(answer, Connected::Failed(_)),
+        "mutual TLS without a certificate: {answer:?}"
+    );
+
+    // A client that trusts another CA does not talk to this broker: it could be anyone.
+    let other_ca = dir.path().join("other-ca");
+    let out = std::process::Command::new("sh")
+        .arg(flotilla_tests::secure::deploy_dir().join("make-certs.sh"))
+        .arg(&other_ca)
+        .arg("ca")
+        .output()
+        .expect("run make-certs.sh");
+    assert!(out.status.success(), "{out:?}");
+    let untrusted = flotilla_mqtt::ConnectionSpec {
+        tls: Some(flotilla_mqtt::RawTls {
+            ca_file: Some(other_ca.join("ca.crt")),
+            ..Default::default()
+        }),
+        ..flotilla_mqtt::ConnectionSpec::plain("127.0.0.1", broker.tls_port)
+    }
+    .validate(dir.path(), &|_| None)
+    .expect("valid settings");
+    let (answer, _) = Probe::connect(&untrusted, "dev-a").await;
+    assert!(
+        matches!(&answer, Connected::Failed(e) if e.contains("certificate") || e.contains("Certificate")),
+        "a broker certificate from an unknown CA is refused: {answer:?}"
+    );
+
+    let (answer, _) = Probe::connect(&broker.login("dev-a"), "dev-a").await;
+    assert_eq!(answer, Connected::Accepted, "the device's password");
+    let (answer, _) = Probe::connect(&broker.cert_login("dev-b"), "dev-b").await;
+    assert_eq!(answer, Connected::Accepted, "a certificate from the CA");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_writes_and_reads_only_its_own_topics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = SecureBroker::start(dir.path(), &["dev-a", "dev-b"]);
+    let mut all = everything(&broker).await;
+
+    // dev-a logs in with its password, dev-c with its certificate: both are devices.
+    for (login, me) in [
+        (broker.login("dev-a"), "dev-a"),
+        (broker.cert_login("dev-c"), "dev-c"),
+    ] {
+        let mut device = accepted(&login, me).await;
+        let forbidden = [
+            format!("{ROOT}/devices/dev-b/report"),
+            format!("{ROOT}/devices/dev-b/state"),
+            format!("{ROOT}/devices/dev-b/fetch"),
+            format!("{ROOT}/devices/{me}/desired"),
+            format!("{ROOT}/devices/{me}/block"),
+            format!("{ROOT}/devices/dev-b/desired"),
+            format!("{ROOT}/control/request"),
+            format!("{ROOT}/events/log"),
+        ];
+        for topic in &forbidden {
+            device.publish(topic, b"forged", false).await;
+        }
+        device
+            .publish(&format!("{ROOT}/devices/{me}/state"), b"own state", false)
+            .await;
+        device
+            .publish(&format!("{ROOT}/devices/{me}/fetch"), b"own fetch", false)
+            .await;
+        let marker = format!("{ROOT}/devices/{me}/report");
+        device.publish(&marker, b"own report", false).await;
+        let seen = all.until(&marker).await;
+        assert_eq!(
+            topics(&seen),
+            vec![
+                format!("{ROOT}/devices/{me}/state"),
+                format!("{ROOT}/devices/{me}/fetch")
+            ],
+            "{me}: only its own state, fetch and report reach the coordinator"
+        );
+
+        // Reading: subscribed to every device topic, it gets only its own desired and block.
+        assert!(device.subscribe(&format!("{ROOT}/#")).await);
+        let mut coordinator = accepted(&broker.login(COORDINATOR), "coordinator-writer").await;
+        for topic in [
+            format!("{ROOT}/devices/dev-b/desired"),
+            format!("{ROOT}/devices/dev-b/block"),
+            format!("{ROOT}/devices/dev-b/state"),
+            format!("{ROOT}/control/request"),
+            format!("{ROOT}/events/log"),
+            format!("{ROOT}/devices/{me}/block"),
+        ] {
+            coordinator.publish(&topic, b"for someone", false).await;
+        }
+        let marker = format!("{ROOT}/devices/{me}/desired");
+        coordinator.publish(&marker, b"yours", false).await;
+        let seen = device.until(&marker).await;
+        assert_eq!(
+            topics(&seen),
+            vec![format!("{ROOT}/devices/{me}/block")],
+            "{me} reads only its own desired and block"
+        );
+        let _ = all.until(&marker).await;
+    }
+
+    // A client id proves nothing: the operator connecting as "dev-a" is still not dev-a.
+    let mut impostor = accepted(&broker.login(OPERATOR), "dev-a").await;
+    impostor
+        .publish(&format!("{ROOT}/devices/dev-a/report"), b"forged", false)
+        .await;
+    let mut coordinator = accepted(&broker.login(COORDINATOR), "coordinator-marker").await;
+    let marker = format!("{ROOT}/events/log");
+    coordinator.publish(&marker, b"marker", false).await;
+    assert_eq!(
+        topics(&all.until(&marker).await),
+        Vec::<&str>::new(),
+        "an operator using a device's client id cannot write as the device"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_reads_events_only_and_an_operator_controls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = SecureBroker::start(dir.path(), &[]);
+    let mut all = everything(&broker).await;
+    let mut coordinator = accepted(&broker.login(COORDINATOR), "coordinator-writer").await;
+    let mut observer = accepted(&broker.login(OBSERVER), "dashboard").await;
+    let operator_id = "flotilla-cli-test-1";
+    let mut operator = accepted(&broker.login(OPERATOR), operator_id).await;
+
+    // Control: the observer's request never reaches the coordinator, the operator's does.
+    observer
+        .publish(&format!("{ROOT}/control/request"), b"observer", false)
+        .await;
+    observer
+        .publish(&format!("{ROOT}/devices/obs/state"), b"observer", false)
+        .await;
+    operator
+        .publish(&format!("{ROOT}/control/request"), b"operator", false)
+        .await;
+    operator
+        .publish(&format!("{ROOT}/devices/dev-a/desired"), b"operator", false)
+        .await;
+    let marker = format!("{ROOT}/events/marker-1");
+    coordinator.publish(&marker, b"", false).await;
+    let seen = all.until(&marker).await;
+    assert_eq!(
+        seen,
+        vec![(format!("{ROOT}/control/request"), b"operator".to_vec())],
+        "only the operator's control request arrives; neither writes device topics"
+    );
+
+    // Reading: both get events; device topics and other clients' replies reach neither; the
+    // operator gets the reply to its own client id.
+    assert!(observer.subscribe(&format!("{ROOT}/#")).await);
+    assert!(operator.subscribe(&format!("{ROOT}/#")).await);
+    for (topic, payload) in [
+        (format!("{ROOT}/devices/dev-a/state"), "state"),
+        (format!("{ROOT}/devices/dev-a/report"), "report"),
+        (format!("{ROOT}/control/reply/someone-else"), "theirs"),
+        (format!("{ROOT}/control/request"), "request"),
+        (format!("{ROOT}/events/rollouts/fw-2"), "rollout event"),
+        (format!("{ROOT}/control/reply/{operator_id}"), "yours"),
+    ] {
+        coordinator.publish(&topic, payload.as_bytes(), false).await;
+    }
+    let marker = format!("{ROOT}/events/marker-2");
+    coordinator.publish(&marker, b"", false).await;
+    assert_eq!(
+        topics(&observer.until(&marker).await),
+        vec![format!("{ROOT}/events/rollouts/fw-2")],
+        "the observer sees the events and nothing else"
+    );
+    assert_eq!(
+        topics(&operator.until(&marker).await),
+        vec![
+            format!("{ROOT}/events/rollouts/fw-2"),
+            format!("{ROOT}/control/reply/{operator_id}")
+        ],
+        "the operator sees the events and its own replies"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollout_over_tls_with_credentials_reaches_the_devices() {
+    const FIRMWARE: &[u8] = b"firmware 2.0 over TLS\n";
+    let mut site = Site::new(BrokerKind::Secure);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_coordinator();
+    let watcher = site.watcher(&[format!("{ROOT}/devices/+/report")]).await;
+    for id in ["tls-dev-1", "tls-dev-2"] {
+        site.add_agent(id, &[("env", "tls")], AgentOptions::default());
+    }
+    site.wait_devices(2).await;
+
+    // The CLI, as the operator over TLS, lists both devices.
+    let listed = site.flotilla(&["devices"]);
+    assert!(
+        listed.contains("tls-dev-1") && listed.contains("tls-dev-2"),
+        "{listed}"
+    );
+    // Without credentials the CLI is refused, and says so.
+    let out = std::process::Command::new(flotilla_tests::bin("flotilla"))
+        .args(["--broker", &format!("127.0.0.1:{}", site.port), "--ca-file"])
+        .arg(site.secure().ca_file())
+        .args(["devices"])
+        .env_remove("FLOTILLA_BROKER_USERNAME")
+        .output()
+        .expect("run flotilla");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "anonymous CLI must fail");
+    assert!(stderr.contains("NotAuthorized"), "{stderr}");
+
+    site.create_and_start(
+        r#"
+name = "fw-tls"
+release = "fw-2"
+[groups]
+count = 1
+success = { threshold = "100%", action = "next" }
+"#,
+    )
+    .await;
+    site.wait_status("fw-tls", "the rollout to finish", WAIT, |s| {
+        s.state == "finished"
+    })
+    .await;
+    for id in ["tls-dev-1", "tls-dev-2"] {
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("target file"),
+            FIRMWARE,
+            "{id} installed the release"
+        );
+        let report = watcher.final_report(id, WAIT).await;
+        assert_eq!(report.phase, Phase::Ready, "{id}: {report:?}");
+    }
+}
