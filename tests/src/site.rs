@@ -97,6 +97,23 @@ impl Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Sends SIGTERM and waits up to `within` for the process to exit; `None` if it did not
+    /// (it is then killed, so nothing is left running).
+    pub(crate) fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        None
+    }
 }
 
 /// One broker, coordinator and fleet in a temporary directory. Dropping it kills every process.
@@ -370,6 +387,22 @@ impl Site {
         if let Some(mut p) = self.coordinator.take() {
             p.kill();
         }
+    }
+
+    /// Stops the coordinator with SIGTERM; its exit status if it exited within `within`.
+    pub fn terminate_coordinator(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        self.coordinator
+            .take()
+            .and_then(|mut p| p.terminate(within))
+    }
+
+    /// Stops an agent with SIGTERM; its exit status if it exited within `within`.
+    pub fn terminate_agent(
+        &mut self,
+        id: &str,
+        within: Duration,
+    ) -> Option<std::process::ExitStatus> {
+        self.agents.remove(id).and_then(|mut p| p.terminate(within))
     }
 
     /// Writes an agent's config and starts it.

@@ -272,6 +272,11 @@ async fn rollout_over_tls_with_credentials_reaches_the_devices() {
         .arg(site.secure().ca_file())
         .args(["devices"])
         .env_remove("FLOTILLA_BROKER_USERNAME")
+        // A valid operator key: the refusal must come from the broker.
+        .env(
+            "FLOTILLA_OPERATOR_KEY",
+            site.operator_key_file(flotilla_tests::ADMIN),
+        )
         .output()
         .expect("run flotilla");
     let stderr = String::from_utf8_lossy(&out.stderr);

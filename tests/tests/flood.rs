@@ -1,0 +1,104 @@
+//! issue 10, case 2: a flood of forged desired actions on an agent's topic and of junk control
+//! requests on the coordinator's, while a rollout runs. Both keep working: the rollout finishes,
+//! and both processes still stop within seconds on SIGTERM.
+
+use std::time::Duration;
+
+use flotilla_protocol::signing::generate_key;
+use flotilla_protocol::{
+    envelope, ActionBody, DesiredAction, DeviceId, Message, SignedBlob, Topics,
+};
+use flotilla_tests::{AgentOptions, BrokerKind, Site, WAIT};
+use rumqttc::{AsyncClient, MqttOptions, QoS};
+
+const ID: &str = "dev-flooded";
+const FORGERIES: usize = 3_000;
+const JUNK_REQUESTS: usize = 3_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floods_of_forged_messages_stop_neither_agent_nor_coordinator() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-9", 9, b"firmware nine\n");
+    site.start_coordinator();
+    site.add_agent(
+        ID,
+        &[("ring", "flood")],
+        AgentOptions {
+            soak: "2s",
+            ..AgentOptions::default()
+        },
+    );
+    site.wait_online(ID, true).await;
+    site.create_and_start(
+        "name = \"flood\"\nrelease = \"fw-9\"\nselect = \"ring=flood\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+
+    // An attacker's client: forged desired actions for the device (signed by its own key,
+    // claiming fresh action ids) and junk on the control topic, as fast as the broker takes them.
+    let mut options = MqttOptions::new("attacker", "127.0.0.1", site.port);
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (attacker, mut eventloop) = AsyncClient::new(options, 10_000);
+    let poller = tokio::spawn(async move { while eventloop.poll().await.is_ok() {} });
+    let topics = Topics::default();
+    let desired = topics.desired(&DeviceId::new(ID).expect("id"));
+    let rogue = generate_key();
+    for n in 0..FORGERIES {
+        let action = DesiredAction {
+            action_id: format!("forged-{n}"),
+            device_id: ID.into(),
+            rollout_id: "flood".into(),
+            issued_at: u64::MAX / 2,
+            expires_at: u64::MAX,
+            body: ActionBody::Nothing,
+        };
+        let blob = SignedBlob::sign(&rogue, envelope::to_bytes(&action));
+        attacker
+            .publish(
+                desired.clone(),
+                QoS::AtMostOnce,
+                false,
+                envelope::encode(&Message::Desired(blob)),
+            )
+            .await
+            .expect("queue forged desired action");
+    }
+    let control = topics.control_request();
+    for n in 0..JUNK_REQUESTS {
+        attacker
+            .publish(
+                control.clone(),
+                QoS::AtMostOnce,
+                false,
+                format!("{{\"junk\": {n}}}").into_bytes(),
+            )
+            .await
+            .expect("queue junk control request");
+    }
+
+    let status = site
+        .wait_status("flood", "the rollout to end", WAIT, |s| {
+            matches!(
+                s.state.as_str(),
+                "finished" | "paused" | "failed" | "stopped"
+            )
+        })
+        .await;
+    assert_eq!(status.state, "finished", "{status:#?}");
+    assert_eq!(
+        std::fs::read(site.target_file(ID)).expect("target"),
+        b"firmware nine\n"
+    );
+
+    let agent = site.terminate_agent(ID, Duration::from_secs(10));
+    assert!(
+        agent.is_some_and(|s| s.success()),
+        "the agent stops cleanly within 10s of SIGTERM: {agent:?}"
+    );
+    let coordinator = site.terminate_coordinator(Duration::from_secs(10));
+    assert!(
+        coordinator.is_some_and(|s| s.success()),
+        "the coordinator stops cleanly within 10s of SIGTERM: {coordinator:?}"
+    );
+    poller.abort();
+}
