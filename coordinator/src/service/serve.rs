@@ -40,7 +40,7 @@ use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
     DeviceMessage, Digest, Message, SignedBlob,
 };
-use flotilla_protocol::{SigningKey, Topic, Topics};
+use flotilla_protocol::{SigningKey, Topic, Topics, MAX_PACKET_SIZE};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
@@ -202,6 +202,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
+        unpublishable: 0,
         gate,
         refused: 0,
         registry,
@@ -238,6 +239,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
     tracing::info!(
         malformed_payloads = service.malformed,
+        unpublishable = service.unpublishable,
         refused_control_requests = service.refused,
         ignored_device_messages = service.ignored.total(),
         "coordinator stopped"
@@ -261,6 +263,8 @@ struct Service {
     validity: u64,
     addr: String,
     malformed: u64,
+    /// Publishes dropped because the topic or the size could not go out (see [`Service::publish`]).
+    unpublishable: u64,
     /// Checks who sent each control request and whether they may.
     gate: Gate,
     refused: u64,
@@ -512,8 +516,7 @@ impl Service {
                     error: Some(refusal.reason),
                     result: serde_json::Value::Null,
                 };
-                let bytes = serde_json::to_vec(&reply).unwrap_or_default();
-                return self.publish(reply_to, false, bytes).await;
+                return self.reply(reply_to, reply).await;
             }
         };
         let request = authorized.request;
@@ -534,9 +537,7 @@ impl Service {
                 result: serde_json::Value::Null,
             },
         };
-        // A reply is plain data; serializing it cannot fail.
-        let bytes = serde_json::to_vec(&reply).unwrap_or_default();
-        self.publish(request.reply_to, false, bytes).await
+        self.reply(request.reply_to, reply).await
     }
 
     /// Runs one control command. The outer error stops the service; the inner one is the
@@ -935,12 +936,25 @@ impl Service {
         self.publish(self.topics.desired(&id), true, bytes).await
     }
 
+    /// Publishes on the link. A message that cannot go out (a topic with wildcards or U+0000, or
+    /// more than [`MAX_PACKET_SIZE`] bytes) is logged, counted and dropped: rumqttc would refuse it,
+    /// or the broker would drop the connection over it, and neither may stop the service. Only a
+    /// closed link is an error.
     async fn publish(
-        &self,
+        &mut self,
         topic: String,
         retain: bool,
         payload: Vec<u8>,
     ) -> Result<(), ServiceError> {
+        if let Err(why) = publishable(&topic, payload.len()) {
+            self.unpublishable += 1;
+            tracing::warn!(
+                topic = %topic.chars().take(200).collect::<String>(),
+                unpublishable_total = self.unpublishable,
+                "not publishing: {why}"
+            );
+            return Ok(());
+        }
         self.client
             .publish(topic, QoS::AtLeastOnce, retain, payload)
             .await
@@ -948,6 +962,44 @@ impl Service {
                 addr: self.addr.clone(),
             })
     }
+
+    /// Publishes a control reply; one too large for a message becomes an error reply saying so.
+    async fn reply(&mut self, reply_to: String, reply: ControlReply) -> Result<(), ServiceError> {
+        // A reply is plain data; serializing it cannot fail.
+        let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
+        if bytes.len() > MAX_PACKET_SIZE {
+            let too_large = ControlReply {
+                id: reply.id,
+                ok: false,
+                error: Some(format!(
+                    "the reply is {} bytes, more than the {MAX_PACKET_SIZE} bytes one message may \
+                     carry; ask for less",
+                    bytes.len()
+                )),
+                result: serde_json::Value::Null,
+            };
+            bytes = serde_json::to_vec(&too_large).unwrap_or_default();
+        }
+        self.publish(reply_to, false, bytes).await
+    }
+}
+
+/// Why a message cannot be published, if it cannot: rumqttc refuses topics with wildcards, and
+/// brokers drop the connection of a client that sends U+0000 in a topic or a packet larger than
+/// they accept.
+fn publishable(topic: &str, payload_len: usize) -> Result<(), String> {
+    if topic.is_empty() || topic.len() > usize::from(u16::MAX) {
+        return Err(format!("a topic of {} bytes", topic.len()));
+    }
+    if topic.contains(['+', '#', '\0']) {
+        return Err("the topic contains a wildcard or U+0000".into());
+    }
+    if payload_len > MAX_PACKET_SIZE {
+        return Err(format!(
+            "{payload_len} bytes, more than the {MAX_PACKET_SIZE} bytes one message may carry"
+        ));
+    }
+    Ok(())
 }
 
 /// What a command answers once its effects are applied.
@@ -1061,6 +1113,19 @@ fn action_kind(action: flotilla_rollout::plan::ActionType) -> ActionKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// issue 10, case 1: what rumqttc would refuse (and the service used to take for a dead
+    /// link) or a broker would disconnect over is never published.
+    #[test]
+    fn wildcards_nul_and_oversized_messages_are_not_published() {
+        assert!(publishable("flotilla/v1/control/reply/cli-1", 100).is_ok());
+        for topic in ["a/#", "a/+/b", "a\0b", ""] {
+            assert!(publishable(topic, 1).is_err(), "{topic:?}");
+        }
+        assert!(publishable(&"t".repeat(70_000), 1).is_err());
+        let err = publishable("flotilla/v1/events/log", MAX_PACKET_SIZE + 1).expect_err("too big");
+        assert!(err.contains("more than the"), "{err}");
+    }
     use flotilla_protocol::DeviceState;
     use rumqttc::{Event, EventLoop, MqttOptions, Packet};
     use std::collections::BTreeMap;
@@ -1203,6 +1268,7 @@ mod tests {
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
+            unpublishable: 0,
             gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
             refused: 0,
             registry: Registry::default(),
