@@ -376,3 +376,53 @@ async fn a_forgery_claiming_a_real_action_id_does_not_fail_it() {
         b"firmware eight\n"
     );
 }
+
+/// issue 10, case 8: someone clears a device's retained `desired` topic (an empty retained
+/// payload) while the device is offline. The coordinator notices the topic no longer holds the
+/// action it owes the device and publishes it again, so the device, back online, installs and
+/// the rollout finishes instead of running forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleared_retained_desired_action_is_published_again() {
+    const ID: &str = "dev-cleared";
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-6", 6, b"firmware six\n");
+    site.start_coordinator();
+    site.add_agent(ID, &[("ring", "cleared")], AgentOptions::default());
+    site.wait_online(ID, true).await;
+    site.kill_agent(ID);
+    site.wait_online(ID, false).await;
+
+    let desired_topic = Topics::default().desired(&DeviceId::new(ID).expect("id"));
+    let desired = Watcher::start(site.port, std::slice::from_ref(&desired_topic)).await;
+    site.create_and_start(
+        "name = \"cleared\"\nrelease = \"fw-6\"\nselect = \"ring=cleared\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let (_, install) = desired
+        .wait_until("the install", WAIT, |w| captured(w, false))
+        .await;
+
+    desired.clear();
+    site.publish(&desired_topic, Vec::new(), true).await;
+    desired
+        .wait_until("the install published again", WAIT, |w| {
+            let (_, again) = captured(w, false)?;
+            (again.action_id == install.action_id).then_some(())
+        })
+        .await;
+
+    site.start_agent(ID);
+    let status = site
+        .wait_status("cleared", "the rollout to end", WAIT, |s| {
+            matches!(
+                s.state.as_str(),
+                "finished" | "paused" | "failed" | "stopped"
+            )
+        })
+        .await;
+    assert_eq!(status.state, "finished", "{status:#?}");
+    assert_eq!(
+        fs::read(site.target_file(ID)).expect("target"),
+        b"firmware six\n"
+    );
+}

@@ -203,6 +203,8 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         addr: config.broker_addr(),
         malformed: 0,
         unpublishable: 0,
+        repaired: HashMap::new(),
+        desired_repairs: 0,
         gate,
         refused: 0,
         registry,
@@ -240,6 +242,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     tracing::info!(
         malformed_payloads = service.malformed,
         unpublishable = service.unpublishable,
+        desired_repairs = service.desired_repairs,
         refused_control_requests = service.refused,
         ignored_device_messages = service.ignored.total(),
         "coordinator stopped"
@@ -265,6 +268,10 @@ struct Service {
     malformed: u64,
     /// Publishes dropped because the topic or the size could not go out (see [`Service::publish`]).
     unpublishable: u64,
+    /// Device id -> when its retained `desired` topic was last repaired.
+    repaired: HashMap<String, u64>,
+    /// Retained `desired` topics found holding something else and published again.
+    desired_repairs: u64,
     /// Checks who sent each control request and whether they may.
     gate: Gate,
     refused: u64,
@@ -329,23 +336,56 @@ impl Service {
 
     /// A retained desired action read back from the broker: only one signed with this
     /// coordinator's key, for the device of its topic, counts.
-    fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) {
-        if payload.is_empty() {
-            self.holdings.remove(id.as_str());
-            return;
+    /// A device's retained `desired` topic changed (or was read back). Keeps the device's
+    /// holdings for block requests, and when the topic holds something other than the action the
+    /// engine owes the device (cleared, overwritten, or an older action replayed) returns the
+    /// effects that publish it again, at most once per [`REPAIR_INTERVAL`] per device.
+    fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) -> Vec<Effect> {
+        let found = self.our_desired_action(id, payload);
+        match &found {
+            Some(action) => self.hold(id.as_str(), &action.body),
+            None if payload.is_empty() => {
+                self.holdings.remove(id.as_str());
+            }
+            None => {}
         }
+        let wanted = self.engine.reissue_device(id.as_str());
+        let Some(owed) = wanted.last().and_then(effect_action_id) else {
+            return Vec::new();
+        };
+        if found.as_ref().is_some_and(|a| a.action_id == owed) {
+            return Vec::new();
+        }
+        let now = now();
+        if self
+            .repaired
+            .get(id.as_str())
+            .is_some_and(|&at| now < at.saturating_add(REPAIR_INTERVAL))
+        {
+            return Vec::new();
+        }
+        self.repaired.insert(id.as_str().to_owned(), now);
+        self.desired_repairs += 1;
+        tracing::warn!(
+            device = %id,
+            owed,
+            found = found.as_ref().map_or("something else", |a| a.action_id.as_str()),
+            repairs_total = self.desired_repairs,
+            "the retained desired action is not the one this coordinator published; publishing it again"
+        );
+        wanted
+    }
+
+    /// The desired action in `payload` if this coordinator signed it for `id`.
+    fn our_desired_action(&self, id: &DeviceId, payload: &[u8]) -> Option<DesiredAction> {
         let Ok(Message::Desired(blob)) = envelope::decode(payload) else {
-            return;
+            return None;
         };
-        let Ok(bytes) = blob.verify("desired action", &[self.key.verifying_key()]) else {
-            return;
-        };
-        let Ok(action) = envelope::from_bytes::<DesiredAction>("desired action", bytes) else {
-            return;
-        };
-        if action.device_id == id.as_str() {
-            self.hold(id.as_str(), &action.body);
-        }
+        let bytes = blob
+            .verify("desired action", &[self.key.verifying_key()])
+            .ok()?;
+        let action = envelope::from_bytes::<DesiredAction>("desired action", bytes).ok()?;
+        (action.device_id == id.as_str()).then_some(action)
     }
 
     /// Whether `device` holds an action for a release with this artifact: its retained desired
@@ -411,8 +451,8 @@ impl Service {
             Topic::State(id) | Topic::Report(id) | Topic::Fetch(id) => id.clone(),
             Topic::Desired(id) => {
                 let id = id.clone();
-                self.on_desired(&id, payload);
-                return Ok(());
+                let repair = self.on_desired(&id, payload);
+                return self.apply(repair).await;
             }
             // Not subscribed to; a broker that forwards it anyway is not worth an error.
             _ => return Ok(()),
@@ -984,6 +1024,19 @@ impl Service {
     }
 }
 
+/// How often a device's retained `desired` topic is repaired at most (see `Service::on_desired`).
+const REPAIR_INTERVAL: u64 = 5;
+
+/// The action id an effect publishes on a device's `desired` topic.
+fn effect_action_id(effect: &Effect) -> Option<&str> {
+    match effect {
+        Effect::Desired { action_id, .. }
+        | Effect::Rollback { action_id, .. }
+        | Effect::Cancel { action_id, .. } => Some(action_id),
+        _ => None,
+    }
+}
+
 /// Why a message cannot be published, if it cannot: rumqttc refuses topics with wildcards, and
 /// brokers drop the connection of a client that sends U+0000 in a topic or a packet larger than
 /// they accept.
@@ -1269,6 +1322,8 @@ mod tests {
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
             unpublishable: 0,
+            repaired: HashMap::new(),
+            desired_repairs: 0,
             gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
             refused: 0,
             registry: Registry::default(),

@@ -217,6 +217,38 @@ impl Entry {
     }
 }
 
+/// Orders re-published actions so that a device's live action goes out after the cancels of
+/// older rollouts: the last one published is the one its retained `desired` topic keeps.
+fn cancels_first(effects: &mut [Effect]) {
+    effects.sort_by_key(|e| !matches!(e, Effect::Cancel { .. }));
+}
+
+/// The effect that re-publishes what a device's slot in rollout `r` last sent it, if any.
+fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
+    let id = r.attempt_id(device, slot.attempt);
+    match &slot.phase {
+        DevicePhase::InProgress(p) if p == model::ROLLING_BACK => Some(Effect::Rollback {
+            device: device.to_owned(),
+            action_id: rollback_action_id(&r.name, r.created_at, device),
+            rollout: r.name.clone(),
+            undo: id,
+        }),
+        DevicePhase::InProgress(_) if r.state.is_active() => Some(Effect::Desired {
+            device: device.to_owned(),
+            action_id: id,
+            rollout: r.name.clone(),
+            release: r.release.name.clone(),
+            action: r.spec.policies.action,
+        }),
+        DevicePhase::Canceled if !r.state.is_active() && slot.attempt > 0 => Some(Effect::Cancel {
+            device: device.to_owned(),
+            action_id: id,
+            rollout: r.name.clone(),
+        }),
+        _ => None,
+    }
+}
+
 /// The rollout engine. See the module documentation.
 pub struct Engine {
     /// Time zone rules for maintenance windows.
@@ -288,43 +320,40 @@ impl Engine {
         let mut effects = Vec::new();
         for entry in self.rollouts.values() {
             let r = &entry.rollout;
-            let active = r.state.is_active();
             for g in r.groups.iter().filter(|g| g.state != GroupState::Scheduled) {
                 for (device, slot) in &g.slots {
-                    let id = r.attempt_id(device, slot.attempt);
-                    match &slot.phase {
-                        DevicePhase::InProgress(p) if p == model::ROLLING_BACK => {
-                            effects.push(Effect::Rollback {
-                                device: device.clone(),
-                                action_id: rollback_action_id(&r.name, r.created_at, device),
-                                rollout: r.name.clone(),
-                                undo: id,
-                            });
-                        }
-                        DevicePhase::InProgress(_) if active => {
-                            effects.push(Effect::Desired {
-                                device: device.clone(),
-                                action_id: id,
-                                rollout: r.name.clone(),
-                                release: r.release.name.clone(),
-                                action: r.spec.policies.action,
-                            });
-                        }
-                        DevicePhase::Canceled if !active && slot.attempt > 0 => {
-                            effects.push(Effect::Cancel {
-                                device: device.clone(),
-                                action_id: id,
-                                rollout: r.name.clone(),
-                            });
-                        }
-                        _ => {}
-                    }
+                    effects.extend(reissue_slot(r, device, slot));
                 }
             }
             for a in &r.approvals {
                 effects.push(Effect::Approval(a.clone()));
             }
         }
+        cancels_first(&mut effects);
+        effects
+    }
+
+    /// What [`Engine::reissue`] would publish for one device: the actions its retained
+    /// `desired` topic should hold. Used when that topic is found holding something else.
+    pub fn reissue_device(&self, device: &str) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        for entry in self.rollouts.values() {
+            let Some(&gi) = entry.index.get(device) else {
+                continue;
+            };
+            let r = &entry.rollout;
+            let Some(group) = r
+                .groups
+                .get(gi)
+                .filter(|g| g.state != GroupState::Scheduled)
+            else {
+                continue;
+            };
+            if let Some(slot) = group.slots.get(device) {
+                effects.extend(reissue_slot(r, device, slot));
+            }
+        }
+        cancels_first(&mut effects);
         effects
     }
 
