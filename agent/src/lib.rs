@@ -69,8 +69,12 @@
 //! ```
 //!
 //! - The link's poll task owns the rumqttc `EventLoop` and does nothing but poll it: publishes
-//!   and acknowledgements become [`link::LinkEvent`]s (a block reply that finds the queue full
-//!   is dropped; the fetcher asks again). The writer task holds an `AsyncClient` and sends the
+//!   and acknowledgements become [`link::LinkEvent`]s. It never waits on the agent loop: an event
+//!   that finds the queue full waits in a bounded backlog (one reconnect, acknowledgements up to
+//!   1,024, only the newest desired action; a block reply is dropped and asked for again) that a
+//!   backlog task hands on. So the poll task always drains rumqttc's request queue, and no cycle
+//!   of bounded waits (poll -> agent loop -> writer -> request queue -> poll) can close, however
+//!   many messages arrive. The writer task holds an `AsyncClient` and sends the
 //!   [`link::Outgoing`] messages queued through [`link::LinkHandle`] clones.
 //! - The agent loop ([`run`], in the caller's task) decides: it verifies desired actions, runs at
 //!   most one action task, passes it block replies and reconnects (`FetchInput`), cancels it on

@@ -1,5 +1,23 @@
 //! The coordinator service, `flotilla serve`, and what it owns.
 //!
+//! ## Tasks and channels of `flotilla serve`
+//!
+//! ```text
+//! ┌──────────────────────┐ LinkEvent (mpsc) ┌────────────────────────────────────────────┐
+//! │ mqtt link task       │─────────────────>│ service loop (serve): the one owner of the │
+//! │ owns the rumqttc     │                  │ engine, the store, the enrollment registry │
+//! │ EventLoop, polls it  │<── AsyncClient ──│ and the operator gate; a 1 s tick          │
+//! └──────────────────────┘    publishes     └────────────────────────────────────────────┘
+//! ```
+//!
+//! The service loop handles one input at a time (a publish, a control request, a tick) and
+//! applies the engine's effects in order; publishing only queues on the client, which the link
+//! task drains while it polls. A message that cannot be published is dropped and counted, never
+//! a reason to stop. SIGINT or SIGTERM cancels the loop between inputs; the link gets its own
+//! token, cancelled after the last effects were queued, and two seconds to send them.
+//!
+//! ## Modules
+//!
 //! - [`serve`](mod@serve): the service loop. One task owns the rollout engine
 //!   ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign and
 //!   publish.
