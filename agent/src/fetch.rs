@@ -45,7 +45,7 @@ pub const DOWNLOAD_ATTEMPTS: u32 = 3;
 /// The wait before asking again for a block that got a bad reply; doubles with each bad reply
 /// for that block, up to [`RETRY_MAX`].
 pub const RETRY_FIRST: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
+pub const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// The part file is synced whenever the download crosses a multiple of this.
 const SYNC_EVERY: u64 = 1 << 20;
