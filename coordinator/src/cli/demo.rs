@@ -134,7 +134,52 @@ pub struct DeviceOutcome {
 }
 
 /// Runs the demo and returns the process exit code.
+/// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130 or 143 when
+/// interrupted by SIGINT or SIGTERM). However it ends, the agents are stopped and the temporary
+/// directory, secret keys included, is removed (kept with `--keep`).
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
+    let dir = tempfile::Builder::new()
+        .prefix("flotilla-demo-")
+        .tempdir()
+        .map_err(io("temporary directory"))?;
+    let outcome = tokio::select! {
+        result = run_in(&args, dir.path()) => result,
+        (signal, code) = interrupted() => {
+            // Leaving the select drops the demo where it stood: the agents are killed and the
+            // coordinator goes with the runtime.
+            eprintln!("demo: {signal}: stopping the agents and the coordinator");
+            Ok(code)
+        }
+    };
+    if args.keep {
+        let kept = dir.keep();
+        let line = format!("kept {}", kept.display());
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    }
+    outcome
+}
+
+/// The first SIGINT or SIGTERM, with its exit code.
+async fn interrupted() -> (&'static str, i32) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            return tokio::select! {
+                _ = tokio::signal::ctrl_c() => ("SIGINT", 130),
+                _ = term.recv() => ("SIGTERM", 143),
+            };
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    ("SIGINT", 130)
+}
+
+async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
     if args.devices < 3 {
         return Err(DemoError::TooFewDevices {
             devices: args.devices,
@@ -147,11 +192,7 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         });
     }
     let agent_bin = agent_binary(args.agent_bin.clone())?;
-    let dir = tempfile::Builder::new()
-        .prefix("flotilla-demo-")
-        .tempdir()
-        .map_err(io("temporary directory"))?;
-    let root = dir.path().to_owned();
+    let root = root.to_owned();
     let say = |line: String| {
         if args.json {
             eprintln!("{line}");
@@ -345,10 +386,6 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     drop(agents);
     shutdown.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), coordinator).await;
-    if args.keep {
-        let kept = dir.keep();
-        say(format!("kept {}", kept.display()));
-    }
     Ok(match summary.state.as_str() {
         "finished" => 0,
         _ => 2,
