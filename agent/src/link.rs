@@ -25,7 +25,8 @@ use std::time::Duration;
 
 use flotilla_protocol::{
     device, envelope, BlockReply, BlockRequest, DeviceId, DeviceMessage, DeviceState, Digest,
-    Message, Report, SignedBlob, SigningKey, Topic, Topics, MAX_PACKET_SIZE,
+    Message, Report, SignedBlob, SigningKey, Topic, Topics, BROKER_PACKET_LIMIT,
+    CLIENT_PACKET_LIMIT,
 };
 use rumqttc::{AsyncClient, Event, LastWill, Packet, QoS};
 use tokio::sync::mpsc;
@@ -163,7 +164,7 @@ pub fn start(
     options
         .set_clean_session(true)
         .set_keep_alive(config.broker.keep_alive)
-        .set_max_packet_size(MAX_PACKET_SIZE, MAX_PACKET_SIZE)
+        .set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT)
         .set_last_will(LastWill::new(
             topics.state(&id),
             signer.state(offline_state(config)),
@@ -430,6 +431,9 @@ impl Undelivered {
     }
 }
 
+/// Unix seconds of the last malformed-payload log line.
+static MALFORMED_LOGGED: AtomicU64 = AtomicU64::new(0);
+
 /// Decodes an incoming publish; malformed payloads are logged and counted, never fatal.
 fn decode(
     topics: &Topics,
@@ -440,13 +444,29 @@ fn decode(
 ) -> Option<LinkEvent> {
     let bad = |reason: String| {
         let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
-        tracing::warn!(
-            topic,
-            malformed_total = n,
-            "ignoring malformed payload: {reason}"
-        );
+        // The first, then at most one line a minute: garbage must not flood the log.
+        let now = crate::trust::system_now();
+        let last = MALFORMED_LOGGED.load(Ordering::Relaxed);
+        if (n == 1 || now.saturating_sub(last) >= 60)
+            && MALFORMED_LOGGED
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let topic: String = topic.chars().take(200).collect();
+            tracing::warn!(
+                topic,
+                malformed_total = n,
+                "ignoring malformed payload: {reason} (next such line in a minute at the earliest)"
+            );
+        }
         None
     };
+    if payload.len() > BROKER_PACKET_LIMIT {
+        return bad(format!(
+            "{} bytes, more than the {BROKER_PACKET_LIMIT} bytes a message may have",
+            payload.len()
+        ));
+    }
     let expected = match topics.parse(topic) {
         Some(t @ (Topic::Desired(_) | Topic::Block(_))) => t,
         _ => return bad("unexpected topic".into()),

@@ -17,6 +17,19 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// must be configured to carry at least this much.
 pub const MAX_PACKET_SIZE: usize = 256 * 1024;
 
+/// The largest MQTT packet a broker should accept from any client: a [`MAX_PACKET_SIZE`] payload
+/// with room for its topic and headers. The shipped Mosquitto config sets `max_packet_size` to
+/// this, and the embedded broker limits payloads to it, so no client can leave a larger message
+/// (retained) for the others.
+pub const BROKER_PACKET_LIMIT: usize = MAX_PACKET_SIZE + 4096;
+
+/// The largest packet flotilla's clients read. Above anything a broker that enforces
+/// [`BROKER_PACKET_LIMIT`] on packets (Mosquitto) or on payloads (rumqttd: plus a topic of up
+/// to 64 KiB) can deliver, so no message it forwards makes a client drop its connection (and,
+/// retained, drop it again on every reconnect). What is larger than [`MAX_PACKET_SIZE`] is
+/// dropped and counted after it was read.
+pub const CLIENT_PACKET_LIMIT: usize = BROKER_PACKET_LIMIT + 64 * 1024 + 64;
+
 /// Every device-facing message. Variants are only ever appended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Message {

@@ -34,7 +34,10 @@ pub mod signing;
 pub mod topics;
 
 pub use device::DeviceMessageError;
-pub use envelope::{DecodeError, Message, MAX_PACKET_SIZE, PROTOCOL_VERSION};
+pub use envelope::{
+    DecodeError, Message, BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT, MAX_PACKET_SIZE,
+    PROTOCOL_VERSION,
+};
 pub use ids::{validate_id, DeviceId, IdError};
 pub use keys::{KeyRing, KeysDocument, KeysError};
 pub use messages::*;

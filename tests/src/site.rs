@@ -699,7 +699,9 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
     fs::write(
         &config,
         format!(
-            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n"
+            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
+             max_packet_size {}\n",
+            flotilla_protocol::BROKER_PACKET_LIMIT
         ),
     )
     .expect("write mosquitto config");

@@ -102,3 +102,89 @@ async fn floods_of_forged_messages_stop_neither_agent_nor_coordinator() {
     );
     poller.abort();
 }
+
+/// Publishes `payload` retained as any client could, whatever the broker does with it (Mosquitto
+/// disconnects a client whose packet is too large).
+async fn publish_raw(port: u16, topic: String, payload: Vec<u8>) {
+    let mut options = MqttOptions::new(format!("oversize-{}", payload.len()), "127.0.0.1", port);
+    options.set_max_packet_size(4 << 20, 4 << 20);
+    let (client, mut eventloop) = AsyncClient::new(options, 10);
+    client
+        .publish(topic, QoS::AtLeastOnce, true, payload)
+        .await
+        .expect("queue publish");
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match eventloop.poll().await {
+                Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+}
+
+/// issue 10, case 4: one oversized retained message on a topic a client subscribes to made it
+/// drop its connection on every delivery, reconnecting every 250 ms and answering nothing (1 MiB
+/// for the coordinator, 300 kB on an agent's `desired`). The broker now refuses what is larger
+/// than any flotilla message, and clients read anything a broker can deliver: the rollout runs
+/// and neither link ever drops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_retained_messages_lock_nobody_out() {
+    const DEV: &str = "dev-oversized";
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    site.release("fw-4", 4, b"firmware four\n");
+    site.start_coordinator();
+    site.add_agent(DEV, &[("ring", "big")], AgentOptions::default());
+    site.wait_online(DEV, true).await;
+
+    let topics = Topics::default();
+    let id = DeviceId::new(DEV).expect("id");
+    publish_raw(site.port, topics.state(&id), vec![7; 1 << 20]).await;
+    publish_raw(site.port, topics.desired(&id), vec![7; 300_000]).await;
+    // Just under the broker's limit, with a 20 kB topic: larger than the coordinator used to
+    // read, within what it reads now.
+    let long = format!("{}/devices/{}/state", topics.prefix(), "x".repeat(20_000));
+    publish_raw(
+        site.port,
+        long,
+        vec![7; flotilla_protocol::BROKER_PACKET_LIMIT - 21_000],
+    )
+    .await;
+
+    let client = site.client().await;
+    for _ in 0..10 {
+        client
+            .request(
+                flotilla_protocol::control::Command::ListDevices,
+                Duration::from_secs(5),
+            )
+            .await
+            .expect("the coordinator answers");
+    }
+    site.create_and_start(
+        "name = \"big\"\nrelease = \"fw-4\"\nselect = \"ring=big\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let status = site
+        .wait_status("big", "the rollout to end", WAIT, |s| {
+            matches!(
+                s.state.as_str(),
+                "finished" | "paused" | "failed" | "stopped"
+            )
+        })
+        .await;
+    assert_eq!(status.state, "finished", "{status:#?}");
+
+    let coordinator_log = std::fs::read_to_string(site.path("coordinator.log")).expect("log");
+    assert!(
+        !coordinator_log.contains("MQTT connection lost"),
+        "the coordinator's link never dropped:\n{coordinator_log}"
+    );
+    let agent_log =
+        std::fs::read_to_string(site.path(&format!("agents/{DEV}/agent.log"))).expect("log");
+    assert!(
+        !agent_log.contains("broker connection:"),
+        "the agent's link never dropped:\n{agent_log}"
+    );
+}

@@ -3,8 +3,9 @@
 //! Real fleets point the coordinator and agents at an external broker; this one exists so that
 //! `flotilla serve --embedded-broker 127.0.0.1:1883` is a complete system. The configuration is
 //! built in code rather than read from rumqttd's TOML so the limits flotilla depends on cannot
-//! be misconfigured: payloads up to [`MAX_PACKET_SIZE`] (artifact blocks; rumqttd's default is
-//! 20 KiB), ten thousand connections, and segments large enough to hold a retained desired
+//! be misconfigured: payloads up to [`BROKER_PACKET_LIMIT`] (artifact blocks of up to
+//! `MAX_PACKET_SIZE`; rumqttd's default is 20 KiB; larger publishes are refused, so nobody can
+//! leave a message the clients would not read), ten thousand connections, and segments large enough to hold a retained desired
 //! action and state for every device. There is no console, metrics or prometheus endpoint.
 //!
 //! rumqttd has no shutdown: the broker runs on its own threads until the process exits.
@@ -13,7 +14,7 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use flotilla_protocol::MAX_PACKET_SIZE;
+use flotilla_protocol::BROKER_PACKET_LIMIT;
 use rumqttd::{Config, ConnectionSettings, RouterConfig, ServerSettings};
 
 /// How long [`EmbeddedBroker::start`] waits for the listener to accept connections.
@@ -83,7 +84,7 @@ fn broker_config(addr: SocketAddr) -> Config {
     let connections = ConnectionSettings {
         connection_timeout_ms: 60_000,
         // The envelope and MQTT framing add a little to the largest flotilla payload.
-        max_payload_size: MAX_PACKET_SIZE + 4096,
+        max_payload_size: BROKER_PACKET_LIMIT,
         max_inflight_count: 500,
         auth: None,
         external_auth: None,
@@ -123,7 +124,10 @@ mod tests {
     fn client(addr: SocketAddr, id: &str, will: Option<LastWill>) -> (AsyncClient, EventLoop) {
         let mut o = MqttOptions::new(id, addr.ip().to_string(), addr.port());
         o.set_keep_alive(Duration::from_secs(5));
-        o.set_max_packet_size(MAX_PACKET_SIZE, MAX_PACKET_SIZE);
+        o.set_max_packet_size(
+            flotilla_protocol::CLIENT_PACKET_LIMIT,
+            flotilla_protocol::MAX_PACKET_SIZE,
+        );
         if let Some(w) = will {
             o.set_last_will(w);
         }

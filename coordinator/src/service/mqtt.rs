@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use flotilla_mqtt::Connection;
-use flotilla_protocol::MAX_PACKET_SIZE;
+use flotilla_protocol::{BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT};
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -108,7 +108,9 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let mut mqtt = options.connection.options(options.client_id.clone());
     mqtt.set_clean_session(true);
     mqtt.set_keep_alive(options.keep_alive);
-    mqtt.set_max_packet_size(MAX_PACKET_SIZE + 4096, MAX_PACKET_SIZE + 4096);
+    // Read anything a limited broker can deliver (an oversized packet would drop the link), send
+    // nothing it would refuse.
+    mqtt.set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
     let (client, eventloop) = AsyncClient::new(mqtt, REQUEST_CAPACITY);
     let (tx, events) = mpsc::unbounded_channel();

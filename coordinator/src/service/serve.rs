@@ -40,7 +40,7 @@ use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
     DeviceMessage, Digest, Message, SignedBlob,
 };
-use flotilla_protocol::{SigningKey, Topic, Topics, MAX_PACKET_SIZE};
+use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
@@ -202,6 +202,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
+        malformed_logged: None,
         unpublishable: 0,
         repaired: HashMap::new(),
         desired_repairs: 0,
@@ -266,6 +267,8 @@ struct Service {
     validity: u64,
     addr: String,
     malformed: u64,
+    /// When the last malformed-payload line was logged.
+    malformed_logged: Option<std::time::Instant>,
     /// Publishes dropped because the topic or the size could not go out (see [`Service::publish`]).
     unpublishable: u64,
     /// Device id -> when its retained `desired` topic was last repaired.
@@ -288,9 +291,20 @@ struct Service {
 }
 
 impl Service {
+    /// Counts a malformed payload; logs the first and then at most one line a minute, so a
+    /// flood of garbage cannot flood the log.
     fn reject(&mut self, topic: &str, reason: &str) {
         self.malformed += 1;
-        tracing::warn!(%topic, %reason, malformed_total = self.malformed, "ignoring malformed payload");
+        let now = std::time::Instant::now();
+        if self
+            .malformed_logged
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60))
+        {
+            self.malformed_logged = Some(now);
+            let topic: String = topic.chars().take(200).collect();
+            tracing::warn!(%topic, %reason, malformed_total = self.malformed,
+                "ignoring malformed payload (next such line in a minute at the earliest)");
+        }
     }
 
     /// Counts an ignored device message; logs at most one line per interval.
@@ -442,6 +456,14 @@ impl Service {
     }
 
     async fn on_publish(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
+        if payload.len() > BROKER_PACKET_LIMIT {
+            let reason = format!(
+                "{} bytes, more than the {BROKER_PACKET_LIMIT} bytes a message may have",
+                payload.len()
+            );
+            self.reject(topic, &reason);
+            return Ok(());
+        }
         let Some(parsed) = self.topics.parse(topic) else {
             self.reject(topic, "not a flotilla topic");
             return Ok(());
@@ -1321,6 +1343,7 @@ mod tests {
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,
+            malformed_logged: None,
             unpublishable: 0,
             repaired: HashMap::new(),
             desired_repairs: 0,
