@@ -760,6 +760,13 @@ impl Service {
             Command::ListApprovals => value(json(&self.engine.approvals())),
             Command::CreateStrategy { name, spec } => {
                 check_strategy(&name, &spec)?;
+                let all = self.store.list_strategies().map_err(store_error)?;
+                if all.len() >= MAX_STRATEGIES && !all.iter().any(|s| s.name == name) {
+                    return Err(format!(
+                        "there are already {MAX_STRATEGIES} stored strategies, the most the \
+                         coordinator keeps; delete one first"
+                    ));
+                }
                 let stored = StoredStrategy { name, text: spec };
                 self.store.save_strategy(&stored).map_err(store_error)?;
                 value(json(&strategy_info(stored)))
@@ -781,6 +788,13 @@ impl Service {
                 labels,
             } => {
                 let group = device_group(name, &select, labels)?;
+                let all = self.store.list_groups().map_err(store_error)?;
+                if all.len() >= MAX_GROUPS && !all.iter().any(|g| g.name == group.name) {
+                    return Err(format!(
+                        "there are already {MAX_GROUPS} device groups, the most the coordinator \
+                         keeps; delete one first"
+                    ));
+                }
                 self.store.save_group(&group).map_err(store_error)?;
                 self.refresh_device_groups().map_err(store_error)?;
                 value(json(&group_info(&group)))
@@ -1046,6 +1060,14 @@ impl Service {
     }
 }
 
+/// Bounds on what control requests can make the coordinator store (an admin's mistake or a
+/// stolen admin key must not fill its disk).
+const MAX_STRATEGIES: usize = 1_000;
+const MAX_STRATEGY_BYTES: usize = 64 * 1024;
+const MAX_GROUPS: usize = 1_000;
+const MAX_GROUP_LABELS: usize = 64;
+const MAX_SELECTOR_BYTES: usize = 4 * 1024;
+
 /// How often a device's retained `desired` topic is repaired at most (see `Service::on_desired`).
 const REPAIR_INTERVAL: u64 = 5;
 
@@ -1117,6 +1139,18 @@ fn device_group(
     labels: BTreeMap<String, String>,
 ) -> Result<DeviceGroup, String> {
     validate_id("device group name", &name).map_err(|e| format!("name: {e}"))?;
+    if select.len() > MAX_SELECTOR_BYTES {
+        return Err(format!(
+            "select: {} bytes, more than the {MAX_SELECTOR_BYTES} a selector may have",
+            select.len()
+        ));
+    }
+    if labels.len() > MAX_GROUP_LABELS {
+        return Err(format!(
+            "labels: {} labels, more than the {MAX_GROUP_LABELS} a group may have",
+            labels.len()
+        ));
+    }
     let select = Selector::parse(select).map_err(|e| format!("select: {e}"))?;
     for (key, value) in &labels {
         check_label("labels: key", key)?;
@@ -1150,6 +1184,12 @@ fn check_label(what: &str, text: &str) -> Result<(), String> {
 /// The stages themselves are validated when a staged rollout resolves the strategy.
 fn check_strategy(name: &str, text: &str) -> Result<(), String> {
     validate_id("strategy name", name).map_err(|e| format!("name: {e}"))?;
+    if text.len() > MAX_STRATEGY_BYTES {
+        return Err(format!(
+            "spec: {} bytes, more than the {MAX_STRATEGY_BYTES} a strategy may have",
+            text.len()
+        ));
+    }
     flotilla_rollout::spec::StagedStrategy::from_toml(name, text)
         .map(|_| ())
         .map_err(|e| format!("spec: strategy {name}: {e}"))
@@ -1188,6 +1228,32 @@ fn action_kind(action: flotilla_rollout::plan::ActionType) -> ActionKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// issue 10, case 9: what a control request may make the coordinator store is bounded.
+    #[test]
+    fn strategies_and_groups_are_bounded_in_size() {
+        let big = format!(
+            "[[stage]]\nname = \"a\"\n# {}\n",
+            "x".repeat(MAX_STRATEGY_BYTES)
+        );
+        let err = check_strategy("s1", &big).expect_err("too large");
+        assert!(
+            err.starts_with("spec: ") && err.contains("more than the"),
+            "{err}"
+        );
+        let labels: BTreeMap<String, String> = (0..=MAX_GROUP_LABELS)
+            .map(|i| (format!("k{i}"), "v".to_owned()))
+            .collect();
+        let err = device_group("g1".into(), "env=lab", labels).expect_err("too many labels");
+        assert!(err.starts_with("labels: 65 labels"), "{err}");
+        let err = device_group(
+            "g1".into(),
+            &"a".repeat(MAX_SELECTOR_BYTES + 1),
+            BTreeMap::new(),
+        )
+        .expect_err("too long");
+        assert!(err.starts_with("select: "), "{err}");
+    }
 
     /// issue 10, case 1: what rumqttc would refuse (and the service used to take for a dead
     /// link) or a broker would disconnect over is never published.
