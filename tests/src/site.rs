@@ -636,6 +636,17 @@ max_bytes_per_sec = {rate}
         serde_json::from_value(value).ok()
     }
 
+    /// Waits until the rollout ends (finished, paused, failed or stopped); its status then.
+    pub async fn wait_ended(&self, name: &str) -> RolloutStatus {
+        self.wait_status(name, "the rollout to end", WAIT, |s| {
+            matches!(
+                s.state.as_str(),
+                "finished" | "paused" | "failed" | "stopped"
+            )
+        })
+        .await
+    }
+
     /// Polls the rollout's status until `done` holds; panics after `timeout`.
     pub async fn wait_status(
         &self,

@@ -8,7 +8,7 @@ use flotilla_protocol::signing::generate_key;
 use flotilla_protocol::{
     envelope, ActionBody, DesiredAction, DeviceId, Message, SignedBlob, Topics,
 };
-use flotilla_tests::{AgentOptions, BrokerKind, Site, WAIT};
+use flotilla_tests::{AgentOptions, BrokerKind, Site};
 use rumqttc::{AsyncClient, MqttOptions, QoS};
 
 const ID: &str = "dev-flooded";
@@ -76,14 +76,7 @@ async fn floods_of_forged_messages_stop_neither_agent_nor_coordinator() {
             .expect("queue junk control request");
     }
 
-    let status = site
-        .wait_status("flood", "the rollout to end", WAIT, |s| {
-            matches!(
-                s.state.as_str(),
-                "finished" | "paused" | "failed" | "stopped"
-            )
-        })
-        .await;
+    let status = site.wait_ended("flood").await;
     assert_eq!(status.state, "finished", "{status:#?}");
     assert_eq!(
         std::fs::read(site.target_file(ID)).expect("target"),
@@ -166,14 +159,7 @@ async fn oversized_retained_messages_lock_nobody_out() {
         "name = \"big\"\nrelease = \"fw-4\"\nselect = \"ring=big\"\n[groups]\ncount = 1\n",
     )
     .await;
-    let status = site
-        .wait_status("big", "the rollout to end", WAIT, |s| {
-            matches!(
-                s.state.as_str(),
-                "finished" | "paused" | "failed" | "stopped"
-            )
-        })
-        .await;
+    let status = site.wait_ended("big").await;
     assert_eq!(status.state, "finished", "{status:#?}");
 
     let coordinator_log = std::fs::read_to_string(site.path("coordinator.log")).expect("log");

@@ -354,14 +354,7 @@ async fn a_forgery_claiming_a_real_action_id_does_not_fail_it() {
     .await;
     site.publish(&desired_topic, forged, false).await;
 
-    let status = site
-        .wait_status("claimed", "the rollout to end", WAIT, |s| {
-            matches!(
-                s.state.as_str(),
-                "finished" | "paused" | "failed" | "stopped"
-            )
-        })
-        .await;
+    let status = site.wait_ended("claimed").await;
     assert_eq!(status.state, "finished", "{status:#?}");
     assert!(
         reports
@@ -412,14 +405,7 @@ async fn a_cleared_retained_desired_action_is_published_again() {
         .await;
 
     site.start_agent(ID);
-    let status = site
-        .wait_status("cleared", "the rollout to end", WAIT, |s| {
-            matches!(
-                s.state.as_str(),
-                "finished" | "paused" | "failed" | "stopped"
-            )
-        })
-        .await;
+    let status = site.wait_ended("cleared").await;
     assert_eq!(status.state, "finished", "{status:#?}");
     assert_eq!(
         fs::read(site.target_file(ID)).expect("target"),
