@@ -138,6 +138,7 @@ pub struct DeviceOutcome {
 /// interrupted by SIGINT or SIGTERM). However it ends, the agents are stopped and the temporary
 /// directory, secret keys included, is removed (kept with `--keep`).
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
+    check_args(&args)?;
     let dir = tempfile::Builder::new()
         .prefix("flotilla-demo-")
         .tempdir()
@@ -179,7 +180,8 @@ async fn interrupted() -> (&'static str, i32) {
     ("SIGINT", 130)
 }
 
-async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
+/// Refuses arguments the demo cannot run with, before anything is started.
+fn check_args(args: &DemoArgs) -> Result<(), DemoError> {
     if args.devices < 3 {
         return Err(DemoError::TooFewDevices {
             devices: args.devices,
@@ -191,6 +193,10 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
             devices: args.devices,
         });
     }
+    Ok(())
+}
+
+async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
     let agent_bin = agent_binary(args.agent_bin.clone())?;
     let root = root.to_owned();
     let say = |line: String| {
