@@ -152,6 +152,23 @@ pub enum Command {
     RevokeDevice {
         device: String,
     },
+    /// Write a backup of the coordinator's store into `{data_dir}/backups/` on the
+    /// coordinator's machine (the coordinator picks the file name). Result: the [`BackupInfo`].
+    Backup,
+}
+
+/// A backup the coordinator wrote (`flotilla backup`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackupInfo {
+    /// Where the file is, on the coordinator's machine.
+    pub path: String,
+    pub records: usize,
+    pub bytes: u64,
+    /// sha256 (hex) of the records, as the file's closing line records it.
+    pub sha256: String,
+    /// The store's generation (commits) the backup holds.
+    pub generation: u64,
+    pub created_at: u64,
 }
 
 /// A device's enrollment: which key the coordinator knows for it and whether it is accepted.

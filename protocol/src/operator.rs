@@ -175,6 +175,7 @@ impl Command {
             Command::AcceptDevice { .. } => "accept_device",
             Command::RejectDevice { .. } => "reject_device",
             Command::RevokeDevice { .. } => "revoke_device",
+            Command::Backup => "backup",
         }
     }
 
@@ -203,7 +204,8 @@ impl Command {
             | Command::RevokeDevice { .. }
             | Command::CreateStrategy { .. }
             | Command::CreateGroup { .. }
-            | Command::DeleteGroup { .. } => Role::Admin,
+            | Command::DeleteGroup { .. }
+            | Command::Backup => Role::Admin,
         }
     }
 }

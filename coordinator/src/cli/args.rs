@@ -166,6 +166,14 @@ pub enum Cmd {
     Plan(crate::cli::fleetfile::PlanArgs),
     /// Run a spec against a scripted fleet in virtual time, without a coordinator.
     Simulate(crate::cli::simulate::SimulateArgs),
+    /// Back up the coordinator's store: a running coordinator writes the file into its
+    /// `backups/` directory; with --data-dir and --out, a stopped one's store is read directly.
+    Backup(crate::cli::store::BackupArgs),
+    /// Restore a backup into a stopped coordinator's data directory.
+    Restore(crate::cli::store::RestoreArgs),
+    /// Check a stopped coordinator's store against its seal, or accept it as it is.
+    #[command(subcommand)]
+    Store(crate::cli::store::StoreCmd),
 }
 
 #[derive(Debug, Args)]

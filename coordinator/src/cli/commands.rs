@@ -66,6 +66,8 @@ pub enum CliError {
         what: &'static str,
         source: serde_json::Error,
     },
+    #[error(transparent)]
+    Store(#[from] crate::cli::store::StoreCmdError),
     #[error("`flotilla demo` is started by main (demo::run), not by cli::run")]
     DemoInRuntime,
     #[error("no operator key: requests to the coordinator must be signed; pass --operator-key FILE or set FLOTILLA_OPERATOR_KEY (make a key with `flotilla operator keygen --out DIR --name NAME` and list NAME.pub under [[operators]] in the coordinator's config)")]
@@ -350,6 +352,29 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
         Cmd::Plan(args) => Ok(crate::cli::fleetfile::run_plan(&args)),
         Cmd::Simulate(args) => Ok(crate::cli::simulate::run_simulate(&args)),
+        Cmd::Backup(args) => {
+            let info = match (&args.data_dir, &args.out) {
+                (Some(data_dir), Some(out)) => {
+                    crate::cli::store::backup_offline(data_dir, out, now())?
+                }
+                _ => {
+                    let client = connect(&target).await?;
+                    let result = client.request(Command::Backup, DEFAULT_TIMEOUT).await?;
+                    serde_json::from_value(result).map_err(|source| CliError::Reply {
+                        what: "backup",
+                        source,
+                    })?
+                }
+            };
+            if args.json {
+                println!("{}", to_json(&info));
+            } else {
+                print!("{}", crate::cli::store::describe_backup(&info));
+            }
+            Ok(0)
+        }
+        Cmd::Restore(args) => Ok(crate::cli::store::restore(&args, now())?),
+        Cmd::Store(cmd) => Ok(crate::cli::store::store(&cmd)?),
     }
 }
 

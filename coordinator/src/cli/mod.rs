@@ -18,6 +18,7 @@ pub mod commands;
 pub mod demo;
 pub mod fleetfile;
 pub mod simulate;
+pub mod store;
 pub mod view;
 
 pub use args::{Cli, Cmd};

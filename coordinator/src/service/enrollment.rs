@@ -232,6 +232,11 @@ impl Registry {
         self.records.values()
     }
 
+    /// The sha256 (hex) of every used-up enrollment token.
+    pub fn used_tokens(&self) -> impl Iterator<Item = &String> {
+        self.used.iter()
+    }
+
     /// How pre-authorization would accept `key` for `device`: the via name and the token used.
     fn preauthorized(
         &self,

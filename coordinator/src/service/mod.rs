@@ -34,6 +34,7 @@
 //!   replay, role).
 
 pub mod artifacts;
+pub mod backup;
 pub mod broker;
 pub mod config;
 pub mod enrollment;
@@ -42,7 +43,9 @@ pub mod mqtt;
 pub mod operators;
 pub mod releases;
 pub mod sequence;
+pub mod seal;
 pub mod serve;
 pub mod store;
+pub mod store_health;
 
 pub use serve::{serve, ServiceError};

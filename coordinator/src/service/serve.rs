@@ -40,11 +40,13 @@ use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
     DeviceMessage, Digest, Message, SignedBlob,
 };
+use flotilla_protocol::operator::Role;
 use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
 use crate::service::artifacts::BlockServer;
+use crate::service::backup;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
 use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
@@ -53,7 +55,9 @@ use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
 use crate::service::sequence::ActionSequence;
+use crate::service::seal::{Seal, SealCheck};
 use crate::service::store::{Store, StoreError, StoredStrategy};
+use crate::service::store_health::{self, StoreHealth};
 use flotilla_rollout::engine::{Effect, Engine, ReleaseRef};
 use flotilla_rollout::planner::DeviceGroup;
 use flotilla_rollout::selector::Selector;
@@ -83,16 +87,27 @@ pub enum ServiceError {
     LoadGroups { path: PathBuf, source: StoreError },
     #[error("cannot load the per-device action sequence from {path}: {source}")]
     LoadSequence { path: PathBuf, source: StoreError },
-    #[error("cannot persist rollout {rollout}; stopping before publishing anything it would justify: {source}")]
-    Save { rollout: String, source: StoreError },
+    #[error(
+        "the store at {} holds {stored} commits but {sealed} were acknowledged (its seal {}): \
+         {} acknowledged writes are missing, the newest rollouts or device records may be lost. \
+         Restore the latest backup (`flotilla restore`), or accept the store as it is with \
+         `flotilla store reseal` (docs/operations.md, \"Backup and restore\")",
+        path.display(), seal.display(), sealed - stored
+    )]
+    StoreLost {
+        path: PathBuf,
+        seal: PathBuf,
+        stored: u64,
+        sealed: u64,
+    },
+    #[error("cannot check the store's seal: {0}")]
+    Seal(StoreError),
     #[error("the MQTT link to {addr} stopped unexpectedly")]
     LinkClosed { addr: String },
     #[error("cannot read the authorized device keys {path}: {reason}")]
     AuthorizedKeys { path: PathBuf, reason: String },
     #[error("cannot load device enrollments from {path}: {source}")]
     LoadEnrollments { path: PathBuf, source: StoreError },
-    #[error("cannot persist the enrollment of device {device}: {source}")]
-    SaveEnrollment { device: String, source: StoreError },
 }
 
 /// Seconds since the Unix epoch.
@@ -122,6 +137,20 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         path: db.clone(),
         source,
     })?;
+    match store.check_seal().map_err(ServiceError::Seal)? {
+        SealCheck::Lost { stored, sealed } => {
+            return Err(ServiceError::StoreLost {
+                path: db.clone(),
+                seal: Seal::for_store(&db).path().to_owned(),
+                stored,
+                sealed,
+            })
+        }
+        SealCheck::Unsealed if store.generation() > 0 => {
+            tracing::warn!(store = %db.display(), "the store's seal is missing: lost writes cannot be detected until the next write seals it again");
+        }
+        SealCheck::Unsealed | SealCheck::Intact => {}
+    }
     let rollouts = store
         .load_rollouts()
         .map_err(|source| ServiceError::LoadRollouts {
@@ -212,6 +241,8 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
         release_digests: HashMap::new(),
         holdings: HashMap::new(),
+        health: StoreHealth::default(),
+        data_dir: config.data_dir.clone(),
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -226,7 +257,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             },
             _ = ticker.tick() => {
                 let effects = service.engine.tick(now());
-                service.apply(effects).await
+                match service.apply(effects).await {
+                    Ok(()) => service.retry_store().await,
+                    Err(e) => Err(e),
+                }
             }
         };
         if let Err(e) = step {
@@ -240,7 +274,14 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     }
     link_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
+    if service.health.is_failing() {
+        // Closing a sled instance after a failed write can wait forever on a full disk; what
+        // it acknowledged is on disk already.
+        service.store.abandon();
+    }
     tracing::info!(
+        store_write_failures = service.health.failures,
+        device_actions_held_back = service.health.held_back,
         malformed_payloads = service.malformed,
         unpublishable = service.unpublishable,
         desired_repairs = service.desired_repairs,
@@ -288,6 +329,9 @@ struct Service {
     /// coordinator's key) names: what it published itself, and what it reads back from the
     /// retained `desired` topics (after a restart, or another instance with the same key).
     holdings: HashMap<String, Vec<Digest>>,
+    /// Whether the store can be written (`store_health.rs`).
+    health: StoreHealth,
+    data_dir: PathBuf,
 }
 
 impl Service {
@@ -314,18 +358,69 @@ impl Service {
         }
     }
 
-    /// Stores a device's enrollment record; a failure stops the service (an unstored token use
-    /// or revocation would be undone by a restart).
-    fn save_enrollment(&self, device: &str) -> Result<(), ServiceError> {
+    /// Stores a device's enrollment record. A failure puts the service into its failing-store
+    /// mode; the recovery writes every enrollment again.
+    /// The error is for an operator's reply.
+    fn save_enrollment(&mut self, device: &str) -> Result<(), String> {
         let Some(record) = self.registry.get(device) else {
             return Ok(());
         };
-        self.store
-            .save_enrollment(record)
-            .map_err(|source| ServiceError::SaveEnrollment {
-                device: device.to_owned(),
-                source,
-            })
+        self.store.save_enrollment(record).map_err(|e| {
+            self.store_failed(&e);
+            format!(
+                "cannot store the change: {e}; it holds in memory and is written when the store \
+                 can be written again"
+            )
+        })
+    }
+
+    /// A store write failed: from now on nothing that needs it goes out (`store_health.rs`).
+    fn store_failed(&mut self, error: &StoreError) {
+        if self.health.fail(error.to_string(), now()) {
+            tracing::error!(store = %self.store.path().display(), %error,
+                "the store cannot be written: refusing changes and holding back device actions until it can");
+        }
+    }
+
+    /// While the store is failing, tries it again every few seconds: once there is room, it is
+    /// reopened, everything in memory is written again, and each device is sent what it is owed.
+    async fn retry_store(&mut self) -> Result<(), ServiceError> {
+        if !self.health.attempt_due(std::time::Instant::now()) {
+            return Ok(());
+        }
+        if let Err(e) = store_health::has_room(&self.data_dir) {
+            self.health.fail(
+                format!("no room in {}: {e}", self.data_dir.display()),
+                now(),
+            );
+            return Ok(());
+        }
+        if let Err(e) = self.resave() {
+            self.store_failed(&e);
+            return Ok(());
+        }
+        let since = self.health.recovered().unwrap_or_default();
+        tracing::info!(store = %self.store.path().display(), failed_for_s = now().saturating_sub(since),
+            device_actions_held_back = self.health.held_back,
+            "the store can be written again; every rollout and enrollment is saved, reissuing what each device is owed");
+        let effects = self.engine.reissue(now());
+        self.apply(effects).await
+    }
+
+    /// Reopens the store and writes every rollout, enrollment and used token held in memory.
+    fn resave(&mut self) -> Result<(), StoreError> {
+        self.store.reopen()?;
+        for rollout in self.engine.rollouts() {
+            self.store.save_rollout(rollout)?;
+        }
+        for record in self.registry.all() {
+            self.store.save_enrollment(record)?;
+        }
+        let now = now();
+        for token in self.registry.used_tokens() {
+            self.store.use_token(token, now)?;
+        }
+        Ok(())
     }
 
     /// Records which artifacts `device` may fetch under the desired action `body`: those of
@@ -510,15 +605,13 @@ impl Service {
         let now = now();
         let verdict = self.registry.observe(id.as_str(), expected, &blob, now);
         if let Some(token) = &verdict.used_token {
-            self.store
-                .use_token(token, now)
-                .map_err(|source| ServiceError::SaveEnrollment {
-                    device: id.to_string(),
-                    source,
-                })?;
+            if let Err(e) = self.store.use_token(token, now) {
+                self.store_failed(&e);
+            }
         }
         if verdict.changed {
-            self.save_enrollment(id.as_str())?;
+            // A failure is logged and retried by the store's recovery; nobody to answer here.
+            let _ = self.save_enrollment(id.as_str());
         }
         if let Some(note) = &verdict.note {
             tracing::info!(device = %id, "{note}");
@@ -609,6 +702,11 @@ impl Service {
         command: Command,
         by: &str,
     ) -> Result<Result<serde_json::Value, String>, ServiceError> {
+        if command.required_role() != Role::Viewer && !matches!(command, Command::Backup) {
+            if let Some(refusal) = self.health.refusal(self.store.path()) {
+                return Ok(Err(refusal));
+            }
+        }
         let (effects, answer) = match self.dispatch(command, by, now()) {
             Ok(done) => done,
             Err(e) => return Ok(Err(e)),
@@ -705,7 +803,7 @@ impl Service {
             Command::PendingDevices => value(json(&self.registry.pending())),
             Command::AcceptDevice { device, key } => {
                 let state = self.registry.accept(&device, key.as_deref(), now)?;
-                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                self.save_enrollment(&device)?;
                 tracing::info!(%device, "device accepted by an operator");
                 let effects = match state {
                     Some(state) => self.engine.observe_state(state, now),
@@ -716,13 +814,13 @@ impl Service {
             }
             Command::RejectDevice { device, key } => {
                 self.registry.reject(&device, key.as_deref(), now)?;
-                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                self.save_enrollment(&device)?;
                 tracing::info!(%device, "device key rejected by an operator");
                 value(json(&self.registry.info(&device)))
             }
             Command::RevokeDevice { device } => {
                 self.registry.revoke(&device, now)?;
-                self.save_enrollment(&device).map_err(|e| e.to_string())?;
+                self.save_enrollment(&device)?;
                 tracing::info!(%device, "device revoked by an operator");
                 // It leaves the rollouts not yet finished and its retained topics are cleared.
                 let effects = match self.engine.delete_device(&device, now) {
@@ -758,6 +856,15 @@ impl Service {
                 Ok((effects, Answer::Approval(name)))
             }
             Command::ListApprovals => value(json(&self.engine.approvals())),
+            Command::Backup => {
+                let path = self
+                    .data_dir
+                    .join("backups")
+                    .join(format!("flotilla-backup-{now}.jsonl"));
+                let info = backup::write_backup(&self.store, &path, now).map_err(|e| e.to_string())?;
+                tracing::info!(%by, path = %info.path, records = info.records, "store backed up");
+                value(json(&info))
+            }
             Command::CreateStrategy { name, spec } => {
                 check_strategy(&name, &spec)?;
                 let all = self.store.list_strategies().map_err(store_error)?;
@@ -876,13 +983,20 @@ impl Service {
             match effect {
                 Effect::Save(name) => {
                     if let Some(rollout) = self.engine.rollout(&name) {
-                        self.store
-                            .save_rollout(rollout)
-                            .map_err(|source| ServiceError::Save {
-                                rollout: name.clone(),
-                                source,
-                            })?;
+                        if let Err(e) = self.store.save_rollout(rollout) {
+                            self.store_failed(&e);
+                        }
                     }
+                }
+                // Nothing may instruct a device ahead of the stored rollout that justifies it;
+                // the recovery reissues what each device is owed.
+                Effect::Desired { .. }
+                | Effect::Rollback { .. }
+                | Effect::Cancel { .. }
+                | Effect::Forget { .. }
+                    if self.health.is_failing() =>
+                {
+                    self.health.held_back += 1;
                 }
                 Effect::Desired {
                     device,
@@ -996,7 +1110,7 @@ impl Service {
         let issued_at = self.sequence.next(device, now());
         if let Err(e) = self.store.save_issued(device, issued_at) {
             // Still strictly increasing while this process runs; only a restart could repeat it.
-            tracing::warn!(%device, error = %e, "the action sequence could not be stored");
+            self.store_failed(&e);
         }
         let action = DesiredAction {
             action_id,
@@ -1419,6 +1533,8 @@ mod tests {
             ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
             release_digests: HashMap::new(),
             holdings: HashMap::new(),
+            health: StoreHealth::default(),
+            data_dir: dir.path().to_owned(),
         };
         service
             .apply(vec![Effect::Forget {

@@ -1,6 +1,6 @@
 //! Persistence in sled, so a restarted coordinator continues where it stopped.
 //!
-//! Five trees, each keyed by name with the JSON of one record as the value:
+//! Trees keyed by name, most with the JSON of one record as the value:
 //!
 //! ```text
 //! rollouts       rollout name  -> Rollout          (engine state)
@@ -8,7 +8,15 @@
 //! device_groups  group name    -> DeviceGroup      (`flotilla group create`)
 //! enrollments    device id     -> Enrollment       (device keys and whether they are accepted)
 //! used_tokens    sha256 hex    -> unix time        (enrollment tokens already used up)
+//! issued         device id     -> u64 big-endian   (`issued_at` of the last desired action)
+//! meta           "generation"  -> u64 big-endian   (commits so far, see below)
 //! ```
+//!
+//! Every flushed write is a commit: it bumps the generation in the same flush and then writes
+//! it to the seal file beside the database (`seal.rs`), so a store that comes back from a
+//! damaged log with fewer commits than were acknowledged is reported at start
+//! ([`Store::check_seal`]). [`Store::export`] and [`Store::import`] copy every tree for
+//! `flotilla backup` and `flotilla restore` (`backup.rs`).
 //!
 //! JSON rather than postcard because it is self-describing: a record written by an older version
 //! still decodes when fields with defaults were added since. Every write is flushed before it
@@ -21,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -29,6 +38,7 @@ use flotilla_rollout::engine::Rollout;
 use flotilla_rollout::planner::DeviceGroup;
 
 use crate::service::enrollment::Enrollment;
+use crate::service::seal::{Seal, SealCheck};
 
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
@@ -40,6 +50,18 @@ const DEVICE_GROUPS: &str = "device_groups";
 const ISSUED: &str = "issued";
 const ENROLLMENTS: &str = "enrollments";
 const USED_TOKENS: &str = "used_tokens";
+const META: &str = "meta";
+const GENERATION: &[u8] = b"generation";
+/// The trees a backup holds, in the order they are written.
+pub const TREES: [&str; 7] = [
+    ROLLOUTS,
+    STRATEGIES,
+    DEVICE_GROUPS,
+    ISSUED,
+    ENROLLMENTS,
+    USED_TOKENS,
+    META,
+];
 
 /// A staged update strategy as the operator wrote it: the TOML text (`[[stage]]` entries) under
 /// a name that staged rollout specs refer to. The text is kept verbatim so `strategy show`
@@ -103,11 +125,29 @@ pub enum StoreError {
         name: String,
         source: serde_json::Error,
     },
+    #[error("{}: {reason}", path.display())]
+    Seal { path: PathBuf, reason: String },
+    #[error("cannot import into the store: {source}")]
+    Import { source: sled::Error },
 }
 
 /// The coordinator's sled database.
+///
+/// After a failed write sled refuses every later write of that instance, even once space
+/// returns; [`Store::reopen`] closes it and opens the files again.
 pub struct Store {
+    path: PathBuf,
+    seal: Seal,
+    /// Commits so far; mirrors `meta/generation`.
+    generation: AtomicU64,
+    /// `None` only when a reopen failed: every call then fails naming why.
+    trees: Option<Trees>,
+}
+
+/// The open database and its trees.
+struct Trees {
     db: sled::Db,
+    meta: sled::Tree,
     rollouts: sled::Tree,
     strategies: sled::Tree,
     device_groups: sled::Tree,
@@ -119,20 +159,25 @@ pub struct Store {
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store")
-            .field("rollouts", &self.rollouts.len())
-            .field("strategies", &self.strategies.len())
-            .field("device_groups", &self.device_groups.len())
+            .field("path", &self.path)
+            .field("generation", &self.generation())
+            .field("open", &self.trees.is_some())
             .finish()
     }
 }
 
 /// One tree of named JSON records, and what to call a record in messages.
 struct Records<'a> {
-    tree: &'a sled::Tree,
+    store: &'a Store,
+    tree: fn(&Trees) -> &sled::Tree,
     kind: &'static str,
 }
 
 impl Records<'_> {
+    fn tree(&self) -> Result<&sled::Tree, sled::Error> {
+        Ok((self.tree)(self.store.t()?))
+    }
+
     fn save<T: Serialize>(&self, name: &str, record: &T) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(record).map_err(|source| StoreError::EncodeRecord {
             kind: self.kind,
@@ -144,19 +189,18 @@ impl Records<'_> {
             name: name.to_owned(),
             source,
         };
-        self.tree
-            .insert(name.as_bytes(), bytes)
+        self.tree()
+            .and_then(|tree| tree.insert(name.as_bytes(), bytes))
             .map_err(write_error)?;
-        self.tree.flush().map_err(write_error)?;
-        Ok(())
+        self.store.commit().map_err(write_error)
     }
 
     /// The record named `name`, `None` when there is none. A record that does not decode is an
     /// error here (the caller asked for this one), unlike in [`Records::list`].
     fn load<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, StoreError> {
         let bytes = self
-            .tree
-            .get(name.as_bytes())
+            .tree()
+            .and_then(|tree| tree.get(name.as_bytes()))
             .map_err(|source| StoreError::ReadRecord {
                 kind: self.kind,
                 name: name.to_owned(),
@@ -176,7 +220,8 @@ impl Records<'_> {
     /// Every record that decodes, in name order; the others are logged and skipped.
     fn list<T: DeserializeOwned>(&self) -> Result<Vec<T>, StoreError> {
         let mut records = Vec::new();
-        for item in self.tree.iter() {
+        let tree = self.tree().map_err(|source| StoreError::Read { source })?;
+        for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
             let name = String::from_utf8_lossy(&key);
             match serde_json::from_slice::<T>(&value) {
@@ -200,8 +245,11 @@ impl Records<'_> {
             name: name.to_owned(),
             source,
         };
-        let old = self.tree.remove(name.as_bytes()).map_err(delete_error)?;
-        self.tree.flush().map_err(delete_error)?;
+        let old = self
+            .tree()
+            .and_then(|tree| tree.remove(name.as_bytes()))
+            .map_err(delete_error)?;
+        self.store.commit().map_err(delete_error)?;
         Ok(old.is_some())
     }
 }
@@ -210,56 +258,83 @@ impl Store {
     /// Opens (or creates) the database directory at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Store, StoreError> {
         let path = path.as_ref();
-        let open_error = |source| StoreError::Open {
+        let trees = Trees::open(path)?;
+        let generation = read_generation(&trees.meta).map_err(|source| StoreError::Open {
             path: path.to_owned(),
             source,
-        };
-        let db = sled::Config::new()
-            .path(path)
-            .cache_capacity(CACHE_CAPACITY)
-            .open()
-            .map_err(open_error)?;
-        let rollouts = db.open_tree(ROLLOUTS).map_err(open_error)?;
-        let strategies = db.open_tree(STRATEGIES).map_err(open_error)?;
-        let device_groups = db.open_tree(DEVICE_GROUPS).map_err(open_error)?;
-        let issued = db.open_tree(ISSUED).map_err(open_error)?;
-        let enrollments = db.open_tree(ENROLLMENTS).map_err(open_error)?;
-        let used_tokens = db.open_tree(USED_TOKENS).map_err(open_error)?;
+        })?;
         Ok(Store {
-            db,
-            rollouts,
-            strategies,
-            device_groups,
-            issued,
-            enrollments,
-            used_tokens,
+            path: path.to_owned(),
+            seal: Seal::for_store(path),
+            generation: AtomicU64::new(generation),
+            trees: Some(trees),
+        })
+    }
+
+    /// Closes the database and opens it again: the way back to a writable store after a write
+    /// failed (a full disk). Closing first, because sled locks its files.
+    pub fn reopen(&mut self) -> Result<(), StoreError> {
+        self.trees = None;
+        let trees = Trees::open(&self.path)?;
+        let generation = read_generation(&trees.meta).map_err(|source| StoreError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.generation.store(generation, Ordering::Relaxed);
+        self.trees = Some(trees);
+        Ok(())
+    }
+
+    /// Gives up the database without closing it. sled's close can wait forever on a disk that
+    /// is still full; a process leaving after a failed write calls this instead of dropping.
+    pub fn abandon(mut self) {
+        if let Some(trees) = self.trees.take() {
+            std::mem::forget(trees);
+        }
+    }
+
+    /// The database directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn t(&self) -> Result<&Trees, sled::Error> {
+        self.trees.as_ref().ok_or_else(|| {
+            sled::Error::Io(std::io::Error::other(format!(
+                "the store at {} is closed: reopening it after a failed write did not succeed",
+                self.path.display()
+            )))
         })
     }
 
     fn strategies(&self) -> Records<'_> {
         Records {
-            tree: &self.strategies,
+            store: self,
+            tree: |t| &t.strategies,
             kind: "strategy",
         }
     }
 
     fn groups(&self) -> Records<'_> {
         Records {
-            tree: &self.device_groups,
+            store: self,
+            tree: |t| &t.device_groups,
             kind: "device group",
         }
     }
 
     fn enrollment_records(&self) -> Records<'_> {
         Records {
-            tree: &self.enrollments,
+            store: self,
+            tree: |t| &t.enrollments,
             kind: "device enrollment",
         }
     }
 
     fn token_records(&self) -> Records<'_> {
         Records {
-            tree: &self.used_tokens,
+            store: self,
+            tree: |t| &t.used_tokens,
             kind: "used enrollment token",
         }
     }
@@ -283,7 +358,8 @@ impl Store {
     /// The sha256 (hex) of every used-up enrollment token.
     pub fn used_tokens(&self) -> Result<Vec<String>, StoreError> {
         let mut out = Vec::new();
-        for item in self.used_tokens.iter() {
+        let tree = &self.t().map_err(|source| StoreError::Read { source })?.used_tokens;
+        for item in tree.iter() {
             let (key, _) = item.map_err(|source| StoreError::Read { source })?;
             out.push(String::from_utf8_lossy(&key).into_owned());
         }
@@ -341,18 +417,18 @@ impl Store {
             rollout: rollout.name.clone(),
             source,
         };
-        self.rollouts
-            .insert(rollout.name.as_bytes(), bytes)
+        self.t()
+            .and_then(|t| t.rollouts.insert(rollout.name.as_bytes(), bytes))
             .map_err(write_error)?;
-        self.rollouts.flush().map_err(write_error)?;
-        Ok(())
+        self.commit().map_err(write_error)
     }
 
     /// Every stored rollout that decodes, in name order. Records that do not decode are logged
     /// and skipped.
     pub fn load_rollouts(&self) -> Result<Vec<Rollout>, StoreError> {
         let mut rollouts = Vec::new();
-        for item in self.rollouts.iter() {
+        let tree = &self.t().map_err(|source| StoreError::Read { source })?.rollouts;
+        for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
             let name = String::from_utf8_lossy(&key);
             match serde_json::from_slice::<Rollout>(&value) {
@@ -371,7 +447,8 @@ impl Store {
     /// decode are skipped: the sequence then restarts from the clock for that device.
     pub fn load_issued(&self) -> Result<HashMap<String, u64>, StoreError> {
         let mut issued = HashMap::new();
-        for item in self.issued.iter() {
+        let tree = &self.t().map_err(|source| StoreError::Read { source })?.issued;
+        for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
             if let (Ok(device), Ok(at)) = (
                 String::from_utf8(key.to_vec()),
@@ -386,8 +463,8 @@ impl Store {
     /// Records the `issued_at` of the desired action just signed for `device`. Not flushed
     /// here: the rollout save that precedes every publish flushes the database.
     pub fn save_issued(&self, device: &str, at: u64) -> Result<(), StoreError> {
-        self.issued
-            .insert(device.as_bytes(), &at.to_be_bytes())
+        self.t()
+            .and_then(|t| t.issued.insert(device.as_bytes(), &at.to_be_bytes()))
             .map_err(|source| StoreError::WriteIssued {
                 device: device.to_owned(),
                 source,
@@ -401,12 +478,130 @@ impl Store {
             rollout: name.to_owned(),
             source,
         };
-        self.rollouts
-            .remove(name.as_bytes())
+        self.t()
+            .and_then(|t| t.rollouts.remove(name.as_bytes()))
             .map_err(delete_error)?;
-        self.db.flush().map_err(delete_error)?;
-        Ok(())
+        self.commit().map_err(delete_error)
     }
+
+    /// Makes everything written so far durable as one commit: bumps the generation in the same
+    /// flush, then seals it. A seal that cannot be written fails the commit like a flush would
+    /// (it is the same disk).
+    fn commit(&self) -> Result<(), sled::Error> {
+        let next = self.generation.load(Ordering::Relaxed) + 1;
+        let t = self.t()?;
+        t.meta.insert(GENERATION, &next.to_be_bytes())?;
+        t.db.flush()?;
+        self.generation.store(next, Ordering::Relaxed);
+        self.seal.write(next).map_err(|e| {
+            sled::Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("cannot write the store seal {}: {e}", self.seal.path().display()),
+            ))
+        })
+    }
+
+    /// Commits so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    /// Whether the store holds every commit its seal remembers (see `seal.rs`).
+    pub fn check_seal(&self) -> Result<SealCheck, StoreError> {
+        self.seal
+            .check(self.generation())
+            .map_err(|reason| StoreError::Seal {
+                path: self.seal.path().to_owned(),
+                reason,
+            })
+    }
+
+    /// Seals the store at its current generation: after an operator accepted a loss, or after
+    /// a restore.
+    pub fn reseal(&self) -> Result<(), StoreError> {
+        self.seal
+            .write(self.generation())
+            .map_err(|e| StoreError::Seal {
+                path: self.seal.path().to_owned(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Every record of every tree, tree by tree in [`TREES`] order, keys in order.
+    pub fn export(&self) -> Result<Vec<(&'static str, Vec<u8>, Vec<u8>)>, StoreError> {
+        let mut out = Vec::new();
+        for name in TREES {
+            let tree = self
+                .t()
+                .and_then(|t| t.db.open_tree(name))
+                .map_err(|source| StoreError::Read { source })?;
+            for item in tree.iter() {
+                let (key, value) = item.map_err(|source| StoreError::Read { source })?;
+                out.push((name, key.to_vec(), value.to_vec()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the store holds no records at all.
+    pub fn is_empty(&self) -> bool {
+        TREES
+            .iter()
+            .filter_map(|name| self.t().ok()?.db.open_tree(name).ok())
+            .all(|tree| tree.is_empty())
+    }
+
+    /// Writes exported records (see [`Store::export`]) and commits them; trees not in
+    /// [`TREES`] are refused by the caller. The generation becomes the imported one plus this
+    /// commit.
+    pub fn import(&self, records: &[(String, Vec<u8>, Vec<u8>)]) -> Result<(), StoreError> {
+        for (tree, key, value) in records {
+            let tree = self
+                .t()
+                .and_then(|t| t.db.open_tree(tree))
+                .map_err(|source| StoreError::Import { source })?;
+            tree.insert(key.as_slice(), value.as_slice())
+                .map_err(|source| StoreError::Import { source })?;
+        }
+        let imported = self
+            .t()
+            .and_then(|t| read_generation(&t.meta))
+            .map_err(|source| StoreError::Import { source })?;
+        self.generation.store(imported, Ordering::Relaxed);
+        self.commit().map_err(|source| StoreError::Import { source })
+    }
+}
+
+impl Trees {
+    fn open(path: &Path) -> Result<Trees, StoreError> {
+        let open_error = |source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let db = sled::Config::new()
+            .path(path)
+            .cache_capacity(CACHE_CAPACITY)
+            .open()
+            .map_err(open_error)?;
+        Ok(Trees {
+            meta: db.open_tree(META).map_err(open_error)?,
+            rollouts: db.open_tree(ROLLOUTS).map_err(open_error)?,
+            strategies: db.open_tree(STRATEGIES).map_err(open_error)?,
+            device_groups: db.open_tree(DEVICE_GROUPS).map_err(open_error)?,
+            issued: db.open_tree(ISSUED).map_err(open_error)?,
+            enrollments: db.open_tree(ENROLLMENTS).map_err(open_error)?,
+            used_tokens: db.open_tree(USED_TOKENS).map_err(open_error)?,
+            db,
+        })
+    }
+}
+
+/// The generation stored in `meta` (0 for a store without one).
+fn read_generation(meta: &sled::Tree) -> Result<u64, sled::Error> {
+    Ok(meta
+        .get(GENERATION)?
+        .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
+        .map_or(0, u64::from_be_bytes))
 }
 
 #[cfg(test)]
@@ -480,6 +675,8 @@ mod tests {
         let store = Store::open(dir.path().join("db")).expect("opens");
         store.save_rollout(&rollout("good")).expect("saved");
         store
+            .t()
+            .expect("open")
             .rollouts
             .insert("broken", &b"{\"name\": 3"[..])
             .expect("raw insert");
@@ -491,7 +688,7 @@ mod tests {
             vec!["good"]
         );
         assert!(
-            store.rollouts.contains_key("broken").expect("reads"),
+            store.t().expect("open").rollouts.contains_key("broken").expect("reads"),
             "the bad record is kept for inspection"
         );
     }
@@ -596,6 +793,8 @@ mod tests {
             .save_group(&group("good", "env=prod", &[]))
             .expect("saved");
         store
+            .t()
+            .expect("open")
             .device_groups
             .insert(
                 "broken",

@@ -1,0 +1,150 @@
+//! Whether the coordinator's store can be written, and what it does while it cannot.
+//!
+//! A write that fails (a full disk, a quota, a read-only mount) is an error with a reason, never
+//! a reason to stop: the service keeps running and
+//! - publishes no desired action, rollback, cancel or forget, because none of them may go out
+//!   ahead of the stored rollout that justifies it (ADR 0003); they are counted as held back;
+//! - refuses every control command that would change something, naming the store and the
+//!   reason; commands a viewer may run still answer from memory;
+//! - every [`RETRY_INTERVAL`] checks for room (a probe file) and, once there is, reopens the
+//!   store (sled refuses all writes of an instance after one failed), writes every rollout and
+//!   enrollment again and reissues what each device is owed.
+//!
+//! Status and trace events still go out: they describe, they do not instruct.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// How often a failing store is tried again.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Free space a recovery attempt asks for first: more than sled needs to start a new segment.
+const PROBE_BYTES: usize = 2 * 1024 * 1024;
+
+/// The store's health as the service sees it.
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    failing: Option<Failing>,
+    last_attempt: Option<Instant>,
+    /// Device actions not published because the store could not be written, in total.
+    pub held_back: u64,
+    /// Write failures, in total.
+    pub failures: u64,
+}
+
+#[derive(Debug)]
+struct Failing {
+    since: u64,
+    reason: String,
+}
+
+impl StoreHealth {
+    pub fn is_failing(&self) -> bool {
+        self.failing.is_some()
+    }
+
+    /// Records a failed write. Returns true when the store was healthy until now (the caller
+    /// logs that once, not every failure).
+    pub fn fail(&mut self, reason: String, now: u64) -> bool {
+        self.failures += 1;
+        match &mut self.failing {
+            Some(failing) => {
+                failing.reason = reason;
+                false
+            }
+            None => {
+                self.failing = Some(Failing { since: now, reason });
+                self.last_attempt = Some(Instant::now());
+                true
+            }
+        }
+    }
+
+    /// The answer to a command that would write while the store is failing.
+    pub fn refusal(&self, store: &Path) -> Option<String> {
+        self.failing.as_ref().map(|f| {
+            format!(
+                "the coordinator cannot write its store at {} since {} ({}); it refuses changes \
+                 until it can and retries every {} s; commands that only read still work",
+                store.display(),
+                flotilla_rollout::window::utc_text(f.since),
+                f.reason,
+                RETRY_INTERVAL.as_secs()
+            )
+        })
+    }
+
+    /// Whether a recovery attempt is due now (failing, and the last one long enough ago).
+    pub fn attempt_due(&mut self, at: Instant) -> bool {
+        if self.failing.is_none() {
+            return false;
+        }
+        if self
+            .last_attempt
+            .is_some_and(|last| at.duration_since(last) < RETRY_INTERVAL)
+        {
+            return false;
+        }
+        self.last_attempt = Some(at);
+        true
+    }
+
+    /// The store works again; returns since when it had failed.
+    pub fn recovered(&mut self) -> Option<u64> {
+        self.failing.take().map(|f| f.since)
+    }
+}
+
+/// Whether `dir` has room for the store to write again: writes and syncs a probe file of
+/// [`PROBE_BYTES`], then removes it.
+pub fn has_room(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(".store-space-probe");
+    let result = (|| {
+        let mut file = std::fs::File::create(&probe)?;
+        file.write_all(&vec![0u8; PROBE_BYTES])?;
+        file.sync_all()
+    })();
+    let _ = std::fs::remove_file(&probe);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_store_is_retried_at_intervals_and_named_in_refusals() {
+        let mut health = StoreHealth::default();
+        let start = Instant::now();
+        assert!(!health.attempt_due(start), "nothing to retry");
+        assert!(health.refusal(Path::new("/data/db")).is_none());
+        assert!(health.fail("No space left on device".into(), 1_790_000_000));
+        assert!(
+            !health.fail("still full".into(), 1_790_000_001),
+            "logged once"
+        );
+        let refusal = health.refusal(Path::new("/data/db")).expect("refused");
+        assert!(
+            refusal.contains("/data/db") && refusal.contains("still full"),
+            "{refusal}"
+        );
+        assert!(!health.attempt_due(start), "not right after the failure");
+        assert!(health.attempt_due(start + 2 * RETRY_INTERVAL));
+        assert!(!health.attempt_due(start + 2 * RETRY_INTERVAL));
+        assert_eq!(health.recovered(), Some(1_790_000_000));
+        assert!(!health.is_failing());
+        assert_eq!(health.failures, 2);
+    }
+
+    #[test]
+    fn a_full_device_has_no_room() {
+        // /dev is a directory without room for files in a test; /dev/full is not a directory.
+        // A missing directory stands in for "no room" portably.
+        let err = has_room(Path::new("/nonexistent-flotilla-dir")).expect_err("no room");
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
+        let dir = tempfile::tempdir().expect("temp dir");
+        has_room(dir.path()).expect("room");
+        assert_eq!(std::fs::read_dir(dir.path()).expect("reads").count(), 0, "probe removed");
+    }
+}
