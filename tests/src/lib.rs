@@ -22,10 +22,12 @@
 //! Nothing here depends on a fixed port or on services already running on the machine. When a
 //! test panics, the harness prints the tail of every process's log.
 
+pub mod disk;
 pub mod mqtt;
 pub mod secure;
 pub mod site;
 
+pub use disk::Tmpfs;
 pub use mqtt::{WatchedMessage, Watcher};
 pub use secure::{Connected, Probe, SecureBroker};
 pub use site::{AgentOptions, BrokerKind, Site, ADMIN};

@@ -78,7 +78,11 @@ pub fn describe_backup(info: &BackupInfo) -> String {
 }
 
 /// `flotilla backup --data-dir D --out F`: backs up a stopped coordinator's store.
-pub fn backup_offline(data_dir: &std::path::Path, out: &std::path::Path, now: u64) -> Result<BackupInfo, StoreCmdError> {
+pub fn backup_offline(
+    data_dir: &std::path::Path,
+    out: &std::path::Path,
+    now: u64,
+) -> Result<BackupInfo, StoreCmdError> {
     let store = open(data_dir)?;
     Ok(backup::write_backup(&store, out, now)?)
 }
@@ -109,7 +113,10 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
             let store = open(data_dir)?;
             match store.check_seal()? {
                 SealCheck::Intact => {
-                    println!("intact: the store holds all {} acknowledged commits", store.generation());
+                    println!(
+                        "intact: the store holds all {} acknowledged commits",
+                        store.generation()
+                    );
                     Ok(0)
                 }
                 SealCheck::Unsealed => {
@@ -139,7 +146,10 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
                      given up",
                     sealed - stored
                 ),
-                _ => println!("resealed at {} commits (nothing was lost)", store.generation()),
+                _ => println!(
+                    "resealed at {} commits (nothing was lost)",
+                    store.generation()
+                ),
             }
             Ok(0)
         }

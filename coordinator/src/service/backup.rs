@@ -166,12 +166,10 @@ pub fn read_backup(path: &Path) -> Result<Backup, BackupError> {
     let mut number = 0usize;
     let mut next_line = |line: &mut String| -> Result<bool, BackupError> {
         line.clear();
-        let n = reader
-            .read_line(line)
-            .map_err(|source| BackupError::Read {
-                path: path.to_owned(),
-                source,
-            })?;
+        let n = reader.read_line(line).map_err(|source| BackupError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Ok(n > 0)
     };
     if !next_line(&mut line)? {
@@ -203,7 +201,9 @@ pub fn read_backup(path: &Path) -> Result<Backup, BackupError> {
         number += 1;
         if let Ok(trailer) = serde_json::from_str::<Trailer>(&line) {
             if !trailer.end {
-                return Err(invalid(format!("line {number}: a closing line without end")));
+                return Err(invalid(format!(
+                    "line {number}: a closing line without end"
+                )));
             }
             let digest = flotilla_protocol::hex::encode(&hasher.finalize());
             if trailer.sha256 != digest {
@@ -263,7 +263,9 @@ pub fn restore(db: &Path, backup: &Path, force: bool, now: u64) -> Result<Restor
         let store = Store::open(db)?;
         if !store.is_empty() {
             if !force {
-                return Err(BackupError::NotEmpty { path: db.to_owned() });
+                return Err(BackupError::NotEmpty {
+                    path: db.to_owned(),
+                });
             }
             drop(store);
             let aside = db.with_file_name(format!(
@@ -323,7 +325,10 @@ mod tests {
             let store = store_with_records(&dir.path().join("db"));
             write_backup(&store, &file, 1000).expect("backup")
         };
-        assert_eq!(info.records, 4, "two strategies, one issued, the generation");
+        assert_eq!(
+            info.records, 4,
+            "two strategies, one issued, the generation"
+        );
         let target = dir.path().join("restored");
         let restored = restore(&target, &file, false, 2000).expect("restores");
         assert_eq!(restored.records, 4);
@@ -368,7 +373,11 @@ mod tests {
         assert!(err.to_string().contains("--force"), "{err}");
         let restored = restore(&db, &file, true, 5).expect("forced");
         let aside = restored.moved_aside.expect("moved aside");
-        assert!(aside.ends_with("db.before-restore-5"), "{}", aside.display());
+        assert!(
+            aside.ends_with("db.before-restore-5"),
+            "{}",
+            aside.display()
+        );
         assert!(aside.exists());
     }
 }

@@ -36,11 +36,11 @@ use std::time::Duration;
 use flotilla_protocol::control::{
     Command, ControlReply, DeviceGroupInfo, DeviceSummary, StrategyInfo,
 };
+use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
     DeviceMessage, Digest, Message, SignedBlob,
 };
-use flotilla_protocol::operator::Role;
 use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
@@ -54,8 +54,8 @@ use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
-use crate::service::sequence::ActionSequence;
 use crate::service::seal::{Seal, SealCheck};
+use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
 use crate::service::store_health::{self, StoreHealth};
 use flotilla_rollout::engine::{Effect, Engine, ReleaseRef};
@@ -100,6 +100,12 @@ pub enum ServiceError {
         stored: u64,
         sealed: u64,
     },
+    #[error(
+        "no room to open the store in {} ({reason}) and no reserve left to release: free some \
+         space and start again",
+        data_dir.display()
+    )]
+    NoRoom { data_dir: PathBuf, reason: String },
     #[error("cannot check the store's seal: {0}")]
     Seal(StoreError),
     #[error("the MQTT link to {addr} stopped unexpectedly")]
@@ -133,10 +139,23 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     };
     let key = keys::load_secret_key(&config.coordinator_key)?;
     let db = config.data_dir.join("db");
+    // sled writes while it opens; an open that runs out of space can leave the store unreadable.
+    if let Err(e) = store_health::has_room(&config.data_dir) {
+        if store_health::release_reserve(&config.data_dir) {
+            tracing::warn!(data_dir = %config.data_dir.display(), error = %e,
+                "the disk is full: released the reserve so the store can open; the coordinator refuses changes until there is room");
+        } else {
+            return Err(ServiceError::NoRoom {
+                data_dir: config.data_dir.clone(),
+                reason: e.to_string(),
+            });
+        }
+    }
     let store = Store::open(&db).map_err(|source| ServiceError::OpenStore {
         path: db.clone(),
         source,
     })?;
+    store_health::ensure_reserve(&config.data_dir);
     match store.check_seal().map_err(ServiceError::Seal)? {
         SealCheck::Lost { stored, sealed } => {
             return Err(ServiceError::StoreLost {
@@ -374,6 +393,13 @@ impl Service {
         })
     }
 
+    /// A store write under an operator's command failed: the store is failing from now on, and
+    /// the operator gets the reason.
+    fn write_failed(&mut self, error: StoreError) -> String {
+        self.store_failed(&error);
+        error.to_string()
+    }
+
     /// A store write failed: from now on nothing that needs it goes out (`store_health.rs`).
     fn store_failed(&mut self, error: &StoreError) {
         if self.health.fail(error.to_string(), now()) {
@@ -400,6 +426,7 @@ impl Service {
             return Ok(());
         }
         let since = self.health.recovered().unwrap_or_default();
+        store_health::ensure_reserve(&self.data_dir);
         tracing::info!(store = %self.store.path().display(), failed_for_s = now().saturating_sub(since),
             device_actions_held_back = self.health.held_back,
             "the store can be written again; every rollout and enrollment is saved, reissuing what each device is owed");
@@ -702,16 +729,26 @@ impl Service {
         command: Command,
         by: &str,
     ) -> Result<Result<serde_json::Value, String>, ServiceError> {
-        if command.required_role() != Role::Viewer && !matches!(command, Command::Backup) {
+        let writes = command.required_role() != Role::Viewer && !matches!(command, Command::Backup);
+        if writes {
             if let Some(refusal) = self.health.refusal(self.store.path()) {
                 return Ok(Err(refusal));
             }
         }
+        let name = command.name();
         let (effects, answer) = match self.dispatch(command, by, now()) {
             Ok(done) => done,
             Err(e) => return Ok(Err(e)),
         };
         self.apply(effects).await?;
+        if let Some(reason) = self.health.reason().filter(|_| writes) {
+            // The write failed under this very command: say so, and what happens to it.
+            return Ok(Err(format!(
+                "{name} took effect in memory but could not be stored ({reason}); nothing it \
+                 implies goes to devices until the store can be written again, and it is stored \
+                 then"
+            )));
+        }
         Ok(match answer {
             Answer::Value(value) => Ok(value),
             Answer::Status(name) => match self.engine.status(&name) {
@@ -861,7 +898,8 @@ impl Service {
                     .data_dir
                     .join("backups")
                     .join(format!("flotilla-backup-{now}.jsonl"));
-                let info = backup::write_backup(&self.store, &path, now).map_err(|e| e.to_string())?;
+                let info =
+                    backup::write_backup(&self.store, &path, now).map_err(|e| e.to_string())?;
                 tracing::info!(%by, path = %info.path, records = info.records, "store backed up");
                 value(json(&info))
             }
@@ -875,7 +913,9 @@ impl Service {
                     ));
                 }
                 let stored = StoredStrategy { name, text: spec };
-                self.store.save_strategy(&stored).map_err(store_error)?;
+                self.store
+                    .save_strategy(&stored)
+                    .map_err(|e| self.write_failed(e))?;
                 value(json(&strategy_info(stored)))
             }
             Command::ListStrategies => {
@@ -902,7 +942,9 @@ impl Service {
                          keeps; delete one first"
                     ));
                 }
-                self.store.save_group(&group).map_err(store_error)?;
+                self.store
+                    .save_group(&group)
+                    .map_err(|e| self.write_failed(e))?;
                 self.refresh_device_groups().map_err(store_error)?;
                 value(json(&group_info(&group)))
             }
@@ -914,7 +956,9 @@ impl Service {
                 let Some(group) = self.store.load_group(&name).map_err(store_error)? else {
                     return Err(format!("no device group named {name:?}"));
                 };
-                self.store.delete_group(&name).map_err(store_error)?;
+                self.store
+                    .delete_group(&name)
+                    .map_err(|e| self.write_failed(e))?;
                 self.refresh_device_groups().map_err(store_error)?;
                 value(json(&group_info(&group)))
             }

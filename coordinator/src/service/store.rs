@@ -131,6 +131,24 @@ pub enum StoreError {
     Import { source: sled::Error },
 }
 
+impl StoreError {
+    /// Whether this is the disk (or a quota) being full.
+    pub fn is_storage_full(&self) -> bool {
+        let source = match self {
+            StoreError::Open { source, .. }
+            | StoreError::Write { source, .. }
+            | StoreError::WriteRecord { source, .. }
+            | StoreError::Import { source } => source,
+            _ => return false,
+        };
+        matches!(source, sled::Error::Io(e)
+            if e.kind() == std::io::ErrorKind::StorageFull
+                || e.kind() == std::io::ErrorKind::QuotaExceeded
+                || e.raw_os_error() == Some(28))
+            || source.to_string().contains("No space left on device")
+    }
+}
+
 /// The coordinator's sled database.
 ///
 /// After a failed write sled refuses every later write of that instance, even once space
@@ -358,7 +376,10 @@ impl Store {
     /// The sha256 (hex) of every used-up enrollment token.
     pub fn used_tokens(&self) -> Result<Vec<String>, StoreError> {
         let mut out = Vec::new();
-        let tree = &self.t().map_err(|source| StoreError::Read { source })?.used_tokens;
+        let tree = &self
+            .t()
+            .map_err(|source| StoreError::Read { source })?
+            .used_tokens;
         for item in tree.iter() {
             let (key, _) = item.map_err(|source| StoreError::Read { source })?;
             out.push(String::from_utf8_lossy(&key).into_owned());
@@ -427,7 +448,10 @@ impl Store {
     /// and skipped.
     pub fn load_rollouts(&self) -> Result<Vec<Rollout>, StoreError> {
         let mut rollouts = Vec::new();
-        let tree = &self.t().map_err(|source| StoreError::Read { source })?.rollouts;
+        let tree = &self
+            .t()
+            .map_err(|source| StoreError::Read { source })?
+            .rollouts;
         for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
             let name = String::from_utf8_lossy(&key);
@@ -447,7 +471,10 @@ impl Store {
     /// decode are skipped: the sequence then restarts from the clock for that device.
     pub fn load_issued(&self) -> Result<HashMap<String, u64>, StoreError> {
         let mut issued = HashMap::new();
-        let tree = &self.t().map_err(|source| StoreError::Read { source })?.issued;
+        let tree = &self
+            .t()
+            .map_err(|source| StoreError::Read { source })?
+            .issued;
         for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
             if let (Ok(device), Ok(at)) = (
@@ -496,7 +523,10 @@ impl Store {
         self.seal.write(next).map_err(|e| {
             sled::Error::Io(std::io::Error::new(
                 e.kind(),
-                format!("cannot write the store seal {}: {e}", self.seal.path().display()),
+                format!(
+                    "cannot write the store seal {}: {e}",
+                    self.seal.path().display()
+                ),
             ))
         })
     }
@@ -568,7 +598,8 @@ impl Store {
             .and_then(|t| read_generation(&t.meta))
             .map_err(|source| StoreError::Import { source })?;
         self.generation.store(imported, Ordering::Relaxed);
-        self.commit().map_err(|source| StoreError::Import { source })
+        self.commit()
+            .map_err(|source| StoreError::Import { source })
     }
 }
 
@@ -578,6 +609,7 @@ impl Trees {
             path: path.to_owned(),
             source,
         };
+        remove_empty_snapshots(path);
         let db = sled::Config::new()
             .path(path)
             .cache_capacity(CACHE_CAPACITY)
@@ -593,6 +625,23 @@ impl Trees {
             used_tokens: db.open_tree(USED_TOKENS).map_err(open_error)?,
             db,
         })
+    }
+}
+
+/// An open that ran out of space leaves an empty snapshot file behind, and sled then refuses
+/// the database as corrupt even once there is room. An empty snapshot holds nothing: removing it
+/// makes sled rebuild the snapshot from its log, which holds the data.
+fn remove_empty_snapshots(db: &Path) {
+    let Ok(entries) = std::fs::read_dir(db) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let empty = entry.metadata().is_ok_and(|m| m.is_file() && m.len() == 0);
+        if empty && name.to_string_lossy().starts_with("snap.") {
+            tracing::warn!(file = %entry.path().display(), "removing an empty store snapshot left by an earlier start that ran out of space");
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -688,7 +737,12 @@ mod tests {
             vec!["good"]
         );
         assert!(
-            store.t().expect("open").rollouts.contains_key("broken").expect("reads"),
+            store
+                .t()
+                .expect("open")
+                .rollouts
+                .contains_key("broken")
+                .expect("reads"),
             "the bad record is kept for inspection"
         );
     }

@@ -11,6 +11,12 @@
 //!   enrollment again and reissues what each device is owed.
 //!
 //! Status and trace events still go out: they describe, they do not instruct.
+//!
+//! A coordinator must also start on a disk that is already full, or an operator cannot even see
+//! what it holds: sled cannot open its files without writing. So the data directory keeps a
+//! reserve file ([`RESERVE_BYTES`] of zeros, `store.reserve`), made whenever there is room; a
+//! start that finds no room for the store releases it and opens the store in the space it gave
+//! back.
 
 use std::io::Write;
 use std::path::Path;
@@ -18,6 +24,10 @@ use std::time::{Duration, Instant};
 
 /// How often a failing store is tried again.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The size of the reserve file kept for starting on a full disk.
+pub const RESERVE_BYTES: usize = 4 * 1024 * 1024;
+const RESERVE: &str = "store.reserve";
 
 /// Free space a recovery attempt asks for first: more than sled needs to start a new segment.
 const PROBE_BYTES: usize = 2 * 1024 * 1024;
@@ -75,6 +85,11 @@ impl StoreHealth {
         })
     }
 
+    /// Why the store is failing, if it is.
+    pub fn reason(&self) -> Option<&str> {
+        self.failing.as_ref().map(|f| f.reason.as_str())
+    }
+
     /// Whether a recovery attempt is due now (failing, and the last one long enough ago).
     pub fn attempt_due(&mut self, at: Instant) -> bool {
         if self.failing.is_none() {
@@ -107,6 +122,30 @@ pub fn has_room(dir: &Path) -> std::io::Result<()> {
     })();
     let _ = std::fs::remove_file(&probe);
     result
+}
+
+/// Makes the reserve file if it is missing; a disk without room for it is logged, not an
+/// error (the reserve is made at the next chance).
+pub fn ensure_reserve(dir: &Path) {
+    let path = dir.join(RESERVE);
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() == RESERVE_BYTES as u64) {
+        return;
+    }
+    let made = (|| {
+        let mut file = std::fs::File::create(&path)?;
+        file.write_all(&vec![0u8; RESERVE_BYTES])?;
+        file.sync_all()
+    })();
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&path);
+        tracing::warn!(path = %path.display(), error = %e,
+            "cannot make the reserve that lets the coordinator start on a full disk; trying again later");
+    }
+}
+
+/// Releases the reserve; whether there was one.
+pub fn release_reserve(dir: &Path) -> bool {
+    std::fs::remove_file(dir.join(RESERVE)).is_ok()
 }
 
 #[cfg(test)]
@@ -145,6 +184,10 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::NotFound);
         let dir = tempfile::tempdir().expect("temp dir");
         has_room(dir.path()).expect("room");
-        assert_eq!(std::fs::read_dir(dir.path()).expect("reads").count(), 0, "probe removed");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).expect("reads").count(),
+            0,
+            "probe removed"
+        );
     }
 }
