@@ -33,6 +33,7 @@
 //! assert!(!w.is_open(1_799_064_000));
 //! ```
 
+use flotilla_protocol::TimeWindow;
 use jiff::tz::{Offset, TimeZone};
 use jiff::Timestamp;
 
@@ -232,6 +233,28 @@ impl Window {
                 .next_in(seg.start + seg.prev_offset, seg.start + seg.offset - 1)
                 .is_some()
     }
+}
+
+/// The time window an install action started at `at` carries to the agent (docs/protocol.md):
+/// from the opening of the maintenance windows open at `at` to the last second before the latest
+/// of them closes, in absolute UTC, so the agent can hold to it without a time zone database.
+/// When none is open at `at` (an action sent before windows gated retries), the next opening's.
+/// None without windows, or when none opens within [`LOOKAHEAD`].
+pub fn install_window(windows: &[Window], at: u64) -> Option<TimeWindow> {
+    let open_at = |t: u64| {
+        windows
+            .iter()
+            .filter_map(|w| Some((w.opened_at(t)?, w.closes_at(t)?)))
+            .reduce(|(s1, c1), (s2, c2)| (s1.min(s2), c1.max(c2)))
+    };
+    let (opened, closes) = open_at(at).or_else(|| {
+        let next = windows.iter().filter_map(|w| w.next_open(at)).min()?;
+        open_at(next)
+    })?;
+    Some(TimeWindow {
+        not_before: opened,
+        not_after: closes.saturating_sub(1),
+    })
 }
 
 /// The zone `name`: `UTC` built in, any other plain IANA name from `zones` as TZif bytes.
@@ -657,6 +680,36 @@ mod tests {
             Some(utc(2028, 2, 29, 0, 0))
         );
         assert_eq!(w.next_open(utc(2028, 3, 1, 0, 0)), None);
+    }
+
+    #[test]
+    fn install_window_is_the_open_window_in_utc() {
+        let nightly = window("0 2 * * *", 3600, "UTC");
+        let at = utc(2027, 1, 15, 2, 40);
+        let sent = install_window(std::slice::from_ref(&nightly), at).expect("a window");
+        assert_eq!(sent.not_before, utc(2027, 1, 15, 2, 0));
+        assert_eq!(
+            sent.not_after,
+            utc(2027, 1, 15, 3, 0) - 1,
+            "its last second"
+        );
+        // Sent while closed, the action carries the next night's window.
+        let closed = install_window(std::slice::from_ref(&nightly), utc(2027, 1, 15, 3, 10))
+            .expect("a window");
+        assert_eq!(closed.not_before, utc(2027, 1, 16, 2, 0));
+        // Two windows open at once: from the earlier opening to the later close.
+        let evening = window("30 1 * * *", 2 * 3600, "UTC");
+        let both = install_window(&[nightly, evening], at).expect("a window");
+        assert_eq!(both.not_before, utc(2027, 1, 15, 1, 30));
+        assert_eq!(both.not_after, utc(2027, 1, 15, 3, 30) - 1);
+        assert_eq!(install_window(&[], at), None, "no windows, no limit");
+        // A Berlin window, sent as UTC: 02:00-03:00 CET is 01:00-02:00 UTC.
+        let berlin = window("0 2 * * *", 3600, "Europe/Berlin");
+        let sent = install_window(&[berlin], utc(2027, 1, 15, 1, 30)).expect("a window");
+        assert_eq!(
+            (sent.not_before, sent.not_after),
+            (utc(2027, 1, 15, 1, 0), utc(2027, 1, 15, 2, 0) - 1)
+        );
     }
 
     #[test]
