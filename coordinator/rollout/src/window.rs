@@ -713,6 +713,22 @@ mod tests {
     }
 
     #[test]
+    fn times_far_outside_any_rollout_do_not_break_a_window() {
+        let w = window("0 2 * * *", 3600, "Europe/Berlin");
+        for t in [0, u64::MAX, u64::MAX / 2, 1 << 40] {
+            let open = w.is_open(t);
+            assert_eq!(w.closes_at(t).is_some(), open, "{t}");
+            let _ = w.next_open(t);
+        }
+        assert_eq!(w.next_open(0), Some(3600), "1970-01-01 02:00 CET");
+        assert!(
+            utc_text(u64::MAX).starts_with("6325-"),
+            "{}",
+            utc_text(u64::MAX)
+        );
+    }
+
+    #[test]
     fn bad_input_names_the_field_and_value() {
         assert_eq!(
             err("61 * * * *", "UTC"),
