@@ -16,7 +16,7 @@ use flotilla_protocol::control::{
 };
 use flotilla_protocol::{
     envelope, ActionBody, ActionKind, DesiredAction, DeviceId, DeviceState, Message, SignedBlob,
-    SigningKey, Topics, VerifyingKey,
+    SigningKey, TimeWindow, Topics, VerifyingKey,
 };
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use std::collections::BTreeMap;
@@ -248,9 +248,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     .expect_err("unknown release");
     assert!(err.to_string().contains("no release named nope"), "{err}");
 
-    let spec = "name = \"r1\"\nrelease = \"fw-1\"\n[groups]\ncount = 1\n";
+    // A one-hour daily maintenance window that opened ten minutes ago (UTC).
+    let opened = (now() - 600) / 60 * 60;
+    let (hour, minute) = (opened / 3600 % 24, opened / 60 % 60);
+    let spec = format!(
+        "name = \"r1\"\nrelease = \"fw-1\"\n[groups]\ncount = 1\n[[window]]\ncron = \"{minute} {hour} * * *\"\nduration = \"1h\"\n"
+    );
     let created: RolloutStatus = serde_json::from_value(
-        ask(&client, Command::CreateRollout { spec: spec.into() })
+        ask(&client, Command::CreateRollout { spec })
             .await
             .expect("created"),
     )
@@ -303,10 +308,22 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     let action_id = action.action_id.clone();
     assert_eq!(action.rollout_id, "r1");
     assert_eq!(action.expires_at - action.issued_at, 3600);
-    match action.body {
-        ActionBody::Install { manifest, kind, .. } => {
-            assert_eq!(manifest, h.release_blob);
-            assert_eq!(kind, ActionKind::Forced);
+    match &action.body {
+        ActionBody::Install {
+            manifest,
+            kind,
+            window,
+        } => {
+            assert_eq!(manifest, &h.release_blob);
+            assert_eq!(kind, &ActionKind::Forced);
+            // The agent gets the maintenance window in UTC, to hold to without a zone database.
+            assert_eq!(
+                window,
+                &Some(TimeWindow {
+                    not_before: opened,
+                    not_after: opened + 3600 - 1
+                })
+            );
         }
         other => panic!("expected an install, got {other:?}"),
     }
@@ -428,6 +445,7 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
         again.action_id, action_id,
         "same action id, so the agent does not apply it twice"
     );
+    assert_eq!(again.body, action.body, "the same window too");
     shutdown.cancel();
     tokio::time::timeout(WAIT, server)
         .await

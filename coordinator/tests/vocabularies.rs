@@ -1146,6 +1146,46 @@ fn maintenance_window_nothing_starts_before_it_opens() {
 }
 
 #[test]
+fn maintenance_window_gates_retries_too() {
+    // The window is 02:00-03:00 UTC and the run starts at 02:40. dev-002 fails 10 seconds after
+    // its action arrives; its retry is due 30 minutes later, at 03:10:10, after the window
+    // closed. It goes out when the next night's window opens, 02:00 the next day.
+    let (code, report) = simulate(
+        "beyond/window-retry.toml",
+        &ten(),
+        Some("beyond/flaky.outcomes.toml"),
+        &["--start", "2027-01-15T02:40:00Z"],
+    );
+    assert_eq!(code, 2, "dev-002 fails its retry too: {}", report.0);
+    let start = report.start();
+    let sent = report.entries(" sent");
+    assert!(!sent.is_empty(), "{}", report.0);
+    for (at, message) in &sent {
+        let time_of_day = (start + at) % 86_400;
+        assert!(
+            (2 * 3600..3 * 3600).contains(&time_of_day),
+            "sent outside the 02:00-03:00 window at +{at}s: {message}"
+        );
+    }
+    let next_night = 23 * 3600 + 20 * 60;
+    assert_eq!(
+        sent,
+        [(
+            next_night,
+            "device dev-002 in group group-1: attempt 2 sent".to_owned()
+        )]
+    );
+    assert_eq!(
+        report.entries("retry waits"),
+        [(
+            30 * 60 + 10,
+            "device dev-002 in group group-1: retry waits for the maintenance window, which opens at 2027-01-16T02:00:00Z".to_owned()
+        )]
+    );
+    assert_eq!(report.phase("dev-002"), "failed");
+}
+
+#[test]
 fn soak_the_next_group_starts_only_after_the_soak_time() {
     let (code, report) = simulate("beyond/soak.toml", &ten(), None, &[]);
     assert_eq!(code, 0, "{}", report.0);

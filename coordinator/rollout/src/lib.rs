@@ -29,7 +29,8 @@
 //! - [`planner`]: spec + fleet -> [`plan::Plan`], a pure function.
 //! - [`plan`]: the compiled plan every vocabulary becomes, and its policies.
 //! - [`conditions`]: success and error conditions over a group's counts.
-//! - [`window`]: cron maintenance windows in a time zone; [`zoneinfo`]: the system's zone files
+//! - [`window`]: cron maintenance windows in a time zone (jiff's, built from TZif bytes), and
+//!   the UTC window an install carries to the agent; [`zoneinfo`]: the system's zone files
 //!   behind [`zoneinfo::ZoneSource`], the crate's only file access.
 //! - [`ramp`]: the rate ramp for starting devices.
 //! - [`duration`]: `30s`, `15m`, `12h`, `7d`.

@@ -704,63 +704,26 @@ fn time(field: &str, value: &toml::Value) -> Result<u64, SpecError> {
 }
 
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac](Z|+hh:mm|-hh:mm)` to Unix seconds (fractions dropped).
+///
+/// jiff reads the text; it accepts a superset of RFC 3339 (ISO 8601 and Temporal forms such as
+/// `20261122T020000Z`, a missing seconds field, or a `[zone]` suffix), so the RFC's shape is
+/// checked first: seconds present and the offset written as `Z` or `±hh:mm` at the end.
 pub fn rfc3339(text: &str) -> Option<u64> {
-    let b = text.trim().as_bytes();
-    let num = |from: usize, len: usize| -> Option<i64> {
-        let digits = b.get(from..from + len)?;
-        if !digits.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        std::str::from_utf8(digits).ok()?.parse().ok()
-    };
-    let sep = |at: usize, allowed: &[u8]| b.get(at).is_some_and(|c| allowed.contains(c));
-    if !(sep(4, b"-") && sep(7, b"-") && sep(10, b"Tt ") && sep(13, b":") && sep(16, b":")) {
+    let text = text.trim();
+    let b = text.as_bytes();
+    let at = |i: usize, allowed: &[u8]| b.get(i).is_some_and(|c| allowed.contains(c));
+    let shaped = at(4, b"-") && at(7, b"-") && at(10, b"Tt ") && at(13, b":") && at(16, b":");
+    let offset = matches!(b.last(), Some(b'Z' | b'z'))
+        || (b.len() >= 6 && at(b.len() - 6, b"+-") && at(b.len() - 3, b":"));
+    if !shaped || !offset || b.len() < 20 {
         return None;
     }
-    let (year, month, day) = (num(0, 4)?, num(5, 2)?, num(8, 2)?);
-    let (hour, minute, second) = (num(11, 2)?, num(14, 2)?, num(17, 2)?);
-    let mut rest = b.get(19..)?;
-    if let Some(frac) = rest.strip_prefix(b".") {
-        let digits = frac.iter().take_while(|c| c.is_ascii_digit()).count();
-        if digits == 0 {
-            return None;
-        }
-        rest = &frac[digits..];
-    }
-    let offset = match rest {
-        [b'Z' | b'z'] => 0,
-        [sign @ (b'+' | b'-'), h1, h2, b':', m1, m2] => {
-            let two = |a: u8, b: u8| -> Option<i64> {
-                (a.is_ascii_digit() && b.is_ascii_digit())
-                    .then(|| i64::from(a - b'0') * 10 + i64::from(b - b'0'))
-            };
-            let (h, m) = (two(*h1, *h2)?, two(*m1, *m2)?);
-            if h > 23 || m > 59 {
-                return None;
-            }
-            let secs = h * 3600 + m * 60;
-            if *sign == b'+' {
-                secs
-            } else {
-                -secs
-            }
-        }
-        _ => return None,
-    };
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let days_in_month = match month {
-        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
-        4 | 6 | 9 | 11 => 30,
-        2 if leap => 29,
-        2 => 28,
-        _ => return None,
-    };
-    if day < 1 || day > days_in_month || hour > 23 || minute > 59 || second > 59 {
+    let stamp: jiff::Timestamp = text.parse().ok()?;
+    if stamp.subsec_nanosecond() < 0 {
+        // Before 1970 by a fraction of a second.
         return None;
     }
-    let days = crate::window::days_from_civil(year, month as u32, day as u32);
-    let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset;
-    u64::try_from(secs).ok()
+    u64::try_from(stamp.as_second()).ok()
 }
 
 fn enumerated<T: Copy>(

@@ -12,11 +12,14 @@
 //! DST change skips open the window at the instant of the change, and local times that a DST
 //! change repeats open it only the first time, like cronie.
 //!
-//! Time zones: `UTC` is built in; any other name is asked for once, in [`Window::parse`], from a
-//! [`ZoneSource`] (the service and the CLI pass `zoneinfo::SystemZones`, which reads
-//! `$TZDIR/<name>`): the 64-bit section of a TZif v2+ file, extended with its POSIX
-//! footer rule up to [`RULE_LAST_YEAR`]. Nothing in this module does I/O; [`Window::is_open`] and
-//! [`Window::next_open`] only look at the days a window could span.
+//! Time zones are jiff's ([`jiff::tz::TimeZone`]): `UTC` is built in; any other name is asked
+//! for once, in [`Window::parse`], from a [`ZoneSource`] (the service and the CLI pass
+//! `zoneinfo::SystemZones`, which reads `$TZDIR/<name>`), and its TZif bytes become a zone with
+//! [`TimeZone::tzif`], which also follows the file's POSIX rule past its last listed
+//! transition. Nothing in this module does I/O. The cron expression is matched against local
+//! wall-clock minutes inside each stretch of time with one UTC offset (the zone's transitions
+//! bound the stretches), so [`Window::is_open`] and [`Window::next_open`] only look at the days
+//! a window could span (decision 0017 says why the cron part is our own).
 //!
 //! ```
 //! use flotilla_rollout::plan::WindowSpec;
@@ -30,33 +33,43 @@
 //! assert!(!w.is_open(1_799_064_000));
 //! ```
 
+use flotilla_protocol::TimeWindow;
+use jiff::tz::{Offset, TimeZone};
+use jiff::Timestamp;
+
 use crate::plan::WindowSpec;
 use crate::zoneinfo::ZoneSource;
 
 /// How far ahead [`Window::next_open`] looks.
 pub const LOOKAHEAD: u64 = 366 * 86_400;
 
-/// Transitions from a zone's POSIX footer rule are generated up to this year; later times keep
-/// the last offset.
-pub const RULE_LAST_YEAR: i64 = 2200;
-
 const DAY: i64 = 86_400;
-/// Lower bound of the first zone segment; far enough back for any rollout, small enough that
-/// adding offsets never overflows.
-const BEGINNING: i64 = -(1 << 50);
+/// The range of instants windows are computed in (about the years -207 to 6325): far enough
+/// for any rollout, well inside jiff's timestamp range even after adding a UTC offset, a
+/// duration or the lookahead.
+const BEGINNING: i64 = -(1 << 36);
+const END: i64 = 1 << 37;
 
 /// A validated maintenance window.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Window {
     pub spec: WindowSpec,
     cron: Cron,
-    zone: Zone,
+    zone: TimeZone,
 }
 
 /// Why a window spec was refused; the text names the field and the value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct WindowError(pub String);
+
+/// A stretch of time with one UTC offset, between two transitions of the zone.
+struct Segment {
+    start: i64,
+    end: i64,
+    offset: i64,
+    prev_offset: i64,
+}
 
 impl Window {
     /// Validates a window spec and loads its time zone. Errors read
@@ -96,7 +109,7 @@ impl Window {
                 spec.duration
             )));
         }
-        let zone = Zone::load(&spec.tz, zones)
+        let zone = load_zone(&spec.tz, zones)
             .map_err(|e| WindowError(format!("{field}.tz: {:?}: {e}", spec.tz)))?;
         Ok(Window {
             spec: spec.clone(),
@@ -107,9 +120,7 @@ impl Window {
 
     /// Whether the window is open at `unix` (seconds).
     pub fn is_open(&self, unix: u64) -> bool {
-        let t = clamp(unix);
-        let duration = clamp(self.spec.duration);
-        self.prev_start(t, t - duration + 1).is_some()
+        self.opened_at(unix).is_some()
     }
 
     /// The first time at or after `unix` when the window is open, looking at most 366 days ahead.
@@ -118,23 +129,55 @@ impl Window {
             return Some(unix);
         }
         let t = clamp(unix);
-        self.next_start(t, t + clamp(LOOKAHEAD))
+        self.next_start(t, t + LOOKAHEAD as i64)
             .and_then(|s| u64::try_from(s).ok())
     }
 
     /// When the window that is open at `unix` closes (None when it is closed at `unix`).
     pub fn closes_at(&self, unix: u64) -> Option<u64> {
+        self.opened_at(unix)
+            .map(|start| start.saturating_add(self.spec.duration))
+    }
+
+    /// When the window that is open at `unix` opened: its latest start no more than `duration`
+    /// before (None when it is closed at `unix`).
+    pub fn opened_at(&self, unix: u64) -> Option<u64> {
         let t = clamp(unix);
-        let duration = clamp(self.spec.duration);
-        let start = self.prev_start(t, t - duration + 1)?;
-        u64::try_from(start + duration).ok()
+        let duration = self.spec.duration as i64;
+        self.prev_start(t, t - duration + 1)
+            .and_then(|s| u64::try_from(s).ok())
+    }
+
+    /// The stretch of one UTC offset that contains `t`.
+    fn segment_at(&self, t: i64) -> Segment {
+        let offset_at = |t: i64| i64::from(self.zone.to_offset(instant(t)).seconds());
+        let start = self
+            .zone
+            .preceding(instant(t + 1))
+            .next()
+            .map_or(BEGINNING, |tr| tr.timestamp().as_second().max(BEGINNING));
+        let end = self
+            .zone
+            .following(instant(t))
+            .next()
+            .map_or(END, |tr| tr.timestamp().as_second().min(END));
+        let offset = offset_at(t);
+        Segment {
+            start,
+            end,
+            offset,
+            prev_offset: if start > BEGINNING {
+                offset_at(start - 1)
+            } else {
+                offset
+            },
+        }
     }
 
     /// The latest window start in `[lo, t]` (UTC seconds), walking the zone's segments back.
     fn prev_start(&self, t: i64, lo: i64) -> Option<i64> {
-        let mut k = self.zone.segment_of(t);
+        let mut seg = self.segment_at(t);
         loop {
-            let seg = self.zone.segment(k);
             let hi_utc = t.min(seg.end - 1);
             let lo_utc = lo.max(seg.start);
             if lo_utc <= hi_utc {
@@ -150,18 +193,17 @@ impl Window {
                     return Some(seg.start);
                 }
             }
-            if k == 0 || seg.start <= lo {
+            if seg.start <= BEGINNING || seg.start <= lo {
                 return None;
             }
-            k -= 1;
+            seg = self.segment_at(seg.start - 1);
         }
     }
 
     /// The earliest window start in `[t, hi]` (UTC seconds), walking the zone's segments forward.
     fn next_start(&self, t: i64, hi: i64) -> Option<i64> {
-        let mut k = self.zone.segment_of(t);
+        let mut seg = self.segment_at(t);
         loop {
-            let seg = self.zone.segment(k);
             let hi_utc = hi.min(seg.end - 1);
             let lo_utc = t.max(seg.start);
             if lo_utc <= hi_utc {
@@ -176,10 +218,10 @@ impl Window {
                     return Some(local - seg.offset);
                 }
             }
-            if k + 1 >= self.zone.segments() || seg.end > hi {
+            if seg.end >= END || seg.end > hi {
                 return None;
             }
-            k += 1;
+            seg = self.segment_at(seg.end);
         }
     }
 
@@ -193,8 +235,58 @@ impl Window {
     }
 }
 
+/// The time window an install action started at `at` carries to the agent (docs/protocol.md):
+/// from the opening of the maintenance windows open at `at` to the last second before the latest
+/// of them closes, in absolute UTC, so the agent can hold to it without a time zone database.
+/// When none is open at `at` (an action sent before windows gated retries), the next opening's.
+/// None without windows, or when none opens within [`LOOKAHEAD`].
+pub fn install_window(windows: &[Window], at: u64) -> Option<TimeWindow> {
+    let open_at = |t: u64| {
+        windows
+            .iter()
+            .filter_map(|w| Some((w.opened_at(t)?, w.closes_at(t)?)))
+            .reduce(|(s1, c1), (s2, c2)| (s1.min(s2), c1.max(c2)))
+    };
+    let (opened, closes) = open_at(at).or_else(|| {
+        let next = windows.iter().filter_map(|w| w.next_open(at)).min()?;
+        open_at(next)
+    })?;
+    Some(TimeWindow {
+        not_before: opened,
+        not_after: closes.saturating_sub(1),
+    })
+}
+
+/// The zone `name`: `UTC` built in, any other plain IANA name from `zones` as TZif bytes.
+fn load_zone(name: &str, zones: &dyn ZoneSource) -> Result<TimeZone, String> {
+    if name == "UTC" {
+        return Ok(TimeZone::UTC);
+    }
+    if name.is_empty()
+        || name.starts_with('/')
+        || name
+            .split('/')
+            .any(|p| p == ".." || p == "." || p.is_empty())
+    {
+        return Err("not a time zone name like Europe/Berlin or UTC".into());
+    }
+    let bytes = zones.tzif(name)?;
+    TimeZone::tzif(name, &bytes).map_err(|e| format!("{name} is not a usable TZif file: {e}"))
+}
+
+/// Unix seconds as a window computes with them: at most [`END`].
 fn clamp(v: u64) -> i64 {
-    i64::try_from(v.min(1 << 50)).unwrap_or(1 << 50)
+    i64::try_from(v).map_or(END, |v| v.min(END))
+}
+
+/// The instant `t` (Unix seconds), kept inside jiff's range.
+fn instant(t: i64) -> Timestamp {
+    Timestamp::from_second(t.clamp(BEGINNING, END)).unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// A Unix time as an RFC 3339 UTC text an operator can read: `2027-01-15T20:00:00Z`.
+pub fn utc_text(unix: u64) -> String {
+    instant(clamp(unix)).to_string()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,12 +360,14 @@ impl Cron {
         })
     }
 
+    /// Whether the local calendar day `day` (days since 1970-01-01) matches.
     fn day_matches(&self, day: i64) -> bool {
-        let (_, m, d) = civil_from_days(day);
+        let date = Offset::UTC.to_datetime(instant(day * DAY)).date();
+        let (m, d) = (date.month(), date.day());
         if self.months & (1 << m) == 0 {
             return false;
         }
-        let wd = (day + 4).rem_euclid(7);
+        let wd = date.weekday().to_sunday_zero_offset();
         let dom_ok = self.dom & (1 << d) != 0;
         let dow_ok = self.dow & (1 << wd) != 0;
         if self.days_or {
@@ -437,365 +531,6 @@ fn value(
     Ok(v)
 }
 
-// ---------------------------------------------------------------------------------------------
-// Calendar
-
-/// A Unix time as an RFC 3339 UTC text an operator can read: `2027-01-15T20:00:00Z`.
-pub fn utc_text(unix: u64) -> String {
-    let secs = unix as i64;
-    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
-    let t = secs.rem_euclid(86_400);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        t / 3600,
-        t / 60 % 60,
-        t % 60
-    )
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
-pub(crate) fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let m = i64::from(m);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-/// (year, month 1..=12, day 1..=31) of a day count since 1970-01-01.
-pub(crate) fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
-fn is_leap(y: i64) -> bool {
-    (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
-}
-
-// ---------------------------------------------------------------------------------------------
-// Time zones
-
-/// UTC offsets over time: `offsets[i]` applies from `times[i]` on, `initial` before `times[0]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Zone {
-    initial: i64,
-    times: Vec<i64>,
-    offsets: Vec<i64>,
-}
-
-/// A stretch of time with one UTC offset.
-struct Segment {
-    start: i64,
-    end: i64,
-    offset: i64,
-    prev_offset: i64,
-}
-
-impl Zone {
-    fn utc() -> Zone {
-        Zone {
-            initial: 0,
-            times: Vec::new(),
-            offsets: Vec::new(),
-        }
-    }
-
-    fn load(name: &str, zones: &dyn ZoneSource) -> Result<Zone, String> {
-        if name == "UTC" {
-            return Ok(Zone::utc());
-        }
-        if name.is_empty()
-            || name.starts_with('/')
-            || name
-                .split('/')
-                .any(|p| p == ".." || p == "." || p.is_empty())
-        {
-            return Err("not a time zone name like Europe/Berlin or UTC".into());
-        }
-        let bytes = zones.tzif(name)?;
-        parse_tzif(&bytes).map_err(|e| format!("{name} is not a usable TZif file: {e}"))
-    }
-
-    fn segments(&self) -> usize {
-        self.times.len() + 1
-    }
-
-    /// Index of the segment containing `t`.
-    fn segment_of(&self, t: i64) -> usize {
-        self.times.partition_point(|&x| x <= t)
-    }
-
-    fn segment(&self, k: usize) -> Segment {
-        let offset_of = |k: usize| {
-            if k == 0 {
-                self.initial
-            } else {
-                self.offsets[k - 1]
-            }
-        };
-        Segment {
-            start: if k == 0 { BEGINNING } else { self.times[k - 1] },
-            end: self.times.get(k).copied().unwrap_or(-BEGINNING),
-            offset: offset_of(k),
-            prev_offset: offset_of(k.saturating_sub(1)),
-        }
-    }
-}
-
-/// Reads the 64-bit section of a TZif v2+ file and extends it with the footer rule.
-fn parse_tzif(b: &[u8]) -> Result<Zone, String> {
-    struct Header {
-        isut: usize,
-        isstd: usize,
-        leap: usize,
-        time: usize,
-        types: usize,
-        chars: usize,
-    }
-    let header = |at: usize| -> Result<Header, String> {
-        let h = b.get(at..at + 44).ok_or("file is truncated")?;
-        if &h[..4] != b"TZif" {
-            return Err("missing TZif magic".into());
-        }
-        let n = |i: usize| {
-            u32::from_be_bytes([h[20 + 4 * i], h[21 + 4 * i], h[22 + 4 * i], h[23 + 4 * i]])
-                as usize
-        };
-        Ok(Header {
-            isut: n(0),
-            isstd: n(1),
-            leap: n(2),
-            time: n(3),
-            types: n(4),
-            chars: n(5),
-        })
-    };
-    let v1 = header(0)?;
-    if b[4] < b'2' {
-        return Err("version 1 files have no 64-bit data; install a current tzdata".into());
-    }
-    let v1_len = v1.time * 5 + v1.types * 6 + v1.chars + v1.leap * 8 + v1.isstd + v1.isut;
-    let at = 44 + v1_len;
-    let h = header(at)?;
-    let data = at + 44;
-    let len = h.time * 9 + h.types * 6 + h.chars + h.leap * 12 + h.isstd + h.isut;
-    let body = b.get(data..data + len).ok_or("file is truncated")?;
-    if h.types == 0 {
-        return Err("no local time types".into());
-    }
-    let times: Vec<i64> = (0..h.time)
-        .map(|i| {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&body[i * 8..i * 8 + 8]);
-            i64::from_be_bytes(x)
-        })
-        .collect();
-    let idx = &body[h.time * 8..h.time * 9];
-    let types = &body[h.time * 9..h.time * 9 + h.types * 6];
-    let utoff = |t: usize| -> Result<i64, String> {
-        let s = types
-            .get(t * 6..t * 6 + 4)
-            .ok_or("bad local time type index")?;
-        Ok(i64::from(i32::from_be_bytes([s[0], s[1], s[2], s[3]])))
-    };
-    let mut zone = Zone {
-        initial: utoff(0)?,
-        times: Vec::new(),
-        offsets: Vec::new(),
-    };
-    let mut last = zone.initial;
-    for (i, &t) in times.iter().enumerate() {
-        let off = utoff(usize::from(idx[i]))?;
-        if off != last && t > BEGINNING {
-            zone.times.push(t);
-            zone.offsets.push(off);
-            last = off;
-        }
-    }
-    let footer = &b[data + len..];
-    let footer = std::str::from_utf8(footer).unwrap_or("").trim_matches('\n');
-    if !footer.is_empty() {
-        let rule = PosixTz::parse(footer)
-            .ok_or_else(|| format!("footer rule {footer:?} is not understood"))?;
-        rule.extend(&mut zone);
-    }
-    Ok(zone)
-}
-
-/// A POSIX TZ rule such as `CET-1CEST,M3.5.0,M10.5.0/3`.
-struct PosixTz {
-    std: i64,
-    dst: Option<(i64, RuleDate, i64, RuleDate, i64)>,
-}
-
-#[derive(Clone, Copy)]
-enum RuleDate {
-    /// `Jn`: day 1..=365, February 29 never counted.
-    Julian(i64),
-    /// `n`: day 0..=365, counting February 29.
-    Zero(i64),
-    /// `Mm.w.d`: weekday d of week w (5 = last) of month m.
-    Month(u32, u32, u32),
-}
-
-impl PosixTz {
-    fn parse(s: &str) -> Option<PosixTz> {
-        let mut p = s;
-        skip_name(&mut p)?;
-        let std = -offset(&mut p)?;
-        if p.is_empty() {
-            return Some(PosixTz { std, dst: None });
-        }
-        skip_name(&mut p)?;
-        let dst = if p.starts_with(',') {
-            std + 3600
-        } else {
-            -offset(&mut p)?
-        };
-        let mut rule = || -> Option<(RuleDate, i64)> {
-            p = p.strip_prefix(',')?;
-            let date = if let Some(r) = p.strip_prefix('M') {
-                p = r;
-                let m = number(&mut p)?;
-                p = p.strip_prefix('.')?;
-                let w = number(&mut p)?;
-                p = p.strip_prefix('.')?;
-                let d = number(&mut p)?;
-                if !(1..=12).contains(&m) || !(1..=5).contains(&w) || d > 6 {
-                    return None;
-                }
-                RuleDate::Month(m as u32, w as u32, d as u32)
-            } else if let Some(r) = p.strip_prefix('J') {
-                p = r;
-                RuleDate::Julian(number(&mut p)?)
-            } else {
-                RuleDate::Zero(number(&mut p)?)
-            };
-            let time = if let Some(r) = p.strip_prefix('/') {
-                p = r;
-                offset(&mut p)?
-            } else {
-                7200
-            };
-            Some((date, time))
-        };
-        let (start, start_time) = rule()?;
-        let (end, end_time) = rule()?;
-        if !p.is_empty() {
-            return None;
-        }
-        Some(PosixTz {
-            std,
-            dst: Some((dst, start, start_time, end, end_time)),
-        })
-    }
-
-    /// Appends the rule's transitions after the zone's last explicit one.
-    fn extend(&self, zone: &mut Zone) {
-        let Some((dst, start, start_time, end, end_time)) = self.dst else {
-            return;
-        };
-        let last = zone.times.last().copied();
-        let first_year = last.map_or(1970, |t| civil_from_days(t.div_euclid(DAY)).0);
-        let mut current = zone.offsets.last().copied().unwrap_or(zone.initial);
-        for year in first_year..=RULE_LAST_YEAR {
-            // The start is written in standard time, the end in daylight time.
-            let on = rule_day(start, year) * DAY + start_time - self.std;
-            let off = rule_day(end, year) * DAY + end_time - dst;
-            let mut pair = [(on, dst), (off, self.std)];
-            pair.sort();
-            for (t, o) in pair {
-                if last.is_some_and(|l| t <= l) || o == current {
-                    continue;
-                }
-                zone.times.push(t);
-                zone.offsets.push(o);
-                current = o;
-            }
-        }
-    }
-}
-
-/// Days since 1970-01-01 of a rule date in `year`.
-fn rule_day(date: RuleDate, year: i64) -> i64 {
-    let jan1 = days_from_civil(year, 1, 1);
-    match date {
-        RuleDate::Julian(n) => {
-            let n = n.clamp(1, 365);
-            jan1 + n - 1 + i64::from(is_leap(year) && n >= 60)
-        }
-        RuleDate::Zero(n) => jan1 + n,
-        RuleDate::Month(m, w, d) => {
-            let first = days_from_civil(year, m, 1);
-            let wd_first = (first + 4).rem_euclid(7);
-            let mut day = first + (i64::from(d) - wd_first).rem_euclid(7) + 7 * (i64::from(w) - 1);
-            let next_month = if m == 12 {
-                days_from_civil(year + 1, 1, 1)
-            } else {
-                days_from_civil(year, m + 1, 1)
-            };
-            while day >= next_month {
-                day -= 7;
-            }
-            day
-        }
-    }
-}
-
-fn skip_name(p: &mut &str) -> Option<()> {
-    if let Some(r) = p.strip_prefix('<') {
-        let close = r.find('>')?;
-        *p = &r[close + 1..];
-    } else {
-        let n = p
-            .find(|c: char| !c.is_ascii_alphabetic())
-            .unwrap_or(p.len());
-        if n < 3 {
-            return None;
-        }
-        *p = &p[n..];
-    }
-    Some(())
-}
-
-fn number(p: &mut &str) -> Option<i64> {
-    let n = p.find(|c: char| !c.is_ascii_digit()).unwrap_or(p.len());
-    let v = p[..n].parse().ok()?;
-    *p = &p[n..];
-    Some(v)
-}
-
-/// `[+-]hh[:mm[:ss]]` in seconds, as written (POSIX offsets are positive west of Greenwich).
-fn offset(p: &mut &str) -> Option<i64> {
-    let sign = if let Some(r) = p.strip_prefix('-') {
-        *p = r;
-        -1
-    } else {
-        *p = p.strip_prefix('+').unwrap_or(p);
-        1
-    };
-    let mut secs = number(p)? * 3600;
-    for scale in [60, 1] {
-        match p.strip_prefix(':') {
-            Some(r) => {
-                *p = r;
-                secs += number(p)? * scale;
-            }
-            None => break,
-        }
-    }
-    Some(sign * secs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -827,18 +562,22 @@ mod tests {
     }
 
     /// Unix seconds of a UTC wall-clock time.
-    fn utc(y: i64, mo: u32, d: u32, h: i64, mi: i64) -> u64 {
-        u64::try_from(days_from_civil(y, mo, d) * DAY + h * 3600 + mi * 60).expect("after 1970")
+    fn utc(y: i16, mo: i8, d: i8, h: i8, mi: i8) -> u64 {
+        let at = jiff::civil::date(y, mo, d)
+            .at(h, mi, 0, 0)
+            .to_zoned(TimeZone::UTC)
+            .expect("a valid time");
+        u64::try_from(at.timestamp().as_second()).expect("after 1970")
     }
 
     #[test]
-    fn calendar_round_trips() {
-        for day in [-1000, 0, 10_957, 19_000, 20_000, 60_000] {
-            let (y, m, d) = civil_from_days(day);
-            assert_eq!(days_from_civil(y, m, d), day);
-        }
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(days_from_civil(2024, 2, 29), 19_782);
+    fn utc_text_is_rfc3339() {
+        assert_eq!(utc_text(0), "1970-01-01T00:00:00Z");
+        assert_eq!(
+            utc_text(utc(2024, 2, 29, 23, 59) + 59),
+            "2024-02-29T23:59:59Z"
+        );
+        assert_eq!(utc_text(1_799_103_600), "2027-01-04T23:00:00Z");
     }
 
     #[test]
@@ -944,6 +683,52 @@ mod tests {
     }
 
     #[test]
+    fn install_window_is_the_open_window_in_utc() {
+        let nightly = window("0 2 * * *", 3600, "UTC");
+        let at = utc(2027, 1, 15, 2, 40);
+        let sent = install_window(std::slice::from_ref(&nightly), at).expect("a window");
+        assert_eq!(sent.not_before, utc(2027, 1, 15, 2, 0));
+        assert_eq!(
+            sent.not_after,
+            utc(2027, 1, 15, 3, 0) - 1,
+            "its last second"
+        );
+        // Sent while closed, the action carries the next night's window.
+        let closed = install_window(std::slice::from_ref(&nightly), utc(2027, 1, 15, 3, 10))
+            .expect("a window");
+        assert_eq!(closed.not_before, utc(2027, 1, 16, 2, 0));
+        // Two windows open at once: from the earlier opening to the later close.
+        let evening = window("30 1 * * *", 2 * 3600, "UTC");
+        let both = install_window(&[nightly, evening], at).expect("a window");
+        assert_eq!(both.not_before, utc(2027, 1, 15, 1, 30));
+        assert_eq!(both.not_after, utc(2027, 1, 15, 3, 30) - 1);
+        assert_eq!(install_window(&[], at), None, "no windows, no limit");
+        // A Berlin window, sent as UTC: 02:00-03:00 CET is 01:00-02:00 UTC.
+        let berlin = window("0 2 * * *", 3600, "Europe/Berlin");
+        let sent = install_window(&[berlin], utc(2027, 1, 15, 1, 30)).expect("a window");
+        assert_eq!(
+            (sent.not_before, sent.not_after),
+            (utc(2027, 1, 15, 1, 0), utc(2027, 1, 15, 2, 0) - 1)
+        );
+    }
+
+    #[test]
+    fn times_far_outside_any_rollout_do_not_break_a_window() {
+        let w = window("0 2 * * *", 3600, "Europe/Berlin");
+        for t in [0, u64::MAX, u64::MAX / 2, 1 << 40] {
+            let open = w.is_open(t);
+            assert_eq!(w.closes_at(t).is_some(), open, "{t}");
+            let _ = w.next_open(t);
+        }
+        assert_eq!(w.next_open(0), Some(3600), "1970-01-01 02:00 CET");
+        assert!(
+            utc_text(u64::MAX).starts_with("6325-"),
+            "{}",
+            utc_text(u64::MAX)
+        );
+    }
+
+    #[test]
     fn bad_input_names_the_field_and_value() {
         assert_eq!(
             err("61 * * * *", "UTC"),
@@ -977,19 +762,68 @@ mod tests {
         assert!(zero.to_string().starts_with("window.duration: 0"), "{zero}");
     }
 
+    /// Zone files from memory: what a test or another caller may hand in instead of the disk.
+    struct Bytes(Vec<u8>);
+
+    impl ZoneSource for Bytes {
+        fn tzif(&self, _name: &str) -> Result<Vec<u8>, String> {
+            Ok(self.0.clone())
+        }
+    }
+
     #[test]
     fn footer_rules() {
-        let tz = PosixTz::parse("EST5EDT,M3.2.0,M11.1.0").expect("parses");
-        assert_eq!(tz.std, -5 * 3600);
-        let mut zone = Zone::utc();
-        zone.initial = -5 * 3600;
-        tz.extend(&mut zone);
-        // 2027-03-14 02:00 EST = 07:00 UTC.
-        assert!(zone
-            .times
-            .contains(&(days_from_civil(2027, 3, 14) * DAY + 7 * 3600)));
-        assert!(PosixTz::parse("<+03>-3").is_some_and(|t| t.std == 3 * 3600 && t.dst.is_none()));
-        assert!(PosixTz::parse("<-03>3<-02>,M3.5.0/-2,M10.5.0/-1").is_some());
-        assert!(PosixTz::parse("garbage,").is_none());
+        // New York's file lists transitions up to 2037; later ones come from its POSIX rule
+        // (EST5EDT,M3.2.0,M11.1.0). 02:00 local on the second Sunday of March is skipped, so a
+        // 02:00 window opens at the change, 02:00 EST = 07:00 UTC; in July it is 02:00 EDT.
+        let w = window("0 2 * * *", 3600, "America/New_York");
+        assert_eq!(
+            w.next_open(utc(2027, 3, 13, 12, 0)),
+            Some(utc(2027, 3, 14, 7, 0))
+        );
+        assert_eq!(
+            w.next_open(utc(2090, 3, 11, 12, 0)),
+            Some(utc(2090, 3, 12, 7, 0)),
+            "the second Sunday of March 2090, from the footer rule"
+        );
+        assert!(w.is_open(utc(2090, 7, 1, 6, 30)));
+        assert!(!w.is_open(utc(2090, 7, 1, 7, 30)));
+        assert_eq!(
+            w.opened_at(utc(2090, 7, 1, 6, 30)),
+            Some(utc(2090, 7, 1, 6, 0))
+        );
+        assert_eq!(
+            w.closes_at(utc(2090, 7, 1, 6, 30)),
+            Some(utc(2090, 7, 1, 7, 0))
+        );
+    }
+
+    #[test]
+    fn zone_bytes_that_are_not_tzif_are_refused() {
+        let spec = WindowSpec {
+            cron: "0 2 * * *".into(),
+            duration: 3600,
+            tz: "Europe/Nowhere".into(),
+        };
+        for bytes in [b"TZif2 but truncated".to_vec(), vec![0u8; 64], Vec::new()] {
+            let err = Window::parse(&spec, &Bytes(bytes)).expect_err("not a zone");
+            assert!(
+                err.to_string().starts_with(
+                    "window.tz: \"Europe/Nowhere\": Europe/Nowhere is not a usable TZif file"
+                ),
+                "{err}"
+            );
+        }
+        // The system's own file, handed in as bytes, is the same zone as the system's.
+        let berlin = std::fs::read("/usr/share/zoneinfo/Europe/Berlin").expect("tzdata");
+        let from_bytes = Window::parse(
+            &WindowSpec {
+                tz: "Europe/Berlin".into(),
+                ..spec
+            },
+            &Bytes(berlin),
+        )
+        .expect("a zone");
+        assert_eq!(from_bytes, window("0 2 * * *", 3600, "Europe/Berlin"));
     }
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 pub trait ZoneSource {
     /// The TZif bytes of the zone `name`, a plain IANA name like `Europe/Berlin` (never `UTC`,
     /// never a path: `Window::parse` refuses those before asking), or why there are none.
+    /// `jiff::tz::TimeZone::tzif` reads them, and refuses bytes that are not a TZif file.
     fn tzif(&self, name: &str) -> Result<Vec<u8>, String>;
 }
 

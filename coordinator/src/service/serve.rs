@@ -1052,10 +1052,13 @@ impl Service {
                     let Some(manifest) = self.manifest(&release) else {
                         continue;
                     };
+                    // The maintenance window the attempt was sent in, in UTC: the agent holds
+                    // to it too, so an action it receives late waits for its window.
+                    let window = self.engine.install_window(&rollout, &device);
                     let body = ActionBody::Install {
                         manifest,
                         kind: action_kind(action),
-                        window: None,
+                        window,
                     };
                     self.publish_action(&device, action_id, rollout, body)
                         .await?;

@@ -17,7 +17,7 @@ use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
-use crate::window::{utc_text, Window};
+use crate::window::{utc_text, Window, LOOKAHEAD};
 
 /// What the engine knows about devices, as the rollout logic needs it.
 pub(crate) struct Ctx<'a> {
@@ -523,6 +523,36 @@ impl Rollout {
         );
     }
 
+    /// Moves a retry that is due while the maintenance windows are closed to the next opening
+    /// (or a lookahead later when none opens within it, to look again then).
+    fn defer_retry(
+        &mut self,
+        gi: usize,
+        device: &str,
+        now: u64,
+        windows: &[Window],
+        out: &mut Out,
+    ) {
+        let opens = windows.iter().filter_map(|w| w.next_open(now)).min();
+        let group = &mut self.groups[gi];
+        let gname = group.name.clone();
+        let Some(slot) = group.slots.get_mut(device) else {
+            return;
+        };
+        slot.retry_at = Some(opens.unwrap_or(now + LOOKAHEAD));
+        let when = match opens {
+            Some(at) => format!("which opens at {}", utc_text(at)),
+            None => "none of which opens within 366 days".to_owned(),
+        };
+        self.record(
+            now,
+            format!(
+                "device {device} in group {gname}: retry waits for the maintenance window, {when}"
+            ),
+            out,
+        );
+    }
+
     /// Applies the group's error condition; true when it fired (the caller stops advancing).
     fn check_error(&mut self, gi: usize, now: u64, out: &mut Out) -> bool {
         let group = &self.groups[gi];
@@ -884,7 +914,13 @@ impl Rollout {
                 changed = true;
             }
             for device in retry {
-                self.retry_device(gi, &device, now, out);
+                // Maintenance windows gate every start, a retry too: one due while they are
+                // closed moves to the next opening.
+                if !ctx.windows.is_empty() && !ctx.windows.iter().any(|w| w.is_open(now)) {
+                    self.defer_retry(gi, &device, now, ctx.windows, out);
+                } else {
+                    self.retry_device(gi, &device, now, out);
+                }
                 changed = true;
             }
             for (device, reason) in timed_out {

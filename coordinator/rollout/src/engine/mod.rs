@@ -34,7 +34,7 @@ use std::fmt;
 use flotilla_protocol::control::{
     ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus,
 };
-use flotilla_protocol::{DeviceState, Phase, Report};
+use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
 use crate::conditions::GroupCounts;
 use crate::plan::{ActionType, Gate, Pace, SuccessCondition};
@@ -1310,6 +1310,22 @@ impl Engine {
     /// Replaces the named device groups (`flotilla group`) that specs may refer to.
     pub fn set_device_groups(&mut self, groups: Vec<DeviceGroup>) {
         self.device_groups = groups;
+    }
+
+    /// The time window the current attempt of `device` in `rollout` carries to the agent: the
+    /// maintenance window it was sent in, in UTC (`window::install_window`). None when the
+    /// rollout has no windows or the device has no attempt.
+    pub fn install_window(&self, rollout: &str, device: &str) -> Option<TimeWindow> {
+        let entry = self.rollouts.get(rollout)?;
+        let gi = *entry.index.get(device)?;
+        let at = entry
+            .rollout
+            .groups
+            .get(gi)?
+            .slots
+            .get(device)?
+            .attempt_at?;
+        crate::window::install_window(&entry.windows, at)
     }
 
     pub fn rollout(&self, name: &str) -> Option<&Rollout> {

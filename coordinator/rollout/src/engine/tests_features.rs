@@ -805,3 +805,49 @@ fn staged_runs_over_the_same_devices_need_identical_strategies() {
         "{err}"
     );
 }
+
+#[test]
+fn retries_wait_for_the_maintenance_window_and_actions_carry_it() {
+    // T0 is 2027-01-15 08:00 UTC; the window is 08:00-09:00 UTC every day.
+    let mut b = Bench::new(1);
+    b.create("r", vec![group("g", ids(0..1))], |p| {
+        p.windows = vec![crate::plan::WindowSpec {
+            cron: "0 8 * * *".into(),
+            duration: 3600,
+            tz: "UTC".into(),
+        }];
+        p.retry = Some(Retry {
+            attempts: 1,
+            backoff: 50 * 60,
+        });
+    });
+    b.start("r");
+    assert_eq!(b.sent, ["d000"]);
+    let first = b.engine.install_window("r", "d000").expect("a window");
+    assert_eq!((first.not_before, first.not_after), (T0, T0 + 3599));
+
+    // Fails at 08:40; its retry is due at 09:30, when the window is closed.
+    b.at(40 * 60);
+    b.fail("d000");
+    b.at(90 * 60);
+    assert_eq!(b.sent.len(), 1, "no retry outside the window");
+    assert!(
+        b.has_trace(
+            "r",
+            "device d000 in group g: retry waits for the maintenance window, which opens at 2027-01-16T08:00:00Z"
+        ),
+        "{:?}",
+        b.trace("r")
+    );
+    assert_eq!(b.engine.next_timer(), Some(T0 + 86_400));
+
+    b.at(86_400 - 1);
+    assert_eq!(b.sent.len(), 1);
+    b.at(86_400);
+    assert_eq!(b.sent.len(), 2, "the retry goes out when the window opens");
+    let retry = b.engine.install_window("r", "d000").expect("a window");
+    assert_eq!(
+        (retry.not_before, retry.not_after),
+        (T0 + 86_400, T0 + 86_400 + 3599)
+    );
+}
