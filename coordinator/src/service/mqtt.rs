@@ -1,9 +1,14 @@
 //! The MQTT link: the one place that owns a rumqttc event loop.
 //!
-//! The poll loop does nothing but forward. Incoming publishes and connection changes go out as
-//! [`LinkEvent`]s on a tokio channel; outgoing publishes go in through clones of the
-//! `rumqttc::AsyncClient`. Nothing in the loop awaits the client (the request channel could be
-//! full, and the loop is what drains it), so subscriptions are sent from a spawned task.
+//! The poll loop does nothing but forward. Incoming publishes and connection changes go into an
+//! [`Inbox`]; outgoing publishes go in through clones of the `rumqttc::AsyncClient`. Nothing in
+//! the loop awaits the client (the request channel could be full, and the loop is what drains
+//! it), so subscriptions are sent from a spawned task; and the loop never waits on the inbox
+//! either, so an owner blocked on a full request channel cannot stop the loop that empties it.
+//!
+//! The inbox is bounded by bytes ([`INBOX_BYTES`]): publishes beyond it are dropped and counted
+//! (a flood, or an owner far behind), never a reason to block. Connection events are never
+//! dropped; they are a few bytes each and at most a few per second.
 //!
 //! Sessions are clean (state is level-triggered through retained messages, ADR 0002), so the
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
@@ -17,13 +22,19 @@ use std::time::Duration;
 use flotilla_mqtt::Connection;
 use flotilla_protocol::{BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT};
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
-use tokio::sync::mpsc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// Queued outgoing requests the client can hold before `publish().await` waits. Large, because
 /// a reissue after a reconnect queues one retained desired action per device in flight.
 pub const REQUEST_CAPACITY: usize = 10_000;
+
+/// Bytes of incoming payloads the inbox holds before it drops publishes: room for the retained
+/// states of a large fleet arriving at once after a restart.
+pub const INBOX_BYTES: usize = 128 * 1024 * 1024;
 
 const BACKOFF_START: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -81,11 +92,10 @@ impl LinkOptions {
 #[derive(Debug)]
 pub struct MqttLink {
     pub client: AsyncClient,
-    /// Unbounded on purpose: if the poll loop could block on a full event channel while its
-    /// owner awaits `publish` on a full request channel, the two would wait on each other
-    /// forever (a reissue to a large fleet during a burst of reconnecting devices does exactly
-    /// that). Incoming traffic is bounded by the fleet's size, not by time.
-    pub events: mpsc::UnboundedReceiver<LinkEvent>,
+    /// What arrived, in order. Bounded by bytes and never waited on by the poll loop: if the
+    /// loop could block on a full inbox while its owner awaits `publish` on a full request
+    /// channel, the two would wait on each other forever.
+    pub events: Events,
     pub task: JoinHandle<()>,
     pub client_id: String,
 }
@@ -113,7 +123,8 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     mqtt.set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
     let (client, eventloop) = AsyncClient::new(mqtt, REQUEST_CAPACITY);
-    let (tx, events) = mpsc::unbounded_channel();
+    let tx = Inbox::new(INBOX_BYTES);
+    let events = Events { inbox: tx.clone() };
     let client_id = options.client_id.clone();
     let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
     MqttLink {
@@ -128,7 +139,7 @@ async fn run(
     options: LinkOptions,
     client: AsyncClient,
     mut eventloop: EventLoop,
-    tx: mpsc::UnboundedSender<LinkEvent>,
+    tx: Inbox,
     shutdown: CancellationToken,
 ) {
     let addr = options.connection.describe();
@@ -157,7 +168,7 @@ async fn run(
             Err(e) => {
                 let reason = e.to_string();
                 tracing::warn!(broker = %addr, error = %reason, retry_in = ?backoff, "MQTT connection lost");
-                if tx.send(LinkEvent::Disconnected { reason }).is_err() {
+                if tx.push(LinkEvent::Disconnected { reason }).is_err() {
                     break;
                 }
                 tokio::select! {
@@ -169,14 +180,150 @@ async fn run(
             }
         };
         if let Some(event) = forward {
-            if tx.send(event).is_err() {
+            if tx.push(event).is_err() {
                 break;
             }
         }
     }
+    tx.close();
     // Best effort: tell the broker we are leaving so it does not wait out the keep alive.
     let _ = client.try_disconnect();
     let _ = tokio::time::timeout(Duration::from_millis(500), eventloop.poll()).await;
+}
+
+/// The link's side of the owner's queue: shared, bounded by payload bytes, and never waited on
+/// by the poll loop. The owner takes events with [`Inbox::recv`].
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    shared: Arc<InboxShared>,
+}
+
+#[derive(Debug)]
+struct InboxShared {
+    state: Mutex<InboxState>,
+    ready: Notify,
+    limit: usize,
+}
+
+#[derive(Debug, Default)]
+struct InboxState {
+    queue: VecDeque<LinkEvent>,
+    bytes: usize,
+    dropped: u64,
+    dropped_logged: Option<std::time::Instant>,
+    /// The poll loop has stopped; nothing more will come.
+    closed: bool,
+    /// The owner is gone; the poll loop should stop.
+    abandoned: bool,
+}
+
+/// The owner dropped its inbox.
+#[derive(Debug)]
+pub struct Abandoned;
+
+impl Inbox {
+    pub fn new(limit: usize) -> Inbox {
+        Inbox {
+            shared: Arc::new(InboxShared {
+                state: Mutex::new(InboxState::default()),
+                ready: Notify::new(),
+                limit,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboxState> {
+        // Nothing panics while holding the lock; a poisoned one still holds consistent data.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues an event without waiting. A publish that would take the inbox past its limit is
+    /// dropped and counted (one log line a minute at most); other events always go in.
+    pub fn push(&self, event: LinkEvent) -> Result<(), Abandoned> {
+        let mut state = self.lock();
+        if state.abandoned {
+            return Err(Abandoned);
+        }
+        let size = match &event {
+            LinkEvent::Publish { payload, topic } => payload.len() + topic.len(),
+            _ => 0,
+        };
+        if size > 0 && state.bytes + size > self.shared.limit {
+            state.dropped += 1;
+            let now = std::time::Instant::now();
+            if state
+                .dropped_logged
+                .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60))
+            {
+                state.dropped_logged = Some(now);
+                tracing::warn!(dropped_total = state.dropped, limit_bytes = self.shared.limit,
+                    "incoming messages dropped: the coordinator is behind (next such line in a minute at the earliest)");
+            }
+            return Ok(());
+        }
+        state.bytes += size;
+        state.queue.push_back(event);
+        drop(state);
+        self.shared.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next event; `None` once the link has stopped and everything was taken.
+    pub async fn recv(&mut self) -> Option<LinkEvent> {
+        loop {
+            {
+                let mut state = self.lock();
+                if let Some(event) = state.queue.pop_front() {
+                    if let LinkEvent::Publish { payload, topic } = &event {
+                        state.bytes -= payload.len() + topic.len();
+                    }
+                    return Some(event);
+                }
+                if state.closed {
+                    return None;
+                }
+            }
+            self.shared.ready.notified().await;
+        }
+    }
+
+    /// Publishes dropped because the inbox was full, so far.
+    pub fn dropped(&self) -> u64 {
+        self.lock().dropped
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.shared.ready.notify_one();
+    }
+}
+
+/// The owner's end of the [`Inbox`]: dropping it stops the poll loop at its next event
+/// instead of leaving it to fill an inbox nobody reads.
+#[derive(Debug)]
+pub struct Events {
+    inbox: Inbox,
+}
+
+impl Events {
+    /// The next event; `None` once the link has stopped and everything was taken.
+    pub async fn recv(&mut self) -> Option<LinkEvent> {
+        self.inbox.recv().await
+    }
+
+    /// Publishes dropped because the inbox was full, so far.
+    pub fn dropped(&self) -> u64 {
+        self.inbox.dropped()
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.inbox.lock().abandoned = true;
+    }
 }
 
 fn subscribe(client: &AsyncClient, filters: &[String]) {
@@ -236,6 +383,39 @@ mod tests {
             .await
             .expect("stops")
             .expect("no panic");
+    }
+
+    #[tokio::test]
+    async fn a_full_inbox_drops_publishes_never_connection_events_and_never_waits() {
+        let inbox = Inbox::new(100);
+        let mut events = Events {
+            inbox: inbox.clone(),
+        };
+        let publish = |n: u8| LinkEvent::Publish {
+            topic: "t".into(),
+            payload: vec![n; 60],
+        };
+        inbox.push(publish(1)).expect("owner alive");
+        inbox
+            .push(publish(2))
+            .expect("over the limit: dropped, not an error");
+        inbox
+            .push(LinkEvent::Disconnected {
+                reason: "gone".into(),
+            })
+            .expect("owner alive");
+        assert_eq!(events.dropped(), 1);
+        assert_eq!(events.recv().await, Some(publish(1)));
+        assert!(matches!(
+            events.recv().await,
+            Some(LinkEvent::Disconnected { .. })
+        ));
+        inbox.push(publish(3)).expect("room again once taken");
+        assert_eq!(events.recv().await, Some(publish(3)));
+        inbox.close();
+        assert_eq!(events.recv().await, None, "closed and empty");
+        drop(events);
+        assert!(inbox.push(publish(4)).is_err(), "the owner is gone");
     }
 
     #[test]

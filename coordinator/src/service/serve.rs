@@ -299,6 +299,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         service.store.abandon();
     }
     tracing::info!(
+        incoming_dropped = link.events.dropped(),
         store_write_failures = service.health.failures,
         device_actions_held_back = service.health.held_back,
         malformed_payloads = service.malformed,
