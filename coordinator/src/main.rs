@@ -2,12 +2,11 @@
 
 use std::process::ExitCode;
 
-use clap::Parser as _;
 use flotilla_coordinator::cli::{self, demo, Cli, Cmd};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cli.default_log_level()));
     tracing_subscriber::fmt()
