@@ -125,7 +125,9 @@ fn a_skipped_arm_test_says_so_in_the_test_output() {
     );
     assert!(output.status.success(), "{text}");
     assert!(
-        text.contains(&format!("SKIPPED {test}: no aarch64 agent at /nonexistent/flotilla-agent")),
+        text.contains(&format!(
+            "SKIPPED {test}: no aarch64 agent at /nonexistent/flotilla-agent"
+        )),
         "the skip is not in the test output:\n{text}"
     );
 }

@@ -169,7 +169,10 @@ fn the_first_rollout_in_the_readme_reaches_the_kept_demo_fleet() {
     let echo = between(&steps, "echo \"", "\n");
     let (content, file) = echo.split_once("\" > ").expect("echo TEXT > FILE");
     fs::write(dir.join(file), format!("{content}\n")).expect("write the app");
-    let create = format!("release create {}", between(&steps, "flotilla release create ", "\n"));
+    let create = format!(
+        "release create {}",
+        between(&steps, "flotilla release create ", "\n")
+    );
     ok(
         flotilla_in(&dir, &env, &create.split_whitespace().collect::<Vec<_>>()),
         &create,
@@ -204,7 +207,10 @@ fn the_first_rollout_in_the_readme_reaches_the_kept_demo_fleet() {
             break;
         }
         assert!(
-            !matches!(status["state"].as_str(), Some("paused" | "stopped" | "failed")),
+            !matches!(
+                status["state"].as_str(),
+                Some("paused" | "stopped" | "failed")
+            ),
             "{status:#}"
         );
         assert!(
@@ -278,7 +284,11 @@ fn the_readme_example_spec_selects_agents_with_the_default_config() {
     let readme = readme();
     let spec = between(&readme, "```toml\nname = \"fw-2-4\"", "```");
     let dir = tempfile::tempdir().expect("tempdir");
-    fs::write(dir.path().join("fw-2-4.toml"), format!("name = \"fw-2-4\"{spec}")).expect("spec");
+    fs::write(
+        dir.path().join("fw-2-4.toml"),
+        format!("name = \"fw-2-4\"{spec}"),
+    )
+    .expect("spec");
     fs::write(
         dir.path().join("fleet.json"),
         serde_json::to_string(&fleet).expect("json"),
@@ -286,7 +296,14 @@ fn the_readme_example_spec_selects_agents_with_the_default_config() {
     .expect("fleet");
     let plan: Value = serde_json::from_str(&ok(
         Command::new(bin("flotilla"))
-            .args(["plan", "--json", "--spec", "fw-2-4.toml", "--fleet", "fleet.json"])
+            .args([
+                "plan",
+                "--json",
+                "--spec",
+                "fw-2-4.toml",
+                "--fleet",
+                "fleet.json",
+            ])
             .current_dir(dir.path())
             .output()
             .expect("run flotilla plan"),

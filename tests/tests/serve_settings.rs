@@ -83,10 +83,7 @@ fn answers(site: &Site, coordinator: &mut Serve, cli_args: &[&str]) {
             return;
         }
         if let Ok(Some(status)) = coordinator.child.try_wait() {
-            panic!(
-                "the coordinator exited ({status}):\n{}",
-                coordinator.log()
-            );
+            panic!("the coordinator exited ({status}):\n{}", coordinator.log());
         }
         assert!(
             Instant::now() < deadline,
@@ -188,11 +185,17 @@ fn settings_that_cannot_apply_are_refused_naming_where_they_came_from() {
             assert!(Instant::now() < deadline, "serve {args:?} kept running");
             std::thread::sleep(Duration::from_millis(50));
         };
-        assert!(!status.success(), "serve {args:?} {env:?} should be refused");
+        assert!(
+            !status.success(),
+            "serve {args:?} {env:?} should be refused"
+        );
         coordinator.log()
     };
     let text = run(&[], &[("FLOTILLA_BROKER", "nohost".to_owned())]);
-    assert!(text.contains("FLOTILLA_BROKER \"nohost\" is invalid"), "{text}");
+    assert!(
+        text.contains("FLOTILLA_BROKER \"nohost\" is invalid"),
+        "{text}"
+    );
     let text = run(&["--topic-root", "a/#"], &[]);
     assert!(text.contains("--topic-root \"a/#\" is invalid"), "{text}");
     let embedded = format!("127.0.0.1:{}", free_port());

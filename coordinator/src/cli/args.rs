@@ -50,10 +50,18 @@ pub const GLOBAL_SETTINGS: [(&str, &str, &str); 9] = [
     ("topic_root", "--topic-root", "FLOTILLA_TOPIC_ROOT"),
     ("operator_key", "--operator-key", "FLOTILLA_OPERATOR_KEY"),
     ("username", "--username", "FLOTILLA_BROKER_USERNAME"),
-    ("password_file", "--password-file", "FLOTILLA_BROKER_PASSWORD_FILE"),
+    (
+        "password_file",
+        "--password-file",
+        "FLOTILLA_BROKER_PASSWORD_FILE",
+    ),
     ("ca_file", "--ca-file", "FLOTILLA_BROKER_CA_FILE"),
     ("tls", "--tls", "FLOTILLA_BROKER_TLS"),
-    ("client_cert", "--client-cert", "FLOTILLA_BROKER_CLIENT_CERT"),
+    (
+        "client_cert",
+        "--client-cert",
+        "FLOTILLA_BROKER_CLIENT_CERT",
+    ),
     ("client_key", "--client-key", "FLOTILLA_BROKER_CLIENT_KEY"),
 ];
 

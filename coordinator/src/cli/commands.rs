@@ -16,8 +16,8 @@ use flotilla_protocol::control::{
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::args::{
-    BrokerAuth, DEFAULT_BROKER, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
-    StrategyCmd,
+    BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
+    StrategyCmd, DEFAULT_BROKER,
 };
 use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
 use crate::cli::view;
@@ -115,8 +115,8 @@ struct BrokerTarget {
 struct Origins(Vec<&'static str>);
 
 impl Origins {
-    fn from_env(&self, id: &str) -> bool {
-        self.0.iter().any(|e| *e == id)
+    fn came_from_env(&self, id: &str) -> bool {
+        self.0.contains(&id)
     }
 
     /// The flag, or the environment variable when the value came from there.
@@ -124,13 +124,16 @@ impl Origins {
         crate::cli::args::GLOBAL_SETTINGS
             .iter()
             .find(|(i, _, _)| *i == id)
-            .map_or("a setting", |(i, flag, env)| {
-                if self.from_env(i) {
-                    env
-                } else {
-                    flag
-                }
-            })
+            .map_or(
+                "a setting",
+                |(i, flag, env)| {
+                    if self.came_from_env(i) {
+                        env
+                    } else {
+                        flag
+                    }
+                },
+            )
     }
 }
 
@@ -276,7 +279,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 return Ok(2);
             };
             // The variable may be set for the other commands; the flag is a mistake worth saying.
-            if target.operator_key.is_some() && !target.origin.from_env("operator_key") {
+            if target.operator_key.is_some() && !target.origin.came_from_env("operator_key") {
                 return Err(CliError::NotForServe {
                     flag: "--operator-key",
                 });

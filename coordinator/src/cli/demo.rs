@@ -266,7 +266,8 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
             println!("{line}");
         }
     };
-    let log = fs::File::create(root.join("coordinator.log")).map_err(io("create coordinator.log"))?;
+    let log =
+        fs::File::create(root.join("coordinator.log")).map_err(io("create coordinator.log"))?;
     // One demo per process: a second one (only in tests) logs into the first one's file.
     let _ = COORDINATOR_LOG.set(log);
 
@@ -317,7 +318,9 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     while tokio::net::TcpStream::connect(addr).await.is_err() {
         if coordinator.is_finished() {
-            return Err(DemoError::Coordinator(coordinator_end(&mut coordinator).await));
+            return Err(DemoError::Coordinator(
+                coordinator_end(&mut coordinator).await,
+            ));
         }
         if Instant::now() > deadline {
             return Err(DemoError::Timeout {
@@ -327,7 +330,9 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    say(format!("coordinator with an embedded MQTT broker on {addr}"));
+    say(format!(
+        "coordinator with an embedded MQTT broker on {addr}"
+    ));
 
     let mut agents = Agents(Vec::new());
     for i in 1..=args.devices {
@@ -392,7 +397,9 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
     let mut last_view = String::new();
     let status = loop {
         if coordinator.is_finished() {
-            return Err(DemoError::Coordinator(coordinator_end(&mut coordinator).await));
+            return Err(DemoError::Coordinator(
+                coordinator_end(&mut coordinator).await,
+            ));
         }
         let value = client
             .request(

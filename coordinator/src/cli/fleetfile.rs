@@ -154,7 +154,8 @@ pub fn parse_fleet_file(text: &str) -> Result<Fleet, FleetError> {
             ));
         };
         let known = |k: &str| {
-            matches!(k, "id" | "labels" | "hardware_id" | "enrollment") || STATUS_FIELDS.contains(&k)
+            matches!(k, "id" | "labels" | "hardware_id" | "enrollment")
+                || STATUS_FIELDS.contains(&k)
         };
         if let Some(key) = map.keys().find(|k| !known(k)) {
             return Err(bad(
@@ -327,7 +328,10 @@ fn resolve_strategy(
     spec_path: &Path,
     strategy_file: Option<&Path>,
 ) -> Result<(), FleetError> {
-    match (spec.staged_strategy_name().map(str::to_owned), strategy_file) {
+    match (
+        spec.staged_strategy_name().map(str::to_owned),
+        strategy_file,
+    ) {
         (None, None) => Ok(()),
         (None, Some(path)) => Err(FleetError::UnusedStrategy {
             strategy: path.to_owned(),

@@ -78,8 +78,7 @@ impl BrokerOverrides {
     /// The login and TLS settings given, as (where from, value) for messages.
     fn login_and_tls(&self) -> Vec<(&'static str, String)> {
         let path = |g: &Option<Given<PathBuf>>| {
-            g.as_ref()
-                .map(|g| (g.from, g.value.display().to_string()))
+            g.as_ref().map(|g| (g.from, g.value.display().to_string()))
         };
         [
             self.username.as_ref().map(|g| (g.from, g.value.clone())),
@@ -423,8 +422,8 @@ impl TryFrom<Located<'_>> for Config {
         // Paths are absolute or relative to the working directory by now.
         let connection = spec
             .validate(Path::new(""), &|name| std::env::var(name).ok())
-            .map_err(|e| {
-                match given_field(e.field, overrides, password_env_given) {
+            .map_err(
+                |e| match given_field(e.field, overrides, password_env_given) {
                     Some(setting) => ConfigError::Given {
                         setting,
                         value: e.value,
@@ -435,8 +434,8 @@ impl TryFrom<Located<'_>> for Config {
                         value: e.value,
                         reason: e.reason,
                     },
-                }
-            })?;
+                },
+            )?;
         let clock_window = parse_duration(&raw.control.clock_window)
             .map_err(|reason| field("control.clock_window", &raw.control.clock_window, &reason))?;
         if clock_window == 0 {
@@ -583,9 +582,8 @@ fn connection_spec(
         spec.password_file = Some(g.value.clone());
         spec.password_env = None;
     }
-    let implied = o.username.is_some()
-        && spec.password_file.is_none()
-        && spec.password_env.is_none();
+    let implied =
+        o.username.is_some() && spec.password_file.is_none() && spec.password_env.is_none();
     if implied {
         spec.password_env = Some(flotilla_mqtt::PASSWORD_ENV.to_owned());
     }
