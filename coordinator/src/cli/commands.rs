@@ -287,11 +287,11 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             let overrides = serve_overrides(&target, args.embedded_broker.as_deref())?;
             let config = Config::load_with(path, &overrides)?;
             tracing::info!(
+                config = %path.display(),
                 broker = %config.broker_addr(),
                 topic_root = %config.broker.topic_root,
                 embedded = config.broker.embedded.is_some(),
-                "settings from the command line, the environment and {}",
-                path.display()
+                "broker settings (command line > environment > config file)"
             );
             service::serve(config, shutdown).await?;
             Ok(0)

@@ -813,6 +813,94 @@ mod tests {
     }
 
     #[test]
+    fn overrides_replace_settings_one_by_one_and_errors_name_where_they_came_from() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("broker.password"), "hunter2\n").expect("write");
+        let text = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nhost = \"file-host\"\nport = 1883\ntopic_root = \"file-root\"\nusername = \"coord\"\npassword_file = \"broker.password\"\n";
+        let load = |o: &BrokerOverrides| {
+            Config::from_toml_with(text, dir.path(), &dir.path().join("c.toml"), o)
+        };
+        let given = |value: &str, from| {
+            Some(Given {
+                value: value.to_owned(),
+                from,
+            })
+        };
+        let overrides = BrokerOverrides {
+            addr: Some(Given {
+                value: ("flag-host".to_owned(), 8883),
+                from: "--broker",
+            }),
+            topic_root: given("env-root", "FLOTILLA_TOPIC_ROOT"),
+            ..BrokerOverrides::default()
+        };
+        let config = load(&overrides).expect("valid");
+        assert_eq!(config.broker_addr(), "flag-host:8883");
+        assert_eq!(config.broker.topic_root, "env-root");
+        // The file's login is kept: only the address and the root were given.
+        let login = config
+            .broker
+            .credentials
+            .expect("credentials from the file");
+        assert_eq!(
+            (login.username.as_str(), login.password.expose()),
+            ("coord", "hunter2")
+        );
+
+        let err = load(&BrokerOverrides {
+            username: given("other", "FLOTILLA_BROKER_USERNAME"),
+            password_file: Some(Given {
+                value: PathBuf::from("/nonexistent/pw"),
+                from: "--password-file",
+            }),
+            ..BrokerOverrides::default()
+        })
+        .expect_err("missing password file")
+        .to_string();
+        assert!(
+            err.starts_with("--password-file \"/nonexistent/pw\" is invalid"),
+            "{err}"
+        );
+        let err = load(&BrokerOverrides {
+            topic_root: given("a/+", "--topic-root"),
+            ..BrokerOverrides::default()
+        })
+        .expect_err("wildcard")
+        .to_string();
+        assert!(err.starts_with("--topic-root \"a/+\" is invalid"), "{err}");
+
+        let embedded = |addr: &str| {
+            Some(Given {
+                value: addr.parse().expect("addr"),
+                from: "--embedded-broker",
+            })
+        };
+        let same = BrokerOverrides {
+            embedded: embedded("0.0.0.0:18830"),
+            addr: Some(Given {
+                value: ("localhost".to_owned(), 18830),
+                from: "FLOTILLA_BROKER",
+            }),
+            ..BrokerOverrides::default()
+        };
+        let config = load(&same).expect("the address names the embedded broker");
+        assert_eq!(config.connection().credentials, None, "plain loopback");
+        let other = BrokerOverrides {
+            addr: Some(Given {
+                value: ("localhost".to_owned(), 1883),
+                from: "FLOTILLA_BROKER",
+            }),
+            ..same
+        };
+        let err = load(&other).expect_err("another broker").to_string();
+        assert!(
+            err.starts_with("FLOTILLA_BROKER \"localhost:1883\"")
+                && err.contains("--embedded-broker 0.0.0.0:18830"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn errors_name_the_field_and_value() {
         let cases = [
             (
