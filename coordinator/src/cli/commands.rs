@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::args::{
     BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
-    StrategyCmd, DEFAULT_BROKER,
+    StrategyCmd, DEFAULT_BROKER, GLOBAL_SETTINGS,
 };
 use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
 use crate::cli::view;
@@ -110,7 +110,7 @@ struct BrokerTarget {
     origin: Origins,
 }
 
-/// Which global settings came from the environment ([`Cli::origin`]).
+/// Which global settings came from the environment (`Cli::from_env`).
 #[derive(Debug, Clone)]
 struct Origins(Vec<&'static str>);
 
@@ -121,19 +121,22 @@ impl Origins {
 
     /// The flag, or the environment variable when the value came from there.
     fn of(&self, id: &str) -> &'static str {
-        crate::cli::args::GLOBAL_SETTINGS
-            .iter()
-            .find(|(i, _, _)| *i == id)
-            .map_or(
-                "a setting",
-                |(i, flag, env)| {
-                    if self.came_from_env(i) {
-                        env
-                    } else {
-                        flag
-                    }
-                },
-            )
+        let Some((id, flag, env)) = GLOBAL_SETTINGS.iter().find(|(i, _, _)| *i == id) else {
+            return "a setting";
+        };
+        if self.came_from_env(id) {
+            env
+        } else {
+            flag
+        }
+    }
+
+    /// `value`, named by where it came from.
+    fn given<T>(&self, id: &str, value: Option<T>) -> Option<Given<T>> {
+        value.map(|value| Given {
+            value,
+            from: self.of(id),
+        })
     }
 }
 
@@ -419,12 +422,6 @@ fn serve_overrides(
     embedded_broker: Option<&str>,
 ) -> Result<BrokerOverrides, CliError> {
     let origin = &target.origin;
-    fn given<T>(origin: &Origins, id: &str, value: Option<T>) -> Option<Given<T>> {
-        value.map(|value| Given {
-            value,
-            from: origin.of(id),
-        })
-    }
     let addr = match &target.broker {
         Some(value) => Some(parse_broker_from(value, origin.of("broker"))?),
         None => None,
@@ -440,15 +437,15 @@ fn serve_overrides(
     };
     let auth = target.auth.clone();
     Ok(BrokerOverrides {
-        addr: given(origin, "broker", addr),
-        topic_root: given(origin, "topic_root", target.topic_root.clone()),
+        addr: origin.given("broker", addr),
+        topic_root: origin.given("topic_root", target.topic_root.clone()),
         embedded,
-        username: given(origin, "username", auth.username),
-        password_file: given(origin, "password_file", auth.password_file),
-        tls: given(origin, "tls", auth.tls.then_some(())),
-        ca_file: given(origin, "ca_file", auth.ca_file),
-        client_cert: given(origin, "client_cert", auth.client_cert),
-        client_key: given(origin, "client_key", auth.client_key),
+        username: origin.given("username", auth.username),
+        password_file: origin.given("password_file", auth.password_file),
+        tls: origin.given("tls", auth.tls.then_some(())),
+        ca_file: origin.given("ca_file", auth.ca_file),
+        client_cert: origin.given("client_cert", auth.client_cert),
+        client_key: origin.given("client_key", auth.client_key),
     })
 }
 
