@@ -2,18 +2,25 @@
 
 use std::process::ExitCode;
 
-use clap::Parser as _;
 use flotilla_coordinator::cli::{self, demo, Cli, Cmd};
 use tokio_util::sync::CancellationToken;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::Layer as _;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cli.default_log_level()));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let stderr = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_filter(filter);
+    // The demo also logs its coordinator into coordinator.log in its directory.
+    let demo_log = matches!(cli.command, Cmd::Demo(_)).then(demo::log_layer);
+    tracing_subscriber::registry()
+        .with(stderr)
+        .with(demo_log)
         .init();
 
     match run(cli) {

@@ -119,6 +119,22 @@ fn default_config_is_printable() {
     );
 }
 
+#[test]
+fn serve_help_says_where_each_setting_comes_from() {
+    let text = ok(&["serve", "--help"]);
+    assert!(
+        text.contains("a flag on the command line wins over its environment variable, which wins over the\nconfig file"),
+        "{text}"
+    );
+    for line in [
+        "--broker HOST:PORT    FLOTILLA_BROKER                 broker.host, broker.port",
+        "--topic-root ROOT     FLOTILLA_TOPIC_ROOT             broker.topic_root",
+        "--client-key          FLOTILLA_BROKER_CLIENT_KEY      broker.tls.client_key",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
+}
+
 /// Runs flotilla against a broker address where nothing listens, so a test that got past
 /// argument checking would fail with a connection error instead of the expected one.
 fn refused(args: &[&str]) -> String {

@@ -965,7 +965,8 @@ fn staged_stored_strategy_must_be_resolved_and_sort_labels_must_be_integers() {
     let (code, _, err) = plan_text("staged/stored-strategy.toml", &staged_fleet());
     assert_eq!(code, 1);
     assert!(
-        err.contains("strategy \"example-strategy\" was not resolved"),
+        err.contains("names the stored strategy \"example-strategy\"")
+            && err.contains("--strategy-file"),
         "{err}"
     );
 

@@ -379,6 +379,12 @@ impl Site {
             .args(["serve", "--config"])
             .arg(&config)
             .env("RUST_LOG", "info");
+        // `serve` takes these over its config file; the site's config is what must count.
+        for (name, _) in std::env::vars() {
+            if name.starts_with("FLOTILLA_BROKER") || name == "FLOTILLA_TOPIC_ROOT" {
+                command.env_remove(name);
+            }
+        }
         self.coordinator = Some(Process::spawn(command, self.path("coordinator.log")));
     }
 

@@ -8,6 +8,10 @@
 //! qemu-aarch64-static, the aarch64 C library or Mosquitto, the test says loudly that it skips
 //! and passes, so `cargo test --workspace` works on a machine without ARM tools; with
 //! `FLOTILLA_REQUIRE_ARM=1` (set by `.ci/run`'s ARM step) any of them missing fails it.
+//!
+//! The skip notice goes to the process's stderr itself, not through `eprintln!`: the test
+//! harness keeps what a passing test prints with `eprintln!` to itself, so the notice would
+//! never show and the skipped test would read as a plain "ok".
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -87,11 +91,45 @@ fn arm_or_skip(test: &str) -> Option<Vec<String>> {
             panic!("FLOTILLA_REQUIRE_ARM=1 but the ARM agent cannot run: {why}")
         }
         Err(why) => {
-            eprintln!("!!!! SKIPPING {test}: {why}");
-            eprintln!("!!!! (set FLOTILLA_REQUIRE_ARM=1 to make this a failure)");
+            say_skipped(test, &why);
             None
         }
     }
+}
+
+/// Writes the skip notice where the test output shows it even when the test passes.
+fn say_skipped(test: &str, why: &str) {
+    use std::io::Write as _;
+    let notice = format!(
+        "\n!!!! SKIPPED {test}: {why}\n\
+         !!!! it reports \"ok\" but tested nothing; FLOTILLA_REQUIRE_ARM=1 makes this a failure\n"
+    );
+    let _ = std::io::stderr().lock().write_all(notice.as_bytes());
+}
+
+/// Runs one test of this file in a child process without the ARM agent, as `cargo test` on a
+/// machine without ARM tools would, and checks that its output says it skipped.
+#[test]
+fn a_skipped_arm_test_says_so_in_the_test_output() {
+    let test = "arm_agent_binary_is_aarch64_and_runs_under_qemu";
+    let output = Command::new(std::env::current_exe().expect("this test executable"))
+        .args([test, "--exact"])
+        .env("FLOTILLA_ARM_AGENT", "/nonexistent/flotilla-agent")
+        .env_remove("FLOTILLA_REQUIRE_ARM")
+        .output()
+        .expect("run the test executable");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "SKIPPED {test}: no aarch64 agent at /nonexistent/flotilla-agent"
+        )),
+        "the skip is not in the test output:\n{text}"
+    );
 }
 
 #[test]

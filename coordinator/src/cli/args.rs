@@ -4,27 +4,29 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 use crate::cli::demo;
+
+/// The broker the commands that talk to a coordinator use when neither `--broker` nor
+/// FLOTILLA_BROKER names one.
+pub const DEFAULT_BROKER: &str = "127.0.0.1:1883";
 
 /// Staged, health-gated software rollouts to fleets of Linux edge devices.
 #[derive(Debug, Parser)]
 #[command(name = "flotilla", version, about)]
 pub struct Cli {
-    /// The MQTT broker the coordinator listens on, as HOST:PORT.
-    #[arg(
-        long,
-        global = true,
-        env = "FLOTILLA_BROKER",
-        default_value = "127.0.0.1:1883"
-    )]
-    pub broker: String,
-    /// Root of every flotilla topic.
-    #[arg(long, global = true, default_value = flotilla_protocol::topics::DEFAULT_ROOT)]
-    pub topic_root: String,
+    /// The MQTT broker, as HOST:PORT [default: 127.0.0.1:1883; for `serve`, the config file's
+    /// broker.host and broker.port].
+    #[arg(long, global = true, env = "FLOTILLA_BROKER", value_name = "HOST:PORT")]
+    pub broker: Option<String>,
+    /// Root of every flotilla topic [default: flotilla; for `serve`, the config file's
+    /// broker.topic_root].
+    #[arg(long, global = true, env = "FLOTILLA_TOPIC_ROOT", value_name = "ROOT")]
+    pub topic_root: Option<String>,
     /// The operator's secret key file; signs every request to the coordinator
-    /// (`flotilla operator keygen` makes one).
+    /// (`flotilla operator keygen` makes one). Not used by `serve`.
     #[arg(
         long,
         global = true,
@@ -36,7 +38,32 @@ pub struct Cli {
     pub auth: BrokerAuth,
     #[command(subcommand)]
     pub command: Cmd,
+    /// Which of the global settings came from their environment variable rather than the
+    /// command line (filled by [`Cli::try_parse_args`]), so that messages name what was used.
+    #[arg(skip)]
+    pub from_env: Vec<&'static str>,
 }
+
+/// The global settings: clap's id, the flag, and the environment variable.
+pub const GLOBAL_SETTINGS: [(&str, &str, &str); 9] = [
+    ("broker", "--broker", "FLOTILLA_BROKER"),
+    ("topic_root", "--topic-root", "FLOTILLA_TOPIC_ROOT"),
+    ("operator_key", "--operator-key", "FLOTILLA_OPERATOR_KEY"),
+    ("username", "--username", "FLOTILLA_BROKER_USERNAME"),
+    (
+        "password_file",
+        "--password-file",
+        "FLOTILLA_BROKER_PASSWORD_FILE",
+    ),
+    ("ca_file", "--ca-file", "FLOTILLA_BROKER_CA_FILE"),
+    ("tls", "--tls", "FLOTILLA_BROKER_TLS"),
+    (
+        "client_cert",
+        "--client-cert",
+        "FLOTILLA_BROKER_CLIENT_CERT",
+    ),
+    ("client_key", "--client-key", "FLOTILLA_BROKER_CLIENT_KEY"),
+];
 
 /// How the CLI logs in to the broker (docs/security.md, "The broker connection"). The password
 /// is never a flag: it comes from `--password-file` or the FLOTILLA_BROKER_PASSWORD variable.
@@ -250,13 +277,37 @@ pub struct ReleaseCreateArgs {
     pub expires_in: String,
 }
 
+/// Where `serve` takes each setting from, first match wins. Shown by `flotilla serve --help`
+/// and described in docs/operations.md ("Where `flotilla serve` takes its settings").
+pub const SERVE_PRECEDENCE: &str = "\
+Settings: a flag on the command line wins over its environment variable, which wins over the
+config file, which wins over the default. The broker flags replace the config file's [broker]
+settings one by one:
+  --broker HOST:PORT    FLOTILLA_BROKER                 broker.host, broker.port
+  --topic-root ROOT     FLOTILLA_TOPIC_ROOT             broker.topic_root
+  --embedded-broker     (no variable)                   broker.embedded
+  --username            FLOTILLA_BROKER_USERNAME        broker.username
+  --password-file       FLOTILLA_BROKER_PASSWORD_FILE   broker.password_file (or password_env)
+  --tls                 FLOTILLA_BROKER_TLS             [broker.tls] (on)
+  --ca-file             FLOTILLA_BROKER_CA_FILE         broker.tls.ca_file
+  --client-cert         FLOTILLA_BROKER_CLIENT_CERT     broker.tls.client_cert
+  --client-key          FLOTILLA_BROKER_CLIENT_KEY      broker.tls.client_key
+A --username without a password file reads the password from FLOTILLA_BROKER_PASSWORD.
+Paths given as flags or variables are relative to the working directory, paths in the config
+file to the config file's directory. With an embedded broker the coordinator connects to it
+over plain loopback TCP: a broker address, login or TLS setting given on the command line or
+in the environment is refused then (an address naming the embedded broker itself is fine).
+--operator-key signs requests to a coordinator; `serve` refuses it on its command line and
+ignores FLOTILLA_OPERATOR_KEY.";
+
 #[derive(Debug, Args)]
+#[command(after_long_help = SERVE_PRECEDENCE)]
 pub struct ServeArgs {
     /// The coordinator config file.
     #[arg(long, required_unless_present = "print_default_config")]
     pub config: Option<PathBuf>,
-    /// Run an embedded broker on this address (overrides the config).
-    #[arg(long)]
+    /// Run an embedded broker on this address (overrides broker.embedded in the config).
+    #[arg(long, value_name = "IP:PORT")]
     pub embedded_broker: Option<String>,
     /// Print the commented default config and exit.
     #[arg(long)]
@@ -384,6 +435,29 @@ pub fn parse_label(value: &str) -> Result<(String, String), String> {
 }
 
 impl Cli {
+    /// Parses the process's arguments like `Cli::parse`, and notes which global settings came
+    /// from the environment.
+    pub fn parse_args() -> Cli {
+        Self::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// Parses `args` and notes which global settings came from their environment variable.
+    pub fn try_parse_args<I, T>(args: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let mut command = Self::command();
+        let matches = command.try_get_matches_from_mut(args)?;
+        let mut cli = Self::from_arg_matches(&matches).map_err(|e| e.format(&mut command))?;
+        cli.from_env = GLOBAL_SETTINGS
+            .iter()
+            .filter(|(id, _, _)| matches.value_source(id) == Some(ValueSource::EnvVariable))
+            .map(|(id, _, _)| *id)
+            .collect();
+        Ok(cli)
+    }
+
     /// The default log filter: `info` for the long-running service, `warn` for one-shot commands.
     /// rumqttd is silenced by default because it logs ordinary client disconnects at ERROR,
     /// which would drown the coordinator's own messages; `RUST_LOG=rumqttd=info` brings it back.

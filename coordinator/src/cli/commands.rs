@@ -17,11 +17,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::args::{
     BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
-    StrategyCmd,
+    StrategyCmd, DEFAULT_BROKER, GLOBAL_SETTINGS,
 };
 use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
 use crate::cli::view;
-use crate::service::config::{self, Config, ConfigError};
+use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
 use crate::service::releases::{self, NewRelease, ReleaseError, ReleaseStore};
 use crate::service::{self, ServiceError};
@@ -39,8 +39,12 @@ pub enum CliError {
     Service(#[from] ServiceError),
     #[error(transparent)]
     Client(#[from] ClientError),
-    #[error("--broker {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
-    BrokerAddr { value: String },
+    #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
+    BrokerAddr {
+        /// `--broker` or `FLOTILLA_BROKER`.
+        setting: &'static str,
+        value: String,
+    },
     #[error("{flag} {value:?} is invalid: {reason}")]
     BrokerAuth {
         flag: &'static str,
@@ -70,13 +74,21 @@ pub enum CliError {
     Store(#[from] crate::cli::store::StoreCmdError),
     #[error("`flotilla demo` is started by main (demo::run), not by cli::run")]
     DemoInRuntime,
+    #[error("{flag} is not used by `flotilla serve`: it signs requests to a coordinator (`serve` ignores FLOTILLA_OPERATOR_KEY)")]
+    NotForServe { flag: &'static str },
     #[error("no operator key: requests to the coordinator must be signed; pass --operator-key FILE or set FLOTILLA_OPERATOR_KEY (make a key with `flotilla operator keygen --out DIR --name NAME` and list NAME.pub under [[operators]] in the coordinator's config)")]
     NoOperatorKey,
 }
 
 /// Parses `HOST:PORT`.
 pub fn parse_broker(value: &str) -> Result<(String, u16), CliError> {
+    parse_broker_from(value, "--broker")
+}
+
+/// Parses `HOST:PORT` given as `setting` (`--broker` or `FLOTILLA_BROKER`).
+fn parse_broker_from(value: &str, setting: &'static str) -> Result<(String, u16), CliError> {
     let err = || CliError::BrokerAddr {
+        setting,
         value: value.to_owned(),
     };
     let (host, port) = value.rsplit_once(':').ok_or_else(err)?;
@@ -91,16 +103,57 @@ pub fn parse_broker(value: &str) -> Result<(String, u16), CliError> {
 /// Where and how the CLI connects: the global broker flags, kept apart from the subcommand.
 #[derive(Debug, Clone)]
 struct BrokerTarget {
-    broker: String,
-    topic_root: String,
+    broker: Option<String>,
+    topic_root: Option<String>,
     auth: BrokerAuth,
     /// The operator's secret key file, which signs every request.
     operator_key: Option<PathBuf>,
+    /// Names each global setting by where its value came from (flag or variable).
+    origin: Origins,
+}
+
+/// Which global settings came from the environment (`Cli::from_env`).
+#[derive(Debug, Clone)]
+struct Origins(Vec<&'static str>);
+
+impl Origins {
+    fn came_from_env(&self, id: &str) -> bool {
+        self.0.contains(&id)
+    }
+
+    /// The flag, or the environment variable when the value came from there.
+    fn of(&self, id: &str) -> &'static str {
+        let Some((id, flag, env)) = GLOBAL_SETTINGS.iter().find(|(i, _, _)| *i == id) else {
+            return "a setting";
+        };
+        if self.came_from_env(id) {
+            env
+        } else {
+            flag
+        }
+    }
+
+    /// `value`, named by where it came from.
+    fn given<T>(&self, id: &str, value: Option<T>) -> Option<Given<T>> {
+        value.map(|value| Given {
+            value,
+            from: self.of(id),
+        })
+    }
 }
 
 /// Builds the validated connection from `--broker` and the login flags; errors name the flag.
 pub fn connection(broker: &str, auth: &BrokerAuth) -> Result<Connection, CliError> {
-    let (host, port) = parse_broker(broker)?;
+    connection_from(broker, auth, &Origins(Vec::new()))
+}
+
+/// [`connection`], naming each setting by where it came from (flag or environment variable).
+fn connection_from(
+    broker: &str,
+    auth: &BrokerAuth,
+    origin: &Origins,
+) -> Result<Connection, CliError> {
+    let (host, port) = parse_broker_from(broker, origin.of("broker"))?;
     let tls = (auth.tls
         || auth.ca_file.is_some()
         || auth.client_cert.is_some()
@@ -123,14 +176,14 @@ pub fn connection(broker: &str, auth: &BrokerAuth) -> Result<Connection, CliErro
     spec.validate(Path::new("."), &|name| std::env::var(name).ok())
         .map_err(|e| CliError::BrokerAuth {
             flag: match e.field {
-                "username" => "--username",
-                "password_file" => "--password-file",
+                "username" => origin.of("username"),
+                "password_file" => origin.of("password_file"),
                 "password_env" => PASSWORD_ENV,
-                "tls.ca_file" => "--ca-file",
-                "tls.client_cert" => "--client-cert",
-                "tls.client_key" => "--client-key",
-                "host" | "port" => "--broker",
-                _ => "--tls",
+                "tls.ca_file" => origin.of("ca_file"),
+                "tls.client_cert" => origin.of("client_cert"),
+                "tls.client_key" => origin.of("client_key"),
+                "host" | "port" => origin.of("broker"),
+                _ => origin.of("tls"),
             },
             value: e.value,
             reason: e.reason,
@@ -156,6 +209,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         topic_root: cli.topic_root.clone(),
         auth: cli.auth.clone(),
         operator_key: cli.operator_key.clone(),
+        origin: Origins(cli.from_env.clone()),
     };
     match cli.command {
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
@@ -226,16 +280,24 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 print!("{}", config::DEFAULT_CONFIG);
                 return Ok(0);
             }
-            let Some(path) = args.config else {
+            let Some(path) = &args.config else {
                 return Ok(2);
             };
-            let mut config = Config::load(&path)?;
-            if let Some(addr) = args.embedded_broker {
-                let parsed = addr.parse().map_err(|_| CliError::EmbeddedAddr {
-                    value: addr.clone(),
-                })?;
-                config.broker.embedded = Some(parsed);
+            // The variable may be set for the other commands; the flag is a mistake worth saying.
+            if target.operator_key.is_some() && !target.origin.came_from_env("operator_key") {
+                return Err(CliError::NotForServe {
+                    flag: "--operator-key",
+                });
             }
+            let overrides = serve_overrides(&target, args.embedded_broker.as_deref())?;
+            let config = Config::load_with(path, &overrides)?;
+            tracing::info!(
+                config = %path.display(),
+                broker = %config.broker_addr(),
+                topic_root = %config.broker.topic_root,
+                embedded = config.broker.embedded.is_some(),
+                "broker settings (command line > environment > config file)"
+            );
             service::serve(config, shutdown).await?;
             Ok(0)
         }
@@ -378,6 +440,40 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
     }
 }
 
+/// The broker settings `serve` was given on its command line or in the environment; each
+/// replaces the config file's (flag > variable > config file > default, `SERVE_PRECEDENCE`).
+fn serve_overrides(
+    target: &BrokerTarget,
+    embedded_broker: Option<&str>,
+) -> Result<BrokerOverrides, CliError> {
+    let origin = &target.origin;
+    let addr = match &target.broker {
+        Some(value) => Some(parse_broker_from(value, origin.of("broker"))?),
+        None => None,
+    };
+    let embedded = match embedded_broker {
+        Some(value) => Some(Given {
+            value: value.parse().map_err(|_| CliError::EmbeddedAddr {
+                value: value.to_owned(),
+            })?,
+            from: "--embedded-broker",
+        }),
+        None => None,
+    };
+    let auth = target.auth.clone();
+    Ok(BrokerOverrides {
+        addr: origin.given("broker", addr),
+        topic_root: origin.given("topic_root", target.topic_root.clone()),
+        embedded,
+        username: origin.given("username", auth.username),
+        password_file: origin.given("password_file", auth.password_file),
+        tls: origin.given("tls", auth.tls.then_some(())),
+        ca_file: origin.given("ca_file", auth.ca_file),
+        client_cert: origin.given("client_cert", auth.client_cert),
+        client_key: origin.given("client_key", auth.client_key),
+    })
+}
+
 /// Loads the operator key (a clear error without one) and connects the control client.
 async fn connect(target: &BrokerTarget) -> Result<ControlClient, CliError> {
     let key = keys::load_secret_key(
@@ -386,8 +482,13 @@ async fn connect(target: &BrokerTarget) -> Result<ControlClient, CliError> {
             .as_deref()
             .ok_or(CliError::NoOperatorKey)?,
     )?;
-    let connection = connection(&target.broker, &target.auth)?;
-    Ok(ControlClient::connect_with(connection, &target.topic_root, key, DEFAULT_TIMEOUT).await?)
+    let broker = target.broker.as_deref().unwrap_or(DEFAULT_BROKER);
+    let connection = connection_from(broker, &target.auth, &target.origin)?;
+    let root = target
+        .topic_root
+        .as_deref()
+        .unwrap_or(flotilla_protocol::topics::DEFAULT_ROOT);
+    Ok(ControlClient::connect_with(connection, root, key, DEFAULT_TIMEOUT).await?)
 }
 
 /// `strategy …`; the file is read before connecting, so a wrong path fails at once.
@@ -660,7 +761,7 @@ mod tests {
             "status",
         ])
         .expect("parses");
-        let c = connection(&cli.broker, &cli.auth).expect("valid");
+        let c = connection(cli.broker.as_deref().expect("given"), &cli.auth).expect("valid");
         let login = c.options("x").credentials().expect("login");
         assert_eq!(
             (login.username.as_str(), login.password.as_str()),
@@ -724,7 +825,7 @@ mod tests {
         let cli =
             Cli::try_parse_from(["flotilla", "--broker", "h:1", "rollout", "status", "--json"])
                 .expect("parses");
-        assert_eq!(cli.broker, "h:1");
+        assert_eq!(cli.broker.as_deref(), Some("h:1"));
         assert!(cli.default_log_level().starts_with("warn"));
         assert!(
             Cli::try_parse_from(["flotilla", "serve"]).is_err(),

@@ -8,6 +8,12 @@
 //! the rollout pauses before the next group starts.
 //!
 //! Exit codes: 0 when the rollout finished, 2 when it ended paused or stopped, 1 on an error.
+//!
+//! Everything lives in one temporary directory, laid out like a small real site: the
+//! coordinator's `coordinator.toml` (which the demo loads and serves, with the embedded broker)
+//! and `coordinator.log`, `keys/`, and `agents/<id>/agent.toml` and `agent.log` per agent.
+//! `--keep` keeps it, and `flotilla serve --config <dir>/coordinator.toml` with the agents'
+//! configs runs the same fleet again (README, "Your first rollout").
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -15,6 +21,7 @@ use std::io::IsTerminal as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
@@ -24,8 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::client::{ClientError, ControlClient};
 use crate::cli::view;
 use crate::service;
-use crate::service::broker::{BrokerError, EmbeddedBroker};
-use crate::service::config::{BrokerConfig, Config, EnrollmentConfig, OperatorConfig};
+use crate::service::config::{Config, ConfigError};
 use crate::service::keys::{self, KeysError};
 use crate::service::releases::{NewRelease, ReleaseError, ReleaseStore};
 
@@ -71,8 +77,8 @@ pub enum DemoError {
         what: String,
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Broker(#[from] BrokerError),
+    #[error("the demo's coordinator config: {0}")]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Keys(#[from] KeysError),
     #[error(transparent)]
@@ -143,8 +149,9 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         .prefix("flotilla-demo-")
         .tempdir()
         .map_err(io("temporary directory"))?;
+    let port = free_port().map_err(io("find a free port"))?;
     let outcome = tokio::select! {
-        result = run_in(&args, dir.path()) => result,
+        result = run_in(&args, dir.path(), port) => result,
         (signal, code) = interrupted() => {
             // Leaving the select drops the demo where it stood: the agents are killed and the
             // coordinator goes with the runtime.
@@ -154,14 +161,67 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     };
     if args.keep {
         let kept = dir.keep();
-        let line = format!("kept {}", kept.display());
+        let text = kept_text(&kept, port, args.devices);
         if args.json {
-            eprintln!("{line}");
+            eprint!("{text}");
         } else {
-            println!("{line}");
+            print!("{text}");
         }
     }
     outcome
+}
+
+/// What `--keep` leaves, and how to run the same fleet again.
+fn kept_text(dir: &Path, port: u16, devices: usize) -> String {
+    let d = dir.display();
+    format!(
+        "kept {d}
+  coordinator.toml, coordinator.log        the coordinator's config and log
+  agents/dev-NN/agent.toml, agent.log      each of the {devices} agents' config and log
+  keys/                                    release, coordinator and operator (demo.key) keys
+Run the same fleet again and roll out your own release (README, \"Your first rollout\"):
+  cd {d}
+  flotilla serve --config coordinator.toml &
+  for c in agents/*/agent.toml; do flotilla-agent run --config \"$c\" & done
+  export FLOTILLA_BROKER=127.0.0.1:{port} FLOTILLA_OPERATOR_KEY=keys/demo.key
+  flotilla devices
+"
+    )
+}
+
+/// The demo's coordinator log file, once the demo's directory exists ([`log_layer`]).
+static COORDINATOR_LOG: OnceLock<fs::File> = OnceLock::new();
+
+/// Writes to `coordinator.log` in the demo's directory; drops what is logged before it exists.
+struct CoordinatorLog;
+
+impl std::io::Write for CoordinatorLog {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match COORDINATOR_LOG.get() {
+            Some(mut file) => file.write(buf),
+            None => Ok(buf.len()),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match COORDINATOR_LOG.get() {
+            Some(mut file) => file.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The log layer `main` adds for `flotilla demo`: the coordinator's log at info level (as
+/// `flotilla serve` logs) into `coordinator.log`, while the terminal keeps the live view.
+pub fn log_layer<S>() -> impl tracing_subscriber::Layer<S>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use tracing_subscriber::Layer as _;
+    tracing_subscriber::fmt::layer()
+        .with_writer(|| CoordinatorLog)
+        .with_ansi(false)
+        .with_filter(tracing_subscriber::EnvFilter::new("info,rumqttd=off"))
 }
 
 /// The first SIGINT or SIGTERM, with its exit code.
@@ -196,7 +256,7 @@ fn check_args(args: &DemoArgs) -> Result<(), DemoError> {
     Ok(())
 }
 
-async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
+async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoError> {
     let agent_bin = agent_binary(args.agent_bin.clone())?;
     let root = root.to_owned();
     let say = |line: String| {
@@ -206,12 +266,12 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
             println!("{line}");
         }
     };
+    let log =
+        fs::File::create(root.join("coordinator.log")).map_err(io("create coordinator.log"))?;
+    // One demo per process: a second one (only in tests) logs into the first one's file.
+    let _ = COORDINATOR_LOG.set(log);
 
-    let port = free_port().map_err(io("find a free port"))?;
     let addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], port));
-    let _broker = EmbeddedBroker::start(addr)?;
-    say(format!("embedded MQTT broker on {addr}"));
-
     let keys = keys::keygen(&root.join("keys"), &[], false)?;
     let (release_pub, coordinator_pub) = (keys[0].public_hex.clone(), keys[1].public_hex.clone());
     let release_key = keys::load_secret_key(&keys[0].secret)?;
@@ -247,26 +307,32 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
             flotilla_protocol::hex::encode(flotilla_protocol::signing::generate_key().as_bytes())
         })
         .collect();
+    // The coordinator runs from a config file like any other, so the file a kept demo leaves
+    // is the one that ran.
+    let config_path = root.join("coordinator.toml");
+    fs::write(&config_path, coordinator_config(addr, &tokens))
+        .map_err(io("write coordinator.toml"))?;
+    let config = Config::load(&config_path)?;
     let shutdown = CancellationToken::new();
-    let config = Config {
-        data_dir: data_dir.clone(),
-        coordinator_key: keys[1].secret.clone(),
-        // The embedded broker is loopback only: plain TCP, no credentials.
-        broker: BrokerConfig::plain("127.0.0.1", port),
-        action_validity: 24 * 3600,
-        operators: vec![OperatorConfig {
-            name: "demo".into(),
-            role: flotilla_protocol::operator::Role::Admin,
-            key: operator_key.verifying_key(),
-        }],
-        clock_window: 60,
-        enrollment: EnrollmentConfig {
-            authorized_keys: None,
-            tokens: tokens.clone(),
-            max_pending: 1000,
-        },
-    };
     let mut coordinator = tokio::spawn(service::serve(config, shutdown.clone()));
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        if coordinator.is_finished() {
+            return Err(DemoError::Coordinator(
+                coordinator_end(&mut coordinator).await,
+            ));
+        }
+        if Instant::now() > deadline {
+            return Err(DemoError::Timeout {
+                what: format!("the embedded broker on {addr}"),
+                secs: args.timeout,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    say(format!(
+        "coordinator with an embedded MQTT broker on {addr}"
+    ));
 
     let mut agents = Agents(Vec::new());
     for i in 1..=args.devices {
@@ -278,13 +344,14 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
             token: &tokens[i - 1],
         };
         let config = write_agent_config(&root, &id, port, healthy, &keys)?;
-        let log =
-            fs::File::create(root.join(format!("{id}.log"))).map_err(io("create an agent log"))?;
+        let log = fs::File::create(config.with_file_name("agent.log"))
+            .map_err(io("create an agent log"))?;
         let err = log.try_clone().map_err(io("open an agent log"))?;
+        // Info, as a real agent logs: what it was told, fetched, installed and reported.
         let child = Command::new(&agent_bin)
             .args(["run", "--config"])
             .arg(&config)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -293,10 +360,8 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
         agents.0.push(child);
     }
     say(format!(
-        "started {} agents ({} with a failing health check); logs in {}",
-        args.devices,
-        args.fail,
-        root.display()
+        "started {} agents ({} with a failing health check)",
+        args.devices, args.fail
     ));
 
     let client = ControlClient::connect(
@@ -306,7 +371,6 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
         operator_key,
     )
     .await?;
-    let deadline = Instant::now() + Duration::from_secs(args.timeout);
     wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
     say(format!("all {} agents registered\n", args.devices));
 
@@ -333,12 +397,9 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
     let mut last_view = String::new();
     let status = loop {
         if coordinator.is_finished() {
-            let reason = match (&mut coordinator).await {
-                Ok(Ok(())) => "it exited".to_owned(),
-                Ok(Err(e)) => e.to_string(),
-                Err(e) => e.to_string(),
-            };
-            return Err(DemoError::Coordinator(reason));
+            return Err(DemoError::Coordinator(
+                coordinator_end(&mut coordinator).await,
+            ));
         }
         let value = client
             .request(
@@ -396,6 +457,45 @@ async fn run_in(args: &DemoArgs, root: &Path) -> Result<i32, DemoError> {
         "finished" => 0,
         _ => 2,
     })
+}
+
+/// Why the coordinator task ended.
+async fn coordinator_end(
+    task: &mut tokio::task::JoinHandle<Result<(), service::ServiceError>>,
+) -> String {
+    match task.await {
+        Ok(Ok(())) => "it exited".to_owned(),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The demo coordinator's config: paths relative to the demo's directory, the embedded
+/// broker, one enrollment token per agent, and the `demo` operator (admin).
+fn coordinator_config(addr: SocketAddr, tokens: &[String]) -> String {
+    format!(
+        r#"# The coordinator of `flotilla demo`; `flotilla serve --config coordinator.toml` runs it
+# again, with its database in coordinator/ (the devices and rollouts of the demo).
+data_dir = "coordinator"
+coordinator_key = "keys/coordinator.key"
+
+[broker]
+# The demo's broker runs inside the coordinator: plain TCP on loopback, no login.
+embedded = "{addr}"
+
+[actions]
+validity = "24h"
+
+[enrollment]
+# One token per demo agent; each is used up when its agent first enrolls.
+tokens = {tokens:?}
+
+[[operators]]
+name = "demo"
+role = "admin"
+key_file = "keys/demo.pub"
+"#
+    )
 }
 
 fn agent_binary(given: Option<PathBuf>) -> Result<PathBuf, DemoError> {

@@ -13,6 +13,13 @@
 //! `hardware_id` defaults to `any`; `labels` defaults to none. Every error names the entry's
 //! index and field, and a device id may appear only once. The same file feeds
 //! `flotilla simulate` (the `simulate` module).
+//!
+//! The output of `flotilla devices --json` is a fleet file as it stands: its other fields
+//! (`online`, `installed`, `rollout`, `phase`, `reason`) are read past, and a device whose
+//! `enrollment` is not accepted is left out, as the coordinator plans accepted devices only.
+//! A staged spec that names a stored strategy is planned with that strategy's stages from
+//! `--strategy-file` (`flotilla strategy show NAME` prints them), so `plan` stays offline
+//! (docs/decisions/0018-cli-settings-and-offline-plan.md).
 
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::BTreeMap;
@@ -26,7 +33,7 @@ use flotilla_rollout::plan::{
     ErrorAction, ErrorCondition, Gate, Pace, Plan, SuccessAction, SuccessCondition, Threshold,
 };
 use flotilla_rollout::planner::{self, DeviceGroup, FleetDevice, PlanError};
-use flotilla_rollout::spec::{RolloutSpec, SpecError};
+use flotilla_rollout::spec::{RolloutSpec, SpecError, StagedStrategy};
 
 /// The hardware id of a fleet entry that does not name one.
 pub const ANY_HARDWARE: &str = "any";
@@ -70,8 +77,41 @@ pub enum FleetError {
         path: PathBuf,
         source: Box<SpecError>,
     },
+    #[error("strategy file {path}: {source}")]
+    Strategy {
+        path: PathBuf,
+        source: Box<SpecError>,
+    },
+    #[error("spec {path} names the stored strategy {name:?}; give its stages with --strategy-file FILE (`flotilla strategy show {name} > {name}.toml` writes them)")]
+    NeedStrategy { path: PathBuf, name: String },
+    #[error("--strategy-file {strategy}: spec {spec} does not name a stored strategy (`[staged]` with `strategy = \"NAME\"`); leave --strategy-file out")]
+    UnusedStrategy { strategy: PathBuf, spec: PathBuf },
     #[error(transparent)]
     Plan(#[from] PlanError),
+}
+
+/// A device of the fleet file that the coordinator would not plan: its enrollment is not
+/// accepted (pending, rejected, revoked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeftOut {
+    pub id: String,
+    pub enrollment: String,
+}
+
+/// A fleet file: the devices a rollout can be planned over, and those left out.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Fleet {
+    pub devices: Vec<FleetDevice>,
+    pub left_out: Vec<LeftOut>,
+}
+
+/// The fields of `flotilla devices --json` (`DeviceSummary`) that planning does not use.
+const STATUS_FIELDS: [&str; 5] = ["online", "installed", "rollout", "phase", "reason"];
+
+/// Whether an `enrollment` status text (`accepted`, `accepted, new key pending`, `pending`…)
+/// means the coordinator plans the device.
+fn is_accepted(enrollment: &str) -> bool {
+    enrollment == "accepted" || enrollment.starts_with("accepted,")
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -85,8 +125,13 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Parses a fleet file's text.
+/// Parses a fleet file's text: the devices to plan over (those left out are dropped).
 pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
+    Ok(parse_fleet_file(text)?.devices)
+}
+
+/// Parses a fleet file's text: a hand-written fleet, or `flotilla devices --json`.
+pub fn parse_fleet_file(text: &str) -> Result<Fleet, FleetError> {
     let value: Value = serde_json::from_str(text).map_err(FleetError::Json)?;
     let Value::Array(entries) = value else {
         return Err(FleetError::NotArray {
@@ -95,6 +140,7 @@ pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
     };
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut fleet = Vec::with_capacity(entries.len());
+    let mut left_out = Vec::new();
     for (index, entry) in entries.iter().enumerate() {
         let bad = |field: &str, problem: String| FleetError::Entry {
             index,
@@ -107,15 +153,46 @@ pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
                 format!("expected an object, found {}", kind(entry)),
             ));
         };
-        if let Some(key) = map
-            .keys()
-            .find(|k| !matches!(k.as_str(), "id" | "labels" | "hardware_id"))
-        {
+        let known = |k: &str| {
+            matches!(k, "id" | "labels" | "hardware_id" | "enrollment")
+                || STATUS_FIELDS.contains(&k)
+        };
+        if let Some(key) = map.keys().find(|k| !known(k)) {
             return Err(bad(
                 "",
-                format!("unknown field {key:?}; expected id, labels, hardware_id"),
+                format!(
+                    "unknown field {key:?}; expected id, labels, hardware_id (and the other fields of `flotilla devices --json`)"
+                ),
             ));
         }
+        for field in STATUS_FIELDS {
+            let expected = if field == "online" {
+                "a boolean"
+            } else {
+                "a string"
+            };
+            match map.get(field) {
+                None | Some(Value::Null) => {}
+                Some(Value::Bool(_)) if field == "online" => {}
+                Some(Value::String(_)) if field != "online" => {}
+                Some(other) => {
+                    return Err(bad(
+                        &format!(".{field}"),
+                        format!("expected {expected}, found {}", kind(other)),
+                    ))
+                }
+            }
+        }
+        let enrollment = match map.get("enrollment") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(e)) => Some(e.clone()),
+            Some(other) => {
+                return Err(bad(
+                    ".enrollment",
+                    format!("expected a string, found {}", kind(other)),
+                ))
+            }
+        };
         let id = match map.get("id") {
             Some(Value::String(id)) => id.clone(),
             Some(other) => {
@@ -128,6 +205,14 @@ pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
         };
         flotilla_protocol::ids::validate_id("device id", &id)
             .map_err(|e| bad(".id", e.to_string()))?;
+        if let Some(&first) = seen.get(&id) {
+            return Err(FleetError::Duplicate { index, id, first });
+        }
+        seen.insert(id.clone(), index);
+        if let Some(enrollment) = enrollment.filter(|e| !is_accepted(e)) {
+            left_out.push(LeftOut { id, enrollment });
+            continue;
+        }
         let mut labels = BTreeMap::new();
         match map.get("labels") {
             None | Some(Value::Null) => {}
@@ -160,17 +245,16 @@ pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
                 ))
             }
         };
-        if let Some(&first) = seen.get(&id) {
-            return Err(FleetError::Duplicate { index, id, first });
-        }
-        seen.insert(id.clone(), index);
         fleet.push(FleetDevice {
             id,
             labels,
             hardware_id,
         });
     }
-    Ok(fleet)
+    Ok(Fleet {
+        devices: fleet,
+        left_out,
+    })
 }
 
 fn read(what: &'static str, path: &Path) -> Result<String, FleetError> {
@@ -184,6 +268,11 @@ fn read(what: &'static str, path: &Path) -> Result<String, FleetError> {
 /// Reads and parses a fleet file.
 pub fn load_fleet(path: &Path) -> Result<Vec<FleetDevice>, FleetError> {
     parse_fleet(&read("fleet file", path)?)
+}
+
+/// Reads and parses a fleet file, keeping the devices it leaves out.
+pub fn load_fleet_file(path: &Path) -> Result<Fleet, FleetError> {
+    parse_fleet_file(&read("fleet file", path)?)
 }
 
 /// Reads and validates a rollout spec file.
@@ -205,37 +294,93 @@ pub fn load_device_groups(path: &Path) -> Result<Vec<DeviceGroup>, FleetError> {
 
 /// `flotilla plan`.
 #[derive(Debug, Args)]
+#[command(after_long_help = "\
+Plan against the real fleet, still offline:
+  flotilla devices --json > fleet.json
+  flotilla group list --json > groups.json          # when partitions name device groups
+  flotilla strategy show NAME > NAME.toml           # when a [staged] spec names a strategy
+  flotilla plan --spec SPEC --fleet fleet.json --groups groups.json --strategy-file NAME.toml")]
 pub struct PlanArgs {
     /// The rollout spec (TOML).
     #[arg(long)]
     pub spec: PathBuf,
-    /// The fleet: a JSON array of {"id", "labels", "hardware_id"}.
+    /// The fleet: a JSON array of {"id", "labels", "hardware_id"}, or the output of
+    /// `flotilla devices --json` (devices not accepted are left out).
     #[arg(long)]
     pub fleet: PathBuf,
-    /// Named device groups that partitions refer to (JSON array).
+    /// Named device groups that partitions refer to (JSON array, as `flotilla group list
+    /// --json` prints them).
     #[arg(long)]
     pub groups: Option<PathBuf>,
+    /// The stages of the stored strategy a `[staged]` spec names (`strategy = "NAME"`), as
+    /// `flotilla strategy show NAME` prints them.
+    #[arg(long, value_name = "FILE")]
+    pub strategy_file: Option<PathBuf>,
     /// Print the plan as JSON.
     #[arg(long)]
     pub json: bool,
 }
 
-/// Plans a spec over a fleet file. The release's hardware list is not known offline, so no
-/// device is excluded by hardware.
-pub fn plan_files(args: &PlanArgs) -> Result<Plan, FleetError> {
-    let spec = load_spec(&args.spec)?;
-    let fleet = load_fleet(&args.fleet)?;
+/// Reads a stored strategy's stages (`flotilla strategy show NAME`) into a staged spec that
+/// names the strategy, as the coordinator does when the rollout is created.
+fn resolve_strategy(
+    spec: &mut RolloutSpec,
+    spec_path: &Path,
+    strategy_file: Option<&Path>,
+) -> Result<(), FleetError> {
+    match (
+        spec.staged_strategy_name().map(str::to_owned),
+        strategy_file,
+    ) {
+        (None, None) => Ok(()),
+        (None, Some(path)) => Err(FleetError::UnusedStrategy {
+            strategy: path.to_owned(),
+            spec: spec_path.to_owned(),
+        }),
+        (Some(name), None) => Err(FleetError::NeedStrategy {
+            path: spec_path.to_owned(),
+            name,
+        }),
+        (Some(name), Some(path)) => {
+            let text = read("strategy file", path)?;
+            let strategy =
+                StagedStrategy::from_toml(&name, &text).map_err(|e| FleetError::Strategy {
+                    path: path.to_owned(),
+                    source: Box::new(e),
+                })?;
+            spec.resolve_strategy(&strategy);
+            Ok(())
+        }
+    }
+}
+
+/// Plans a spec over a fleet file; also the devices the file leaves out. The release's
+/// hardware list is not known offline, so no device is excluded by hardware.
+pub fn plan_files(args: &PlanArgs) -> Result<(Plan, Vec<LeftOut>), FleetError> {
+    let mut spec = load_spec(&args.spec)?;
+    resolve_strategy(&mut spec, &args.spec, args.strategy_file.as_deref())?;
+    let fleet = load_fleet_file(&args.fleet)?;
     let groups = match &args.groups {
         Some(path) => load_device_groups(path)?,
         None => Vec::new(),
     };
-    Ok(planner::plan(&spec, &fleet, &[], &groups)?)
+    let plan = planner::plan(&spec, &fleet.devices, &[], &groups)?;
+    Ok((plan, fleet.left_out))
 }
 
 /// Runs `flotilla plan`: prints the plan and returns the exit code (1 on error, with the error
-/// on stderr).
+/// on stderr). Devices the fleet file leaves out are named on stderr.
 pub fn run_plan(args: &PlanArgs) -> i32 {
-    match plan_files(args) {
+    let planned = plan_files(args).map(|(plan, left_out)| {
+        for d in &left_out {
+            eprintln!(
+                "left out {}: enrollment {} (the coordinator plans accepted devices only)",
+                d.id, d.enrollment
+            );
+        }
+        plan
+    });
+    match planned {
         Ok(plan) if args.json => match serde_json::to_string_pretty(&plan) {
             Ok(json) => {
                 println!("{json}");
@@ -421,6 +566,34 @@ mod tests {
         assert_eq!(fleet[0].hardware_id, "pi4");
         assert_eq!(fleet[1].hardware_id, "any");
         assert!(fleet[1].labels.is_empty());
+    }
+
+    #[test]
+    fn reads_devices_json_and_leaves_out_devices_not_accepted() {
+        let fleet = parse_fleet_file(
+            r#"[{"id": "a", "hardware_id": "pi4", "labels": {"env": "prod"}, "online": true,
+                 "installed": "fw-1", "rollout": null, "phase": "ready", "reason": null,
+                 "enrollment": "accepted"},
+                {"id": "b", "hardware_id": "pi4", "labels": {}, "online": false,
+                 "installed": null, "enrollment": "accepted, new key pending"},
+                {"id": "c", "hardware_id": "", "labels": {}, "online": false,
+                 "enrollment": "pending"}]"#,
+        )
+        .expect("devices --json is a fleet file");
+        let ids: Vec<&str> = fleet.devices.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b"]);
+        assert_eq!(
+            fleet.left_out,
+            [LeftOut {
+                id: "c".into(),
+                enrollment: "pending".into()
+            }]
+        );
+        let err = parse_fleet(r#"[{"id": "a", "online": "yes"}]"#).expect_err("bad type");
+        assert_eq!(
+            err.to_string(),
+            "fleet[0].online: expected a boolean, found a string"
+        );
     }
 
     #[test]

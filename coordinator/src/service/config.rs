@@ -37,6 +37,76 @@ pub enum ConfigError {
         value: String,
         reason: String,
     },
+    /// A setting given on the command line or in the environment ([`Given`]).
+    #[error("{setting} {value:?} is invalid: {reason}")]
+    Given {
+        /// The flag or environment variable, as the operator wrote it.
+        setting: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+/// A setting given outside the config file, with where it came from (`--broker`,
+/// `FLOTILLA_BROKER`), so that a refusal names what the operator wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Given<T> {
+    pub value: T,
+    pub from: &'static str,
+}
+
+/// Broker settings from `flotilla serve`'s command line or environment. Each one replaces the
+/// config file's setting of the same name: flag > environment variable > config file > default
+/// (the CLI decides between flag and variable). Paths are relative to the working directory.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BrokerOverrides {
+    /// broker.host and broker.port.
+    pub addr: Option<Given<(String, u16)>>,
+    pub topic_root: Option<Given<String>>,
+    pub embedded: Option<Given<SocketAddr>>,
+    pub username: Option<Given<String>>,
+    /// Replaces both password_file and password_env.
+    pub password_file: Option<Given<PathBuf>>,
+    /// Turns TLS on (the config's [broker.tls] files, if any, still apply).
+    pub tls: Option<Given<()>>,
+    pub ca_file: Option<Given<PathBuf>>,
+    pub client_cert: Option<Given<PathBuf>>,
+    pub client_key: Option<Given<PathBuf>>,
+}
+
+impl BrokerOverrides {
+    /// The login and TLS settings given, as (where from, value) for messages.
+    fn login_and_tls(&self) -> Vec<(&'static str, String)> {
+        let path = |g: &Option<Given<PathBuf>>| {
+            g.as_ref().map(|g| (g.from, g.value.display().to_string()))
+        };
+        [
+            self.username.as_ref().map(|g| (g.from, g.value.clone())),
+            path(&self.password_file),
+            self.tls.as_ref().map(|g| (g.from, "true".to_owned())),
+            path(&self.ca_file),
+            path(&self.client_cert),
+            path(&self.client_key),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
+/// Whether `host:port` reaches the embedded broker listening on `embedded`.
+fn names_embedded(host: &str, port: u16, embedded: SocketAddr) -> bool {
+    if port != embedded.port() {
+        return false;
+    }
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    let same_ip = host
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip == embedded.ip());
+    same_ip || (loopback && (embedded.ip().is_loopback() || embedded.ip().is_unspecified()))
 }
 
 /// The validated configuration.
@@ -219,17 +289,31 @@ impl Default for RawActions {
     }
 }
 
-/// A raw config plus the directory relative paths are resolved against.
-struct Located {
+/// A raw config plus the directory relative paths are resolved against, and the settings given
+/// outside it.
+struct Located<'a> {
     raw: RawConfig,
     base: PathBuf,
+    overrides: &'a BrokerOverrides,
 }
 
-impl TryFrom<Located> for Config {
+impl TryFrom<Located<'_>> for Config {
     type Error = ConfigError;
 
-    fn try_from(located: Located) -> Result<Self, Self::Error> {
-        let Located { raw, base } = located;
+    fn try_from(located: Located<'_>) -> Result<Self, Self::Error> {
+        let Located {
+            mut raw,
+            base,
+            overrides,
+        } = located;
+        let given = |g: &Given<String>, reason: &str| ConfigError::Given {
+            setting: g.from,
+            value: g.value.clone(),
+            reason: reason.to_owned(),
+        };
+        if let Some(addr) = &overrides.addr {
+            (raw.broker.host, raw.broker.port) = addr.value.clone();
+        }
         let field = |field, value: &str, reason: &str| ConfigError::Field {
             field,
             value: value.to_owned(),
@@ -264,17 +348,21 @@ impl TryFrom<Located> for Config {
                 "use 1 to 64 of letters, digits, '.', '_' and '-'",
             ));
         }
+        if let Some(root) = &overrides.topic_root {
+            raw.broker.topic_root.clone_from(&root.value);
+        }
         let root = &raw.broker.topic_root;
         if root.is_empty() || root.contains(['+', '#']) || root.starts_with('/') {
-            return Err(field(
-                "broker.topic_root",
-                root,
-                "must be non-empty, not start with '/', and contain no MQTT wildcards",
-            ));
+            let reason = "must be non-empty, not start with '/', and contain no MQTT wildcards";
+            return Err(match &overrides.topic_root {
+                Some(g) => given(g, reason),
+                None => field("broker.topic_root", root, reason),
+            });
         }
-        let embedded = match &raw.broker.embedded {
-            None => None,
-            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
+        let embedded = match (&overrides.embedded, &raw.broker.embedded) {
+            (Some(g), _) => Some(g.value),
+            (None, None) => None,
+            (None, Some(addr)) => Some(addr.parse::<SocketAddr>().map_err(|e| {
                 field(
                     "broker.embedded",
                     addr,
@@ -282,6 +370,33 @@ impl TryFrom<Located> for Config {
                 )
             })?),
         };
+        if let Some(addr) = embedded {
+            let named = match &overrides.embedded {
+                Some(g) => format!("{} {addr}", g.from),
+                None => format!("broker.embedded = \"{addr}\" in the config file"),
+            };
+            if let Some(g) = &overrides.addr {
+                let (host, port) = &g.value;
+                if !names_embedded(host, *port, addr) {
+                    return Err(ConfigError::Given {
+                        setting: g.from,
+                        value: format!("{host}:{port}"),
+                        reason: format!(
+                            "the coordinator runs an embedded broker ({named}) and connects to it, not to another broker; name the embedded broker's address or run without it"
+                        ),
+                    });
+                }
+            }
+            if let Some((from, value)) = overrides.login_and_tls().into_iter().next() {
+                return Err(ConfigError::Given {
+                    setting: from,
+                    value,
+                    reason: format!(
+                        "the coordinator runs an embedded broker ({named}) and connects to it over plain loopback TCP, without login or TLS; leave this out or run without the embedded broker"
+                    ),
+                });
+            }
+        }
         let action_validity = parse_duration(&raw.actions.validity)
             .map_err(|reason| field("actions.validity", &raw.actions.validity, &reason))?;
         if action_validity == 0 {
@@ -292,20 +407,35 @@ impl TryFrom<Located> for Config {
             ));
         }
         let broker = raw.broker;
-        let connection = ConnectionSpec {
-            host: broker.host,
-            port: broker.port,
-            username: broker.username,
-            password_file: broker.password_file,
-            password_env: broker.password_env,
-            tls: broker.tls,
-        }
-        .validate(&base, &|name| std::env::var(name).ok())
-        .map_err(|e| ConfigError::Field {
-            field: broker_field(e.field),
-            value: e.value,
-            reason: e.reason,
-        })?;
+        let (spec, password_env_given) = connection_spec(
+            ConnectionSpec {
+                host: broker.host,
+                port: broker.port,
+                username: broker.username,
+                password_file: broker.password_file,
+                password_env: broker.password_env,
+                tls: broker.tls,
+            },
+            &base,
+            overrides,
+        );
+        // Paths are absolute or relative to the working directory by now.
+        let connection = spec
+            .validate(Path::new(""), &|name| std::env::var(name).ok())
+            .map_err(
+                |e| match given_field(e.field, overrides, password_env_given) {
+                    Some(setting) => ConfigError::Given {
+                        setting,
+                        value: e.value,
+                        reason: e.reason,
+                    },
+                    None => ConfigError::Field {
+                        field: broker_field(e.field),
+                        value: e.value,
+                        reason: e.reason,
+                    },
+                },
+            )?;
         let clock_window = parse_duration(&raw.control.clock_window)
             .map_err(|reason| field("control.clock_window", &raw.control.clock_window, &reason))?;
         if clock_window == 0 {
@@ -431,6 +561,66 @@ fn operators(raw: &[RawOperator], base: &Path) -> Result<Vec<OperatorConfig>, Co
     Ok(out)
 }
 
+/// The config file's connection settings (paths resolved against its directory `base`) with the
+/// overrides applied, field by field; and whether the password variable was implied by a
+/// `--username` given without a password file (as the other commands read it).
+fn connection_spec(
+    mut spec: ConnectionSpec,
+    base: &Path,
+    o: &BrokerOverrides,
+) -> (ConnectionSpec, bool) {
+    spec.password_file = spec.password_file.map(|p| base.join(p));
+    if let Some(tls) = &mut spec.tls {
+        for path in [&mut tls.ca_file, &mut tls.client_cert, &mut tls.client_key] {
+            *path = path.as_ref().map(|p| base.join(p));
+        }
+    }
+    if let Some(g) = &o.username {
+        spec.username = Some(g.value.clone());
+    }
+    if let Some(g) = &o.password_file {
+        spec.password_file = Some(g.value.clone());
+        spec.password_env = None;
+    }
+    let implied =
+        o.username.is_some() && spec.password_file.is_none() && spec.password_env.is_none();
+    if implied {
+        spec.password_env = Some(flotilla_mqtt::PASSWORD_ENV.to_owned());
+    }
+    let files = [&o.ca_file, &o.client_cert, &o.client_key];
+    if o.tls.is_some() || files.iter().any(|g| g.is_some()) {
+        let tls = spec.tls.get_or_insert_with(RawTls::default);
+        let slots = [&mut tls.ca_file, &mut tls.client_cert, &mut tls.client_key];
+        for (slot, g) in slots.into_iter().zip(files) {
+            if let Some(g) = g {
+                *slot = Some(g.value.clone());
+            }
+        }
+    }
+    (spec, implied)
+}
+
+/// The flag or variable a connection field came from, when it was given outside the config.
+fn given_field(
+    field: &'static str,
+    o: &BrokerOverrides,
+    password_env_given: bool,
+) -> Option<&'static str> {
+    let from = |g: &Option<Given<_>>| g.as_ref().map(|g: &Given<_>| g.from);
+    match field {
+        "host" | "port" => o.addr.as_ref().map(|g| g.from),
+        "username" => o.username.as_ref().map(|g| g.from),
+        "password_file" => from(&o.password_file),
+        "password_env" if password_env_given => Some(flotilla_mqtt::PASSWORD_ENV),
+        "password_env" => None,
+        "tls.ca_file" => from(&o.ca_file),
+        "tls.client_cert" => from(&o.client_cert),
+        // A certificate without its key: the key is what is missing.
+        "tls.client_key" => from(&o.client_key).or(from(&o.client_cert)),
+        _ => o.tls.as_ref().map(|g| g.from),
+    }
+}
+
 /// `broker.`-prefixed names for the fields flotilla-mqtt validates.
 fn broker_field(field: &'static str) -> &'static str {
     match field {
@@ -449,6 +639,16 @@ fn broker_field(field: &'static str) -> &'static str {
 impl Config {
     /// Parses config text; relative paths resolve against `base`.
     pub fn from_toml(text: &str, base: &Path, origin: &Path) -> Result<Config, ConfigError> {
+        Self::from_toml_with(text, base, origin, &BrokerOverrides::default())
+    }
+
+    /// [`Config::from_toml`] with settings given on the command line or in the environment.
+    pub fn from_toml_with(
+        text: &str,
+        base: &Path,
+        origin: &Path,
+        overrides: &BrokerOverrides,
+    ) -> Result<Config, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
             path: origin.to_owned(),
             source,
@@ -456,17 +656,23 @@ impl Config {
         Config::try_from(Located {
             raw,
             base: base.to_owned(),
+            overrides,
         })
     }
 
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with(path, &BrokerOverrides::default())
+    }
+
+    /// Reads and validates a config file; each setting in `overrides` replaces the file's.
+    pub fn load_with(path: &Path, overrides: &BrokerOverrides) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
         let base = path.parent().unwrap_or(Path::new(".")).to_owned();
-        Config::from_toml(&text, &base, path)
+        Config::from_toml_with(&text, &base, path, overrides)
     }
 
     /// Where the coordinator connects: the embedded broker when there is one (so
@@ -604,6 +810,94 @@ mod tests {
         .expect("valid");
         assert_eq!(embedded.connection().credentials, None);
         assert_eq!(embedded.connection().addr(), "127.0.0.1:18831");
+    }
+
+    #[test]
+    fn overrides_replace_settings_one_by_one_and_errors_name_where_they_came_from() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("broker.password"), "hunter2\n").expect("write");
+        let text = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\nhost = \"file-host\"\nport = 1883\ntopic_root = \"file-root\"\nusername = \"coord\"\npassword_file = \"broker.password\"\n";
+        let load = |o: &BrokerOverrides| {
+            Config::from_toml_with(text, dir.path(), &dir.path().join("c.toml"), o)
+        };
+        let given = |value: &str, from| {
+            Some(Given {
+                value: value.to_owned(),
+                from,
+            })
+        };
+        let overrides = BrokerOverrides {
+            addr: Some(Given {
+                value: ("flag-host".to_owned(), 8883),
+                from: "--broker",
+            }),
+            topic_root: given("env-root", "FLOTILLA_TOPIC_ROOT"),
+            ..BrokerOverrides::default()
+        };
+        let config = load(&overrides).expect("valid");
+        assert_eq!(config.broker_addr(), "flag-host:8883");
+        assert_eq!(config.broker.topic_root, "env-root");
+        // The file's login is kept: only the address and the root were given.
+        let login = config
+            .broker
+            .credentials
+            .expect("credentials from the file");
+        assert_eq!(
+            (login.username.as_str(), login.password.expose()),
+            ("coord", "hunter2")
+        );
+
+        let err = load(&BrokerOverrides {
+            username: given("other", "FLOTILLA_BROKER_USERNAME"),
+            password_file: Some(Given {
+                value: PathBuf::from("/nonexistent/pw"),
+                from: "--password-file",
+            }),
+            ..BrokerOverrides::default()
+        })
+        .expect_err("missing password file")
+        .to_string();
+        assert!(
+            err.starts_with("--password-file \"/nonexistent/pw\" is invalid"),
+            "{err}"
+        );
+        let err = load(&BrokerOverrides {
+            topic_root: given("a/+", "--topic-root"),
+            ..BrokerOverrides::default()
+        })
+        .expect_err("wildcard")
+        .to_string();
+        assert!(err.starts_with("--topic-root \"a/+\" is invalid"), "{err}");
+
+        let embedded = |addr: &str| {
+            Some(Given {
+                value: addr.parse().expect("addr"),
+                from: "--embedded-broker",
+            })
+        };
+        let same = BrokerOverrides {
+            embedded: embedded("0.0.0.0:18830"),
+            addr: Some(Given {
+                value: ("localhost".to_owned(), 18830),
+                from: "FLOTILLA_BROKER",
+            }),
+            ..BrokerOverrides::default()
+        };
+        let config = load(&same).expect("the address names the embedded broker");
+        assert_eq!(config.connection().credentials, None, "plain loopback");
+        let other = BrokerOverrides {
+            addr: Some(Given {
+                value: ("localhost".to_owned(), 1883),
+                from: "FLOTILLA_BROKER",
+            }),
+            ..same
+        };
+        let err = load(&other).expect_err("another broker").to_string();
+        assert!(
+            err.starts_with("FLOTILLA_BROKER \"localhost:1883\"")
+                && err.contains("--embedded-broker 0.0.0.0:18830"),
+            "{err}"
+        );
     }
 
     #[test]
