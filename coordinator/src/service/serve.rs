@@ -682,8 +682,13 @@ impl Service {
                 let r = self.engine.stop_by(&rollout, by, now);
                 status(rollout, r)
             }
-            Command::TriggerNext { rollout } => {
-                let r = self.engine.trigger_next_by(&rollout, by, now);
+            Command::TriggerNext {
+                rollout,
+                skip_approval,
+            } => {
+                let r = self
+                    .engine
+                    .trigger_next_with(&rollout, by, skip_approval, now);
                 status(rollout, r)
             }
             Command::RetryRollout { rollout, name } => {
