@@ -374,15 +374,15 @@ impl Rollout {
         false
     }
 
-    /// Gives the approval `name` (`when` group `gi`) on behalf of `by`, who passed an explicit
-    /// flag (`rollout next --skip-approval`): created approved if it was not requested yet.
+    /// Gives the approval `name` (`when` group `gi`) as an operator's explicit command did
+    /// (`given`: "by alice via next (--skip-approval)"): created approved if it was not
+    /// requested yet.
     pub(crate) fn grant(
         &mut self,
         name: &str,
         gi: usize,
         when: &str,
-        by: &str,
-        how: &str,
+        given: &str,
         now: u64,
         out: &mut Out,
     ) {
@@ -415,7 +415,7 @@ impl Rollout {
             now,
         );
         out.commands.push(Effect::Approval(approval));
-        self.record(now, format!("approval {name} given by {by} {how}"), out);
+        self.record(now, format!("approval {name} given {given}"), out);
     }
 
     /// Whether the approval `name` exists and was given.
@@ -774,10 +774,13 @@ impl Rollout {
                 }
                 out.releases.push((device, rname.clone()));
             }
-            if matches!(
-                group.state,
-                GroupState::Running | GroupState::Waiting | GroupState::Approval
-            ) && group.counts.pending() == 0
+            // A group held by its before approval never started: it stays scheduled, like the
+            // groups after it.
+            if group.state == GroupState::Approval {
+                group.state = GroupState::Scheduled;
+            }
+            if matches!(group.state, GroupState::Running | GroupState::Waiting)
+                && group.counts.pending() == 0
             {
                 group.state = if success_met(&group.success, &group.counts).met {
                     GroupState::Finished

@@ -1030,6 +1030,22 @@ impl Engine {
             )
         };
         r.record(now, message, &mut out);
+        // Resuming past a group in error is the operator's decision about that group, so its
+        // after approval is given with it, in the operator's name, and the trace says so.
+        for gi in 0..r.groups.len() {
+            let g = &r.groups[gi];
+            if g.after.approval && passed.contains(&g.name) {
+                let approval = after_approval(&r.name, &g.name);
+                r.grant(
+                    &approval,
+                    gi,
+                    "after",
+                    &format!("by {by} via resume"),
+                    now,
+                    &mut out,
+                );
+            }
+        }
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1157,7 +1173,7 @@ impl Engine {
         else {
             return Err(Self::invalid(r, "trigger the next group of"));
         };
-        let how = "via next (--skip-approval)";
+        let how = format!("by {by} via next (--skip-approval)");
         let mut out = Out::default();
         let gname = r.groups[last].name.clone();
         if r.groups[last].state == GroupState::Approval {
@@ -1168,7 +1184,7 @@ impl Engine {
                     "rollout {name}: group {gname} is the next group and waits for approval {approval}; approve it (flotilla approve {approval}) or pass --skip-approval"
                 )));
             }
-            r.grant(&approval, last, "before", by, how, now, &mut out);
+            r.grant(&approval, last, "before", &how, now, &mut out);
             self.advance(name, now, &mut out);
             return Ok(out.into_effects());
         }
@@ -1192,13 +1208,13 @@ impl Engine {
                         r.groups[last + 1].name
                     )));
                 }
-                r.grant(&approval, last, "after", by, how, now, &mut out);
+                r.grant(&approval, last, "after", &how, now, &mut out);
             }
         }
         let next = last + 1;
         if skip_approval && r.groups[next].before.approval {
             let approval = before_approval(&r.name, &r.groups[next].name);
-            r.grant(&approval, next, "before", by, how, now, &mut out);
+            r.grant(&approval, next, "before", &how, now, &mut out);
         }
         r.groups[last].released = true;
         let message = format!("{by} triggered the next group after group {gname}");
@@ -1258,7 +1274,7 @@ impl Engine {
             let mut group = new_group(crate::plan::PlannedGroup {
                 name: g.name.clone(),
                 devices,
-                pace: g.pace.clone(),
+                pace: g.pace,
                 success: g.success.clone(),
                 error: g.error.clone(),
                 before: g.before,
@@ -1652,3 +1668,5 @@ mod tests;
 mod tests_commands;
 #[cfg(test)]
 mod tests_features;
+#[cfg(test)]
+mod tests_property;
