@@ -151,6 +151,13 @@ pub fn rollback_action_id(rollout: &str, created_at: u64, device: &str) -> Strin
     format!("{}:rollback", action_id(rollout, created_at, device))
 }
 
+/// The id a cancel of `action_id` is published under: its own, since an agent never acts on an
+/// id it already knows (a cancel under the id of the running action would be taken for a repeat
+/// of it). No report ever names it, and [`parse_action_id`] does not take it for an attempt.
+pub fn cancel_action_id(action_id: &str) -> String {
+    format!("{action_id}:cancel")
+}
+
 /// What an action id names, beyond the rollout and device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActionPart {

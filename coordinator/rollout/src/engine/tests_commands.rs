@@ -464,3 +464,15 @@ fn a_timed_out_device_that_reports_ready_clears_its_groups_error() {
         .iter()
         .any(|c| c.kind == "Succeeded" && c.status));
 }
+
+#[test]
+fn a_cancel_has_an_id_of_its_own_that_is_never_taken_for_an_attempt() {
+    let install = action_id("r", T0, "d000");
+    let cancel = cancel_action_id(&install);
+    assert_ne!(cancel, install);
+    assert_eq!(parse_action_id(&cancel), None);
+    assert_eq!(
+        parse_action_id(&cancel_action_id(&attempt_action_id("r", T0, "d000", 2))),
+        None
+    );
+}
