@@ -12,8 +12,11 @@ use flotilla_tests::{AgentOptions, BrokerKind, Site, WAIT};
 const FIRMWARE: &[u8] = b"firmware 2.0\n";
 const OLD: &[u8] = b"factory firmware\n";
 
-/// A site on Mosquitto with release fw-2 and the given agents (id, labels, options).
-async fn site(agents: &[(&str, &[(&str, &str)], AgentOptions)]) -> Site {
+/// An agent of a site: id, labels, options.
+type Agent<'a> = (&'a str, &'a [(&'a str, &'a str)], AgentOptions);
+
+/// A site on Mosquitto with release fw-2 and the given agents.
+async fn site(agents: &[Agent<'_>]) -> Site {
     let mut site = Site::new(BrokerKind::Mosquitto);
     site.release("fw-2", 2, FIRMWARE);
     site.start_coordinator();
