@@ -476,3 +476,105 @@ fn a_cancel_has_an_id_of_its_own_that_is_never_taken_for_an_attempt() {
         None
     );
 }
+
+/// A rollout named "m" in `state`, with a failed device (d001) wherever one fits: groups g1
+/// (d000, d001), g2 (d002), g3 (d003).
+fn in_state(state: RolloutState) -> Bench {
+    let mut b = Bench::new(4);
+    let mut g1 = group("g1", ids(0..2));
+    if state == RolloutState::Failed {
+        g1.error = Some(ErrorCondition {
+            action: ErrorAction::Stop,
+            ..ErrorCondition::default()
+        });
+    }
+    let groups = vec![g1, group("g2", ids(2..3)), group("g3", ids(3..4))];
+    let start_at = (state == RolloutState::Scheduled).then_some(T0 + 3600);
+    b.create("m", groups, |p| p.start_at = start_at);
+    if state == RolloutState::Ready {
+        return b;
+    }
+    b.start("m");
+    match state {
+        RolloutState::Scheduled | RolloutState::Running => {}
+        RolloutState::Paused => {
+            b.ready(&ids(0..1));
+            b.fail("d001");
+        }
+        RolloutState::Failed => b.fail("d001"),
+        RolloutState::Stopped => {
+            b.fail("d001");
+            b.engine.stop("m", T0).expect("stopped");
+        }
+        RolloutState::Finished => {
+            b.ready(&ids(0..1));
+            b.fail("d001");
+            let effects = b.engine.resume("m", T0).expect("resumed");
+            b.take(effects);
+            b.ready(&ids(2..3));
+            b.ready(&ids(3..4));
+        }
+        _ => unreachable!("not a state an operator meets"),
+    }
+    assert_eq!(b.rollout("m").state, state);
+    b
+}
+
+/// The command x state table of docs/operations.md: which commands each rollout state takes
+/// (ok) and which it refuses, naming the state.
+#[test]
+fn every_command_in_every_rollout_state_does_what_the_table_says() {
+    use RolloutState::*;
+    let states = [Ready, Scheduled, Running, Paused, Stopped, Finished, Failed];
+    // (command, the states it is accepted in)
+    let table: [(&str, &[RolloutState]); 6] = [
+        ("start", &[Ready]),
+        ("pause", &[Scheduled, Running]),
+        ("resume", &[Paused]),
+        ("stop", &[Ready, Scheduled, Running, Paused]),
+        ("next", &[Running]),
+        ("retry", &[Paused, Stopped, Finished, Failed]),
+    ];
+    for (command, accepted) in table {
+        for state in states {
+            let mut b = in_state(state);
+            let result = match command {
+                "start" => b.engine.start("m", T0),
+                "pause" => b.engine.pause("m", T0),
+                "resume" => b.engine.resume("m", T0),
+                "stop" => b.engine.stop("m", T0),
+                "next" => b.engine.trigger_next("m", T0),
+                _ => b.engine.retry_failed("m", None, T0),
+            };
+            match (accepted.contains(&state), result) {
+                (true, Ok(_)) => {}
+                (false, Err(e)) => assert!(
+                    e.to_string().contains(&format!("is {state}")),
+                    "{command} in {state}: {e}"
+                ),
+                (true, Err(e)) => panic!("{command} in {state} was refused: {e}"),
+                (false, Ok(_)) => panic!("{command} in {state} was accepted"),
+            }
+        }
+    }
+}
+
+/// Approving is accepted in every state that has the request; in an ended rollout it only
+/// records the approval, nothing starts.
+#[test]
+fn approving_an_ended_rollout_starts_nothing() {
+    let mut b = Bench::new(2);
+    b.create(
+        "ap",
+        vec![approval_after("g1", ids(0..1)), group("g2", ids(1..2))],
+        |_| {},
+    );
+    b.start("ap");
+    b.ready(&ids(0..1));
+    b.engine.stop("ap", T0 + 1).expect("stopped");
+    let sent = b.sent.len();
+    let effects = b.engine.approve("ap-g1", T0 + 2).expect("approved");
+    b.take(effects);
+    assert_eq!(b.sent.len(), sent);
+    assert_eq!(b.rollout("ap").groups[1].state, GroupState::Scheduled);
+}
