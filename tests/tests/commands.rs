@@ -111,7 +111,7 @@ async fn wait_phase(site: &Site, rollout: &str, device: &str, want: &str) -> Rol
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_sends_back_a_device_that_was_past_activation() {
     let site = site(&[
-        ("slow", &[("role", "slow")], slow("8s")),
+        ("slow", &[("role", "slow")], slow("20s")),
         ("bad", &[("role", "bad")], unhealthy()),
     ])
     .await;
@@ -162,7 +162,7 @@ select = "role=bad"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_reports_a_device_past_activation_as_finishing_on_the_new_release() {
     let site = site(&[
-        ("slow", &[("role", "slow")], slow("6s")),
+        ("slow", &[("role", "slow")], slow("15s")),
         ("later", &[("role", "later")], AgentOptions::default()),
     ])
     .await;
@@ -434,7 +434,7 @@ async fn summaries_stay_true_after_resume_and_late_readiness() {
     let site = site(&[
         ("bad", &[("grp", "one")], unhealthy()),
         ("two", &[("grp", "two")], AgentOptions::default()),
-        ("late", &[("grp", "late")], slow("6s")),
+        ("late", &[("grp", "late")], slow("10s")),
     ])
     .await;
     site.create_and_start(
