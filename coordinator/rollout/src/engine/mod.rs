@@ -1057,7 +1057,9 @@ impl Engine {
         Ok(out.into_effects())
     }
 
-    /// Stops a rollout for good: unfinished device actions are canceled and no group starts again.
+    /// Stops a rollout for good: no group starts again and every unfinished device ends by its
+    /// phase (docs/operations.md): not started, canceled, or, past activation, left to finish
+    /// on the new release and counted by its own report.
     pub fn stop(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         self.stop_by(name, OPERATOR, now)
     }
