@@ -648,6 +648,7 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
         &client,
         Command::TriggerNext {
             rollout: "ghost".into(),
+            skip_approval: false,
         },
     )
     .await

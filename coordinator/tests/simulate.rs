@@ -212,7 +212,8 @@ fn operator_stop_cancels_the_devices_still_working() {
     assert_eq!(report["devices"]["dev-000"], "canceled");
     assert!(timeline(&report).contains(&(
         120,
-        "stopped by operator; canceled 5 unfinished device actions".to_owned()
+        "stopped by operator; canceled 5 device actions, 5 devices not started stay as they are"
+            .to_owned()
     )));
 }
 

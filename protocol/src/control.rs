@@ -86,6 +86,10 @@ pub enum Command {
     /// success condition (hawkBit's manual trigger). Result: the rollout's status.
     TriggerNext {
         rollout: String,
+        /// Give the approvals in the way (after the last started group, before the next one)
+        /// in the operator's name, recorded in the trace; without it such a gate refuses.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        skip_approval: bool,
     },
     /// Create a new rollout over the failed, refused and timed-out devices of a finished,
     /// stopped or paused rollout. Named `<rollout>-retry` unless `name` is given.
@@ -246,6 +250,11 @@ pub struct GroupStatus {
     pub failed: usize,
     pub in_progress: usize,
     pub scheduled: usize,
+    /// Canceled (by a stop, a newer rollout or an error action) or rolled back, so that
+    /// `ready + failed + in_progress + scheduled + canceled` is `total`. Absent from older
+    /// coordinators.
+    #[serde(default)]
+    pub canceled: usize,
     /// Device id to its phase in this rollout (`scheduled`, `accepted`, …, `ready`, `failed`).
     pub devices: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

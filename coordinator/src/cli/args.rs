@@ -339,9 +339,17 @@ pub enum RolloutCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Start the next group now, without waiting for the current group's success condition.
+    /// Start the next group now, without waiting for the current group's success condition
+    /// or its timed wait.
+    ///
+    /// An approval in the way (after the current group, or before the group that would start)
+    /// refuses with its name, unless --skip-approval is given.
     Next {
         name: String,
+        /// Give the approvals in the way in your name; the trace records it ("approval
+        /// r-canary given by alice via next").
+        #[arg(long)]
+        skip_approval: bool,
     },
     /// Create a rollout over the failed, refused and timed-out devices of a rollout.
     Retry {

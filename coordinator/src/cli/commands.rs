@@ -691,7 +691,16 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
         RolloutCmd::Status { name, json } => (Command::RolloutStatus { rollout: name }, json),
-        RolloutCmd::Next { name } => (Command::TriggerNext { rollout: name }, false),
+        RolloutCmd::Next {
+            name,
+            skip_approval,
+        } => (
+            Command::TriggerNext {
+                rollout: name,
+                skip_approval,
+            },
+            false,
+        ),
         RolloutCmd::Retry { rollout, name } => (Command::RetryRollout { rollout, name }, false),
     };
     let result = client.request(command, timeout).await?;

@@ -20,11 +20,17 @@ pub fn progress_bar(done: usize, total: usize, width: usize) -> String {
     format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
 }
 
-/// One group's line: name, state, bar of (ready + failed) / total, and the counts.
+/// One group's line: name, state, bar of (ready + failed) / total, and the counts, which add
+/// up to the total (canceled shown when there are any).
 pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
     let done = group.ready + group.failed;
+    let canceled = if group.canceled > 0 {
+        format!(", {} canceled", group.canceled)
+    } else {
+        String::new()
+    };
     format!(
-        "  {:name_width$}  {:9}  {}  {}/{} ready, {} failed, {} running, {} scheduled",
+        "  {:name_width$}  {:9}  {}  {}/{} ready, {} failed, {} running, {} scheduled{canceled}",
         group.name,
         group.state,
         progress_bar(done, group.total, BAR_WIDTH),

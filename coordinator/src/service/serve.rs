@@ -58,7 +58,7 @@ use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
 use crate::service::store_health::{self, StoreHealth};
-use flotilla_rollout::engine::{Effect, Engine, ReleaseRef};
+use flotilla_rollout::engine::{cancel_action_id, Effect, Engine, ReleaseRef};
 use flotilla_rollout::planner::DeviceGroup;
 use flotilla_rollout::selector::Selector;
 use flotilla_rollout::spec::RolloutSpec;
@@ -818,8 +818,13 @@ impl Service {
                 let r = self.engine.stop_by(&rollout, by, now);
                 status(rollout, r)
             }
-            Command::TriggerNext { rollout } => {
-                let r = self.engine.trigger_next_by(&rollout, by, now);
+            Command::TriggerNext {
+                rollout,
+                skip_approval,
+            } => {
+                let r = self
+                    .engine
+                    .trigger_next_with(&rollout, by, skip_approval, now);
                 status(rollout, r)
             }
             Command::RetryRollout { rollout, name } => {
@@ -1104,11 +1109,11 @@ impl Service {
                     action_id,
                     rollout,
                 } => {
-                    let body = ActionBody::Cancel {
-                        action_id: action_id.clone(),
-                    };
-                    self.publish_action(&device, action_id, rollout, body)
-                        .await?;
+                    // A cancel has its own id: an agent never acts twice on an id it knows, so a
+                    // cancel under the id of the action it cancels would be dropped as a repeat.
+                    let id = cancel_action_id(&action_id);
+                    let body = ActionBody::Cancel { action_id };
+                    self.publish_action(&device, id, rollout, body).await?;
                 }
                 Effect::Status(name) => {
                     if let Some(status) = self.engine.status(&name) {
@@ -1234,11 +1239,12 @@ const MAX_SELECTOR_BYTES: usize = 4 * 1024;
 const REPAIR_INTERVAL: u64 = 5;
 
 /// The action id an effect publishes on a device's `desired` topic.
-fn effect_action_id(effect: &Effect) -> Option<&str> {
+fn effect_action_id(effect: &Effect) -> Option<String> {
     match effect {
-        Effect::Desired { action_id, .. }
-        | Effect::Rollback { action_id, .. }
-        | Effect::Cancel { action_id, .. } => Some(action_id),
+        Effect::Desired { action_id, .. } | Effect::Rollback { action_id, .. } => {
+            Some(action_id.clone())
+        }
+        Effect::Cancel { action_id, .. } => Some(cancel_action_id(action_id)),
         _ => None,
     }
 }

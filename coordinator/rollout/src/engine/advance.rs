@@ -64,6 +64,70 @@ impl Out {
     }
 }
 
+/// The approval request that holds group `group` of `rollout` before its first device starts.
+pub(crate) fn before_approval(rollout: &str, group: &str) -> String {
+    format!("{rollout}-before-{group}")
+}
+
+/// The approval request that holds the group after `group` of `rollout` once `group` succeeded.
+pub(crate) fn after_approval(rollout: &str, group: &str) -> String {
+    format!("{rollout}-{group}")
+}
+
+/// What ending a rollout (stop, or the stop and rollback error actions) did to its devices.
+#[derive(Debug, Default)]
+pub(crate) struct Ended {
+    /// Sent a cancel: their action had not passed activation as far as the engine knows.
+    pub canceled: usize,
+    /// Never sent anything; they stay on the release they have.
+    pub dropped: usize,
+    /// Past activation: they finish on the new release (or fail) and say so in a report.
+    pub finishing: usize,
+    /// Ready and soaking: they count as ready now.
+    pub soaked: usize,
+    /// Waiting for a retry after a failed attempt: the failure counts, no retry comes.
+    pub retries: usize,
+}
+
+impl Ended {
+    /// The words of the trace: every device that was not done, and what became of it.
+    pub fn describe(&self, release: &str) -> String {
+        let mut parts = Vec::new();
+        if self.canceled > 0 {
+            parts.push(format!("canceled {} device actions", self.canceled));
+        }
+        if self.dropped > 0 {
+            parts.push(format!(
+                "{} devices not started stay as they are",
+                self.dropped
+            ));
+        }
+        if self.finishing > 0 {
+            parts.push(format!(
+                "{} devices past activation cannot be canceled and finish on release {release}",
+                self.finishing
+            ));
+        }
+        if self.soaked > 0 {
+            parts.push(format!(
+                "{} soaking devices count as ready on release {release}",
+                self.soaked
+            ));
+        }
+        if self.retries > 0 {
+            parts.push(format!(
+                "{} devices waiting for a retry count as failed",
+                self.retries
+            ));
+        }
+        if parts.is_empty() {
+            "no device action was unfinished".to_owned()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
 /// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
 /// and the words with the numbers.
 struct Wait {
@@ -118,6 +182,14 @@ impl Rollout {
 
     /// Moves the rollout as far as it can go now. See the module documentation.
     pub(crate) fn advance(&mut self, now: u64, ctx: &Ctx, out: &mut Out) {
+        self.advance_groups(now, ctx, out);
+        // Only a running rollout waits for something; a paused or ended one says so by its state.
+        if self.state != RolloutState::Running && self.waiting.take().is_some() {
+            out.touch(&self.name);
+        }
+    }
+
+    fn advance_groups(&mut self, now: u64, ctx: &Ctx, out: &mut Out) {
         self.checked_at = self.checked_at.max(now);
         if self.state == RolloutState::Scheduled {
             match self.spec.policies.start_at {
@@ -140,7 +212,7 @@ impl Rollout {
             match self.groups[gi].state {
                 GroupState::Scheduled | GroupState::Approval => {
                     if self.groups[gi].before.approval {
-                        let name = format!("{}-before-{}", self.name, self.groups[gi].name);
+                        let name = before_approval(&self.name, &self.groups[gi].name);
                         if !self.approval_granted(&name, gi, "before", now, out) {
                             self.groups[gi].state = GroupState::Approval;
                             wait = Some(Wait {
@@ -300,6 +372,55 @@ impl Rollout {
             out,
         );
         false
+    }
+
+    /// Gives the approval `name` (`when` group `gi`) as an operator's explicit command did
+    /// (`given`: "by alice via next (--skip-approval)"): created approved if it was not
+    /// requested yet.
+    pub(crate) fn grant(
+        &mut self,
+        name: &str,
+        gi: usize,
+        when: &str,
+        given: &str,
+        now: u64,
+        out: &mut Out,
+    ) {
+        let index = match self.approvals.iter().position(|a| a.name == name) {
+            Some(i) => i,
+            None => {
+                self.approvals.push(ApprovalStatus {
+                    name: name.to_owned(),
+                    rollout: self.name.clone(),
+                    group: self.groups[gi].name.clone(),
+                    when: when.to_owned(),
+                    approved: false,
+                    created_at: now,
+                    approved_at: None,
+                });
+                self.approvals.len() - 1
+            }
+        };
+        let approval = &mut self.approvals[index];
+        if approval.approved {
+            return;
+        }
+        approval.approved = true;
+        approval.approved_at = Some(now);
+        let approval = approval.clone();
+        self.groups[gi].condition(
+            "ApprovalRequestApproved",
+            true,
+            "AfterStageTaskApprovalRequestApproved",
+            now,
+        );
+        out.commands.push(Effect::Approval(approval));
+        self.record(now, format!("approval {name} given {given}"), out);
+    }
+
+    /// Whether the approval `name` exists and was given.
+    pub(crate) fn approved(&self, name: &str) -> bool {
+        self.approvals.iter().any(|a| a.name == name && a.approved)
     }
 
     fn start_group(&mut self, gi: usize, now: u64, out: &mut Out) {
@@ -580,26 +701,41 @@ impl Rollout {
                 );
             }
             ErrorAction::Stop => {
-                let canceled = self.cancel_unfinished(now, out);
+                let ended = self.cancel_unfinished(now, out);
                 self.fail(now);
                 self.record(
                     now,
                     format!(
-                        "group {gname} stopped rollout {name}: {}; canceled {canceled} unfinished device actions",
-                        e.reason
+                        "group {gname} stopped rollout {name}: {}; {}",
+                        e.reason,
+                        ended.describe(&self.release.name)
                     ),
                     out,
                 );
             }
             ErrorAction::Rollback => {
-                let canceled = self.cancel_unfinished(now, out);
+                let ended = self.cancel_unfinished(now, out);
                 let rolled = self.roll_back(now, out);
+                self.rolled_back = true;
                 self.fail(now);
+                let later = if ended.finishing > 0 {
+                    format!(
+                        "; the {} devices past activation are sent back when they finish",
+                        ended.finishing
+                    )
+                } else {
+                    String::new()
+                };
+                let ended = Ended {
+                    finishing: 0,
+                    ..ended
+                };
                 self.record(
                     now,
                     format!(
-                        "group {gname} rolled back rollout {name}: {}; canceled {canceled} unfinished device actions, sending {rolled} devices back to the release they kept",
-                        e.reason
+                        "group {gname} rolled back rollout {name}: {}; {}, sending {rolled} devices back to the release they kept{later}",
+                        e.reason,
+                        ended.describe(&self.release.name)
                     ),
                     out,
                 );
@@ -615,38 +751,67 @@ impl Rollout {
         self.set_condition("Failed", true, "UpdateRunFailed", now);
     }
 
-    /// Cancels every unfinished device action in started groups; returns how many.
-    pub(crate) fn cancel_unfinished(&mut self, now: u64, out: &mut Out) -> usize {
-        let mut canceled = 0;
+    /// Ends every unfinished device action: scheduled devices are dropped, actions that have
+    /// not passed activation are canceled, soaking devices count as ready, devices waiting for
+    /// a retry as failed. Devices past activation are left to finish (the agent ignores a
+    /// cancel from there) and end with their own report. Groups with nothing left end now.
+    pub(crate) fn cancel_unfinished(&mut self, now: u64, out: &mut Out) -> Ended {
+        let mut ended = Ended::default();
         let (rname, created_at) = (self.name.clone(), self.created_at);
         for gi in 0..self.groups.len() {
             let group = &mut self.groups[gi];
-            let unfinished: Vec<(String, u32, bool)> = group
+            let open: Vec<(String, DevicePhase, u32)> = group
                 .slots
                 .iter()
-                .filter(|(_, s)| !s.phase.is_terminal() && s.phase != DevicePhase::Soaking)
-                .map(|(d, s)| (d.clone(), s.attempt, s.phase == DevicePhase::Scheduled))
+                .filter(|(_, s)| !s.phase.is_terminal())
+                .map(|(d, s)| (d.clone(), s.phase.clone(), s.attempt))
                 .collect();
-            for (device, attempt, scheduled) in unfinished {
-                group.set_phase(&device, DevicePhase::Canceled);
+            for (device, phase, attempt) in open {
+                let new = match phase {
+                    DevicePhase::Scheduled => {
+                        ended.dropped += 1;
+                        DevicePhase::Canceled
+                    }
+                    DevicePhase::Soaking => {
+                        ended.soaked += 1;
+                        DevicePhase::Ready
+                    }
+                    DevicePhase::Retrying(reason) => {
+                        ended.retries += 1;
+                        DevicePhase::Failed(reason)
+                    }
+                    DevicePhase::InProgress(p) if p == ROLLING_BACK => continue,
+                    p if p.past_activation() => {
+                        ended.finishing += 1;
+                        out.releases.push((device, rname.clone()));
+                        continue;
+                    }
+                    _ => {
+                        ended.canceled += 1;
+                        out.commands.push(Effect::Cancel {
+                            action_id: attempt_action_id(&rname, created_at, &device, attempt),
+                            device: device.clone(),
+                            rollout: rname.clone(),
+                        });
+                        DevicePhase::Canceled
+                    }
+                };
+                group.set_phase(&device, new);
                 if let Some(slot) = group.slots.get_mut(&device) {
                     slot.ended_at = Some(now);
+                    slot.soak_until = None;
+                    slot.retry_at = None;
                 }
-                if !scheduled {
-                    let action_id = attempt_action_id(&rname, created_at, &device, attempt);
-                    out.releases.push((device.clone(), rname.clone()));
-                    out.commands.push(Effect::Cancel {
-                        action_id,
-                        device,
-                        rollout: rname.clone(),
-                    });
-                    canceled += 1;
-                }
+                out.releases.push((device, rname.clone()));
             }
-            if matches!(
-                group.state,
-                GroupState::Running | GroupState::Waiting | GroupState::Approval
-            ) {
+            // A group held by its before approval never started: it stays scheduled, like the
+            // groups after it.
+            if group.state == GroupState::Approval {
+                group.state = GroupState::Scheduled;
+            }
+            if matches!(group.state, GroupState::Running | GroupState::Waiting)
+                && group.counts.pending() == 0
+            {
                 group.state = if success_met(&group.success, &group.counts).met {
                     GroupState::Finished
                 } else {
@@ -655,7 +820,90 @@ impl Rollout {
                 group.ended_at.get_or_insert(now);
             }
         }
-        canceled
+        ended
+    }
+
+    /// A device of a stopped or failed rollout finished on the new release after the rollout
+    /// ended: it was past activation then, or its cancel came too late. After the rollback
+    /// error action it is sent back too; otherwise it counts as ready, as it is.
+    pub(crate) fn finished_late(
+        &mut self,
+        gi: usize,
+        device: &str,
+        was: &DevicePhase,
+        now: u64,
+        out: &mut Out,
+    ) {
+        let (rname, created_at) = (self.name.clone(), self.created_at);
+        let release = self.release.name.clone();
+        let group = &mut self.groups[gi];
+        let gname = group.name.clone();
+        let Some(slot) = group.slots.get_mut(device) else {
+            return;
+        };
+        slot.ended_at = Some(now);
+        slot.soak_until = None;
+        let attempt = slot.attempt;
+        let why = match was {
+            DevicePhase::Canceled => "its cancel came after activation",
+            DevicePhase::TimedOut(_) => "after it had timed out",
+            _ => "it was past activation when the rollout ended",
+        };
+        if self.rolled_back {
+            group.set_phase(device, DevicePhase::InProgress(ROLLING_BACK.to_owned()));
+            out.commands.push(Effect::Rollback {
+                device: device.to_owned(),
+                action_id: rollback_action_id(&rname, created_at, device),
+                undo: attempt_action_id(&rname, created_at, device, attempt),
+                rollout: rname.clone(),
+            });
+            out.claims.push((device.to_owned(), rname, u32::MAX));
+            self.record(
+                now,
+                format!(
+                    "device {device} in group {gname} finished on release {release} ({why}); sending it back to the release it kept"
+                ),
+                out,
+            );
+        } else {
+            group.set_phase(device, DevicePhase::Ready);
+            out.releases.push((device.to_owned(), rname));
+            self.record(
+                now,
+                format!(
+                    "device {device} in group {gname} finished on release {release} ({why}); it counts as ready"
+                ),
+                out,
+            );
+        }
+    }
+
+    /// A device that had failed or timed out reported ready: a group that ended in error only
+    /// because of it is evaluated again (a paused rollout stays paused).
+    pub(crate) fn reopen(&mut self, gi: usize, device: &str, now: u64, out: &mut Out) {
+        let group = &self.groups[gi];
+        if group.state != GroupState::Error || group.dynamic {
+            return;
+        }
+        if let Some(cond) = &group.error {
+            if error_met(cond, &group.counts).met {
+                return;
+            }
+        }
+        let gname = group.name.clone();
+        let ready = group.counts.ready + group.counts.soaking;
+        let total = group.counts.effective_total();
+        let group = &mut self.groups[gi];
+        group.state = GroupState::Running;
+        group.ended_at = None;
+        group.condition("Failed", false, "StageUpdatingReevaluated", now);
+        self.record(
+            now,
+            format!(
+                "group {gname} is no longer in error: device {device} reported ready late ({ready} of {total} ready)"
+            ),
+            out,
+        );
     }
 
     /// Sends every device that installed the release back to the one it kept.
@@ -709,7 +957,7 @@ impl Rollout {
         let after = group.after;
         let mut pending = Vec::new();
         if after.approval {
-            let name = format!("{}-{}", self.name, gname);
+            let name = after_approval(&self.name, &gname);
             if !self.approval_granted(&name, gi, "after", now, out) {
                 pending.push(format!("approval: flotilla approve {name}"));
             }
@@ -841,13 +1089,29 @@ impl Rollout {
         let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
             (r + g.counts.ready, f + g.counts.failures())
         });
-        self.set_condition("Progressing", false, "UpdateRunSucceeded", now);
-        self.set_condition("Succeeded", true, "UpdateRunSucceeded", now);
-        let message = format!(
+        // A group passed in error (the operator resumed past it) leaves the run unsuccessful.
+        let errors: Vec<&str> = self
+            .groups
+            .iter()
+            .filter(|g| g.state == GroupState::Error)
+            .map(|g| g.name.as_str())
+            .collect();
+        let mut message = format!(
             "rollout {} finished: {ready} of {} devices ready, {failed} failed",
             self.name,
             self.device_total()
         );
+        if errors.is_empty() {
+            self.set_condition("Progressing", false, "UpdateRunSucceeded", now);
+            self.set_condition("Succeeded", true, "UpdateRunSucceeded", now);
+        } else {
+            message.push_str(&format!(
+                "; not succeeded: group {} ended in error",
+                errors.join(", ")
+            ));
+            self.set_condition("Progressing", false, "UpdateRunFailed", now);
+            self.set_condition("Succeeded", false, "UpdateRunFailed", now);
+        }
         self.record(now, message, out);
     }
 
@@ -949,7 +1213,8 @@ impl Rollout {
         };
         let attempt = slot.attempt.max(1);
         let reason = failure.reason().unwrap_or_default().to_owned();
-        let retryable = !matches!(failure, DevicePhase::Refused(_));
+        // An ended rollout sends nothing more: its failures are final.
+        let retryable = !matches!(failure, DevicePhase::Refused(_)) && !self.state.is_terminal();
         if let Some(r) = retry.filter(|r| retryable && attempt <= r.attempts) {
             let delay = r.backoff.saturating_mul(1u64 << (attempt - 1).min(20));
             slot.retry_at = Some(now + delay);
@@ -992,11 +1257,16 @@ impl Rollout {
                 return next;
             }
             RolloutState::Running | RolloutState::Paused => {}
+            // Devices past activation when the rollout ended still time out.
+            RolloutState::Stopped | RolloutState::Failed if self.in_flight() => {}
             _ => return None,
         }
+        let ended = self.state.is_terminal();
         for group in &self.groups {
-            if let (Some(at), true) = (group.succeeded_at, group.after.wait > 0 && !group.released)
-            {
+            if let (Some(at), true) = (
+                group.succeeded_at,
+                group.after.wait > 0 && !group.released && !ended,
+            ) {
                 consider(at + group.after.wait);
             }
             if group.counts.in_progress + group.counts.soaking == 0 {
@@ -1040,6 +1310,13 @@ impl Rollout {
             }
         }
         next
+    }
+
+    /// Some device's action is still under way (an ended rollout keeps those past activation).
+    pub(crate) fn in_flight(&self) -> bool {
+        self.groups
+            .iter()
+            .any(|g| g.counts.in_progress + g.counts.soaking > 0)
     }
 
     /// Adds a device that registered after the start to the dynamic group.

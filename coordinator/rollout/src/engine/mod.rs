@@ -37,7 +37,7 @@ use flotilla_protocol::control::{
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
 use crate::conditions::GroupCounts;
-use crate::plan::{ActionType, Gate, Pace, SuccessCondition};
+use crate::plan::{ActionType, Gate, Pace};
 use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
 use crate::ramp::Ramp;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
@@ -45,7 +45,7 @@ use crate::spec::{RolloutSpec, SpecError, Strategy};
 use crate::window::Window;
 use crate::zoneinfo::ZoneSource;
 
-use advance::{Ctx, Out};
+use advance::{after_approval, before_approval, Ctx, Out};
 pub use model::{
     DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
 };
@@ -149,6 +149,13 @@ pub fn attempt_action_id(rollout: &str, created_at: u64, device: &str, attempt: 
 /// The action id of the rollback a rollout's rollback error action sends a device.
 pub fn rollback_action_id(rollout: &str, created_at: u64, device: &str) -> String {
     format!("{}:rollback", action_id(rollout, created_at, device))
+}
+
+/// The id a cancel of `action_id` is published under: its own, since an agent never acts on an
+/// id it already knows (a cancel under the id of the running action would be taken for a repeat
+/// of it). No report ever names it, and [`parse_action_id`] does not take it for an attempt.
+pub fn cancel_action_id(action_id: &str) -> String {
+    format!("{action_id}:cancel")
 }
 
 /// What an action id names, beyond the rollout and device.
@@ -596,6 +603,12 @@ impl Engine {
                         if matches!(current, DevicePhase::Ready | DevicePhase::Soaking) {
                             return;
                         }
+                        if r.state.is_terminal() {
+                            r.finished_late(gi, device, &current, now, out);
+                            self.dirty.insert(name.clone());
+                            self.advance(&name, now, out);
+                            return;
+                        }
                         let hold = if outcome == Outcome::Untracked {
                             policies.soak.max(policies.unavailable_period)
                         } else {
@@ -611,6 +624,9 @@ impl Engine {
                         } else {
                             group.set_phase(device, DevicePhase::Ready);
                             out.releases.push((device.to_owned(), name.clone()));
+                        }
+                        if current.is_failure() {
+                            r.reopen(gi, device, now, out);
                         }
                     }
                     Outcome::Failed(reason) => {
@@ -737,6 +753,7 @@ impl Engine {
         }
         self.check_staged_overlap(&spec, &plan)?;
         let mut groups: Vec<Group> = plan.groups.into_iter().map(new_group).collect();
+        self.check_approval_names(&name, &groups)?;
         if spec.policies.dynamic {
             let last = groups.last();
             let mut dynamic = new_group(crate::plan::PlannedGroup {
@@ -773,6 +790,7 @@ impl Engine {
             ramp,
             started_at: None,
             checked_at: now,
+            rolled_back: false,
         };
         let mut out = Out::default();
         let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
@@ -824,6 +842,51 @@ impl Engine {
                     spec.name, other.name, other.state
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// Approval requests are found by name alone (`flotilla approve NAME`), so a rollout whose
+    /// gates would share a name, with each other or with a rollout that has not ended, is
+    /// refused, naming both gates. Group names may contain `-`, so `<rollout>-before-prod`
+    /// can be the gate after stage `before-prod` as well as the gate before stage `prod`.
+    fn check_approval_names(&self, rollout: &str, groups: &[Group]) -> Result<(), EngineError> {
+        fn gates<'a>(
+            rollout: &'a str,
+            groups: &'a [Group],
+        ) -> impl Iterator<Item = (String, String)> + 'a {
+            groups.iter().flat_map(move |g| {
+                let before = g.before.approval.then(|| {
+                    (
+                        before_approval(rollout, &g.name),
+                        format!("the approval before group {} of rollout {rollout}", g.name),
+                    )
+                });
+                let after = g.after.approval.then(|| {
+                    (
+                        after_approval(rollout, &g.name),
+                        format!("the approval after group {} of rollout {rollout}", g.name),
+                    )
+                });
+                before.into_iter().chain(after)
+            })
+        }
+        let mut seen: BTreeMap<String, String> = BTreeMap::new();
+        for entry in self.rollouts.values() {
+            let other = &entry.rollout;
+            if other.state.is_terminal() || other.name == rollout {
+                continue;
+            }
+            seen.extend(gates(&other.name, &other.groups));
+        }
+        let mut mine: BTreeMap<String, String> = BTreeMap::new();
+        for (name, what) in gates(rollout, groups) {
+            if let Some(first) = mine.get(&name).or_else(|| seen.get(&name)) {
+                return Err(EngineError::Conflict(format!(
+                    "rollout {rollout}: {first} and {what} would both be named {name}; rename one of the groups (stages)"
+                )));
+            }
+            mine.insert(name, what);
         }
         Ok(())
     }
@@ -932,6 +995,7 @@ impl Engine {
         }
         let mut out = Out::default();
         r.state = RolloutState::Paused;
+        r.waiting = None;
         r.set_condition("Progressing", false, "UpdateRunPaused", now);
         r.record(now, format!("paused by {by}"), &mut out);
         Ok(out.into_effects())
@@ -973,11 +1037,29 @@ impl Engine {
             )
         };
         r.record(now, message, &mut out);
+        // Resuming past a group in error is the operator's decision about that group, so its
+        // after approval is given with it, in the operator's name, and the trace says so.
+        for gi in 0..r.groups.len() {
+            let g = &r.groups[gi];
+            if g.after.approval && passed.contains(&g.name) {
+                let approval = after_approval(&r.name, &g.name);
+                r.grant(
+                    &approval,
+                    gi,
+                    "after",
+                    &format!("by {by} via resume"),
+                    now,
+                    &mut out,
+                );
+            }
+        }
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
     }
 
-    /// Stops a rollout for good: unfinished device actions are canceled and no group starts again.
+    /// Stops a rollout for good: no group starts again and every unfinished device ends by its
+    /// phase (docs/operations.md): not started, canceled, or, past activation, left to finish
+    /// on the new release and counted by its own report.
     pub fn stop(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         self.stop_by(name, OPERATOR, now)
     }
@@ -989,13 +1071,15 @@ impl Engine {
             return Err(Self::invalid(r, "stop"));
         }
         let mut out = Out::default();
-        let canceled = r.cancel_unfinished(now, &mut out);
+        // Stopped first: a device ending now ends for good (no retry is scheduled).
         r.state = RolloutState::Stopped;
+        let ended = r.cancel_unfinished(now, &mut out);
         r.waiting = None;
         r.set_condition("Progressing", false, "UpdateRunStopped", now);
+        let release = r.release.name.clone();
         r.record(
             now,
-            format!("stopped by {by}; canceled {canceled} unfinished device actions"),
+            format!("stopped by {by}; {}", ended.describe(&release)),
             &mut out,
         );
         self.apply_bookkeeping(now, &mut out);
@@ -1014,10 +1098,16 @@ impl Engine {
         by: &str,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
-        let rollout = self
-            .rollouts
-            .values()
-            .find(|e| e.rollout.approvals.iter().any(|a| a.name == name))
+        // Names are unique among rollouts that have not ended (checked at create); an ended
+        // rollout's approval of the same name is only history.
+        let holders = || {
+            self.rollouts
+                .values()
+                .filter(|e| e.rollout.approvals.iter().any(|a| a.name == name))
+        };
+        let rollout = holders()
+            .find(|e| !e.rollout.state.is_terminal())
+            .or_else(|| holders().next())
             .map(|e| e.rollout.name.clone())
             .ok_or_else(|| EngineError::UnknownApproval(name.to_owned()))?;
         let mut out = Out::default();
@@ -1054,7 +1144,9 @@ impl Engine {
     }
 
     /// Starts the next group of a running rollout now (hawkBit's manual trigger): the last
-    /// started group is released without waiting for its success condition or its gates.
+    /// started group is released without waiting for its success condition or its timed wait.
+    /// An approval in the way (after the last started group, or before the group that would
+    /// start) refuses, naming it; see [`Engine::trigger_next_with`].
     pub fn trigger_next(&mut self, name: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         self.trigger_next_by(name, OPERATOR, now)
     }
@@ -1064,6 +1156,19 @@ impl Engine {
         &mut self,
         name: &str,
         by: &str,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        self.trigger_next_with(name, by, false, now)
+    }
+
+    /// [`Engine::trigger_next_by`]; with `skip_approval` (`rollout next --skip-approval`) the
+    /// approvals in the way are given in `by`'s name, and the trace says so ("approval r-canary
+    /// given by alice via next").
+    pub fn trigger_next_with(
+        &mut self,
+        name: &str,
+        by: &str,
+        skip_approval: bool,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let r = &mut self.entry(name)?.rollout;
@@ -1077,18 +1182,51 @@ impl Engine {
         else {
             return Err(Self::invalid(r, "trigger the next group of"));
         };
+        let how = format!("by {by} via next (--skip-approval)");
+        let mut out = Out::default();
+        let gname = r.groups[last].name.clone();
+        if r.groups[last].state == GroupState::Approval {
+            // The group to start next is this one: only its own approval holds it.
+            let approval = before_approval(&r.name, &gname);
+            if !skip_approval {
+                return Err(EngineError::Conflict(format!(
+                    "rollout {name}: group {gname} is the next group and waits for approval {approval}; approve it (flotilla approve {approval}) or pass --skip-approval"
+                )));
+            }
+            r.grant(&approval, last, "before", &how, now, &mut out);
+            self.advance(name, now, &mut out);
+            return Ok(out.into_effects());
+        }
         if last + 1 >= r.groups.len() || r.groups[last + 1].dynamic {
             return Err(EngineError::Conflict(format!(
-                "rollout {name}: group {} is the last group; there is no next group to trigger",
-                r.groups[last].name
+                "rollout {name}: every group has started (the last, {gname}, is {}); there is no next group to start",
+                r.groups[last].state
             )));
         }
-        let mut out = Out::default();
+        if r.groups[last].after.approval && !r.groups[last].released {
+            let approval = after_approval(&r.name, &gname);
+            if !r.approved(&approval) {
+                if !skip_approval {
+                    let requested = if r.approvals.iter().any(|a| a.name == approval) {
+                        "is pending"
+                    } else {
+                        "is requested when the group succeeds"
+                    };
+                    return Err(EngineError::Conflict(format!(
+                        "rollout {name}: group {} starts only after approval {approval}, which {requested}; approve it (flotilla approve {approval}) or pass --skip-approval",
+                        r.groups[last + 1].name
+                    )));
+                }
+                r.grant(&approval, last, "after", &how, now, &mut out);
+            }
+        }
+        let next = last + 1;
+        if skip_approval && r.groups[next].before.approval {
+            let approval = before_approval(&r.name, &r.groups[next].name);
+            r.grant(&approval, next, "before", &how, now, &mut out);
+        }
         r.groups[last].released = true;
-        let message = format!(
-            "{by} triggered the next group after group {}",
-            r.groups[last].name
-        );
+        let message = format!("{by} triggered the next group after group {gname}");
         r.record(now, message, &mut out);
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
@@ -1127,17 +1265,41 @@ impl Engine {
         ) {
             return Err(Self::invalid(r, "retry the failed devices of"));
         }
-        let failed: Vec<String> = r
-            .groups
-            .iter()
-            .flat_map(|g| g.slots.iter())
-            .filter(|(_, s)| s.phase.is_failure())
-            .map(|(d, _)| d.clone())
-            .collect();
+        // Same settings: every group that had failures keeps its name, pace, conditions and
+        // gates, over its failed devices; each device's attempts go on counting.
+        let mut groups = Vec::new();
+        let mut failed = 0;
+        for g in &r.groups {
+            let devices: Vec<String> = g
+                .devices
+                .iter()
+                .filter(|d| g.slots.get(*d).is_some_and(|s| s.phase.is_failure()))
+                .cloned()
+                .collect();
+            if devices.is_empty() {
+                continue;
+            }
+            failed += devices.len();
+            let mut group = new_group(crate::plan::PlannedGroup {
+                name: g.name.clone(),
+                devices,
+                pace: g.pace,
+                success: g.success.clone(),
+                error: g.error.clone(),
+                before: g.before,
+                after: g.after,
+            });
+            for (device, slot) in &mut group.slots {
+                if let Some(old) = g.slots.get(device) {
+                    slot.earlier_attempts = old.earlier_attempts + old.attempt;
+                }
+            }
+            groups.push(group);
+        }
         let new_name = new_name.unwrap_or_else(|| format!("{name}-retry"));
         flotilla_protocol::validate_id("rollout name", &new_name)
             .map_err(|e| EngineError::Conflict(e.to_string()))?;
-        if failed.is_empty() {
+        if failed == 0 {
             return Err(EngineError::NoDevices {
                 rollout: new_name,
                 reason: format!("rollout {name} has no failed, refused or timed-out device"),
@@ -1146,21 +1308,13 @@ impl Engine {
         if self.rollouts.contains_key(&new_name) {
             return Err(EngineError::AlreadyExists(new_name));
         }
+        self.check_approval_names(&new_name, &groups)?;
+        let r = &self.rollouts[name].rollout;
         let mut spec = r.spec.clone();
         spec.name = new_name.clone();
         spec.policies.start_at = None;
         spec.policies.dynamic = false;
-        let error = r.groups.first().and_then(|g| g.error.clone());
         let release = r.release.clone();
-        let group = new_group(crate::plan::PlannedGroup {
-            name: "retry".into(),
-            devices: failed.clone(),
-            pace: Pace::default(),
-            success: SuccessCondition::default(),
-            error,
-            before: Gate::default(),
-            after: Gate::default(),
-        });
         let mut rollout = Rollout {
             name: new_name.clone(),
             release,
@@ -1168,7 +1322,7 @@ impl Engine {
             spec,
             created_at: now,
             state: RolloutState::Ready,
-            groups: vec![group],
+            groups,
             excluded: Vec::new(),
             unassigned: Vec::new(),
             trace: Vec::new(),
@@ -1177,15 +1331,13 @@ impl Engine {
             waiting: None,
             started_at: None,
             checked_at: now,
+            rolled_back: false,
         };
         let mut out = Out::default();
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.record(
             now,
-            format!(
-                "created by {by} to retry the {} failed devices of rollout {name}",
-                failed.len()
-            ),
+            format!("created by {by} to retry the {failed} failed devices of rollout {name}"),
             &mut out,
         );
         self.rollouts
@@ -1214,6 +1366,7 @@ impl Engine {
         self.last_seq.remove(device);
         let mut out = Out::default();
         let mut touched = Vec::new();
+        let mut cancels = Vec::new();
         for (name, entry) in &mut self.rollouts {
             let Some(&gi) = entry.index.get(device) else {
                 continue;
@@ -1225,9 +1378,25 @@ impl Engine {
             if matches!(group.state, GroupState::Finished | GroupState::Error) {
                 continue;
             }
+            let mut canceled = false;
             if let Some(slot) = group.slots.remove(device) {
                 slot.phase.count_in(&mut group.counts, false);
                 group.counts.total = group.counts.total.saturating_sub(1);
+                // A device that is still acting on this rollout's action is told to stop: a
+                // deleted device must not go on to install (past activation it cannot stop).
+                if matches!(&slot.phase, DevicePhase::InProgress(p) if p != model::ROLLING_BACK) {
+                    cancels.push(Effect::Cancel {
+                        device: device.to_owned(),
+                        action_id: attempt_action_id(
+                            name,
+                            entry.rollout.created_at,
+                            device,
+                            slot.attempt,
+                        ),
+                        rollout: name.clone(),
+                    });
+                    canceled = true;
+                }
             }
             if let Some(pos) = group.devices.iter().position(|d| d == device) {
                 group.devices.remove(pos);
@@ -1237,19 +1406,27 @@ impl Engine {
             }
             entry.index.remove(device);
             let gname = group.name.clone();
+            let action = if canceled {
+                "; its action was canceled"
+            } else {
+                ""
+            };
             entry.rollout.record(
                 now,
                 format!(
-                    "device {device} deleted by {by}; group {gname} now has {} devices",
+                    "device {device} deleted by {by}{action}; group {gname} now has {} devices",
                     { entry.rollout.groups[gi].devices.len() }
                 ),
                 &mut out,
             );
             touched.push(name.clone());
         }
+        // The cancel goes out after the forget's "nothing to do", so it is what the retained
+        // desired topic keeps: an agent that comes back later still stops the action.
         out.commands.push(Effect::Forget {
             device: device.to_owned(),
         });
+        out.commands.extend(cancels);
         for name in touched {
             self.advance(&name, now, &mut out);
         }
@@ -1261,10 +1438,11 @@ impl Engine {
     /// last tick. Call it about once a second.
     pub fn tick(&mut self, now: u64) -> Vec<Effect> {
         let mut out = Out::default();
+        // Ended rollouts too while a device past activation has not finished: it may time out.
         let names: Vec<String> = self
             .rollouts
             .iter()
-            .filter(|(_, e)| e.rollout.state.is_active())
+            .filter(|(_, e)| e.rollout.state.is_active() || e.rollout.in_flight())
             .map(|(n, _)| n.clone())
             .collect();
         for name in names {
@@ -1460,6 +1638,7 @@ impl Rollout {
                     failed: g.counts.failures(),
                     in_progress: g.counts.in_progress + g.counts.soaking,
                     scheduled: g.counts.scheduled,
+                    canceled: g.counts.canceled,
                     devices: g
                         .slots
                         .iter()
@@ -1479,7 +1658,7 @@ impl Rollout {
                                     started_at: s.started_at,
                                     ended_at: s.ended_at,
                                     reason: s.phase.reason().map(str::to_owned),
-                                    attempt: s.attempt,
+                                    attempt: s.earlier_attempts + s.attempt,
                                 },
                             )
                         })
@@ -1511,4 +1690,8 @@ impl Rollout {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_commands;
+#[cfg(test)]
 mod tests_features;
+#[cfg(test)]
+mod tests_property;

@@ -130,6 +130,8 @@ pub enum DevicePhase {
 pub const ISSUED: &str = "issued";
 /// Phase name of a device whose rollback was sent.
 pub const ROLLING_BACK: &str = "rolling_back";
+/// Reported phases after the switch to the new release (the agent's point of no return).
+pub const PAST_ACTIVATION: [&str; 2] = ["activated", "confirming"];
 
 impl DevicePhase {
     /// Lower-case name as shown in status tables.
@@ -180,6 +182,13 @@ impl DevicePhase {
             self,
             DevicePhase::InProgress(_) | DevicePhase::Soaking | DevicePhase::Retrying(_)
         )
+    }
+
+    /// The device reported a phase after its switch to the new release (`activated`,
+    /// `confirming`): the agent ignores a cancel from here on (it cannot undo silently), so the
+    /// action ends ready or failed, never canceled.
+    pub fn past_activation(&self) -> bool {
+        matches!(self, DevicePhase::InProgress(p) if PAST_ACTIVATION.contains(&p.as_str()))
     }
 
     pub fn is_failure(&self) -> bool {
@@ -262,6 +271,10 @@ pub struct Slot {
     /// Retrying at this time.
     #[serde(default)]
     pub retry_at: Option<u64>,
+    /// Attempts the device made in the rollout this one retries (`rollout retry`), so the
+    /// attempt shown goes on counting.
+    #[serde(default)]
+    pub earlier_attempts: u32,
 }
 
 impl Slot {
@@ -274,6 +287,7 @@ impl Slot {
             ended_at: None,
             soak_until: None,
             retry_at: None,
+            earlier_attempts: 0,
         }
     }
 }
@@ -392,4 +406,8 @@ pub struct Rollout {
     /// The last time the rollout was advanced (for timers that depend on "now").
     #[serde(default)]
     pub checked_at: u64,
+    /// Ended by the rollback error action: a device that finishes on the new release after
+    /// that (it was past activation) is sent back too.
+    #[serde(default)]
+    pub rolled_back: bool,
 }

@@ -4,12 +4,12 @@
 use super::*;
 use crate::plan::{
     Budget, ErrorAction, ErrorCondition, OfflinePolicy, Percent, PlannedGroup, Policies, RateLimit,
-    Retry, Threshold,
+    Retry, SuccessCondition, Threshold,
 };
 use crate::zoneinfo::SystemZones;
 use flotilla_protocol::InstalledRelease;
 
-const T0: u64 = 1_800_000_000;
+pub(super) const T0: u64 = 1_800_000_000;
 
 fn state(id: &str, online: bool) -> DeviceState {
     DeviceState {
@@ -28,11 +28,11 @@ fn state(id: &str, online: bool) -> DeviceState {
     }
 }
 
-fn ids(range: std::ops::Range<usize>) -> Vec<String> {
+pub(super) fn ids(range: std::ops::Range<usize>) -> Vec<String> {
     range.map(|i| format!("d{i:03}")).collect()
 }
 
-fn group(name: &str, devices: Vec<String>) -> PlannedGroup {
+pub(super) fn group(name: &str, devices: Vec<String>) -> PlannedGroup {
     PlannedGroup {
         name: name.into(),
         devices,
@@ -45,19 +45,19 @@ fn group(name: &str, devices: Vec<String>) -> PlannedGroup {
 }
 
 /// An engine, the fleet, and the agents' side: the current action id of every device.
-struct Bench {
-    engine: Engine,
-    now: u64,
+pub(super) struct Bench {
+    pub(super) engine: Engine,
+    pub(super) now: u64,
     seq: HashMap<String, u64>,
     action: HashMap<String, String>,
-    sent: Vec<String>,
-    canceled: Vec<String>,
-    rollbacks: Vec<(String, String)>,
-    approvals: Vec<ApprovalStatus>,
+    pub(super) sent: Vec<String>,
+    pub(super) canceled: Vec<String>,
+    pub(super) rollbacks: Vec<(String, String)>,
+    pub(super) approvals: Vec<ApprovalStatus>,
 }
 
 impl Bench {
-    fn new(devices: usize) -> Self {
+    pub(super) fn new(devices: usize) -> Self {
         let mut engine = Engine::new(SystemZones);
         for id in ids(0..devices) {
             engine.observe_state(state(&id, true), T0);
@@ -74,7 +74,7 @@ impl Bench {
         }
     }
 
-    fn take(&mut self, effects: Vec<Effect>) {
+    pub(super) fn take(&mut self, effects: Vec<Effect>) {
         for e in effects {
             match e {
                 Effect::Desired {
@@ -96,7 +96,7 @@ impl Bench {
         }
     }
 
-    fn create(
+    pub(super) fn create(
         &mut self,
         name: &str,
         groups: Vec<PlannedGroup>,
@@ -125,12 +125,12 @@ impl Bench {
         self.take(effects);
     }
 
-    fn start(&mut self, name: &str) {
+    pub(super) fn start(&mut self, name: &str) {
         let effects = self.engine.start(name, self.now).expect("started");
         self.take(effects);
     }
 
-    fn report(&mut self, device: &str, phase: Phase) {
+    pub(super) fn report(&mut self, device: &str, phase: Phase) {
         let action_id = self
             .action
             .get(device)
@@ -151,13 +151,13 @@ impl Bench {
         self.take(effects);
     }
 
-    fn ready(&mut self, devices: &[String]) {
+    pub(super) fn ready(&mut self, devices: &[String]) {
         for d in devices {
             self.report(d, Phase::Ready);
         }
     }
 
-    fn fail(&mut self, device: &str) {
+    pub(super) fn fail(&mut self, device: &str) {
         self.report(
             device,
             Phase::Failed {
@@ -168,21 +168,21 @@ impl Bench {
     }
 
     /// Moves the clock and runs the timers.
-    fn at(&mut self, secs_from_start: u64) {
+    pub(super) fn at(&mut self, secs_from_start: u64) {
         self.now = T0 + secs_from_start;
         let effects = self.engine.tick(self.now);
         self.take(effects);
     }
 
-    fn rollout(&self, name: &str) -> &Rollout {
+    pub(super) fn rollout(&self, name: &str) -> &Rollout {
         self.engine.rollout(name).expect("rollout exists")
     }
 
-    fn phase(&self, name: &str, device: &str) -> String {
+    pub(super) fn phase(&self, name: &str, device: &str) -> String {
         self.rollout(name).device_phases()[device].clone()
     }
 
-    fn trace(&self, name: &str) -> Vec<String> {
+    pub(super) fn trace(&self, name: &str) -> Vec<String> {
         self.rollout(name)
             .trace
             .iter()
@@ -190,12 +190,12 @@ impl Bench {
             .collect()
     }
 
-    fn has_trace(&self, name: &str, text: &str) -> bool {
+    pub(super) fn has_trace(&self, name: &str, text: &str) -> bool {
         self.trace(name).iter().any(|m| m.contains(text))
     }
 }
 
-fn pct(p: u32) -> Percent {
+pub(super) fn pct(p: u32) -> Percent {
     Percent::from_basis_points(p * 100).expect("valid percent")
 }
 

@@ -1,0 +1,699 @@
+//! A property test: the engine driven by random operator commands, device reports, restarts
+//! (every rollout through a serde round trip into [`Engine::restore`]) and clock jumps, with
+//! the invariants checked after every step:
+//!
+//! - no group starts twice;
+//! - no group starts while an approval before it is pending, nor before the timed wait of the
+//!   group ahead of it ran out (unless an operator's `next` or `resume` passed it);
+//! - every group's counters equal a count over its devices and add up to its total;
+//! - a stopped or failed rollout sends no install, and a rollback only after the rollback error
+//!   action;
+//! - once the operators let everything finish, every rollout has ended and every device is in
+//!   a final phase.
+//!
+//! A small xorshift generator keeps it dependency-free; a failure prints the seed and the step
+//! (`FLOTILLA_SEED=n` runs that one seed).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::advance::{after_approval, before_approval};
+use super::*;
+use crate::plan::{ErrorAction, ErrorCondition, Percent, PlannedGroup, Retry, SuccessCondition};
+use crate::zoneinfo::SystemZones;
+use flotilla_protocol::InstalledRelease;
+
+const T0: u64 = 1_900_000_000;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// One simulated agent: the action it runs, how far it got, and one that waits behind it.
+#[derive(Default, Clone)]
+struct Agent {
+    action: Option<String>,
+    rollback: bool,
+    stage: usize,
+    queued: Option<(String, bool)>,
+    seq: u64,
+}
+
+/// Install phases in order; from index 3 (`activated`) a cancel is ignored.
+const STAGES: [&str; 5] = [
+    "accepted",
+    "downloading",
+    "staged",
+    "activated",
+    "confirming",
+];
+const POINT_OF_NO_RETURN: usize = 3;
+
+struct World {
+    rng: Rng,
+    engine: Engine,
+    now: u64,
+    devices: Vec<String>,
+    agents: BTreeMap<String, Agent>,
+    /// (rollout, group) -> the time it started, once seen.
+    started: HashMap<(String, String), u64>,
+    /// Rollouts an operator moved past a gate on purpose (`next`, `resume`).
+    forced: HashSet<String>,
+    /// Rollouts that had ended before the current step.
+    ended: HashSet<String>,
+    step: usize,
+    seed: u64,
+}
+
+fn state(id: &str) -> DeviceState {
+    DeviceState {
+        device_id: id.into(),
+        hardware_id: "pi4".into(),
+        labels: Vec::new(),
+        installed: Some(InstalledRelease {
+            name: "fw-1".into(),
+            version: "1".into(),
+            counter: 1,
+        }),
+        current: None,
+        online: true,
+        agent_version: "0.1.0".into(),
+        at: T0,
+    }
+}
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let count = 2 + rng.below(7) as usize;
+        let devices: Vec<String> = (0..count).map(|i| format!("d{i}")).collect();
+        let mut engine = Engine::new(SystemZones);
+        for d in &devices {
+            engine.observe_state(state(d), T0);
+        }
+        let agents = devices
+            .iter()
+            .map(|d| (d.clone(), Agent::default()))
+            .collect();
+        let mut world = World {
+            rng,
+            engine,
+            now: T0,
+            devices,
+            agents,
+            started: HashMap::new(),
+            forced: HashSet::new(),
+            ended: HashSet::new(),
+            step: 0,
+            seed,
+        };
+        world.create("r");
+        world
+    }
+
+    fn fail(&self, what: &str) -> ! {
+        panic!(
+            "seed {} step {}: {what}\nrerun with FLOTILLA_SEED={}",
+            self.seed, self.step, self.seed
+        );
+    }
+
+    fn create(&mut self, name: &str) {
+        let rng = &mut self.rng;
+        let groups = 1 + rng.below(4) as usize;
+        let mut planned = Vec::new();
+        let mut start = 0;
+        for gi in 0..groups {
+            let left = self.devices.len() - start;
+            let take = if gi + 1 == groups {
+                left
+            } else {
+                rng.below(left as u64 + 1) as usize
+            };
+            let mut g = PlannedGroup {
+                name: format!("g{gi}"),
+                devices: self.devices[start..start + take].to_vec(),
+                pace: Pace::default(),
+                success: SuccessCondition::default(),
+                error: None,
+                before: Gate::default(),
+                after: Gate::default(),
+            };
+            start += take;
+            g.before.approval = rng.chance(25);
+            g.after.approval = rng.chance(25);
+            if rng.chance(25) {
+                g.after.wait = 60 * (1 + rng.below(30));
+            }
+            if rng.chance(30) {
+                g.pace.concurrency = Some(1 + rng.below(2) as usize);
+            }
+            if rng.chance(60) {
+                g.error = Some(ErrorCondition {
+                    percent: Some(
+                        Percent::from_basis_points(100 * (10 + rng.below(60) as u32))
+                            .expect("percent"),
+                    ),
+                    action: match rng.below(3) {
+                        0 => ErrorAction::Pause,
+                        1 => ErrorAction::Stop,
+                        _ => ErrorAction::Rollback,
+                    },
+                    ..ErrorCondition::default()
+                });
+            }
+            planned.push(g);
+        }
+        let mut spec = RolloutSpec::from_toml(
+            &format!("name = \"{name}\"\nrelease = \"fw-2\"\n[groups]\ncount = 1\n"),
+            &SystemZones,
+        )
+        .expect("valid spec");
+        if rng.chance(40) {
+            spec.policies.soak = 30 * (1 + rng.below(20));
+        }
+        if rng.chance(40) {
+            spec.policies.timeout = Some(300 * (1 + rng.below(6)));
+        }
+        if rng.chance(40) {
+            spec.policies.retry = Some(Retry {
+                attempts: 1 + rng.below(2) as u32,
+                backoff: 30,
+            });
+        }
+        let plan = planner::Plan {
+            groups: planned,
+            excluded: Vec::new(),
+            unassigned: Vec::new(),
+        };
+        let release = ReleaseRef {
+            name: "fw-2".into(),
+            counter: 2,
+            hardware: Vec::new(),
+        };
+        if let Ok(effects) = self
+            .engine
+            .create_planned(spec, release, plan, None, self.now)
+        {
+            self.take(effects);
+        }
+    }
+
+    fn take(&mut self, effects: Vec<Effect>) {
+        for e in effects {
+            match e {
+                Effect::Desired {
+                    device, action_id, ..
+                } => self.deliver(&device, action_id, false),
+                Effect::Rollback {
+                    device, action_id, ..
+                } => self.deliver(&device, action_id, true),
+                Effect::Cancel {
+                    device, action_id, ..
+                } => {
+                    let Some(agent) = self.agents.get_mut(&device) else {
+                        continue;
+                    };
+                    if agent.queued.as_ref().is_some_and(|(q, _)| *q == action_id) {
+                        agent.queued = None;
+                    }
+                    if agent.action.as_deref() == Some(action_id.as_str())
+                        && !agent.rollback
+                        && agent.stage < POINT_OF_NO_RETURN
+                    {
+                        self.report(&device, Phase::Canceled);
+                        self.finish(&device);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// An agent gets a desired action: it supersedes one that has not passed activation (the
+    /// old one ends canceled) and waits behind one that has.
+    fn deliver(&mut self, device: &str, action_id: String, rollback: bool) {
+        let Some(agent) = self.agents.get_mut(device) else {
+            return;
+        };
+        if agent.action.as_deref() == Some(action_id.as_str()) {
+            return;
+        }
+        match &agent.action {
+            Some(_) if agent.rollback || agent.stage >= POINT_OF_NO_RETURN => {
+                agent.queued = Some((action_id, rollback));
+            }
+            Some(_) => {
+                self.report(device, Phase::Canceled);
+                self.begin(device, action_id, rollback);
+            }
+            None => self.begin(device, action_id, rollback),
+        }
+    }
+
+    fn begin(&mut self, device: &str, action_id: String, rollback: bool) {
+        if let Some(agent) = self.agents.get_mut(device) {
+            agent.action = Some(action_id);
+            agent.rollback = rollback;
+            agent.stage = 0;
+        }
+        self.report(device, Phase::Accepted);
+    }
+
+    fn finish(&mut self, device: &str) {
+        let queued = self.agents.get_mut(device).and_then(|agent| {
+            agent.action = None;
+            agent.queued.take()
+        });
+        if let Some((id, rollback)) = queued {
+            self.begin(device, id, rollback);
+        }
+    }
+
+    fn report(&mut self, device: &str, phase: Phase) {
+        let Some(agent) = self.agents.get_mut(device) else {
+            return;
+        };
+        let Some(action_id) = agent.action.clone() else {
+            return;
+        };
+        agent.seq += 1;
+        let report = Report {
+            device_id: device.into(),
+            seq: agent.seq,
+            rollout_id: action_id.split('@').next().unwrap_or_default().to_owned(),
+            action_id,
+            phase,
+            at: self.now,
+        };
+        let effects = self.engine.observe_report(report, self.now);
+        self.check_effects(&effects);
+        self.take(effects);
+    }
+
+    /// One agent moves one step.
+    fn agent_step(&mut self, device: &str) {
+        let Some(agent) = self.agents.get(device).cloned() else {
+            return;
+        };
+        if agent.action.is_none() {
+            return;
+        }
+        if agent.rollback {
+            self.report(device, Phase::Ready);
+            self.finish(device);
+            return;
+        }
+        let next = agent.stage + 1;
+        if next < STAGES.len() {
+            if let Some(a) = self.agents.get_mut(device) {
+                a.stage = next;
+            }
+            let phase = match STAGES[next] {
+                "downloading" => Phase::Downloading { done: 1, total: 2 },
+                "staged" => Phase::Staged,
+                "activated" => Phase::Activated,
+                _ => Phase::Confirming,
+            };
+            self.report(device, phase);
+            return;
+        }
+        let phase = if self.rng.chance(70) {
+            Phase::Ready
+        } else {
+            Phase::Failed {
+                reason: "health check failed".into(),
+                rolled_back: true,
+            }
+        };
+        self.report(device, phase);
+        self.finish(device);
+    }
+
+    fn rollout_names(&self) -> Vec<String> {
+        self.engine.rollouts().map(|r| r.name.clone()).collect()
+    }
+
+    fn pick<T: Clone>(&mut self, items: &[T]) -> Option<T> {
+        if items.is_empty() {
+            return None;
+        }
+        let i = self.rng.below(items.len() as u64) as usize;
+        Some(items[i].clone())
+    }
+
+    /// One random step.
+    fn step(&mut self) {
+        self.step += 1;
+        self.ended = self
+            .engine
+            .rollouts()
+            .filter(|r| r.state.is_terminal())
+            .map(|r| r.name.clone())
+            .collect();
+        let now = self.now;
+        let roll = self.rng.below(100);
+        let Some(name) = self.pick(&self.rollout_names()) else {
+            return;
+        };
+        let result = match roll {
+            0..=39 => {
+                let device = self.pick(&self.devices.clone());
+                if let Some(d) = device {
+                    self.agent_step(&d);
+                }
+                return;
+            }
+            40..=49 => {
+                self.now += 1 + self.rng.below(900);
+                let effects = self.engine.tick(self.now);
+                self.check_effects(&effects);
+                self.take(effects);
+                return;
+            }
+            50..=54 => self.engine.start(&name, now),
+            55..=59 => self.engine.pause(&name, now),
+            60..=64 => {
+                let r = self.engine.resume(&name, now);
+                if r.is_ok() {
+                    self.forced.insert(name.clone());
+                }
+                r
+            }
+            65..=66 => self.engine.stop(&name, now),
+            67..=74 => {
+                let skip = self.rng.chance(50);
+                let r = self.engine.trigger_next_with(&name, "alice", skip, now);
+                if r.is_ok() {
+                    self.forced.insert(name.clone());
+                }
+                r
+            }
+            75..=84 => {
+                let pending: Vec<String> = self
+                    .engine
+                    .approvals()
+                    .into_iter()
+                    .filter(|a| !a.approved)
+                    .map(|a| a.name)
+                    .collect();
+                match self.pick(&pending) {
+                    Some(a) => self.engine.approve(&a, now),
+                    None => return,
+                }
+            }
+            85..=87 => {
+                let retry = format!("{name}-x");
+                let r = self.engine.retry_failed(&name, Some(retry.clone()), now);
+                if r.is_ok() && self.rng.chance(70) {
+                    let started = self.engine.start(&retry, now);
+                    if let Ok(effects) = &started {
+                        self.check_effects(effects);
+                    }
+                    if let Ok(effects) = started {
+                        self.take(effects);
+                    }
+                }
+                r
+            }
+            88..=89 => {
+                let Some(d) = self.pick(&self.devices.clone()) else {
+                    return;
+                };
+                let r = self.engine.delete_device(&d, now);
+                // The device announces itself again later; it is a new device then.
+                let effects = self.engine.observe_state(state(&d), now);
+                self.take(effects);
+                r
+            }
+            _ => {
+                self.restart();
+                return;
+            }
+        };
+        if let Ok(effects) = result {
+            self.check_effects(&effects);
+            self.take(effects);
+        }
+    }
+
+    /// The coordinator restarts: every rollout goes through its stored form.
+    fn restart(&mut self) {
+        let stored: Vec<Rollout> = self
+            .engine
+            .rollouts()
+            .map(|r| {
+                let json = serde_json::to_string(r).expect("serializes");
+                serde_json::from_str(&json).expect("round-trips")
+            })
+            .collect();
+        for (a, b) in self.engine.rollouts().zip(&stored) {
+            if a != b {
+                self.fail(&format!("rollout {} changed in a serde round trip", a.name));
+            }
+        }
+        self.engine = Engine::restore(stored, SystemZones);
+        for d in self.devices.clone() {
+            let effects = self.engine.observe_state(state(&d), self.now);
+            self.take(effects);
+        }
+        let effects = self.engine.reissue(self.now);
+        self.check_effects(&effects);
+        self.take(effects);
+    }
+
+    /// Effects never install for an ended rollout, and roll back only after the rollback
+    /// error action.
+    fn check_effects(&self, effects: &[Effect]) {
+        for e in effects {
+            let (rollout, rollback) = match e {
+                Effect::Desired { rollout, .. } => (rollout, false),
+                Effect::Rollback { rollout, .. } => (rollout, true),
+                _ => continue,
+            };
+            let Some(r) = self.engine.rollout(rollout) else {
+                continue;
+            };
+            // An install sent in the step that ended the rollout must be canceled in it too.
+            let canceled_after = |id: &str| {
+                effects
+                    .iter()
+                    .any(|c| matches!(c, Effect::Cancel { action_id, .. } if action_id == id))
+            };
+            if let Effect::Desired { action_id, .. } = e {
+                if r.state.is_terminal()
+                    && (self.ended.contains(rollout) || !canceled_after(action_id))
+                {
+                    self.fail(&format!("rollout {rollout} is {} and sent {e:?}", r.state));
+                }
+            }
+            if rollback && !r.rolled_back {
+                self.fail(&format!(
+                    "rollout {rollout} was not rolled back and sent {e:?}"
+                ));
+            }
+        }
+    }
+
+    fn check(&mut self) {
+        let rollouts: Vec<Rollout> = self.engine.rollouts().cloned().collect();
+        for r in &rollouts {
+            for (gi, g) in r.groups.iter().enumerate() {
+                // Counters are a count over the devices and add up.
+                let mut counts = crate::conditions::GroupCounts {
+                    total: g.slots.len(),
+                    ..Default::default()
+                };
+                for s in g.slots.values() {
+                    s.phase.count_in(&mut counts, true);
+                }
+                if counts != g.counts {
+                    self.fail(&format!(
+                        "rollout {} group {}: counters {:?} but devices say {counts:?}",
+                        r.name, g.name, g.counts
+                    ));
+                }
+                let status = &r.status().groups[gi];
+                let sum = status.ready
+                    + status.failed
+                    + status.in_progress
+                    + status.scheduled
+                    + status.canceled;
+                if sum != status.total {
+                    self.fail(&format!(
+                        "rollout {} group {}: status adds up to {sum} of {}",
+                        r.name, g.name, status.total
+                    ));
+                }
+                let Some(at) = g.started_at else {
+                    if !matches!(g.state, GroupState::Scheduled | GroupState::Approval) {
+                        self.fail(&format!(
+                            "group {} is {} but never started",
+                            g.name, g.state
+                        ));
+                    }
+                    continue;
+                };
+                // No group starts twice.
+                let key = (r.name.clone(), g.name.clone());
+                match self.started.get(&key) {
+                    Some(&first) if first != at => self.fail(&format!(
+                        "rollout {} group {} started at {first} and again at {at}",
+                        r.name, g.name
+                    )),
+                    _ => {
+                        self.started.insert(key, at);
+                    }
+                }
+                let starts = r
+                    .trace
+                    .iter()
+                    .filter(|t| t.message.starts_with(&format!("group {} started", g.name)))
+                    .count();
+                if starts > 1 {
+                    self.fail(&format!(
+                        "rollout {} group {} started {starts} times",
+                        r.name, g.name
+                    ));
+                }
+                // No group starts while a gate before it is pending.
+                let approved =
+                    |name: &str| r.approvals.iter().any(|a| a.name == name && a.approved);
+                if g.before.approval && !approved(&before_approval(&r.name, &g.name)) {
+                    self.fail(&format!(
+                        "rollout {} group {} started without its before approval",
+                        r.name, g.name
+                    ));
+                }
+                if gi > 0 {
+                    let prev = &r.groups[gi - 1];
+                    if prev.after.approval && !approved(&after_approval(&r.name, &prev.name)) {
+                        self.fail(&format!(
+                            "rollout {} group {} started while the approval after {} is pending",
+                            r.name, g.name, prev.name
+                        ));
+                    }
+                    if prev.after.wait > 0 && !self.forced.contains(&r.name) {
+                        let due = prev.succeeded_at.map(|s| s + prev.after.wait);
+                        if due.is_none_or(|due| at < due) {
+                            self.fail(&format!(
+                                "rollout {} group {} started at {at} before the timed wait after {} ran out ({due:?})",
+                                r.name, g.name, prev.name
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The operators let everything finish: approve, resume, devices report, time passes.
+    fn drain(&mut self) {
+        for _ in 0..400 {
+            self.step += 1;
+            let mut moved = false;
+            for a in self.engine.approvals() {
+                if !a.approved {
+                    let effects = self.engine.approve(&a.name, self.now).expect("approves");
+                    self.take(effects);
+                    moved = true;
+                }
+            }
+            for name in self.rollout_names() {
+                let state = self.engine.rollout(&name).map(|r| r.state);
+                let effects = match state {
+                    Some(RolloutState::Paused) => self.engine.resume(&name, self.now),
+                    Some(RolloutState::Ready) => self.engine.start(&name, self.now),
+                    _ => continue,
+                };
+                self.take(effects.expect("moves"));
+                moved = true;
+            }
+            for d in self.devices.clone() {
+                if self.agents.get(&d).is_some_and(|a| a.action.is_some()) {
+                    self.agent_step(&d);
+                    moved = true;
+                }
+            }
+            self.check();
+            if !moved {
+                match self.engine.next_timer() {
+                    Some(at) => self.now = self.now.max(at) + 1,
+                    None => self.now += 60,
+                }
+                let effects = self.engine.tick(self.now);
+                self.check_effects(&effects);
+                self.take(effects);
+            }
+            let done = self.engine.rollouts().all(|r| {
+                r.state.is_terminal()
+                    && r.groups
+                        .iter()
+                        .all(|g| g.slots.values().all(|s| s.phase.is_terminal()))
+            });
+            if done && self.agents.values().all(|a| a.action.is_none()) {
+                return;
+            }
+        }
+        let open: Vec<String> = self
+            .engine
+            .rollouts()
+            .flat_map(|r| {
+                r.groups.iter().flat_map(move |g| {
+                    g.slots
+                        .iter()
+                        .filter(|(_, s)| !s.phase.is_terminal())
+                        .map(move |(d, s)| format!("{}/{}/{d}: {}", r.name, g.name, s.phase.name()))
+                })
+            })
+            .collect();
+        let states: Vec<String> = self
+            .engine
+            .rollouts()
+            .map(|r| format!("{} {}", r.name, r.state))
+            .collect();
+        self.fail(&format!(
+            "after the drain: rollouts {states:?}, devices not in a final phase {open:?}"
+        ));
+    }
+}
+
+fn run(seed: u64, steps: usize) {
+    let mut world = World::new(seed);
+    world.check();
+    for _ in 0..steps {
+        world.step();
+        world.check();
+    }
+    world.drain();
+}
+
+#[test]
+fn random_commands_reports_restarts_and_clock_jumps_keep_the_invariants() {
+    if let Some(seed) = std::env::var("FLOTILLA_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        run(seed, 300);
+        return;
+    }
+    for seed in 1..=600 {
+        run(seed, 300);
+    }
+}
