@@ -150,15 +150,22 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         .tempdir()
         .map_err(io("temporary directory"))?;
     let port = free_port().map_err(io("find a free port"))?;
+    let shutdown = CancellationToken::new();
+    let mut coordinator = None;
     let outcome = tokio::select! {
-        result = run_in(&args, dir.path(), port) => result,
+        result = run_in(&args, dir.path(), port, &shutdown, &mut coordinator) => result,
         (signal, code) = interrupted() => {
-            // Leaving the select drops the demo where it stood: the agents are killed and the
-            // coordinator goes with the runtime.
+            // Leaving the select drops the demo where it stood: the agents are killed.
             eprintln!("demo: {signal}: stopping the agents and the coordinator");
             Ok(code)
         }
     };
+    // The coordinator stops before its directory is removed: a store still writing into it
+    // would leave the directory, keys included, behind.
+    shutdown.cancel();
+    if let Some(task) = coordinator {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     if args.keep {
         let kept = dir.keep();
         let text = kept_text(&kept, port, args.devices);
@@ -256,7 +263,13 @@ fn check_args(args: &DemoArgs) -> Result<(), DemoError> {
     Ok(())
 }
 
-async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoError> {
+async fn run_in(
+    args: &DemoArgs,
+    root: &Path,
+    port: u16,
+    shutdown: &CancellationToken,
+    coordinator_task: &mut Option<tokio::task::JoinHandle<Result<(), service::ServiceError>>>,
+) -> Result<i32, DemoError> {
     let agent_bin = agent_binary(args.agent_bin.clone())?;
     let root = root.to_owned();
     let say = |line: String| {
@@ -313,14 +326,12 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
     fs::write(&config_path, coordinator_config(addr, &tokens))
         .map_err(io("write coordinator.toml"))?;
     let config = Config::load(&config_path)?;
-    let shutdown = CancellationToken::new();
-    let mut coordinator = tokio::spawn(service::serve(config, shutdown.clone()));
+    let coordinator =
+        coordinator_task.insert(tokio::spawn(service::serve(config, shutdown.clone())));
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     while tokio::net::TcpStream::connect(addr).await.is_err() {
         if coordinator.is_finished() {
-            return Err(DemoError::Coordinator(
-                coordinator_end(&mut coordinator).await,
-            ));
+            return Err(DemoError::Coordinator(coordinator_end(coordinator).await));
         }
         if Instant::now() > deadline {
             return Err(DemoError::Timeout {
@@ -397,9 +408,7 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
     let mut last_view = String::new();
     let status = loop {
         if coordinator.is_finished() {
-            return Err(DemoError::Coordinator(
-                coordinator_end(&mut coordinator).await,
-            ));
+            return Err(DemoError::Coordinator(coordinator_end(coordinator).await));
         }
         let value = client
             .request(
@@ -452,7 +461,9 @@ async fn run_in(args: &DemoArgs, root: &Path, port: u16) -> Result<i32, DemoErro
 
     drop(agents);
     shutdown.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(5), coordinator).await;
+    if let Some(task) = coordinator_task.take() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     Ok(match summary.state.as_str() {
         "finished" => 0,
         _ => 2,
