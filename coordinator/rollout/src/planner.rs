@@ -901,16 +901,6 @@ mod tests {
             Some(2),
             "50% of the 5 listed (\"For PickFixed, it's the length of the list\")"
         );
-        let plan = plan_of(
-            "[rolling]\nmax_unavailable = \"50%\"\npick = { fixed = [\"dev-001\", \"dev-041\", \"dev-042\", \"dev-043\"] }\n",
-            &fleet(8),
-        );
-        assert_eq!(plan.groups[0].devices, ["dev-001"]);
-        assert_eq!(
-            plan.groups[0].pace.concurrency,
-            Some(2),
-            "50% of the 4 listed, though 1 is in the fleet"
-        );
         assert_eq!(
             plan.excluded,
             [Excluded {
@@ -921,6 +911,16 @@ mod tests {
         assert_eq!(
             plan.unassigned,
             ["dev-000", "dev-002", "dev-004", "dev-006"]
+        );
+        let plan = plan_of(
+            "[rolling]\nmax_unavailable = \"50%\"\npick = { fixed = [\"dev-001\", \"dev-041\", \"dev-042\", \"dev-043\"] }\n",
+            &fleet(8),
+        );
+        assert_eq!(plan.groups[0].devices, ["dev-001"]);
+        assert_eq!(
+            plan.groups[0].pace.concurrency,
+            Some(2),
+            "50% of the 4 listed, though 1 is in the fleet"
         );
     }
 
