@@ -307,6 +307,13 @@ impl Engine {
                     }
                 }
             }
+            let mut r = r;
+            if r.spec.policies.dynamic && r.seen.is_empty() {
+                // Stored before `seen` existed: at least the devices it planned are not new.
+                r.seen = r.groups.iter().flat_map(|g| g.devices.iter().cloned()).collect();
+                r.seen.extend(r.unassigned.iter().cloned());
+                r.seen.extend(r.excluded.iter().map(|e| e.device.clone()));
+            }
             let entry = Entry::new(r, &*engine.zones);
             engine.rollouts.insert(entry.rollout.name.clone(), entry);
         }
@@ -464,17 +471,23 @@ impl Engine {
         out.into_effects()
     }
 
-    /// A device registered after rollouts with a dynamic group started: it joins those it
-    /// matches.
+    /// A device the registry did not hold: rollouts with a dynamic group that never saw it
+    /// record it, and those already started take it if it matches. A device a rollout saw
+    /// before (before a coordinator restart too) is never new to it.
     fn join_dynamic_groups(&mut self, device: &str, now: u64, out: &mut Out) {
         let Some(record) = self.devices.get(device) else {
             return;
         };
         let mut joined = Vec::new();
         for (name, entry) in &mut self.rollouts {
+            if !entry.rollout.first_sight(device) {
+                continue;
+            }
+            if !out.save.contains(name) {
+                out.save.push(name.clone());
+            }
             let r = &entry.rollout;
-            if !r.spec.policies.dynamic
-                || !r.state.is_active()
+            if !r.state.is_active()
                 || entry.index.contains_key(device)
                 || !r.spec.select.matches(&record.labels)
                 || !(r.release.hardware.is_empty()
@@ -773,7 +786,11 @@ impl Engine {
             ramp,
             started_at: None,
             checked_at: now,
+            seen: BTreeSet::new(),
         };
+        if rollout.spec.policies.dynamic {
+            rollout.seen = fleet.iter().map(|d| d.id.clone()).collect();
+        }
         let mut out = Out::default();
         let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
         let mut message = format!(
@@ -1177,6 +1194,7 @@ impl Engine {
             waiting: None,
             started_at: None,
             checked_at: now,
+            seen: BTreeSet::new(),
         };
         let mut out = Out::default();
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
@@ -1215,6 +1233,10 @@ impl Engine {
         let mut out = Out::default();
         let mut touched = Vec::new();
         for (name, entry) in &mut self.rollouts {
+            // Deleted, it is forgotten: if it registers again it is a new device.
+            if entry.rollout.seen.remove(device) && !out.save.contains(name) {
+                out.save.push(name.clone());
+            }
             let Some(&gi) = entry.index.get(device) else {
                 continue;
             };
@@ -1496,3 +1518,5 @@ impl Rollout {
 mod tests;
 #[cfg(test)]
 mod tests_features;
+#[cfg(test)]
+mod tests_reference;

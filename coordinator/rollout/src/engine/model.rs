@@ -2,7 +2,7 @@
 //! trace. Everything here is serialized into the store, so a restarted coordinator continues
 //! exactly where it stopped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use flotilla_protocol::control::{ApprovalStatus, Condition, TraceEntry};
@@ -392,4 +392,18 @@ pub struct Rollout {
     /// The last time the rollout was advanced (for timers that depend on "now").
     #[serde(default)]
     pub checked_at: u64,
+    /// Dynamic rollouts only: every device the coordinator knew while this rollout existed
+    /// (the fleet at creation and each device that registered since). Stored, so a restarted
+    /// coordinator, whose registry refills from retained states, still knows who is new; only
+    /// a device not in here joins the dynamic group.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub seen: BTreeSet<String>,
+}
+
+impl Rollout {
+    /// A device registered: records it as seen and says whether it is new to this rollout.
+    /// Always false for a rollout without a dynamic group.
+    pub fn first_sight(&mut self, device: &str) -> bool {
+        self.spec.policies.dynamic && !self.state.is_terminal() && self.seen.insert(device.to_owned())
+    }
 }
