@@ -344,6 +344,7 @@ mod tests {
                 at: 100 + i,
                 rollout: "fw".into(),
                 message: format!("decision {i}"),
+                ..TraceEntry::default()
             })
             .collect();
         let status = RolloutStatus {

@@ -8,12 +8,13 @@
 
 use std::collections::HashMap;
 
-use flotilla_protocol::control::{ApprovalStatus, TraceEntry};
+use flotilla_protocol::control::{ApprovalStatus, TraceKind};
 
 use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
-use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
+use super::trace::Decision;
+use super::{attempt_action_id, rollback_action_id, Effect};
 use crate::conditions::{error_met, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
@@ -72,22 +73,6 @@ struct Wait {
 }
 
 impl Rollout {
-    /// Records a decision; every decision is a state change worth saving and publishing.
-    pub(crate) fn record(&mut self, now: u64, message: String, out: &mut Out) {
-        let entry = TraceEntry {
-            at: now,
-            rollout: self.name.clone(),
-            message,
-        };
-        if self.trace.len() >= TRACE_LIMIT {
-            let excess = self.trace.len() + 1 - TRACE_LIMIT;
-            self.trace.drain(..excess);
-        }
-        self.trace.push(entry.clone());
-        out.touch(&self.name);
-        out.trace.push(Effect::Trace(entry));
-    }
-
     pub(crate) fn device_total(&self) -> usize {
         self.groups.iter().map(|g| g.devices.len()).sum()
     }
@@ -125,7 +110,11 @@ impl Rollout {
                 _ => {
                     self.state = RolloutState::Running;
                     self.started_at = Some(now);
-                    self.record(now, "start time reached".to_owned(), out);
+                    self.record(
+                        now,
+                        Decision::new(TraceKind::StartTimeReached, "start time reached"),
+                        out,
+                    );
                 }
             }
         }
@@ -226,15 +215,15 @@ impl Rollout {
                     group.state = GroupState::Finished;
                     group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                     group.condition("Progressing", false, "StageUpdatingSucceeded", now);
-                    self.record(now, format!("group {name} finished: {}", s.reason), out);
+                    let message = format!("group {name} finished: {}", s.reason);
+                    let decision = Decision::new(TraceKind::GroupFinished, message);
+                    self.record(now, decision.group(&name).compared(s.compared), out);
                 } else {
                     group.state = GroupState::Error;
                     group.condition("Failed", true, "StageUpdatingFailed", now);
-                    self.record(
-                        now,
-                        format!("group {name} ended in error: {}", s.reason),
-                        out,
-                    );
+                    let message = format!("group {name} ended in error: {}", s.reason);
+                    let decision = Decision::new(TraceKind::GroupFailed, message);
+                    self.record(now, decision.group(&name).compared(s.compared), out);
                 }
             }
         }
@@ -247,7 +236,8 @@ impl Rollout {
                 let text = format!("{}: {}", w.kind, w.text);
                 if self.waiting.as_deref() != Some(text.as_str()) {
                     if old_kind != Some(w.kind) {
-                        self.record(now, format!("waiting: {}", w.text), out);
+                        let message = format!("waiting: {}", w.text);
+                        self.record(now, Decision::new(TraceKind::Waiting, message), out);
                     }
                     self.waiting = Some(text);
                     out.touch(&self.name);
@@ -291,14 +281,11 @@ impl Rollout {
             now,
         );
         out.commands.push(Effect::Approval(request));
-        self.record(
-            now,
-            format!(
-                "approval {name} requested {when} group {}: flotilla approve {name}",
-                self.groups[gi].name
-            ),
-            out,
-        );
+        let gname = self.groups[gi].name.clone();
+        let message =
+            format!("approval {name} requested {when} group {gname}: flotilla approve {name}");
+        let decision = Decision::new(TraceKind::ApprovalRequested, message);
+        self.record(now, decision.group(&gname), out);
         false
     }
 
@@ -326,7 +313,9 @@ impl Rollout {
             group.name,
             group.devices.len()
         );
-        self.record(now, message, out);
+        let gname = group.name.clone();
+        let decision = Decision::new(TraceKind::GroupStarted, message);
+        self.record(now, decision.group(&gname), out);
     }
 
     /// Starts the group's next devices as far as every limit allows; returns why it stopped
@@ -420,13 +409,11 @@ impl Rollout {
                     }
                     group.cursor += 1;
                     let gname = group.name.clone();
-                    self.record(
-                        now,
-                        format!(
-                            "device {device} skipped in group {gname}: offline when its turn came"
-                        ),
-                        out,
+                    let message = format!(
+                        "device {device} skipped in group {gname}: offline when its turn came"
                     );
+                    let decision = Decision::new(TraceKind::DeviceSkipped, message);
+                    self.record(now, decision.group(&gname).device(&device), out);
                     continue;
                 }
                 if let Some((owner, weight)) = ctx.owners.get(&device) {
@@ -468,13 +455,11 @@ impl Rollout {
                     group.devices.len(),
                     group.counts.not_ready(),
                 );
-                self.record(
-                    now,
-                    format!(
-                        "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
-                    ),
-                    out,
+                let message = format!(
+                    "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
                 );
+                let decision = Decision::new(TraceKind::DevicesStarted, message);
+                self.record(now, decision.group(&name), out);
             }
         }
         result
@@ -516,11 +501,9 @@ impl Rollout {
             self.name.clone(),
             self.spec.policies.weight,
         ));
-        self.record(
-            now,
-            format!("device {device} in group {gname}: attempt {attempt} sent"),
-            out,
-        );
+        let message = format!("device {device} in group {gname}: attempt {attempt} sent");
+        let decision = Decision::new(TraceKind::DeviceStarted, message);
+        self.record(now, decision.group(&gname).device(device), out);
     }
 
     /// Applies the group's error condition; true when it fired (the caller stops advancing).
@@ -543,36 +526,30 @@ impl Rollout {
             ErrorAction::Pause => {
                 self.state = RolloutState::Paused;
                 self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                self.record(
-                    now,
-                    format!("group {gname} paused rollout {name}: {}", e.reason),
-                    out,
-                );
+                let message = format!("group {gname} paused rollout {name}: {}", e.reason);
+                let decision = Decision::new(TraceKind::ErrorPaused, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
             ErrorAction::Stop => {
                 let canceled = self.cancel_unfinished(now, out);
                 self.fail(now);
-                self.record(
-                    now,
-                    format!(
-                        "group {gname} stopped rollout {name}: {}; canceled {canceled} unfinished device actions",
-                        e.reason
-                    ),
-                    out,
+                let message = format!(
+                    "group {gname} stopped rollout {name}: {}; canceled {canceled} unfinished device actions",
+                    e.reason
                 );
+                let decision = Decision::new(TraceKind::ErrorStopped, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
             ErrorAction::Rollback => {
                 let canceled = self.cancel_unfinished(now, out);
                 let rolled = self.roll_back(now, out);
                 self.fail(now);
-                self.record(
-                    now,
-                    format!(
-                        "group {gname} rolled back rollout {name}: {}; canceled {canceled} unfinished device actions, sending {rolled} devices back to the release they kept",
-                        e.reason
-                    ),
-                    out,
+                let message = format!(
+                    "group {gname} rolled back rollout {name}: {}; canceled {canceled} unfinished device actions, sending {rolled} devices back to the release they kept",
+                    e.reason
                 );
+                let decision = Decision::new(TraceKind::ErrorRolledBack, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
         }
         true
@@ -671,7 +648,9 @@ impl Rollout {
             }
             let gname = group.name.clone();
             self.groups[gi].succeeded_at = Some(now);
-            self.record(now, format!("group {gname} succeeded: {}", s.reason), out);
+            let message = format!("group {gname} succeeded: {}", s.reason);
+            let decision = Decision::new(TraceKind::GroupSucceeded, message);
+            self.record(now, decision.group(&gname).compared(s.compared), out);
         }
         let group = &self.groups[gi];
         let gname = group.name.clone();
@@ -703,7 +682,9 @@ impl Rollout {
                     "AfterStageTaskWaitTimeElapsed",
                     now,
                 );
-                self.record(now, format!("group {gname}: timed wait elapsed"), out);
+                let message = format!("group {gname}: timed wait elapsed");
+                let decision = Decision::new(TraceKind::WaitElapsed, message);
+                self.record(now, decision.group(&gname), out);
             }
         }
         if !pending.is_empty() {
@@ -734,11 +715,10 @@ impl Rollout {
                 self.check_done(gi, now, out);
                 self.state = RolloutState::Paused;
                 self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                self.record(
-                    now,
-                    format!("group {gname} succeeded; its success action paused rollout {name}"),
-                    out,
-                );
+                let message =
+                    format!("group {gname} succeeded; its success action paused rollout {name}");
+                let decision = Decision::new(TraceKind::SuccessPaused, message);
+                self.record(now, decision.group(&gname), out);
                 Step::Stop
             }
         }
@@ -757,7 +737,9 @@ impl Rollout {
                 group.ended_at.get_or_insert(now);
                 group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                 let gname = group.name.clone();
-                self.record(now, format!("group {gname} finished"), out);
+                let message = format!("group {gname} finished");
+                let decision = Decision::new(TraceKind::GroupFinished, message);
+                self.record(now, decision.group(&gname), out);
                 false
             }
             GroupState::Running if group.counts.pending() == 0 => {
@@ -771,7 +753,9 @@ impl Rollout {
                         group.state = GroupState::Finished;
                         group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                         group.condition("Progressing", false, "StageUpdatingSucceeded", now);
-                        self.record(now, format!("group {gname} finished: {}", s.reason), out);
+                        let message = format!("group {gname} finished: {}", s.reason);
+                        let decision = Decision::new(TraceKind::GroupFinished, message);
+                        self.record(now, decision.group(&gname).compared(s.compared), out);
                     } else {
                         group.state = GroupState::Waiting;
                         group.condition("Progressing", false, "StageUpdatingWaiting", now);
@@ -783,14 +767,12 @@ impl Rollout {
                     group.condition("Failed", true, "StageUpdatingFailed", now);
                     self.state = RolloutState::Paused;
                     self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                    self.record(
-                        now,
-                        format!(
-                            "group {gname} paused rollout {name}: every device is done and {}",
-                            s.reason
-                        ),
-                        out,
+                    let message = format!(
+                        "group {gname} paused rollout {name}: every device is done and {}",
+                        s.reason
                     );
+                    let decision = Decision::new(TraceKind::GroupFailed, message);
+                    self.record(now, decision.group(&gname).compared(s.compared), out);
                     true
                 }
             }
@@ -818,7 +800,7 @@ impl Rollout {
             self.name,
             self.device_total()
         );
-        self.record(now, message, out);
+        self.record(now, Decision::new(TraceKind::Finished, message), out);
     }
 
     /// Timers: start time, soak, retries, in-progress timeouts and offline grace. Returns
@@ -918,25 +900,21 @@ impl Rollout {
             let delay = r.backoff.saturating_mul(1u64 << (attempt - 1).min(20));
             slot.retry_at = Some(now + delay);
             group.set_phase(device, DevicePhase::Retrying(reason.clone()));
-            self.record(
-                now,
-                format!(
-                    "device {device} in group {gname}: attempt {attempt} ended ({reason}); retry {attempt} of {} in {}",
-                    r.attempts,
-                    seconds(delay)
-                ),
-                out,
+            let message = format!(
+                "device {device} in group {gname}: attempt {attempt} ended ({reason}); retry {attempt} of {} in {}",
+                r.attempts,
+                seconds(delay)
             );
+            let decision = Decision::new(TraceKind::DeviceRetrying, message);
+            self.record(now, decision.group(&gname).device(device), out);
             return;
         }
         slot.ended_at = Some(now);
         slot.retry_at = None;
         if matches!(failure, DevicePhase::TimedOut(_)) {
-            self.record(
-                now,
-                format!("device {device} in group {gname} timed out: {reason}"),
-                out,
-            );
+            let message = format!("device {device} in group {gname} timed out: {reason}");
+            let decision = Decision::new(TraceKind::DeviceTimedOut, message);
+            self.record(now, decision.group(&gname).device(device), out);
         }
         let group = &mut self.groups[gi];
         group.set_phase(device, failure);
@@ -1018,11 +996,10 @@ impl Rollout {
         group.counts.total += 1;
         group.counts.scheduled += 1;
         let gname = group.name.clone();
-        self.record(
-            now,
-            format!("device {device} registered after the start and joined group {gname}"),
-            out,
-        );
+        let message =
+            format!("device {device} registered after the start and joined group {gname}");
+        let decision = Decision::new(TraceKind::DeviceJoined, message);
+        self.record(now, decision.group(&gname).device(device), out);
         Some(gi)
     }
 }

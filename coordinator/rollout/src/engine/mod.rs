@@ -27,12 +27,13 @@
 
 mod advance;
 pub mod model;
+mod trace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use flotilla_protocol::control::{
-    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus,
+    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus, TraceKind,
 };
 use flotilla_protocol::{DeviceState, Phase, Report};
 
@@ -49,6 +50,7 @@ use advance::{Ctx, Out};
 pub use model::{
     DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
 };
+use trace::Decision;
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
 pub const TRACE_LIMIT: usize = 1000;
@@ -310,7 +312,11 @@ impl Engine {
             let mut r = r;
             if r.spec.policies.dynamic && r.seen.is_empty() {
                 // Stored before `seen` existed: at least the devices it planned are not new.
-                r.seen = r.groups.iter().flat_map(|g| g.devices.iter().cloned()).collect();
+                r.seen = r
+                    .groups
+                    .iter()
+                    .flat_map(|g| g.devices.iter().cloned())
+                    .collect();
                 r.seen.extend(r.unassigned.iter().cloned());
                 r.seen.extend(r.excluded.iter().map(|e| e.device.clone()));
             }
@@ -421,11 +427,11 @@ impl Engine {
                 if let Some(slot) = group.slots.get_mut(&device) {
                     slot.ended_at = Some(now);
                 }
-                r.record(
-                    now,
-                    format!("device {device}: action canceled, rollout {by} took the device over"),
-                    out,
-                );
+                let message =
+                    format!("device {device}: action canceled, rollout {by} took the device over");
+                let gname = r.groups[gi].name.clone();
+                let decision = Decision::new(TraceKind::DeviceTakenOver, message);
+                r.record(now, decision.group(&gname).device(&device), out);
                 touched.push(other.clone());
             }
         }
@@ -792,6 +798,7 @@ impl Engine {
             rollout.seen = fleet.iter().map(|d| d.id.clone()).collect();
         }
         let mut out = Out::default();
+        let operator = by;
         let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
         let mut message = format!(
             "created{by} for release {}: {planned} devices in {} groups ({sizes})",
@@ -810,7 +817,11 @@ impl Engine {
                 rollout.unassigned.len()
             ));
         }
-        rollout.record(now, message, &mut out);
+        let mut decision = Decision::new(TraceKind::Created, message);
+        if let Some(by) = operator {
+            decision = decision.by(by);
+        }
+        rollout.record(now, decision, &mut out);
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
         self.rollouts
@@ -876,16 +887,22 @@ impl Engine {
         match r.spec.policies.start_at {
             Some(at) if at > now => {
                 r.state = RolloutState::Scheduled;
+                let message = format!("started by {by}; waits for its start time {at}");
                 r.record(
                     now,
-                    format!("started by {by}; waits for its start time {at}"),
+                    Decision::new(TraceKind::Started, message).by(by),
                     &mut out,
                 );
             }
             _ => {
                 r.state = RolloutState::Running;
                 r.started_at = Some(now);
-                r.record(now, format!("rollout started by {by}"), &mut out);
+                let message = format!("rollout started by {by}");
+                r.record(
+                    now,
+                    Decision::new(TraceKind::Started, message).by(by),
+                    &mut out,
+                );
             }
         }
         self.cancel_older_scheduled(name, now, &mut out);
@@ -923,11 +940,9 @@ impl Engine {
                 }
             }
             if canceled > 0 {
-                e.rollout.record(
-                    now,
-                    format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices"),
-                    out,
-                );
+                let message = format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices");
+                let decision = Decision::new(TraceKind::ActionsCanceled, message);
+                e.rollout.record(now, decision, out);
                 touched.push(other.clone());
             }
         }
@@ -950,7 +965,12 @@ impl Engine {
         let mut out = Out::default();
         r.state = RolloutState::Paused;
         r.set_condition("Progressing", false, "UpdateRunPaused", now);
-        r.record(now, format!("paused by {by}"), &mut out);
+        let message = format!("paused by {by}");
+        r.record(
+            now,
+            Decision::new(TraceKind::Paused, message).by(by),
+            &mut out,
+        );
         Ok(out.into_effects())
     }
 
@@ -989,7 +1009,11 @@ impl Engine {
                 passed.join(", ")
             )
         };
-        r.record(now, message, &mut out);
+        r.record(
+            now,
+            Decision::new(TraceKind::Resumed, message).by(by),
+            &mut out,
+        );
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1010,9 +1034,10 @@ impl Engine {
         r.state = RolloutState::Stopped;
         r.waiting = None;
         r.set_condition("Progressing", false, "UpdateRunStopped", now);
+        let message = format!("stopped by {by}; canceled {canceled} unfinished device actions");
         r.record(
             now,
-            format!("stopped by {by}; canceled {canceled} unfinished device actions"),
+            Decision::new(TraceKind::Stopped, message).by(by),
             &mut out,
         );
         self.apply_bookkeeping(now, &mut out);
@@ -1048,6 +1073,7 @@ impl Engine {
         a.approved = true;
         a.approved_at = Some(now);
         let approval = a.clone();
+        let gname = approval.group.clone();
         if let Some(g) = r.groups.iter_mut().find(|g| g.name == approval.group) {
             g.condition(
                 "ApprovalRequestApproved",
@@ -1057,7 +1083,9 @@ impl Engine {
             );
         }
         out.commands.push(Effect::Approval(approval));
-        r.record(now, format!("approval {name} approved by {by}"), &mut out);
+        let message = format!("approval {name} approved by {by}");
+        let decision = Decision::new(TraceKind::Approved, message).by(by);
+        r.record(now, decision.group(&gname), &mut out);
         self.advance(&rollout, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1106,7 +1134,9 @@ impl Engine {
             "{by} triggered the next group after group {}",
             r.groups[last].name
         );
-        r.record(now, message, &mut out);
+        let gname = r.groups[last].name.clone();
+        let decision = Decision::new(TraceKind::NextTriggered, message).by(by);
+        r.record(now, decision.group(&gname), &mut out);
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1198,14 +1228,12 @@ impl Engine {
         };
         let mut out = Out::default();
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
-        rollout.record(
-            now,
-            format!(
-                "created by {by} to retry the {} failed devices of rollout {name}",
-                failed.len()
-            ),
-            &mut out,
+        let message = format!(
+            "created by {by} to retry the {} failed devices of rollout {name}",
+            failed.len()
         );
+        let decision = Decision::new(TraceKind::RetryCreated, message).by(by);
+        rollout.record(now, decision, &mut out);
         self.rollouts
             .insert(new_name, Entry::new(rollout, &*self.zones));
         Ok(out.into_effects())
@@ -1259,14 +1287,14 @@ impl Engine {
             }
             entry.index.remove(device);
             let gname = group.name.clone();
-            entry.rollout.record(
-                now,
-                format!(
-                    "device {device} deleted by {by}; group {gname} now has {} devices",
-                    { entry.rollout.groups[gi].devices.len() }
-                ),
-                &mut out,
+            let message = format!(
+                "device {device} deleted by {by}; group {gname} now has {} devices",
+                { entry.rollout.groups[gi].devices.len() }
             );
+            let decision = Decision::new(TraceKind::DeviceDeleted, message).by(by);
+            entry
+                .rollout
+                .record(now, decision.group(&gname).device(device), &mut out);
             touched.push(name.clone());
         }
         out.commands.push(Effect::Forget {

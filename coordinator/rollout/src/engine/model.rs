@@ -404,6 +404,8 @@ impl Rollout {
     /// A device registered: records it as seen and says whether it is new to this rollout.
     /// Always false for a rollout without a dynamic group.
     pub fn first_sight(&mut self, device: &str) -> bool {
-        self.spec.policies.dynamic && !self.state.is_terminal() && self.seen.insert(device.to_owned())
+        self.spec.policies.dynamic
+            && !self.state.is_terminal()
+            && self.seen.insert(device.to_owned())
     }
 }

@@ -74,7 +74,8 @@ fn group_of(engine: &Engine, rollout: &str, device: &str) -> Option<String> {
         .map(|g| g.name.clone())
 }
 
-const DYNAMIC: &str = "[groups]\ndynamic = true\n[[groups.group]]\nname = \"canary\"\nselect = \"ring=canary\"\n";
+const DYNAMIC: &str =
+    "[groups]\ndynamic = true\n[[groups.group]]\nname = \"canary\"\nselect = \"ring=canary\"\n";
 
 #[test]
 fn a_restart_never_changes_who_is_new_to_a_dynamic_rollout() {
@@ -104,7 +105,9 @@ fn a_restart_never_changes_who_is_new_to_a_dynamic_rollout() {
     let effects = engine.observe_state(state("late", &[("ring", "main")]), T0 + 11);
     assert_eq!(group_of(&engine, "dyn", "late").as_deref(), Some("dynamic"));
     assert!(
-        effects.iter().any(|e| matches!(e, Effect::Save(r) if r == "dyn")),
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::Save(r) if r == "dyn")),
         "who the rollout has seen is saved with it"
     );
     // And that survives a second restart.
@@ -112,7 +115,9 @@ fn a_restart_never_changes_who_is_new_to_a_dynamic_rollout() {
     engine.observe_state(state("late", &[("ring", "main")]), T0 + 12);
     assert_eq!(group_of(&engine, "dyn", "late").as_deref(), Some("dynamic"));
     assert_eq!(
-        engine.rollout("dyn").map(|r| r.groups.last().map(|g| g.devices.len())),
+        engine
+            .rollout("dyn")
+            .map(|r| r.groups.last().map(|g| g.devices.len())),
         Some(Some(1))
     );
 }
