@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::zoneinfo::SystemZones;
+use flotilla_protocol::control::{Compared, TraceEntry, TraceKind};
 use flotilla_protocol::InstalledRelease;
 
 const T0: u64 = 1_800_000_000;
@@ -119,5 +120,124 @@ fn a_restart_never_changes_who_is_new_to_a_dynamic_rollout() {
             .rollout("dyn")
             .map(|r| r.groups.last().map(|g| g.devices.len())),
         Some(Some(1))
+    );
+}
+
+/// Sends a device's report for its first attempt in rollout `name`.
+fn report(
+    engine: &mut Engine,
+    name: &str,
+    device: &str,
+    seq: u64,
+    phase: Phase,
+    now: u64,
+) -> Vec<Effect> {
+    let created_at = engine.rollout(name).expect("rollout exists").created_at;
+    engine.observe_report(
+        Report {
+            device_id: device.into(),
+            seq,
+            action_id: action_id(name, created_at, device),
+            rollout_id: name.into(),
+            phase,
+            at: now,
+        },
+        now,
+    )
+}
+
+fn traces(effects: &[Effect]) -> Vec<TraceEntry> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Trace(t) => Some(t.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn trace_entries_name_the_decision_its_subjects_and_numbers() {
+    let mut engine = Engine::new(SystemZones);
+    for i in 0..21 {
+        engine.observe_state(state(&format!("dev-{i:02}"), &[]), T0);
+    }
+    let created = engine
+        .create_rollout_by(
+            spec(
+                "tr",
+                "[groups]\ncount = 1\nerror = { threshold = \"10%\", action = \"pause\" }\n",
+            ),
+            release(),
+            "alice",
+            T0,
+        )
+        .expect("created");
+    let created = traces(&created);
+    assert_eq!(
+        (created[0].kind, created[0].by.as_deref()),
+        (TraceKind::Created, Some("alice"))
+    );
+    let started = traces(&engine.start_by("tr", "bob", T0).expect("started"));
+    assert_eq!(
+        (started[0].kind, started[0].by.as_deref()),
+        (TraceKind::Started, Some("bob"))
+    );
+    assert!(started
+        .iter()
+        .any(|t| t.kind == TraceKind::GroupStarted && t.group.as_deref() == Some("group-1")));
+
+    let deleted = traces(
+        &engine
+            .delete_device_by("dev-20", "dave", T0)
+            .expect("deleted"),
+    );
+    assert!(deleted.iter().any(|t| t.kind == TraceKind::DeviceDeleted
+        && t.device.as_deref() == Some("dev-20")
+        && t.by.as_deref() == Some("dave")));
+
+    let failed = Phase::Failed {
+        reason: "health check failed".into(),
+        rolled_back: true,
+    };
+    let mut last = Vec::new();
+    for i in 0..3 {
+        last = report(
+            &mut engine,
+            "tr",
+            &format!("dev-{i:02}"),
+            1,
+            failed.clone(),
+            T0 + 1,
+        );
+    }
+    // The example: "group canary paused: 3 of 20 failed > 10%", as fields.
+    let paused = traces(&last)
+        .into_iter()
+        .find(|t| t.kind == TraceKind::ErrorPaused)
+        .expect("the error condition paused the rollout");
+    assert_eq!(paused.group.as_deref(), Some("group-1"));
+    assert_eq!(paused.by, None, "the engine's own decision");
+    assert_eq!(
+        paused.compared,
+        Some(Compared {
+            counted: "failed".into(),
+            count: 3,
+            of: 20,
+            op: ">".into(),
+            threshold: "10%".into(),
+            met: true,
+        })
+    );
+    assert!(
+        paused.message.contains("3 of 20 failed > 10%"),
+        "the words stay: {}",
+        paused.message
+    );
+
+    let resumed = traces(&engine.resume_by("tr", "carol", T0 + 2).expect("resumed"));
+    assert_eq!(
+        (resumed[0].kind, resumed[0].by.as_deref()),
+        (TraceKind::Resumed, Some("carol"))
     );
 }
