@@ -44,6 +44,8 @@ pub(crate) struct Out {
     pub releases: Vec<(String, String)>,
     /// (other rollout, device, by rollout): a newer or heavier rollout took the device over.
     pub preempt: Vec<(String, String, String)>,
+    /// (device, rollout): a deleted device left the rollout's groups.
+    pub left: Vec<(String, String)>,
 }
 
 impl Out {
@@ -305,14 +307,24 @@ impl Rollout {
             }
         };
         let group = &mut self.groups[gi];
+        let dropped = group.drop_deleted();
         group.state = GroupState::Running;
         group.started_at = Some(now);
         group.condition("Progressing", true, "StageUpdatingStarted", now);
-        let message = format!(
+        let mut message = format!(
             "group {} started with {} devices ({why})",
             group.name,
             group.devices.len()
         );
+        if !dropped.is_empty() {
+            message.push_str(&format!(
+                "; {} deleted devices left it: {}",
+                dropped.len(),
+                dropped.join(", ")
+            ));
+        }
+        out.left
+            .extend(dropped.into_iter().map(|d| (d, self.name.clone())));
         let gname = group.name.clone();
         let decision = Decision::new(TraceKind::GroupStarted, message);
         self.record(now, decision.group(&gname), out);

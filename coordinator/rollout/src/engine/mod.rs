@@ -227,6 +227,9 @@ fn cancels_first(effects: &mut [Effect]) {
 
 /// The effect that re-publishes what a device's slot in rollout `r` last sent it, if any.
 fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
+    if slot.deleted {
+        return None;
+    }
     let id = r.attempt_id(device, slot.attempt);
     match &slot.phase {
         DevicePhase::InProgress(p) if p == model::ROLLING_BACK => Some(Effect::Rollback {
@@ -407,6 +410,11 @@ impl Engine {
         }
         for (device, rollout, weight) in std::mem::take(&mut out.claims) {
             self.owners.insert(device, (rollout, weight));
+        }
+        for (device, rollout) in std::mem::take(&mut out.left) {
+            if let Some(entry) = self.rollouts.get_mut(&rollout) {
+                entry.index.remove(&device);
+            }
         }
         let mut touched = Vec::new();
         for (other, device, by) in std::mem::take(&mut out.preempt) {
@@ -1239,8 +1247,10 @@ impl Engine {
         Ok(out.into_effects())
     }
 
-    /// Forgets a device: it leaves the registry and the groups that have not finished (hawkBit:
-    /// counts are recomputed; an emptied group succeeds). Finished groups keep it.
+    /// Forgets a device: it leaves the registry. As in hawkBit, it leaves a running group at
+    /// once (counts are recomputed; an emptied group succeeds); in a group that has not started
+    /// it shows as `not_started` and leaves when the group starts; in a finished group (or a
+    /// rollout that is over) it shows as `not_started` and the counts stay.
     pub fn delete_device(&mut self, device: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         self.delete_device_by(device, OPERATOR, now)
     }
@@ -1268,11 +1278,32 @@ impl Engine {
             let Some(&gi) = entry.index.get(device) else {
                 continue;
             };
-            if entry.rollout.state.is_terminal() {
-                continue;
-            }
+            let terminal = entry.rollout.state.is_terminal();
             let group = &mut entry.rollout.groups[gi];
-            if matches!(group.state, GroupState::Finished | GroupState::Error) {
+            // hawkBit: in a group that has not started, or has finished, the device moves to
+            // "not started"; the counts change only when a not-started group starts.
+            let kept = match group.state {
+                _ if terminal => Some("the rollout is over"),
+                GroupState::Scheduled | GroupState::Approval => {
+                    Some("it leaves the group when the group starts")
+                }
+                GroupState::Waiting | GroupState::Finished | GroupState::Error => {
+                    Some("the group is done and keeps its counts")
+                }
+                GroupState::Running => None,
+            };
+            if let Some(why) = kept {
+                let Some(slot) = group.slots.get_mut(device).filter(|s| !s.deleted) else {
+                    continue;
+                };
+                slot.deleted = true;
+                let gname = group.name.clone();
+                let message =
+                    format!("device {device} deleted by {by}; not started in group {gname}: {why}");
+                let decision = Decision::new(TraceKind::DeviceDeleted, message).by(by);
+                entry
+                    .rollout
+                    .record(now, decision.group(&gname).device(device), &mut out);
                 continue;
             }
             if let Some(slot) = group.slots.remove(device) {
@@ -1497,7 +1528,7 @@ impl Rollout {
                     devices: g
                         .slots
                         .iter()
-                        .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+                        .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
                         .collect(),
                     started_at: g.started_at,
                     ended_at: g.ended_at,
@@ -1509,7 +1540,7 @@ impl Rollout {
                             (
                                 d.clone(),
                                 DeviceDetail {
-                                    phase: s.phase.name().to_owned(),
+                                    phase: s.phase_name().to_owned(),
                                     started_at: s.started_at,
                                     ended_at: s.ended_at,
                                     reason: s.phase.reason().map(str::to_owned),
@@ -1536,7 +1567,7 @@ impl Rollout {
             .flat_map(|g| {
                 g.slots
                     .iter()
-                    .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+                    .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
             })
             .collect()
     }

@@ -262,7 +262,15 @@ pub struct Slot {
     /// Retrying at this time.
     #[serde(default)]
     pub retry_at: Option<u64>,
+    /// The device was deleted while its group had not started or had finished (hawkBit: it
+    /// shows as "not started"). Its phase, and so the group's counts, stay as they were; a
+    /// group that has not started drops it when it starts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleted: bool,
 }
+
+/// Phase name of a deleted device still listed in its group (hawkBit's "not started").
+pub const NOT_STARTED: &str = "not_started";
 
 impl Slot {
     pub fn scheduled() -> Self {
@@ -274,6 +282,16 @@ impl Slot {
             ended_at: None,
             soak_until: None,
             retry_at: None,
+            deleted: false,
+        }
+    }
+
+    /// The phase as status tables show it: `not_started` once deleted.
+    pub fn phase_name(&self) -> &str {
+        if self.deleted {
+            NOT_STARTED
+        } else {
+            self.phase.name()
         }
     }
 }
@@ -326,6 +344,30 @@ impl Group {
     /// Sets (or adds) a condition of this type.
     pub fn condition(&mut self, kind: &str, status: bool, reason: &str, at: u64) {
         set_condition(&mut self.conditions, kind, status, reason, "", at);
+    }
+
+    /// Removes the devices deleted while the group had not started, keeping the counters
+    /// right; returns them.
+    pub fn drop_deleted(&mut self) -> Vec<String> {
+        let gone: Vec<String> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.deleted)
+            .map(|(d, _)| d.clone())
+            .collect();
+        for device in &gone {
+            if let Some(slot) = self.slots.remove(device) {
+                slot.phase.count_in(&mut self.counts, false);
+                self.counts.total = self.counts.total.saturating_sub(1);
+            }
+            if let Some(pos) = self.devices.iter().position(|d| d == device) {
+                self.devices.remove(pos);
+                if pos < self.cursor {
+                    self.cursor -= 1;
+                }
+            }
+        }
+        gone
     }
 
     /// Every device was started (or skipped).

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::zoneinfo::SystemZones;
-use flotilla_protocol::control::{Compared, TraceEntry, TraceKind};
+use flotilla_protocol::control::{Compared, GroupStatus, TraceEntry, TraceKind};
 use flotilla_protocol::InstalledRelease;
 
 const T0: u64 = 1_800_000_000;
@@ -240,4 +240,80 @@ fn trace_entries_name_the_decision_its_subjects_and_numbers() {
         (resumed[0].kind, resumed[0].by.as_deref()),
         (TraceKind::Resumed, Some("carol"))
     );
+}
+
+fn group_status(engine: &Engine, rollout: &str, gi: usize) -> GroupStatus {
+    engine.status(rollout).expect("status").groups[gi].clone()
+}
+
+#[test]
+fn deleted_devices_follow_hawkbit_by_the_state_of_their_group() {
+    let mut engine = Engine::new(SystemZones);
+    for i in 0..6 {
+        engine.observe_state(state(&format!("dev-{i:02}"), &[]), T0);
+    }
+    engine
+        .create_rollout(spec("del", "[groups]\ncount = 3\n"), release(), T0)
+        .expect("created");
+    engine.start("del", T0).expect("started");
+    for d in ["dev-00", "dev-01"] {
+        report(&mut engine, "del", d, 1, Phase::Ready, T0 + 1);
+    }
+    let g = group_status(&engine, "del", 1);
+    assert_eq!(g.state, "running");
+
+    // "If you delete Targets of a Rollout Group that has finished, the Targets will move from
+    // finished (green in the UI) to not started (grey color in UI). The count of the Rollout
+    // Group and Rollout will not get updated."
+    engine.delete_device("dev-00", T0 + 2).expect("deleted");
+    let g = group_status(&engine, "del", 0);
+    assert_eq!(g.state, "finished");
+    assert_eq!(g.devices["dev-00"], "not_started");
+    assert_eq!((g.total, g.ready), (2, 2), "counts stay");
+
+    // "If you delete Targets of a Rollout Group which has not started yet, the Targets will
+    // move from scheduled (blue color in UI) to not started (grey color in UI). As soon as the
+    // Rollout Group starts the count of the Rollout Group and Rollout will get updated."
+    engine.delete_device("dev-05", T0 + 3).expect("deleted");
+    let g = group_status(&engine, "del", 2);
+    assert_eq!(g.state, "scheduled");
+    assert_eq!(g.devices["dev-05"], "not_started");
+    assert_eq!((g.total, g.scheduled), (2, 2), "not yet updated");
+
+    // "If you delete targets of a running Rollout Group, the count of the Rollout Group and
+    // Rollout will get updated as soon as the Scheduler task has executed."
+    engine.delete_device("dev-03", T0 + 4).expect("deleted");
+    let g = group_status(&engine, "del", 1);
+    assert!(!g.devices.contains_key("dev-03"));
+    assert_eq!(g.total, 1);
+
+    let effects = report(&mut engine, "del", "dev-02", 1, Phase::Ready, T0 + 5);
+    assert_eq!(
+        sent(&effects),
+        ["dev-04"],
+        "the deleted device gets nothing"
+    );
+    let g = group_status(&engine, "del", 2);
+    assert_eq!(g.state, "running");
+    assert_eq!(g.total, 1, "updated when the group started");
+    assert!(!g.devices.contains_key("dev-05"));
+    assert!(engine
+        .rollout("del")
+        .expect("rollout")
+        .trace
+        .iter()
+        .any(|t| t.message.contains("1 deleted devices left it: dev-05")));
+
+    // Finished rollouts keep the deleted device as not started, across a restart too.
+    report(&mut engine, "del", "dev-04", 1, Phase::Ready, T0 + 6);
+    assert_eq!(
+        engine.status("del").map(|s| s.state),
+        Some("finished".into())
+    );
+    let mut engine = Engine::restore(stored(&engine), SystemZones);
+    assert_eq!(
+        group_status(&engine, "del", 0).devices["dev-00"],
+        "not_started"
+    );
+    assert!(engine.reissue(T0 + 7).is_empty());
 }
