@@ -215,6 +215,51 @@ pub struct RolloutStatus {
     /// Approval requests of this rollout, pending and approved.
     #[serde(default)]
     pub approvals: Vec<ApprovalStatus>,
+    /// Staged runs: the stages as the run captured them when it was created (KubeFleet's
+    /// `stagedUpdateStrategySnapshot`); later changes to a stored strategy do not show here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy_snapshot: Option<StrategySnapshot>,
+    /// Staged runs: KubeFleet's deletion stage, the last one, which starts and succeeds once
+    /// every stage has. It never has devices: flotilla does not remove software from devices a
+    /// run leaves out (`docs/decisions/0016-reference-semantics.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion_stage: Option<GroupStatus>,
+}
+
+/// The stages of a staged run, as captured when the run was created.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StrategySnapshot {
+    /// The stored strategy the run named, absent for stages written in the spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
+    pub stages: Vec<StageSnapshot>,
+}
+
+/// One stage of a [`StrategySnapshot`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageSnapshot {
+    pub name: String,
+    /// The label selector in canonical form.
+    pub select: String,
+    /// The label whose integer value orders the stage's devices (KubeFleet's sortingLabelKey).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sort_by: Option<String>,
+    pub max_concurrency: usize,
+    /// Tasks before the stage starts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub before: Vec<StageTask>,
+    /// KubeFleet's afterStageTasks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<StageTask>,
+}
+
+/// A task before or after a stage: `{"type": "Approval"}` or `{"type": "TimedWait", "wait": "1m"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageTask {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<String>,
 }
 
 /// One group (deployment group, partition, stage) of a rollout.
@@ -277,6 +322,10 @@ pub struct DeviceDetail {
     /// 1 for the first attempt, 2 for the first retry, …
     #[serde(default)]
     pub attempt: u32,
+    /// Staged runs: KubeFleet's per-cluster conditions, `Started` (ClusterUpdatingStarted) and
+    /// `Succeeded` (ClusterUpdatingSucceeded, or false with ClusterUpdatingFailed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
 }
 
 /// An approval request: named `<rollout>-<group>` for the gate after a group and

@@ -805,7 +805,7 @@ impl Rollout {
         let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
             (r + g.counts.ready, f + g.counts.failures())
         });
-        self.set_condition("Progressing", false, "UpdateRunSucceeded", now);
+        // KubeFleet keeps Progressing true (UpdateRunStarted) beside Succeeded when a run ends.
         self.set_condition("Succeeded", true, "UpdateRunSucceeded", now);
         let message = format!(
             "rollout {} finished: {ready} of {} devices ready, {failed} failed",

@@ -27,6 +27,7 @@
 
 mod advance;
 pub mod model;
+mod status;
 mod trace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -1545,6 +1546,7 @@ impl Rollout {
                                     ended_at: s.ended_at,
                                     reason: s.phase.reason().map(str::to_owned),
                                     attempt: s.attempt,
+                                    conditions: self.device_conditions(s),
                                 },
                             )
                         })
@@ -1557,6 +1559,8 @@ impl Rollout {
             conditions: self.conditions.clone(),
             waiting: self.waiting.clone(),
             approvals: self.approvals.clone(),
+            strategy_snapshot: self.strategy_snapshot(),
+            deletion_stage: self.deletion_stage(),
         }
     }
 

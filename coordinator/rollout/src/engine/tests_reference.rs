@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::zoneinfo::SystemZones;
-use flotilla_protocol::control::{Compared, GroupStatus, TraceEntry, TraceKind};
+use flotilla_protocol::control::{Compared, Condition, GroupStatus, TraceEntry, TraceKind};
 use flotilla_protocol::InstalledRelease;
 
 const T0: u64 = 1_800_000_000;
@@ -316,4 +316,154 @@ fn deleted_devices_follow_hawkbit_by_the_state_of_their_group() {
         "not_started"
     );
     assert!(engine.reissue(T0 + 7).is_empty());
+}
+
+/// The strategy of kubefleet-staged-update.txt's example run.
+const EXAMPLE_RUN: &str = r#"
+[[staged.stage]]
+name = "staging"
+select = "environment=staging"
+after = { approval = true, wait = "1m" }
+
+[[staged.stage]]
+name = "canary"
+select = "environment=canary"
+after = { approval = true }
+
+[[staged.stage]]
+name = "production"
+select = "environment=production"
+sort_by = "order"
+after = { approval = true, wait = "1m" }
+"#;
+
+fn condition<'a>(conditions: &'a [Condition], kind: &str) -> Option<(bool, &'a str)> {
+    conditions
+        .iter()
+        .find(|c| c.kind == kind)
+        .map(|c| (c.status, c.reason.as_str()))
+}
+
+#[test]
+fn staged_run_status_has_kubefleets_shape() {
+    let mut engine = Engine::new(SystemZones);
+    engine.observe_state(state("member1", &[("environment", "staging")]), T0);
+    engine.observe_state(state("member2", &[("environment", "canary")]), T0);
+    engine
+        .create_rollout(spec("example-run", EXAMPLE_RUN), release(), T0)
+        .expect("created");
+
+    // "StagedUpdateStrategySnapshot: the snapshot of the updateRun strategy, which ensures any
+    // strategy changes will not affect executing updateRuns."
+    let status = engine.status("example-run").expect("status");
+    let snapshot = status
+        .strategy_snapshot
+        .expect("a staged run shows its snapshot");
+    let names: Vec<&str> = snapshot.stages.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["staging", "canary", "production"]);
+    let staging: Vec<(&str, Option<&str>)> = snapshot.stages[0]
+        .after
+        .iter()
+        .map(|t| (t.kind.as_str(), t.wait.as_deref()))
+        .collect();
+    assert_eq!(staging, [("Approval", None), ("TimedWait", Some("1m"))]);
+    assert_eq!(snapshot.stages[2].sort_by.as_deref(), Some("order"));
+    assert_eq!(snapshot.stages[0].select, "environment=staging");
+
+    engine.start("example-run", T0).expect("started");
+    report(
+        &mut engine,
+        "example-run",
+        "member1",
+        1,
+        Phase::Ready,
+        T0 + 15,
+    );
+    let status = engine.status("example-run").expect("status");
+    // "member1 from stage staging has been updated successfully. The stage is waiting for
+    // approval": the stage's Progressing is False (StageUpdatingWaiting), the run's stays
+    // True (UpdateRunStarted).
+    assert_eq!(
+        condition(&status.groups[0].conditions, "Progressing"),
+        Some((false, "StageUpdatingWaiting"))
+    );
+    assert_eq!(
+        condition(&status.conditions, "Progressing"),
+        Some((true, "UpdateRunStarted"))
+    );
+    // "ClusterUpdatingStarted condition indicates the cluster is being updated and
+    // ClusterUpdatingSucceeded condition shows the cluster is updated successfully."
+    let member1 = &status.groups[0].device_details["member1"];
+    assert_eq!(
+        condition(&member1.conditions, "Started"),
+        Some((true, "ClusterUpdatingStarted"))
+    );
+    assert_eq!(
+        condition(&member1.conditions, "Succeeded"),
+        Some((true, "ClusterUpdatingSucceeded"))
+    );
+    let member2 = &status.groups[1].device_details["member2"];
+    assert!(member2.conditions.is_empty(), "member2 is not updated yet");
+    let deletion = status
+        .deletion_stage
+        .expect("a staged run shows its deletion stage");
+    assert_eq!(deletion.state, "scheduled");
+
+    engine
+        .approve("example-run-staging", T0 + 76)
+        .expect("approved");
+    engine.tick(T0 + 76);
+    report(
+        &mut engine,
+        "example-run",
+        "member2",
+        1,
+        Phase::Ready,
+        T0 + 91,
+    );
+    engine
+        .approve("example-run-canary", T0 + 216)
+        .expect("approved");
+    engine.tick(T0 + 216);
+    engine
+        .approve("example-run-production", T0 + 226)
+        .expect("approved");
+    engine.tick(T0 + 276);
+    let status = engine.status("example-run").expect("status");
+    assert_eq!(status.state, "finished");
+    // The completed run: Initialized, Progressing (UpdateRunStarted) and Succeeded all True.
+    assert_eq!(
+        condition(&status.conditions, "Initialized"),
+        Some((true, "UpdateRunInitializedSuccessfully"))
+    );
+    assert_eq!(
+        condition(&status.conditions, "Progressing"),
+        Some((true, "UpdateRunStarted"))
+    );
+    assert_eq!(
+        condition(&status.conditions, "Succeeded"),
+        Some((true, "UpdateRunSucceeded"))
+    );
+    // "The deletion stage is the last stage of the updateRun. […] The status is pretty much the
+    // same as a normal update stage, except that there are no after-stage tasks."
+    let deletion = status.deletion_stage.expect("deletion stage");
+    assert_eq!(deletion.name, "kubernetes-fleet.io/deleteStage");
+    assert!(deletion.devices.is_empty(), "flotilla never uninstalls");
+    assert_eq!(
+        condition(&deletion.conditions, "Progressing"),
+        Some((true, "StageUpdatingStarted"))
+    );
+    assert_eq!(
+        condition(&deletion.conditions, "Succeeded"),
+        Some((true, "StageUpdatingSucceeded"))
+    );
+    assert_eq!(deletion.started_at, deletion.ended_at);
+    assert!(deletion.started_at.is_some());
+
+    // Other vocabularies have none of this.
+    engine
+        .create_rollout(spec("plain", "[groups]\ncount = 1\n"), release(), T0)
+        .expect("created");
+    let plain = engine.status("plain").expect("status");
+    assert!(plain.strategy_snapshot.is_none() && plain.deletion_stage.is_none());
 }
