@@ -1,6 +1,7 @@
 //! A coordinator restart in the middle of a rollout with a dynamic group: real coordinator and
 //! agent processes. What the rollout has seen is stored with it, so a restart never changes
-//! which devices count as newly registered.
+//! which devices count as newly registered. On the way, the rollout's published summaries pass
+//! through hawkBit's `creating` and `starting`.
 
 use std::fs;
 
@@ -37,6 +38,9 @@ async fn restart_does_not_turn_left_out_devices_into_new_ones() {
     site.add_agent("dev-canary", &[("ring", "canary")], AgentOptions::default());
     site.add_agent("dev-left", &[("ring", "main")], AgentOptions::default());
     site.wait_devices(2).await;
+    let summaries = site
+        .watcher(&["flotilla/v1/events/rollouts/fw-dyn".to_owned()])
+        .await;
 
     let created = site.create_and_start(SPEC).await;
     assert_eq!(group_of(&created, "dev-canary"), Some("canary"));
@@ -45,6 +49,20 @@ async fn restart_does_not_turn_left_out_devices_into_new_ones() {
         s.groups[0].ready == 1
     })
     .await;
+
+    // hawkBit's creating and starting are published on the way to ready and running.
+    let mut states: Vec<String> = Vec::new();
+    for m in summaries.messages() {
+        let status: RolloutStatus = serde_json::from_slice(&m.payload).expect("summary JSON");
+        if states.last() != Some(&status.state) {
+            states.push(status.state);
+        }
+    }
+    assert_eq!(
+        states[..4],
+        ["creating", "ready", "starting", "running"],
+        "{states:?}"
+    );
 
     site.kill_coordinator();
     site.start_coordinator();

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use flotilla_protocol::control::{ApprovalStatus, TraceKind};
+use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 
 use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
@@ -46,6 +46,8 @@ pub(crate) struct Out {
     pub preempt: Vec<(String, String, String)>,
     /// (device, rollout): a deleted device left the rollout's groups.
     pub left: Vec<(String, String)>,
+    /// Summaries of states passed through within this call (`creating`, `starting`).
+    pub snapshots: Vec<Box<RolloutStatus>>,
 }
 
 impl Out {
@@ -60,6 +62,7 @@ impl Out {
 
     pub fn into_effects(self) -> Vec<Effect> {
         let mut effects: Vec<Effect> = self.save.into_iter().map(Effect::Save).collect();
+        effects.extend(self.snapshots.into_iter().map(Effect::Snapshot));
         effects.extend(self.commands);
         effects.extend(self.status.into_iter().map(Effect::Status));
         effects.extend(self.trace);
@@ -110,13 +113,12 @@ impl Rollout {
             match self.spec.policies.start_at {
                 Some(at) if at > now => return,
                 _ => {
-                    self.state = RolloutState::Running;
-                    self.started_at = Some(now);
                     self.record(
                         now,
                         Decision::new(TraceKind::StartTimeReached, "start time reached"),
                         out,
                     );
+                    self.starting(now, out);
                 }
             }
         }

@@ -60,7 +60,7 @@ pub const TRACE_LIMIT: usize = 1000;
 /// says "paused by operator".
 pub const OPERATOR: &str = "operator";
 
-/// What the service must do, in this order: persist, publish commands, publish events.
+/// What the service must do, in this order: persist, publish snapshots, commands, events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
     /// Persist the rollout with this name (read it with [`Engine::rollout`]).
@@ -93,6 +93,10 @@ pub enum Effect {
     Forget { device: String },
     /// Publish the rollout's summary (read it with [`Engine::status`]).
     Status(String),
+    /// Publish this summary, taken on the way through a state that ends within the same call
+    /// (`creating`, `starting`), on the same topic as [`Effect::Status`]. It comes before the
+    /// desired actions, so `starting` shows while they are being signed and published.
+    Snapshot(Box<RolloutStatus>),
     /// Publish one decision to `events/log`.
     Trace(flotilla_protocol::control::TraceEntry),
 }
@@ -831,6 +835,8 @@ impl Engine {
             decision = decision.by(by);
         }
         rollout.record(now, decision, &mut out);
+        // hawkBit shows `creating` while the groups are filled: published before `ready`.
+        out.snapshots.push(Box::new(rollout.status()));
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
         self.rollouts
@@ -904,14 +910,13 @@ impl Engine {
                 );
             }
             _ => {
-                r.state = RolloutState::Running;
-                r.started_at = Some(now);
                 let message = format!("rollout started by {by}");
                 r.record(
                     now,
                     Decision::new(TraceKind::Started, message).by(by),
                     &mut out,
                 );
+                r.starting(now, &mut out);
             }
         }
         self.cancel_older_scheduled(name, now, &mut out);

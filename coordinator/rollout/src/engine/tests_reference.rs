@@ -467,3 +467,83 @@ fn staged_run_status_has_kubefleets_shape() {
     let plain = engine.status("plain").expect("status");
     assert!(plain.strategy_snapshot.is_none() && plain.deletion_stage.is_none());
 }
+
+/// The states of rollout `name` published on its summary topic, in order.
+fn published_states(effects: &[Effect], engine: &Engine, name: &str) -> Vec<String> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Snapshot(s) if s.name == name => Some(s.state.clone()),
+            Effect::Status(n) if n == name => engine.status(n).map(|s| s.state),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn creating_and_starting_are_published_on_the_way() {
+    let mut engine = Engine::new(SystemZones);
+    for i in 0..4 {
+        engine.observe_state(state(&format!("dev-{i:02}"), &[]), T0);
+    }
+    // "creation as well as starting a rollout might take some time. […] The creation and
+    // starting progress is reflected by the rollout's status attribute."
+    let effects = engine
+        .create_rollout(spec("hb", "[groups]\ncount = 2\n"), release(), T0)
+        .expect("created");
+    assert_eq!(
+        published_states(&effects, &engine, "hb"),
+        ["creating", "ready"]
+    );
+    let Some(Effect::Snapshot(creating)) =
+        effects.iter().find(|e| matches!(e, Effect::Snapshot(_)))
+    else {
+        panic!("no creating summary: {effects:?}");
+    };
+    assert_eq!(
+        creating.groups.len(),
+        2,
+        "the groups are filled while creating"
+    );
+
+    // "All necessary deployment actions will be created in scheduled state at starting point.
+    // Once all deployment actions have been scheduled, those of the first deployment group
+    // will be started and set to running."
+    let effects = engine.start("hb", T0).expect("started");
+    assert_eq!(
+        published_states(&effects, &engine, "hb"),
+        ["starting", "running"]
+    );
+    let starting = effects
+        .iter()
+        .position(|e| matches!(e, Effect::Snapshot(s) if s.state == "starting"))
+        .expect("starting");
+    let first_desired = effects
+        .iter()
+        .position(|e| matches!(e, Effect::Desired { .. }))
+        .expect("desired actions");
+    assert!(
+        starting < first_desired,
+        "starting shows while the actions go out"
+    );
+
+    // A rollout with a start time passes through starting when the time comes.
+    let mut later = spec("hb-later", "[groups]\ncount = 1\n");
+    later.policies.start_at = Some(T0 + 100);
+    engine
+        .create_rollout(later, release(), T0)
+        .expect("created");
+    let effects = engine.start("hb-later", T0).expect("started");
+    assert_eq!(
+        published_states(&effects, &engine, "hb-later"),
+        ["scheduled"]
+    );
+    let effects = engine.tick(T0 + 100);
+    assert!(effects.iter().any(
+        |e| matches!(e, Effect::Snapshot(s) if s.name == "hb-later" && s.state == "starting")
+    ));
+    assert_eq!(
+        engine.status("hb-later").map(|s| s.state),
+        Some("running".into())
+    );
+}

@@ -1,5 +1,6 @@
-//! The decision trace: every decision as words for people and as fields for programs
-//! ([`TraceEntry`], whose JSON schema is in `docs/protocol.md`).
+//! What a rollout tells the world: the decision trace, every decision as words for people and
+//! as fields for programs ([`TraceEntry`], whose JSON schema is in `docs/protocol.md`), and the
+//! summaries of the states it passes through within one call (`creating`, `starting`).
 //!
 //! A call site names the kind of decision and what it is about:
 //! `self.record(now, Decision::new(TraceKind::GroupStarted, message).group(&name), out)`.
@@ -8,7 +9,7 @@
 use flotilla_protocol::control::{Compared, TraceEntry, TraceKind};
 
 use super::advance::Out;
-use super::model::Rollout;
+use super::model::{Rollout, RolloutState};
 use super::{Effect, TRACE_LIMIT};
 
 /// A decision on its way into the trace; [`Rollout::record`] adds the time and the rollout.
@@ -45,6 +46,16 @@ impl From<String> for Decision {
 }
 
 impl Rollout {
+    /// ready or scheduled -> starting -> running. hawkBit shows `starting` while the actions
+    /// are being created; here that is while the first group's desired actions go out, so the
+    /// `starting` summary is published before them and `running` after.
+    pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
+        self.state = RolloutState::Starting;
+        self.started_at = Some(now);
+        out.snapshots.push(Box::new(self.status()));
+        self.state = RolloutState::Running;
+    }
+
     /// Records a decision; every decision is a state change worth saving and publishing.
     pub(crate) fn record(&mut self, now: u64, decision: impl Into<Decision>, out: &mut Out) {
         let mut entry = decision.into().0;
