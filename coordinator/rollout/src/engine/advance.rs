@@ -47,7 +47,7 @@ pub(crate) struct Out {
     /// (device, rollout): a deleted device left the rollout's groups.
     pub left: Vec<(String, String)>,
     /// Summaries of states passed through within this call (`creating`, `starting`).
-    pub snapshots: Vec<Box<RolloutStatus>>,
+    pub snapshots: Vec<RolloutStatus>,
 }
 
 impl Out {
@@ -62,7 +62,11 @@ impl Out {
 
     pub fn into_effects(self) -> Vec<Effect> {
         let mut effects: Vec<Effect> = self.save.into_iter().map(Effect::Save).collect();
-        effects.extend(self.snapshots.into_iter().map(Effect::Snapshot));
+        effects.extend(
+            self.snapshots
+                .into_iter()
+                .map(|s| Effect::Snapshot(Box::new(s))),
+        );
         effects.extend(self.commands);
         effects.extend(self.status.into_iter().map(Effect::Status));
         effects.extend(self.trace);

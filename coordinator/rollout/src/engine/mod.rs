@@ -836,7 +836,7 @@ impl Engine {
         }
         rollout.record(now, decision, &mut out);
         // hawkBit shows `creating` while the groups are filled: published before `ready`.
-        out.snapshots.push(Box::new(rollout.status()));
+        out.snapshots.push(rollout.status());
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
         self.rollouts

@@ -52,7 +52,7 @@ impl Rollout {
     pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
         self.state = RolloutState::Starting;
         self.started_at = Some(now);
-        out.snapshots.push(Box::new(self.status()));
+        out.snapshots.push(self.status());
         self.state = RolloutState::Running;
     }
 
