@@ -14,7 +14,7 @@ use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
 use super::trace::Decision;
-use super::{attempt_action_id, rollback_action_id, Effect};
+use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
@@ -82,6 +82,28 @@ struct Wait {
 }
 
 impl Rollout {
+    /// ready or scheduled -> starting -> running. hawkBit shows `starting` while the actions
+    /// are being created; here that is while the first group's desired actions go out, so the
+    /// `starting` summary is published before them and `running` after.
+    pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
+        self.state = RolloutState::Starting;
+        self.started_at = Some(now);
+        out.snapshots.push(self.status());
+        self.state = RolloutState::Running;
+    }
+
+    /// Records a decision; every decision is a state change worth saving and publishing.
+    pub(crate) fn record(&mut self, now: u64, decision: impl Into<Decision>, out: &mut Out) {
+        let entry = decision.into().entry(now, &self.name);
+        if self.trace.len() >= TRACE_LIMIT {
+            let excess = self.trace.len() + 1 - TRACE_LIMIT;
+            self.trace.drain(..excess);
+        }
+        self.trace.push(entry.clone());
+        out.touch(&self.name);
+        out.trace.push(Effect::Trace(entry));
+    }
+
     pub(crate) fn device_total(&self) -> usize {
         self.groups.iter().map(|g| g.devices.len()).sum()
     }

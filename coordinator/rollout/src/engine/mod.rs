@@ -305,7 +305,7 @@ impl Engine {
     /// empty and refills from the retained state topics.
     pub fn restore(rollouts: Vec<Rollout>, zones: impl ZoneSource + Send + Sync + 'static) -> Self {
         let mut engine = Self::new(zones);
-        for r in rollouts {
+        for mut r in rollouts {
             if r.state.is_active() {
                 for g in &r.groups {
                     for (device, slot) in &g.slots {
@@ -317,7 +317,6 @@ impl Engine {
                     }
                 }
             }
-            let mut r = r;
             if r.spec.policies.dynamic && r.seen.is_empty() {
                 // Stored before `seen` existed: at least the devices it planned are not new.
                 r.seen = r

@@ -1,6 +1,5 @@
-//! What a rollout tells the world: the decision trace, every decision as words for people and
-//! as fields for programs ([`TraceEntry`], whose JSON schema is in `docs/protocol.md`), and the
-//! summaries of the states it passes through within one call (`creating`, `starting`).
+//! The decision trace: every decision as words for people and as fields for programs
+//! ([`TraceEntry`], whose JSON schema is in `docs/protocol.md`).
 //!
 //! A call site names the kind of decision and what it is about:
 //! `self.record(now, Decision::new(TraceKind::GroupStarted, message).group(&name), out)`.
@@ -8,11 +7,8 @@
 
 use flotilla_protocol::control::{Compared, TraceEntry, TraceKind};
 
-use super::advance::Out;
-use super::model::{Rollout, RolloutState};
-use super::{Effect, TRACE_LIMIT};
-
-/// A decision on its way into the trace; [`Rollout::record`] adds the time and the rollout.
+/// A decision on its way into the trace; `Rollout::record` (`advance.rs`) adds the time and
+/// the rollout.
 #[derive(Debug, Clone)]
 pub(crate) struct Decision(TraceEntry);
 
@@ -29,7 +25,7 @@ impl Decision {
         Decision(self.0.device(device))
     }
 
-    /// The operator who asked; the engine's own name for itself (`by` absent) is left out.
+    /// The operator who asked (leave it out for the engine's own decisions).
     pub fn by(self, by: &str) -> Decision {
         Decision(self.0.by(by))
     }
@@ -39,34 +35,18 @@ impl Decision {
     }
 }
 
-impl From<String> for Decision {
-    fn from(message: String) -> Decision {
-        Decision(TraceEntry::new(0, "", message))
+impl Decision {
+    /// The entry for rollout `rollout` at `at`.
+    pub fn entry(self, at: u64, rollout: &str) -> TraceEntry {
+        let mut entry = self.0;
+        entry.at = at;
+        entry.rollout = rollout.to_owned();
+        entry
     }
 }
 
-impl Rollout {
-    /// ready or scheduled -> starting -> running. hawkBit shows `starting` while the actions
-    /// are being created; here that is while the first group's desired actions go out, so the
-    /// `starting` summary is published before them and `running` after.
-    pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
-        self.state = RolloutState::Starting;
-        self.started_at = Some(now);
-        out.snapshots.push(self.status());
-        self.state = RolloutState::Running;
-    }
-
-    /// Records a decision; every decision is a state change worth saving and publishing.
-    pub(crate) fn record(&mut self, now: u64, decision: impl Into<Decision>, out: &mut Out) {
-        let mut entry = decision.into().0;
-        entry.at = now;
-        entry.rollout = self.name.clone();
-        if self.trace.len() >= TRACE_LIMIT {
-            let excess = self.trace.len() + 1 - TRACE_LIMIT;
-            self.trace.drain(..excess);
-        }
-        self.trace.push(entry.clone());
-        out.touch(&self.name);
-        out.trace.push(Effect::Trace(entry));
+impl From<String> for Decision {
+    fn from(message: String) -> Decision {
+        Decision(TraceEntry::new(0, "", message))
     }
 }
