@@ -756,6 +756,22 @@ fn rolling_default_max_unavailable_25_percent_of_4_is_1() {
     assert_eq!(times, [0, 30, 60, 90]);
 }
 
+#[test]
+fn rolling_pick_n_percentage_is_of_n_not_of_the_devices_found() {
+    // "target number of clusters […] For PickN, it's the number of clusters specified in the
+    // ClusterResourcePlacement policy."
+    let fleet = Fleet::plain(8);
+    let plan = plan("rolling/pick-n-30.toml", &fleet);
+    assert_eq!(sizes(&plan), named(&[("rolling", 8)]));
+    assert_eq!(
+        plan["groups"][0]["pace"]["concurrency"], 15,
+        "50% of the 30 asked for"
+    );
+    let (code, report) = simulate("rolling/pick-n-30.toml", &fleet, None, &[]);
+    assert_eq!(code, 0, "{}", report.0);
+    assert_eq!(report.started_at(0), 8, "all 8 found start at once");
+}
+
 // ---------------------------------------------------------------------------------------------
 // KubeFleet staged update runs (kubefleet-staged-update)
 

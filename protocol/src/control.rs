@@ -236,6 +236,51 @@ pub struct RolloutStatus {
     /// Approval requests of this rollout, pending and approved.
     #[serde(default)]
     pub approvals: Vec<ApprovalStatus>,
+    /// Staged runs: the stages as the run captured them when it was created (KubeFleet's
+    /// `stagedUpdateStrategySnapshot`); later changes to a stored strategy do not show here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy_snapshot: Option<StrategySnapshot>,
+    /// Staged runs: KubeFleet's deletion stage, the last one, which starts and succeeds once
+    /// every stage has. It never has devices: flotilla does not remove software from devices a
+    /// run leaves out (`docs/decisions/0016-reference-semantics.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion_stage: Option<GroupStatus>,
+}
+
+/// The stages of a staged run, as captured when the run was created.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StrategySnapshot {
+    /// The stored strategy the run named, absent for stages written in the spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
+    pub stages: Vec<StageSnapshot>,
+}
+
+/// One stage of a [`StrategySnapshot`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageSnapshot {
+    pub name: String,
+    /// The label selector in canonical form.
+    pub select: String,
+    /// The label whose integer value orders the stage's devices (KubeFleet's sortingLabelKey).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sort_by: Option<String>,
+    pub max_concurrency: usize,
+    /// Tasks before the stage starts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub before: Vec<StageTask>,
+    /// KubeFleet's afterStageTasks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<StageTask>,
+}
+
+/// A task before or after a stage: `{"type": "Approval"}` or `{"type": "TimedWait", "wait": "1m"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageTask {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<String>,
 }
 
 /// One group (deployment group, partition, stage) of a rollout.
@@ -303,6 +348,10 @@ pub struct DeviceDetail {
     /// 1 for the first attempt, 2 for the first retry, …
     #[serde(default)]
     pub attempt: u32,
+    /// Staged runs: KubeFleet's per-cluster conditions, `Started` (ClusterUpdatingStarted) and
+    /// `Succeeded` (ClusterUpdatingSucceeded, or false with ClusterUpdatingFailed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
 }
 
 /// An approval request: named `<rollout>-<group>` for the gate after a group and
@@ -322,13 +371,164 @@ pub struct ApprovalStatus {
     pub approved_at: Option<u64>,
 }
 
-/// One decision, with the numbers behind it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One decision, with the numbers behind it: the words for people in `message`, and the same
+/// decision in fields beside it for programs (`docs/protocol.md` has its JSON schema). Fields
+/// after `message` were added later; readers must accept their absence.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TraceEntry {
     /// Seconds since the Unix epoch.
     pub at: u64,
     pub rollout: String,
     pub message: String,
+    /// What was decided. [`TraceKind::Note`] for entries that carry only words.
+    #[serde(default)]
+    pub kind: TraceKind,
+    /// The group the decision is about.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// The device the decision is about.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// The operator who asked for it; absent for the engine's own decisions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// The numbers a success or error condition compared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compared: Option<Compared>,
+}
+
+impl TraceEntry {
+    /// An entry with only words ([`TraceKind::Note`]); the builder methods add the fields.
+    pub fn new(at: u64, rollout: impl Into<String>, message: impl Into<String>) -> TraceEntry {
+        TraceEntry {
+            at,
+            rollout: rollout.into(),
+            message: message.into(),
+            ..TraceEntry::default()
+        }
+    }
+
+    pub fn kind(mut self, kind: TraceKind) -> TraceEntry {
+        self.kind = kind;
+        self
+    }
+
+    pub fn group(mut self, group: impl Into<String>) -> TraceEntry {
+        self.group = Some(group.into());
+        self
+    }
+
+    pub fn device(mut self, device: impl Into<String>) -> TraceEntry {
+        self.device = Some(device.into());
+        self
+    }
+
+    pub fn by(mut self, by: impl Into<String>) -> TraceEntry {
+        self.by = Some(by.into());
+        self
+    }
+
+    pub fn compared(mut self, compared: Compared) -> TraceEntry {
+        self.compared = Some(compared);
+        self
+    }
+}
+
+/// What a trace entry decided, as a snake_case name in JSON. A reader that meets a kind it does
+/// not know reads it as [`TraceKind::Note`], so new kinds never break older integrations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceKind {
+    /// The rollout was planned (creating -> ready).
+    Created,
+    /// An operator started it (ready -> running, or scheduled for its start time).
+    Started,
+    /// Its start time came (scheduled -> running).
+    StartTimeReached,
+    Paused,
+    Resumed,
+    Stopped,
+    /// A group's first devices may start.
+    GroupStarted,
+    /// More devices of a group started (a batch, a gate, the concurrency).
+    DevicesStarted,
+    /// A device's desired action (a retry's too) was sent.
+    DeviceStarted,
+    /// A device was left out: offline when its turn came.
+    DeviceSkipped,
+    /// A device's attempt ended and a retry is due.
+    DeviceRetrying,
+    /// A device did not finish within the timeout or the offline grace.
+    DeviceTimedOut,
+    /// A device registered after the start and joined the dynamic group.
+    DeviceJoined,
+    /// An operator deleted a device.
+    DeviceDeleted,
+    /// Another rollout took the device over; its action here was canceled.
+    DeviceTakenOver,
+    /// A newer rollout canceled this one's actions that were never sent.
+    ActionsCanceled,
+    /// The group's success condition held (`compared` has the numbers).
+    GroupSucceeded,
+    /// Every device of the group is done and it succeeded.
+    GroupFinished,
+    /// Every device of the group is done and it did not succeed.
+    GroupFailed,
+    /// The group's success action paused the rollout.
+    SuccessPaused,
+    /// The group's error condition held and paused the rollout (`compared`).
+    ErrorPaused,
+    /// The group's error condition held and stopped the rollout (`compared`).
+    ErrorStopped,
+    /// The group's error condition held and rolled the rollout back (`compared`).
+    ErrorRolledBack,
+    /// An approval request was created.
+    ApprovalRequested,
+    /// An approval request was approved.
+    Approved,
+    /// A timed wait after a group elapsed.
+    WaitElapsed,
+    /// Nothing more starts for now; the message says why.
+    Waiting,
+    /// An operator started the next group without waiting for the success condition.
+    NextTriggered,
+    /// A rollout was created over another one's failed devices.
+    RetryCreated,
+    /// Every group is done.
+    Finished,
+    /// Words only, no fields to act on (and any kind this reader does not know). Kept last:
+    /// serde reads unknown names as the last variant.
+    #[default]
+    #[serde(other)]
+    Note,
+}
+
+impl TraceKind {
+    /// The name used in JSON.
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default()
+    }
+}
+
+/// The numbers a condition compared: `count` of `of` devices were `counted`, and `count op
+/// threshold` held or did not ("3 of 20 failed > 10%").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Compared {
+    /// What was counted: `ready`, `not_ready`, `failed` (or the counted failure classes, such
+    /// as `failed or timed out`), `ended` (against a minimum sample), `not_started`.
+    pub counted: String,
+    pub count: u64,
+    /// The group's devices the share is of (skipped devices left out).
+    pub of: u64,
+    /// `>=`, `<`, `>`, `<=`.
+    pub op: String,
+    /// The limit as the spec wrote it: `10%`, `3`, `100%`, `10% and below 3`.
+    pub threshold: String,
+    /// Whether the condition held.
+    pub met: bool,
 }
 
 /// A device as the coordinator knows it.
@@ -416,6 +616,53 @@ mod tests {
             serde_json::from_str(r#"{"id":"2","reply_to":"r","command":"rollout_status"}"#)
                 .expect("rollout is optional");
         assert_eq!(status.command, Command::RolloutStatus { rollout: None });
+    }
+
+    #[test]
+    fn trace_entries_carry_fields_beside_the_words() {
+        let entry = TraceEntry::new(
+            1_700_000_000,
+            "fw-2-4",
+            "group canary paused rollout fw-2-4: 3 of 20 failed > 10%",
+        )
+        .kind(TraceKind::ErrorPaused)
+        .group("canary")
+        .compared(Compared {
+            counted: "failed".into(),
+            count: 3,
+            of: 20,
+            op: ">".into(),
+            threshold: "10%".into(),
+            met: true,
+        });
+        let json = serde_json::to_value(&entry).expect("encodes");
+        assert_eq!(
+            json,
+            serde_json::json!({"at": 1_700_000_000u64, "rollout": "fw-2-4",
+                "message": "group canary paused rollout fw-2-4: 3 of 20 failed > 10%",
+                "kind": "error_paused", "group": "canary",
+                "compared": {"counted": "failed", "count": 3, "of": 20, "op": ">",
+                             "threshold": "10%", "met": true}})
+        );
+        assert_eq!(
+            serde_json::from_value::<TraceEntry>(json).expect("decodes"),
+            entry
+        );
+        // Written by an older coordinator: only the words.
+        let old: TraceEntry =
+            serde_json::from_str(r#"{"at":1,"rollout":"r","message":"paused by operator"}"#)
+                .expect("old entries decode");
+        assert_eq!((old.kind, old.by), (TraceKind::Note, None));
+        // Written by a newer one: a kind this reader does not know is a note.
+        let newer: TraceEntry = serde_json::from_str(
+            r#"{"at":1,"rollout":"r","message":"m","kind":"something_new","by":"alice"}"#,
+        )
+        .expect("unknown kinds decode");
+        assert_eq!(
+            (newer.kind, newer.by.as_deref()),
+            (TraceKind::Note, Some("alice"))
+        );
+        assert_eq!(TraceKind::DeviceTakenOver.name(), "device_taken_over");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! engine, the simulator and the tests agree on the numbers and on the words of the decision
 //! trace ("3 of 20 failed > 10%").
 
+use flotilla_protocol::control::Compared;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{ErrorCondition, SuccessCondition, Threshold};
@@ -54,12 +55,33 @@ impl GroupCounts {
     }
 }
 
-/// Whether a condition holds, and the numbers behind it in words.
+/// Whether a condition holds, and the numbers behind it in words and as fields.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Evaluation {
     pub met: bool,
     /// e.g. "4 of 4 ready >= 100%" or "3 of 20 failed > 10%".
     pub reason: String,
+    /// The same numbers for the trace's `compared` field.
+    pub compared: Compared,
+}
+
+/// One comparison: `count` of `of` were `counted`, `count op threshold`.
+fn compare(
+    counted: &str,
+    count: usize,
+    of: usize,
+    op: &str,
+    threshold: String,
+    met: bool,
+) -> Compared {
+    Compared {
+        counted: counted.to_owned(),
+        count: count as u64,
+        of: of as u64,
+        op: op.to_owned(),
+        threshold,
+        met,
+    }
 }
 
 /// The success condition. A share holds when the ready share is at least the threshold (an
@@ -74,6 +96,7 @@ pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation 
             Evaluation {
                 met,
                 reason: format!("{} of {total} ready {op} {share}", counts.ready),
+                compared: compare("ready", counts.ready, total, op, share.to_string(), met),
             }
         }
         Threshold::AllBut(budget) => {
@@ -83,6 +106,14 @@ pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation 
                 return Evaluation {
                     met: false,
                     reason: format!("{} of {total} not started yet", counts.scheduled),
+                    compared: compare(
+                        "not_started",
+                        counts.scheduled,
+                        total,
+                        ">",
+                        "0".into(),
+                        false,
+                    ),
                 };
             }
             let met = not_ready <= allowed;
@@ -92,6 +123,7 @@ pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation 
                 reason: format!(
                     "{not_ready} of {total} not ready {op} {allowed} allowed ({budget})"
                 ),
+                compared: compare("not_ready", not_ready, total, op, allowed.to_string(), met),
             }
         }
     }
@@ -119,6 +151,14 @@ pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
                 "{failures} of {total} {what}, but only {ended} ended < minimum sample {}",
                 cond.min_sample
             ),
+            compared: compare(
+                "ended",
+                ended,
+                total,
+                "<",
+                cond.min_sample.to_string(),
+                false,
+            ),
         };
     }
     if let Some(count) = cond.count {
@@ -126,6 +166,7 @@ pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
             return Evaluation {
                 met: true,
                 reason: format!("{failures} of {total} {what} >= {count}"),
+                compared: compare(&what, failures, total, ">=", count.to_string(), true),
             };
         }
     }
@@ -134,6 +175,7 @@ pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
             return Evaluation {
                 met: true,
                 reason: format!("{failures} of {total} {what} > {percent}"),
+                compared: compare(&what, failures, total, ">", percent.to_string(), true),
             };
         }
     }
@@ -144,9 +186,11 @@ pub fn error_met(cond: &ErrorCondition, counts: &GroupCounts) -> Evaluation {
     if let Some(c) = cond.count {
         limits.push(format!("below {c}"));
     }
+    let limits = limits.join(" and ");
     Evaluation {
         met: false,
-        reason: format!("{failures} of {total} {what} <= {}", limits.join(" and ")),
+        reason: format!("{failures} of {total} {what} <= {limits}"),
+        compared: compare(&what, failures, total, "<=", limits, false),
     }
 }
 
@@ -214,7 +258,8 @@ mod tests {
             success_met(&share(100), &counts(4, 4, 0)),
             Evaluation {
                 met: true,
-                reason: "4 of 4 ready >= 100%".into()
+                reason: "4 of 4 ready >= 100%".into(),
+                compared: compare("ready", 4, 4, ">=", "100%".into(), true),
             }
         );
         assert_eq!(
@@ -262,7 +307,8 @@ mod tests {
             error_met(&error(Some(10), None, 0), &counts(20, 0, 3)),
             Evaluation {
                 met: true,
-                reason: "3 of 20 failed > 10%".into()
+                reason: "3 of 20 failed > 10%".into(),
+                compared: compare("failed", 3, 20, ">", "10%".into(), true),
             }
         );
         assert_eq!(
@@ -275,6 +321,17 @@ mod tests {
         // A count fires at the count even when the share is small.
         let e = error_met(&error(Some(50), Some(2), 0), &counts(100, 10, 2));
         assert_eq!(e.reason, "2 of 100 failed >= 2");
+        assert_eq!(
+            (
+                e.compared.count,
+                e.compared.of,
+                e.compared.op.as_str(),
+                e.compared.threshold.as_str()
+            ),
+            (2, 100, ">=", "2")
+        );
+        let e = error_met(&error(Some(50), Some(9), 0), &counts(100, 10, 2));
+        assert_eq!(e.compared.threshold, "50% and below 9");
         // Below the minimum sample nothing fires, however bad it looks.
         let e = error_met(&error(Some(0), None, 5), &counts(100, 1, 2));
         assert!(!e.met, "{}", e.reason);

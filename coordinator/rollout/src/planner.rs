@@ -377,10 +377,17 @@ fn rolling(spec: &RollingSpec, sel: &mut Selection<'_>) -> Groups {
         Pick::N(k) => (0..n.min(*k)).collect(),
         Pick::Fixed(ids) => sel.listed(ids),
     };
-    // KubeFleet rounds a percentage down and never goes below 1, so in-place updates progress.
+    // A percentage is of KubeFleet's "target number of clusters": the devices picked for
+    // PickAll, N itself for PickN and the length of the list for PickFixed, however many of
+    // those the fleet really has. Rounded down and never below 1, so in-place updates progress.
+    let target = match &spec.pick {
+        Pick::All => picked.len(),
+        Pick::N(k) => *k,
+        Pick::Fixed(ids) => ids.len(),
+    };
     let concurrency = match spec.max_unavailable {
         Budget::Count(c) => c,
-        Budget::Percent(p) => p.of_rounded_down(picked.len()),
+        Budget::Percent(p) => p.of_rounded_down(target),
     }
     .max(1);
     let mut taken = vec![false; n];
@@ -868,6 +875,18 @@ mod tests {
             sizes(&plan_of("[rolling]\npick = { n = 30 }\n", &fleet(8))),
             [8]
         );
+        // kubefleet-safe-rollout.txt: "For PickN, it's the number of clusters specified in the
+        // ClusterResourcePlacement policy", not the number the scheduler found.
+        let plan = plan_of(
+            "[rolling]\nmax_unavailable = \"50%\"\npick = { n = 30 }\n",
+            &fleet(8),
+        );
+        assert_eq!(sizes(&plan), [8]);
+        assert_eq!(
+            plan.groups[0].pace.concurrency,
+            Some(15),
+            "50% of the 30 asked for, not of the 8 found"
+        );
 
         let plan = plan_of(
             "[rolling]\nmax_unavailable = \"50%\"\npick = { fixed = [\"dev-005\", \"dev-001\", \"dev-042\", \"dev-003\", \"dev-007\"] }\n",
@@ -880,7 +899,7 @@ mod tests {
         assert_eq!(
             plan.groups[0].pace.concurrency,
             Some(2),
-            "50% of the 4 picked"
+            "50% of the 5 listed (\"For PickFixed, it's the length of the list\")"
         );
         assert_eq!(
             plan.excluded,
@@ -892,6 +911,16 @@ mod tests {
         assert_eq!(
             plan.unassigned,
             ["dev-000", "dev-002", "dev-004", "dev-006"]
+        );
+        let plan = plan_of(
+            "[rolling]\nmax_unavailable = \"50%\"\npick = { fixed = [\"dev-001\", \"dev-041\", \"dev-042\", \"dev-043\"] }\n",
+            &fleet(8),
+        );
+        assert_eq!(plan.groups[0].devices, ["dev-001"]);
+        assert_eq!(
+            plan.groups[0].pace.concurrency,
+            Some(2),
+            "50% of the 4 listed, though 1 is in the fleet"
         );
     }
 

@@ -799,6 +799,7 @@ mod tests {
                 at: 1,
                 rollout: ROLLOUT.into(),
                 message: "group group-1 paused: 1 of 2 failed > 30%".into(),
+                ..TraceEntry::default()
             }],
             ..RolloutStatus::default()
         }

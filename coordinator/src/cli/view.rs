@@ -5,7 +5,7 @@
 
 use flotilla_protocol::control::{
     ApprovalStatus, Condition, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, GroupStatus,
-    RolloutStatus, StrategyInfo,
+    RolloutStatus, StageTask, StrategyInfo, StrategySnapshot,
 };
 
 /// Width of the progress bar between the brackets.
@@ -59,6 +59,9 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
             conditions(&status.conditions)
         ));
     }
+    if let Some(snapshot) = &status.strategy_snapshot {
+        out.push_str(&format!("  {}\n", strategy_snapshot(snapshot)));
+    }
     if let Some(waiting) = &status.waiting {
         out.push_str(&format!("  waiting: {waiting}\n"));
     }
@@ -75,7 +78,25 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
             (Some(start), None) => out.push_str(&format!("  started {}", clock(start))),
             _ => {}
         }
+        let deleted = group
+            .devices
+            .values()
+            .filter(|p| p.as_str() == "not_started")
+            .count();
+        if deleted > 0 {
+            out.push_str(&format!("  {deleted} deleted, not started"));
+        }
         out.push('\n');
+    }
+    if let Some(stage) = &status.deletion_stage {
+        let when = match stage.ended_at {
+            Some(at) => format!(" at {}", clock(at)),
+            None => String::new(),
+        };
+        out.push_str(&format!(
+            "  deletion stage {}{when} (no devices: a device the run leaves out keeps its release)\n",
+            stage.state
+        ));
     }
     let pending: Vec<&ApprovalStatus> = status.approvals.iter().filter(|a| !a.approved).collect();
     if !pending.is_empty() {
@@ -99,6 +120,47 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
     }
     out
+}
+
+/// A staged run's strategy snapshot on one line:
+/// `stages (snapshot of example): staging [after Approval, TimedWait 1m], canary, …`.
+pub fn strategy_snapshot(snapshot: &StrategySnapshot) -> String {
+    let tasks = |tasks: &[StageTask]| {
+        tasks
+            .iter()
+            .map(|t| match &t.wait {
+                Some(wait) => format!("{} {wait}", t.kind),
+                None => t.kind.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let stages = snapshot
+        .stages
+        .iter()
+        .map(|s| {
+            let mut parts = Vec::new();
+            if let Some(label) = &s.sort_by {
+                parts.push(format!("sorted by {label}"));
+            }
+            if !s.before.is_empty() {
+                parts.push(format!("before {}", tasks(&s.before)));
+            }
+            if !s.after.is_empty() {
+                parts.push(format!("after {}", tasks(&s.after)));
+            }
+            if parts.is_empty() {
+                s.name.clone()
+            } else {
+                format!("{} [{}]", s.name, parts.join("; "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    match &snapshot.strategy {
+        Some(name) => format!("stages (snapshot of {name}): {stages}"),
+        None => format!("stages: {stages}"),
+    }
 }
 
 /// Run conditions on one line: `Initialized=true since 18:00:00Z (UpdateRunStarted), …`.
@@ -350,6 +412,7 @@ mod tests {
                 at: 100 + i,
                 rollout: "fw".into(),
                 message: format!("decision {i}"),
+                ..TraceEntry::default()
             })
             .collect();
         let status = RolloutStatus {
@@ -387,6 +450,68 @@ mod tests {
             !text.contains("decision 2"),
             "only the last {TRACE_LINES} decisions: {text}"
         );
+    }
+
+    #[test]
+    fn staged_status_shows_snapshot_deletion_stage_and_deleted_devices() {
+        let task = |kind: &str, wait: Option<&str>| StageTask {
+            kind: kind.into(),
+            wait: wait.map(str::to_owned),
+        };
+        let stage = |name: &str, sort_by: Option<&str>, after: Vec<StageTask>| {
+            flotilla_protocol::control::StageSnapshot {
+                name: name.into(),
+                select: format!("environment={name}"),
+                sort_by: sort_by.map(str::to_owned),
+                max_concurrency: 1,
+                before: Vec::new(),
+                after,
+            }
+        };
+        let mut staging = group("staging", "finished", 2, 1, 0, 0);
+        staging.devices = BTreeMap::from([
+            ("member1".into(), "ready".into()),
+            ("member3".into(), "not_started".into()),
+        ]);
+        let status = RolloutStatus {
+            name: "example-run".into(),
+            release: "fw-2".into(),
+            state: "finished".into(),
+            groups: vec![staging],
+            strategy: "staged".into(),
+            strategy_snapshot: Some(StrategySnapshot {
+                strategy: Some("example-strategy".into()),
+                stages: vec![
+                    stage(
+                        "staging",
+                        None,
+                        vec![task("Approval", None), task("TimedWait", Some("1m"))],
+                    ),
+                    stage("production", Some("order"), Vec::new()),
+                ],
+            }),
+            deletion_stage: Some(GroupStatus {
+                name: "kubernetes-fleet.io/deleteStage".into(),
+                state: "finished".into(),
+                started_at: Some(3600),
+                ended_at: Some(3600),
+                ..GroupStatus::default()
+            }),
+            ..RolloutStatus::default()
+        };
+        let text = rollout_status(&status);
+        assert!(
+            text.contains(
+                "  stages (snapshot of example-strategy): staging [after Approval, TimedWait 1m], \
+                 production [sorted by order]\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("  deletion stage finished at 01:00:00Z (no devices"),
+            "{text}"
+        );
+        assert!(text.contains("  1 deleted, not started\n"), "{text}");
     }
 
     #[test]

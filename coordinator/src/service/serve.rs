@@ -1122,6 +1122,11 @@ impl Service {
                             .await?;
                     }
                 }
+                Effect::Snapshot(status) => {
+                    let bytes = serde_json::to_vec(&status).unwrap_or_default();
+                    self.publish(self.topics.rollout_event(&status.name), true, bytes)
+                        .await?;
+                }
                 Effect::Trace(entry) => {
                     tracing::info!(rollout = %entry.rollout, "{}", entry.message);
                     let bytes = serde_json::to_vec(&entry).unwrap_or_default();

@@ -8,11 +8,12 @@
 
 use std::collections::HashMap;
 
-use flotilla_protocol::control::{ApprovalStatus, TraceEntry};
+use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 
 use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
+use super::trace::Decision;
 use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
 use crate::plan::Threshold;
@@ -43,6 +44,10 @@ pub(crate) struct Out {
     pub releases: Vec<(String, String)>,
     /// (other rollout, device, by rollout): a newer or heavier rollout took the device over.
     pub preempt: Vec<(String, String, String)>,
+    /// (device, rollout): a deleted device left the rollout's groups.
+    pub left: Vec<(String, String)>,
+    /// Summaries of states passed through within this call (`creating`, `starting`).
+    pub snapshots: Vec<RolloutStatus>,
 }
 
 impl Out {
@@ -57,6 +62,11 @@ impl Out {
 
     pub fn into_effects(self) -> Vec<Effect> {
         let mut effects: Vec<Effect> = self.save.into_iter().map(Effect::Save).collect();
+        effects.extend(
+            self.snapshots
+                .into_iter()
+                .map(|s| Effect::Snapshot(Box::new(s))),
+        );
         effects.extend(self.commands);
         effects.extend(self.status.into_iter().map(Effect::Status));
         effects.extend(self.trace);
@@ -136,13 +146,19 @@ struct Wait {
 }
 
 impl Rollout {
+    /// ready or scheduled -> starting -> running. hawkBit shows `starting` while the actions
+    /// are being created; here that is while the first group's desired actions go out, so the
+    /// `starting` summary is published before them and `running` after.
+    pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
+        self.state = RolloutState::Starting;
+        self.started_at = Some(now);
+        out.snapshots.push(self.status());
+        self.state = RolloutState::Running;
+    }
+
     /// Records a decision; every decision is a state change worth saving and publishing.
-    pub(crate) fn record(&mut self, now: u64, message: String, out: &mut Out) {
-        let entry = TraceEntry {
-            at: now,
-            rollout: self.name.clone(),
-            message,
-        };
+    pub(crate) fn record(&mut self, now: u64, decision: impl Into<Decision>, out: &mut Out) {
+        let entry = decision.into().entry(now, &self.name);
         if self.trace.len() >= TRACE_LIMIT {
             let excess = self.trace.len() + 1 - TRACE_LIMIT;
             self.trace.drain(..excess);
@@ -195,9 +211,12 @@ impl Rollout {
             match self.spec.policies.start_at {
                 Some(at) if at > now => return,
                 _ => {
-                    self.state = RolloutState::Running;
-                    self.started_at = Some(now);
-                    self.record(now, "start time reached".to_owned(), out);
+                    self.record(
+                        now,
+                        Decision::new(TraceKind::StartTimeReached, "start time reached"),
+                        out,
+                    );
+                    self.starting(now, out);
                 }
             }
         }
@@ -298,15 +317,15 @@ impl Rollout {
                     group.state = GroupState::Finished;
                     group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                     group.condition("Progressing", false, "StageUpdatingSucceeded", now);
-                    self.record(now, format!("group {name} finished: {}", s.reason), out);
+                    let message = format!("group {name} finished: {}", s.reason);
+                    let decision = Decision::new(TraceKind::GroupFinished, message);
+                    self.record(now, decision.group(&name).compared(s.compared), out);
                 } else {
                     group.state = GroupState::Error;
                     group.condition("Failed", true, "StageUpdatingFailed", now);
-                    self.record(
-                        now,
-                        format!("group {name} ended in error: {}", s.reason),
-                        out,
-                    );
+                    let message = format!("group {name} ended in error: {}", s.reason);
+                    let decision = Decision::new(TraceKind::GroupFailed, message);
+                    self.record(now, decision.group(&name).compared(s.compared), out);
                 }
             }
         }
@@ -319,7 +338,8 @@ impl Rollout {
                 let text = format!("{}: {}", w.kind, w.text);
                 if self.waiting.as_deref() != Some(text.as_str()) {
                     if old_kind != Some(w.kind) {
-                        self.record(now, format!("waiting: {}", w.text), out);
+                        let message = format!("waiting: {}", w.text);
+                        self.record(now, Decision::new(TraceKind::Waiting, message), out);
                     }
                     self.waiting = Some(text);
                     out.touch(&self.name);
@@ -363,14 +383,11 @@ impl Rollout {
             now,
         );
         out.commands.push(Effect::Approval(request));
-        self.record(
-            now,
-            format!(
-                "approval {name} requested {when} group {}: flotilla approve {name}",
-                self.groups[gi].name
-            ),
-            out,
-        );
+        let gname = self.groups[gi].name.clone();
+        let message =
+            format!("approval {name} requested {when} group {gname}: flotilla approve {name}");
+        let decision = Decision::new(TraceKind::ApprovalRequested, message);
+        self.record(now, decision.group(&gname), out);
         false
     }
 
@@ -439,15 +456,27 @@ impl Rollout {
             }
         };
         let group = &mut self.groups[gi];
+        let dropped = group.drop_deleted();
         group.state = GroupState::Running;
         group.started_at = Some(now);
         group.condition("Progressing", true, "StageUpdatingStarted", now);
-        let message = format!(
+        let mut message = format!(
             "group {} started with {} devices ({why})",
             group.name,
             group.devices.len()
         );
-        self.record(now, message, out);
+        if !dropped.is_empty() {
+            message.push_str(&format!(
+                "; {} deleted devices left it: {}",
+                dropped.len(),
+                dropped.join(", ")
+            ));
+        }
+        out.left
+            .extend(dropped.into_iter().map(|d| (d, self.name.clone())));
+        let gname = group.name.clone();
+        let decision = Decision::new(TraceKind::GroupStarted, message);
+        self.record(now, decision.group(&gname), out);
     }
 
     /// Starts the group's next devices as far as every limit allows; returns why it stopped
@@ -541,13 +570,11 @@ impl Rollout {
                     }
                     group.cursor += 1;
                     let gname = group.name.clone();
-                    self.record(
-                        now,
-                        format!(
-                            "device {device} skipped in group {gname}: offline when its turn came"
-                        ),
-                        out,
+                    let message = format!(
+                        "device {device} skipped in group {gname}: offline when its turn came"
                     );
+                    let decision = Decision::new(TraceKind::DeviceSkipped, message);
+                    self.record(now, decision.group(&gname).device(&device), out);
                     continue;
                 }
                 if let Some((owner, weight)) = ctx.owners.get(&device) {
@@ -589,13 +616,11 @@ impl Rollout {
                     group.devices.len(),
                     group.counts.not_ready(),
                 );
-                self.record(
-                    now,
-                    format!(
-                        "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
-                    ),
-                    out,
+                let message = format!(
+                    "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
                 );
+                let decision = Decision::new(TraceKind::DevicesStarted, message);
+                self.record(now, decision.group(&name), out);
             }
         }
         result
@@ -637,11 +662,9 @@ impl Rollout {
             self.name.clone(),
             self.spec.policies.weight,
         ));
-        self.record(
-            now,
-            format!("device {device} in group {gname}: attempt {attempt} sent"),
-            out,
-        );
+        let message = format!("device {device} in group {gname}: attempt {attempt} sent");
+        let decision = Decision::new(TraceKind::DeviceStarted, message);
+        self.record(now, decision.group(&gname).device(device), out);
     }
 
     /// Moves a retry that is due while the maintenance windows are closed to the next opening
@@ -694,24 +717,20 @@ impl Rollout {
             ErrorAction::Pause => {
                 self.state = RolloutState::Paused;
                 self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                self.record(
-                    now,
-                    format!("group {gname} paused rollout {name}: {}", e.reason),
-                    out,
-                );
+                let message = format!("group {gname} paused rollout {name}: {}", e.reason);
+                let decision = Decision::new(TraceKind::ErrorPaused, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
             ErrorAction::Stop => {
                 let ended = self.cancel_unfinished(now, out);
                 self.fail(now);
-                self.record(
-                    now,
-                    format!(
-                        "group {gname} stopped rollout {name}: {}; {}",
-                        e.reason,
-                        ended.describe(&self.release.name)
-                    ),
-                    out,
+                let message = format!(
+                    "group {gname} stopped rollout {name}: {}; {}",
+                    e.reason,
+                    ended.describe(&self.release.name)
                 );
+                let decision = Decision::new(TraceKind::ErrorStopped, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
             ErrorAction::Rollback => {
                 let ended = self.cancel_unfinished(now, out);
@@ -730,15 +749,13 @@ impl Rollout {
                     finishing: 0,
                     ..ended
                 };
-                self.record(
-                    now,
-                    format!(
+                let message = format!(
                         "group {gname} rolled back rollout {name}: {}; {}, sending {rolled} devices back to the release they kept{later}",
                         e.reason,
                         ended.describe(&self.release.name)
-                    ),
-                    out,
                 );
+                let decision = Decision::new(TraceKind::ErrorRolledBack, message);
+                self.record(now, decision.group(&gname).compared(e.compared), out);
             }
         }
         true
@@ -949,7 +966,9 @@ impl Rollout {
             }
             let gname = group.name.clone();
             self.groups[gi].succeeded_at = Some(now);
-            self.record(now, format!("group {gname} succeeded: {}", s.reason), out);
+            let message = format!("group {gname} succeeded: {}", s.reason);
+            let decision = Decision::new(TraceKind::GroupSucceeded, message);
+            self.record(now, decision.group(&gname).compared(s.compared), out);
         }
         let group = &self.groups[gi];
         let gname = group.name.clone();
@@ -981,7 +1000,9 @@ impl Rollout {
                     "AfterStageTaskWaitTimeElapsed",
                     now,
                 );
-                self.record(now, format!("group {gname}: timed wait elapsed"), out);
+                let message = format!("group {gname}: timed wait elapsed");
+                let decision = Decision::new(TraceKind::WaitElapsed, message);
+                self.record(now, decision.group(&gname), out);
             }
         }
         if !pending.is_empty() {
@@ -1012,11 +1033,10 @@ impl Rollout {
                 self.check_done(gi, now, out);
                 self.state = RolloutState::Paused;
                 self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                self.record(
-                    now,
-                    format!("group {gname} succeeded; its success action paused rollout {name}"),
-                    out,
-                );
+                let message =
+                    format!("group {gname} succeeded; its success action paused rollout {name}");
+                let decision = Decision::new(TraceKind::SuccessPaused, message);
+                self.record(now, decision.group(&gname), out);
                 Step::Stop
             }
         }
@@ -1035,7 +1055,9 @@ impl Rollout {
                 group.ended_at.get_or_insert(now);
                 group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                 let gname = group.name.clone();
-                self.record(now, format!("group {gname} finished"), out);
+                let message = format!("group {gname} finished");
+                let decision = Decision::new(TraceKind::GroupFinished, message);
+                self.record(now, decision.group(&gname), out);
                 false
             }
             GroupState::Running if group.counts.pending() == 0 => {
@@ -1049,7 +1071,9 @@ impl Rollout {
                         group.state = GroupState::Finished;
                         group.condition("Succeeded", true, "StageUpdatingSucceeded", now);
                         group.condition("Progressing", false, "StageUpdatingSucceeded", now);
-                        self.record(now, format!("group {gname} finished: {}", s.reason), out);
+                        let message = format!("group {gname} finished: {}", s.reason);
+                        let decision = Decision::new(TraceKind::GroupFinished, message);
+                        self.record(now, decision.group(&gname).compared(s.compared), out);
                     } else {
                         group.state = GroupState::Waiting;
                         group.condition("Progressing", false, "StageUpdatingWaiting", now);
@@ -1061,14 +1085,12 @@ impl Rollout {
                     group.condition("Failed", true, "StageUpdatingFailed", now);
                     self.state = RolloutState::Paused;
                     self.set_condition("Progressing", false, "UpdateRunPaused", now);
-                    self.record(
-                        now,
-                        format!(
-                            "group {gname} paused rollout {name}: every device is done and {}",
-                            s.reason
-                        ),
-                        out,
+                    let message = format!(
+                        "group {gname} paused rollout {name}: every device is done and {}",
+                        s.reason
                     );
+                    let decision = Decision::new(TraceKind::GroupFailed, message);
+                    self.record(now, decision.group(&gname).compared(s.compared), out);
                     true
                 }
             }
@@ -1102,7 +1124,8 @@ impl Rollout {
             self.device_total()
         );
         if errors.is_empty() {
-            self.set_condition("Progressing", false, "UpdateRunSucceeded", now);
+            // KubeFleet keeps Progressing true (UpdateRunStarted) beside Succeeded when a run
+            // ends well.
             self.set_condition("Succeeded", true, "UpdateRunSucceeded", now);
         } else {
             message.push_str(&format!(
@@ -1112,7 +1135,7 @@ impl Rollout {
             self.set_condition("Progressing", false, "UpdateRunFailed", now);
             self.set_condition("Succeeded", false, "UpdateRunFailed", now);
         }
-        self.record(now, message, out);
+        self.record(now, Decision::new(TraceKind::Finished, message), out);
     }
 
     /// Timers: start time, soak, retries, in-progress timeouts and offline grace. Returns
@@ -1219,25 +1242,21 @@ impl Rollout {
             let delay = r.backoff.saturating_mul(1u64 << (attempt - 1).min(20));
             slot.retry_at = Some(now + delay);
             group.set_phase(device, DevicePhase::Retrying(reason.clone()));
-            self.record(
-                now,
-                format!(
-                    "device {device} in group {gname}: attempt {attempt} ended ({reason}); retry {attempt} of {} in {}",
-                    r.attempts,
-                    seconds(delay)
-                ),
-                out,
+            let message = format!(
+                "device {device} in group {gname}: attempt {attempt} ended ({reason}); retry {attempt} of {} in {}",
+                r.attempts,
+                seconds(delay)
             );
+            let decision = Decision::new(TraceKind::DeviceRetrying, message);
+            self.record(now, decision.group(&gname).device(device), out);
             return;
         }
         slot.ended_at = Some(now);
         slot.retry_at = None;
         if matches!(failure, DevicePhase::TimedOut(_)) {
-            self.record(
-                now,
-                format!("device {device} in group {gname} timed out: {reason}"),
-                out,
-            );
+            let message = format!("device {device} in group {gname} timed out: {reason}");
+            let decision = Decision::new(TraceKind::DeviceTimedOut, message);
+            self.record(now, decision.group(&gname).device(device), out);
         }
         let group = &mut self.groups[gi];
         group.set_phase(device, failure);
@@ -1331,11 +1350,10 @@ impl Rollout {
         group.counts.total += 1;
         group.counts.scheduled += 1;
         let gname = group.name.clone();
-        self.record(
-            now,
-            format!("device {device} registered after the start and joined group {gname}"),
-            out,
-        );
+        let message =
+            format!("device {device} registered after the start and joined group {gname}");
+        let decision = Decision::new(TraceKind::DeviceJoined, message);
+        self.record(now, decision.group(&gname).device(device), out);
         Some(gi)
     }
 }

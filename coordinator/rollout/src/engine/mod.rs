@@ -27,12 +27,14 @@
 
 mod advance;
 pub mod model;
+mod status;
+mod trace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use flotilla_protocol::control::{
-    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus,
+    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus, TraceKind,
 };
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
@@ -49,6 +51,7 @@ use advance::{after_approval, before_approval, Ctx, Out};
 pub use model::{
     DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
 };
+use trace::Decision;
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
 pub const TRACE_LIMIT: usize = 1000;
@@ -57,7 +60,7 @@ pub const TRACE_LIMIT: usize = 1000;
 /// says "paused by operator".
 pub const OPERATOR: &str = "operator";
 
-/// What the service must do, in this order: persist, publish commands, publish events.
+/// What the service must do, in this order: persist, publish snapshots, commands, events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
     /// Persist the rollout with this name (read it with [`Engine::rollout`]).
@@ -90,6 +93,10 @@ pub enum Effect {
     Forget { device: String },
     /// Publish the rollout's summary (read it with [`Engine::status`]).
     Status(String),
+    /// Publish this summary, taken on the way through a state that ends within the same call
+    /// (`creating`, `starting`), on the same topic as [`Effect::Status`]. It comes before the
+    /// desired actions, so `starting` shows while they are being signed and published.
+    Snapshot(Box<RolloutStatus>),
     /// Publish one decision to `events/log`.
     Trace(flotilla_protocol::control::TraceEntry),
 }
@@ -232,6 +239,9 @@ fn cancels_first(effects: &mut [Effect]) {
 
 /// The effect that re-publishes what a device's slot in rollout `r` last sent it, if any.
 fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
+    if slot.deleted {
+        return None;
+    }
     let id = r.attempt_id(device, slot.attempt);
     match &slot.phase {
         DevicePhase::InProgress(p) if p == model::ROLLING_BACK => Some(Effect::Rollback {
@@ -302,7 +312,7 @@ impl Engine {
     /// empty and refills from the retained state topics.
     pub fn restore(rollouts: Vec<Rollout>, zones: impl ZoneSource + Send + Sync + 'static) -> Self {
         let mut engine = Self::new(zones);
-        for r in rollouts {
+        for mut r in rollouts {
             if r.state.is_active() {
                 for g in &r.groups {
                     for (device, slot) in &g.slots {
@@ -313,6 +323,16 @@ impl Engine {
                         }
                     }
                 }
+            }
+            if r.spec.policies.dynamic && r.seen.is_empty() {
+                // Stored before `seen` existed: at least the devices it planned are not new.
+                r.seen = r
+                    .groups
+                    .iter()
+                    .flat_map(|g| g.devices.iter().cloned())
+                    .collect();
+                r.seen.extend(r.unassigned.iter().cloned());
+                r.seen.extend(r.excluded.iter().map(|e| e.device.clone()));
             }
             let entry = Entry::new(r, &*engine.zones);
             engine.rollouts.insert(entry.rollout.name.clone(), entry);
@@ -402,6 +422,11 @@ impl Engine {
         for (device, rollout, weight) in std::mem::take(&mut out.claims) {
             self.owners.insert(device, (rollout, weight));
         }
+        for (device, rollout) in std::mem::take(&mut out.left) {
+            if let Some(entry) = self.rollouts.get_mut(&rollout) {
+                entry.index.remove(&device);
+            }
+        }
         let mut touched = Vec::new();
         for (other, device, by) in std::mem::take(&mut out.preempt) {
             let Some(entry) = self.rollouts.get_mut(&other) else {
@@ -421,11 +446,11 @@ impl Engine {
                 if let Some(slot) = group.slots.get_mut(&device) {
                     slot.ended_at = Some(now);
                 }
-                r.record(
-                    now,
-                    format!("device {device}: action canceled, rollout {by} took the device over"),
-                    out,
-                );
+                let message =
+                    format!("device {device}: action canceled, rollout {by} took the device over");
+                let gname = r.groups[gi].name.clone();
+                let decision = Decision::new(TraceKind::DeviceTakenOver, message);
+                r.record(now, decision.group(&gname).device(&device), out);
                 touched.push(other.clone());
             }
         }
@@ -471,17 +496,23 @@ impl Engine {
         out.into_effects()
     }
 
-    /// A device registered after rollouts with a dynamic group started: it joins those it
-    /// matches.
+    /// A device the registry did not hold: rollouts with a dynamic group that never saw it
+    /// record it, and those already started take it if it matches. A device a rollout saw
+    /// before (before a coordinator restart too) is never new to it.
     fn join_dynamic_groups(&mut self, device: &str, now: u64, out: &mut Out) {
         let Some(record) = self.devices.get(device) else {
             return;
         };
         let mut joined = Vec::new();
         for (name, entry) in &mut self.rollouts {
+            if !entry.rollout.first_sight(device) {
+                continue;
+            }
+            if !out.save.contains(name) {
+                out.save.push(name.clone());
+            }
             let r = &entry.rollout;
-            if !r.spec.policies.dynamic
-                || !r.state.is_active()
+            if !r.state.is_active()
                 || entry.index.contains_key(device)
                 || !r.spec.select.matches(&record.labels)
                 || !(r.release.hardware.is_empty()
@@ -791,8 +822,13 @@ impl Engine {
             started_at: None,
             checked_at: now,
             rolled_back: false,
+            seen: BTreeSet::new(),
         };
+        if rollout.spec.policies.dynamic {
+            rollout.seen = fleet.iter().map(|d| d.id.clone()).collect();
+        }
         let mut out = Out::default();
+        let operator = by;
         let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
         let mut message = format!(
             "created{by} for release {}: {planned} devices in {} groups ({sizes})",
@@ -811,7 +847,13 @@ impl Engine {
                 rollout.unassigned.len()
             ));
         }
-        rollout.record(now, message, &mut out);
+        let mut decision = Decision::new(TraceKind::Created, message);
+        if let Some(by) = operator {
+            decision = decision.by(by);
+        }
+        rollout.record(now, decision, &mut out);
+        // hawkBit shows `creating` while the groups are filled: published before `ready`.
+        out.snapshots.push(rollout.status());
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
         self.rollouts
@@ -922,16 +964,21 @@ impl Engine {
         match r.spec.policies.start_at {
             Some(at) if at > now => {
                 r.state = RolloutState::Scheduled;
+                let message = format!("started by {by}; waits for its start time {at}");
                 r.record(
                     now,
-                    format!("started by {by}; waits for its start time {at}"),
+                    Decision::new(TraceKind::Started, message).by(by),
                     &mut out,
                 );
             }
             _ => {
-                r.state = RolloutState::Running;
-                r.started_at = Some(now);
-                r.record(now, format!("rollout started by {by}"), &mut out);
+                let message = format!("rollout started by {by}");
+                r.record(
+                    now,
+                    Decision::new(TraceKind::Started, message).by(by),
+                    &mut out,
+                );
+                r.starting(now, &mut out);
             }
         }
         self.cancel_older_scheduled(name, now, &mut out);
@@ -969,11 +1016,9 @@ impl Engine {
                 }
             }
             if canceled > 0 {
-                e.rollout.record(
-                    now,
-                    format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices"),
-                    out,
-                );
+                let message = format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices");
+                let decision = Decision::new(TraceKind::ActionsCanceled, message);
+                e.rollout.record(now, decision, out);
                 touched.push(other.clone());
             }
         }
@@ -997,7 +1042,12 @@ impl Engine {
         r.state = RolloutState::Paused;
         r.waiting = None;
         r.set_condition("Progressing", false, "UpdateRunPaused", now);
-        r.record(now, format!("paused by {by}"), &mut out);
+        let message = format!("paused by {by}");
+        r.record(
+            now,
+            Decision::new(TraceKind::Paused, message).by(by),
+            &mut out,
+        );
         Ok(out.into_effects())
     }
 
@@ -1036,7 +1086,11 @@ impl Engine {
                 passed.join(", ")
             )
         };
-        r.record(now, message, &mut out);
+        r.record(
+            now,
+            Decision::new(TraceKind::Resumed, message).by(by),
+            &mut out,
+        );
         // Resuming past a group in error is the operator's decision about that group, so its
         // after approval is given with it, in the operator's name, and the trace says so.
         for gi in 0..r.groups.len() {
@@ -1077,9 +1131,10 @@ impl Engine {
         r.waiting = None;
         r.set_condition("Progressing", false, "UpdateRunStopped", now);
         let release = r.release.name.clone();
+        let message = format!("stopped by {by}; {}", ended.describe(&release));
         r.record(
             now,
-            format!("stopped by {by}; {}", ended.describe(&release)),
+            Decision::new(TraceKind::Stopped, message).by(by),
             &mut out,
         );
         self.apply_bookkeeping(now, &mut out);
@@ -1121,6 +1176,7 @@ impl Engine {
         a.approved = true;
         a.approved_at = Some(now);
         let approval = a.clone();
+        let gname = approval.group.clone();
         if let Some(g) = r.groups.iter_mut().find(|g| g.name == approval.group) {
             g.condition(
                 "ApprovalRequestApproved",
@@ -1130,7 +1186,9 @@ impl Engine {
             );
         }
         out.commands.push(Effect::Approval(approval));
-        r.record(now, format!("approval {name} approved by {by}"), &mut out);
+        let message = format!("approval {name} approved by {by}");
+        let decision = Decision::new(TraceKind::Approved, message).by(by);
+        r.record(now, decision.group(&gname), &mut out);
         self.advance(&rollout, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1227,7 +1285,8 @@ impl Engine {
         }
         r.groups[last].released = true;
         let message = format!("{by} triggered the next group after group {gname}");
-        r.record(now, message, &mut out);
+        let decision = Decision::new(TraceKind::NextTriggered, message).by(by);
+        r.record(now, decision.group(&gname), &mut out);
         self.advance(name, now, &mut out);
         Ok(out.into_effects())
     }
@@ -1332,21 +1391,23 @@ impl Engine {
             started_at: None,
             checked_at: now,
             rolled_back: false,
+            seen: BTreeSet::new(),
         };
         let mut out = Out::default();
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
-        rollout.record(
-            now,
-            format!("created by {by} to retry the {failed} failed devices of rollout {name}"),
-            &mut out,
-        );
+        let message =
+            format!("created by {by} to retry the {failed} failed devices of rollout {name}");
+        let decision = Decision::new(TraceKind::RetryCreated, message).by(by);
+        rollout.record(now, decision, &mut out);
         self.rollouts
             .insert(new_name, Entry::new(rollout, &*self.zones));
         Ok(out.into_effects())
     }
 
-    /// Forgets a device: it leaves the registry and the groups that have not finished (hawkBit:
-    /// counts are recomputed; an emptied group succeeds). Finished groups keep it.
+    /// Forgets a device: it leaves the registry. As in hawkBit, it leaves a running group at
+    /// once (counts are recomputed; an emptied group succeeds); in a group that has not started
+    /// it shows as `not_started` and leaves when the group starts; in a finished group (or a
+    /// rollout that is over) it shows as `not_started` and the counts stay.
     pub fn delete_device(&mut self, device: &str, now: u64) -> Result<Vec<Effect>, EngineError> {
         self.delete_device_by(device, OPERATOR, now)
     }
@@ -1368,14 +1429,53 @@ impl Engine {
         let mut touched = Vec::new();
         let mut cancels = Vec::new();
         for (name, entry) in &mut self.rollouts {
+            // Deleted, it is forgotten: if it registers again it is a new device.
+            if entry.rollout.seen.remove(device) && !out.save.contains(name) {
+                out.save.push(name.clone());
+            }
             let Some(&gi) = entry.index.get(device) else {
                 continue;
             };
-            if entry.rollout.state.is_terminal() {
-                continue;
-            }
+            let terminal = entry.rollout.state.is_terminal();
             let group = &mut entry.rollout.groups[gi];
-            if matches!(group.state, GroupState::Finished | GroupState::Error) {
+            // hawkBit: in a group that has not started, or has finished, the device moves to
+            // "not started"; the counts change only when a not-started group starts.
+            let kept = match group.state {
+                _ if terminal => Some("the rollout is over"),
+                GroupState::Scheduled | GroupState::Approval => {
+                    Some("it leaves the group when the group starts")
+                }
+                GroupState::Waiting | GroupState::Finished | GroupState::Error => {
+                    Some("the group is done and keeps its counts")
+                }
+                GroupState::Running => None,
+            };
+            if let Some(why) = kept {
+                let Some(slot) = group.slots.get_mut(device).filter(|s| !s.deleted) else {
+                    continue;
+                };
+                slot.deleted = true;
+                // A device still acting on this rollout's action (a group that is done may have
+                // some) is told to stop, as in a running group.
+                if matches!(&slot.phase, DevicePhase::InProgress(p) if p != model::ROLLING_BACK) {
+                    cancels.push(Effect::Cancel {
+                        device: device.to_owned(),
+                        action_id: attempt_action_id(
+                            name,
+                            entry.rollout.created_at,
+                            device,
+                            slot.attempt,
+                        ),
+                        rollout: name.clone(),
+                    });
+                }
+                let gname = group.name.clone();
+                let message =
+                    format!("device {device} deleted by {by}; not started in group {gname}: {why}");
+                let decision = Decision::new(TraceKind::DeviceDeleted, message).by(by);
+                entry
+                    .rollout
+                    .record(now, decision.group(&gname).device(device), &mut out);
                 continue;
             }
             let mut canceled = false;
@@ -1411,14 +1511,14 @@ impl Engine {
             } else {
                 ""
             };
-            entry.rollout.record(
-                now,
-                format!(
-                    "device {device} deleted by {by}{action}; group {gname} now has {} devices",
-                    { entry.rollout.groups[gi].devices.len() }
-                ),
-                &mut out,
+            let message = format!(
+                "device {device} deleted by {by}{action}; group {gname} now has {} devices",
+                { entry.rollout.groups[gi].devices.len() }
             );
+            let decision = Decision::new(TraceKind::DeviceDeleted, message).by(by);
+            entry
+                .rollout
+                .record(now, decision.group(&gname).device(device), &mut out);
             touched.push(name.clone());
         }
         // The cancel goes out after the forget's "nothing to do", so it is what the retained
@@ -1642,7 +1742,7 @@ impl Rollout {
                     devices: g
                         .slots
                         .iter()
-                        .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+                        .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
                         .collect(),
                     started_at: g.started_at,
                     ended_at: g.ended_at,
@@ -1654,11 +1754,12 @@ impl Rollout {
                             (
                                 d.clone(),
                                 DeviceDetail {
-                                    phase: s.phase.name().to_owned(),
+                                    phase: s.phase_name().to_owned(),
                                     started_at: s.started_at,
                                     ended_at: s.ended_at,
                                     reason: s.phase.reason().map(str::to_owned),
                                     attempt: s.earlier_attempts + s.attempt,
+                                    conditions: self.device_conditions(s),
                                 },
                             )
                         })
@@ -1671,6 +1772,8 @@ impl Rollout {
             conditions: self.conditions.clone(),
             waiting: self.waiting.clone(),
             approvals: self.approvals.clone(),
+            strategy_snapshot: self.strategy_snapshot(),
+            deletion_stage: self.deletion_stage(),
         }
     }
 
@@ -1681,7 +1784,7 @@ impl Rollout {
             .flat_map(|g| {
                 g.slots
                     .iter()
-                    .map(|(d, s)| (d.clone(), s.phase.name().to_owned()))
+                    .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
             })
             .collect()
     }
@@ -1695,3 +1798,5 @@ mod tests_commands;
 mod tests_features;
 #[cfg(test)]
 mod tests_property;
+#[cfg(test)]
+mod tests_reference;

@@ -2,7 +2,7 @@
 //! trace. Everything here is serialized into the store, so a restarted coordinator continues
 //! exactly where it stopped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use flotilla_protocol::control::{ApprovalStatus, Condition, TraceEntry};
@@ -275,7 +275,15 @@ pub struct Slot {
     /// attempt shown goes on counting.
     #[serde(default)]
     pub earlier_attempts: u32,
+    /// The device was deleted while its group had not started or had finished (hawkBit: it
+    /// shows as "not started"). Its phase, and so the group's counts, stay as they were; a
+    /// group that has not started drops it when it starts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleted: bool,
 }
+
+/// Phase name of a deleted device still listed in its group (hawkBit's "not started").
+pub const NOT_STARTED: &str = "not_started";
 
 impl Slot {
     pub fn scheduled() -> Self {
@@ -288,6 +296,16 @@ impl Slot {
             soak_until: None,
             retry_at: None,
             earlier_attempts: 0,
+            deleted: false,
+        }
+    }
+
+    /// The phase as status tables show it: `not_started` once deleted.
+    pub fn phase_name(&self) -> &str {
+        if self.deleted {
+            NOT_STARTED
+        } else {
+            self.phase.name()
         }
     }
 }
@@ -340,6 +358,30 @@ impl Group {
     /// Sets (or adds) a condition of this type.
     pub fn condition(&mut self, kind: &str, status: bool, reason: &str, at: u64) {
         set_condition(&mut self.conditions, kind, status, reason, "", at);
+    }
+
+    /// Removes the devices deleted while the group had not started, keeping the counters
+    /// right; returns them.
+    pub fn drop_deleted(&mut self) -> Vec<String> {
+        let gone: Vec<String> = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.deleted)
+            .map(|(d, _)| d.clone())
+            .collect();
+        for device in &gone {
+            if let Some(slot) = self.slots.remove(device) {
+                slot.phase.count_in(&mut self.counts, false);
+                self.counts.total = self.counts.total.saturating_sub(1);
+            }
+            if let Some(pos) = self.devices.iter().position(|d| d == device) {
+                self.devices.remove(pos);
+                if pos < self.cursor {
+                    self.cursor -= 1;
+                }
+            }
+        }
+        gone
     }
 
     /// Every device was started (or skipped).
@@ -410,4 +452,20 @@ pub struct Rollout {
     /// that (it was past activation) is sent back too.
     #[serde(default)]
     pub rolled_back: bool,
+    /// Dynamic rollouts only: every device the coordinator knew while this rollout existed
+    /// (the fleet at creation and each device that registered since). Stored, so a restarted
+    /// coordinator, whose registry refills from retained states, still knows who is new; only
+    /// a device not in here joins the dynamic group.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub seen: BTreeSet<String>,
+}
+
+impl Rollout {
+    /// A device registered: records it as seen and says whether it is new to this rollout.
+    /// Always false for a rollout without a dynamic group.
+    pub fn first_sight(&mut self, device: &str) -> bool {
+        self.spec.policies.dynamic
+            && !self.state.is_terminal()
+            && self.seen.insert(device.to_owned())
+    }
 }

@@ -169,8 +169,10 @@ fn start_orders_effects_and_sends_only_the_first_group() {
     let effects = sim.engine.start("fw-2-4", NOW).expect("started");
     assert_eq!(effects[0], Effect::Save("fw-2-4".into()));
     assert_eq!(desired(&effects), vec!["dev-000", "dev-001"]);
+    // hawkBit's `starting` is published before the first group's actions go out.
+    assert!(matches!(&effects[1], Effect::Snapshot(s) if s.state == "starting"));
     assert_eq!(
-        effects[1],
+        effects[2],
         Effect::Desired {
             device: "dev-000".into(),
             action_id: format!("fw-2-4@{NOW}:dev-000"),
@@ -179,7 +181,7 @@ fn start_orders_effects_and_sends_only_the_first_group() {
             action: ActionType::Forced,
         }
     );
-    assert_eq!(effects[3], Effect::Status("fw-2-4".into()));
+    assert_eq!(effects[4], Effect::Status("fw-2-4".into()));
     assert!(
         matches!(effects.last(), Some(Effect::Trace(t)) if t.message.contains("group group-1 started with 2 devices"))
     );
