@@ -364,6 +364,41 @@ mod tests {
     }
 
     #[test]
+    fn mutated_backups_never_panic_and_never_restore_altered_records() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("b.jsonl");
+        write_backup(&store_with_records(&dir.path().join("db")), &file, 1).expect("backup");
+        let original = std::fs::read(&file).expect("read");
+        let good = read_backup(&file).expect("valid");
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mutated = dir.path().join("m.jsonl");
+        for _ in 0..2_000 {
+            let mut bytes = original.clone();
+            match next() % 3 {
+                0 => {
+                    let at = (next() as usize) % bytes.len();
+                    bytes[at] ^= 1 << (next() % 8);
+                }
+                1 => bytes.truncate((next() as usize) % bytes.len()),
+                _ => {
+                    let at = (next() as usize) % bytes.len();
+                    bytes.insert(at, (next() % 256) as u8);
+                }
+            }
+            std::fs::write(&mutated, &bytes).expect("write");
+            if let Ok(read) = read_backup(&mutated) {
+                assert_eq!(read.records, good.records, "an altered backup read as different records");
+            }
+        }
+    }
+
+    #[test]
     fn restore_refuses_a_store_with_records_unless_forced() {
         let dir = tempfile::tempdir().expect("temp dir");
         let file = dir.path().join("b.jsonl");

@@ -112,7 +112,7 @@ impl StoreHealth {
 }
 
 /// Whether `dir` has room for the store to write again: writes and syncs a probe file of
-/// [`PROBE_BYTES`], then removes it.
+/// 2 MiB, then removes it.
 pub fn has_room(dir: &Path) -> std::io::Result<()> {
     let probe = dir.join(".store-space-probe");
     let result = (|| {
