@@ -124,6 +124,14 @@ pub fn has_room(dir: &Path) -> std::io::Result<()> {
     result
 }
 
+/// Whether an I/O error means the disk (or a quota) is full.
+pub fn is_no_space(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    ) || matches!(error.raw_os_error(), Some(28 | 122))
+}
+
 /// Makes the reserve file if it is missing; a disk without room for it is logged, not an
 /// error (the reserve is made at the next chance).
 pub fn ensure_reserve(dir: &Path) {
