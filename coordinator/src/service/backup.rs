@@ -289,7 +289,7 @@ pub fn restore(db: &Path, backup: &Path, force: bool, now: u64) -> Result<Restor
 }
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())
