@@ -361,10 +361,8 @@ macro_rules! conformance_suite {
                 match requires() {
                     Ok(()) => scenario($make),
                     Err(why) => {
-                        let notice = format!(
-                            "SKIPPED conformance suite {}: {why}",
-                            stringify!($kind)
-                        );
+                        let notice =
+                            format!("SKIPPED conformance suite {}: {why}", stringify!($kind));
                         // CI installs every tool: there a missing one is a failure.
                         if std::env::var("FLOTILLA_REQUIRE_TOOLS").is_ok_and(|v| v == "1") {
                             panic!("{notice} (FLOTILLA_REQUIRE_TOOLS=1)");

@@ -45,10 +45,7 @@ impl Tmpfs {
             panic!("{message} and FLOTILLA_REQUIRE_TMPFS=1 requires them");
         }
         // Straight to stderr: the test harness hides eprintln! of a passing test.
-        let _ = writeln!(
-            std::io::stderr().lock(),
-            "\n!!!! SKIPPED {test}: {message}"
-        );
+        let _ = writeln!(std::io::stderr().lock(), "\n!!!! SKIPPED {test}: {message}");
         None
     }
 

@@ -393,7 +393,10 @@ mod tests {
             }
             std::fs::write(&mutated, &bytes).expect("write");
             if let Ok(read) = read_backup(&mutated) {
-                assert_eq!(read.records, good.records, "an altered backup read as different records");
+                assert_eq!(
+                    read.records, good.records,
+                    "an altered backup read as different records"
+                );
             }
         }
     }
