@@ -1045,14 +1045,20 @@ mod tests {
     async fn an_oversized_request_is_refused_and_closed() {
         let metrics = Metrics::new();
         let (addr, token) = serving(&metrics).await;
+        // A head that does not end within the limit: every byte is read, then refused.
         let mut request = b"GET /metrics HTTP/1.1\r\nX-Junk: ".to_vec();
-        request.extend(std::iter::repeat_n(b'a', MAX_REQUEST_BYTES * 4));
+        request.resize(MAX_REQUEST_BYTES, b'a');
         let answer = exchange(addr, &request).await;
         assert_eq!(
             status_line(&answer),
             "HTTP/1.1 431 Request Header Fields Too Large",
             "{answer}"
         );
+        assert!(!answer.contains("flotilla_"), "no metrics: {answer}");
+        // Far more than the limit: the connection is closed (with the refusal, or reset for
+        // the unread rest) and nothing else is read or answered.
+        request.extend(std::iter::repeat_n(b'a', MAX_REQUEST_BYTES * 64));
+        let answer = exchange(addr, &request).await;
         assert!(!answer.contains("flotilla_"), "no metrics: {answer}");
         token.cancel();
     }
