@@ -4,7 +4,7 @@
 //! ```text
 //!  service loop ── hooks (one line each in serve.rs) ──> Metrics: counters, histograms
 //!       │                                                   │ (prometheus-client registry)
-//!       └─ on its tick, when a scrape asked: Snapshot ──> Shared <── scrape task: encode,
+//!       └─ between inputs, if a scrape asked: Snapshot ──> Shared <── scrape task: encode,
 //!          (rollouts, devices by phase, totals)                    answer, close
 //! ```
 //!
@@ -12,9 +12,11 @@
 //! payload, a refused request, a block served, an input decided). What follows from the
 //! engine's state (rollouts by state, devices by phase per rollout and group) and the totals
 //! the service keeps anyway (ignored device messages, store failures, repairs) is not updated
-//! per event: a scrape asks for a [`Snapshot`], the service loop builds one on its next tick
-//! and hands it over, and the scrape answers with it, or with the previous one if the loop is
-//! too busy to answer within [`FRESH_WAIT`]. Nothing the HTTP side does ever waits on, or
+//! per event: a scrape asks for a [`Snapshot`], the service loop builds one as soon as it is done
+//! with the input at hand (a message, a control request, its one-second tick) and hands it over,
+//! and the scrape answers with it, or with the previous one if the loop is stuck on one input
+//! for longer than [`FRESH_WAIT`]. Building one walks every device slot once: about 7 ms for a
+//! 100k-device rollout (release build), once per scrape. Nothing the HTTP side does ever waits on, or
 //! blocks, the service loop; the loop only swaps an `Arc` under a lock nobody holds for long.
 //!
 //! The responder answers one request per connection and closes it. A request head is read
@@ -749,8 +751,8 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// The metrics as OpenMetrics text, with a snapshot at most one service tick old when the
-    /// loop answers within [`FRESH_WAIT`].
+    /// The metrics as OpenMetrics text, with a snapshot taken after this call when the loop
+    /// answers within [`FRESH_WAIT`].
     pub async fn render(&self) -> String {
         let fresh = self.shared.fresh.notified();
         tokio::pin!(fresh);

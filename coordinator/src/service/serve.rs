@@ -287,7 +287,6 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             },
             _ = ticker.tick() => {
                 let _timing = service.metrics.input("tick");
-                service.refresh_metrics();
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
                     Ok(()) => service.retry_store().await,
@@ -298,6 +297,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         if let Err(e) = step {
             break Err(e);
         }
+        service.refresh_metrics();
     };
     if result.is_ok() {
         // Persist whatever per-device progress the last tick has not saved yet.
