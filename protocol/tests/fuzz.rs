@@ -45,6 +45,8 @@ fn decode_all(bytes: &[u8]) {
     if let Ok(signed) = keys::decode_file(bytes) {
         let _ = ring().accept(&signed);
     }
+    let _ = serde_json::from_slice::<flotilla_protocol::control::TraceEntry>(bytes);
+    let _ = serde_json::from_slice::<flotilla_protocol::control::RolloutStatus>(bytes);
     if let Ok(text) = std::str::from_utf8(bytes) {
         let _ = Topics::default().parse(text);
         let _ = check_reply_to(&Topics::default(), text);

@@ -360,7 +360,19 @@ macro_rules! conformance_suite {
                 let requires: fn() -> Result<(), String> = $requires;
                 match requires() {
                     Ok(()) => scenario($make),
-                    Err(why) => eprintln!("SKIPPED conformance suite {}: {why}", stringify!($kind)),
+                    Err(why) => {
+                        let notice = format!(
+                            "SKIPPED conformance suite {}: {why}",
+                            stringify!($kind)
+                        );
+                        // CI installs every tool: there a missing one is a failure.
+                        if std::env::var("FLOTILLA_REQUIRE_TOOLS").is_ok_and(|v| v == "1") {
+                            panic!("{notice} (FLOTILLA_REQUIRE_TOOLS=1)");
+                        }
+                        // Straight to stderr: the test harness hides eprintln! of a passing test.
+                        use std::io::Write as _;
+                        let _ = writeln!(std::io::stderr().lock(), "\n!!!! {notice}");
+                    }
                 }
             }
 

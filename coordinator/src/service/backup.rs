@@ -289,7 +289,7 @@ pub fn restore(db: &Path, backup: &Path, force: bool, now: u64) -> Result<Restor
 }
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())
@@ -361,6 +361,41 @@ mod tests {
         std::fs::write(&file, "hello\n").expect("write");
         let err = read_backup(&file).expect_err("not a backup").to_string();
         assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn mutated_backups_never_panic_and_never_restore_altered_records() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("b.jsonl");
+        write_backup(&store_with_records(&dir.path().join("db")), &file, 1).expect("backup");
+        let original = std::fs::read(&file).expect("read");
+        let good = read_backup(&file).expect("valid");
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mutated = dir.path().join("m.jsonl");
+        for _ in 0..2_000 {
+            let mut bytes = original.clone();
+            match next() % 3 {
+                0 => {
+                    let at = (next() as usize) % bytes.len();
+                    bytes[at] ^= 1 << (next() % 8);
+                }
+                1 => bytes.truncate((next() as usize) % bytes.len()),
+                _ => {
+                    let at = (next() as usize) % bytes.len();
+                    bytes.insert(at, (next() % 256) as u8);
+                }
+            }
+            std::fs::write(&mutated, &bytes).expect("write");
+            if let Ok(read) = read_backup(&mutated) {
+                assert_eq!(read.records, good.records, "an altered backup read as different records");
+            }
+        }
     }
 
     #[test]

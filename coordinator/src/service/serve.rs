@@ -143,16 +143,22 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let key = keys::load_secret_key(&config.coordinator_key)?;
     let db = config.data_dir.join("db");
     // sled writes while it opens; an open that runs out of space can leave the store unreadable.
-    if let Err(e) = store_health::has_room(&config.data_dir) {
-        if store_health::release_reserve(&config.data_dir) {
-            tracing::warn!(data_dir = %config.data_dir.display(), error = %e,
-                "the disk is full: released the reserve so the store can open; the coordinator refuses changes until there is room");
-        } else {
-            return Err(ServiceError::NoRoom {
-                data_dir: config.data_dir.clone(),
-                reason: e.to_string(),
-            });
+    // Errors other than a full disk (a missing or unwritable directory) are left to the store's
+    // own open, which names them.
+    let _ = std::fs::create_dir_all(&config.data_dir);
+    match store_health::has_room(&config.data_dir) {
+        Err(e) if store_health::is_no_space(&e) => {
+            if store_health::release_reserve(&config.data_dir) {
+                tracing::warn!(data_dir = %config.data_dir.display(), error = %e,
+                    "the disk is full: released the reserve so the store can open; the coordinator refuses changes until there is room");
+            } else {
+                return Err(ServiceError::NoRoom {
+                    data_dir: config.data_dir.clone(),
+                    reason: e.to_string(),
+                });
+            }
         }
+        _ => {}
     }
     let store = Store::open(&db).map_err(|source| ServiceError::OpenStore {
         path: db.clone(),

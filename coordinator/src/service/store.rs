@@ -52,6 +52,9 @@ const ENROLLMENTS: &str = "enrollments";
 const USED_TOKENS: &str = "used_tokens";
 const META: &str = "meta";
 const GENERATION: &[u8] = b"generation";
+/// One exported record: its tree, key and value.
+pub type Record = (&'static str, Vec<u8>, Vec<u8>);
+
 /// The trees a backup holds, in the order they are written.
 pub const TREES: [&str; 7] = [
     ROLLOUTS,
@@ -558,7 +561,7 @@ impl Store {
     }
 
     /// Every record of every tree, tree by tree in [`TREES`] order, keys in order.
-    pub fn export(&self) -> Result<Vec<(&'static str, Vec<u8>, Vec<u8>)>, StoreError> {
+    pub fn export(&self) -> Result<Vec<Record>, StoreError> {
         let mut out = Vec::new();
         for name in TREES {
             let tree = self

@@ -112,7 +112,7 @@ impl StoreHealth {
 }
 
 /// Whether `dir` has room for the store to write again: writes and syncs a probe file of
-/// [`PROBE_BYTES`], then removes it.
+/// 2 MiB, then removes it.
 pub fn has_room(dir: &Path) -> std::io::Result<()> {
     let probe = dir.join(".store-space-probe");
     let result = (|| {
@@ -122,6 +122,14 @@ pub fn has_room(dir: &Path) -> std::io::Result<()> {
     })();
     let _ = std::fs::remove_file(&probe);
     result
+}
+
+/// Whether an I/O error means the disk (or a quota) is full.
+pub fn is_no_space(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    ) || matches!(error.raw_os_error(), Some(28 | 122))
 }
 
 /// Makes the reserve file if it is missing; a disk without room for it is logged, not an
