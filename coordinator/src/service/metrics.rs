@@ -1015,6 +1015,11 @@ mod tests {
             .and_then(|n| n.parse().ok())
             .expect("content length");
         assert_eq!(length, body.len());
+        // HEAD: the same head, no body.
+        let answer = exchange(addr, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(body.is_empty(), "{answer}");
         token.cancel();
     }
 
