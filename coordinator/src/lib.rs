@@ -30,6 +30,10 @@
 //!   tick at a time, applies the engine's effects in order (store first, then publish), and may
 //!   wait on `publish` while the request queue is full: the poll task empties it without waiting
 //!   on anything the loop holds, so there is no cycle.
+//! - With `[metrics] listen`, an accept task and one task per scrape connection
+//!   (`service/metrics.rs`, at most 8) serve `GET /metrics`. A scrape raises a flag; the loop,
+//!   between two inputs, hands over a snapshot of the engine and wakes it. The loop never waits
+//!   on a scrape, and a scrape waits at most 2 s for the loop.
 //! - Subscriptions go out from short-lived spawned tasks; the embedded broker (optional) runs on
 //!   its own threads. On SIGTERM the loop stops taking events, applies the last tick, cancels
 //!   the link and waits at most 2 s for it; a store that failed a write is abandoned rather

@@ -105,6 +105,7 @@ fn harness() -> Harness {
             tokens: vec![TOKEN.into()],
             max_pending: 10,
         },
+        metrics: None,
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {

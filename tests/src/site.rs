@@ -133,6 +133,8 @@ pub struct Site {
     tokens: Vec<String>,
     /// Which agent got which token.
     agent_tokens: BTreeMap<String, String>,
+    /// The coordinator serves `/metrics` on this loopback port ([`Site::enable_metrics`]).
+    metrics_port: Option<u16>,
 }
 
 impl Drop for Site {
@@ -186,6 +188,7 @@ impl Site {
                 })
                 .collect(),
             agent_tokens: BTreeMap::new(),
+            metrics_port: None,
         };
         fs::write(
             site.authorized_keys_file(),
@@ -346,6 +349,12 @@ impl Site {
         ))
     }
 
+    /// Turns on the coordinator's metrics endpoint from the next [`Site::start_coordinator`]
+    /// on; returns its loopback port.
+    pub fn enable_metrics(&mut self) -> u16 {
+        *self.metrics_port.get_or_insert_with(free_port)
+    }
+
     /// Starts (or restarts) `flotilla serve`.
     pub fn start_coordinator(&mut self) {
         let config = self.path("coordinator.toml");
@@ -372,6 +381,9 @@ impl Site {
                 "[[operators]]\nname = {name:?}\nrole = \"{role}\"\nkey_file = {:?}\n",
                 self.path(&format!("keys/{name}.pub"))
             ));
+        }
+        if let Some(port) = self.metrics_port {
+            text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
         }
         fs::write(&config, text).expect("write coordinator config");
         let mut command = Command::new(bin("flotilla"));

@@ -125,6 +125,8 @@ pub struct Config {
     pub clock_window: u64,
     /// Which devices are accepted without an operator.
     pub enrollment: EnrollmentConfig,
+    /// Where `GET /metrics` is served (`[metrics] listen`); `None`, the default, serves none.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// One operator allowed to send signed control requests.
@@ -198,6 +200,14 @@ struct RawConfig {
     operators: Vec<RawOperator>,
     #[serde(default)]
     enrollment: RawEnrollment,
+    #[serde(default)]
+    metrics: RawMetrics,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawMetrics {
+    listen: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -468,12 +478,23 @@ impl TryFrom<Located<'_>> for Config {
         if raw.enrollment.max_pending == 0 {
             return Err(field("enrollment.max_pending", "0", "must be at least 1"));
         }
+        let metrics = match &raw.metrics.listen {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
+                field(
+                    "metrics.listen",
+                    addr,
+                    &format!("expected IP:PORT like 127.0.0.1:9464 ({e})"),
+                )
+            })?),
+        };
         let enrollment = EnrollmentConfig {
             authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
             tokens: raw.enrollment.tokens,
             max_pending: raw.enrollment.max_pending,
         };
         Ok(Config {
+            metrics,
             operators,
             clock_window,
             enrollment,
@@ -733,6 +754,34 @@ mod tests {
         assert!(config.data_dir.starts_with("/etc/flotilla") || config.data_dir.is_absolute());
         assert_eq!(config.enrollment.max_pending, 1000);
         assert!(config.enrollment.tokens.is_empty());
+        assert_eq!(config.metrics, None, "no metrics endpoint unless asked for");
+    }
+
+    #[test]
+    fn metrics_listen_is_an_ip_and_port() {
+        let config = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[metrics]\nlisten = \"127.0.0.1:9464\"\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            config.metrics,
+            Some("127.0.0.1:9464".parse().expect("addr"))
+        );
+        for bad in ["localhost:9464", "127.0.0.1", ""] {
+            let err = parse(&format!(
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[metrics]\nlisten = {bad:?}\n"
+            ))
+            .expect_err(bad)
+            .to_string();
+            assert!(
+                err.contains("metrics.listen") && err.contains("IP:PORT"),
+                "{err}"
+            );
+        }
+        let err = parse("data_dir = \"d\"\ncoordinator_key = \"k\"\n[metrics]\nport = 1\n")
+            .expect_err("unknown field")
+            .to_string();
+        assert!(err.contains("port"), "{err}");
     }
 
     #[test]

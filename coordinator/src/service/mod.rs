@@ -25,6 +25,8 @@
 //! - [`enrollment`]: device keys and enrollment; which signed device messages pass.
 //! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
 //! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
+//! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
+//!   snapshot of the engine that the loop hands over when a scrape asks.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
@@ -39,6 +41,7 @@ pub mod broker;
 pub mod config;
 pub mod enrollment;
 pub mod keys;
+pub mod metrics;
 pub mod mqtt;
 pub mod operators;
 pub mod releases;

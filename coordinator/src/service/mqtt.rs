@@ -318,6 +318,31 @@ impl Events {
     pub fn dropped(&self) -> u64 {
         self.inbox.dropped()
     }
+
+    /// A handle that reads the inbox's counts from elsewhere (the metrics endpoint).
+    pub fn stats(&self) -> InboxStats {
+        InboxStats {
+            inbox: self.inbox.clone(),
+        }
+    }
+}
+
+/// Reads an [`Inbox`]'s counts without taking events from it.
+#[derive(Debug, Clone)]
+pub struct InboxStats {
+    inbox: Inbox,
+}
+
+impl InboxStats {
+    /// Publishes dropped because the inbox was full, so far.
+    pub fn dropped(&self) -> u64 {
+        self.inbox.dropped()
+    }
+
+    /// Bytes of publishes waiting to be taken.
+    pub fn queued_bytes(&self) -> usize {
+        self.inbox.lock().bytes
+    }
 }
 
 impl Drop for Events {

@@ -51,6 +51,7 @@ use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
 use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
 use crate::service::keys::{self, KeysError};
+use crate::service::metrics::{self, Malformed, Metrics, Totals};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
@@ -114,6 +115,8 @@ pub enum ServiceError {
     AuthorizedKeys { path: PathBuf, reason: String },
     #[error("cannot load device enrollments from {path}: {source}")]
     LoadEnrollments { path: PathBuf, source: StoreError },
+    #[error(transparent)]
+    Metrics(#[from] metrics::ListenError),
 }
 
 /// Seconds since the Unix epoch.
@@ -229,6 +232,12 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     if gate.operator_count() == 0 {
         tracing::warn!("no [[operators]] configured: every control request will be refused");
     }
+    let metrics = Metrics::new();
+    if let Some(addr) = config.metrics {
+        let listener = metrics::bind(addr).await?;
+        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+        tokio::spawn(metrics::run(listener, metrics.endpoint(), shutdown.clone()));
+    }
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
     // A stable client id, so the broker's ACL can name the coordinator (and a second
@@ -242,6 +251,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     );
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let mut link = mqtt::start(options, link_token.clone());
+    metrics.attach(link.events.stats());
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
         engine,
@@ -268,6 +278,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         holdings: HashMap::new(),
         health: StoreHealth::default(),
         data_dir: config.data_dir.clone(),
+        metrics,
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -281,6 +292,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
                 None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
             },
             _ = ticker.tick() => {
+                let _timing = service.metrics.input("tick");
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
                     Ok(()) => service.retry_store().await,
@@ -291,6 +303,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         if let Err(e) = step {
             break Err(e);
         }
+        service.refresh_metrics();
     };
     if result.is_ok() {
         // Persist whatever per-device progress the last tick has not saved yet.
@@ -358,13 +371,16 @@ struct Service {
     /// Whether the store can be written (`store_health.rs`).
     health: StoreHealth,
     data_dir: PathBuf,
+    /// Counters and timings for the metrics endpoint (`metrics.rs`).
+    metrics: Metrics,
 }
 
 impl Service {
     /// Counts a malformed payload; logs the first and then at most one line a minute, so a
     /// flood of garbage cannot flood the log.
-    fn reject(&mut self, topic: &str, reason: &str) {
+    fn reject(&mut self, topic: &str, why: Malformed, reason: &str) {
         self.malformed += 1;
+        self.metrics.malformed(why);
         let now = std::time::Instant::now();
         if self
             .malformed_logged
@@ -374,6 +390,21 @@ impl Service {
             let topic: String = topic.chars().take(200).collect();
             tracing::warn!(%topic, %reason, malformed_total = self.malformed,
                 "ignoring malformed payload (next such line in a minute at the earliest)");
+        }
+    }
+
+    /// Hands the metrics endpoint a fresh snapshot when a scrape waits for one.
+    fn refresh_metrics(&self) {
+        if self.metrics.wanted() {
+            let totals = Totals {
+                unpublishable: self.unpublishable,
+                desired_repairs: self.desired_repairs,
+                store_write_failures: self.health.failures,
+                device_actions_held_back: self.health.held_back,
+                store_failing: self.health.is_failing(),
+            };
+            self.metrics
+                .refresh(&self.engine, &self.ignored.total, totals);
         }
     }
 
@@ -574,27 +605,33 @@ impl Service {
     async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
         match event {
             LinkEvent::Connected => {
+                let _timing = self.metrics.connected();
                 // Retained desired actions may have been lost with a broker that restarted
                 // without persistence; re-publishing them is idempotent.
                 let effects = self.engine.reissue(now());
                 self.apply(effects).await
             }
-            LinkEvent::Subscribed | LinkEvent::Disconnected { .. } => Ok(()),
+            LinkEvent::Disconnected { .. } => {
+                self.metrics.disconnected();
+                Ok(())
+            }
+            LinkEvent::Subscribed => Ok(()),
             LinkEvent::Publish { topic, payload } => self.on_publish(&topic, &payload).await,
         }
     }
 
     async fn on_publish(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
+        let _timing = self.metrics.received(&self.topics, topic);
         if payload.len() > BROKER_PACKET_LIMIT {
             let reason = format!(
                 "{} bytes, more than the {BROKER_PACKET_LIMIT} bytes a message may have",
                 payload.len()
             );
-            self.reject(topic, &reason);
+            self.reject(topic, Malformed::TooLarge, &reason);
             return Ok(());
         }
         let Some(parsed) = self.topics.parse(topic) else {
-            self.reject(topic, "not a flotilla topic");
+            self.reject(topic, Malformed::UnknownTopic, "not a flotilla topic");
             return Ok(());
         };
         let id = match &parsed {
@@ -615,7 +652,7 @@ impl Service {
         let message = match envelope::decode(payload) {
             Ok(m) => m,
             Err(e) => {
-                self.reject(topic, &e.to_string());
+                self.reject(topic, Malformed::Undecodable, &e.to_string());
                 return Ok(());
             }
         };
@@ -627,7 +664,7 @@ impl Service {
             }
             other => {
                 let reason = format!("unexpected {} on this topic", other.name());
-                self.reject(topic, &reason);
+                self.reject(topic, Malformed::WrongKind, &reason);
                 return Ok(());
             }
         };
@@ -681,6 +718,7 @@ impl Service {
                         ),
                     }
                 };
+                self.metrics.block(&reply);
                 let bytes = envelope::encode(&Message::Block(reply));
                 self.publish(self.topics.block(&id), false, bytes).await
             }
@@ -692,6 +730,7 @@ impl Service {
             Ok(a) => a,
             Err(refusal) => {
                 self.refused += 1;
+                self.metrics.refused(&refusal.reason);
                 tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
                     refused_total = self.refused, "refusing control request");
                 // Only a reply_to that passed the checks (a plain reply topic under the root)
@@ -1134,6 +1173,7 @@ impl Service {
                         .await?;
                 }
                 Effect::Trace(entry) => {
+                    self.metrics.traced(&entry);
                     tracing::info!(rollout = %entry.rollout, "{}", entry.message);
                     let bytes = serde_json::to_vec(&entry).unwrap_or_default();
                     self.publish(self.topics.event_log(), false, bytes).await?;
@@ -1209,6 +1249,7 @@ impl Service {
             );
             return Ok(());
         }
+        self.metrics.published(&self.topics, &topic);
         self.client
             .publish(topic, QoS::AtLeastOnce, retain, payload)
             .await
@@ -1600,6 +1641,7 @@ mod tests {
             holdings: HashMap::new(),
             health: StoreHealth::default(),
             data_dir: dir.path().to_owned(),
+            metrics: Metrics::new(),
         };
         service
             .apply(vec![Effect::Forget {
