@@ -55,7 +55,7 @@ impl Watcher {
             flotilla_protocol::MAX_PACKET_SIZE,
         );
         options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut eventloop) = AsyncClient::new(options, 1000);
+        let (client, mut eventloop) = flotilla_mqtt::client(options, 1000);
         for filter in filters {
             client
                 .subscribe(filter.clone(), QoS::AtLeastOnce)

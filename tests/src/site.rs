@@ -710,6 +710,11 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
     flotilla_mqtt::Connection::plain("127.0.0.1", port)
 }
 
+/// The latency and queue settings of `deploy/mosquitto/mosquitto.conf`, so the plain test broker
+/// behaves like the shipped one (`shipped_tuning_matches_the_deploy_config` keeps them equal).
+pub const SHIPPED_BROKER_TUNING: &str = "set_tcp_nodelay true\nmax_queued_messages 200000\n\
+     max_queued_bytes 0\nmax_inflight_messages 1000\n";
+
 fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
@@ -717,8 +722,9 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n",
-            flotilla_protocol::BROKER_PACKET_LIMIT
+             max_packet_size {}\n{}",
+            flotilla_protocol::BROKER_PACKET_LIMIT,
+            SHIPPED_BROKER_TUNING
         ),
     )
     .expect("write mosquitto config");
@@ -746,7 +752,7 @@ impl Site {
             flotilla_protocol::MAX_PACKET_SIZE,
             flotilla_protocol::MAX_PACKET_SIZE,
         );
-        let (client, mut eventloop) = rumqttc::AsyncClient::new(options, 10);
+        let (client, mut eventloop) = flotilla_mqtt::client(options, 10);
         client
             .publish(topic, rumqttc::QoS::AtLeastOnce, retain, payload)
             .await
