@@ -223,9 +223,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     // The coordinator keeps answering, and learned the device despite the garbage.
     let devices: Vec<DeviceSummary> = tokio::time::timeout(WAIT, async {
         loop {
-            let value = ask(&client, Command::ListDevices)
-                .await
-                .expect("answers after garbage");
+            let value = ask(
+                &client,
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            )
+            .await
+            .expect("answers after garbage");
             let devices: Vec<DeviceSummary> = serde_json::from_value(value).expect("devices");
             if !devices.is_empty() {
                 return devices;
@@ -409,6 +414,7 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
             &client,
             Command::RolloutStatus {
                 rollout: Some("r1".into()),
+                page: Default::default(),
             },
         )
         .await

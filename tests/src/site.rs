@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_coordinator::cli::client::ControlClient;
 use flotilla_coordinator::service::broker::EmbeddedBroker;
-use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use flotilla_protocol::control::{Command as Control, DeviceSummary, PageQuery, RolloutStatus};
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
@@ -584,12 +584,11 @@ max_bytes_per_sec = {rate}
         let client = self.client().await;
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Ok(value) = client
-                .request(Control::ListDevices, Duration::from_secs(5))
+            // Page by page, as `flotilla devices` does.
+            if let Ok(devices) = client
+                .list_devices(PageQuery::default(), None, Duration::from_secs(5))
                 .await
             {
-                let devices: Vec<DeviceSummary> =
-                    serde_json::from_value(value).expect("device list JSON");
                 if let Some(result) = found(&devices) {
                     return result;
                 }
@@ -614,7 +613,12 @@ max_bytes_per_sec = {rate}
             )
             .await
             .expect("create rollout");
-        let status: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
+        // The reply is the rollout's summary; its devices come page by page.
+        let created: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
+        let status = client
+            .rollout_status(&created.name, PageQuery::default(), Duration::from_secs(10))
+            .await
+            .expect("status of the created rollout");
         client
             .request(
                 Control::StartRollout {
@@ -627,19 +631,14 @@ max_bytes_per_sec = {rate}
         status
     }
 
-    /// The rollout's status from the coordinator, or None while it does not answer.
+    /// The rollout's status from the coordinator with every device (fetched page by page), or
+    /// None while it does not answer.
     pub async fn status(&self, name: &str) -> Option<RolloutStatus> {
         let client = self.client().await;
-        let value = client
-            .request(
-                Control::RolloutStatus {
-                    rollout: Some(name.to_owned()),
-                },
-                Duration::from_secs(5),
-            )
+        client
+            .rollout_status(name, PageQuery::default(), Duration::from_secs(5))
             .await
-            .ok()?;
-        serde_json::from_value(value).ok()
+            .ok()
     }
 
     /// Waits until the rollout ends (finished, paused, failed or stopped); its status then.
@@ -666,16 +665,9 @@ max_bytes_per_sec = {rate}
         let mut last = None;
         loop {
             let reply = client
-                .request(
-                    Control::RolloutStatus {
-                        rollout: Some(name.to_owned()),
-                    },
-                    Duration::from_secs(5),
-                )
+                .rollout_status(name, PageQuery::default(), Duration::from_secs(5))
                 .await;
-            if let Ok(value) = reply {
-                let status: RolloutStatus =
-                    serde_json::from_value(value).expect("rollout status JSON");
+            if let Ok(status) = reply {
                 if done(&status) {
                     return status;
                 }

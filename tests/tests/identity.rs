@@ -91,7 +91,12 @@ async fn devices(site: &Site) -> Vec<DeviceSummary> {
     let value = site
         .client()
         .await
-        .request(Command::ListDevices, Duration::from_secs(10))
+        .request(
+            Command::ListDevices {
+                page: Default::default(),
+            },
+            Duration::from_secs(10),
+        )
         .await
         .expect("list devices");
     serde_json::from_value(value).expect("device list")

@@ -41,6 +41,7 @@ pub mod enrollment;
 pub mod keys;
 pub mod mqtt;
 pub mod operators;
+pub mod page;
 pub mod releases;
 pub mod seal;
 pub mod sequence;

@@ -34,7 +34,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
-    Command, ControlReply, DeviceGroupInfo, DeviceSummary, StrategyInfo,
+    Command, ControlReply, DeviceGroupInfo, DeviceSummary, PageQuery, RolloutPage, StrategyInfo,
 };
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
@@ -53,6 +53,7 @@ use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
 use crate::service::keys::{self, KeysError};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
+use crate::service::page::Pager;
 use crate::service::releases::ReleaseStore;
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
@@ -752,7 +753,8 @@ impl Service {
         }
         Ok(match answer {
             Answer::Value(value) => Ok(value),
-            Answer::Status(name) => match self.engine.status(&name) {
+            // The summary: a reply to a command must not grow with the rollout.
+            Answer::Status(name) => match self.engine.summary(&name) {
                 Some(status) => Ok(json(&status)),
                 None => Err(format!("no rollout named {name:?}")),
             },
@@ -835,15 +837,52 @@ impl Service {
                     .retry_failed_by(&rollout, Some(new_name.clone()), by, now);
                 status(new_name, r)
             }
+            // Without paging fields, the reply an older client expects (refused by `reply`
+            // when it does not fit in one message); with them, a page.
             Command::RolloutStatus {
                 rollout: Some(name),
+                page,
+            } if page.is_paged() => value(json(&self.rollout_page(&name, &page)?)),
+            Command::RolloutStatus {
+                rollout: Some(name),
+                ..
             } => match self.engine.status(&name) {
                 Some(status) => value(json(&status)),
                 None => Err(format!("no rollout named {name:?}")),
             },
-            Command::RolloutStatus { rollout: None } => value(json(&self.engine.statuses())),
-            Command::ListDevices => value(json(&self.device_list())),
-            Command::PendingDevices => value(json(&self.registry.pending())),
+            Command::RolloutStatus {
+                rollout: None,
+                page,
+            } if page.is_paged() => {
+                refuse_filters(&page, &["select", "group"], "rollouts")?;
+                let states = page.phase.clone();
+                let all = self
+                    .engine
+                    .summaries_after(page.after.as_deref())
+                    .filter(|s| states.as_ref().is_none_or(|p| *p == s.state));
+                value(json(
+                    &Pager::new(&page, 0)?.collect(all, |s| s.name.clone()),
+                ))
+            }
+            Command::RolloutStatus { rollout: None, .. } => {
+                let all: Vec<_> = self.engine.summaries_after(None).collect();
+                value(json(&all))
+            }
+            Command::ListDevices { page } if page.is_paged() => {
+                value(json(&self.device_page(&page)?))
+            }
+            Command::ListDevices { .. } => value(json(&self.device_list())),
+            Command::PendingDevices { page } if page.is_paged() => {
+                refuse_filters(&page, &["phase", "group"], "pending devices")?;
+                let select = selector(&page)?;
+                let pending = self
+                    .registry
+                    .pending_after(page.after.as_deref())
+                    .filter(|info| select.matches(&info.labels));
+                let pager = Pager::new(&page, 0)?;
+                value(json(&pager.collect(pending, |info| info.device.clone())))
+            }
+            Command::PendingDevices { .. } => value(json(&self.registry.pending())),
             Command::AcceptDevice { device, key } => {
                 let state = self.registry.accept(&device, key.as_deref(), now)?;
                 self.save_enrollment(&device)?;
@@ -975,33 +1014,115 @@ impl Service {
     /// operator, each with its enrollment status. Devices that are not accepted show what their
     /// last state claims, never online.
     fn device_list(&self) -> Vec<DeviceSummary> {
-        let mut devices = self.engine.devices();
-        for d in &mut devices {
-            d.enrollment = self.registry.status_text(&d.id);
-        }
-        let known: std::collections::BTreeSet<String> =
-            devices.iter().map(|d| d.id.clone()).collect();
-        for record in self.registry.all() {
-            if known.contains(&record.device) {
-                continue;
-            }
-            let Some(info) = self.registry.info(&record.device) else {
-                continue;
+        self.devices_after(None).collect()
+    }
+
+    /// [`Service::device_list`] after the device id `after`, in id order, read lazily from the
+    /// engine's and the registry's sorted maps, so a page costs its own devices, not the fleet.
+    fn devices_after<'a>(
+        &'a self,
+        after: Option<&'a str>,
+    ) -> impl Iterator<Item = DeviceSummary> + 'a {
+        let mut known = self.engine.devices_after(after).peekable();
+        let mut others = self
+            .registry
+            .all()
+            .filter(move |r| after.is_none_or(|a| r.device.as_str() > a))
+            .filter(|r| self.engine.device_labels(&r.device).is_none())
+            .peekable();
+        std::iter::from_fn(move || {
+            let from_engine = match (known.peek(), others.peek()) {
+                (Some(k), Some(o)) => k.id < o.device,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => return None,
             };
-            devices.push(DeviceSummary {
-                id: record.device.clone(),
-                hardware_id: info.hardware_id.unwrap_or_default(),
-                labels: info.labels,
-                online: false,
-                installed: None,
-                rollout: None,
-                phase: None,
-                reason: None,
-                enrollment: self.registry.status_text(&record.device),
-            });
+            if from_engine {
+                let mut d = known.next()?;
+                d.enrollment = self.registry.status_text(&d.id);
+                return Some(Some(d));
+            }
+            let record = others.next()?;
+            Some(
+                self.registry
+                    .info(&record.device)
+                    .map(|info| DeviceSummary {
+                        id: record.device.clone(),
+                        hardware_id: info.hardware_id.unwrap_or_default(),
+                        labels: info.labels,
+                        online: false,
+                        installed: None,
+                        rollout: None,
+                        phase: None,
+                        reason: None,
+                        enrollment: self.registry.status_text(&record.device),
+                    }),
+            )
+        })
+        .flatten()
+    }
+
+    /// A page of `list_devices`: `select` and `phase` filter, `group` names a stored device
+    /// group whose selector the devices must match.
+    fn device_page(
+        &self,
+        page: &PageQuery,
+    ) -> Result<flotilla_protocol::control::Page<DeviceSummary>, String> {
+        let select = selector(page)?;
+        let group = match &page.group {
+            None => None,
+            Some(name) => Some(
+                self.store
+                    .load_group(name)
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("group: no device group named {name:?}"))?
+                    .select,
+            ),
+        };
+        let phase = page.phase.as_deref();
+        let devices = self
+            .devices_after(page.after.as_deref())
+            .filter(|d| select.matches(&d.labels))
+            .filter(|d| group.as_ref().is_none_or(|g| g.matches(&d.labels)))
+            .filter(|d| phase.is_none_or(|p| d.phase.as_deref() == Some(p)));
+        Ok(Pager::new(page, 0)?.collect(devices, |d| d.id.clone()))
+    }
+
+    /// A page of one rollout: its summary and a page of its devices; `group`, `phase` and
+    /// `select` filter the devices.
+    fn rollout_page(&self, name: &str, page: &PageQuery) -> Result<RolloutPage, String> {
+        let status = self
+            .engine
+            .summary(name)
+            .ok_or_else(|| format!("no rollout named {name:?}"))?;
+        if let Some(group) = &page.group {
+            if !status.groups.iter().any(|g| &g.name == group) {
+                return Err(format!(
+                    "group: rollout {name} has no group named {group:?}"
+                ));
+            }
         }
-        devices.sort_by(|a, b| a.id.cmp(&b.id));
-        devices
+        let select = selector(page)?;
+        let devices = self
+            .engine
+            .rollout_devices(name, page.after.as_deref())
+            .ok_or_else(|| format!("no rollout named {name:?}"))?
+            .filter(|d| page.group.as_ref().is_none_or(|g| *g == d.group))
+            .filter(|d| page.phase.as_ref().is_none_or(|p| *p == d.detail.phase))
+            .filter(|d| {
+                select.is_everything()
+                    || self
+                        .engine
+                        .device_labels(&d.id)
+                        .is_some_and(|labels| select.matches(labels))
+            });
+        let reserved = serde_json::to_vec(&status).map_or(0, |v| v.len());
+        let devices = Pager::new(page, reserved)?.collect(devices, |d| d.id.clone());
+        Ok(RolloutPage {
+            status,
+            items: devices.items,
+            next: devices.next,
+        })
     }
 
     /// Gives the engine the stored device groups, all of them.
@@ -1116,7 +1237,9 @@ impl Service {
                     self.publish_action(&device, id, rollout, body).await?;
                 }
                 Effect::Status(name) => {
-                    if let Some(status) = self.engine.status(&name) {
+                    // Counts and per-group summaries only: a retained message that grew with
+                    // the rollout would outgrow what the broker and clients accept.
+                    if let Some(status) = self.engine.summary(&name) {
                         let bytes = serde_json::to_vec(&status).unwrap_or_default();
                         self.publish(self.topics.rollout_event(&name), true, bytes)
                             .await?;
@@ -1380,6 +1503,30 @@ fn resolve_with(mut spec: RolloutSpec, stored: &StoredStrategy) -> Result<Rollou
         .map_err(|e| format!("stored strategy {}: {e}", stored.name))?;
     spec.resolve_strategy(&strategy);
     Ok(spec)
+}
+
+/// The selector a page query's `select` names (everything without one).
+fn selector(page: &PageQuery) -> Result<Selector, String> {
+    match &page.select {
+        None => Ok(Selector::everything()),
+        Some(text) => Selector::parse(text).map_err(|e| format!("select {text:?}: {e}")),
+    }
+}
+
+/// Refuses the filters a list has nothing to apply to, naming them.
+fn refuse_filters(page: &PageQuery, fields: &[&str], list: &str) -> Result<(), String> {
+    for field in fields {
+        let given = match *field {
+            "select" => page.select.is_some(),
+            "phase" => page.phase.is_some(),
+            "group" => page.group.is_some(),
+            _ => false,
+        };
+        if given {
+            return Err(format!("{field}: not a filter of the list of {list}"));
+        }
+    }
+    Ok(())
 }
 
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
