@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::{envelope, BlockRequest, Message, Report, Topic, Topics};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use rumqttc::{Event, Packet, QoS};
 
 /// One message seen on the broker.
 #[derive(Debug, Clone)]

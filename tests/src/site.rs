@@ -574,6 +574,17 @@ max_bytes_per_sec = {rate}
         .await
     }
 
+    /// Waits until the coordinator lists device `id` with enrollment status `status`.
+    pub async fn wait_for_enrollment(&self, id: &str, status: &str) {
+        self.wait_for_devices(&format!("{id} {status}"), |devices| {
+            devices
+                .iter()
+                .any(|d| d.id == id && d.enrollment.as_deref() == Some(status))
+                .then_some(())
+        })
+        .await
+    }
+
     /// Polls the coordinator's device list until `found` returns something; panics after
     /// [`WAIT`] naming `what`.
     async fn wait_for_devices<T>(
