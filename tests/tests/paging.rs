@@ -108,7 +108,13 @@ async fn devices_and_rollout_status_answer_in_pages_at_thousands_of_devices() {
     let ids: Vec<String> = listed.iter().map(|d| d.id.clone()).collect();
     let expected: Vec<String> = (0..DEVICES).map(device_id).collect();
     assert_eq!(ids, expected);
+    let started = Instant::now();
     let small_pages = devices_json(&site, &["--page-size", "7", "--select", "site=a"]);
+    println!(
+        "flotilla devices --page-size 7: {} round trips in {:?}",
+        DEVICES.div_ceil(14),
+        started.elapsed()
+    );
     assert_eq!(small_pages.len(), DEVICES / 2);
     assert!(small_pages.iter().all(|d| d.labels["site"] == "a"));
     let first = devices_json(&site, &["--limit", "10"]);
