@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, RawTls, PASSWORD_ENV};
 use flotilla_protocol::control::{
-    ApprovalStatus, Command, DeviceGroupInfo, EnrollmentInfo, PageQuery, ReleaseSummary,
-    RolloutStatus, StrategyInfo,
+    ApprovalStatus, Command, DeviceGroupInfo, EnrollmentInfo, ReleaseSummary, RolloutStatus,
+    StrategyInfo,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -333,8 +333,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         } => {
             let client = connect(&target).await?;
             if matches!(cmd, DevicesCmd::Pending) {
+                // Filters it has nothing to apply to are refused by the coordinator, named.
                 let list = client
-                    .pending_devices(PageQuery::first(page.page_size), DEFAULT_TIMEOUT)
+                    .pending_devices(page.query(), DEFAULT_TIMEOUT)
                     .await?;
                 if json {
                     println!("{}", to_json(&list));
@@ -710,8 +711,7 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
                 }
                 None => {
                     // Every rollout's summary; per-device detail is `rollout status NAME`.
-                    let query = PageQuery::first(page.page_size);
-                    let all = client.rollout_summaries(query, timeout).await?;
+                    let all = client.rollout_summaries(page.query(), timeout).await?;
                     if json {
                         to_json(&all) + "\n"
                     } else {
