@@ -149,9 +149,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     let client = ControlClient::connect("127.0.0.1", port, "flotilla", operator())
         .await
         .expect("client connects");
-    let releases = ask(&client, Command::ListReleases)
-        .await
-        .expect("coordinator answers");
+    let releases = ask(
+        &client,
+        Command::ListReleases {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("coordinator answers");
     assert_eq!(releases[0]["name"], "fw-1");
 
     // A device announces itself (retained state), then garbage arrives on its topics and on
@@ -491,9 +496,17 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
     )
     .await
     .expect("group created");
-    let groups: Vec<DeviceGroupInfo> =
-        serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-            .expect("group list");
+    let groups: Vec<DeviceGroupInfo> = serde_json::from_value(
+        ask(
+            &client,
+            Command::ListGroups {
+                page: Default::default(),
+            },
+        )
+        .await
+        .expect("lists"),
+    )
+    .expect("group list");
     assert_eq!(
         groups
             .iter()
@@ -568,9 +581,17 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
         err.to_string().contains("no device group named \"beta\""),
         "{err}"
     );
-    let groups: Vec<DeviceGroupInfo> =
-        serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-            .expect("group list");
+    let groups: Vec<DeviceGroupInfo> = serde_json::from_value(
+        ask(
+            &client,
+            Command::ListGroups {
+                page: Default::default(),
+            },
+        )
+        .await
+        .expect("lists"),
+    )
+    .expect("group list");
     assert_eq!(
         groups.len(),
         1,
@@ -601,7 +622,14 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
     )
     .expect("strategy");
     assert_eq!(shown.spec, text);
-    let listed = ask(&client, Command::ListStrategies).await.expect("lists");
+    let listed = ask(
+        &client,
+        Command::ListStrategies {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("lists");
     assert_eq!(listed[0]["name"], "two-stage");
     let err = ask(
         &client,
@@ -648,7 +676,14 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
         ),
         "{err}"
     );
-    let approvals = ask(&client, Command::ListApprovals).await.expect("lists");
+    let approvals = ask(
+        &client,
+        Command::ListApprovals {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("lists");
     assert_eq!(approvals, serde_json::json!([]));
     let err = ask(
         &client,

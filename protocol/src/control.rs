@@ -91,7 +91,11 @@ pub enum Command {
         #[serde(flatten)]
         page: PageQuery,
     },
-    ListReleases,
+    /// Result: a list of [`ReleaseSummary`] in name order; with `limit` or `after`, a [`Page`].
+    ListReleases {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Approve an approval request by name (`<rollout>-<group>` or `<rollout>-before-<group>`).
     /// Result: the [`ApprovalStatus`], now approved.
     Approve {
@@ -125,8 +129,11 @@ pub enum Command {
         name: String,
         spec: String,
     },
-    /// Result: a list of [`StrategyInfo`], in name order.
-    ListStrategies,
+    /// Result: a list of [`StrategyInfo`], in name order; with `limit` or `after`, a [`Page`].
+    ListStrategies {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Result: one [`StrategyInfo`].
     ShowStrategy {
         name: String,
@@ -139,14 +146,22 @@ pub enum Command {
         #[serde(default)]
         labels: BTreeMap<String, String>,
     },
-    /// Result: a list of [`DeviceGroupInfo`], in name order.
-    ListGroups,
+    /// Result: a list of [`DeviceGroupInfo`], in name order; with `limit` or `after`, a
+    /// [`Page`].
+    ListGroups {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Result: the deleted [`DeviceGroupInfo`].
     DeleteGroup {
         name: String,
     },
-    /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`].
-    ListApprovals,
+    /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`] in
+    /// name order; with `limit` or `after`, a [`Page`].
+    ListApprovals {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Devices waiting for an operator: new devices, and new keys of known devices.
     /// Result: a list of [`EnrollmentInfo`], in device order; with paging fields, a [`Page`] of
     /// them (`select` filters by the labels their state claims).
@@ -858,7 +873,9 @@ mod tests {
                                    "select": "site=a", "labels": {"tier": "1"}}),
             ),
             (
-                Command::ListApprovals,
+                Command::ListApprovals {
+                    page: PageQuery::default(),
+                },
                 serde_json::json!({"command": "list_approvals"}),
             ),
         ];

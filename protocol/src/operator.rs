@@ -159,18 +159,18 @@ impl Command {
             Command::StopRollout { .. } => "stop_rollout",
             Command::RolloutStatus { .. } => "rollout_status",
             Command::ListDevices { .. } => "list_devices",
-            Command::ListReleases => "list_releases",
+            Command::ListReleases { .. } => "list_releases",
             Command::Approve { .. } => "approve",
             Command::TriggerNext { .. } => "trigger_next",
             Command::RetryRollout { .. } => "retry_rollout",
             Command::DeleteDevice { .. } => "delete_device",
             Command::CreateStrategy { .. } => "create_strategy",
-            Command::ListStrategies => "list_strategies",
+            Command::ListStrategies { .. } => "list_strategies",
             Command::ShowStrategy { .. } => "show_strategy",
             Command::CreateGroup { .. } => "create_group",
-            Command::ListGroups => "list_groups",
+            Command::ListGroups { .. } => "list_groups",
             Command::DeleteGroup { .. } => "delete_group",
-            Command::ListApprovals => "list_approvals",
+            Command::ListApprovals { .. } => "list_approvals",
             Command::PendingDevices { .. } => "pending_devices",
             Command::AcceptDevice { .. } => "accept_device",
             Command::RejectDevice { .. } => "reject_device",
@@ -184,11 +184,11 @@ impl Command {
         match self {
             Command::RolloutStatus { .. }
             | Command::ListDevices { .. }
-            | Command::ListReleases
-            | Command::ListApprovals
-            | Command::ListStrategies
+            | Command::ListReleases { .. }
+            | Command::ListApprovals { .. }
+            | Command::ListStrategies { .. }
             | Command::ShowStrategy { .. }
-            | Command::ListGroups
+            | Command::ListGroups { .. }
             | Command::PendingDevices { .. } => Role::Viewer,
             Command::CreateRollout { .. }
             | Command::StartRollout { .. }
@@ -318,8 +318,11 @@ mod tests {
         }
         assert_eq!(Role::parse("root"), None);
         // The wire name is the serde tag.
-        let json = serde_json::to_value(Command::ListApprovals).expect("encodes");
-        assert_eq!(json["command"], Command::ListApprovals.name());
+        let json = serde_json::to_value(Command::ListApprovals {
+            page: PageQuery::default(),
+        })
+        .expect("encodes");
+        assert_eq!(json["command"], "list_approvals");
     }
 
     #[test]

@@ -222,6 +222,18 @@ impl ControlClient {
 /// The paged list commands: each fetches every page in turn and returns the whole list, so
 /// callers see what an unpaged request returned while no single reply grows with the fleet.
 impl ControlClient {
+    /// Every item of a list command, fetched page by page (`command` builds the request for one
+    /// page), for the lists whose items need no filter: approvals, strategies, device groups.
+    pub async fn all_pages<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        command: impl Fn(PageQuery) -> Command,
+        timeout: Duration,
+    ) -> Result<Vec<T>, ClientError> {
+        self.pages(what, command, PageQuery::default(), None, timeout)
+            .await
+    }
+
     /// Fetches the pages of `command(query)` one after the other, each starting after the
     /// previous page's `next`, until there is none or `limit` items have come.
     async fn pages<T: serde::de::DeserializeOwned>(

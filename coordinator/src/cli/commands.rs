@@ -400,14 +400,10 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Approvals { json } => {
             let client = connect(&target).await?;
-            let result = client
-                .request(Command::ListApprovals, crate::cli::client::DEFAULT_TIMEOUT)
+            let command = |page| Command::ListApprovals { page };
+            let approvals: Vec<ApprovalStatus> = client
+                .all_pages("list_approvals", command, DEFAULT_TIMEOUT)
                 .await?;
-            let approvals: Vec<ApprovalStatus> =
-                serde_json::from_value(result).map_err(|source| CliError::Reply {
-                    what: "list_approvals",
-                    source,
-                })?;
             if json {
                 println!("{}", to_json(&approvals));
             } else {
@@ -529,9 +525,10 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
             println!("stored strategy {name}");
         }
         StrategyCmd::List { json } => {
-            let result = client.request(Command::ListStrategies, timeout).await?;
-            let all: Vec<StrategyInfo> =
-                serde_json::from_value(result).map_err(reply("list_strategies"))?;
+            let command = |page| Command::ListStrategies { page };
+            let all: Vec<StrategyInfo> = client
+                .all_pages("list_strategies", command, timeout)
+                .await?;
             if json {
                 println!("{}", to_json(&all));
             } else {
@@ -577,9 +574,9 @@ async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
             println!("stored device group {}  select {}", info.name, info.select);
         }
         GroupCmd::List { json } => {
-            let result = client.request(Command::ListGroups, timeout).await?;
+            let command = |page| Command::ListGroups { page };
             let all: Vec<DeviceGroupInfo> =
-                serde_json::from_value(result).map_err(reply("list_groups"))?;
+                client.all_pages("list_groups", command, timeout).await?;
             if json {
                 println!("{}", to_json(&all));
             } else {

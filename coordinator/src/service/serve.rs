@@ -914,11 +914,10 @@ impl Service {
                 let info = self.registry.info(&device);
                 Ok((effects, Answer::Value(json(&info))))
             }
-            Command::ListReleases => self
-                .releases
-                .summaries()
-                .map_err(|e| e.to_string())
-                .and_then(|s| value(json(&s))),
+            Command::ListReleases { page } => {
+                let all = self.releases.summaries().map_err(|e| e.to_string())?;
+                value(named_list(all, &page, "releases", |r| r.name.clone())?)
+            }
             Command::DeleteDevice { device } => {
                 DeviceId::new(&device).map_err(|e| format!("device: {e}"))?;
                 let effects = self
@@ -937,7 +936,10 @@ impl Service {
                     .map_err(engine_error)?;
                 Ok((effects, Answer::Approval(name)))
             }
-            Command::ListApprovals => value(json(&self.engine.approvals())),
+            Command::ListApprovals { page } => {
+                let all = self.engine.approvals();
+                value(named_list(all, &page, "approvals", |a| a.name.clone())?)
+            }
             Command::Backup => {
                 let path = self
                     .data_dir
@@ -963,11 +965,10 @@ impl Service {
                     .map_err(|e| self.write_failed(e))?;
                 value(json(&strategy_info(stored)))
             }
-            Command::ListStrategies => {
+            Command::ListStrategies { page } => {
                 let all = self.store.list_strategies().map_err(store_error)?;
-                value(json(
-                    &all.into_iter().map(strategy_info).collect::<Vec<_>>(),
-                ))
+                let all: Vec<_> = all.into_iter().map(strategy_info).collect();
+                value(named_list(all, &page, "strategies", |s| s.name.clone())?)
             }
             Command::ShowStrategy { name } => match self.store.load_strategy(&name) {
                 Ok(Some(stored)) => value(json(&strategy_info(stored))),
@@ -993,9 +994,10 @@ impl Service {
                 self.refresh_device_groups().map_err(store_error)?;
                 value(json(&group_info(&group)))
             }
-            Command::ListGroups => {
+            Command::ListGroups { page } => {
                 let all = self.store.list_groups().map_err(store_error)?;
-                value(json(&all.iter().map(group_info).collect::<Vec<_>>()))
+                let all: Vec<_> = all.iter().map(group_info).collect();
+                value(named_list(all, &page, "device groups", |g| g.name.clone())?)
             }
             Command::DeleteGroup { name } => {
                 let Some(group) = self.store.load_group(&name).map_err(store_error)? else {
@@ -1513,6 +1515,26 @@ fn selector(page: &PageQuery) -> Result<Selector, String> {
     }
 }
 
+/// A list of named things (at most a few thousand, each bounded): the whole list in name order
+/// when unpaged, as older coordinators answered; a page of it after the cursor when paged.
+fn named_list<T: serde::Serialize>(
+    mut all: Vec<T>,
+    page: &PageQuery,
+    list: &str,
+    name: impl Fn(&T) -> String,
+) -> Result<serde_json::Value, String> {
+    if !page.is_paged() {
+        return Ok(json(&all));
+    }
+    all.sort_by_key(|item| name(item));
+    refuse_filters(page, &["select", "phase", "group"], list)?;
+    let after = page.after.as_deref();
+    let rest = all
+        .into_iter()
+        .filter(|item| after.is_none_or(|a| name(item).as_str() > a));
+    Ok(json(&Pager::new(page, 0)?.collect(rest, &name)))
+}
+
 /// Refuses the filters a list has nothing to apply to, naming them.
 fn refuse_filters(page: &PageQuery, fields: &[&str], list: &str) -> Result<(), String> {
     for field in fields {
@@ -1548,6 +1570,42 @@ fn action_kind(action: flotilla_rollout::plan::ActionType) -> ActionKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Approvals, strategies, device groups and releases: unpaged as before, paged in name
+    /// order from the cursor, with no filter to apply.
+    #[test]
+    fn named_lists_page_in_name_order_and_refuse_filters() {
+        let names = || {
+            vec![
+                "c".to_owned(),
+                "a".to_owned(),
+                "d".to_owned(),
+                "b".to_owned(),
+            ]
+        };
+        let unpaged =
+            named_list(names(), &PageQuery::default(), "groups", Clone::clone).expect("unpaged");
+        assert_eq!(unpaged, serde_json::json!(["c", "a", "d", "b"]));
+        let first =
+            named_list(names(), &PageQuery::first(3), "groups", Clone::clone).expect("first page");
+        assert_eq!(
+            first,
+            serde_json::json!({"items": ["a", "b", "c"], "next": "c"})
+        );
+        let rest = PageQuery {
+            after: Some("c".into()),
+            ..PageQuery::first(3)
+        };
+        let last = named_list(names(), &rest, "groups", Clone::clone).expect("last page");
+        assert_eq!(last, serde_json::json!({"items": ["d"]}));
+        let filtered = PageQuery {
+            phase: Some("ready".into()),
+            ..PageQuery::first(3)
+        };
+        let err = named_list(names(), &filtered, "device groups", Clone::clone)
+            .expect_err("no phase to filter by");
+        assert_eq!(err, "phase: not a filter of the list of device groups");
+    }
 
     /// issue 10, case 9: what a control request may make the coordinator store is bounded.
     #[test]
