@@ -569,6 +569,17 @@ impl Registry {
             .collect()
     }
 
+    /// Every record after the device id `after`, in device order, read lazily.
+    pub fn all_after<'a>(&'a self, after: Option<&str>) -> impl Iterator<Item = &'a Enrollment> {
+        let start = match after {
+            Some(a) => std::ops::Bound::Excluded(a.to_owned()),
+            None => std::ops::Bound::Unbounded,
+        };
+        self.records
+            .range((start, std::ops::Bound::Unbounded))
+            .map(|(_, r)| r)
+    }
+
     /// [`Registry::pending`] after the device id `after`, read lazily (a page of them).
     pub fn pending_after<'a>(
         &'a self,

@@ -1020,35 +1020,41 @@ impl Service {
     }
 
     /// [`Service::device_list`] after the device id `after`, in id order, read lazily from the
-    /// engine's and the registry's sorted maps, so a page costs its own devices, not the fleet.
+    /// engine's and the registry's sorted maps. The two are walked side by side, so a page costs
+    /// its own devices (and the registry records between them), not the fleet.
     fn devices_after<'a>(
         &'a self,
         after: Option<&'a str>,
     ) -> impl Iterator<Item = DeviceSummary> + 'a {
         let mut known = self.engine.devices_after(after).peekable();
-        let mut others = self
-            .registry
-            .all()
-            .filter(move |r| after.is_none_or(|a| r.device.as_str() > a))
-            .filter(|r| self.engine.device_labels(&r.device).is_none())
-            .peekable();
-        std::iter::from_fn(move || {
-            let from_engine = match (known.peek(), others.peek()) {
-                (Some(k), Some(o)) => k.id < o.device,
-                (Some(_), None) => true,
-                (None, Some(_)) => false,
-                (None, None) => return None,
-            };
-            if from_engine {
+        let mut records = self.registry.all_after(after).peekable();
+        std::iter::from_fn(move || loop {
+            let next_known = known.peek().map(|d| d.id.as_str());
+            let Some(record) = records.peek() else {
                 let mut d = known.next()?;
                 d.enrollment = self.registry.status_text(&d.id);
-                return Some(Some(d));
-            }
-            let record = others.next()?;
-            Some(
-                self.registry
-                    .info(&record.device)
-                    .map(|info| DeviceSummary {
+                return Some(d);
+            };
+            match next_known {
+                Some(id) if id <= record.device.as_str() => {
+                    if id == record.device {
+                        records.next();
+                    }
+                    let mut d = known.next()?;
+                    d.enrollment = self.registry.status_text(&d.id);
+                    return Some(d);
+                }
+                _ => {
+                    // A record the engine has no state for: waiting for, or refused by, an
+                    // operator (or accepted and never heard from since).
+                    let record = records.next()?;
+                    if self.engine.device_labels(&record.device).is_some() {
+                        continue;
+                    }
+                    let Some(info) = self.registry.info(&record.device) else {
+                        continue;
+                    };
+                    return Some(DeviceSummary {
                         id: record.device.clone(),
                         hardware_id: info.hardware_id.unwrap_or_default(),
                         labels: info.labels,
@@ -1058,10 +1064,10 @@ impl Service {
                         phase: None,
                         reason: None,
                         enrollment: self.registry.status_text(&record.device),
-                    }),
-            )
+                    });
+                }
+            }
         })
-        .flatten()
     }
 
     /// A page of `list_devices`: `select` and `phase` filter, `group` names a stored device
