@@ -171,7 +171,7 @@ pub fn start(
             QoS::AtLeastOnce,
             true,
         ));
-    let (client, eventloop) = AsyncClient::new(options, 64);
+    let (client, eventloop) = flotilla_mqtt::client(options, 64);
     let (out_tx, out_rx) = mpsc::channel(64);
     let (event_tx, event_rx) = mpsc::channel(256);
     let malformed = Arc::new(AtomicU64::new(0));

@@ -150,9 +150,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     let client = ControlClient::connect("127.0.0.1", port, "flotilla", operator())
         .await
         .expect("client connects");
-    let releases = ask(&client, Command::ListReleases)
-        .await
-        .expect("coordinator answers");
+    let releases = ask(
+        &client,
+        Command::ListReleases {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("coordinator answers");
     assert_eq!(releases[0]["name"], "fw-1");
 
     // A device announces itself (retained state), then garbage arrives on its topics and on
@@ -224,9 +229,14 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
     // The coordinator keeps answering, and learned the device despite the garbage.
     let devices: Vec<DeviceSummary> = tokio::time::timeout(WAIT, async {
         loop {
-            let value = ask(&client, Command::ListDevices)
-                .await
-                .expect("answers after garbage");
+            let value = ask(
+                &client,
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            )
+            .await
+            .expect("answers after garbage");
             let devices: Vec<DeviceSummary> = serde_json::from_value(value).expect("devices");
             if !devices.is_empty() {
                 return devices;
@@ -410,6 +420,7 @@ async fn creates_and_starts_a_rollout_over_mqtt_and_survives_garbage() {
             &client,
             Command::RolloutStatus {
                 rollout: Some("r1".into()),
+                page: Default::default(),
             },
         )
         .await
@@ -486,9 +497,17 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
     )
     .await
     .expect("group created");
-    let groups: Vec<DeviceGroupInfo> =
-        serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-            .expect("group list");
+    let groups: Vec<DeviceGroupInfo> = serde_json::from_value(
+        ask(
+            &client,
+            Command::ListGroups {
+                page: Default::default(),
+            },
+        )
+        .await
+        .expect("lists"),
+    )
+    .expect("group list");
     assert_eq!(
         groups
             .iter()
@@ -563,9 +582,17 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
         err.to_string().contains("no device group named \"beta\""),
         "{err}"
     );
-    let groups: Vec<DeviceGroupInfo> =
-        serde_json::from_value(ask(&client, Command::ListGroups).await.expect("lists"))
-            .expect("group list");
+    let groups: Vec<DeviceGroupInfo> = serde_json::from_value(
+        ask(
+            &client,
+            Command::ListGroups {
+                page: Default::default(),
+            },
+        )
+        .await
+        .expect("lists"),
+    )
+    .expect("group list");
     assert_eq!(
         groups.len(),
         1,
@@ -596,7 +623,14 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
     )
     .expect("strategy");
     assert_eq!(shown.spec, text);
-    let listed = ask(&client, Command::ListStrategies).await.expect("lists");
+    let listed = ask(
+        &client,
+        Command::ListStrategies {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("lists");
     assert_eq!(listed[0]["name"], "two-stage");
     let err = ask(
         &client,
@@ -643,7 +677,14 @@ async fn device_groups_strategies_and_approvals_over_mqtt() {
         ),
         "{err}"
     );
-    let approvals = ask(&client, Command::ListApprovals).await.expect("lists");
+    let approvals = ask(
+        &client,
+        Command::ListApprovals {
+            page: Default::default(),
+        },
+    )
+    .await
+    .expect("lists");
     assert_eq!(approvals, serde_json::json!([]));
     let err = ask(
         &client,

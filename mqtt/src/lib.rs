@@ -14,19 +14,24 @@
 //! provider, no aws-lc): `ring` cross-compiles with Debian's gcc cross toolchains and keeps the
 //! agent small (docs/decisions/0014-broker-tls.md).
 //!
+//! Every connection is opened with TCP_NODELAY ([`client`]): MQTT exchanges are small packets
+//! that wait for an answer, and with Nagle's algorithm on, each waits for the peer's delayed
+//! ACK, a floor of about 40 ms on every round trip (docs/decisions/0019-paged-api-nodelay.md).
+//!
 //! ```
 //! use flotilla_mqtt::ConnectionSpec;
 //! let spec = ConnectionSpec::plain("127.0.0.1", 1883);
 //! let connection = spec.validate(std::path::Path::new("."), &|_| None).expect("valid");
 //! let options = connection.options("dev-1");
 //! assert_eq!(options.client_id(), "dev-1");
+//! let (_client, _eventloop) = flotilla_mqtt::client(options, 10);
 //! ```
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rumqttc::{MqttOptions, TlsConfiguration, Transport};
+use rumqttc::{AsyncClient, EventLoop, MqttOptions, NetworkOptions, TlsConfiguration, Transport};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{ClientConfig, RootCertStore};
@@ -409,6 +414,25 @@ impl Connection {
         }
         options
     }
+}
+
+/// The socket settings of every flotilla connection: TCP_NODELAY on, so a small packet (a
+/// control request, a PubAck, a block request) goes out at once instead of waiting up to the
+/// peer's delayed-ACK timeout for more bytes to join it. rumqttc applies them to the socket
+/// before connecting, for plain TCP and TLS alike.
+pub fn network_options() -> NetworkOptions {
+    let mut network = NetworkOptions::new();
+    network.set_tcp_nodelay(true);
+    network
+}
+
+/// The rumqttc client and event loop for `options`, with [`network_options`]. Every link
+/// (coordinator, agent, CLI, tests) is made here rather than with `AsyncClient::new`, whose
+/// sockets keep Nagle's algorithm on.
+pub fn client(options: MqttOptions, capacity: usize) -> (AsyncClient, EventLoop) {
+    let (client, mut eventloop) = AsyncClient::new(options, capacity);
+    eventloop.set_network_options(network_options());
+    (client, eventloop)
 }
 
 #[cfg(test)]

@@ -70,13 +70,32 @@ pub enum Command {
     StopRollout {
         rollout: String,
     },
-    /// One rollout's status, or all of them when `rollout` is absent.
+    /// One rollout's status, or all of them when `rollout` is absent. Without paging fields
+    /// the reply is what it always was (a [`RolloutStatus`] with every device, or a list of
+    /// them) and fails when it does not fit in one message. With any of them (see [`PageQuery`]):
+    /// for one rollout, a [`RolloutPage`] (the status without per-device detail, and a page
+    /// of its devices in id order; `group`, `phase` and `select` filter them); for all
+    /// rollouts, a [`Page`] of statuses without per-device detail in name order (`phase`
+    /// filters by state).
     RolloutStatus {
         #[serde(default)]
         rollout: Option<String>,
+        #[serde(flatten)]
+        page: PageQuery,
     },
-    ListDevices,
-    ListReleases,
+    /// Every device the coordinator knows. Without paging fields: a list of
+    /// [`DeviceSummary`] (failing when it does not fit in one message); with any of them, a
+    /// [`Page`] of them in id order (`select` and `phase` filter them, `group` names a stored
+    /// device group whose selector they must match).
+    ListDevices {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
+    /// Result: a list of [`ReleaseSummary`] in name order; with `limit` or `after`, a [`Page`].
+    ListReleases {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Approve an approval request by name (`<rollout>-<group>` or `<rollout>-before-<group>`).
     /// Result: the [`ApprovalStatus`], now approved.
     Approve {
@@ -110,8 +129,11 @@ pub enum Command {
         name: String,
         spec: String,
     },
-    /// Result: a list of [`StrategyInfo`], in name order.
-    ListStrategies,
+    /// Result: a list of [`StrategyInfo`], in name order; with `limit` or `after`, a [`Page`].
+    ListStrategies {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Result: one [`StrategyInfo`].
     ShowStrategy {
         name: String,
@@ -124,17 +146,29 @@ pub enum Command {
         #[serde(default)]
         labels: BTreeMap<String, String>,
     },
-    /// Result: a list of [`DeviceGroupInfo`], in name order.
-    ListGroups,
+    /// Result: a list of [`DeviceGroupInfo`], in name order; with `limit` or `after`, a
+    /// [`Page`].
+    ListGroups {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Result: the deleted [`DeviceGroupInfo`].
     DeleteGroup {
         name: String,
     },
-    /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`].
-    ListApprovals,
+    /// Every approval request, pending and approved. Result: a list of [`ApprovalStatus`] in
+    /// name order; with `limit` or `after`, a [`Page`].
+    ListApprovals {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Devices waiting for an operator: new devices, and new keys of known devices.
-    /// Result: a list of [`EnrollmentInfo`], in device order.
-    PendingDevices,
+    /// Result: a list of [`EnrollmentInfo`], in device order; with paging fields, a [`Page`] of
+    /// them (`select` filters by the labels their state claims).
+    PendingDevices {
+        #[serde(flatten)]
+        page: PageQuery,
+    },
     /// Accept a pending device (or the new key of a known one). `key`, the full hex key or its
     /// first 16 hex digits, pins which key is accepted: the request fails if another key is
     /// waiting. Result: the [`EnrollmentInfo`], now accepted.
@@ -159,6 +193,95 @@ pub enum Command {
     /// Write a backup of the coordinator's store into `{data_dir}/backups/` on the
     /// coordinator's machine (the coordinator picks the file name). Result: the [`BackupInfo`].
     Backup,
+}
+
+/// Paging and filters of a list command; every field is optional, and a request with none of
+/// them gets the unpaged reply older coordinators gave. A cursor is a position in a stable
+/// order (device id, rollout name), not an offset: items that come and go between two pages
+/// neither repeat nor hide the ones that stayed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageQuery {
+    /// The most items a page holds; the coordinator caps it at [`MAX_PAGE_LIMIT`] and stops a
+    /// page early when more items would not fit in one message. Default [`DEFAULT_PAGE_LIMIT`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<usize>,
+    /// The `next` of the previous page: this page starts after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+    /// A label selector the devices must match (`site=berlin,tier in (1,2)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub select: Option<String>,
+    /// Only devices in this phase (`ready`, `failed`, `scheduled`, …), or rollouts in this state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// Only devices of this group: a group of the rollout (`rollout_status`), or a stored
+    /// device group (`list_devices`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+impl PageQuery {
+    /// A first page of `limit` items.
+    pub fn first(limit: usize) -> PageQuery {
+        PageQuery {
+            limit: Some(limit),
+            ..PageQuery::default()
+        }
+    }
+
+    /// Whether the request asked for a page (any field set).
+    pub fn is_paged(&self) -> bool {
+        *self != PageQuery::default()
+    }
+}
+
+/// The page size when a paged request names none.
+pub const DEFAULT_PAGE_LIMIT: usize = 500;
+/// The largest page size the coordinator grants.
+pub const MAX_PAGE_LIMIT: usize = 2_000;
+
+/// One page of a list: the items in the list's order and, when more follow, the cursor to ask
+/// for the next page with (`after`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// A page of one rollout: its status without per-device detail (the groups' counts and
+/// summaries), and a page of its devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutPage {
+    pub status: RolloutStatus,
+    /// This page's devices, in id order.
+    pub items: Vec<RolloutDevice>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// One device of a rollout: its group and its detail.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutDevice {
+    pub id: String,
+    pub group: String,
+    #[serde(flatten)]
+    pub detail: DeviceDetail,
+}
+
+impl RolloutStatus {
+    /// Adds a page of devices to the groups' `devices` and `device_details`, so the pages of a
+    /// [`RolloutPage`] add up to the status an unpaged request returns.
+    pub fn add_devices(&mut self, items: Vec<RolloutDevice>) {
+        for item in items {
+            if let Some(group) = self.groups.iter_mut().find(|g| g.name == item.group) {
+                group
+                    .devices
+                    .insert(item.id.clone(), item.detail.phase.clone());
+                group.device_details.insert(item.id, item.detail);
+            }
+        }
+    }
 }
 
 /// A backup the coordinator wrote (`flotilla backup`).
@@ -615,7 +738,66 @@ mod tests {
         let status: ControlRequest =
             serde_json::from_str(r#"{"id":"2","reply_to":"r","command":"rollout_status"}"#)
                 .expect("rollout is optional");
-        assert_eq!(status.command, Command::RolloutStatus { rollout: None });
+        assert_eq!(
+            status.command,
+            Command::RolloutStatus {
+                rollout: None,
+                page: PageQuery::default()
+            }
+        );
+    }
+
+    #[test]
+    fn paging_fields_are_optional_and_flat() {
+        // An older client's request reads as unpaged and encodes as before.
+        for (text, command) in [
+            (
+                r#"{"command":"list_devices"}"#,
+                Command::ListDevices {
+                    page: PageQuery::default(),
+                },
+            ),
+            (
+                r#"{"command":"pending_devices"}"#,
+                Command::PendingDevices {
+                    page: PageQuery::default(),
+                },
+            ),
+        ] {
+            let parsed: Command = serde_json::from_str(text).expect("decodes");
+            assert_eq!(parsed, command);
+            assert_eq!(serde_json::to_string(&parsed).expect("encodes"), text);
+        }
+        let paged = ControlRequest::new(
+            "3",
+            "r",
+            0,
+            "",
+            Command::RolloutStatus {
+                rollout: Some("fw".into()),
+                page: PageQuery {
+                    limit: Some(100),
+                    after: Some("dev-0099".into()),
+                    phase: Some("failed".into()),
+                    group: Some("canary".into()),
+                    select: Some("site=a".into()),
+                },
+            },
+        );
+        let json = serde_json::to_value(&paged).expect("encodes");
+        assert_eq!(
+            json,
+            serde_json::json!({"id": "3", "reply_to": "r", "command": "rollout_status",
+                "rollout": "fw", "limit": 100, "after": "dev-0099", "select": "site=a",
+                "phase": "failed", "group": "canary"})
+        );
+        assert_eq!(
+            serde_json::from_value::<ControlRequest>(json).expect("decodes"),
+            paged
+        );
+        let bad = serde_json::from_str::<Command>(r#"{"command":"list_devices","limit":"ten"}"#)
+            .expect_err("a limit is a number");
+        assert!(bad.to_string().contains("invalid type"), "{bad}");
     }
 
     #[test]
@@ -691,7 +873,9 @@ mod tests {
                                    "select": "site=a", "labels": {"tier": "1"}}),
             ),
             (
-                Command::ListApprovals,
+                Command::ListApprovals {
+                    page: PageQuery::default(),
+                },
                 serde_json::json!({"command": "list_approvals"}),
             ),
         ];

@@ -15,13 +15,13 @@
 //! [`Command::required_role`].
 //!
 //! ```
-//! use flotilla_protocol::control::{Command, ControlRequest};
+//! use flotilla_protocol::control::{Command, ControlRequest, PageQuery};
 //! use flotilla_protocol::operator::SignedRequest;
 //! use flotilla_protocol::SigningKey;
 //!
 //! let key = SigningKey::from_bytes(&[7; 32]);
 //! let request = ControlRequest::new("1", "flotilla/v1/control/reply/me", 1_700_000_000, "n-1",
-//!     Command::ListDevices);
+//!     Command::ListDevices { page: PageQuery::first(100) });
 //! let signed = SignedRequest::sign(&key, &request);
 //! let text = signed.verify_with(&signed.public_key().unwrap()).unwrap();
 //! assert_eq!(serde_json::from_str::<ControlRequest>(text).unwrap(), request);
@@ -158,20 +158,20 @@ impl Command {
             Command::ResumeRollout { .. } => "resume_rollout",
             Command::StopRollout { .. } => "stop_rollout",
             Command::RolloutStatus { .. } => "rollout_status",
-            Command::ListDevices => "list_devices",
-            Command::ListReleases => "list_releases",
+            Command::ListDevices { .. } => "list_devices",
+            Command::ListReleases { .. } => "list_releases",
             Command::Approve { .. } => "approve",
             Command::TriggerNext { .. } => "trigger_next",
             Command::RetryRollout { .. } => "retry_rollout",
             Command::DeleteDevice { .. } => "delete_device",
             Command::CreateStrategy { .. } => "create_strategy",
-            Command::ListStrategies => "list_strategies",
+            Command::ListStrategies { .. } => "list_strategies",
             Command::ShowStrategy { .. } => "show_strategy",
             Command::CreateGroup { .. } => "create_group",
-            Command::ListGroups => "list_groups",
+            Command::ListGroups { .. } => "list_groups",
             Command::DeleteGroup { .. } => "delete_group",
-            Command::ListApprovals => "list_approvals",
-            Command::PendingDevices => "pending_devices",
+            Command::ListApprovals { .. } => "list_approvals",
+            Command::PendingDevices { .. } => "pending_devices",
             Command::AcceptDevice { .. } => "accept_device",
             Command::RejectDevice { .. } => "reject_device",
             Command::RevokeDevice { .. } => "revoke_device",
@@ -183,13 +183,13 @@ impl Command {
     pub fn required_role(&self) -> Role {
         match self {
             Command::RolloutStatus { .. }
-            | Command::ListDevices
-            | Command::ListReleases
-            | Command::ListApprovals
-            | Command::ListStrategies
+            | Command::ListDevices { .. }
+            | Command::ListReleases { .. }
+            | Command::ListApprovals { .. }
+            | Command::ListStrategies { .. }
             | Command::ShowStrategy { .. }
-            | Command::ListGroups
-            | Command::PendingDevices => Role::Viewer,
+            | Command::ListGroups { .. }
+            | Command::PendingDevices { .. } => Role::Viewer,
             Command::CreateRollout { .. }
             | Command::StartRollout { .. }
             | Command::PauseRollout { .. }
@@ -238,6 +238,7 @@ pub fn check_reply_to(topics: &crate::topics::Topics, reply_to: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::PageQuery;
     use crate::topics::Topics;
 
     fn request() -> ControlRequest {
@@ -297,7 +298,13 @@ mod tests {
     #[test]
     fn roles_are_ordered_and_every_command_has_one() {
         assert!(Role::Viewer < Role::Operator && Role::Operator < Role::Admin);
-        assert_eq!(Command::ListDevices.required_role(), Role::Viewer);
+        assert_eq!(
+            Command::ListDevices {
+                page: PageQuery::default()
+            }
+            .required_role(),
+            Role::Viewer
+        );
         assert_eq!(
             Command::Approve { name: "a".into() }.required_role(),
             Role::Operator
@@ -311,8 +318,11 @@ mod tests {
         }
         assert_eq!(Role::parse("root"), None);
         // The wire name is the serde tag.
-        let json = serde_json::to_value(Command::ListApprovals).expect("encodes");
-        assert_eq!(json["command"], Command::ListApprovals.name());
+        let json = serde_json::to_value(Command::ListApprovals {
+            page: PageQuery::default(),
+        })
+        .expect("encodes");
+        assert_eq!(json["command"], "list_approvals");
     }
 
     #[test]

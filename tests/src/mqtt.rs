@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::{envelope, BlockRequest, Message, Report, Topic, Topics};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use rumqttc::{Event, Packet, QoS};
 
 /// One message seen on the broker.
 #[derive(Debug, Clone)]
@@ -55,7 +55,7 @@ impl Watcher {
             flotilla_protocol::MAX_PACKET_SIZE,
         );
         options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut eventloop) = AsyncClient::new(options, 1000);
+        let (client, mut eventloop) = flotilla_mqtt::client(options, 1000);
         for filter in filters {
             client
                 .subscribe(filter.clone(), QoS::AtLeastOnce)

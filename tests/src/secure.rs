@@ -281,7 +281,7 @@ impl Probe {
     pub async fn connect(connection: &Connection, client_id: &str) -> (Connected, Option<Probe>) {
         let mut options = connection.options(client_id);
         options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut eventloop) = AsyncClient::new(options, 100);
+        let (client, mut eventloop) = flotilla_mqtt::client(options, 100);
         let first = tokio::time::timeout(crate::WAIT, async {
             loop {
                 match eventloop.poll().await {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_coordinator::cli::client::ControlClient;
 use flotilla_coordinator::service::broker::EmbeddedBroker;
-use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use flotilla_protocol::control::{Command as Control, DeviceSummary, PageQuery, RolloutStatus};
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
@@ -586,6 +586,17 @@ max_bytes_per_sec = {rate}
         .await
     }
 
+    /// Waits until the coordinator lists device `id` with enrollment status `status`.
+    pub async fn wait_for_enrollment(&self, id: &str, status: &str) {
+        self.wait_for_devices(&format!("{id} {status}"), |devices| {
+            devices
+                .iter()
+                .any(|d| d.id == id && d.enrollment.as_deref() == Some(status))
+                .then_some(())
+        })
+        .await
+    }
+
     /// Polls the coordinator's device list until `found` returns something; panics after
     /// [`WAIT`] naming `what`.
     async fn wait_for_devices<T>(
@@ -596,12 +607,11 @@ max_bytes_per_sec = {rate}
         let client = self.client().await;
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Ok(value) = client
-                .request(Control::ListDevices, Duration::from_secs(5))
+            // Page by page, as `flotilla devices` does.
+            if let Ok(devices) = client
+                .list_devices(PageQuery::default(), None, Duration::from_secs(5))
                 .await
             {
-                let devices: Vec<DeviceSummary> =
-                    serde_json::from_value(value).expect("device list JSON");
                 if let Some(result) = found(&devices) {
                     return result;
                 }
@@ -626,7 +636,12 @@ max_bytes_per_sec = {rate}
             )
             .await
             .expect("create rollout");
-        let status: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
+        // The reply is the rollout's summary; its devices come page by page.
+        let created: RolloutStatus = serde_json::from_value(created).expect("rollout status JSON");
+        let status = client
+            .rollout_status(&created.name, PageQuery::default(), Duration::from_secs(10))
+            .await
+            .expect("status of the created rollout");
         client
             .request(
                 Control::StartRollout {
@@ -639,19 +654,14 @@ max_bytes_per_sec = {rate}
         status
     }
 
-    /// The rollout's status from the coordinator, or None while it does not answer.
+    /// The rollout's status from the coordinator with every device (fetched page by page), or
+    /// None while it does not answer.
     pub async fn status(&self, name: &str) -> Option<RolloutStatus> {
         let client = self.client().await;
-        let value = client
-            .request(
-                Control::RolloutStatus {
-                    rollout: Some(name.to_owned()),
-                },
-                Duration::from_secs(5),
-            )
+        client
+            .rollout_status(name, PageQuery::default(), Duration::from_secs(5))
             .await
-            .ok()?;
-        serde_json::from_value(value).ok()
+            .ok()
     }
 
     /// Waits until the rollout ends (finished, paused, failed or stopped); its status then.
@@ -678,16 +688,9 @@ max_bytes_per_sec = {rate}
         let mut last = None;
         loop {
             let reply = client
-                .request(
-                    Control::RolloutStatus {
-                        rollout: Some(name.to_owned()),
-                    },
-                    Duration::from_secs(5),
-                )
+                .rollout_status(name, PageQuery::default(), Duration::from_secs(5))
                 .await;
-            if let Ok(value) = reply {
-                let status: RolloutStatus =
-                    serde_json::from_value(value).expect("rollout status JSON");
+            if let Ok(status) = reply {
                 if done(&status) {
                     return status;
                 }
@@ -722,6 +725,11 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
     flotilla_mqtt::Connection::plain("127.0.0.1", port)
 }
 
+/// The latency and queue settings of `deploy/mosquitto/mosquitto.conf`, so the plain test broker
+/// behaves like the shipped one (`shipped_tuning_matches_the_deploy_config` keeps them equal).
+pub const SHIPPED_BROKER_TUNING: &str = "set_tcp_nodelay true\nmax_queued_messages 200000\n\
+     max_queued_bytes 0\nmax_inflight_messages 1000\n";
+
 fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
@@ -729,8 +737,9 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n",
-            flotilla_protocol::BROKER_PACKET_LIMIT
+             max_packet_size {}\n{}",
+            flotilla_protocol::BROKER_PACKET_LIMIT,
+            SHIPPED_BROKER_TUNING
         ),
     )
     .expect("write mosquitto config");
@@ -758,7 +767,7 @@ impl Site {
             flotilla_protocol::MAX_PACKET_SIZE,
             flotilla_protocol::MAX_PACKET_SIZE,
         );
-        let (client, mut eventloop) = rumqttc::AsyncClient::new(options, 10);
+        let (client, mut eventloop) = flotilla_mqtt::client(options, 10);
         client
             .publish(topic, rumqttc::QoS::AtLeastOnce, retain, payload)
             .await

@@ -354,7 +354,9 @@ async fn deleting_a_device_cancels_its_action() {
     loop {
         let devices = client
             .request(
-                flotilla_protocol::control::Command::ListDevices,
+                flotilla_protocol::control::Command::ListDevices {
+                    page: Default::default(),
+                },
                 Duration::from_secs(5),
             )
             .await

@@ -149,7 +149,9 @@ async fn oversized_retained_messages_lock_nobody_out() {
     for _ in 0..10 {
         client
             .request(
-                flotilla_protocol::control::Command::ListDevices,
+                flotilla_protocol::control::Command::ListDevices {
+                    page: Default::default(),
+                },
                 Duration::from_secs(5),
             )
             .await

@@ -91,7 +91,12 @@ async fn devices(site: &Site) -> Vec<DeviceSummary> {
     let value = site
         .client()
         .await
-        .request(Command::ListDevices, Duration::from_secs(10))
+        .request(
+            Command::ListDevices {
+                page: Default::default(),
+            },
+            Duration::from_secs(10),
+        )
         .await
         .expect("list devices");
     serde_json::from_value(value).expect("device list")
@@ -117,9 +122,11 @@ async fn wait_enrollment(site: &Site, device: &str, status: &str) -> DeviceSumma
     }
 }
 
+/// Creates a rollout and returns its status with every device (the reply is its summary; the
+/// devices come page by page).
 async fn create(site: &Site, spec: &str) -> Result<RolloutStatus, String> {
-    site.client()
-        .await
+    let client = site.client().await;
+    let created: RolloutStatus = client
         .request(
             Command::CreateRollout {
                 spec: spec.to_owned(),
@@ -128,6 +135,14 @@ async fn create(site: &Site, spec: &str) -> Result<RolloutStatus, String> {
         )
         .await
         .map(|v| serde_json::from_value(v).expect("rollout status"))
+        .map_err(|e| e.to_string())?;
+    assert!(
+        created.groups.iter().all(|g| g.devices.is_empty()),
+        "a reply carries the summary"
+    );
+    client
+        .rollout_status(&created.name, Default::default(), Duration::from_secs(10))
+        .await
         .map_err(|e| e.to_string())
 }
 

@@ -203,6 +203,7 @@ async fn refusals_on(kind: BrokerKind) {
             now(),
             Command::RolloutStatus {
                 rollout: Some("r1".into()),
+                page: Default::default(),
             },
         ),
     );

@@ -168,6 +168,11 @@ pub enum Cmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        page: PageArgs,
+        /// Show at most this many devices (the first in id order).
+        #[arg(long, value_name = "N")]
+        limit: Option<usize>,
         #[command(subcommand)]
         cmd: Option<DevicesCmd>,
     },
@@ -314,6 +319,39 @@ pub struct ServeArgs {
     pub print_default_config: bool,
 }
 
+/// Paging and filters of the lists a coordinator answers in pages (`devices`, `rollout
+/// status`). The CLI fetches every page; these choose the page size and what to list.
+#[derive(Debug, Clone, Default, Args)]
+pub struct PageArgs {
+    /// Devices (or rollouts) per request; the coordinator caps it so a page fits in one message.
+    #[arg(long, value_name = "N", default_value_t = crate::cli::client::DEFAULT_PAGE_SIZE,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub page_size: usize,
+    /// Only devices whose labels match this selector, e.g. `site=berlin,tier in (1,2)`.
+    #[arg(long, value_name = "SELECTOR")]
+    pub select: Option<String>,
+    /// Only devices in this phase (`ready`, `failed`, `scheduled`, …).
+    #[arg(long, value_name = "PHASE")]
+    pub phase: Option<String>,
+    /// Only devices of this group: a rollout's group (`rollout status NAME`) or a stored
+    /// device group (`devices`).
+    #[arg(long, value_name = "GROUP")]
+    pub group: Option<String>,
+}
+
+impl PageArgs {
+    /// The first page's query.
+    pub fn query(&self) -> flotilla_protocol::control::PageQuery {
+        flotilla_protocol::control::PageQuery {
+            limit: Some(self.page_size),
+            after: None,
+            select: self.select.clone(),
+            phase: self.phase.clone(),
+            group: self.group.clone(),
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 pub enum RolloutCmd {
     /// Create a rollout from a TOML spec file.
@@ -333,11 +371,13 @@ pub enum RolloutCmd {
     Stop {
         name: String,
     },
-    /// Show one rollout, or all.
+    /// Show one rollout, or all. The coordinator answers in pages; this fetches them all.
     Status {
         name: Option<String>,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        page: PageArgs,
     },
     /// Start the next group now, without waiting for the current group's success condition
     /// or its timed wait.

@@ -14,7 +14,10 @@
 use std::time::Duration;
 
 use flotilla_mqtt::Connection;
-use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
+use flotilla_protocol::control::{
+    Command, ControlReply, ControlRequest, DeviceSummary, EnrollmentInfo, Page, PageQuery,
+    RolloutPage, RolloutStatus,
+};
 use flotilla_protocol::operator::{new_nonce, SignedRequest};
 use flotilla_protocol::{SigningKey, Topics};
 use rumqttc::QoS;
@@ -44,6 +47,11 @@ pub enum ClientError {
     Refused { message: String },
     #[error("lost the connection to the broker at {addr} while waiting for the reply: {reason}")]
     Lost { addr: String, reason: String },
+    #[error("the coordinator's reply to {what} is not what this client expects: {source}")]
+    BadReply {
+        what: &'static str,
+        source: serde_json::Error,
+    },
 }
 
 /// A connected control client.
@@ -211,6 +219,126 @@ impl ControlClient {
     }
 }
 
+/// The paged list commands: each fetches every page in turn and returns the whole list, so
+/// callers see what an unpaged request returned while no single reply grows with the fleet.
+impl ControlClient {
+    /// Every item of a list command, fetched page by page (`command` builds the request for one
+    /// page), for the lists whose items need no filter: approvals, strategies, device groups.
+    pub async fn all_pages<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        command: impl Fn(PageQuery) -> Command,
+        timeout: Duration,
+    ) -> Result<Vec<T>, ClientError> {
+        self.pages(what, command, PageQuery::default(), None, timeout)
+            .await
+    }
+
+    /// Fetches the pages of `command(query)` one after the other, each starting after the
+    /// previous page's `next`, until there is none or `limit` items have come.
+    async fn pages<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &'static str,
+        command: impl Fn(PageQuery) -> Command,
+        mut query: PageQuery,
+        limit: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Vec<T>, ClientError> {
+        let mut all = Vec::new();
+        query.limit = Some(query.limit.unwrap_or(DEFAULT_PAGE_SIZE));
+        loop {
+            let result = self.request(command(query.clone()), timeout).await?;
+            let page: Page<T> = serde_json::from_value(result)
+                .map_err(|source| ClientError::BadReply { what, source })?;
+            all.extend(page.items);
+            if let Some(limit) = limit.filter(|l| all.len() >= *l) {
+                all.truncate(limit);
+                return Ok(all);
+            }
+            match page.next {
+                // A cursor that does not move would ask for the same page forever.
+                Some(next) if query.after.as_ref() != Some(&next) => query.after = Some(next),
+                _ => return Ok(all),
+            }
+        }
+    }
+
+    /// Every device the coordinator knows that `query`'s filters let through (at most `limit`),
+    /// in id order.
+    pub async fn list_devices(
+        &self,
+        query: PageQuery,
+        limit: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Vec<DeviceSummary>, ClientError> {
+        let command = |page| Command::ListDevices { page };
+        self.pages("list_devices", command, query, limit, timeout)
+            .await
+    }
+
+    /// Every device waiting for an operator, in id order.
+    pub async fn pending_devices(
+        &self,
+        query: PageQuery,
+        timeout: Duration,
+    ) -> Result<Vec<EnrollmentInfo>, ClientError> {
+        let command = |page| Command::PendingDevices { page };
+        self.pages("pending_devices", command, query, None, timeout)
+            .await
+    }
+
+    /// Every rollout's status without per-device detail, in name order.
+    pub async fn rollout_summaries(
+        &self,
+        query: PageQuery,
+        timeout: Duration,
+    ) -> Result<Vec<RolloutStatus>, ClientError> {
+        let command = |page| Command::RolloutStatus {
+            rollout: None,
+            page,
+        };
+        self.pages("rollout_status", command, query, None, timeout)
+            .await
+    }
+
+    /// One rollout's status with the devices `query`'s filters let through, fetched page by
+    /// page: the groups' counts and summaries come from the last page, the devices from all.
+    pub async fn rollout_status(
+        &self,
+        rollout: &str,
+        mut query: PageQuery,
+        timeout: Duration,
+    ) -> Result<RolloutStatus, ClientError> {
+        query.limit = Some(query.limit.unwrap_or(DEFAULT_PAGE_SIZE));
+        let mut devices = Vec::new();
+        loop {
+            let command = Command::RolloutStatus {
+                rollout: Some(rollout.to_owned()),
+                page: query.clone(),
+            };
+            let result = self.request(command, timeout).await?;
+            let page: RolloutPage =
+                serde_json::from_value(result).map_err(|source| ClientError::BadReply {
+                    what: "rollout_status",
+                    source,
+                })?;
+            devices.extend(page.items);
+            match page.next {
+                Some(next) if query.after.as_ref() != Some(&next) => query.after = Some(next),
+                _ => {
+                    let mut status = page.status;
+                    status.add_devices(devices);
+                    return Ok(status);
+                }
+            }
+        }
+    }
+}
+
+/// The page size the client asks for: large enough that 100,000 devices take 200 requests,
+/// small enough that a page of them fits in one message with room to spare.
+pub const DEFAULT_PAGE_SIZE: usize = flotilla_protocol::control::DEFAULT_PAGE_LIMIT;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,7 +357,12 @@ mod tests {
             .expect("connects");
         // A short timeout keeps the test quick; the message format is what users see.
         let err = client
-            .request(Command::ListDevices, Duration::from_secs(1))
+            .request(
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+                Duration::from_secs(1),
+            )
             .await
             .expect_err("no coordinator");
         let text = err.to_string();

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, RawTls, PASSWORD_ENV};
 use flotilla_protocol::control::{
-    ApprovalStatus, Command, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, ReleaseSummary,
-    RolloutStatus, StrategyInfo,
+    ApprovalStatus, Command, DeviceGroupInfo, EnrollmentInfo, ReleaseSummary, RolloutStatus,
+    StrategyInfo,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -321,6 +321,8 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Devices {
             json,
+            page,
+            limit: _,
             cmd:
                 Some(
                     cmd @ (DevicesCmd::Pending
@@ -330,8 +332,20 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 ),
         } => {
             let client = connect(&target).await?;
+            if matches!(cmd, DevicesCmd::Pending) {
+                // Filters it has nothing to apply to are refused by the coordinator, named.
+                let list = client
+                    .pending_devices(page.query(), DEFAULT_TIMEOUT)
+                    .await?;
+                if json {
+                    println!("{}", to_json(&list));
+                } else {
+                    print!("{}", view::enrollments_table(&list));
+                }
+                return Ok(0);
+            }
             let (command, what) = match cmd {
-                DevicesCmd::Pending => (Command::PendingDevices, "pending_devices"),
+                DevicesCmd::Pending => unreachable!("answered above"),
                 DevicesCmd::Accept { id, key } => {
                     (Command::AcceptDevice { device: id, key }, "accept_device")
                 }
@@ -343,16 +357,11 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 }
                 DevicesCmd::Delete { .. } => unreachable!("matched above"),
             };
-            let pending = matches!(command, Command::PendingDevices);
             let result = client
                 .request(command, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
             if json {
                 println!("{}", to_json(&result));
-            } else if pending {
-                let list: Vec<EnrollmentInfo> = serde_json::from_value(result)
-                    .map_err(|source| CliError::Reply { what, source })?;
-                print!("{}", view::enrollments_table(&list));
             } else {
                 let info: EnrollmentInfo = serde_json::from_value(result)
                     .map_err(|source| CliError::Reply { what, source })?;
@@ -361,16 +370,16 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             }
             Ok(0)
         }
-        Cmd::Devices { json, cmd: None } => {
+        Cmd::Devices {
+            json,
+            page,
+            limit,
+            cmd: None,
+        } => {
             let client = connect(&target).await?;
-            let result = client
-                .request(Command::ListDevices, crate::cli::client::DEFAULT_TIMEOUT)
+            let devices = client
+                .list_devices(page.query(), limit, DEFAULT_TIMEOUT)
                 .await?;
-            let devices: Vec<DeviceSummary> =
-                serde_json::from_value(result).map_err(|source| CliError::Reply {
-                    what: "list_devices",
-                    source,
-                })?;
             if json {
                 println!("{}", to_json(&devices));
             } else {
@@ -391,14 +400,10 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Approvals { json } => {
             let client = connect(&target).await?;
-            let result = client
-                .request(Command::ListApprovals, crate::cli::client::DEFAULT_TIMEOUT)
+            let command = |page| Command::ListApprovals { page };
+            let approvals: Vec<ApprovalStatus> = client
+                .all_pages("list_approvals", command, DEFAULT_TIMEOUT)
                 .await?;
-            let approvals: Vec<ApprovalStatus> =
-                serde_json::from_value(result).map_err(|source| CliError::Reply {
-                    what: "list_approvals",
-                    source,
-                })?;
             if json {
                 println!("{}", to_json(&approvals));
             } else {
@@ -520,9 +525,10 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
             println!("stored strategy {name}");
         }
         StrategyCmd::List { json } => {
-            let result = client.request(Command::ListStrategies, timeout).await?;
-            let all: Vec<StrategyInfo> =
-                serde_json::from_value(result).map_err(reply("list_strategies"))?;
+            let command = |page| Command::ListStrategies { page };
+            let all: Vec<StrategyInfo> = client
+                .all_pages("list_strategies", command, timeout)
+                .await?;
             if json {
                 println!("{}", to_json(&all));
             } else {
@@ -568,9 +574,9 @@ async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
             println!("stored device group {}  select {}", info.name, info.select);
         }
         GroupCmd::List { json } => {
-            let result = client.request(Command::ListGroups, timeout).await?;
+            let command = |page| Command::ListGroups { page };
             let all: Vec<DeviceGroupInfo> =
-                serde_json::from_value(result).map_err(reply("list_groups"))?;
+                client.all_pages("list_groups", command, timeout).await?;
             if json {
                 println!("{}", to_json(&all));
             } else {
@@ -690,7 +696,29 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
         RolloutCmd::Pause { name } => (Command::PauseRollout { rollout: name }, false),
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
-        RolloutCmd::Status { name, json } => (Command::RolloutStatus { rollout: name }, json),
+        RolloutCmd::Status { name, json, page } => {
+            let text = match name {
+                Some(name) => {
+                    let status = client.rollout_status(&name, page.query(), timeout).await?;
+                    if json {
+                        to_json(&status) + "\n"
+                    } else {
+                        view::rollout_status(&status)
+                    }
+                }
+                None => {
+                    // Every rollout's summary; per-device detail is `rollout status NAME`.
+                    let all = client.rollout_summaries(page.query(), timeout).await?;
+                    if json {
+                        to_json(&all) + "\n"
+                    } else {
+                        view::rollout_statuses(&all)
+                    }
+                }
+            };
+            print!("{text}");
+            return Ok(0);
+        }
         RolloutCmd::Next {
             name,
             skip_approval,

@@ -414,6 +414,7 @@ async fn run_in(
             .request(
                 Control::RolloutStatus {
                     rollout: Some(ROLLOUT.into()),
+                    page: Default::default(),
                 },
                 Duration::from_secs(10),
             )
@@ -449,7 +450,12 @@ async fn run_in(
 
     let devices: Vec<DeviceSummary> = serde_json::from_value(
         client
-            .request(Control::ListDevices, Duration::from_secs(10))
+            .request(
+                Control::ListDevices {
+                    page: Default::default(),
+                },
+                Duration::from_secs(10),
+            )
             .await?,
     )?;
     let summary = summarize(&status, &devices);
@@ -636,7 +642,12 @@ async fn wait_for_devices(
         // The coordinator starts in parallel with the agents; until it has subscribed to the
         // control topic a request goes unanswered, so a missing reply means "ask again".
         match client
-            .request(Control::ListDevices, Duration::from_secs(2))
+            .request(
+                Control::ListDevices {
+                    page: Default::default(),
+                },
+                Duration::from_secs(2),
+            )
             .await
         {
             Ok(value) => {

@@ -569,6 +569,33 @@ impl Registry {
             .collect()
     }
 
+    /// Every record after the device id `after`, in device order, read lazily.
+    pub fn all_after<'a>(&'a self, after: Option<&str>) -> impl Iterator<Item = &'a Enrollment> {
+        let start = match after {
+            Some(a) => std::ops::Bound::Excluded(a.to_owned()),
+            None => std::ops::Bound::Unbounded,
+        };
+        self.records
+            .range((start, std::ops::Bound::Unbounded))
+            .map(|(_, r)| r)
+    }
+
+    /// [`Registry::pending`] after the device id `after`, read lazily (a page of them).
+    pub fn pending_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = EnrollmentInfo> + 'a {
+        let start = match after {
+            Some(a) => std::ops::Bound::Excluded(a.to_owned()),
+            None => std::ops::Bound::Unbounded,
+        };
+        self.records
+            .range((start, std::ops::Bound::Unbounded))
+            .map(|(_, r)| r)
+            .filter(|r| r.status == Status::Pending || r.new_key.is_some())
+            .filter_map(|r| self.info(&r.device))
+    }
+
     /// The short status shown in `flotilla devices`.
     pub fn status_text(&self, device: &str) -> Option<String> {
         let r = self.records.get(device)?;

@@ -44,6 +44,7 @@ pub mod keys;
 pub mod metrics;
 pub mod mqtt;
 pub mod operators;
+pub mod page;
 pub mod releases;
 pub mod seal;
 pub mod sequence;

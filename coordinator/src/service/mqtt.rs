@@ -122,7 +122,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     // nothing it would refuse.
     mqtt.set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
-    let (client, eventloop) = AsyncClient::new(mqtt, REQUEST_CAPACITY);
+    let (client, eventloop) = flotilla_mqtt::client(mqtt, REQUEST_CAPACITY);
     let tx = Inbox::new(INBOX_BYTES);
     let events = Events { inbox: tx.clone() };
     let client_id = options.client_id.clone();

@@ -354,8 +354,18 @@ mod tests {
             r.reason,
             "not allowed: operator vic has role viewer, start_rollout needs operator"
         );
-        g.check(&signed(2, NOW, "n5", Command::ListDevices), NOW)
-            .expect("a viewer may list");
+        g.check(
+            &signed(
+                2,
+                NOW,
+                "n5",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+            NOW,
+        )
+        .expect("a viewer may list");
 
         let r = refused(&mut g, &signed(1, NOW, "", start()));
         assert!(r.reason.contains("nonce"), "{}", r.reason);
@@ -396,10 +406,30 @@ mod tests {
     fn the_nonce_cache_is_bounded_and_never_forgets_into_a_replay() {
         let mut g = gate();
         // Old entries leave when their time falls out of the window.
-        g.check(&signed(1, NOW, "a", Command::ListDevices), NOW)
-            .expect("ok");
-        g.check(&signed(1, NOW + 100, "b", Command::ListDevices), NOW + 100)
-            .expect("ok");
+        g.check(
+            &signed(
+                1,
+                NOW,
+                "a",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+            NOW,
+        )
+        .expect("ok");
+        g.check(
+            &signed(
+                1,
+                NOW + 100,
+                "b",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+            NOW + 100,
+        )
+        .expect("ok");
         assert_eq!(g.seen.len(), 1, "a fell out of the window");
         assert_eq!(g.floor, None);
         // A full cache forgets its oldest nonce and refuses anything that old from then on.
@@ -407,11 +437,31 @@ mod tests {
         for i in 0..NONCE_CAPACITY as u64 {
             g.remember(flotilla_protocol::sha256(&i.to_le_bytes()), NOW - 10, NOW);
         }
-        g.check(&signed(1, NOW, "fresh", Command::ListDevices), NOW)
-            .expect("ok");
+        g.check(
+            &signed(
+                1,
+                NOW,
+                "fresh",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+            NOW,
+        )
+        .expect("ok");
         assert_eq!(g.seen.len(), NONCE_CAPACITY);
         assert_eq!(g.floor, Some(NOW - 10));
-        let r = refused(&mut g, &signed(1, NOW - 10, "other", Command::ListDevices));
+        let r = refused(
+            &mut g,
+            &signed(
+                1,
+                NOW - 10,
+                "other",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+        );
         assert!(r.reason.starts_with("replayed request"), "{}", r.reason);
     }
 
@@ -447,14 +497,34 @@ mod tests {
         // be a copy of a request that run accepted.
         let mut g = gate();
         g.started = NOW;
-        let r = refused(&mut g, &signed(1, NOW - 1, "x", Command::ListDevices));
+        let r = refused(
+            &mut g,
+            &signed(
+                1,
+                NOW - 1,
+                "x",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+        );
         assert!(
             r.reason.starts_with("replayed request")
                 && r.reason.contains("before the coordinator started"),
             "{}",
             r.reason
         );
-        g.check(&signed(1, NOW, "y", Command::ListDevices), NOW)
-            .expect("made after the start");
+        g.check(
+            &signed(
+                1,
+                NOW,
+                "y",
+                Command::ListDevices {
+                    page: Default::default(),
+                },
+            ),
+            NOW,
+        )
+        .expect("made after the start");
     }
 }

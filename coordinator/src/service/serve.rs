@@ -34,7 +34,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
-    Command, ControlReply, DeviceGroupInfo, DeviceSummary, StrategyInfo,
+    Command, ControlReply, DeviceGroupInfo, DeviceSummary, PageQuery, RolloutPage, StrategyInfo,
 };
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
@@ -54,6 +54,7 @@ use crate::service::keys::{self, KeysError};
 use crate::service::metrics::{self, Malformed, Metrics, Totals};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
+use crate::service::page::Pager;
 use crate::service::releases::ReleaseStore;
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
@@ -797,7 +798,8 @@ impl Service {
         }
         Ok(match answer {
             Answer::Value(value) => Ok(value),
-            Answer::Status(name) => match self.engine.status(&name) {
+            // The summary: a reply to a command must not grow with the rollout.
+            Answer::Status(name) => match self.engine.summary(&name) {
                 Some(status) => Ok(json(&status)),
                 None => Err(format!("no rollout named {name:?}")),
             },
@@ -880,15 +882,52 @@ impl Service {
                     .retry_failed_by(&rollout, Some(new_name.clone()), by, now);
                 status(new_name, r)
             }
+            // Without paging fields, the reply an older client expects (refused by `reply`
+            // when it does not fit in one message); with them, a page.
             Command::RolloutStatus {
                 rollout: Some(name),
+                page,
+            } if page.is_paged() => value(json(&self.rollout_page(&name, &page)?)),
+            Command::RolloutStatus {
+                rollout: Some(name),
+                ..
             } => match self.engine.status(&name) {
                 Some(status) => value(json(&status)),
                 None => Err(format!("no rollout named {name:?}")),
             },
-            Command::RolloutStatus { rollout: None } => value(json(&self.engine.statuses())),
-            Command::ListDevices => value(json(&self.device_list())),
-            Command::PendingDevices => value(json(&self.registry.pending())),
+            Command::RolloutStatus {
+                rollout: None,
+                page,
+            } if page.is_paged() => {
+                refuse_filters(&page, &["select", "group"], "rollouts")?;
+                let states = page.phase.clone();
+                let all = self
+                    .engine
+                    .summaries_after(page.after.as_deref())
+                    .filter(|s| states.as_ref().is_none_or(|p| *p == s.state));
+                value(json(
+                    &Pager::new(&page, 0)?.collect(all, |s| s.name.clone()),
+                ))
+            }
+            Command::RolloutStatus { rollout: None, .. } => {
+                let all: Vec<_> = self.engine.summaries_after(None).collect();
+                value(json(&all))
+            }
+            Command::ListDevices { page } if page.is_paged() => {
+                value(json(&self.device_page(&page)?))
+            }
+            Command::ListDevices { .. } => value(json(&self.device_list())),
+            Command::PendingDevices { page } if page.is_paged() => {
+                refuse_filters(&page, &["phase", "group"], "pending devices")?;
+                let select = selector(&page)?;
+                let pending = self
+                    .registry
+                    .pending_after(page.after.as_deref())
+                    .filter(|info| select.matches(&info.labels));
+                let pager = Pager::new(&page, 0)?;
+                value(json(&pager.collect(pending, |info| info.device.clone())))
+            }
+            Command::PendingDevices { .. } => value(json(&self.registry.pending())),
             Command::AcceptDevice { device, key } => {
                 let state = self.registry.accept(&device, key.as_deref(), now)?;
                 self.save_enrollment(&device)?;
@@ -920,11 +959,10 @@ impl Service {
                 let info = self.registry.info(&device);
                 Ok((effects, Answer::Value(json(&info))))
             }
-            Command::ListReleases => self
-                .releases
-                .summaries()
-                .map_err(|e| e.to_string())
-                .and_then(|s| value(json(&s))),
+            Command::ListReleases { page } => {
+                let all = self.releases.summaries().map_err(|e| e.to_string())?;
+                value(named_list(all, &page, "releases", |r| r.name.clone())?)
+            }
             Command::DeleteDevice { device } => {
                 DeviceId::new(&device).map_err(|e| format!("device: {e}"))?;
                 let effects = self
@@ -943,7 +981,10 @@ impl Service {
                     .map_err(engine_error)?;
                 Ok((effects, Answer::Approval(name)))
             }
-            Command::ListApprovals => value(json(&self.engine.approvals())),
+            Command::ListApprovals { page } => {
+                let all = self.engine.approvals();
+                value(named_list(all, &page, "approvals", |a| a.name.clone())?)
+            }
             Command::Backup => {
                 let path = self
                     .data_dir
@@ -969,11 +1010,10 @@ impl Service {
                     .map_err(|e| self.write_failed(e))?;
                 value(json(&strategy_info(stored)))
             }
-            Command::ListStrategies => {
+            Command::ListStrategies { page } => {
                 let all = self.store.list_strategies().map_err(store_error)?;
-                value(json(
-                    &all.into_iter().map(strategy_info).collect::<Vec<_>>(),
-                ))
+                let all: Vec<_> = all.into_iter().map(strategy_info).collect();
+                value(named_list(all, &page, "strategies", |s| s.name.clone())?)
             }
             Command::ShowStrategy { name } => match self.store.load_strategy(&name) {
                 Ok(Some(stored)) => value(json(&strategy_info(stored))),
@@ -999,9 +1039,10 @@ impl Service {
                 self.refresh_device_groups().map_err(store_error)?;
                 value(json(&group_info(&group)))
             }
-            Command::ListGroups => {
+            Command::ListGroups { page } => {
                 let all = self.store.list_groups().map_err(store_error)?;
-                value(json(&all.iter().map(group_info).collect::<Vec<_>>()))
+                let all: Vec<_> = all.iter().map(group_info).collect();
+                value(named_list(all, &page, "device groups", |g| g.name.clone())?)
             }
             Command::DeleteGroup { name } => {
                 let Some(group) = self.store.load_group(&name).map_err(store_error)? else {
@@ -1020,33 +1061,121 @@ impl Service {
     /// operator, each with its enrollment status. Devices that are not accepted show what their
     /// last state claims, never online.
     fn device_list(&self) -> Vec<DeviceSummary> {
-        let mut devices = self.engine.devices();
-        for d in &mut devices {
-            d.enrollment = self.registry.status_text(&d.id);
-        }
-        let known: std::collections::BTreeSet<String> =
-            devices.iter().map(|d| d.id.clone()).collect();
-        for record in self.registry.all() {
-            if known.contains(&record.device) {
-                continue;
-            }
-            let Some(info) = self.registry.info(&record.device) else {
-                continue;
+        self.devices_after(None).collect()
+    }
+
+    /// [`Service::device_list`] after the device id `after`, in id order, read lazily from the
+    /// engine's and the registry's sorted maps. The two are walked side by side, so a page costs
+    /// its own devices (and the registry records between them), not the fleet.
+    fn devices_after<'a>(
+        &'a self,
+        after: Option<&'a str>,
+    ) -> impl Iterator<Item = DeviceSummary> + 'a {
+        let mut known = self.engine.devices_after(after).peekable();
+        let mut records = self.registry.all_after(after).peekable();
+        std::iter::from_fn(move || loop {
+            let next_known = known.peek().map(|d| d.id.as_str());
+            let Some(record) = records.peek() else {
+                let mut d = known.next()?;
+                d.enrollment = self.registry.status_text(&d.id);
+                return Some(d);
             };
-            devices.push(DeviceSummary {
-                id: record.device.clone(),
-                hardware_id: info.hardware_id.unwrap_or_default(),
-                labels: info.labels,
-                online: false,
-                installed: None,
-                rollout: None,
-                phase: None,
-                reason: None,
-                enrollment: self.registry.status_text(&record.device),
-            });
+            match next_known {
+                Some(id) if id <= record.device.as_str() => {
+                    if id == record.device {
+                        records.next();
+                    }
+                    let mut d = known.next()?;
+                    d.enrollment = self.registry.status_text(&d.id);
+                    return Some(d);
+                }
+                _ => {
+                    // A record the engine has no state for: waiting for, or refused by, an
+                    // operator (or accepted and never heard from since).
+                    let record = records.next()?;
+                    if self.engine.device_labels(&record.device).is_some() {
+                        continue;
+                    }
+                    let Some(info) = self.registry.info(&record.device) else {
+                        continue;
+                    };
+                    return Some(DeviceSummary {
+                        id: record.device.clone(),
+                        hardware_id: info.hardware_id.unwrap_or_default(),
+                        labels: info.labels,
+                        online: false,
+                        installed: None,
+                        rollout: None,
+                        phase: None,
+                        reason: None,
+                        enrollment: self.registry.status_text(&record.device),
+                    });
+                }
+            }
+        })
+    }
+
+    /// A page of `list_devices`: `select` and `phase` filter, `group` names a stored device
+    /// group whose selector the devices must match.
+    fn device_page(
+        &self,
+        page: &PageQuery,
+    ) -> Result<flotilla_protocol::control::Page<DeviceSummary>, String> {
+        let select = selector(page)?;
+        let group = match &page.group {
+            None => None,
+            Some(name) => Some(
+                self.store
+                    .load_group(name)
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("group: no device group named {name:?}"))?
+                    .select,
+            ),
+        };
+        let phase = page.phase.as_deref();
+        let devices = self
+            .devices_after(page.after.as_deref())
+            .filter(|d| select.matches(&d.labels))
+            .filter(|d| group.as_ref().is_none_or(|g| g.matches(&d.labels)))
+            .filter(|d| phase.is_none_or(|p| d.phase.as_deref() == Some(p)));
+        Ok(Pager::new(page, 0)?.collect(devices, |d| d.id.clone()))
+    }
+
+    /// A page of one rollout: its summary and a page of its devices; `group`, `phase` and
+    /// `select` filter the devices.
+    fn rollout_page(&self, name: &str, page: &PageQuery) -> Result<RolloutPage, String> {
+        let status = self
+            .engine
+            .summary(name)
+            .ok_or_else(|| format!("no rollout named {name:?}"))?;
+        if let Some(group) = &page.group {
+            if !status.groups.iter().any(|g| &g.name == group) {
+                return Err(format!(
+                    "group: rollout {name} has no group named {group:?}"
+                ));
+            }
         }
-        devices.sort_by(|a, b| a.id.cmp(&b.id));
-        devices
+        let select = selector(page)?;
+        let devices = self
+            .engine
+            .rollout_devices(name, page.after.as_deref())
+            .ok_or_else(|| format!("no rollout named {name:?}"))?
+            .filter(|d| page.group.as_ref().is_none_or(|g| *g == d.group))
+            .filter(|d| page.phase.as_ref().is_none_or(|p| *p == d.detail.phase))
+            .filter(|d| {
+                select.is_everything()
+                    || self
+                        .engine
+                        .device_labels(&d.id)
+                        .is_some_and(|labels| select.matches(labels))
+            });
+        let reserved = serde_json::to_vec(&status).map_or(0, |v| v.len());
+        let devices = Pager::new(page, reserved)?.collect(devices, |d| d.id.clone());
+        Ok(RolloutPage {
+            status,
+            items: devices.items,
+            next: devices.next,
+        })
     }
 
     /// Gives the engine the stored device groups, all of them.
@@ -1161,7 +1290,9 @@ impl Service {
                     self.publish_action(&device, id, rollout, body).await?;
                 }
                 Effect::Status(name) => {
-                    if let Some(status) = self.engine.status(&name) {
+                    // Counts and per-group summaries only: a retained message that grew with
+                    // the rollout would outgrow what the broker and clients accept.
+                    if let Some(status) = self.engine.summary(&name) {
                         let bytes = serde_json::to_vec(&status).unwrap_or_default();
                         self.publish(self.topics.rollout_event(&name), true, bytes)
                             .await?;
@@ -1429,6 +1560,50 @@ fn resolve_with(mut spec: RolloutSpec, stored: &StoredStrategy) -> Result<Rollou
     Ok(spec)
 }
 
+/// The selector a page query's `select` names (everything without one).
+fn selector(page: &PageQuery) -> Result<Selector, String> {
+    match &page.select {
+        None => Ok(Selector::everything()),
+        Some(text) => Selector::parse(text).map_err(|e| format!("select {text:?}: {e}")),
+    }
+}
+
+/// A list of named things (at most a few thousand, each bounded): the whole list in name order
+/// when unpaged, as older coordinators answered; a page of it after the cursor when paged.
+fn named_list<T: serde::Serialize>(
+    mut all: Vec<T>,
+    page: &PageQuery,
+    list: &str,
+    name: impl Fn(&T) -> String,
+) -> Result<serde_json::Value, String> {
+    if !page.is_paged() {
+        return Ok(json(&all));
+    }
+    all.sort_by_key(|item| name(item));
+    refuse_filters(page, &["select", "phase", "group"], list)?;
+    let after = page.after.as_deref();
+    let rest = all
+        .into_iter()
+        .filter(|item| after.is_none_or(|a| name(item).as_str() > a));
+    Ok(json(&Pager::new(page, 0)?.collect(rest, &name)))
+}
+
+/// Refuses the filters a list has nothing to apply to, naming them.
+fn refuse_filters(page: &PageQuery, fields: &[&str], list: &str) -> Result<(), String> {
+    for field in fields {
+        let given = match *field {
+            "select" => page.select.is_some(),
+            "phase" => page.phase.is_some(),
+            "group" => page.group.is_some(),
+            _ => false,
+        };
+        if given {
+            return Err(format!("{field}: not a filter of the list of {list}"));
+        }
+    }
+    Ok(())
+}
+
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
     // The control types are plain data; converting them to a JSON value cannot fail.
     serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
@@ -1448,6 +1623,42 @@ fn action_kind(action: flotilla_rollout::plan::ActionType) -> ActionKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Approvals, strategies, device groups and releases: unpaged as before, paged in name
+    /// order from the cursor, with no filter to apply.
+    #[test]
+    fn named_lists_page_in_name_order_and_refuse_filters() {
+        let names = || {
+            vec![
+                "c".to_owned(),
+                "a".to_owned(),
+                "d".to_owned(),
+                "b".to_owned(),
+            ]
+        };
+        let unpaged =
+            named_list(names(), &PageQuery::default(), "groups", Clone::clone).expect("unpaged");
+        assert_eq!(unpaged, serde_json::json!(["c", "a", "d", "b"]));
+        let first =
+            named_list(names(), &PageQuery::first(3), "groups", Clone::clone).expect("first page");
+        assert_eq!(
+            first,
+            serde_json::json!({"items": ["a", "b", "c"], "next": "c"})
+        );
+        let rest = PageQuery {
+            after: Some("c".into()),
+            ..PageQuery::first(3)
+        };
+        let last = named_list(names(), &rest, "groups", Clone::clone).expect("last page");
+        assert_eq!(last, serde_json::json!({"items": ["d"]}));
+        let filtered = PageQuery {
+            phase: Some("ready".into()),
+            ..PageQuery::first(3)
+        };
+        let err = named_list(names(), &filtered, "device groups", Clone::clone)
+            .expect_err("no phase to filter by");
+        assert_eq!(err, "phase: not a filter of the list of device groups");
+    }
 
     /// issue 10, case 9: what a control request may make the coordinator store is bounded.
     #[test]

@@ -152,7 +152,7 @@ impl Rollout {
     pub(crate) fn starting(&mut self, now: u64, out: &mut Out) {
         self.state = RolloutState::Starting;
         self.started_at = Some(now);
-        out.snapshots.push(self.status());
+        out.snapshots.push(self.summary());
         self.state = RolloutState::Running;
     }
 

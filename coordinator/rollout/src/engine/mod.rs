@@ -32,9 +32,11 @@ mod trace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
+use std::ops::Bound;
 
 use flotilla_protocol::control::{
-    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutStatus, TraceKind,
+    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
+    TraceKind,
 };
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
@@ -55,6 +57,10 @@ use trace::Decision;
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
 pub const TRACE_LIMIT: usize = 1000;
+
+/// How many of the newest decisions a rollout's summary (the retained event, command replies,
+/// paged status) carries; each decision is also published on `events/log` as it is made.
+pub const SUMMARY_TRACE: usize = 100;
 
 /// Who a command is attributed to when the caller names nobody (simulations, tests): the trace
 /// says "paused by operator".
@@ -853,7 +859,7 @@ impl Engine {
         }
         rollout.record(now, decision, &mut out);
         // hawkBit shows `creating` while the groups are filled: published before `ready`.
-        out.snapshots.push(rollout.status());
+        out.snapshots.push(rollout.summary());
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         rollout.state = RolloutState::Ready;
         self.rollouts
@@ -1614,18 +1620,82 @@ impl Engine {
         self.rollouts.values().map(|e| &e.rollout)
     }
 
+    /// A rollout's full status: every device's phase and detail, the whole trace. It grows
+    /// with the rollout; what is published or sent in one message is [`Engine::summary`].
     pub fn status(&self, name: &str) -> Option<RolloutStatus> {
-        self.rollout(name).map(|r| self.status_of(r))
+        self.rollout(name).map(|r| self.with_summary(r, r.status()))
     }
 
     pub fn statuses(&self) -> Vec<RolloutStatus> {
-        self.rollouts().map(|r| self.status_of(r)).collect()
+        self.rollouts()
+            .map(|r| self.with_summary(r, r.status()))
+            .collect()
+    }
+
+    /// A rollout's status without per-device detail: counts, per-group summaries, conditions,
+    /// approvals and the newest [`SUMMARY_TRACE`] decisions. Its size does not depend on how
+    /// many devices the rollout has (the retained rollout event and command replies).
+    pub fn summary(&self, name: &str) -> Option<RolloutStatus> {
+        self.rollout(name)
+            .map(|r| self.with_summary(r, r.summary()))
+    }
+
+    /// [`Engine::summary`] of every rollout after `after` in name order.
+    pub fn summaries_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = RolloutStatus> + 'a {
+        let start = match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
+        self.rollouts
+            .range((start, Bound::Unbounded))
+            .map(|(_, e)| self.with_summary(&e.rollout, e.rollout.summary()))
+    }
+
+    /// The devices of rollout `name` after `after`, in id order across its groups, each with
+    /// its group and detail; `None` when there is no such rollout.
+    pub fn rollout_devices<'a>(
+        &'a self,
+        name: &str,
+        after: Option<&str>,
+    ) -> Option<impl Iterator<Item = RolloutDevice> + 'a> {
+        let rollout = self.rollout(name)?;
+        let start = || match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
+        let mut groups: Vec<_> = rollout
+            .groups
+            .iter()
+            .map(|g| (g, g.slots.range((start(), Bound::Unbounded)).peekable()))
+            .collect();
+        // A merge of the groups' sorted slots: a device is in one group of a rollout.
+        Some(std::iter::from_fn(move || {
+            let (gi, _) = groups
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, (_, slots))| slots.peek().map(|(d, _)| (i, (*d).clone())))
+                .min_by(|a, b| a.1.cmp(&b.1))?;
+            let (group, slots) = &mut groups[gi];
+            let (device, slot) = slots.next()?;
+            Some(RolloutDevice {
+                id: device.clone(),
+                group: group.name.clone(),
+                detail: rollout.device_detail(slot),
+            })
+        }))
+    }
+
+    /// The labels of a device the engine knows.
+    pub fn device_labels(&self, device: &str) -> Option<&BTreeMap<String, String>> {
+        self.devices.get(device).map(|d| &d.labels)
     }
 
     /// A rollout's status with what only the registry knows: Fleet's per-group summary of
     /// Pending, OutOfSync, NotReady and Ready devices.
-    fn status_of(&self, r: &Rollout) -> RolloutStatus {
-        let mut status = r.status();
+    fn with_summary(&self, r: &Rollout, mut status: RolloutStatus) -> RolloutStatus {
         for (g, gs) in r.groups.iter().zip(status.groups.iter_mut()) {
             let mut summary = BTreeMap::new();
             for (device, slot) in &g.slots {
@@ -1673,8 +1743,20 @@ impl Engine {
 
     /// Every device known from its retained state, sorted by id.
     pub fn devices(&self) -> Vec<DeviceSummary> {
+        self.devices_after(None).collect()
+    }
+
+    /// The devices known from their retained state after `after`, in id order.
+    pub fn devices_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = DeviceSummary> + 'a {
+        let start = match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
         self.devices
-            .iter()
+            .range((start, Bound::Unbounded))
             .map(|(id, d)| DeviceSummary {
                 id: id.clone(),
                 hardware_id: d.hardware_id.clone(),
@@ -1686,7 +1768,6 @@ impl Engine {
                 reason: d.reason.clone(),
                 enrollment: None,
             })
-            .collect()
     }
 }
 
@@ -1721,8 +1802,41 @@ fn new_group(g: crate::plan::PlannedGroup) -> Group {
 }
 
 impl Rollout {
-    /// The rollout as operators see it.
+    /// The rollout as operators see it, every device and decision included.
     pub fn status(&self) -> RolloutStatus {
+        let mut status = self.summary();
+        status.trace = self.trace.clone();
+        for (g, gs) in self.groups.iter().zip(status.groups.iter_mut()) {
+            gs.devices = g
+                .slots
+                .iter()
+                .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
+                .collect();
+            gs.device_details = g
+                .slots
+                .iter()
+                .map(|(d, s)| (d.clone(), self.device_detail(s)))
+                .collect();
+        }
+        status
+    }
+
+    /// One device's detail in this rollout.
+    fn device_detail(&self, s: &Slot) -> DeviceDetail {
+        DeviceDetail {
+            phase: s.phase_name().to_owned(),
+            started_at: s.started_at,
+            ended_at: s.ended_at,
+            reason: s.phase.reason().map(str::to_owned),
+            attempt: s.earlier_attempts + s.attempt,
+            conditions: self.device_conditions(s),
+        }
+    }
+
+    /// The rollout without per-device detail and with the newest [`SUMMARY_TRACE`] decisions:
+    /// what the retained rollout event carries.
+    pub fn summary(&self) -> RolloutStatus {
+        let skip = self.trace.len().saturating_sub(SUMMARY_TRACE);
         RolloutStatus {
             name: self.name.clone(),
             release: self.release.name.clone(),
@@ -1739,35 +1853,15 @@ impl Rollout {
                     in_progress: g.counts.in_progress + g.counts.soaking,
                     scheduled: g.counts.scheduled,
                     canceled: g.counts.canceled,
-                    devices: g
-                        .slots
-                        .iter()
-                        .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
-                        .collect(),
+                    devices: BTreeMap::new(),
                     started_at: g.started_at,
                     ended_at: g.ended_at,
                     conditions: g.conditions.clone(),
-                    device_details: g
-                        .slots
-                        .iter()
-                        .map(|(d, s)| {
-                            (
-                                d.clone(),
-                                DeviceDetail {
-                                    phase: s.phase_name().to_owned(),
-                                    started_at: s.started_at,
-                                    ended_at: s.ended_at,
-                                    reason: s.phase.reason().map(str::to_owned),
-                                    attempt: s.earlier_attempts + s.attempt,
-                                    conditions: self.device_conditions(s),
-                                },
-                            )
-                        })
-                        .collect(),
+                    device_details: BTreeMap::new(),
                     summary: BTreeMap::new(),
                 })
                 .collect(),
-            trace: self.trace.clone(),
+            trace: self.trace[skip..].to_vec(),
             strategy: self.spec.vocabulary().to_owned(),
             conditions: self.conditions.clone(),
             waiting: self.waiting.clone(),

@@ -833,3 +833,70 @@ fn device_releases_name_only_devices_with_a_live_action() {
     sim.report("dev-000", failed());
     assert!(sim.engine.device_releases("dev-000").is_empty());
 }
+
+#[test]
+fn summaries_hold_no_device_and_the_device_pages_add_up_to_the_status() {
+    let mut sim = Sim::new(300, |i| {
+        if i % 2 == 0 {
+            vec![("site", "a")]
+        } else {
+            vec![("site", "b")]
+        }
+    });
+    let effects = sim.create_and_start("[groups]\ncount = 3\n");
+    for device in desired(&effects).iter().take(40) {
+        sim.report(device, failed());
+    }
+    let full = sim.engine.status("fw-2-4").expect("status");
+    let summary = sim.engine.summary("fw-2-4").expect("summary");
+    // The summary is the status without per-device detail: same counts and Fleet summaries.
+    assert!(summary
+        .groups
+        .iter()
+        .all(|g| g.devices.is_empty() && g.device_details.is_empty()));
+    for (s, f) in summary.groups.iter().zip(&full.groups) {
+        assert_eq!(
+            (s.total, s.ready, s.failed, &s.summary),
+            (f.total, f.ready, f.failed, &f.summary)
+        );
+    }
+    assert!(summary.trace.len() <= SUMMARY_TRACE);
+    assert_eq!(summary.trace.last(), full.trace.last());
+    let effects = sim.engine.pause("fw-2-4", NOW + 100).expect("paused");
+    for effect in &effects {
+        if let Effect::Snapshot(s) = effect {
+            assert!(s.groups.iter().all(|g| g.devices.is_empty()));
+        }
+    }
+    // Devices in id order across the groups, each with its group, from any cursor on.
+    let all: Vec<RolloutDevice> = sim
+        .engine
+        .rollout_devices("fw-2-4", None)
+        .expect("rollout")
+        .collect();
+    assert_eq!(all.len(), 300);
+    assert!(all.windows(2).all(|w| w[0].id < w[1].id));
+    let mut rebuilt = summary.clone();
+    rebuilt.add_devices(all.clone());
+    for (r, f) in rebuilt.groups.iter().zip(&full.groups) {
+        assert_eq!(r.devices, f.devices);
+        assert_eq!(r.device_details, f.device_details);
+    }
+    let rest: Vec<String> = sim
+        .engine
+        .rollout_devices("fw-2-4", Some(&all[149].id))
+        .expect("rollout")
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(
+        rest,
+        all[150..].iter().map(|d| d.id.clone()).collect::<Vec<_>>()
+    );
+    assert!(sim.engine.rollout_devices("nope", None).is_none());
+    assert_eq!(
+        sim.engine
+            .device_labels("dev-002")
+            .map(|l| l["site"].as_str()),
+        Some("a")
+    );
+}
