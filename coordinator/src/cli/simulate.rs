@@ -801,7 +801,7 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
         None => DEFAULT_START,
     };
     let spec = fleetfile::load_spec(&args.spec)?;
-    let fleet = fleetfile::load_fleet(&args.fleet)?;
+    let fleet = fleetfile::load_fleet_file(&args.fleet)?.to_fleet_devices();
     let groups = match &args.groups {
         Some(path) => fleetfile::load_device_groups(path)?,
         None => Vec::new(),
