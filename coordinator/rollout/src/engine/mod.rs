@@ -40,7 +40,7 @@ use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
 use crate::conditions::GroupCounts;
 use crate::plan::{ActionType, Gate, Pace};
-use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
+use crate::planner::{self, DeviceGroup, PlanDevice, PlanError};
 use crate::ramp::Ramp;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
 
@@ -196,6 +196,25 @@ struct DeviceRecord {
     rollout: Option<String>,
     phase: Option<String>,
     reason: Option<String>,
+}
+
+/// A registry device as the planner reads it.
+struct Registered<'a> {
+    id: &'a str,
+    record: &'a DeviceRecord,
+}
+
+impl PlanDevice for Registered<'_> {
+    type Labels = BTreeMap<String, String>;
+    fn id(&self) -> &str {
+        self.id
+    }
+    fn hardware_id(&self) -> &str {
+        &self.record.hardware_id
+    }
+    fn labels(&self) -> &Self::Labels {
+        &self.record.labels
+    }
 }
 
 /// A rollout with what is rebuilt on restore and never stored.
@@ -687,14 +706,11 @@ impl Engine {
         self.advance(&name, now, out);
     }
 
-    fn fleet(&self) -> Vec<FleetDevice> {
+    /// The registry as the planner reads it, borrowed: a million devices are not copied.
+    fn fleet(&self) -> Vec<Registered<'_>> {
         self.devices
             .iter()
-            .map(|(id, d)| FleetDevice {
-                id: id.clone(),
-                labels: d.labels.clone(),
-                hardware_id: d.hardware_id.clone(),
-            })
+            .map(|(id, record)| Registered { id, record })
             .collect()
     }
 
@@ -739,8 +755,7 @@ impl Engine {
                 release: release.name,
             });
         }
-        let fleet = self.fleet();
-        let plan = planner::plan(&spec, &fleet, &release.hardware, &self.device_groups)?;
+        let plan = planner::plan(&spec, &self.fleet(), &release.hardware, &self.device_groups)?;
         self.create_planned(spec, release, plan, by, now)
     }
 
@@ -754,16 +769,16 @@ impl Engine {
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
-        let fleet = self.fleet();
         let planned = plan.device_count();
         if planned == 0 && !spec.policies.dynamic {
-            let selected = fleet
-                .iter()
+            let selected = self
+                .devices
+                .values()
                 .filter(|d| spec.select.matches(&d.labels))
                 .count();
             let mut reason = format!(
                 "{} devices known, {selected} match select {:?}",
-                fleet.len(),
+                self.devices.len(),
                 spec.select.to_string()
             );
             if !plan.excluded.is_empty() {
@@ -825,7 +840,7 @@ impl Engine {
             seen: BTreeSet::new(),
         };
         if rollout.spec.policies.dynamic {
-            rollout.seen = fleet.iter().map(|d| d.id.clone()).collect();
+            rollout.seen = self.devices.keys().cloned().collect();
         }
         let mut out = Out::default();
         let operator = by;
