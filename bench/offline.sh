@@ -78,13 +78,14 @@ with open(path, "w") as f:
 PY
 }
 
-# measure LABEL CMD...: best wall time and the peak RSS of that run over RUNS runs.
+# measure LABEL CMD...: best wall time, and the CPU time (user + system) and peak RSS of that
+# run, over RUNS runs. CPU time shows what wall time would be on an idle machine.
 measure() {
     local label="$1"
     shift
-    local best_s="" best_kb="" s kb
+    local best_s="" best_kb="" best_cpu="" s kb user sys
     for _ in $(seq "$RUNS"); do
-        /usr/bin/time -f '%e %M' -o "$work/time" "$@" >/dev/null 2>"$work/err" || {
+        /usr/bin/time -f '%e %M %U %S' -o "$work/time" "$@" >/dev/null 2>"$work/err" || {
             code=$?
             # simulate exits 2 when the rollout did not finish; anything else is a failure.
             if [ "$code" != 2 ]; then
@@ -93,19 +94,21 @@ measure() {
                 exit 1
             fi
         }
-        read -r s kb <"$work/time"
+        read -r s kb user sys <"$work/time"
         if [ -z "$best_s" ] || awk "BEGIN{exit !($s < $best_s)}"; then
             best_s="$s"
             best_kb="$kb"
+            best_cpu="$(awk "BEGIN{print $user + $sys}")"
         fi
     done
-    printf '%-34s %8.2f s %8d MB\n' "$label" "$best_s" "$((best_kb / 1024))" | tee -a "$results.tmp"
+    printf '%-40s %8.2f s wall %8.2f s cpu %6d MB\n' "$label" "$best_s" "$best_cpu" \
+        "$((best_kb / 1024))" | tee -a "$results.tmp"
 }
 
 : >"$results.tmp"
 {
     echo "# bench/offline.sh, $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores, best of $RUNS"
-    echo "# $("$FLOTILLA" --version 2>/dev/null || echo flotilla), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "# $("$FLOTILLA" --version 2>/dev/null || echo flotilla), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), load $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "# goals: plan of 1M < 1 s and < 500 MB; simulate of 1M < 10 s and < 1 GB"
 } | tee "$results.tmp"
 for n in $SIZES; do

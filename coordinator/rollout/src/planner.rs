@@ -127,8 +127,10 @@ pub fn plan<D: PlanDevice>(
 struct Selection<'a, D> {
     /// Selected by the rollout and compatible with the release, sorted by id, each once.
     selected: Vec<&'a D>,
-    /// Every fleet device's standing, by id.
+    /// Every fleet device's standing, by id; `Selected` holds the index in fleet order, which
+    /// `sorted` maps to the index in `selected`.
     status: HashMap<&'a str, Standing>,
+    sorted: Vec<usize>,
     /// Device id -> why it is left out.
     excluded: BTreeMap<String, String>,
     rollout_select: String,
@@ -147,16 +149,16 @@ impl<'a, D: PlanDevice> Selection<'a, D> {
         let mut selected: Vec<&D> = Vec::new();
         let mut status = HashMap::with_capacity(fleet.len());
         for device in fleet {
-            if status.contains_key(device.id()) {
+            let std::collections::hash_map::Entry::Vacant(entry) = status.entry(device.id()) else {
                 continue;
-            }
+            };
             let standing = if !spec.select.matches(device.labels()) {
                 Standing::NotSelected
             } else if release_hardware.is_empty()
                 || release_hardware.iter().any(|h| h == device.hardware_id())
             {
                 selected.push(device);
-                Standing::Selected(0)
+                Standing::Selected(selected.len() - 1)
             } else {
                 excluded.insert(
                     device.id().to_owned(),
@@ -169,14 +171,19 @@ impl<'a, D: PlanDevice> Selection<'a, D> {
                 );
                 Standing::Incompatible
             };
-            status.insert(device.id(), standing);
+            entry.insert(standing);
         }
-        selected.sort_unstable_by(|a, b| a.id().cmp(b.id()));
-        for (i, d) in selected.iter().enumerate() {
-            status.insert(d.id(), Standing::Selected(i));
+        // Sorted by id; `sorted[i]` is where the i-th device selected in fleet order went.
+        let mut order: Vec<usize> = (0..selected.len()).collect();
+        order.sort_unstable_by(|&a, &b| selected[a].id().cmp(selected[b].id()));
+        let mut sorted = vec![0; order.len()];
+        for (to, &from) in order.iter().enumerate() {
+            sorted[from] = to;
         }
+        let selected = order.iter().map(|&i| selected[i]).collect();
         Selection {
             selected,
+            sorted,
             status,
             excluded,
             rollout_select: spec.select.to_string(),
@@ -189,9 +196,10 @@ impl<'a, D: PlanDevice> Selection<'a, D> {
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             match self.status.get(id.as_str()) {
-                Some(Standing::Selected(i)) => {
-                    if !out.contains(i) {
-                        out.push(*i);
+                Some(&Standing::Selected(i)) => {
+                    let i = self.sorted[i];
+                    if !out.contains(&i) {
+                        out.push(i);
                     }
                 }
                 Some(Standing::Incompatible) => {}

@@ -24,7 +24,8 @@
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::hash::BuildHasher as _;
+use std::cell::RefCell;
+use std::hash::{BuildHasher as _, BuildHasherDefault, Hasher};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -113,6 +114,9 @@ pub struct Fleet {
     /// Every device's labels as (key, value) name numbers, each device's sorted by key.
     labels: Vec<(u32, u32)>,
     names: Names,
+    /// The label key looked up last and its name number: selectors ask for the same few keys
+    /// of every device.
+    last_key: RefCell<(String, Option<u32>)>,
     pub left_out: Vec<LeftOut>,
 }
 
@@ -187,7 +191,20 @@ impl<'a> Device<'a> {
 
 impl Labels for Device<'_> {
     fn label(&self, key: &str) -> Option<&str> {
-        self.labels().find(|(k, _)| *k == key).map(|(_, v)| v)
+        let number = {
+            let mut last = self.fleet.last_key.borrow_mut();
+            if last.0 != key {
+                last.0.clear();
+                last.0.push_str(key);
+                last.1 = self.fleet.names.numbers.get(key).copied();
+            }
+            last.1?
+        };
+        let (start, end) = self.record.labels;
+        self.fleet.labels[start..end]
+            .iter()
+            .find(|(k, _)| *k == number)
+            .map(|&(_, v)| self.fleet.names.get(v))
     }
 }
 
@@ -223,6 +240,47 @@ impl Fleet {
                 record,
             })
             .collect()
+    }
+
+    /// Puts the devices in id order, their ids and labels too, as the planner takes them: it
+    /// then reads memory in order instead of jumping around a shuffled file.
+    pub fn sort_by_id(&mut self) {
+        let bytes = self.ids.as_bytes();
+        let id = |r: &Record| &bytes[r.id.0..r.id.1];
+        // Most comparisons are of the first 16 bytes as one number (ids hold no NUL bytes, so
+        // padding with zeros keeps the order).
+        let prefix = |r: &Record| {
+            let (id, mut b) = (id(r), [0u8; 16]);
+            let n = id.len().min(16);
+            b[..n].copy_from_slice(&id[..n]);
+            u128::from_be_bytes(b)
+        };
+        let mut keyed: Vec<(u128, usize)> = self
+            .records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (prefix(r), i))
+            .collect();
+        keyed.sort_unstable_by(|a, b| {
+            a.0.cmp(&b.0)
+                .then_with(|| id(&self.records[a.1]).cmp(id(&self.records[b.1])))
+        });
+        let mut ids = String::with_capacity(self.ids.len());
+        let mut labels = Vec::with_capacity(self.labels.len());
+        let mut records = Vec::with_capacity(self.records.len());
+        for (_, i) in keyed {
+            let r = self.records[i];
+            let id_start = ids.len();
+            ids.push_str(&self.ids[r.id.0..r.id.1]);
+            let labels_start = labels.len();
+            labels.extend_from_slice(&self.labels[r.labels.0..r.labels.1]);
+            records.push(Record {
+                id: (id_start, ids.len()),
+                hardware: r.hardware,
+                labels: (labels_start, labels.len()),
+            });
+        }
+        (self.ids, self.labels, self.records) = (ids, labels, records);
     }
 
     /// The devices to plan over as owned [`FleetDevice`]s.
@@ -336,10 +394,28 @@ struct ParseState {
     index: usize,
     /// Id hash -> the entry index and where its id is (a device, or one left out). A second
     /// id with the same hash goes to `collisions`.
-    seen: HashMap<u64, (usize, Place)>,
+    seen: HashMap<u64, (usize, Place), BuildHasherDefault<Hashed>>,
     collisions: Vec<(u64, usize, Place)>,
     hasher: std::hash::RandomState,
     error: Option<FleetError>,
+}
+
+/// Hashes a key that is already a hash by taking it as it is.
+#[derive(Default)]
+struct Hashed(u64);
+
+impl Hasher for Hashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -889,11 +965,12 @@ fn resolve_strategy(
 pub fn plan_files(args: &PlanArgs) -> Result<(Plan, Vec<LeftOut>), FleetError> {
     let mut spec = load_spec(&args.spec)?;
     resolve_strategy(&mut spec, &args.spec, args.strategy_file.as_deref())?;
-    let fleet = load_fleet_file(&args.fleet)?;
+    let mut fleet = load_fleet_file(&args.fleet)?;
     let groups = match &args.groups {
         Some(path) => load_device_groups(path)?,
         None => Vec::new(),
     };
+    fleet.sort_by_id();
     let plan = planner::plan(&spec, &fleet.devices(), &[], &groups)?;
     Ok((plan, fleet.left_out))
 }

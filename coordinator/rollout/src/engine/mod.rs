@@ -42,6 +42,7 @@ use crate::conditions::GroupCounts;
 use crate::plan::{ActionType, Gate, Pace};
 use crate::planner::{self, DeviceGroup, PlanDevice, PlanError};
 use crate::ramp::Ramp;
+use crate::selector::Labels;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
 
 use crate::window::Window;
@@ -190,12 +191,34 @@ pub fn parse_action_id(id: &str) -> Option<(&str, u64, &str, ActionPart)> {
 #[derive(Debug, Clone)]
 struct DeviceRecord {
     hardware_id: String,
-    labels: BTreeMap<String, String>,
+    labels: LabelList,
     online: bool,
     installed: Option<String>,
     rollout: Option<String>,
     phase: Option<String>,
     reason: Option<String>,
+}
+
+/// A device's labels sorted by key, each key once: a third of a `BTreeMap`'s memory for the
+/// few labels a device carries.
+#[derive(Debug, Clone)]
+struct LabelList(Box<[(String, String)]>);
+
+impl LabelList {
+    /// As a map would keep them: the last of a repeated key counts.
+    fn new(mut labels: Vec<(String, String)>) -> Self {
+        labels.reverse();
+        labels.sort_by(|a, b| a.0.cmp(&b.0));
+        labels.dedup_by(|later, first| later.0 == first.0);
+        Self(labels.into_boxed_slice())
+    }
+}
+
+impl Labels for LabelList {
+    fn label(&self, key: &str) -> Option<&str> {
+        let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        Some(&self.0[i].1)
+    }
 }
 
 /// A registry device as the planner reads it.
@@ -205,7 +228,7 @@ struct Registered<'a> {
 }
 
 impl PlanDevice for Registered<'_> {
-    type Labels = BTreeMap<String, String>;
+    type Labels = LabelList;
     fn id(&self) -> &str {
         self.id
     }
@@ -483,7 +506,7 @@ impl Engine {
         let known = self.devices.contains_key(&state.device_id);
         let record = DeviceRecord {
             hardware_id: state.hardware_id.clone(),
-            labels: state.labels.iter().cloned().collect(),
+            labels: LabelList::new(state.labels),
             online: state.online,
             installed: state.installed.as_ref().map(|i| i.name.clone()),
             rollout: current.map(|c| c.rollout_id.clone()),
@@ -1693,7 +1716,7 @@ impl Engine {
             .map(|(id, d)| DeviceSummary {
                 id: id.clone(),
                 hardware_id: d.hardware_id.clone(),
-                labels: d.labels.clone(),
+                labels: d.labels.0.iter().cloned().collect(),
                 online: d.online,
                 installed: d.installed.clone(),
                 rollout: d.rollout.clone(),
