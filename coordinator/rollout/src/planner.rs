@@ -273,7 +273,10 @@ fn hawkbit_groups<D: PlanDevice>(spec: &GroupsSpec, selected: &[&D]) -> Groups {
                         error: error.clone(),
                         ..group(
                             format!("group-{}", i + 1),
-                            rest.by_ref().take(size).map(|d| d.id().to_owned()).collect(),
+                            rest.by_ref()
+                                .take(size)
+                                .map(|d| d.id().to_owned())
+                                .collect(),
                         )
                     }
                 })
@@ -461,13 +464,14 @@ fn staged<D: PlanDevice>(spec: &StagedSpec, selected: &[&D]) -> Result<Groups, P
             Some(label) => {
                 let mut keyed = Vec::with_capacity(devices.len());
                 for d in devices {
-                    let value = d.labels().label(label).ok_or_else(|| {
-                        PlanError::SortLabelMissing {
-                            stage: stage.name.clone(),
-                            device: d.id().to_owned(),
-                            label: label.clone(),
-                        }
-                    })?;
+                    let value =
+                        d.labels()
+                            .label(label)
+                            .ok_or_else(|| PlanError::SortLabelMissing {
+                                stage: stage.name.clone(),
+                                device: d.id().to_owned(),
+                                label: label.clone(),
+                            })?;
                     let key: i64 = value.parse().map_err(|_| PlanError::SortLabelNotInteger {
                         stage: stage.name.clone(),
                         device: d.id().to_owned(),

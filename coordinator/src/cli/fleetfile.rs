@@ -22,9 +22,9 @@
 //! (docs/decisions/0018-cli-settings-and-offline-plan.md).
 
 use flotilla_rollout::zoneinfo::SystemZones;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::cell::RefCell;
 use std::hash::{BuildHasher as _, BuildHasherDefault, Hasher};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -353,6 +353,9 @@ struct Scalar {
     text: String,
 }
 
+/// Where a text is in a buffer: start and end.
+type Span = (usize, usize);
+
 /// The entry being read, its buffers kept from one entry to the next.
 #[derive(Debug, Default)]
 struct Scratch {
@@ -368,7 +371,7 @@ struct Scratch {
     /// Label keys and string values, end to end, and where each label's key and value is
     /// (a value that is not a string: its kind).
     label_text: String,
-    label_spans: Vec<((usize, usize), Result<(usize, usize), &'static str>)>,
+    label_spans: Vec<(Span, Result<Span, &'static str>)>,
 }
 
 impl Scratch {
@@ -478,9 +481,8 @@ impl ParseState {
         }
         for (field, seen) in STATUS_FIELDS.iter().zip(e.status) {
             let online = *field == "online";
-            let fine = seen.is_null()
-                || (online && seen == Seen::Bool)
-                || (!online && seen == Seen::Str);
+            let fine =
+                seen.is_null() || (online && seen == Seen::Bool) || (!online && seen == Seen::Str);
             if !fine {
                 let expected = if online { "a boolean" } else { "a string" };
                 return Err(bad(

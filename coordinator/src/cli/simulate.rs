@@ -854,7 +854,13 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
         None => Outcomes::default(),
     };
     let devices = fleet.devices();
-    simulate(spec, &devices, groups, &outcomes, SimOptions { start, until })
+    simulate(
+        spec,
+        &devices,
+        groups,
+        &outcomes,
+        SimOptions { start, until },
+    )
 }
 
 /// Runs `flotilla simulate`: prints the report and returns the exit code (0 finished, 2 not
