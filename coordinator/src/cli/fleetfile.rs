@@ -221,6 +221,15 @@ impl PlanDevice for Device<'_> {
     }
 }
 
+/// An id's first 16 bytes as one number, so that most comparisons of ids are of numbers. Ids
+/// hold no NUL bytes, so padding with zeros keeps their order.
+fn id_prefix(id: &[u8]) -> u128 {
+    let mut b = [0u8; 16];
+    let n = id.len().min(16);
+    b[..n].copy_from_slice(&id[..n]);
+    u128::from_be_bytes(b)
+}
+
 impl Fleet {
     /// How many devices can be planned over (those left out not counted).
     pub fn len(&self) -> usize {
@@ -242,19 +251,24 @@ impl Fleet {
             .collect()
     }
 
+    /// Whether two devices, planned or left out, have the same id.
+    fn repeats_an_id(&self) -> bool {
+        let ids = self
+            .records
+            .iter()
+            .map(|r| &self.ids[r.id.0..r.id.1])
+            .chain(self.left_out.iter().map(|l| l.id.as_str()));
+        let mut keyed: Vec<(u128, &str)> = ids.map(|id| (id_prefix(id.as_bytes()), id)).collect();
+        keyed.sort_unstable();
+        keyed.windows(2).any(|w| w[0].1 == w[1].1)
+    }
+
     /// Puts the devices in id order, their ids and labels too, as the planner takes them: it
     /// then reads memory in order instead of jumping around a shuffled file.
     pub fn sort_by_id(&mut self) {
         let bytes = self.ids.as_bytes();
         let id = |r: &Record| &bytes[r.id.0..r.id.1];
-        // Most comparisons are of the first 16 bytes as one number (ids hold no NUL bytes, so
-        // padding with zeros keeps the order).
-        let prefix = |r: &Record| {
-            let (id, mut b) = (id(r), [0u8; 16]);
-            let n = id.len().min(16);
-            b[..n].copy_from_slice(&id[..n]);
-            u128::from_be_bytes(b)
-        };
+        let prefix = |r: &Record| id_prefix(id(r));
         let mut keyed: Vec<(u128, usize)> = self
             .records
             .iter()
@@ -306,7 +320,20 @@ pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
 /// Parses a fleet file: a hand-written fleet, or `flotilla devices --json`. The entries are
 /// read one at a time into the compact [`Fleet`]; no document tree is built.
 pub fn parse_fleet_file(bytes: &[u8]) -> Result<Fleet, FleetError> {
-    let mut state = ParseState::default();
+    // A million random lookups in a map of ids cost more than a sort; the map runs only when
+    // the sort finds a repeated id, or the file has an error (a repeated id before it is the
+    // error to name), and then from the start, as an entry-by-entry check would.
+    match read_fleet_file(bytes, false) {
+        Ok(fleet) if !fleet.repeats_an_id() => Ok(fleet),
+        _ => read_fleet_file(bytes, true),
+    }
+}
+
+fn read_fleet_file(bytes: &[u8], check_duplicates: bool) -> Result<Fleet, FleetError> {
+    let mut state = ParseState {
+        check_duplicates,
+        ..ParseState::default()
+    };
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let read = serde::de::DeserializeSeed::deserialize(FileSeed(&mut state), &mut de)
         .and_then(|()| de.end());
@@ -399,6 +426,8 @@ struct ParseState {
     /// id with the same hash goes to `collisions`.
     seen: HashMap<u64, (usize, Place), BuildHasherDefault<Hashed>>,
     collisions: Vec<(u64, usize, Place)>,
+    /// Whether `seen` is kept; without it, repeated ids are not noticed.
+    check_duplicates: bool,
     hasher: std::hash::RandomState,
     error: Option<FleetError>,
 }
@@ -513,7 +542,11 @@ impl ParseState {
         };
         flotilla_protocol::ids::validate_id("device id", id)
             .map_err(|e| bad(".id", e.to_string()))?;
-        let hash = self.hasher.hash_one(id);
+        let hash = if self.check_duplicates {
+            self.hasher.hash_one(id)
+        } else {
+            0
+        };
         if let Some(first) = self.first_with(hash, id) {
             return Err(FleetError::Duplicate {
                 index,
@@ -527,7 +560,9 @@ impl ParseState {
                 id: id.to_owned(),
                 enrollment: enrollment.to_owned(),
             });
-            self.remember(hash, index, place);
+            if self.check_duplicates {
+                self.remember(hash, index, place);
+            }
             return Ok(());
         }
         let labels_start = self.fleet.labels.len();
@@ -581,7 +616,9 @@ impl ParseState {
             hardware,
             labels: (labels_start, fleet.labels.len()),
         });
-        self.remember(hash, index, place);
+        if self.check_duplicates {
+            self.remember(hash, index, place);
+        }
         Ok(())
     }
 }
@@ -1214,6 +1251,16 @@ mod tests {
         );
         assert_eq!(err(r#"[{"id": "a"}, {}]"#), "fleet[1].id: missing");
         assert_eq!(
+            err(r#"[{"id": "b"}, {"id": "a", "enrollment": "pending"}, {"id": "a"}, {"id": 7}]"#),
+            "fleet[2].id: \"a\" is already used by fleet[1]",
+            "the first error in file order, a repeated id of a device left out too"
+        );
+        assert_eq!(
+            err(r#"[{"id": "a", "labels": {"env": "x", "env": 1}}]"#),
+            "fleet[0].labels.env: expected a string, found a number",
+            "the last of a repeated key counts, as in a JSON object"
+        );
+        assert_eq!(
             err(r#"[{"id": 7}]"#),
             "fleet[0].id: expected a string, found a number"
         );
@@ -1230,6 +1277,31 @@ mod tests {
             "fleet file: expected a JSON array of devices, found an object"
         );
         assert!(err("[").starts_with("fleet file is not JSON"));
+    }
+
+    #[test]
+    fn the_compact_fleet_in_id_order_plans_as_the_fleet_devices_do() {
+        let text = r#"[{"id": "d", "labels": {"env": "prod", "site": "ber"}},
+            {"id": "b", "labels": {"env": "canary"}, "hardware_id": "pi4"},
+            {"id": "c", "labels": {"site": "ber", "env": "prod"}},
+            {"id": "a", "labels": {"env": "prod"}}, {"id": "e"}]"#;
+        let spec = RolloutSpec::from_toml(
+            "name = \"r\"\nrelease = \"fw\"\nselect = \"env\"\n[groups]\n\
+             [[groups.group]]\nname = \"canary\"\nselect = \"env=canary\"\n\
+             [[groups.group]]\nname = \"ber\"\nselect = \"site in (ber)\"\npercent = 50\n\
+             [[groups.group]]\nname = \"rest\"\nselect = \"env!=canary\"\n",
+            &SystemZones,
+        )
+        .expect("valid spec");
+        let owned = parse_fleet(text).expect("valid");
+        let mut fleet = parse_fleet_file(text.as_bytes()).expect("valid");
+        fleet.sort_by_id();
+        let ids: Vec<&str> = fleet.devices().iter().map(|d| d.id()).collect();
+        assert_eq!(ids, ["a", "b", "c", "d", "e"]);
+        assert_eq!(
+            planner::plan(&spec, &fleet.devices(), &[], &[]).expect("plans"),
+            planner::plan(&spec, &owned, &[], &[]).expect("plans")
+        );
     }
 
     #[test]
