@@ -104,7 +104,7 @@ pub struct LeftOut {
 
 /// A fleet file: the devices a rollout can be planned over, and those left out.
 ///
-/// A million devices fit in about 60 bytes each: the ids sit end to end in one string, and
+/// A device takes under 100 bytes with a few labels: the ids sit end to end in one string, and
 /// label keys, label values and hardware ids are interned, as fleets repeat them.
 #[derive(Debug, Default)]
 pub struct Fleet {
