@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{Budget, Gate, Pace, SuccessAction, SuccessCondition, Threshold};
 pub use crate::plan::{Excluded, Plan, PlannedGroup};
-use crate::selector::Selector;
+use crate::selector::{Labels, Selector};
 use crate::spec::{
     GroupsSpec, PartitionMembers, PartitionsSpec, Pick, RollingSpec, RolloutSpec, StagedSpec,
     Strategy,
@@ -36,6 +36,29 @@ pub struct FleetDevice {
     pub id: String,
     pub labels: BTreeMap<String, String>,
     pub hardware_id: String,
+}
+
+/// A fleet device as the planner reads it: [`FleetDevice`], or a more compact record of the
+/// offline tools, which plan over a million devices.
+pub trait PlanDevice {
+    /// What the device's labels are read through.
+    type Labels: Labels + ?Sized;
+    fn id(&self) -> &str;
+    fn hardware_id(&self) -> &str;
+    fn labels(&self) -> &Self::Labels;
+}
+
+impl PlanDevice for FleetDevice {
+    type Labels = BTreeMap<String, String>;
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn hardware_id(&self) -> &str {
+        &self.hardware_id
+    }
+    fn labels(&self) -> &Self::Labels {
+        &self.labels
+    }
 }
 
 /// A device group (`flotilla group`): a named selector with labels of its own, which Fleet-style
@@ -76,9 +99,9 @@ pub enum PlanError {
 /// Splits the fleet into the spec's groups. `release_hardware` is the release's list of
 /// compatible hardware ids; empty means any hardware. `device_groups` are the stored device
 /// groups that `[partitions]` may refer to.
-pub fn plan(
+pub fn plan<D: PlanDevice>(
     spec: &RolloutSpec,
-    fleet: &[FleetDevice],
+    fleet: &[D],
     release_hardware: &[String],
     device_groups: &[DeviceGroup],
 ) -> Result<Plan, PlanError> {
@@ -101,11 +124,13 @@ pub fn plan(
 }
 
 /// The devices a rollout covers, and what became of the others.
-struct Selection<'a> {
+struct Selection<'a, D> {
     /// Selected by the rollout and compatible with the release, sorted by id, each once.
-    selected: Vec<&'a FleetDevice>,
-    /// Every fleet device's standing, by id.
+    selected: Vec<&'a D>,
+    /// Every fleet device's standing, by id; `Selected` holds the index in fleet order, which
+    /// `sorted` maps to the index in `selected`.
     status: HashMap<&'a str, Standing>,
+    sorted: Vec<usize>,
     /// Device id -> why it is left out.
     excluded: BTreeMap<String, String>,
     rollout_select: String,
@@ -118,41 +143,47 @@ enum Standing {
     Incompatible,
 }
 
-impl<'a> Selection<'a> {
-    fn new(spec: &RolloutSpec, fleet: &'a [FleetDevice], release_hardware: &[String]) -> Self {
+impl<'a, D: PlanDevice> Selection<'a, D> {
+    fn new(spec: &RolloutSpec, fleet: &'a [D], release_hardware: &[String]) -> Self {
         let mut excluded = BTreeMap::new();
-        let mut selected: Vec<&FleetDevice> = Vec::new();
-        let mut status = HashMap::new();
+        let mut selected: Vec<&D> = Vec::new();
+        let mut status = HashMap::with_capacity(fleet.len());
         for device in fleet {
-            if status.contains_key(device.id.as_str()) {
+            let std::collections::hash_map::Entry::Vacant(entry) = status.entry(device.id()) else {
                 continue;
-            }
-            let standing = if !spec.select.matches(&device.labels) {
+            };
+            let standing = if !spec.select.matches(device.labels()) {
                 Standing::NotSelected
-            } else if release_hardware.is_empty() || release_hardware.contains(&device.hardware_id)
+            } else if release_hardware.is_empty()
+                || release_hardware.iter().any(|h| h == device.hardware_id())
             {
                 selected.push(device);
-                Standing::Selected(0)
+                Standing::Selected(selected.len() - 1)
             } else {
                 excluded.insert(
-                    device.id.clone(),
+                    device.id().to_owned(),
                     format!(
                         "hardware {:?} is not in release {}'s hardware list [{}]",
-                        device.hardware_id,
+                        device.hardware_id(),
                         spec.release,
                         release_hardware.join(", ")
                     ),
                 );
                 Standing::Incompatible
             };
-            status.insert(device.id.as_str(), standing);
+            entry.insert(standing);
         }
-        selected.sort_by(|a, b| a.id.cmp(&b.id));
-        for (i, d) in selected.iter().enumerate() {
-            status.insert(d.id.as_str(), Standing::Selected(i));
+        // Sorted by id; `sorted[i]` is where the i-th device selected in fleet order went.
+        let mut order: Vec<usize> = (0..selected.len()).collect();
+        order.sort_unstable_by(|&a, &b| selected[a].id().cmp(selected[b].id()));
+        let mut sorted = vec![0; order.len()];
+        for (to, &from) in order.iter().enumerate() {
+            sorted[from] = to;
         }
+        let selected = order.iter().map(|&i| selected[i]).collect();
         Selection {
             selected,
+            sorted,
             status,
             excluded,
             rollout_select: spec.select.to_string(),
@@ -165,9 +196,10 @@ impl<'a> Selection<'a> {
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             match self.status.get(id.as_str()) {
-                Some(Standing::Selected(i)) => {
-                    if !out.contains(i) {
-                        out.push(*i);
+                Some(&Standing::Selected(i)) => {
+                    let i = self.sorted[i];
+                    if !out.contains(&i) {
+                        out.push(i);
                     }
                 }
                 Some(Standing::Incompatible) => {}
@@ -192,7 +224,7 @@ impl<'a> Selection<'a> {
     fn ids(&self, indices: &[usize]) -> Vec<String> {
         indices
             .iter()
-            .map(|&i| self.selected[i].id.clone())
+            .map(|&i| self.selected[i].id().to_owned())
             .collect()
     }
 
@@ -202,7 +234,7 @@ impl<'a> Selection<'a> {
             .iter()
             .zip(taken)
             .filter(|(_, t)| !**t)
-            .map(|(d, _)| d.id.clone())
+            .map(|(d, _)| d.id().to_owned())
             .collect()
     }
 }
@@ -222,7 +254,7 @@ fn group(name: String, devices: Vec<String>) -> PlannedGroup {
     }
 }
 
-fn hawkbit_groups(spec: &GroupsSpec, selected: &[&FleetDevice]) -> Groups {
+fn hawkbit_groups<D: PlanDevice>(spec: &GroupsSpec, selected: &[&D]) -> Groups {
     match spec {
         GroupsSpec::Count {
             count,
@@ -241,7 +273,10 @@ fn hawkbit_groups(spec: &GroupsSpec, selected: &[&FleetDevice]) -> Groups {
                         error: error.clone(),
                         ..group(
                             format!("group-{}", i + 1),
-                            rest.by_ref().take(size).map(|d| d.id.clone()).collect(),
+                            rest.by_ref()
+                                .take(size)
+                                .map(|d| d.id().to_owned())
+                                .collect(),
                         )
                     }
                 })
@@ -253,14 +288,14 @@ fn hawkbit_groups(spec: &GroupsSpec, selected: &[&FleetDevice]) -> Groups {
             let mut groups = Vec::with_capacity(list.len());
             for g in list {
                 let candidates: Vec<usize> = (0..selected.len())
-                    .filter(|&i| !taken[i] && g.select.matches(&selected[i].labels))
+                    .filter(|&i| !taken[i] && g.select.matches(selected[i].labels()))
                     .collect();
                 // Round up so that a small percentage of a small fleet still gets one device.
                 let size = g.percent.of_rounded_up(candidates.len());
                 let mut devices = Vec::with_capacity(size);
                 for &i in candidates.iter().take(size) {
                     taken[i] = true;
-                    devices.push(selected[i].id.clone());
+                    devices.push(selected[i].id().to_owned());
                 }
                 groups.push(PlannedGroup {
                     success: g.success.clone(),
@@ -272,16 +307,16 @@ fn hawkbit_groups(spec: &GroupsSpec, selected: &[&FleetDevice]) -> Groups {
                 .iter()
                 .zip(&taken)
                 .filter(|(_, t)| !**t)
-                .map(|(d, _)| d.id.clone())
+                .map(|(d, _)| d.id().to_owned())
                 .collect();
             (groups, unassigned)
         }
     }
 }
 
-fn partitions(
+fn partitions<D: PlanDevice>(
     spec: &PartitionsSpec,
-    sel: &mut Selection<'_>,
+    sel: &mut Selection<'_, D>,
     device_groups: &[DeviceGroup],
 ) -> Result<Groups, PlanError> {
     let partition = |name: String, devices: Vec<String>, budget: Budget| PlannedGroup {
@@ -299,7 +334,7 @@ fn partitions(
     };
     let n = sel.selected.len();
     if spec.partitions.is_empty() {
-        let all: Vec<String> = sel.selected.iter().map(|d| d.id.clone()).collect();
+        let all: Vec<String> = sel.selected.iter().map(|d| d.id().to_owned()).collect();
         if spec.auto_partition_threshold == 0 || n < spec.auto_partition_threshold {
             return Ok((
                 vec![partition("all".into(), all, spec.max_unavailable)],
@@ -330,12 +365,12 @@ fn partitions(
     let mut groups = Vec::with_capacity(spec.partitions.len());
     for (i, p) in spec.partitions.iter().enumerate() {
         let field = format!("partitions.partition[{i}]");
-        let matching = |sel: &Selection<'_>, pred: &dyn Fn(&FleetDevice) -> bool| -> Vec<usize> {
+        let matching = |sel: &Selection<'_, D>, pred: &dyn Fn(&D) -> bool| -> Vec<usize> {
             (0..n).filter(|&j| pred(sel.selected[j])).collect()
         };
         let candidates = match &p.members {
             PartitionMembers::Devices(ids) => sel.listed(ids),
-            PartitionMembers::Select(s) => matching(sel, &|d| s.matches(&d.labels)),
+            PartitionMembers::Select(s) => matching(sel, &|d| s.matches(d.labels())),
             PartitionMembers::Group(name) => {
                 let g = device_groups
                     .iter()
@@ -344,7 +379,7 @@ fn partitions(
                         field: format!("{field}.group"),
                         name: name.clone(),
                     })?;
-                matching(sel, &|d| g.select.matches(&d.labels))
+                matching(sel, &|d| g.select.matches(d.labels()))
             }
             PartitionMembers::GroupSelect(s) => {
                 let chosen: Vec<&DeviceGroup> = device_groups
@@ -357,7 +392,9 @@ fn partitions(
                         selector: s.to_string(),
                     });
                 }
-                matching(sel, &|d| chosen.iter().any(|g| g.select.matches(&d.labels)))
+                matching(sel, &|d| {
+                    chosen.iter().any(|g| g.select.matches(d.labels()))
+                })
             }
         };
         // A device in an earlier partition is not taken again.
@@ -370,7 +407,7 @@ fn partitions(
     Ok((groups, sel.rest(&taken)))
 }
 
-fn rolling(spec: &RollingSpec, sel: &mut Selection<'_>) -> Groups {
+fn rolling<D: PlanDevice>(spec: &RollingSpec, sel: &mut Selection<'_, D>) -> Groups {
     let n = sel.selected.len();
     let picked: Vec<usize> = match &spec.pick {
         Pick::All => (0..n).collect(),
@@ -405,43 +442,43 @@ fn rolling(spec: &RollingSpec, sel: &mut Selection<'_>) -> Groups {
     (vec![g], sel.rest(&taken))
 }
 
-fn staged(spec: &StagedSpec, selected: &[&FleetDevice]) -> Result<Groups, PlanError> {
+fn staged<D: PlanDevice>(spec: &StagedSpec, selected: &[&D]) -> Result<Groups, PlanError> {
     let stages = spec
         .stages
         .as_ref()
         .ok_or_else(|| PlanError::UnresolvedStrategy {
             name: spec.strategy.clone().unwrap_or_default(),
         })?;
-    let mut members: Vec<Vec<&FleetDevice>> = vec![Vec::new(); stages.len()];
+    let mut members: Vec<Vec<&D>> = vec![Vec::new(); stages.len()];
     let mut unassigned = Vec::new();
     for d in selected {
-        match stages.iter().position(|s| s.select.matches(&d.labels)) {
+        match stages.iter().position(|s| s.select.matches(d.labels())) {
             Some(i) => members[i].push(d),
-            None => unassigned.push(d.id.clone()),
+            None => unassigned.push(d.id().to_owned()),
         }
     }
     let mut groups = Vec::with_capacity(stages.len());
     for (stage, devices) in stages.iter().zip(members) {
         let ordered: Vec<String> = match &stage.sort_by {
-            None => devices.iter().map(|d| d.id.clone()).collect(),
+            None => devices.iter().map(|d| d.id().to_owned()).collect(),
             Some(label) => {
                 let mut keyed = Vec::with_capacity(devices.len());
                 for d in devices {
-                    let value = d
-                        .labels
-                        .get(label)
-                        .ok_or_else(|| PlanError::SortLabelMissing {
-                            stage: stage.name.clone(),
-                            device: d.id.clone(),
-                            label: label.clone(),
-                        })?;
+                    let value =
+                        d.labels()
+                            .label(label)
+                            .ok_or_else(|| PlanError::SortLabelMissing {
+                                stage: stage.name.clone(),
+                                device: d.id().to_owned(),
+                                label: label.clone(),
+                            })?;
                     let key: i64 = value.parse().map_err(|_| PlanError::SortLabelNotInteger {
                         stage: stage.name.clone(),
-                        device: d.id.clone(),
+                        device: d.id().to_owned(),
                         label: label.clone(),
-                        value: value.clone(),
+                        value: value.to_owned(),
                     })?;
-                    keyed.push((key, d.id.clone()));
+                    keyed.push((key, d.id().to_owned()));
                 }
                 // Equal values keep id order, so the plan stays deterministic.
                 keyed.sort();

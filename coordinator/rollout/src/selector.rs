@@ -95,22 +95,36 @@ impl Selector {
     }
 
     /// Whether a device with these labels is selected.
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn matches<L: Labels + ?Sized>(&self, labels: &L) -> bool {
         self.requirements.iter().all(|r| r.matches(labels))
     }
 }
 
+/// A device's labels as a selector reads them: a value by key. A `BTreeMap` is the usual
+/// holder; the offline tools keep a million devices' labels in a more compact form.
+pub trait Labels {
+    /// The value of label `key`, if the device carries it.
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
+impl Labels for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
 impl Requirement {
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+    pub fn matches<L: Labels + ?Sized>(&self, labels: &L) -> bool {
+        let in_set = |values: &[String], v: &str| values.iter().any(|x| x == v);
         match self {
-            Requirement::Equals { key, value } => labels.get(key) == Some(value),
-            Requirement::NotEquals { key, value } => labels.get(key) != Some(value),
-            Requirement::In { key, values } => labels.get(key).is_some_and(|v| values.contains(v)),
+            Requirement::Equals { key, value } => labels.label(key) == Some(value),
+            Requirement::NotEquals { key, value } => labels.label(key) != Some(value),
+            Requirement::In { key, values } => labels.label(key).is_some_and(|v| in_set(values, v)),
             Requirement::NotIn { key, values } => {
-                !labels.get(key).is_some_and(|v| values.contains(v))
+                !labels.label(key).is_some_and(|v| in_set(values, v))
             }
-            Requirement::Exists { key } => labels.contains_key(key),
-            Requirement::NotExists { key } => !labels.contains_key(key),
+            Requirement::Exists { key } => labels.label(key).is_some(),
+            Requirement::NotExists { key } => labels.label(key).is_none(),
         }
     }
 }

@@ -46,7 +46,7 @@ use crate::cli::fleetfile::{self, FleetError};
 use crate::cli::view;
 use flotilla_rollout::duration::parse_duration;
 use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef};
-use flotilla_rollout::planner::{DeviceGroup, FleetDevice};
+use flotilla_rollout::planner::{DeviceGroup, FleetDevice, PlanDevice};
 use flotilla_rollout::selector::Selector;
 use flotilla_rollout::spec::RolloutSpec;
 use flotilla_rollout::zoneinfo::SystemZones;
@@ -325,19 +325,35 @@ impl Outcomes {
 
     /// The script of one device: the first matching rule over the default.
     pub fn script_for(&self, device: &FleetDevice) -> Script {
-        let mut script = self.default.clone();
-        if let Some(rule) = self.rules.iter().find(|r| match &r.target {
-            Target::Id(id) => *id == device.id,
-            Target::Select(sel) => sel.matches(&device.labels),
-        }) {
+        self.scripts().swap_remove(self.rule_for(device))
+    }
+
+    /// Which script of [`Outcomes::scripts`] a device follows: 0 for the default, `i + 1` for
+    /// rule `i`.
+    fn rule_for<D: PlanDevice + ?Sized>(&self, device: &D) -> usize {
+        self.rules
+            .iter()
+            .position(|r| match &r.target {
+                Target::Id(id) => id == device.id(),
+                Target::Select(sel) => sel.matches(device.labels()),
+            })
+            .map_or(0, |i| i + 1)
+    }
+
+    /// The default script, then each rule's over the default.
+    fn scripts(&self) -> Vec<Script> {
+        let mut scripts = vec![self.default.clone()];
+        for rule in &self.rules {
+            let mut script = self.default.clone();
             if let Some(answer) = &rule.answer {
                 script.answer = answer.clone();
             }
             if rule.offline_at.is_some() {
                 script.offline_at = rule.offline_at;
             }
+            scripts.push(script);
         }
-        script
+        scripts
     }
 }
 
@@ -424,52 +440,76 @@ enum Event {
     Operator(OperatorAction),
 }
 
-/// A simulated device.
+/// A device the simulator can play: what its retained state says.
+pub trait SimDevice: PlanDevice {
+    /// Its labels as its retained state carries them.
+    fn label_list(&self) -> Vec<(String, String)>;
+}
+
+impl SimDevice for FleetDevice {
+    fn label_list(&self) -> Vec<(String, String)> {
+        self.labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+}
+
+impl SimDevice for fleetfile::Device<'_> {
+    fn label_list(&self) -> Vec<(String, String)> {
+        self.labels()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+}
+
+/// A simulated device; its id and labels stay in the fleet it was read from.
 struct Device {
-    fleet: FleetDevice,
-    script: Script,
+    /// Its script in `Sim::scripts`.
+    script: usize,
     online: bool,
     seq: u64,
     /// Bumped by every new action or cancel, so older pending reports are dropped.
     epoch: u64,
-    current: Option<CurrentAction>,
+    /// The action of its last report, and that report's phase.
+    current: Option<(String, Phase)>,
 }
 
-impl Device {
-    fn state(&self, now: u64) -> DeviceState {
-        DeviceState {
-            device_id: self.fleet.id.clone(),
-            hardware_id: self.fleet.hardware_id.clone(),
-            labels: self
-                .fleet
-                .labels
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            installed: None,
-            current: self.current.clone(),
-            online: self.online,
-            agent_version: "simulated".to_owned(),
-            at: now,
-        }
-    }
-}
-
-struct Sim {
+struct Sim<'f, D> {
     engine: Engine,
     rollout: String,
     start: u64,
+    fleet: &'f [D],
+    scripts: Vec<Script>,
     devices: Vec<Device>,
-    index: HashMap<String, usize>,
-    queue: BTreeMap<(u64, u64), Event>,
-    order: u64,
+    index: HashMap<&'f str, usize>,
+    /// Events by time, each second's in the order they were scheduled.
+    queue: BTreeMap<u64, Vec<Event>>,
     timeline: Vec<TimelineEntry>,
 }
 
-impl Sim {
+impl<D: SimDevice> Sim<'_, D> {
     fn schedule(&mut self, at: u64, event: Event) {
-        self.order += 1;
-        self.queue.insert((at, self.order), event);
+        self.queue.entry(at).or_default().push(event);
+    }
+
+    /// The retained state device `di` publishes.
+    fn state(&self, di: usize, now: u64) -> DeviceState {
+        let (f, d) = (&self.fleet[di], &self.devices[di]);
+        DeviceState {
+            device_id: f.id().to_owned(),
+            hardware_id: f.hardware_id().to_owned(),
+            labels: f.label_list(),
+            installed: None,
+            current: d.current.as_ref().map(|(action_id, phase)| CurrentAction {
+                action_id: action_id.clone(),
+                rollout_id: self.rollout.clone(),
+                phase: phase.clone(),
+            }),
+            online: d.online,
+            agent_version: "simulated".to_owned(),
+            at: now,
+        }
     }
 
     fn note(&mut self, now: u64, message: String) {
@@ -492,14 +532,14 @@ impl Sim {
                 Effect::Cancel {
                     device, action_id, ..
                 } => {
-                    let Some(&di) = self.index.get(&device) else {
+                    let Some(&di) = self.index.get(device.as_str()) else {
                         continue;
                     };
                     let d = &mut self.devices[di];
                     let running = d
                         .current
                         .as_ref()
-                        .is_some_and(|c| c.action_id == action_id && !c.phase.is_terminal());
+                        .is_some_and(|(a, phase)| *a == action_id && !phase.is_terminal());
                     d.epoch += 1;
                     let epoch = d.epoch;
                     if running && d.online {
@@ -540,7 +580,7 @@ impl Sim {
             // It picks the retained action up when it reconnects, which the script never does.
             return;
         }
-        let terminal = match (&d.script.answer, rollback) {
+        let terminal = match (&self.scripts[d.script].answer, rollback) {
             (Answer::Silent, _) => return,
             (Answer::Ready { after }, _) => (*after, Phase::Ready),
             (Answer::Fail { after, .. }, true) => (*after, Phase::Ready),
@@ -552,13 +592,18 @@ impl Sim {
                 },
             ),
         };
-        let report = |phase| Event::Report {
+        let accepted = Event::Report {
             device: di,
             epoch,
             action_id: action_id.clone(),
-            phase,
+            phase: Phase::Accepted,
         };
-        let (accepted, done) = (report(Phase::Accepted), report(terminal.1));
+        let done = Event::Report {
+            device: di,
+            epoch,
+            action_id,
+            phase: terminal.1,
+        };
         self.schedule(now, accepted);
         self.schedule(now.saturating_add(terminal.0), done);
     }
@@ -576,13 +621,9 @@ impl Sim {
                     return;
                 }
                 d.seq += 1;
-                d.current = Some(CurrentAction {
-                    action_id: action_id.clone(),
-                    rollout_id: self.rollout.clone(),
-                    phase: phase.clone(),
-                });
+                d.current = Some((action_id.clone(), phase.clone()));
                 let report = Report {
-                    device_id: d.fleet.id.clone(),
+                    device_id: self.fleet[device].id().to_owned(),
                     seq: d.seq,
                     action_id,
                     rollout_id: self.rollout.clone(),
@@ -593,9 +634,8 @@ impl Sim {
                 self.handle(effects, now);
             }
             Event::Offline { device } => {
-                let d = &mut self.devices[device];
-                d.online = false;
-                let state = d.state(now);
+                self.devices[device].online = false;
+                let state = self.state(device, now);
                 let effects = self.engine.observe_state(state, now);
                 self.handle(effects, now);
             }
@@ -639,20 +679,18 @@ impl Sim {
         loop {
             let mut rounds = 0;
             loop {
+                // Events scheduled at `now` while these are delivered come after them.
                 while let Some(entry) = self.queue.first_entry() {
-                    if entry.key().0 > now {
+                    if *entry.key() > now {
                         break;
                     }
-                    let event = entry.remove();
-                    self.deliver(event, now);
+                    for event in entry.remove() {
+                        self.deliver(event, now);
+                    }
                 }
                 let effects = self.engine.tick(now);
                 self.handle(effects, now);
-                if self
-                    .queue
-                    .first_key_value()
-                    .is_none_or(|((at, _), _)| *at > now)
-                {
+                if self.queue.first_key_value().is_none_or(|(at, _)| *at > now) {
                     break;
                 }
                 rounds += 1;
@@ -665,7 +703,7 @@ impl Sim {
             if self.terminal() {
                 return Ok(end(now, EndReason::Done));
             }
-            let event = self.queue.first_key_value().map(|((at, _), _)| *at);
+            let event = self.queue.first_key_value().map(|(at, _)| *at);
             // A timer the engine says is due now was just ticked; look at least a second ahead.
             let timer = self.engine.next_timer().map(|t| t.max(now + 1));
             let next = match (event, timer) {
@@ -682,9 +720,9 @@ impl Sim {
 }
 
 /// Runs `spec` over `fleet` with the engine, scripted by `outcomes`.
-pub fn simulate(
+pub fn simulate<D: SimDevice>(
     spec: RolloutSpec,
-    fleet: &[FleetDevice],
+    fleet: &[D],
     device_groups: Vec<DeviceGroup>,
     outcomes: &Outcomes,
     options: SimOptions,
@@ -695,27 +733,26 @@ pub fn simulate(
         engine: Engine::new(SystemZones),
         rollout: rollout.clone(),
         start,
+        fleet,
+        scripts: outcomes.scripts(),
         devices: Vec::with_capacity(fleet.len()),
         index: HashMap::with_capacity(fleet.len()),
         queue: BTreeMap::new(),
-        order: 0,
         timeline: Vec::new(),
     };
     sim.engine.set_device_groups(device_groups);
     for (i, f) in fleet.iter().enumerate() {
-        let script = outcomes.script_for(f);
-        let offline_at = script.offline_at;
-        let device = Device {
-            fleet: f.clone(),
-            online: offline_at != Some(0),
+        let script = outcomes.rule_for(f);
+        let offline_at = sim.scripts[script].offline_at;
+        sim.devices.push(Device {
             script,
+            online: offline_at != Some(0),
             seq: 0,
             epoch: 0,
             current: None,
-        };
-        let effects = sim.engine.observe_state(device.state(start), start);
-        sim.devices.push(device);
-        sim.index.insert(f.id.clone(), i);
+        });
+        sim.index.insert(f.id(), i);
+        let effects = sim.engine.observe_state(sim.state(i, start), start);
         sim.handle(effects, start);
         if let Some(at) = offline_at.filter(|at| *at > 0) {
             sim.schedule(start.saturating_add(at), Event::Offline { device: i });
@@ -801,7 +838,7 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
         None => DEFAULT_START,
     };
     let spec = fleetfile::load_spec(&args.spec)?;
-    let fleet = fleetfile::load_fleet(&args.fleet)?;
+    let fleet = fleetfile::load_fleet_file(&args.fleet)?;
     let groups = match &args.groups {
         Some(path) => fleetfile::load_device_groups(path)?,
         None => Vec::new(),
@@ -816,7 +853,14 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
         }
         None => Outcomes::default(),
     };
-    simulate(spec, &fleet, groups, &outcomes, SimOptions { start, until })
+    let devices = fleet.devices();
+    simulate(
+        spec,
+        &devices,
+        groups,
+        &outcomes,
+        SimOptions { start, until },
+    )
 }
 
 /// Runs `flotilla simulate`: prints the report and returns the exit code (0 finished, 2 not

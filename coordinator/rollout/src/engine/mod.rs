@@ -42,8 +42,9 @@ use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
 use crate::conditions::GroupCounts;
 use crate::plan::{ActionType, Gate, Pace};
-use crate::planner::{self, DeviceGroup, FleetDevice, PlanError};
+use crate::planner::{self, DeviceGroup, PlanDevice, PlanError};
 use crate::ramp::Ramp;
+use crate::selector::Labels;
 use crate::spec::{RolloutSpec, SpecError, Strategy};
 
 use crate::window::Window;
@@ -196,12 +197,53 @@ pub fn parse_action_id(id: &str) -> Option<(&str, u64, &str, ActionPart)> {
 #[derive(Debug, Clone)]
 struct DeviceRecord {
     hardware_id: String,
-    labels: BTreeMap<String, String>,
+    labels: LabelList,
     online: bool,
     installed: Option<String>,
     rollout: Option<String>,
     phase: Option<String>,
     reason: Option<String>,
+}
+
+/// A device's labels sorted by key, each key once: a third of a `BTreeMap`'s memory for the
+/// few labels a device carries.
+#[derive(Debug, Clone)]
+struct LabelList(Box<[(String, String)]>);
+
+impl LabelList {
+    /// As a map would keep them: the last of a repeated key counts.
+    fn new(mut labels: Vec<(String, String)>) -> Self {
+        labels.reverse();
+        labels.sort_by(|a, b| a.0.cmp(&b.0));
+        labels.dedup_by(|later, first| later.0 == first.0);
+        Self(labels.into_boxed_slice())
+    }
+}
+
+impl Labels for LabelList {
+    fn label(&self, key: &str) -> Option<&str> {
+        let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        Some(&self.0[i].1)
+    }
+}
+
+/// A registry device as the planner reads it.
+struct Registered<'a> {
+    id: &'a str,
+    record: &'a DeviceRecord,
+}
+
+impl PlanDevice for Registered<'_> {
+    type Labels = LabelList;
+    fn id(&self) -> &str {
+        self.id
+    }
+    fn hardware_id(&self) -> &str {
+        &self.record.hardware_id
+    }
+    fn labels(&self) -> &Self::Labels {
+        &self.record.labels
+    }
 }
 
 /// A rollout with what is rebuilt on restore and never stored.
@@ -470,7 +512,7 @@ impl Engine {
         let known = self.devices.contains_key(&state.device_id);
         let record = DeviceRecord {
             hardware_id: state.hardware_id.clone(),
-            labels: state.labels.iter().cloned().collect(),
+            labels: LabelList::new(state.labels),
             online: state.online,
             installed: state.installed.as_ref().map(|i| i.name.clone()),
             rollout: current.map(|c| c.rollout_id.clone()),
@@ -693,14 +735,11 @@ impl Engine {
         self.advance(&name, now, out);
     }
 
-    fn fleet(&self) -> Vec<FleetDevice> {
+    /// The registry as the planner reads it, borrowed: a million devices are not copied.
+    fn fleet(&self) -> Vec<Registered<'_>> {
         self.devices
             .iter()
-            .map(|(id, d)| FleetDevice {
-                id: id.clone(),
-                labels: d.labels.clone(),
-                hardware_id: d.hardware_id.clone(),
-            })
+            .map(|(id, record)| Registered { id, record })
             .collect()
     }
 
@@ -745,8 +784,7 @@ impl Engine {
                 release: release.name,
             });
         }
-        let fleet = self.fleet();
-        let plan = planner::plan(&spec, &fleet, &release.hardware, &self.device_groups)?;
+        let plan = planner::plan(&spec, &self.fleet(), &release.hardware, &self.device_groups)?;
         self.create_planned(spec, release, plan, by, now)
     }
 
@@ -760,16 +798,16 @@ impl Engine {
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
-        let fleet = self.fleet();
         let planned = plan.device_count();
         if planned == 0 && !spec.policies.dynamic {
-            let selected = fleet
-                .iter()
+            let selected = self
+                .devices
+                .values()
                 .filter(|d| spec.select.matches(&d.labels))
                 .count();
             let mut reason = format!(
                 "{} devices known, {selected} match select {:?}",
-                fleet.len(),
+                self.devices.len(),
                 spec.select.to_string()
             );
             if !plan.excluded.is_empty() {
@@ -831,7 +869,7 @@ impl Engine {
             seen: BTreeSet::new(),
         };
         if rollout.spec.policies.dynamic {
-            rollout.seen = fleet.iter().map(|d| d.id.clone()).collect();
+            rollout.seen = self.devices.keys().cloned().collect();
         }
         let mut out = Out::default();
         let operator = by;
@@ -1760,7 +1798,7 @@ impl Engine {
             .map(|(id, d)| DeviceSummary {
                 id: id.clone(),
                 hardware_id: d.hardware_id.clone(),
-                labels: d.labels.clone(),
+                labels: d.labels.0.iter().cloned().collect(),
                 online: d.online,
                 installed: d.installed.clone(),
                 rollout: d.rollout.clone(),
