@@ -1727,8 +1727,8 @@ impl Engine {
     }
 
     /// The labels of a device the engine knows.
-    pub fn device_labels(&self, device: &str) -> Option<&BTreeMap<String, String>> {
-        self.devices.get(device).map(|d| &d.labels)
+    pub fn device_labels(&self, device: &str) -> Option<&dyn Labels> {
+        self.devices.get(device).map(|d| &d.labels as &dyn Labels)
     }
 
     /// A rollout's status with what only the registry knows: Fleet's per-group summary of

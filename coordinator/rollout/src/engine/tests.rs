@@ -896,7 +896,7 @@ fn summaries_hold_no_device_and_the_device_pages_add_up_to_the_status() {
     assert_eq!(
         sim.engine
             .device_labels("dev-002")
-            .map(|l| l["site"].as_str()),
+            .and_then(|l| l.label("site")),
         Some("a")
     );
 }
