@@ -37,8 +37,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub first: u64,
     /// How many devices, from --first on.
-    #[arg(long)]
-    pub count: u64,
+    #[arg(long, required_unless_present = "first_answer")]
+    pub count: Option<u64>,
     /// Digits of the index in the id.
     #[arg(long, default_value_t = 6)]
     pub id_width: usize,
@@ -100,6 +100,15 @@ pub struct Args {
     /// groups over the online devices, without flotilla's coordinator.
     #[arg(long, value_name = "GROUPS")]
     pub baseline_groups: Option<usize>,
+    /// Time group transitions and desired actions per second per group, for a rollout of
+    /// `[groups] count = GROUPS` over the online devices of this range (set by
+    /// --baseline-groups).
+    #[arg(long, value_name = "GROUPS")]
+    pub groups: Option<usize>,
+    /// Play no devices: send a --probe-key request every 20 ms until the coordinator answers,
+    /// print how long that took and exit (how soon a restarted coordinator answers).
+    #[arg(long, requires = "probe_key")]
+    pub first_answer: bool,
     /// Also write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub summary: Option<PathBuf>,
@@ -168,15 +177,14 @@ impl Args {
         Fleet::new(
             &self.id_prefix,
             self.first,
-            self.count,
+            self.count.unwrap_or(0),
             self.id_width,
             &self.seed,
         )
     }
 
-    /// The validated run options. The coordinator key is read here unless it is the baseline's
-    /// stand-in (`coordinator_key` then given by the caller).
-    pub fn options(&self, fleet: Fleet) -> Result<Options, ArgError> {
+    /// The validated connection settings.
+    pub fn connection(&self) -> Result<flotilla_mqtt::Connection, ArgError> {
         let (host, port) = self
             .broker
             .rsplit_once(':')
@@ -194,8 +202,7 @@ impl Args {
                 ..RawTls::default()
             }),
         };
-        let connection = spec
-            .validate(Path::new("."), &|name| std::env::var(name).ok())
+        spec.validate(Path::new("."), &|name| std::env::var(name).ok())
             .map_err(|e| {
                 let flag = match e.field {
                     "username" => "--username",
@@ -204,7 +211,24 @@ impl Args {
                     _ => "--broker",
                 };
                 arg_error(flag, e.value, e.reason)
-            })?;
+            })
+    }
+
+    /// The probe's operator key, if any.
+    pub fn probe_key(&self) -> Result<Option<flotilla_protocol::SigningKey>, ArgError> {
+        let Some(path) = &self.probe_key else {
+            return Ok(None);
+        };
+        let text = read("--probe-key", path)?;
+        flotilla_protocol::signing::secret_key_from_text(&text)
+            .map(Some)
+            .map_err(|e| arg_error("--probe-key", path.display(), e.to_string()))
+    }
+
+    /// The validated run options. The coordinator key is read here unless it is the baseline's
+    /// stand-in (`coordinator_key` then given by the caller).
+    pub fn options(&self, fleet: Fleet) -> Result<Options, ArgError> {
+        let connection = self.connection()?;
         let coordinator_key = match (&self.coordinator_key, self.baseline_groups) {
             (_, Some(_)) => crate::baseline::coordinator_key(&fleet).verifying_key(),
             (Some(path), None) => {
@@ -241,11 +265,8 @@ impl Args {
             ),
             None => None,
         };
-        let probe = match &self.probe_key {
-            Some(path) => {
-                let text = read("--probe-key", path)?;
-                let key = flotilla_protocol::signing::secret_key_from_text(&text)
-                    .map_err(|e| arg_error("--probe-key", path.display(), e.to_string()))?;
+        let probe = match self.probe_key()? {
+            Some(key) => {
                 let every = parse_duration("--probe-every", &self.probe_every)?;
                 if every.is_zero() {
                     return Err(arg_error(
@@ -281,6 +302,17 @@ impl Args {
             progress: (!progress.is_zero()).then_some(progress),
             inflight: self.inflight,
             probe,
+            groups: match self.baseline_groups.or(self.groups) {
+                Some(0) => {
+                    let flag = if self.baseline_groups.is_some() {
+                        "--baseline-groups"
+                    } else {
+                        "--groups"
+                    };
+                    return Err(arg_error(flag, 0, "must be at least 1"));
+                }
+                groups => groups,
+            },
             summary: self.summary.clone(),
         })
     }

@@ -35,8 +35,10 @@ pub enum LinkEvent {
 pub struct LinkCounters {
     /// PubAcks received: publishes the broker has taken.
     pub acked: AtomicU64,
-    /// Connections lost.
+    /// Connections lost (not counting the orderly disconnect at the end).
     pub lost: AtomicU64,
+    /// Set before the orderly disconnect.
+    pub closing: std::sync::atomic::AtomicBool,
 }
 
 /// Connects as `client_id` and starts the poll task; it stops with `shutdown`.
@@ -82,6 +84,7 @@ pub fn start(
                     continue;
                 }
                 Ok(_) => continue,
+                Err(_) if c.closing.load(Ordering::Relaxed) => break,
                 Err(e) => {
                     c.lost.fetch_add(1, Ordering::Relaxed);
                     let _ = tx.send(LinkEvent::Lost(e.to_string()));

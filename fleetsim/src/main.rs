@@ -25,6 +25,23 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
+    if args.first_answer {
+        let connection = args.connection()?;
+        let key = args
+            .probe_key()?
+            .ok_or_else(|| anyhow::anyhow!("--first-answer needs --probe-key"))?;
+        let timeout = match &args.timeout {
+            Some(t) => flotilla_fleetsim::args::parse_duration("--timeout", t)?,
+            None => std::time::Duration::from_secs(120),
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        let took = runtime.block_on(sim::first_answer(&connection, &args.topic_root, &key, timeout));
+        let took = took.ok_or_else(|| anyhow::anyhow!("no answer within --timeout {timeout:?}"))?;
+        println!("first_answer_s: {:.3}", took.as_secs_f64());
+        return Ok(());
+    }
     let fleet = args.fleet()?;
     if let Some(path) = &args.write_authorized_keys {
         std::fs::write(path, fleet.authorized_keys())

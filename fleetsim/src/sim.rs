@@ -57,6 +57,9 @@ pub struct Options {
     pub progress: Option<Duration>,
     pub inflight: u16,
     pub probe: Option<Probe>,
+    /// The rollout's groups, to time transitions: `[groups] count = N` over the online
+    /// devices in id order.
+    pub groups: Option<usize>,
     pub summary: Option<PathBuf>,
 }
 
@@ -116,8 +119,8 @@ pub struct Summary {
     pub connections_lost: u64,
     /// First desired action received to the last final report sent.
     pub rollout_s: Option<f64>,
-    /// Desired actions received per second while they arrive: over each burst (a group), first
-    /// to last, summed.
+    /// Desired actions received per second while a group's arrive: over each group's span,
+    /// first to last, summed (the whole run is one group without `--groups`).
     pub desired_per_s: Option<f64>,
     pub transitions: usize,
     pub transition_p50_ms: Option<f64>,
@@ -184,14 +187,13 @@ struct Counters {
     published: AtomicU64,
 }
 
-impl Timeline {
-    fn close_burst(&mut self) {
-        if let (Some((start, n)), Some(last)) = (self.burst.take(), self.last_desired) {
-            if n > 1 && last > start {
-                self.bursts.push((n, last - start));
-            }
-        }
-    }
+/// When one group's desired actions came and its devices finished.
+#[derive(Debug, Default, Clone, Copy)]
+struct GroupTimes {
+    desired: u64,
+    first_desired: Option<Instant>,
+    last_desired: Option<Instant>,
+    last_final: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -200,12 +202,8 @@ struct Timeline {
     first_desired: Option<Instant>,
     last_desired: Option<Instant>,
     last_final: Option<Instant>,
-    transitions_ms: Vec<f64>,
-    /// The desired actions of the current burst (a group, when groups run one after the
-    /// other): when it began and how many.
-    burst: Option<(Instant, u64)>,
-    /// Closed bursts: how many desired actions over how long, first to last.
-    bursts: Vec<(u64, Duration)>,
+    /// Per group of `--groups` (one group for the whole range without it).
+    groups: Vec<GroupTimes>,
     probe_pending: HashMap<String, (Instant, bool)>,
     probe_idle_ms: Vec<f64>,
     probe_rollout_ms: Vec<f64>,
@@ -222,6 +220,8 @@ struct Sim {
     timeline: Mutex<Timeline>,
     online: u64,
     reply_topic: String,
+    /// The group of each slot under `--groups` (all 0 without it).
+    group_of: Vec<usize>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,7 +278,21 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
             })
         })
         .collect();
-    let online = slots.iter().filter(|s| !lock(s).offline).count() as u64;
+    let online_slots: Vec<usize> = (0..slots.len())
+        .filter(|&s| !lock(&slots[s]).offline)
+        .collect();
+    let online = online_slots.len() as u64;
+    let mut group_of = vec![0; slots.len()];
+    let groups = crate::baseline::split(&online_slots, opts.groups.unwrap_or(1));
+    for (g, members) in groups.iter().enumerate() {
+        for &slot in members {
+            group_of[slot] = g;
+        }
+    }
+    let timeline = Timeline {
+        groups: vec![GroupTimes::default(); groups.len()],
+        ..Timeline::default()
+    };
     tracing::info!(
         devices = fleet.len(),
         online,
@@ -303,9 +317,10 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
         slots,
         counters: Counters::default(),
         link: link_counters,
-        timeline: Mutex::new(Timeline::default()),
+        timeline: Mutex::new(timeline),
         online,
         reply_topic,
+        group_of,
     });
 
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -369,6 +384,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    sim.link.closing.store(true, Relaxed);
     let _ = sim.client.try_disconnect();
     tokio::time::sleep(Duration::from_millis(100)).await;
     stop.cancel();
@@ -599,15 +615,10 @@ impl Sim {
         let now = Instant::now();
         {
             let mut t = lock(&self.timeline);
-            if t.in_progress == 0 {
-                if let Some(last) = t.last_final {
-                    t.transitions_ms.push(ms(now - last));
-                }
-                t.close_burst();
-                t.burst = Some((now, 0));
-            }
-            if let Some((_, n)) = t.burst.as_mut() {
-                *n += 1;
+            if let Some(g) = t.groups.get_mut(self.group_of[slot]) {
+                g.desired += 1;
+                g.first_desired.get_or_insert(now);
+                g.last_desired = Some(now);
             }
             t.in_progress += 1;
             t.first_desired.get_or_insert(now);
@@ -678,8 +689,12 @@ impl Sim {
             }
         }
         let mut t = lock(&self.timeline);
+        let now = Instant::now();
         t.in_progress = t.in_progress.saturating_sub(1);
-        t.last_final = Some(Instant::now());
+        t.last_final = Some(now);
+        if let Some(g) = t.groups.get_mut(self.group_of[slot]) {
+            g.last_final = Some(now);
+        }
     }
 
     /// Sends a read-only control request every `probe.every` and times the answers.
@@ -769,13 +784,26 @@ impl Sim {
             _ => None,
         };
         let desired = c.desired.load(Relaxed);
-        t.close_burst();
+        // A transition: the last final report of a group to the next group's first desired
+        // action. Desired actions per second: over each group's span, first to last, summed.
+        let mut transitions_ms: Vec<f64> = t
+            .groups
+            .windows(2)
+            .filter_map(|w| match (w[0].last_final, w[1].first_desired) {
+                (Some(done), Some(next)) => Some(ms(next.saturating_duration_since(done))),
+                _ => None,
+            })
+            .collect();
         let (burst_n, burst_time) = t
-            .bursts
+            .groups
             .iter()
-            .fold((0, Duration::ZERO), |(n, d), (bn, bd)| (n + bn, d + *bd));
+            .filter_map(|g| match (g.first_desired, g.last_desired) {
+                (Some(a), Some(b)) if g.desired > 1 && b > a => Some((g.desired, b - a)),
+                _ => None,
+            })
+            .fold((0, Duration::ZERO), |(n, d), (bn, bd)| (n + bn, d + bd));
         for v in [
-            &mut t.transitions_ms,
+            &mut transitions_ms,
             &mut t.probe_idle_ms,
             &mut t.probe_rollout_ms,
         ] {
@@ -799,10 +827,10 @@ impl Sim {
             rollout_s: span.map(|s| s.as_secs_f64()),
             desired_per_s: (!burst_time.is_zero())
                 .then(|| burst_n as f64 / burst_time.as_secs_f64()),
-            transitions: t.transitions_ms.len(),
-            transition_p50_ms: percentile(&t.transitions_ms, 50.0),
-            transition_p99_ms: percentile(&t.transitions_ms, 99.0),
-            transition_max_ms: t.transitions_ms.last().copied(),
+            transitions: transitions_ms.len(),
+            transition_p50_ms: percentile(&transitions_ms, 50.0),
+            transition_p99_ms: percentile(&transitions_ms, 99.0),
+            transition_max_ms: transitions_ms.last().copied(),
             probe_idle: t.probe_idle_ms.len(),
             probe_idle_p50_ms: percentile(&t.probe_idle_ms, 50.0),
             probe_idle_p99_ms: percentile(&t.probe_idle_ms, 99.0),
@@ -812,4 +840,57 @@ impl Sim {
             probe_unanswered: t.probe_pending.len(),
         }
     }
+}
+
+/// How long until the coordinator answers a control request: one signed `list_releases` every
+/// 20 ms, from the first connection to the first answer, or `None` after `timeout`.
+pub async fn first_answer(
+    connection: &flotilla_mqtt::Connection,
+    topic_root: &str,
+    key: &SigningKey,
+    timeout: Duration,
+) -> Option<Duration> {
+    let started = Instant::now();
+    let stop = CancellationToken::new();
+    let client_id = format!("fleetsim-first-answer-{}", std::process::id());
+    let (client, mut events, _) = link::start(connection, &client_id, 100, stop.clone());
+    let topics = Topics::new(topic_root);
+    let reply_topic = topics.control_reply(&client_id);
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    let mut subscribed = false;
+    let answered = tokio::time::timeout(timeout, async {
+        loop {
+            tokio::select! {
+                event = events.recv() => match event {
+                    None => return false,
+                    Some(LinkEvent::Connected) => {
+                        subscribed = client.subscribe(&reply_topic, QoS::AtLeastOnce).await.is_ok();
+                    }
+                    Some(LinkEvent::Publish { topic, payload, .. }) if topic == reply_topic => {
+                        if serde_json::from_slice::<ControlReply>(&payload).is_ok_and(|r| r.ok) {
+                            return true;
+                        }
+                    }
+                    Some(_) => {}
+                },
+                _ = every.tick(), if subscribed => {
+                    let request = ControlRequest::new(
+                        format!("fleetsim-first-{}", new_nonce()),
+                        reply_topic.clone(),
+                        unix_now(),
+                        new_nonce(),
+                        Command::ListReleases,
+                    );
+                    let payload =
+                        serde_json::to_vec(&SignedRequest::sign(key, &request)).unwrap_or_default();
+                    let _ = client
+                        .publish(topics.control_request(), QoS::AtLeastOnce, false, payload)
+                        .await;
+                }
+            }
+        }
+    })
+    .await;
+    stop.cancel();
+    matches!(answered, Ok(true)).then(|| started.elapsed())
 }
