@@ -52,6 +52,8 @@ build_flags=()
 [ "$profile" = release ] && build_flags=(--release)
 # The coordinator as shipped (release profile); the simulator with fast signing
 # (Cargo.toml, profile.fleetsim) so that the devices are not what is measured.
+# PERF=1 profiles a coordinator of the fleetsim profile instead: opt-level 3 with symbols.
+[ -n "${PERF:-}" ] && [ "$profile" = release ] && profile=fleetsim && build_flags=(--profile fleetsim)
 cargo build -q "${build_flags[@]}" -p flotilla-coordinator --bins
 sim_profile=fleetsim
 [ "$profile" = debug ] && sim_profile=dev
@@ -198,10 +200,19 @@ for n in $sizes; do
   done
   sleep 2
   registered_rss=$(kb VmRSS "$coordinator_pid")
-  t_create=$(date +%s.%N)
+  if [ -n "${PERF:-}" ]; then
+    # A profile of the coordinator during the rollout (PERF=1): bench/results/fleet-<n>.perf.txt.
+    perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
+    perf_pid=$!
+  fi
   cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
   cli rollout start fleet >"$dir/start.out" 2>&1 || true
   wait "$sim_pid" || die "simulator failed at $n devices: $(tail -3 "$dir/fleetsim.log")"
+  if [ -n "${PERF:-}" ]; then
+    kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+    perf report -i "$dir/perf.data" --no-children --percent-limit 2 --stdio 2>/dev/null \
+      | grep -v '^$' | head -80 >"$results.$n.perf.txt" || true
+  fi
   after_rss=$(kb VmRSS "$coordinator_pid")
   hwm=$(kb VmHWM "$coordinator_pid")
   sim="$dir/summary.txt"

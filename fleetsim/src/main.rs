@@ -37,7 +37,12 @@ fn run(args: Args) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
-        let took = runtime.block_on(sim::first_answer(&connection, &args.topic_root, &key, timeout));
+        let took = runtime.block_on(sim::first_answer(
+            &connection,
+            &args.topic_root,
+            &key,
+            timeout,
+        ));
         let took = took.ok_or_else(|| anyhow::anyhow!("no answer within --timeout {timeout:?}"))?;
         println!("first_answer_s: {:.3}", took.as_secs_f64());
         return Ok(());
