@@ -710,6 +710,8 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
     flotilla_mqtt::Connection::plain("127.0.0.1", port)
 }
 
+/// Mosquitto on `port`. No queue limit: with the default (1000 messages a client) a fleet
+/// registering at once loses states on their way to the coordinator (`tests/tests/scale.rs`).
 fn start_mosquitto(dir: &Path, port: u16) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
@@ -717,7 +719,8 @@ fn start_mosquitto(dir: &Path, port: u16) -> Process {
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n",
+             max_packet_size {}\n\
+             max_queued_messages 0\nset_tcp_nodelay true\n",
             flotilla_protocol::BROKER_PACKET_LIMIT
         ),
     )
