@@ -2,7 +2,10 @@
 # Fleet scale of one coordinator, measured beside a broker-only baseline in the same run.
 #
 # Usage (from anywhere): bench/fleet.sh [--sizes "1000 10000"] [--with-100k] [--debug]
-# Environment: CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
+# Environment: COORDINATOR_PROFILE (release, as shipped, or fleetsim: opt-level 3), PERF=1 (profile
+#              the coordinator with perf; implies the fleetsim profile), KEEP=1 (keep the work
+#              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
+#              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
 #              default agent), TIMEOUT (per run, default 20m).
 #
@@ -52,8 +55,12 @@ build_flags=()
 [ "$profile" = release ] && build_flags=(--release)
 # The coordinator as shipped (release profile); the simulator with fast signing
 # (Cargo.toml, profile.fleetsim) so that the devices are not what is measured.
-# PERF=1 profiles a coordinator of the fleetsim profile instead: opt-level 3 with symbols.
-[ -n "${PERF:-}" ] && [ "$profile" = release ] && profile=fleetsim && build_flags=(--profile fleetsim)
+# COORDINATOR_PROFILE=fleetsim (and PERF=1, which profiles the coordinator) build the coordinator
+# with the fleetsim profile instead: opt-level 3 and symbols. Under the release profile's
+# opt-level "z", ed25519 is ~20x slower and sets every figure (docs/performance.md).
+if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
+  profile=fleetsim; build_flags=(--profile fleetsim)
+fi
 cargo build -q "${build_flags[@]}" -p flotilla-coordinator --bins
 sim_profile=fleetsim
 [ "$profile" = debug ] && sim_profile=dev
