@@ -132,14 +132,12 @@ pub async fn stand_in(settings: StandIn, stop: CancellationToken) {
                 }
                 group == 0 && waiting_for == 0 && registered_count == online.len()
             }
-            Some(DeviceMessage::Report(report)) if is_report => {
-                if report.phase.is_terminal() && !finished[slot] {
-                    finished[slot] = true;
-                    waiting_for = waiting_for.saturating_sub(1);
-                    waiting_for == 0
-                } else {
-                    false
-                }
+            Some(DeviceMessage::Report(report))
+                if is_report && report.phase.is_terminal() && !finished[slot] =>
+            {
+                finished[slot] = true;
+                waiting_for = waiting_for.saturating_sub(1);
+                waiting_for == 0
             }
             _ => false,
         };
