@@ -722,6 +722,7 @@ impl Sim {
                 let during = t.first_desired.is_some();
                 t.probe_pending.insert(id, (Instant::now(), during));
             }
+            self.counters.published.fetch_add(1, Relaxed);
             if let Err(e) = self
                 .client
                 .publish(
