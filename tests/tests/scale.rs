@@ -172,3 +172,84 @@ async fn a_rollout_over_ten_thousand_simulated_devices_finishes_cleanly() {
         "the coordinator's link dropped during the rollout"
     );
 }
+
+/// The simulator checks desired actions like the agent: a forged one (another key) is refused
+/// and never reported; one signed by the coordinator's key is installed and reported Ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulator_refuses_a_forged_desired_action_and_installs_a_signed_one() {
+    use flotilla_protocol::{
+        envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, ReleaseManifest,
+        SignedBlob,
+    };
+    let site = Site::new(BrokerKind::Mosquitto);
+    let topics = Topics::default();
+    let reports = site
+        .watcher(&[format!("{}/devices/+/report", topics.prefix())])
+        .await;
+    let coordinator = flotilla_protocol::signing::secret_key_from_text(
+        &std::fs::read_to_string(site.path("keys/coordinator.key")).expect("coordinator key"),
+    )
+    .expect("coordinator key");
+    let rogue = flotilla_protocol::signing::generate_key();
+    let manifest = ReleaseManifest {
+        name: "fw-3".into(),
+        version: "3.0.0".into(),
+        counter: 3,
+        hardware: vec!["sim-board".into()],
+        artifacts: Vec::new(),
+        created_at: 0,
+        expires_at: u64::MAX / 2,
+    };
+    let manifest = SignedBlob::sign(&rogue, envelope::to_bytes(&manifest));
+    for (device, key) in [("sim-000000", &rogue), ("sim-000001", &coordinator)] {
+        let action = DesiredAction {
+            action_id: format!("act-{device}"),
+            device_id: device.into(),
+            rollout_id: "r".into(),
+            issued_at: 1,
+            expires_at: u64::MAX / 2,
+            body: ActionBody::Install {
+                manifest: manifest.clone(),
+                kind: ActionKind::Forced,
+                window: None,
+            },
+        };
+        let blob = SignedBlob::sign(key, envelope::to_bytes(&action));
+        // Retained: the simulator reads it when it subscribes.
+        site.publish(
+            &topics.desired(&DeviceId::new(device).expect("id")),
+            envelope::encode(&Message::Desired(blob)),
+            true,
+        )
+        .await;
+    }
+    let summary = site.path("fleetsim.json");
+    let mut simulator = Command::new(bin("flotilla-fleetsim"))
+        .args(["--broker", &format!("127.0.0.1:{}", site.port)])
+        .args(["--count", "2", "--progress", "0s"])
+        .arg("--coordinator-key")
+        .arg(site.path("keys/coordinator.pub"))
+        .arg("--summary")
+        .arg(&summary)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start flotilla-fleetsim");
+    let ready = reports
+        .final_report("sim-000001", Duration::from_secs(60))
+        .await;
+    assert_eq!(ready.phase, flotilla_protocol::Phase::Ready);
+    let _ = Command::new("kill")
+        .args(["-TERM", &simulator.id().to_string()])
+        .status();
+    assert!(simulator.wait().expect("wait").success());
+    assert!(
+        reports.reports("sim-000000").is_empty(),
+        "a forged desired action was acted on"
+    );
+    let figures: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&summary).expect("summary")).expect("JSON");
+    assert_eq!(figures["refused"], 1, "{figures:#}");
+    assert_eq!(figures["desired"], 1, "{figures:#}");
+    assert_eq!(figures["ready"], 1, "{figures:#}");
+}
