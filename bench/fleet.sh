@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# Fleet scale of one coordinator, measured beside a broker-only baseline in the same run.
+#
+# Usage (from anywhere): bench/fleet.sh [--sizes "1000 10000"] [--with-100k] [--debug]
+# Environment: COORDINATOR_PROFILE (release, as shipped, or fleetsim: opt-level 3), PERF=1 (profile
+#              the coordinator with perf; implies the fleetsim profile), KEEP=1 (keep the work
+#              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
+#              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
+#              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
+#              default agent), TIMEOUT (per run, default 20m).
+#
+# Starts its own Mosquitto (deploy/mosquitto/mosquitto.conf with its TLS listeners, passwords and
+# ACL replaced by one plain loopback listener), a coordinator (release build unless --debug) and
+# flotilla-fleetsim, and for each fleet size prints:
+#   - rollout wall time (first desired action to last final report, a 5-group [groups]
+#     rollout, instant installs) beside the broker-only run moving the same desired actions,
+#     reports and states through the same broker (fleetsim --baseline-groups);
+#   - group transition latency p50/p99 (last final report of a group to the next group's first
+#     desired action, as the devices see them) beside the baseline's;
+#   - desired actions received per second while a group starts, beside the baseline's;
+#   - coordinator RSS per managed device (VmRSS after the rollout, minus an empty
+#     coordinator's, over the device count; VmHWM too);
+#   - control request round trips (signed list_releases, every 200 ms) p50/p99 on the idle
+#     coordinator and during the rollout;
+#   - link drops (coordinator log "MQTT connection lost") and desired actions sent twice;
+#   - for the largest size: restart with every state retained: time to the first answered
+#     control request.
+# Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
+export CARGO_TERM_COLOR=never
+export PATH="$PATH:/usr/sbin"
+sizes="1000 10000"
+profile=release
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sizes) sizes="$2"; shift 2 ;;
+    --with-100k) sizes="$sizes 100000"; shift ;;
+    --debug) profile=debug; shift ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+FLEET_GROUPS="${FLEET_GROUPS:-5}"
+PHASES="${PHASES:-agent}"
+TIMEOUT="${TIMEOUT:-20m}"
+mkdir -p "$repo/bench/results"
+results="${RESULTS:-$repo/bench/results/fleet-$(date -u +%Y-%m-%d).txt}"
+
+die() { echo "fleet.sh: $*" >&2; exit 1; }
+command -v mosquitto >/dev/null || die "mosquitto not found (apt-get install mosquitto)"
+build_flags=()
+[ "$profile" = release ] && build_flags=(--release)
+# The coordinator as shipped (release profile); the simulator with fast signing
+# (Cargo.toml, profile.fleetsim) so that the devices are not what is measured.
+# COORDINATOR_PROFILE=fleetsim (and PERF=1, which profiles the coordinator) build the coordinator
+# with the fleetsim profile instead: opt-level 3 and symbols. Under the release profile's
+# opt-level "z", ed25519 is ~20x slower and sets every figure (docs/performance.md).
+if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
+  profile=fleetsim; build_flags=(--profile fleetsim)
+fi
+cargo build -q "${build_flags[@]}" -p flotilla-coordinator --bins
+sim_profile=fleetsim
+[ "$profile" = debug ] && sim_profile=dev
+cargo build -q --profile "$sim_profile" -p flotilla-fleetsim --bins
+flotilla="$CARGO_TARGET_DIR/$profile/flotilla"
+fleetsim="$CARGO_TARGET_DIR/$([ "$sim_profile" = dev ] && echo debug || echo fleetsim)/flotilla-fleetsim"
+
+# The coordinator flushes every store write (sled, fsync). On this shared VM's disk a flush takes
+# ~10-40 ms, which alone would set every figure; the data directories go on tmpfs unless
+# DATA_ON_DISK=1 (docs/performance.md has both).
+if [ -z "${DATA_ON_DISK:-}" ] && [ -d /dev/shm ]; then
+  work="$(mktemp -d /dev/shm/flotilla-fleet.XXXXXX)"
+else
+  work="$(mktemp -d /tmp/flotilla-fleet.XXXXXX)"
+fi
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ -n "${KEEP:-}" ] && echo "kept $work" >&2 || rm -rf "$work"
+}
+trap cleanup EXIT
+
+: >"$results"
+say() { echo "$*" | tee -a "$results"; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+field() { awk -v k="$1:" '$1 == k {print $2}' "$2"; }
+kb() { awk -v k="$1:" '$1 == k {print $2}' "/proc/$2/status"; }
+wait_port() {
+  for _ in $(seq 200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  die "nothing listens on $1"
+}
+
+# The shipped broker settings on plain loopback: everything but listeners, TLS, passwords, ACL
+# and persistence location.
+broker_conf() {
+  local port="$1" dir="$2"
+  grep -vE '^\s*(#|$|listener|cafile|certfile|keyfile|tls_version|require_certificate|use_identity_as_username|password_file|acl_file|allow_anonymous|persistence|persistence_location|per_listener_settings)' \
+    deploy/mosquitto/mosquitto.conf || true
+  echo "per_listener_settings false"
+  echo "allow_anonymous true"
+  echo "persistence false"
+  echo "listener $port 127.0.0.1"
+  # Sizing for a fleet over few connections (docs/operations.md): unless the shipped file sets
+  # them, no queue limit and no Nagle delay.
+  grep -q '^max_queued_messages' deploy/mosquitto/mosquitto.conf || echo "max_queued_messages 0"
+  grep -q '^set_tcp_nodelay' deploy/mosquitto/mosquitto.conf || echo "set_tcp_nodelay true"
+}
+
+start_broker() {
+  local dir="$1" port="$2"
+  broker_conf "$port" "$dir" >"$dir/mosquitto.conf"
+  mosquitto -c "$dir/mosquitto.conf" >"$dir/mosquitto.log" 2>&1 &
+  broker_pid=$!
+  pids+=("$broker_pid")
+  wait_port "$port"
+}
+
+# One site: keys, a release, an operator, the simulator's authorized keys, a coordinator config.
+make_site() {
+  local dir="$1" port="$2" n="$3"
+  mkdir -p "$dir/keys"
+  "$flotilla" keygen --out "$dir/keys" >/dev/null
+  "$flotilla" operator keygen --out "$dir/keys" --name admin >/dev/null
+  head -c 4096 /dev/urandom >"$dir/app.bin"
+  "$flotilla" release create --data-dir "$dir/coordinator" --key "$dir/keys/release.key" \
+    --name fw-2 --version 2.0.0 --counter 2 --hardware sim-board --artifact "app=$dir/app.bin" >/dev/null
+  "$fleetsim" --count "$n" --write-authorized-keys "$dir/authorized_devices" >/dev/null
+  cat >"$dir/coordinator.toml" <<EOF
+data_dir = "$dir/coordinator"
+coordinator_key = "$dir/keys/coordinator.key"
+[broker]
+host = "127.0.0.1"
+port = $port
+[enrollment]
+authorized_keys = "$dir/authorized_devices"
+[[operators]]
+name = "admin"
+role = "admin"
+key_file = "$dir/keys/admin.pub"
+EOF
+  cat >"$dir/spec.toml" <<EOF
+name = "fleet"
+release = "fw-2"
+[groups]
+count = $FLEET_GROUPS
+success = { threshold = "100%", action = "next" }
+EOF
+}
+
+start_coordinator() {
+  local dir="$1"
+  RUST_LOG=info "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
+  coordinator_pid=$!
+  pids+=("$coordinator_pid")
+}
+
+cli() {
+  "$flotilla" --broker "127.0.0.1:$port" --operator-key "$dir/keys/admin.key" "$@"
+}
+
+# Seconds until a control request is answered (a signed request every 20 ms).
+until_answer() {
+  "$fleetsim" --broker "127.0.0.1:$port" --probe-key "$dir/keys/admin.key" --first-answer \
+    --timeout 5m 2>/dev/null | awk '{print $2}'
+}
+
+say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1)"
+say "$(mosquitto -h 2>/dev/null | head -1)"
+say ""
+
+for n in $sizes; do
+  say "== $n devices"
+  # The broker-only baseline: the same messages through a fresh broker of the same settings.
+  dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
+  start_broker "$dir" "$port"
+  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
+    --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
+    || die "baseline run failed: $(tail -3 "$dir/fleetsim.log")"
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  base="$dir/summary.txt"
+
+  # The coordinator.
+  dir="$work/site-$n"; mkdir -p "$dir"; port=$(free_port)
+  start_broker "$dir" "$port"
+  make_site "$dir" "$port" "$n"
+  start_coordinator "$dir"
+  until_answer >/dev/null
+  empty_rss=$(kb VmRSS "$coordinator_pid")
+  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
+    --coordinator-key "$dir/keys/coordinator.pub" --probe-key "$dir/keys/admin.key" --groups "$FLEET_GROUPS" \
+    --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
+    >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
+  sim_pid=$!
+  pids+=("$sim_pid")
+  # Registration: wait until the broker has taken every state, then a little for the
+  # coordinator to read them (create plans over the registered fleet).
+  for _ in $(seq 6000); do
+    grep -q "every device's state is queued" "$dir/fleetsim.log" && break
+    sleep 0.05
+  done
+  sleep 2
+  registered_rss=$(kb VmRSS "$coordinator_pid")
+  if [ -n "${PERF:-}" ]; then
+    # A profile of the coordinator during the rollout (PERF=1): bench/results/fleet-<n>.perf.txt.
+    perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
+    perf_pid=$!
+  fi
+  cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
+  cli rollout start fleet >"$dir/start.out" 2>&1 || true
+  wait "$sim_pid" || die "simulator failed at $n devices: $(tail -3 "$dir/fleetsim.log")"
+  if [ -n "${PERF:-}" ]; then
+    kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+    perf report -i "$dir/perf.data" --no-children --percent-limit 2 --stdio 2>/dev/null \
+      | grep -v '^$' | head -80 >"$results.$n.perf.txt" || true
+  fi
+  after_rss=$(kb VmRSS "$coordinator_pid")
+  hwm=$(kb VmHWM "$coordinator_pid")
+  sim="$dir/summary.txt"
+  drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
+
+  say "rollout wall time:        $(field rollout_s "$sim") s   (broker-only $(field rollout_s "$base") s, ratio $(awk -v a="$(field rollout_s "$sim")" -v b="$(field rollout_s "$base")" 'BEGIN {printf "%.1f", a / b}')x)"
+  say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim")   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms)"
+  say "desired actions/s:        $(field desired_per_s "$sim")   (broker-only $(field desired_per_s "$base"))"
+  say "coordinator RSS:          empty $((empty_rss / 1024)) MiB, registered $((registered_rss / 1024)) MiB, after the rollout $((after_rss / 1024)) MiB (peak $((hwm / 1024)) MiB)"
+  say "  per managed device:     $(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB after the rollout, $(awk -v a="$registered_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB registered"
+  say "control round trip p50/p99: idle $(field probe_idle_p50_ms "$sim") / $(field probe_idle_p99_ms "$sim") ms ($(field probe_idle "$sim")), during the rollout $(field probe_rollout_p50_ms "$sim") / $(field probe_rollout_p99_ms "$sim") ms ($(field probe_rollout "$sim")), unanswered $(field probe_unanswered "$sim")"
+  say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice $(field desired_duplicates "$sim"), refused $(field refused "$sim")"
+  say "link drops:               coordinator $drops, simulator $(field connections_lost "$sim")"
+  say "create/start replies:     $(head -c 120 "$dir/create.out" | tr '\n' ' ') / $(head -c 120 "$dir/start.out" | tr '\n' ' ')"
+
+  # Restart with every state retained (the largest size is the one that matters).
+  kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
+  start_coordinator "$dir"
+  say "restart to first answer:  $(until_answer) s with $n retained states"
+  kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  cp "$sim" "$results.$n.fleetsim.txt"; cp "$base" "$results.$n.baseline.txt"
+  say ""
+done
+say "results: $results"
