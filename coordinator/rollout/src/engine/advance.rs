@@ -1138,10 +1138,18 @@ impl Rollout {
         self.record(now, Decision::new(TraceKind::Finished, message), out);
     }
 
+    /// How long a device past activation may go on without a report once its rollout was stopped
+    /// or failed, when the spec sets no in-progress timeout: then it counts as timed out.
+    pub(crate) const ENDED_GRACE: u64 = 3600;
+
     /// Timers: start time, soak, retries, in-progress timeouts and offline grace. Returns
     /// whether anything changed.
     pub(crate) fn run_timers(&mut self, now: u64, ctx: &Ctx, out: &mut Out) -> bool {
         let (timeout, offline) = (self.spec.policies.timeout, self.spec.policies.offline);
+        // A rollout that ended leaves no device "running" forever: one past activation that never
+        // reports times out after `ENDED_GRACE` when the spec sets no timeout of its own.
+        let ended = matches!(self.state, RolloutState::Stopped | RolloutState::Failed);
+        let timeout = timeout.or(ended.then_some(Self::ENDED_GRACE));
         // Only soaking devices, retries, timeouts and offline grace have per-device timers; a
         // rollout without them skips the scan (it runs every second).
         let per_device = timeout.is_some()
@@ -1170,10 +1178,15 @@ impl Rollout {
                     DevicePhase::InProgress(name) if name != ROLLING_BACK => {
                         if let (Some(limit), Some(at)) = (timeout, slot.attempt_at) {
                             if at + limit <= now {
-                                timed_out.push((
-                                    device.clone(),
-                                    format!("no answer within {}", seconds(limit)),
-                                ));
+                                let why = if ended && self.spec.policies.timeout.is_none() {
+                                    format!(
+                                        "no answer within {} and the rollout has ended",
+                                        seconds(limit)
+                                    )
+                                } else {
+                                    format!("no answer within {}", seconds(limit))
+                                };
+                                timed_out.push((device.clone(), why));
                                 continue;
                             }
                         }
@@ -1296,7 +1309,12 @@ impl Rollout {
                     DevicePhase::Soaking => slot.soak_until.into_iter().for_each(&mut consider),
                     DevicePhase::Retrying(_) => slot.retry_at.into_iter().for_each(&mut consider),
                     DevicePhase::InProgress(name) if name != ROLLING_BACK => {
-                        if let (Some(limit), Some(at)) = (p.timeout, slot.attempt_at) {
+                        let ended_grace =
+                            matches!(self.state, RolloutState::Stopped | RolloutState::Failed)
+                                .then_some(Self::ENDED_GRACE);
+                        if let (Some(limit), Some(at)) =
+                            (p.timeout.or(ended_grace), slot.attempt_at)
+                        {
                             consider(at + limit);
                         }
                         if let OfflinePolicy::Fail { grace } = p.offline {

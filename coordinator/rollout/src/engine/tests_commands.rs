@@ -145,6 +145,28 @@ fn stop_says_what_becomes_of_every_device_and_nothing_runs_forever() {
 }
 
 #[test]
+fn without_a_timeout_a_stopped_rollout_still_times_out_a_silent_device() {
+    let mut b = Bench::new(2);
+    b.create("st", vec![group("g", ids(0..2))], |p| p.timeout = None);
+    b.start("st");
+    b.report("d000", progress("activated"));
+    b.ready(&ids(1..2));
+    b.engine.stop("st", T0 + 1).expect("stopped");
+    assert_eq!(b.phase("st", "d000"), "activated", "it may still finish");
+    assert_eq!(
+        b.engine.next_timer(),
+        Some(T0 + Rollout::ENDED_GRACE),
+        "the ended rollout keeps a timer for it"
+    );
+    b.at(Rollout::ENDED_GRACE);
+    assert_eq!(b.phase("st", "d000"), "timed_out");
+    assert!(b.has_trace("st", "and the rollout has ended"));
+    assert_eq!(b.rollout("st").status().groups[0].in_progress, 0);
+    assert_counts_add_up(&b, "st");
+    assert_eq!(b.engine.next_timer(), None);
+}
+
+#[test]
 fn a_device_of_a_stopped_rollout_that_never_reports_times_out() {
     let mut b = Bench::new(2);
     b.create("st", vec![group("g", ids(0..2))], |p| p.timeout = Some(600));
