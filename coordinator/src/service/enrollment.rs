@@ -20,7 +20,7 @@
 //! Everything ignored is counted by reason ([`Ignored`]), and [`IgnoredLog`] turns the counts
 //! into at most one log line per interval, so a flood of forged messages cannot flood the log.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::control::EnrollmentInfo;
@@ -181,7 +181,9 @@ pub fn parse_authorized_keys(text: &str) -> Result<Vec<AuthorizedKey>, String> {
 #[derive(Debug, Default)]
 pub struct Registry {
     records: BTreeMap<String, Enrollment>,
-    authorized: Vec<AuthorizedKey>,
+    /// Pre-authorized keys, each with the device ids it may enroll (`None`: any). A map, because
+    /// every state of a device not yet accepted is checked against it.
+    authorized: HashMap<[u8; 32], Vec<Option<String>>>,
     tokens: Vec<String>,
     /// sha256 (hex) of used-up tokens.
     used: BTreeSet<String>,
@@ -208,7 +210,10 @@ impl Registry {
     ) -> Self {
         Self {
             records: records.into_iter().map(|r| (r.device.clone(), r)).collect(),
-            authorized,
+            authorized: authorized.into_iter().fold(HashMap::new(), |mut map, a| {
+                map.entry(a.key).or_insert_with(Vec::new).push(a.device);
+                map
+            }),
             tokens,
             used: used.into_iter().collect(),
             max_pending: max_pending.max(1),
@@ -244,12 +249,11 @@ impl Registry {
         key: &VerifyingKey,
         message: &DeviceMessage,
     ) -> Option<(&'static str, Option<String>)> {
-        let bytes = key.to_bytes();
-        if self
-            .authorized
-            .iter()
-            .any(|a| a.key == bytes && a.device.as_deref().is_none_or(|d| d == device))
-        {
+        if self.authorized.get(&key.to_bytes()).is_some_and(|devices| {
+            devices
+                .iter()
+                .any(|d| d.as_deref().is_none_or(|d| d == device))
+        }) {
             return Some(("authorized_key", None));
         }
         let DeviceMessage::State {
