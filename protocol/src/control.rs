@@ -492,6 +492,10 @@ pub struct ApprovalStatus {
     pub created_at: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approved_at: Option<u64>,
+    /// The rollout ended before it was approved: approving it is refused, it would do nothing.
+    /// Absent from older coordinators.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub withdrawn: bool,
 }
 
 /// One decision, with the numbers behind it: the words for people in `message`, and the same

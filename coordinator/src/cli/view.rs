@@ -194,6 +194,7 @@ pub fn approvals_table(approvals: &[ApprovalStatus]) -> String {
                 match (a.approved, a.approved_at) {
                     (true, Some(at)) => format!("approved {}", clock(at)),
                     (true, None) => "approved".to_owned(),
+                    (false, _) if a.withdrawn => "withdrawn (the rollout ended)".to_owned(),
                     (false, _) => format!("pending since {}", clock(a.created_at)),
                 },
             ]
@@ -536,6 +537,7 @@ mod tests {
             approved,
             created_at: 3600 + 125,
             approved_at: approved.then_some(3600 + 200),
+            withdrawn: false,
         };
         let status = RolloutStatus {
             name: "fw-2-4".into(),
@@ -608,6 +610,7 @@ mod tests {
                 approved: false,
                 created_at: 60,
                 approved_at: None,
+                withdrawn: false,
             },
             ApprovalStatus {
                 name: "fw-2-4-before-rest".into(),
@@ -617,6 +620,7 @@ mod tests {
                 approved: true,
                 created_at: 60,
                 approved_at: Some(120),
+                withdrawn: false,
             },
         ];
         let text = approvals_table(&approvals);

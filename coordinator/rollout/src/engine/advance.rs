@@ -374,6 +374,7 @@ impl Rollout {
             approved: false,
             created_at: now,
             approved_at: None,
+            withdrawn: false,
         };
         self.approvals.push(request.clone());
         self.groups[gi].condition(
@@ -414,6 +415,7 @@ impl Rollout {
                     approved: false,
                     created_at: now,
                     approved_at: None,
+                    withdrawn: false,
                 });
                 self.approvals.len() - 1
             }

@@ -1217,6 +1217,16 @@ impl Engine {
         if a.approved {
             return Ok(Vec::new());
         }
+        if r.state.is_terminal() {
+            return Err(EngineError::Conflict(format!(
+                "approval {name} was withdrawn: rollout {rollout} is {}, so approving it would do \
+                 nothing",
+                r.state
+            )));
+        }
+        let Some(a) = r.approvals.iter_mut().find(|a| a.name == name) else {
+            return Err(EngineError::UnknownApproval(name.to_owned()));
+        };
         a.approved = true;
         a.approved_at = Some(now);
         let approval = a.clone();
@@ -1241,7 +1251,7 @@ impl Engine {
     pub fn approvals(&self) -> Vec<ApprovalStatus> {
         self.rollouts
             .values()
-            .flat_map(|e| e.rollout.approvals.iter().cloned())
+            .flat_map(|e| e.rollout.approval_views())
             .collect()
     }
 
@@ -1873,6 +1883,19 @@ impl Rollout {
 
     /// The rollout without per-device detail and with the newest [`SUMMARY_TRACE`] decisions:
     /// what the retained rollout event carries.
+    /// The approval requests as operators see them: one not given before the rollout ended is
+    /// withdrawn.
+    pub fn approval_views(&self) -> Vec<ApprovalStatus> {
+        let ended = self.state.is_terminal();
+        self.approvals
+            .iter()
+            .map(|a| ApprovalStatus {
+                withdrawn: ended && !a.approved,
+                ..a.clone()
+            })
+            .collect()
+    }
+
     pub fn summary(&self) -> RolloutStatus {
         let skip = self.trace.len().saturating_sub(SUMMARY_TRACE);
         RolloutStatus {
@@ -1903,7 +1926,7 @@ impl Rollout {
             strategy: self.spec.vocabulary().to_owned(),
             conditions: self.conditions.clone(),
             waiting: self.waiting.clone(),
-            approvals: self.approvals.clone(),
+            approvals: self.approval_views(),
             strategy_snapshot: self.strategy_snapshot(),
             deletion_stage: self.deletion_stage(),
         }

@@ -595,8 +595,40 @@ fn approving_an_ended_rollout_starts_nothing() {
     b.ready(&ids(0..1));
     b.engine.stop("ap", T0 + 1).expect("stopped");
     let sent = b.sent.len();
-    let effects = b.engine.approve("ap-g1", T0 + 2).expect("approved");
-    b.take(effects);
+    let err = b.engine.approve("ap-g1", T0 + 2).expect_err("withdrawn");
+    assert!(err.to_string().contains("withdrawn"), "{err}");
     assert_eq!(b.sent.len(), sent);
     assert_eq!(b.rollout("ap").groups[1].state, GroupState::Scheduled);
+}
+
+#[test]
+fn a_stopped_rollouts_pending_approval_is_withdrawn_and_cannot_be_given() {
+    let mut b = Bench::new(2);
+    let mut first = group("a", ids(0..1));
+    first.after.approval = true;
+    b.create("wd", vec![first, group("b", ids(1..2))], |_| {});
+    b.start("wd");
+    b.ready(&ids(0..1));
+    let name = "wd-a";
+    let pending = b.engine.approvals();
+    assert!(
+        pending
+            .iter()
+            .any(|a| a.name == name && !a.approved && !a.withdrawn),
+        "{pending:?}"
+    );
+    b.engine.stop("wd", T0 + 5).expect("stopped");
+    let listed = b.engine.approvals();
+    assert!(
+        listed.iter().any(|a| a.name == name && a.withdrawn),
+        "{listed:?}"
+    );
+    assert!(b
+        .rollout("wd")
+        .status()
+        .approvals
+        .iter()
+        .all(|a| a.withdrawn));
+    let err = b.engine.approve(name, T0 + 6).expect_err("withdrawn");
+    assert!(err.to_string().contains("withdrawn"), "{err}");
 }

@@ -609,7 +609,7 @@ impl World {
             self.step += 1;
             let mut moved = false;
             for a in self.engine.approvals() {
-                if !a.approved {
+                if !a.approved && !a.withdrawn {
                     let effects = self.engine.approve(&a.name, self.now).expect("approves");
                     self.take(effects);
                     moved = true;
