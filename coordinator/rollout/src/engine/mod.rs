@@ -1511,18 +1511,7 @@ impl Engine {
                 slot.deleted = true;
                 // A device still acting on this rollout's action (a group that is done may have
                 // some) is told to stop, as in a running group.
-                if matches!(&slot.phase, DevicePhase::InProgress(p) if p != model::ROLLING_BACK) {
-                    cancels.push(Effect::Cancel {
-                        device: device.to_owned(),
-                        action_id: attempt_action_id(
-                            name,
-                            entry.rollout.created_at,
-                            device,
-                            slot.attempt,
-                        ),
-                        rollout: name.clone(),
-                    });
-                }
+                cancels.extend(deleted_cancel(name, entry.rollout.created_at, device, slot));
                 let gname = group.name.clone();
                 let message =
                     format!("device {device} deleted by {by}; not started in group {gname}: {why}");
@@ -1538,17 +1527,9 @@ impl Engine {
                 group.counts.total = group.counts.total.saturating_sub(1);
                 // A device that is still acting on this rollout's action is told to stop: a
                 // deleted device must not go on to install (past activation it cannot stop).
-                if matches!(&slot.phase, DevicePhase::InProgress(p) if p != model::ROLLING_BACK) {
-                    cancels.push(Effect::Cancel {
-                        device: device.to_owned(),
-                        action_id: attempt_action_id(
-                            name,
-                            entry.rollout.created_at,
-                            device,
-                            slot.attempt,
-                        ),
-                        rollout: name.clone(),
-                    });
+                if let Some(cancel) = deleted_cancel(name, entry.rollout.created_at, device, &slot)
+                {
+                    cancels.push(cancel);
                     canceled = true;
                 }
             }
@@ -1943,6 +1924,18 @@ impl Rollout {
             })
             .collect()
     }
+}
+
+/// The cancel a deleted device gets when it is still acting on this rollout's action (past
+/// activation the agent ignores it and finishes, and its report says so).
+fn deleted_cancel(rollout: &str, created_at: u64, device: &str, slot: &Slot) -> Option<Effect> {
+    matches!(&slot.phase, DevicePhase::InProgress(p) if p != model::ROLLING_BACK).then(|| {
+        Effect::Cancel {
+            device: device.to_owned(),
+            action_id: attempt_action_id(rollout, created_at, device, slot.attempt),
+            rollout: rollout.to_owned(),
+        }
+    })
 }
 
 #[cfg(test)]
