@@ -134,24 +134,6 @@ pub enum StoreError {
     Import { source: sled::Error },
 }
 
-impl StoreError {
-    /// Whether this is the disk (or a quota) being full.
-    pub fn is_storage_full(&self) -> bool {
-        let source = match self {
-            StoreError::Open { source, .. }
-            | StoreError::Write { source, .. }
-            | StoreError::WriteRecord { source, .. }
-            | StoreError::Import { source } => source,
-            _ => return false,
-        };
-        matches!(source, sled::Error::Io(e)
-            if e.kind() == std::io::ErrorKind::StorageFull
-                || e.kind() == std::io::ErrorKind::QuotaExceeded
-                || e.raw_os_error() == Some(28))
-            || source.to_string().contains("No space left on device")
-    }
-}
-
 /// The coordinator's sled database.
 ///
 /// After a failed write sled refuses every later write of that instance, even once space
