@@ -22,11 +22,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
+use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::{new_nonce, SignedRequest};
 use flotilla_protocol::{
     device, envelope, ActionBody, CurrentAction, DesiredAction, DeviceId, DeviceMessage,
-    DeviceState, Digest, InstalledRelease, Message, Phase, ReleaseManifest, Report, SigningKey,
-    Topic, Topics, VerifyingKey,
+    DeviceState, Digest, InstalledRelease, Message, Phase, Report, SigningKey, Topic, Topics,
+    VerifyingKey,
 };
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
@@ -573,32 +574,34 @@ impl Sim {
             }
             s.seen.push(action.action_id.clone());
         }
+        if let Some(install) = action.body.install() {
+            // The release key's signature is the agent's business; the simulator only needs
+            // the release's name, version and size.
+            let manifest = match Manifest::decode(&install.manifest.payload) {
+                Ok(m) => m.release,
+                Err(e) => return self.refuse(id.as_str(), &e.to_string()),
+            };
+            let total = manifest.artifacts.iter().map(|a| a.size).sum();
+            let release = InstalledRelease {
+                name: manifest.name,
+                version: manifest.version,
+                counter: manifest.counter,
+            };
+            self.begin(slot, &action.action_id, &action.rollout_id);
+            let fails = self
+                .opts
+                .fleet
+                .fails(slot, &action.action_id, self.opts.fail_rate);
+            let phases = install_phases(self.opts.phases, total, fails);
+            tokio::spawn(self.clone().play(slot, phases, Some(release)));
+            return;
+        }
         match action.body {
-            ActionBody::Nothing => {}
+            ActionBody::Nothing
+            | ActionBody::Install { .. }
+            | ActionBody::InstallWithPeers { .. } => {}
             ActionBody::Cancel { action_id } => {
                 lock(&self.slots[slot]).cancel = Some(action_id);
-            }
-            ActionBody::Install { manifest, .. } => {
-                // The release key's signature is the agent's business; the simulator only needs
-                // the release's name, version and size.
-                let manifest: ReleaseManifest =
-                    match envelope::from_bytes("release manifest", &manifest.payload) {
-                        Ok(m) => m,
-                        Err(e) => return self.refuse(id.as_str(), &e.to_string()),
-                    };
-                let total = manifest.artifacts.iter().map(|a| a.size).sum();
-                let release = InstalledRelease {
-                    name: manifest.name,
-                    version: manifest.version,
-                    counter: manifest.counter,
-                };
-                self.begin(slot, &action.action_id, &action.rollout_id);
-                let fails = self
-                    .opts
-                    .fleet
-                    .fails(slot, &action.action_id, self.opts.fail_rate);
-                let phases = install_phases(self.opts.phases, total, fails);
-                tokio::spawn(self.clone().play(slot, phases, Some(release)));
             }
             ActionBody::Rollback { .. } => {
                 self.begin(slot, &action.action_id, &action.rollout_id);

@@ -90,7 +90,8 @@ pub fn plain(message: Message) -> Message {
     };
     match open_self_signed(blob) {
         Ok((_, DeviceMessage::State { state, .. })) => Message::State(state),
-        Ok((_, DeviceMessage::Report(report))) => Message::Report(report),
+        Ok((_, DeviceMessage::Report(report)))
+        | Ok((_, DeviceMessage::ReportWithBytes { report, .. })) => Message::Report(report),
         Ok((_, DeviceMessage::Fetch { request, .. })) => Message::Fetch(request),
         Err(_) => message,
     }

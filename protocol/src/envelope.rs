@@ -43,6 +43,8 @@ pub enum Message {
     /// device's `state`, `report` or `fetch` topic. Replaces the unsigned `Report`, `State` and
     /// `Fetch`, which a coordinator ignores.
     Device(SignedBlob),
+    /// A block request to a peer, on that peer's `peer-fetch` topic.
+    PeerFetch(crate::messages::PeerFetch),
 }
 
 impl Message {
@@ -55,6 +57,7 @@ impl Message {
             Message::Fetch(_) => "block request",
             Message::Block(_) => "block reply",
             Message::Device(_) => "signed device message",
+            Message::PeerFetch(_) => "peer block request",
         }
     }
 }

@@ -6,6 +6,8 @@
 //! - [`topics`]: every MQTT topic, built and parsed in one place.
 //! - [`envelope`]: the versioned postcard envelope around device-facing messages.
 //! - [`messages`]: release manifests, desired actions, reports, device states, artifact blocks.
+//! - [`manifest`]: the signed manifest bytes, with the block-index extension.
+//! - [`blocks`]: per-block hashes: block lists and how blocks are cut.
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
 //! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
 //! - [`control`]: the JSON control requests, replies and status documents.
@@ -22,12 +24,14 @@
 //! assert!(matches!(envelope::decode(&bytes), Ok(Message::Fetch(_))));
 //! ```
 
+pub mod blocks;
 pub mod control;
 pub mod device;
 pub mod envelope;
 pub mod hex;
 pub mod ids;
 pub mod keys;
+pub mod manifest;
 pub mod messages;
 pub mod operator;
 pub mod signing;

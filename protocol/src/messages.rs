@@ -71,6 +71,113 @@ pub enum ActionBody {
     Cancel { action_id: String },
     /// Return to the release the device kept before the named action.
     Rollback { action_id: String },
+    /// Install a release, fetching blocks from the peers a coordinator-signed [`PeerGrant`]
+    /// names before the coordinator. `grant` is signed on its own so the device can show it to
+    /// those peers ([`PeerFetch`]). Sent only when peer sharing is on for the rollout; an older
+    /// agent refuses this variant as malformed instead of misreading it.
+    InstallWithPeers {
+        manifest: SignedBlob,
+        kind: ActionKind,
+        window: Option<TimeWindow>,
+        grant: SignedBlob,
+    },
+}
+
+/// The parts of an install, whichever variant carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstallRef<'a> {
+    pub manifest: &'a SignedBlob,
+    pub kind: ActionKind,
+    pub window: Option<TimeWindow>,
+    /// The peer grant, for [`ActionBody::InstallWithPeers`].
+    pub grant: Option<&'a SignedBlob>,
+}
+
+impl ActionBody {
+    /// The install this body asks for, if it is one.
+    pub fn install(&self) -> Option<InstallRef<'_>> {
+        match self {
+            ActionBody::Install {
+                manifest,
+                kind,
+                window,
+            } => Some(InstallRef {
+                manifest,
+                kind: *kind,
+                window: *window,
+                grant: None,
+            }),
+            ActionBody::InstallWithPeers {
+                manifest,
+                kind,
+                window,
+                grant,
+            } => Some(InstallRef {
+                manifest,
+                kind: *kind,
+                window: *window,
+                grant: Some(grant),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The action kind of an install, to change it in place (tests, time-forced promotion).
+    pub fn install_kind_mut(&mut self) -> Option<&mut ActionKind> {
+        match self {
+            ActionBody::Install { kind, .. } | ActionBody::InstallWithPeers { kind, .. } => {
+                Some(kind)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Signed by the coordinator for one device and one action: the peers it may fetch blocks from,
+/// in the order to try them, and the digests (artifacts and their block lists) it may ask them
+/// for. A peer serves a [`PeerFetch`] only if this verifies against a coordinator key it trusts,
+/// names the peer among `sources`, covers the digest asked for, and has not expired; it answers
+/// on the topic of `device_id`, never one the request names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerGrant {
+    pub device_id: String,
+    pub action_id: String,
+    pub rollout_id: String,
+    pub sources: Vec<String>,
+    pub digests: Vec<Digest>,
+    pub expires_at: UnixTime,
+}
+
+/// A block request to a peer, on the peer's `peer-fetch` topic: the requester's grant and what
+/// it asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerFetch {
+    pub grant: SignedBlob,
+    pub request: BlockRequest,
+}
+
+/// Where an action's bytes came from, sent with its final report.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ByteCounts {
+    /// Bytes fetched from the coordinator's artifact server.
+    pub coordinator: u64,
+    /// Bytes copied from what the device already held (an installed release, the other slot,
+    /// an earlier download).
+    pub local: u64,
+    /// Bytes fetched from each peer, by device id.
+    pub peers: Vec<(String, u64)>,
+}
+
+impl ByteCounts {
+    /// Bytes fetched from peers, all together.
+    pub fn from_peers(&self) -> u64 {
+        self.peers.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Every byte counted, whatever its source.
+    pub fn total(&self) -> u64 {
+        self.coordinator + self.local + self.from_peers()
+    }
 }
 
 /// hawkBit's action types.
@@ -258,6 +365,11 @@ pub enum DeviceMessage {
         device_id: String,
         request: BlockRequest,
     },
+    /// A report that ends an action, with where its bytes came from.
+    ReportWithBytes {
+        report: Report,
+        bytes: ByteCounts,
+    },
 }
 
 impl DeviceMessage {
@@ -265,7 +377,9 @@ impl DeviceMessage {
     pub fn device_id(&self) -> &str {
         match self {
             DeviceMessage::State { state, .. } => &state.device_id,
-            DeviceMessage::Report(r) => &r.device_id,
+            DeviceMessage::Report(r) | DeviceMessage::ReportWithBytes { report: r, .. } => {
+                &r.device_id
+            }
             DeviceMessage::Fetch { device_id, .. } => device_id,
         }
     }
@@ -276,6 +390,7 @@ impl DeviceMessage {
             DeviceMessage::State { .. } => "device state",
             DeviceMessage::Report(_) => "report",
             DeviceMessage::Fetch { .. } => "block request",
+            DeviceMessage::ReportWithBytes { .. } => "report",
         }
     }
 }

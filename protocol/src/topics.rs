@@ -6,6 +6,8 @@
 //! {root}/v1/devices/{id}/state      retained  agent -> anyone        device description, last will (postcard)
 //! {root}/v1/devices/{id}/fetch                agent -> coordinator   artifact block requests (postcard)
 //! {root}/v1/devices/{id}/block                coordinator -> agent   artifact blocks (postcard)
+//! {root}/v1/devices/{id}/peer-fetch           peer -> agent          block requests to a peer (postcard)
+//! {root}/v1/devices/{id}/peer-block/{peer}    peer -> agent          blocks from peer {peer} (postcard)
 //! {root}/v1/events/rollouts/{rollout}  retained                      rollout summary (JSON)
 //! {root}/v1/events/log                                               decision trace entries (JSON)
 //! {root}/v1/events/approvals/{name}    retained                      approval requests (JSON)
@@ -41,6 +43,13 @@ pub enum Topic {
     State(DeviceId),
     Fetch(DeviceId),
     Block(DeviceId),
+    /// A block request to this device, as a peer.
+    PeerFetch(DeviceId),
+    /// A block for `device` from the peer `source`.
+    PeerBlock {
+        device: DeviceId,
+        source: DeviceId,
+    },
     RolloutEvent(String),
     EventLog,
     ApprovalEvent(String),
@@ -80,6 +89,19 @@ impl Topics {
     pub fn block(&self, id: &DeviceId) -> String {
         self.device(id, "block")
     }
+    /// Where peers send this device block requests for what it holds.
+    pub fn peer_fetch(&self, id: &DeviceId) -> String {
+        self.device(id, "peer-fetch")
+    }
+    /// Where the peer `source` answers `device`'s block requests. Site brokers keep these and
+    /// `peer-fetch` local (they are not bridged), and an ACL lets only `source` publish here.
+    pub fn peer_block(&self, device: &DeviceId, source: &DeviceId) -> String {
+        format!("{}/devices/{device}/peer-block/{source}", self.prefix)
+    }
+    /// Filter matching every peer's blocks for one device.
+    pub fn peer_block_filter(&self, device: &DeviceId) -> String {
+        format!("{}/devices/{device}/peer-block/+", self.prefix)
+    }
     pub fn rollout_event(&self, rollout: &str) -> String {
         format!("{}/events/rollouts/{rollout}", self.prefix)
     }
@@ -118,9 +140,15 @@ impl Topics {
         format!("{}/devices/+/desired", self.prefix)
     }
 
-    /// Subscription filters for one agent.
+    /// Subscription filters for one agent: its desired action, its blocks from the coordinator
+    /// and from peers, and block requests from peers.
     pub fn agent_filters(&self, id: &DeviceId) -> Vec<String> {
-        vec![self.desired(id), self.block(id)]
+        vec![
+            self.desired(id),
+            self.block(id),
+            self.peer_block_filter(id),
+            self.peer_fetch(id),
+        ]
     }
 
     /// Filter matching all rollout summaries.
@@ -141,9 +169,14 @@ impl Topics {
                     "state" => Topic::State(id),
                     "fetch" => Topic::Fetch(id),
                     "block" => Topic::Block(id),
+                    "peer-fetch" => Topic::PeerFetch(id),
                     _ => return None,
                 })
             }
+            ["devices", id, "peer-block", source] => Some(Topic::PeerBlock {
+                device: DeviceId::new(*id).ok()?,
+                source: DeviceId::new(*source).ok()?,
+            }),
             ["events", "rollouts", name] => {
                 validate_id("rollout name", name).ok()?;
                 Some(Topic::RolloutEvent((*name).to_owned()))
@@ -176,6 +209,14 @@ mod tests {
             (t.state(&id), Topic::State(id.clone())),
             (t.fetch(&id), Topic::Fetch(id.clone())),
             (t.block(&id), Topic::Block(id.clone())),
+            (t.peer_fetch(&id), Topic::PeerFetch(id.clone())),
+            (
+                t.peer_block(&id, &DeviceId::new("dev-2").expect("valid")),
+                Topic::PeerBlock {
+                    device: id.clone(),
+                    source: DeviceId::new("dev-2").expect("valid"),
+                },
+            ),
             (
                 t.rollout_event("fw-2-4"),
                 Topic::RolloutEvent("fw-2-4".into()),
@@ -216,6 +257,8 @@ mod tests {
             "flotilla/v1/devices/a+b/state",
             "flotilla/v1/devices/a/state/extra",
             "flotilla/v1/events/approvals/a+b",
+            "flotilla/v1/devices/a/peer-block/b+c",
+            "flotilla/v1/devices/a/peer-block",
             "flotilla/v1/events/approvals/",
             "flotilla/v1",
         ] {

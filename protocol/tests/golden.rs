@@ -72,6 +72,14 @@ fn actual() -> Vec<(String, String)> {
     ));
     let signed = MultiSignedBlob::sign(&[&samples::key()], envelope::to_bytes(&doc));
     out.push(("keys file".into(), hex::encode(&keys::encode_file(&signed))));
+    out.push((
+        "manifest with blocks".into(),
+        hex::encode(&samples::manifest_with_blocks().encode()),
+    ));
+    out.push((
+        "action install with peers".into(),
+        hex::encode(&envelope::to_bytes(&samples::install_with_peers())),
+    ));
     out
 }
 

@@ -128,7 +128,51 @@ pub fn messages() -> Vec<Message> {
             reason: "no such artifact".into(),
         }),
         Message::Device(device::sign(&key(), &device_state())),
+        Message::PeerFetch(PeerFetch {
+            grant: SignedBlob::sign(&key(), envelope::to_bytes(&grant())),
+            request: BlockRequest {
+                sha256: [4; 32],
+                offset: 131072,
+                length: 65536,
+            },
+        }),
     ]
+}
+
+/// A peer grant naming two sources.
+pub fn grant() -> PeerGrant {
+    PeerGrant {
+        device_id: "dev-1".into(),
+        action_id: "fw-2-4.dev-1".into(),
+        rollout_id: "fw-2-4".into(),
+        sources: vec!["dev-2".into(), "dev-3".into()],
+        digests: vec![[0xab; 32], [0xcd; 32]],
+        expires_at: 1_700_086_500,
+    }
+}
+
+/// The sample manifest with its block-index extension.
+pub fn manifest_with_blocks() -> manifest::Manifest {
+    manifest::Manifest {
+        release: manifest(),
+        blocks: Some(manifest::ManifestBlocks {
+            artifacts: vec![blocks::BlockIndexRef {
+                block_size: 65536,
+                sha256: [0xcd; 32],
+            }],
+        }),
+    }
+}
+
+/// An install from peers.
+pub fn install_with_peers() -> DesiredAction {
+    let manifest = SignedBlob::sign(&key(), manifest_with_blocks().encode());
+    action(ActionBody::InstallWithPeers {
+        manifest,
+        kind: ActionKind::Forced,
+        window: None,
+        grant: SignedBlob::sign(&key(), envelope::to_bytes(&grant())),
+    })
 }
 
 /// One of every signed device message.
@@ -146,6 +190,14 @@ pub fn device_messages() -> Vec<DeviceMessage> {
                 sha256: [1; 32],
                 offset: 65536,
                 length: 16384,
+            },
+        },
+        DeviceMessage::ReportWithBytes {
+            report: report(Phase::Ready),
+            bytes: ByteCounts {
+                coordinator: 65536,
+                local: 4096,
+                peers: vec![("dev-2".into(), 131072)],
             },
         },
     ]

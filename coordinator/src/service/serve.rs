@@ -701,7 +701,7 @@ impl Service {
                 let effects = self.engine.observe_state(state, now);
                 self.apply(effects).await
             }
-            DeviceMessage::Report(report) => {
+            DeviceMessage::Report(report) | DeviceMessage::ReportWithBytes { report, .. } => {
                 let effects = self.engine.observe_report(report, now);
                 self.apply(effects).await
             }
