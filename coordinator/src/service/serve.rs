@@ -1228,6 +1228,7 @@ impl Service {
                     rollout,
                     release,
                     action,
+                    peers: _,
                 } => {
                     let Some(manifest) = self.manifest(&release) else {
                         continue;

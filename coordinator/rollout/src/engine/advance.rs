@@ -188,6 +188,7 @@ impl Rollout {
             rollout: self.name.clone(),
             release: self.release.name.clone(),
             action: self.spec.policies.action,
+            peers: Vec::new(),
         }
     }
 

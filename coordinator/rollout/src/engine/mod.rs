@@ -79,6 +79,10 @@ pub enum Effect {
         rollout: String,
         release: String,
         action: ActionType,
+        /// Devices of the same site that hold the release's artifacts, in the order to try
+        /// them; empty when the device fetches from the coordinator alone. A non-empty list
+        /// makes the install an `InstallWithPeers` with a grant naming them.
+        peers: Vec<String>,
     },
     /// Publish (retained) a cancel of this action.
     Cancel {
@@ -304,6 +308,7 @@ fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
             rollout: r.name.clone(),
             release: r.release.name.clone(),
             action: r.spec.policies.action,
+            peers: Vec::new(),
         }),
         DevicePhase::Canceled if !r.state.is_active() && slot.attempt > 0 => Some(Effect::Cancel {
             device: device.to_owned(),

@@ -179,6 +179,7 @@ fn start_orders_effects_and_sends_only_the_first_group() {
             rollout: "fw-2-4".into(),
             release: "fw-2.4.0".into(),
             action: ActionType::Forced,
+            peers: Vec::new(),
         }
     );
     assert_eq!(effects[4], Effect::Status("fw-2-4".into()));
