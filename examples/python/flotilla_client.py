@@ -122,6 +122,27 @@ class FlotillaClient:
                 raise Refused(reply.get("error") or "no reason given")
             return reply.get("result")
 
+    def pages(self, command, page_size=500, **fields):
+        """Yields every page of a paged list command (docs/protocol.md, "Pages"), following
+        `next` until the last page, so no reply grows with the fleet."""
+        after = None
+        while True:
+            extra = {"after": after} if after else {}
+            page = self.request(command, limit=page_size, **fields, **extra)
+            yield page
+            after = page.get("next")
+            if not after:
+                return
+
+    def rollout_status(self, rollout, page_size=500):
+        """A rollout's summary with every device, fetched a page at a time."""
+        status, devices = None, []
+        for page in self.pages("rollout_status", page_size, rollout=rollout):
+            status = page["status"]
+            devices.extend(page["items"])
+        status["device_list"] = devices
+        return status
+
     def watch(self, rollout, done, timeout):
         """Yields each status of `rollout` from the retained event topic until `done(status)`."""
         self.mqtt.subscribe(f"{self.prefix}/events/rollouts/{rollout}", qos=1)
@@ -167,7 +188,10 @@ def main(argv=None):
     create.add_argument("--spec", required=True)
     for name in ("start", "pause", "resume", "stop"):
         sub.add_parser(name, help=f"{name} a rollout").add_argument("rollout")
-    sub.add_parser("status", help="print a rollout's status as JSON").add_argument("rollout")
+    status = sub.add_parser("status", help="print a rollout's summary and every device as JSON")
+    status.add_argument("rollout")
+    status.add_argument("--page-size", type=int, default=500,
+                        help="devices asked for per request (the coordinator allows 1..2000)")
     sub.add_parser("approve", help="approve an approval request").add_argument("name")
     watch = sub.add_parser("watch", help="follow a rollout's status events")
     watch.add_argument("rollout")
@@ -190,7 +214,7 @@ def main(argv=None):
             result = client.request(f"{args.cmd}_rollout", rollout=args.rollout)
             print(describe(result))
         elif args.cmd == "status":
-            print(json.dumps(client.request("rollout_status", rollout=args.rollout), indent=2))
+            print(json.dumps(client.rollout_status(args.rollout, args.page_size), indent=2))
         elif args.cmd == "approve":
             result = client.request("approve", name=args.name)
             print(f"approved {result['name']}")

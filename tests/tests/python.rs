@@ -130,6 +130,14 @@ async fn the_python_client_creates_starts_watches_and_approves() {
     // The status the Python client reads names who did what.
     let status: serde_json::Value =
         serde_json::from_str(&ok(&site, &["status", "py-run"])).expect("status JSON");
+    // Its devices come a page at a time, every one of them.
+    let devices = status["device_list"].as_array().expect("device_list");
+    assert!(
+        devices
+            .iter()
+            .any(|d| d["id"] == "lab-1" && d["phase"] == "ready"),
+        "{status}"
+    );
     let trace: Vec<&str> = status["trace"]
         .as_array()
         .expect("trace")
