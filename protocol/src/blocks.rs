@@ -89,6 +89,10 @@ pub fn list_size(size: u64, block_size: u32) -> u64 {
     block_count(size, block_size) * 32
 }
 
+fn digest_of(bytes: &[u8]) -> Digest {
+    sha2::Sha256::digest(bytes).into()
+}
+
 /// The byte range `(offset, length)` of block `index` in an artifact of `size` bytes.
 pub fn block_range(index: u64, size: u64, block_size: u32) -> (u64, u32) {
     let offset = index * u64::from(block_size);
@@ -124,7 +128,7 @@ impl BlockList {
             if filled == 0 {
                 break;
             }
-            bytes.extend_from_slice(&sha2::Sha256::digest(&block[..filled]));
+            bytes.extend_from_slice(&digest_of(&block[..filled]));
             if filled < block.len() {
                 break;
             }
@@ -148,7 +152,7 @@ impl BlockList {
                 block_size: index.block_size,
             });
         }
-        if crate::sha256(bytes) != index.sha256 {
+        if digest_of(bytes) != index.sha256 {
             return Err(BlockListError::Digest);
         }
         Ok(Self {
@@ -185,7 +189,7 @@ impl BlockList {
     /// Whether `data` is block `index`, exactly.
     pub fn verify(&self, index: u64, data: &[u8]) -> bool {
         self.hash(index)
-            .is_some_and(|h| h == <[u8; 32]>::from(sha2::Sha256::digest(data)))
+            .is_some_and(|h| h == digest_of(data))
     }
 
     /// The index of the block that starts at `offset`, if a block starts there.
@@ -202,7 +206,7 @@ mod tests {
     fn index_of(list: &BlockList) -> BlockIndexRef {
         BlockIndexRef {
             block_size: list.block_size(),
-            sha256: crate::sha256(list.as_bytes()),
+            sha256: digest_of(list.as_bytes()),
         }
     }
 
