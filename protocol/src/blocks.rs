@@ -188,8 +188,7 @@ impl BlockList {
 
     /// Whether `data` is block `index`, exactly.
     pub fn verify(&self, index: u64, data: &[u8]) -> bool {
-        self.hash(index)
-            .is_some_and(|h| h == digest_of(data))
+        self.hash(index).is_some_and(|h| h == digest_of(data))
     }
 
     /// The index of the block that starts at `offset`, if a block starts there.

@@ -168,6 +168,14 @@ pub struct ByteCounts {
     pub peers: Vec<(String, u64)>,
 }
 
+/// A peer a device stopped asking during one action, and why ("block 12 failed its hash",
+/// "no answer within 3s").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BypassedPeer {
+    pub peer: String,
+    pub reason: String,
+}
+
 impl ByteCounts {
     /// Bytes fetched from peers, all together.
     pub fn from_peers(&self) -> u64 {
@@ -365,10 +373,12 @@ pub enum DeviceMessage {
         device_id: String,
         request: BlockRequest,
     },
-    /// A report that ends an action, with where its bytes came from.
+    /// A report that ends an action, with where its bytes came from and the peers the device
+    /// stopped asking (a bad block, no answer), so the coordinator's trace can say so.
     ReportWithBytes {
         report: Report,
         bytes: ByteCounts,
+        bypassed: Vec<BypassedPeer>,
     },
 }
 

@@ -199,6 +199,10 @@ pub fn device_messages() -> Vec<DeviceMessage> {
                 local: 4096,
                 peers: vec![("dev-2".into(), 131072)],
             },
+            bypassed: vec![BypassedPeer {
+                peer: "dev-3".into(),
+                reason: "block 2 failed its hash".into(),
+            }],
         },
     ]
 }
