@@ -25,8 +25,9 @@
 
 use std::path::{Path, PathBuf};
 
+use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::{
-    envelope, hex, keys, ActionBody, DecodeError, DesiredAction, KeyRing, KeysError,
+    envelope, hex, keys, DecodeError, DesiredAction, KeyRing, KeysError, PeerGrant,
     ReleaseManifest, SignedBlob, UnixTime, VerifyingKey,
 };
 
@@ -83,16 +84,14 @@ pub struct DeviceFacts<'a> {
 }
 
 /// Verifies a release manifest (signature by a trusted release key, expiry, hardware, counter,
-/// a configured target for every artifact) and returns it decoded.
-pub fn check_manifest(
-    blob: &SignedBlob,
-    facts: &DeviceFacts<'_>,
-) -> Result<ReleaseManifest, Refusal> {
+/// a configured target for every artifact) and returns it decoded, with its block indexes when
+/// it has them.
+pub fn check_manifest(blob: &SignedBlob, facts: &DeviceFacts<'_>) -> Result<Manifest, Refusal> {
     let bytes = blob
         .verify("release manifest", facts.release_keys)
         .map_err(|e| Refusal(e.to_string()))?;
-    let manifest: ReleaseManifest =
-        envelope::from_bytes("release manifest", bytes).map_err(|e| Refusal(e.to_string()))?;
+    let decoded = Manifest::decode(bytes).map_err(|e| Refusal(e.to_string()))?;
+    let manifest = &decoded.release;
     if manifest.expires_at <= facts.now {
         return Err(Refusal(format!(
             "release {} expired at {}",
@@ -127,7 +126,42 @@ pub fn check_manifest(
             )));
         }
     }
-    Ok(manifest)
+    Ok(decoded)
+}
+
+/// The block indexes of a manifest that was checked when its action was accepted (the record
+/// keeps the signed bytes): `None` for a manifest without them, or bytes that no longer decode.
+pub fn manifest_blocks(blob: &SignedBlob) -> Option<Manifest> {
+    Manifest::decode(&blob.payload).ok()
+}
+
+/// Verifies the peer grant of an `InstallWithPeers` against the coordinator keys the device
+/// trusts, and checks that it was made for this device and this action. Its expiry is the
+/// peers' concern: an expired grant only means the peers refuse, and the coordinator remains.
+pub fn check_grant(
+    blob: &SignedBlob,
+    coordinator_keys: &[VerifyingKey],
+    device_id: &str,
+    action_id: &str,
+) -> Result<PeerGrant, Refusal> {
+    let bytes = blob
+        .verify("peer grant", coordinator_keys)
+        .map_err(|e| Refusal(e.to_string()))?;
+    let grant: PeerGrant =
+        envelope::from_bytes("peer grant", bytes).map_err(|e| Refusal(e.to_string()))?;
+    if grant.device_id != device_id {
+        return Err(Refusal(format!(
+            "peer grant is for device {}, this is {device_id}",
+            grant.device_id
+        )));
+    }
+    if grant.action_id != action_id {
+        return Err(Refusal(format!(
+            "peer grant is for action {}, this is {action_id}",
+            grant.action_id
+        )));
+    }
+    Ok(grant)
 }
 
 /// Refuses an action issued before the last accepted one: a replay of a captured old action.
@@ -192,18 +226,29 @@ pub fn check_all(
     let action = verify_desired(blob, &ring.coordinator_keys)?;
     check_timely(&action, config, trust, system)?;
     let now = trust.now(system, config.trust.max_clock_skew);
-    let manifest = match &action.body {
-        ActionBody::Install { manifest, .. } => Some(check_manifest(
-            manifest,
-            &DeviceFacts {
-                hardware_id: &config.hardware_id,
-                installed_counter: trust.installed_counter,
-                now,
-                release_keys: &ring.release_keys,
-                config,
-            },
-        )?),
-        _ => None,
+    let manifest = match action.body.install() {
+        Some(install) => {
+            if let Some(grant) = install.grant {
+                check_grant(
+                    grant,
+                    &ring.coordinator_keys,
+                    config.device_id.as_str(),
+                    &action.action_id,
+                )?;
+            }
+            let checked = check_manifest(
+                install.manifest,
+                &DeviceFacts {
+                    hardware_id: &config.hardware_id,
+                    installed_counter: trust.installed_counter,
+                    now,
+                    release_keys: &ring.release_keys,
+                    config,
+                },
+            )?;
+            Some(checked.release)
+        }
+        None => None,
     };
     Ok((action, manifest))
 }
@@ -278,7 +323,7 @@ pub fn install_keys(config: &Config, file: &Path) -> Result<KeyRing, InstallKeys
 pub(crate) mod tests {
     use super::*;
     use crate::trust_state::tests::rotated_keys;
-    use flotilla_protocol::{ActionKind, Artifact, SigningKey};
+    use flotilla_protocol::{ActionBody, ActionKind, Artifact, SigningKey};
 
     pub(crate) fn key(seed: u8) -> SigningKey {
         SigningKey::from_bytes(&[seed; 32])

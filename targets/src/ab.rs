@@ -590,6 +590,18 @@ impl UpdateTarget for AbTarget {
     fn activate_is_repeatable(&self) -> bool {
         true
     }
+
+    /// The running slot (the installed release) and the other one (usually the release before):
+    /// both are read only, at the block size of the new image.
+    fn block_sources(&self) -> Vec<PathBuf> {
+        match self.running_slot() {
+            Ok(running) => vec![
+                self.slot_path(running).to_owned(),
+                self.slot_path(running.other()).to_owned(),
+            ],
+            Err(_) => Vec::new(),
+        }
+    }
 }
 
 /// Where an action stands on this slot pair.

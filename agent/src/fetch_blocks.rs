@@ -1,0 +1,733 @@
+//! The block fetcher: downloads an artifact whose manifest signs a block list, from several
+//! sources, checking every block against its signed hash before it is written.
+//!
+//! ```text
+//! block list   <sha256>.blocks, checked against the manifest's BlockIndexRef (fetched first,
+//!              from the coordinator, by its own digest: see fetch_block_list)
+//! local        blocks of <sha256>.part that already verify (a resumed download), then blocks
+//!              copied from what the device holds (crate::adaptive), counted as `local`
+//! peers        each missing block is asked of the grant's peers, in grant order
+//! coordinator  once the peers delivered nothing for `fallback_after`, or every peer is
+//!              bypassed, or for a block every peer was tried for
+//! end          the whole file's sha256 is still checked; <sha256>.part -> <sha256>
+//! ```
+//!
+//! Rules per block (a block is one request, since a manifest's block size is at most the
+//! largest reply):
+//!
+//! - A reply is checked against the block's signed hash. A block that matches is written at its
+//!   offset and counted to the source whose topic it came on, whoever was asked.
+//! - A peer that serves a block failing its hash is bypassed for the rest of the action (logged
+//!   naming the peer and the block); so is a peer that leaves a block unanswered for
+//!   `peer_timeout`, or answers `Unavailable` [`PEER_UNAVAILABLE_LIMIT`] times. A block a peer
+//!   could not give is asked of the next peer, then of the coordinator.
+//! - A bad block from the coordinator is discarded and asked for again after a backoff, at most
+//!   [`crate::fetch::BLOCK_ATTEMPTS`] times; an idle coordinator is asked again for everything
+//!   outstanding after [`crate::fetch::REPLY_TIMEOUT`], as in the streaming fetcher.
+//! - At most `in_flight` requests are outstanding across all sources; the rate limit counts the
+//!   bytes fetched over the network (not local copies).
+//! - Resumable: the part file is the state. After a kill, its blocks are hashed again and only
+//!   the ones that fail are fetched.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use flotilla_protocol::blocks::{block_range, list_size, BlockIndexRef, BlockList};
+use flotilla_protocol::{hex, BlockReply, BlockRequest, ByteCounts, PeerFetch, SignedBlob};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::adaptive;
+use crate::fetch::{
+    self, count_peer, FetchError, FetchInput, FetchRequest, FetchSpec, Progress, Retries,
+    REPLY_TIMEOUT,
+};
+
+/// `Unavailable` answers from one peer before it is bypassed for the action.
+pub const PEER_UNAVAILABLE_LIMIT: u32 = 3;
+
+/// The part file is synced whenever the verified bytes cross a multiple of this.
+const SYNC_EVERY: u64 = 1 << 20;
+
+/// Where block requests may go, and for how long peers are tried.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// Peers in the order the grant names them (this device left out).
+    pub peers: Vec<String>,
+    /// The signed grant shown to every peer; without one, no peer is asked.
+    pub grant: Option<SignedBlob>,
+    /// A peer that leaves a block unanswered this long is bypassed.
+    pub peer_timeout: Duration,
+    /// Once the peers have delivered no block for this long (from the start, or since their
+    /// last block), every block not yet asked goes to the coordinator.
+    pub fallback_after: Duration,
+    /// Files the device holds that may share blocks (target contents, A/B slots); read up to
+    /// the artifact's size. Verified artifacts in the download directory are added.
+    pub local: Vec<PathBuf>,
+}
+
+/// Where a block list is kept once verified: `<dir>/<artifact sha256>.blocks`.
+pub fn list_path(spec: &FetchSpec) -> PathBuf {
+    spec.dir
+        .join(format!("{}.blocks", hex::encode(&spec.sha256)))
+}
+
+/// Returns the verified block list of `spec`'s artifact: the stored one if it still checks,
+/// or one fetched from the coordinator by its digest (through the streaming fetcher, which
+/// checks the digest), checked against `index`, then stored as `<sha256>.blocks`.
+pub async fn fetch_block_list(
+    spec: &FetchSpec,
+    index: &BlockIndexRef,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    cancel: &CancellationToken,
+) -> Result<BlockList, FetchError> {
+    let path = list_path(spec);
+    let refused = |reason: String| {
+        FetchError::Digest(crate::trust::Refusal(format!(
+            "artifact {}: block list refused: {reason}",
+            spec.name
+        )))
+    };
+    if let Ok(bytes) = std::fs::read(&path) {
+        if let Ok(list) = BlockList::from_bytes(&bytes, index, spec.size) {
+            return Ok(list);
+        }
+    }
+    let list_spec = FetchSpec {
+        name: format!("{} (block list)", spec.name),
+        sha256: index.sha256,
+        size: list_size(spec.size, index.block_size),
+        block_size: spec.block_size,
+        ..spec.clone()
+    };
+    let fetched = fetch::fetch(
+        &list_spec,
+        0,
+        counts,
+        requests,
+        inputs,
+        &mut |_, _| {},
+        cancel,
+    )
+    .await?;
+    let read_err = |source| FetchError::ReadPart {
+        artifact: list_spec.name.clone(),
+        path: fetched.clone(),
+        source,
+    };
+    let bytes = std::fs::read(&fetched).map_err(read_err)?;
+    let list =
+        BlockList::from_bytes(&bytes, index, spec.size).map_err(|e| refused(e.to_string()))?;
+    flotilla_targets::fs::atomic_write(&path, list.as_bytes()).map_err(|source| {
+        FetchError::WritePart {
+            artifact: spec.name.clone(),
+            path: path.clone(),
+            source,
+        }
+    })?;
+    // Kept only under the artifact's name, where the block server looks for it.
+    let _ = std::fs::remove_file(&fetched);
+    Ok(list)
+}
+
+/// Where a request went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Coordinator,
+    /// Index into `Sources::peers`.
+    Peer(usize),
+}
+
+/// A block asked for and not yet received.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    source: Source,
+    at: Instant,
+}
+
+/// One peer's standing in this action.
+#[derive(Debug, Default)]
+struct PeerState {
+    bypassed: Option<String>,
+    unavailable: u32,
+}
+
+/// What the download of one artifact needs from the fetcher's caller.
+pub struct BlockFetch<'a> {
+    pub spec: &'a FetchSpec,
+    pub list: &'a BlockList,
+    pub sources: &'a Sources,
+}
+
+/// Downloads `job.spec` block by block from the local copies, the peers and the coordinator.
+/// `progress` gets the verified bytes so far and `counts`, which every accepted byte is added
+/// to by source. Returns the path of the verified artifact.
+pub async fn fetch_blocks(
+    job: BlockFetch<'_>,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    progress: &mut Progress<'_>,
+    cancel: &CancellationToken,
+) -> Result<PathBuf, FetchError> {
+    let spec = job.spec;
+    let artifact = spec.name.clone();
+    std::fs::create_dir_all(&spec.dir).map_err(|source| FetchError::CreateDir {
+        artifact: artifact.clone(),
+        path: spec.dir.clone(),
+        source,
+    })?;
+    let final_path = spec.final_path();
+    if let Ok((digest, size)) = fetch::hash_file(&final_path) {
+        if digest == spec.sha256 && size == spec.size {
+            progress(spec.size, counts);
+            return Ok(final_path);
+        }
+    }
+
+    // The part file, what of it verifies, and what the device already holds: file work, on the
+    // blocking pool.
+    let prepared = {
+        let part = spec.part_path();
+        let list = job.list.clone();
+        let size = spec.size;
+        let mut candidates = adaptive::downloaded_artifacts(&spec.dir, &spec.sha256);
+        candidates.extend(job.sources.local.iter().cloned());
+        tokio::task::spawn_blocking(move || prepare(&part, &list, size, &candidates))
+            .await
+            .map_err(|e| FetchError::ReadPart {
+                artifact: artifact.clone(),
+                path: spec.part_path(),
+                source: std::io::Error::other(e.to_string()),
+            })?
+    };
+    let (file, present, copied) = prepared.map_err(|source| FetchError::WritePart {
+        artifact: artifact.clone(),
+        path: spec.part_path(),
+        source,
+    })?;
+    if copied > 0 {
+        counts.local += copied;
+        tracing::info!(
+            artifact,
+            bytes = copied,
+            "copied blocks the device already holds"
+        );
+    }
+    let result = Download::new(job, file, present).run(counts, requests, inputs, progress, cancel);
+    match result.await {
+        Err(e @ FetchError::WritePart { .. }) => {
+            // Typically a full disk: the partial download must not keep the space.
+            let _ = std::fs::remove_file(spec.part_path());
+            Err(e)
+        }
+        other => other,
+    }
+}
+
+/// Opens (or creates) the part file at the artifact's size, finds its verified blocks, and
+/// copies in what the candidates hold. Returns the file, which blocks are present, and the
+/// bytes copied.
+fn prepare(
+    part: &Path,
+    list: &BlockList,
+    size: u64,
+    candidates: &[PathBuf],
+) -> std::io::Result<(File, Vec<bool>, u64)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(part)?;
+    let mut present = adaptive::verify_part(&file, list, size)?;
+    file.set_len(size)?;
+    let limit = size.div_ceil(u64::from(list.block_size())) * u64::from(list.block_size());
+    let copied = adaptive::copy_local(&file, list, size, &mut present, candidates, limit)?;
+    if copied > 0 {
+        file.sync_data()?;
+    }
+    Ok((file, present, copied))
+}
+
+/// The state of one block-indexed download.
+struct Download<'a> {
+    spec: &'a FetchSpec,
+    list: &'a BlockList,
+    sources: &'a Sources,
+    file: File,
+    present: Vec<bool>,
+    /// Bytes of verified blocks in the part file.
+    done: u64,
+    /// Blocks to ask for, next first.
+    queue: VecDeque<u64>,
+    asked: BTreeMap<u64, Asked>,
+    /// block -> peers already tried for it.
+    tried: BTreeMap<u64, BTreeSet<usize>>,
+    peers: Vec<PeerState>,
+    retries: Retries,
+    started: Instant,
+    /// Network bytes since `started`, for the rate limit.
+    fetched: u64,
+    /// The start, or when a peer last delivered a verified block.
+    peer_heard: Instant,
+    /// Last time the coordinator answered or was asked again: when it has been idle for
+    /// [`REPLY_TIMEOUT`], its outstanding blocks are asked for again.
+    coordinator_heard: Instant,
+}
+
+impl<'a> Download<'a> {
+    fn new(job: BlockFetch<'a>, file: File, present: Vec<bool>) -> Self {
+        let spec = job.spec;
+        let list = job.list;
+        let done = present
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p)
+            .map(|(i, _)| u64::from(block_range(i as u64, spec.size, list.block_size()).1))
+            .sum();
+        let queue = present
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !**p)
+            .map(|(i, _)| i as u64)
+            .collect();
+        let peers = if job.sources.grant.is_some() {
+            job.sources
+                .peers
+                .iter()
+                .map(|_| PeerState::default())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let now = Instant::now();
+        Self {
+            spec,
+            list,
+            sources: job.sources,
+            file,
+            present,
+            done,
+            queue,
+            asked: BTreeMap::new(),
+            tried: BTreeMap::new(),
+            peers,
+            retries: Retries::default(),
+            started: now,
+            fetched: 0,
+            peer_heard: now,
+            coordinator_heard: now,
+        }
+    }
+
+    fn peer_name(&self, i: usize) -> &str {
+        &self.sources.peers[i]
+    }
+
+    /// Where block `block` should be asked now: the first peer not bypassed and not yet tried
+    /// for it while the peers' time lasts, else the coordinator.
+    fn source_for(&self, block: u64) -> Source {
+        if self.peer_heard.elapsed() < self.sources.fallback_after {
+            let tried = self.tried.get(&block);
+            for (i, peer) in self.peers.iter().enumerate() {
+                if peer.bypassed.is_none() && tried.is_none_or(|t| !t.contains(&i)) {
+                    return Source::Peer(i);
+                }
+            }
+        }
+        Source::Coordinator
+    }
+
+    fn request(&self, block: u64) -> BlockRequest {
+        let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+        BlockRequest {
+            sha256: self.spec.sha256,
+            offset,
+            length,
+        }
+    }
+
+    async fn ask(
+        &mut self,
+        block: u64,
+        source: Source,
+        requests: &mpsc::Sender<FetchRequest>,
+    ) -> Result<(), FetchError> {
+        let request = self.request(block);
+        let message = match (source, &self.sources.grant) {
+            (Source::Peer(i), Some(grant)) => {
+                self.tried.entry(block).or_default().insert(i);
+                FetchRequest::Peer {
+                    peer: self.peer_name(i).to_owned(),
+                    fetch: PeerFetch {
+                        grant: grant.clone(),
+                        request,
+                    },
+                }
+            }
+            _ => FetchRequest::Coordinator(request),
+        };
+        requests
+            .send(message)
+            .await
+            .map_err(|_| FetchError::Closed {
+                artifact: self.spec.name.clone(),
+            })?;
+        self.asked.insert(
+            block,
+            Asked {
+                source,
+                at: Instant::now(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Stops asking peer `i` for anything in this action; its outstanding blocks go back to
+    /// the front of the queue.
+    fn bypass(&mut self, i: usize, reason: String) {
+        let Some(peer) = self.peers.get_mut(i) else {
+            return;
+        };
+        if peer.bypassed.is_some() {
+            return;
+        }
+        tracing::warn!(
+            artifact = self.spec.name,
+            peer = self.sources.peers[i],
+            "bypassing peer {} for the rest of this action: {reason}",
+            self.sources.peers[i]
+        );
+        peer.bypassed = Some(reason);
+        let theirs: Vec<u64> = self
+            .asked
+            .iter()
+            .filter(|(_, a)| a.source == Source::Peer(i))
+            .map(|(b, _)| *b)
+            .collect();
+        for block in theirs.into_iter().rev() {
+            self.asked.remove(&block);
+            self.queue.push_front(block);
+        }
+    }
+
+    /// When the loop must wake up without a reply: the earliest peer timeout, retry, or
+    /// coordinator idle time.
+    fn next_deadline(&self) -> Instant {
+        let mut at = self.coordinator_heard + REPLY_TIMEOUT;
+        for a in self.asked.values() {
+            if let Source::Peer(_) = a.source {
+                at = at.min(a.at + self.sources.peer_timeout);
+            }
+        }
+        if let Some(due) = self.retries.next_due() {
+            at = at.min(due);
+        }
+        at
+    }
+
+    async fn run(
+        mut self,
+        counts: &mut ByteCounts,
+        requests: &mpsc::Sender<FetchRequest>,
+        inputs: &mut mpsc::Receiver<FetchInput>,
+        progress: &mut Progress<'_>,
+        cancel: &CancellationToken,
+    ) -> Result<PathBuf, FetchError> {
+        let artifact = self.spec.name.clone();
+        progress(self.done, counts);
+        loop {
+            // Keep the pipeline full.
+            while self.asked.len() < self.spec.in_flight.max(1) {
+                let Some(block) = self.queue.pop_front() else {
+                    break;
+                };
+                if self.present[block as usize] || self.asked.contains_key(&block) {
+                    continue;
+                }
+                let source = self.source_for(block);
+                self.ask(block, source, requests).await?;
+            }
+            if self.present.iter().all(|p| *p) {
+                break;
+            }
+
+            let deadline = self.next_deadline();
+            let input = tokio::select! {
+                _ = cancel.cancelled() => return Err(FetchError::Canceled),
+                input = tokio::time::timeout_at(deadline, inputs.recv()) => input,
+            };
+            let (source, reply) = match input {
+                Err(_) => {
+                    self.on_timeout(requests).await?;
+                    continue;
+                }
+                Ok(None) => return Err(FetchError::Closed { artifact }),
+                Ok(Some(FetchInput::Reconnected)) => {
+                    tracing::debug!(artifact, "reconnected: asking for outstanding blocks again");
+                    self.retries.asking_all_again();
+                    let outstanding: Vec<(u64, Source)> =
+                        self.asked.iter().map(|(b, a)| (*b, a.source)).collect();
+                    for (block, source) in outstanding {
+                        self.ask(block, source, requests).await?;
+                    }
+                    self.coordinator_heard = Instant::now();
+                    continue;
+                }
+                Ok(Some(FetchInput::Reply(reply))) => (Source::Coordinator, reply),
+                Ok(Some(FetchInput::PeerReply { peer, reply })) => {
+                    match self.sources.peers.iter().position(|p| *p == peer) {
+                        Some(i) if i < self.peers.len() => (Source::Peer(i), reply),
+                        // Not a peer of this action: nothing it sends is used.
+                        _ => continue,
+                    }
+                }
+            };
+            if source == Source::Coordinator {
+                self.coordinator_heard = Instant::now();
+            }
+            if let Some(written) = self.on_reply(source, reply, counts)? {
+                self.fetched += written;
+                let before = self.done - written;
+                self.done_block(before, counts, progress)?;
+                fetch::throttle(
+                    self.spec.max_bytes_per_sec,
+                    self.fetched,
+                    self.started,
+                    cancel,
+                )
+                .await?;
+            }
+        }
+        self.finish()
+    }
+
+    /// Peers that left a block unanswered too long are bypassed; coordinator retries whose
+    /// backoff is over are sent; an idle coordinator is asked again for what it owes.
+    async fn on_timeout(
+        &mut self,
+        requests: &mpsc::Sender<FetchRequest>,
+    ) -> Result<(), FetchError> {
+        let now = Instant::now();
+        let late: Vec<(u64, usize)> = self
+            .asked
+            .iter()
+            .filter_map(|(b, a)| match a.source {
+                Source::Peer(i) if a.at + self.sources.peer_timeout <= now => Some((*b, i)),
+                _ => None,
+            })
+            .collect();
+        for (block, i) in late {
+            self.bypass(
+                i,
+                format!(
+                    "no answer for block {block} within {:?}",
+                    self.sources.peer_timeout
+                ),
+            );
+        }
+        for (offset, _) in self.retries.take_due() {
+            let Some(block) = self.list.index_at(offset) else {
+                continue;
+            };
+            if self
+                .asked
+                .get(&block)
+                .is_some_and(|a| a.source == Source::Coordinator)
+            {
+                self.ask(block, Source::Coordinator, requests).await?;
+            }
+        }
+        if self.coordinator_heard + REPLY_TIMEOUT <= now {
+            let owed: Vec<u64> = self
+                .asked
+                .iter()
+                .filter(|(_, a)| a.source == Source::Coordinator)
+                .map(|(b, _)| *b)
+                .collect();
+            if !owed.is_empty() {
+                tracing::debug!(
+                    artifact = self.spec.name,
+                    outstanding = owed.len(),
+                    "asking the coordinator for outstanding blocks again"
+                );
+                self.retries.asking_all_again();
+            }
+            for block in owed {
+                self.ask(block, Source::Coordinator, requests).await?;
+            }
+            self.coordinator_heard = now;
+        }
+        Ok(())
+    }
+
+    /// Handles one reply from `source`. Returns the bytes written when it was a block this
+    /// download still needed and it verified.
+    fn on_reply(
+        &mut self,
+        source: Source,
+        reply: BlockReply,
+        counts: &mut ByteCounts,
+    ) -> Result<Option<u64>, FetchError> {
+        let (sha256, offset) = match &reply {
+            BlockReply::Data { sha256, offset, .. }
+            | BlockReply::Unavailable { sha256, offset, .. } => (*sha256, *offset),
+        };
+        if sha256 != self.spec.sha256 {
+            return Ok(None); // a late answer for another download
+        }
+        let Some(block) = self.list.index_at(offset) else {
+            return Ok(None); // no block starts there: not an answer to anything asked
+        };
+        let asked_here = self.asked.get(&block).is_some_and(|a| a.source == source);
+        let data = match reply {
+            BlockReply::Unavailable { reason, .. } => {
+                if asked_here {
+                    self.unavailable(block, source, reason)?;
+                }
+                return Ok(None);
+            }
+            BlockReply::Data { data, .. } => data,
+        };
+        if self.present[block as usize] {
+            return Ok(None); // a duplicate
+        }
+        if !self.list.verify(block, &data) {
+            if asked_here {
+                self.bad_block(block, source, data.len())?;
+            }
+            return Ok(None);
+        }
+        self.file
+            .write_all_at(&data, offset)
+            .map_err(|source| self.write_err(source))?;
+        self.present[block as usize] = true;
+        self.asked.remove(&block);
+        let n = data.len() as u64;
+        match source {
+            Source::Coordinator => counts.coordinator += n,
+            Source::Peer(i) => {
+                count_peer(counts, &self.sources.peers[i], n);
+                self.peer_heard = Instant::now();
+            }
+        }
+        self.done += n;
+        Ok(Some(n))
+    }
+
+    fn unavailable(
+        &mut self,
+        block: u64,
+        source: Source,
+        reason: String,
+    ) -> Result<(), FetchError> {
+        match source {
+            Source::Peer(i) => {
+                self.asked.remove(&block);
+                self.queue.push_front(block);
+                let peer = &mut self.peers[i];
+                peer.unavailable += 1;
+                if peer.unavailable >= PEER_UNAVAILABLE_LIMIT {
+                    self.bypass(i, format!("cannot provide blocks: {reason}"));
+                }
+                Ok(())
+            }
+            Source::Coordinator => {
+                let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+                self.retries.bad_reply(
+                    &self.spec.name,
+                    offset,
+                    length,
+                    format!("server cannot provide it: {reason}"),
+                )
+            }
+        }
+    }
+
+    fn bad_block(&mut self, block: u64, source: Source, len: usize) -> Result<(), FetchError> {
+        match source {
+            Source::Peer(i) => {
+                // The peer stays bypassed; `bypass` puts the block back in the queue.
+                self.bypass(
+                    i,
+                    format!("it served block {block} ({len} bytes), which fails its signed hash"),
+                );
+                Ok(())
+            }
+            Source::Coordinator => {
+                tracing::warn!(
+                    artifact = self.spec.name,
+                    block,
+                    "the coordinator's block {block} fails its signed hash; asking again"
+                );
+                let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+                self.retries.bad_reply(
+                    &self.spec.name,
+                    offset,
+                    length,
+                    format!("server sent block {block}, which fails its signed hash"),
+                )
+            }
+        }
+    }
+
+    /// After a block was written: syncs at each MiB (before the progress that claims it is
+    /// flushed) and reports progress.
+    fn done_block(
+        &mut self,
+        before: u64,
+        counts: &ByteCounts,
+        progress: &mut Progress<'_>,
+    ) -> Result<(), FetchError> {
+        if self.done / SYNC_EVERY != before / SYNC_EVERY {
+            self.file
+                .sync_data()
+                .map_err(|source| self.write_err(source))?;
+        }
+        progress(self.done, counts);
+        Ok(())
+    }
+
+    fn write_err(&self, source: std::io::Error) -> FetchError {
+        FetchError::WritePart {
+            artifact: self.spec.name.clone(),
+            path: self.spec.part_path(),
+            source,
+        }
+    }
+
+    /// Every block verified: the whole-file digest is checked, then the file takes its name.
+    fn finish(self) -> Result<PathBuf, FetchError> {
+        self.file
+            .sync_all()
+            .map_err(|source| self.write_err(source))?;
+        let part = self.spec.part_path();
+        let final_path = self.spec.final_path();
+        let (got, _) = fetch::hash_file(&part).map_err(|source| FetchError::ReadPart {
+            artifact: self.spec.name.clone(),
+            path: part.clone(),
+            source,
+        })?;
+        if let Err(refusal) = crate::trust::check_digest(&self.spec.name, &self.spec.sha256, &got) {
+            // Every block matched a list the release key signed, so the release itself is
+            // inconsistent: fetching again cannot help.
+            let _ = std::fs::remove_file(&part);
+            return Err(FetchError::Digest(refusal));
+        }
+        flotilla_targets::fs::atomic_rename(&part, &final_path).map_err(|source| {
+            FetchError::WritePart {
+                artifact: self.spec.name.clone(),
+                path: final_path.clone(),
+                source,
+            }
+        })?;
+        Ok(final_path)
+    }
+}
