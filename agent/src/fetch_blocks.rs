@@ -731,3 +731,377 @@ impl<'a> Download<'a> {
         Ok(final_path)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    const BS: u32 = 1024;
+
+    /// How an in-memory source answers.
+    #[derive(Debug, Clone, Copy)]
+    enum Serves {
+        Good,
+        /// Every block with one byte flipped.
+        Corrupt,
+        /// Never answers.
+        Silent,
+        /// Answers this many requests, then never again.
+        DiesAfter(usize),
+        /// The first answer for the block at this offset is corrupt, later ones are good.
+        CorruptOnceAt(u64),
+    }
+
+    /// Who was asked for which offset: `None` is the coordinator.
+    type Asked = Arc<Mutex<Vec<(Option<String>, u64)>>>;
+
+    /// A network of in-memory sources serving `data`: the coordinator and named peers.
+    fn network(
+        data: Vec<u8>,
+        coordinator: Serves,
+        peers: &[(&str, Serves)],
+    ) -> (
+        mpsc::Sender<FetchRequest>,
+        mpsc::Receiver<FetchInput>,
+        Asked,
+    ) {
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(256);
+        let (rep_tx, rep_rx) = mpsc::channel(256);
+        let asked: Asked = Arc::default();
+        let log = asked.clone();
+        let mut behaviour: HashMap<Option<String>, Serves> = peers
+            .iter()
+            .map(|(p, s)| (Some((*p).to_owned()), *s))
+            .collect();
+        behaviour.insert(None, coordinator);
+        let mut answered: HashMap<Option<String>, usize> = HashMap::new();
+        tokio::spawn(async move {
+            while let Some(request) = req_rx.recv().await {
+                let (who, r) = match request {
+                    FetchRequest::Coordinator(r) => (None, r),
+                    FetchRequest::Peer { peer, fetch } => (Some(peer), fetch.request),
+                };
+                log.lock().expect("log").push((who.clone(), r.offset));
+                let served = answered.entry(who.clone()).or_default();
+                *served += 1;
+                let s = r.offset as usize;
+                let e = (s + r.length as usize).min(data.len());
+                let mut block = data[s..e].to_vec();
+                match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
+                    Serves::Good => {}
+                    Serves::Corrupt => block[0] ^= 0xff,
+                    Serves::Silent => continue,
+                    Serves::DiesAfter(n) if *served > n => continue,
+                    Serves::DiesAfter(_) => {}
+                    Serves::CorruptOnceAt(at) if at == r.offset => {
+                        block[0] ^= 0xff;
+                        behaviour.insert(who.clone(), Serves::Good);
+                    }
+                    Serves::CorruptOnceAt(_) => {}
+                }
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: block,
+                };
+                let input = match who {
+                    None => FetchInput::Reply(reply),
+                    Some(peer) => FetchInput::PeerReply { peer, reply },
+                };
+                if rep_tx.send(input).await.is_err() {
+                    break;
+                }
+            }
+        });
+        (req_tx, rep_rx, asked)
+    }
+
+    fn image(blocks: usize) -> Vec<u8> {
+        (0..blocks * BS as usize - 100)
+            .map(|i| (i * 31 % 253) as u8)
+            .collect()
+    }
+
+    fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
+        FetchSpec {
+            name: "rootfs.img".into(),
+            sha256: flotilla_protocol::sha256(data),
+            size: data.len() as u64,
+            dir: dir.join("downloads"),
+            block_size: BS,
+            in_flight: 4,
+            max_bytes_per_sec: 0,
+        }
+    }
+
+    fn sources(peers: &[&str]) -> Sources {
+        Sources {
+            peers: peers.iter().map(|p| (*p).to_owned()).collect(),
+            grant: Some(SignedBlob {
+                payload: b"grant".to_vec(),
+                signer: [0; 32],
+                signature: Vec::new(),
+            }),
+            peer_timeout: Duration::from_secs(3),
+            fallback_after: Duration::from_secs(30),
+            local: Vec::new(),
+        }
+    }
+
+    /// Runs the block fetcher over the network; returns the bytes by source.
+    async fn run(
+        spec: &FetchSpec,
+        data: &[u8],
+        sources: &Sources,
+        net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
+    ) -> ByteCounts {
+        let list = BlockList::compute(data, BS).expect("list");
+        let (tx, mut rx) = net;
+        let mut counts = ByteCounts::default();
+        let mut last = 0;
+        let path = fetch_blocks(
+            BlockFetch {
+                spec,
+                list: &list,
+                sources,
+            },
+            &mut counts,
+            &tx,
+            &mut rx,
+            &mut |done, _| {
+                assert!(done >= last, "progress never goes back");
+                last = done;
+            },
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("fetch");
+        assert_eq!(std::fs::read(&path).expect("read"), data, "right bytes");
+        assert_eq!(last, data.len() as u64);
+        assert!(!spec.part_path().exists());
+        assert!(counts.total() <= data.len() as u64, "nothing counted twice");
+        counts
+    }
+
+    fn asked_of(asked: &Asked, who: Option<&str>) -> Vec<u64> {
+        asked
+            .lock()
+            .expect("log")
+            .iter()
+            .filter(|(w, _)| w.as_deref() == who)
+            .map(|(_, o)| *o)
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_serving_corrupt_blocks_is_bypassed_and_the_others_serve() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(40);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("bad", Serves::Corrupt), ("good", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["bad", "good"]), (tx, rx)).await;
+        assert_eq!(
+            counts.peers,
+            [("good".to_owned(), data.len() as u64)],
+            "every byte came from the good peer, none from the bad one"
+        );
+        assert_eq!(counts.coordinator, 0);
+        let bad = asked_of(&asked, Some("bad"));
+        assert!(
+            bad.len() <= spec.in_flight,
+            "the bad peer is asked nothing after its first bad block: {bad:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_bypassed_after_the_bound_and_the_coordinator_serves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(20);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[("mute", Serves::Silent)]);
+        let started = Instant::now();
+        let counts = run(&spec, &data, &sources(&["mute"]), (tx, rx)).await;
+        assert_eq!(counts.coordinator, data.len() as u64);
+        assert!(counts.peers.is_empty());
+        assert_eq!(asked_of(&asked, Some("mute")).len(), spec.in_flight);
+        // Virtual time: the only wait was one peer timeout.
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_dying_mid_transfer_leaves_the_rest_to_the_next_source() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(30);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("first", Serves::DiesAfter(10)), ("second", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["first", "second"]), (tx, rx)).await;
+        let from = |p: &str| {
+            counts
+                .peers
+                .iter()
+                .find(|(n, _)| n == p)
+                .map_or(0, |(_, b)| *b)
+        };
+        assert_eq!(
+            from("first"),
+            10 * u64::from(BS),
+            "ten blocks before it died"
+        );
+        assert_eq!(counts.total(), data.len() as u64, "byte counts add up");
+        assert_eq!(from("second"), data.len() as u64 - 10 * u64::from(BS));
+        assert_eq!(counts.coordinator, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_peer_gone_falls_back_to_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(12);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("a", Serves::DiesAfter(2)), ("b", Serves::Corrupt)],
+        );
+        let counts = run(&spec, &data, &sources(&["a", "b"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("a".to_owned(), 2 * u64::from(BS))]);
+        assert_eq!(counts.coordinator, data.len() as u64 - 2 * u64::from(BS));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_corrupt_block_from_the_coordinator_is_fetched_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(8);
+        let spec = spec(dir.path(), &data);
+        let at = 5 * u64::from(BS);
+        let (tx, rx, asked) = network(data.clone(), Serves::CorruptOnceAt(at), &[]);
+        let counts = run(&spec, &data, &Sources::default(), (tx, rx)).await;
+        assert_eq!(
+            counts.coordinator,
+            data.len() as u64,
+            "the bad copy is not counted"
+        );
+        let coordinator = asked_of(&asked, None);
+        assert_eq!(
+            coordinator.iter().filter(|&&o| o == at).count(),
+            2,
+            "{coordinator:?}"
+        );
+        assert_eq!(coordinator.len(), 9, "only the bad block was asked twice");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resumed_download_fetches_only_the_blocks_that_do_not_verify() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = spec(dir.path(), &data);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        // A killed run left blocks 0-3 and 7 written, and block 4 torn half-way.
+        let mut part = vec![0u8; data.len()];
+        let bs = BS as usize;
+        for b in [0, 1, 2, 3, 7] {
+            part[b * bs..(b + 1) * bs].copy_from_slice(&data[b * bs..(b + 1) * bs]);
+        }
+        part[4 * bs..4 * bs + 500].copy_from_slice(&data[4 * bs..4 * bs + 500]);
+        std::fs::write(spec.part_path(), &part[..8 * bs]).expect("write");
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[]);
+        let counts = run(&spec, &data, &Sources::default(), (tx, rx)).await;
+        let mut fetched = asked_of(&asked, None);
+        fetched.sort();
+        let expected: Vec<u64> = [4, 5, 6, 8, 9].iter().map(|b| b * u64::from(BS)).collect();
+        assert_eq!(fetched, expected, "only the missing and torn blocks");
+        assert_eq!(counts.coordinator, data.len() as u64 - 5 * u64::from(BS));
+        assert_eq!(
+            counts.local, 0,
+            "blocks of its own part file are not copies"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_image_with_one_percent_changed_downloads_under_five_percent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old = image(400);
+        let mut new = old.clone();
+        for b in [17usize, 203, 350, 399] {
+            new[b * BS as usize + 7] ^= 0x5a; // 4 of 400 blocks
+        }
+        let spec = spec(dir.path(), &new);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        // The previous release's download is still there.
+        let old_path = spec.dir.join(hex::encode(&flotilla_protocol::sha256(&old)));
+        std::fs::write(&old_path, &old).expect("write");
+        let (tx, rx, asked) = network(new.clone(), Serves::Good, &[]);
+        let counts = run(&spec, &new, &Sources::default(), (tx, rx)).await;
+        let size = new.len() as u64;
+        println!(
+            "adaptive: {} of {size} bytes fetched ({:.2}%), {} copied",
+            counts.coordinator,
+            counts.coordinator as f64 * 100.0 / size as f64,
+            counts.local
+        );
+        assert!(counts.coordinator * 20 <= size, "{counts:?}");
+        assert_eq!(asked_of(&asked, None).len(), 4, "only the changed blocks");
+        assert_eq!(counts.local, size - counts.coordinator);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_block_list_is_fetched_checked_and_stored_by_the_artifact_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = spec(dir.path(), &data);
+        let list = BlockList::compute(&data[..], BS).expect("list");
+        let index = BlockIndexRef {
+            block_size: BS,
+            sha256: flotilla_protocol::sha256(list.as_bytes()),
+        };
+        let (tx, mut rx, _asked) = network(list.as_bytes().to_vec(), Serves::Good, &[]);
+        let mut counts = ByteCounts::default();
+        let got = fetch_block_list(
+            &spec,
+            &index,
+            &mut counts,
+            &tx,
+            &mut rx,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("list");
+        assert_eq!(got, list);
+        assert_eq!(
+            std::fs::read(list_path(&spec)).expect("stored"),
+            list.as_bytes()
+        );
+        assert_eq!(counts.coordinator, list.as_bytes().len() as u64);
+        assert!(
+            !spec.dir.join(hex::encode(&index.sha256)).exists(),
+            "kept only under the artifact's name"
+        );
+        // A list that does not match the signed index is refused, naming why.
+        let forged = BlockIndexRef {
+            sha256: [9; 32],
+            ..index
+        };
+        std::fs::remove_file(list_path(&spec)).expect("rm");
+        let (tx, mut rx, _asked) = network(list.as_bytes().to_vec(), Serves::Good, &[]);
+        let err = fetch_block_list(
+            &spec,
+            &forged,
+            &mut counts,
+            &tx,
+            &mut rx,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("refused");
+        assert!(err.to_string().contains("sha256 mismatch"), "{err}");
+    }
+}

@@ -1331,6 +1331,116 @@ mod tests {
         );
     }
 
+    /// An install whose manifest signs a block list, with a grant naming peer dev-7: the list
+    /// comes from the coordinator, the blocks the installed file already has are copied, the
+    /// rest comes from the peer, and the final report says so.
+    #[tokio::test]
+    async fn a_block_indexed_install_with_peers_reports_bytes_by_source() {
+        let mut f = fixture(None, vec![check("true")]);
+        let dest = f.dir.path().join("app.bin");
+        let bytes: Vec<u8> = (0..20 * 1024u32).map(|i| (i * 13 % 241) as u8).collect();
+        let mut old = bytes.clone();
+        old[3 * 1024 + 5] ^= 1;
+        std::fs::write(&dest, &old).expect("write");
+        let list = flotilla_protocol::blocks::BlockList::compute(&bytes[..], 1024).expect("list");
+        let mut rec = record(&bytes, State::Accepted, ActionKind::Forced);
+        let manifest = flotilla_protocol::manifest::Manifest {
+            release: rec.manifest.clone().expect("manifest"),
+            blocks: Some(flotilla_protocol::manifest::ManifestBlocks {
+                artifacts: vec![flotilla_protocol::blocks::BlockIndexRef {
+                    block_size: 1024,
+                    sha256: flotilla_protocol::sha256(list.as_bytes()),
+                }],
+            }),
+        };
+        let grant = flotilla_protocol::PeerGrant {
+            device_id: "dev-1".into(),
+            action_id: "act-1".into(),
+            rollout_id: "r1".into(),
+            sources: vec!["dev-1".into(), "dev-7".into()],
+            digests: vec![],
+            expires_at: u64::MAX,
+        };
+        rec.action.body = ActionBody::InstallWithPeers {
+            manifest: flotilla_protocol::SignedBlob::sign(
+                &crate::trust::tests::key(1),
+                manifest.encode(),
+            ),
+            kind: ActionKind::Forced,
+            window: None,
+            grant: flotilla_protocol::SignedBlob::sign(
+                &crate::trust::tests::key(2),
+                flotilla_protocol::envelope::to_bytes(&grant),
+            ),
+        };
+        // The coordinator serves the artifact and its list by digest; dev-7 serves the artifact.
+        let files: HashMap<[u8; 32], Vec<u8>> = HashMap::from([
+            (flotilla_protocol::sha256(&bytes), bytes.clone()),
+            (
+                flotilla_protocol::sha256(list.as_bytes()),
+                list.as_bytes().to_vec(),
+            ),
+        ]);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
+        let (in_tx, in_rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            while let Some(request) = req_rx.recv().await {
+                let (peer, r) = match request {
+                    FetchRequest::Coordinator(r) => (None, r),
+                    FetchRequest::Peer { peer, fetch } => (Some(peer), fetch.request),
+                };
+                let file = &files[&r.sha256];
+                let s = (r.offset as usize).min(file.len());
+                let e = (s + r.length as usize).min(file.len());
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: file[s..e].to_vec(),
+                };
+                let input = match peer {
+                    None => FetchInput::Reply(reply),
+                    Some(peer) => FetchInput::PeerReply { peer, reply },
+                };
+                if in_tx.send(input).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let mut io = ActionIo {
+            fetch_requests: req_tx,
+            fetch_inputs: in_rx,
+            cancel: CancellationToken::new(),
+            shutdown: CancellationToken::new(),
+        };
+        let rec = drive(&f.env, rec, &mut io, false).await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let expected = ByteCounts {
+            coordinator: list.as_bytes().len() as u64,
+            local: 19 * 1024,
+            peers: vec![("dev-7".into(), 1024)],
+        };
+        let mut final_report = None;
+        while let Ok(out) = f.outgoing.try_recv() {
+            match out {
+                Outgoing::ReportWithBytes { report, bytes } => {
+                    final_report = Some((report.phase, bytes))
+                }
+                Outgoing::Report(r) => assert!(!r.phase.is_terminal(), "{r:?} without bytes"),
+                _ => {}
+            }
+        }
+        assert_eq!(final_report, Some((Phase::Ready, expected)));
+        let blocks = downloads_dir(&f.env.config).join(format!(
+            "{}.blocks",
+            flotilla_protocol::hex::encode(&flotilla_protocol::sha256(&bytes))
+        ));
+        assert_eq!(
+            std::fs::read(blocks).expect("the verified list is kept"),
+            list.as_bytes()
+        );
+    }
+
     #[tokio::test]
     async fn without_health_checks_an_install_ends_applied() {
         let f = fixture(None, vec![]);

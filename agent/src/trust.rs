@@ -526,4 +526,61 @@ pub(crate) mod tests {
         same_second.issued_at = 50;
         assert!(check_all(&sign(&same_second, &key(2)), &config(), &state, 100).is_ok());
     }
+
+    fn grant(device: &str, action: &str) -> PeerGrant {
+        PeerGrant {
+            device_id: device.into(),
+            action_id: action.into(),
+            rollout_id: "r1".into(),
+            sources: vec!["dev-7".into(), "dev-8".into()],
+            digests: vec![flotilla_protocol::sha256(b"abc")],
+            expires_at: 900,
+        }
+    }
+
+    /// An `InstallWithPeers` of `manifest` (with a block index) carrying `grant` signed by
+    /// `grant_key`.
+    fn with_peers(grant: &PeerGrant, grant_key: &SigningKey) -> SignedBlob {
+        let plain = desired("dev-1", 500, &manifest(5), &key(1));
+        let blocks = flotilla_protocol::manifest::ManifestBlocks {
+            artifacts: vec![flotilla_protocol::blocks::BlockIndexRef {
+                block_size: 65_536,
+                sha256: [3; 32],
+            }],
+        };
+        let signed = Manifest {
+            release: manifest(5),
+            blocks: Some(blocks),
+        };
+        let action = DesiredAction {
+            body: ActionBody::InstallWithPeers {
+                manifest: SignedBlob::sign(&key(1), signed.encode()),
+                kind: ActionKind::Forced,
+                window: None,
+                grant: SignedBlob::sign(grant_key, envelope::to_bytes(grant)),
+            },
+            ..plain
+        };
+        sign(&action, &key(2))
+    }
+
+    #[test]
+    fn an_install_with_peers_and_a_block_index_is_accepted_like_an_install() {
+        let blob = with_peers(&grant("dev-1", "act-1"), &key(2));
+        let (action, manifest) = check_all(&blob, &config(), &installed(4), 100).expect("accepted");
+        assert_eq!(manifest.map(|m| m.counter), Some(5));
+        let install = action.body.install().expect("an install");
+        let blocks = manifest_blocks(install.manifest).expect("decodes");
+        assert_eq!(blocks.block_index(0).map(|b| b.sha256), Some([3; 32]));
+    }
+
+    #[test]
+    fn a_bad_grant_refuses_the_action_naming_why() {
+        let r = refusal(&with_peers(&grant("dev-2", "act-1"), &key(2)), 0);
+        assert_eq!(r, "peer grant is for device dev-2, this is dev-1");
+        let r = refusal(&with_peers(&grant("dev-1", "act-9"), &key(2)), 0);
+        assert_eq!(r, "peer grant is for action act-9, this is act-1");
+        let r = refusal(&with_peers(&grant("dev-1", "act-1"), &key(1)), 0);
+        assert!(r.starts_with("peer grant is signed by unknown key "), "{r}");
+    }
 }
