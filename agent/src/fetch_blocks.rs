@@ -506,6 +506,25 @@ impl<'a> Download<'a> {
                 .await?;
             }
         }
+        let bypassed: Vec<String> = self
+            .peers
+            .iter()
+            .zip(&self.sources.peers)
+            .filter_map(|(state, name)| Some(format!("{name} ({})", state.bypassed.as_ref()?)))
+            .collect();
+        tracing::info!(
+            artifact,
+            coordinator = counts.coordinator,
+            local = counts.local,
+            peers = counts.from_peers(),
+            bypassed = bypassed.len(),
+            "every block verified{}",
+            if bypassed.is_empty() {
+                String::new()
+            } else {
+                format!("; peers bypassed: {}", bypassed.join(", "))
+            }
+        );
         self.finish()
     }
 
