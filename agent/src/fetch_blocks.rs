@@ -767,6 +767,8 @@ mod tests {
         Corrupt,
         /// Never answers.
         Silent,
+        /// Answers `Unavailable` to everything.
+        Unavailable,
         /// Answers this many requests, then never again.
         DiesAfter(usize),
         /// The first answer for the block at this offset is corrupt, later ones are good.
@@ -808,23 +810,32 @@ mod tests {
                 let s = r.offset as usize;
                 let e = (s + r.length as usize).min(data.len());
                 let mut block = data[s..e].to_vec();
-                match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
-                    Serves::Good => {}
-                    Serves::Corrupt => block[0] ^= 0xff,
+                let reply = match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
+                    Serves::Unavailable => Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: "not here".into(),
+                    }),
+                    Serves::Good => None,
+                    Serves::Corrupt => {
+                        block[0] ^= 0xff;
+                        None
+                    }
                     Serves::Silent => continue,
                     Serves::DiesAfter(n) if *served > n => continue,
-                    Serves::DiesAfter(_) => {}
+                    Serves::DiesAfter(_) => None,
                     Serves::CorruptOnceAt(at) if at == r.offset => {
                         block[0] ^= 0xff;
                         behaviour.insert(who.clone(), Serves::Good);
+                        None
                     }
-                    Serves::CorruptOnceAt(_) => {}
-                }
-                let reply = BlockReply::Data {
+                    Serves::CorruptOnceAt(_) => None,
+                };
+                let reply = reply.unwrap_or(BlockReply::Data {
                     sha256: r.sha256,
                     offset: r.offset,
                     data: block,
-                };
+                });
                 let input = match who {
                     None => FetchInput::Reply(reply),
                     Some(peer) => FetchInput::PeerReply { peer, reply },
@@ -979,6 +990,26 @@ mod tests {
         assert_eq!(counts.total(), data.len() as u64, "byte counts add up");
         assert_eq!(from("second"), data.len() as u64 - 10 * u64::from(BS));
         assert_eq!(counts.coordinator, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_cannot_serve_is_passed_over_block_by_block_then_bypassed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(16);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("busy", Serves::Unavailable), ("good", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["busy", "good"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("good".to_owned(), data.len() as u64)]);
+        assert_eq!(counts.total(), data.len() as u64);
+        let busy = asked_of(&asked, Some("busy"));
+        assert!(
+            (PEER_UNAVAILABLE_LIMIT as usize..=spec.in_flight).contains(&busy.len()),
+            "asked until its third Unavailable, then never again: {busy:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -782,6 +782,21 @@ mod tests {
     }
 
     #[test]
+    fn block_sources_are_the_running_slot_then_the_other() {
+        let d = Device::new();
+        let p = d.dir.path();
+        assert_eq!(
+            d.target().block_sources(),
+            [p.join("slot-a.img"), p.join("slot-b.img")]
+        );
+        fs::write(p.join("bootenv"), "flotilla_slot=a\n").expect("env");
+        assert!(
+            d.target().block_sources().is_empty(),
+            "no running slot known, no sources"
+        );
+    }
+
+    #[test]
     fn a_boot_script_that_does_not_record_the_booted_slot_is_named() {
         let d = Device::new();
         fs::write(d.dir.path().join("bootenv"), "flotilla_slot=a\n").expect("env");
