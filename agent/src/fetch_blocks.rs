@@ -19,8 +19,12 @@
 //!   offset and counted to the source whose topic it came on, whoever was asked.
 //! - A peer that serves a block failing its hash is bypassed for the rest of the action (logged
 //!   naming the peer and the block); so is a peer that leaves a block unanswered for
-//!   `peer_timeout`, or answers `Unavailable` [`PEER_UNAVAILABLE_LIMIT`] times. A block a peer
-//!   could not give is asked of the next peer, then of the coordinator.
+//!   `peer_timeout`, or answers `Unavailable` [`PEER_UNAVAILABLE_LIMIT`] times in a row.
+//! - `Unavailable` from a peer is transient (it may be busy serving others): the block is asked
+//!   of the next peer; once every peer still in use said so, the peers are asked again after
+//!   [`PEER_RETRY`], for as long as the peers make progress (see `fallback_after`). A block goes
+//!   to the coordinator once no peer is left, or the peers delivered nothing for
+//!   `fallback_after`.
 //! - A bad block from the coordinator is discarded and asked for again after a backoff, at most
 //!   [`crate::fetch::BLOCK_ATTEMPTS`] times; an idle coordinator is asked again for everything
 //!   outstanding after [`crate::fetch::REPLY_TIMEOUT`], as in the streaming fetcher.
@@ -47,8 +51,12 @@ use crate::fetch::{
     REPLY_TIMEOUT,
 };
 
-/// `Unavailable` answers from one peer before it is bypassed for the action.
-pub const PEER_UNAVAILABLE_LIMIT: u32 = 3;
+/// `Unavailable` answers in a row (no good block between them) from one peer before it is
+/// bypassed for the action.
+pub const PEER_UNAVAILABLE_LIMIT: u32 = 8;
+
+/// The wait before asking the peers again for a block every peer in use answered `Unavailable`.
+pub const PEER_RETRY: Duration = Duration::from_secs(1);
 
 /// The part file is synced whenever the verified bytes cross a multiple of this.
 const SYNC_EVERY: u64 = 1 << 20;
@@ -144,6 +152,14 @@ enum Source {
     Peer(usize),
 }
 
+/// What to do with a block that is to be asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    Ask(Source),
+    /// Every peer in use answered `Unavailable` for it: ask them again after [`PEER_RETRY`].
+    Later,
+}
+
 /// A block asked for and not yet received.
 #[derive(Debug, Clone, Copy)]
 struct Asked {
@@ -155,6 +171,7 @@ struct Asked {
 #[derive(Debug, Default)]
 struct PeerState {
     bypassed: Option<String>,
+    /// `Unavailable` answers since its last good block.
     unavailable: u32,
 }
 
@@ -270,6 +287,8 @@ struct Download<'a> {
     asked: BTreeMap<u64, Asked>,
     /// block -> peers already tried for it.
     tried: BTreeMap<u64, BTreeSet<usize>>,
+    /// (when, block): blocks to ask the peers for again.
+    peer_retries: Vec<(Instant, u64)>,
     peers: Vec<PeerState>,
     retries: Retries,
     started: Instant,
@@ -318,6 +337,7 @@ impl<'a> Download<'a> {
             queue,
             asked: BTreeMap::new(),
             tried: BTreeMap::new(),
+            peer_retries: Vec::new(),
             peers,
             retries: Retries::default(),
             started: now,
@@ -331,18 +351,28 @@ impl<'a> Download<'a> {
         &self.sources.peers[i]
     }
 
-    /// Where block `block` should be asked now: the first peer not bypassed and not yet tried
-    /// for it while the peers' time lasts, else the coordinator.
-    fn source_for(&self, block: u64) -> Source {
-        if self.peer_heard.elapsed() < self.sources.fallback_after {
-            let tried = self.tried.get(&block);
-            for (i, peer) in self.peers.iter().enumerate() {
-                if peer.bypassed.is_none() && tried.is_none_or(|t| !t.contains(&i)) {
-                    return Source::Peer(i);
+    /// Where block `block` should be asked now, while the peers' time lasts: the first peer
+    /// in use not yet tried for it, or (every one of them answered `Unavailable`) the peers
+    /// again after [`PEER_RETRY`]. Otherwise the coordinator.
+    fn source_for(&self, block: u64) -> Choice {
+        if self.peer_heard.elapsed() >= self.sources.fallback_after {
+            return Choice::Ask(Source::Coordinator);
+        }
+        let tried = self.tried.get(&block);
+        let mut in_use = false;
+        for (i, peer) in self.peers.iter().enumerate() {
+            if peer.bypassed.is_none() {
+                in_use = true;
+                if tried.is_none_or(|t| !t.contains(&i)) {
+                    return Choice::Ask(Source::Peer(i));
                 }
             }
         }
-        Source::Coordinator
+        if in_use {
+            Choice::Later
+        } else {
+            Choice::Ask(Source::Coordinator)
+        }
     }
 
     fn request(&self, block: u64) -> BlockRequest {
@@ -430,6 +460,9 @@ impl<'a> Download<'a> {
         if let Some(due) = self.retries.next_due() {
             at = at.min(due);
         }
+        if let Some(due) = self.peer_retries.iter().map(|(due, _)| *due).min() {
+            at = at.min(due);
+        }
         at
     }
 
@@ -452,8 +485,13 @@ impl<'a> Download<'a> {
                 if self.present[block as usize] || self.asked.contains_key(&block) {
                     continue;
                 }
-                let source = self.source_for(block);
-                self.ask(block, source, requests).await?;
+                match self.source_for(block) {
+                    Choice::Ask(source) => self.ask(block, source, requests).await?,
+                    Choice::Later => {
+                        self.tried.remove(&block);
+                        self.peer_retries.push((Instant::now() + PEER_RETRY, block));
+                    }
+                }
             }
             if self.present.iter().all(|p| *p) {
                 break;
@@ -552,6 +590,11 @@ impl<'a> Download<'a> {
                 ),
             );
         }
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.peer_retries)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.peer_retries = waiting;
+        self.queue.extend(due.into_iter().map(|(_, block)| block));
         for (offset, _) in self.retries.take_due() {
             let Some(block) = self.list.index_at(offset) else {
                 continue;
@@ -635,6 +678,7 @@ impl<'a> Download<'a> {
             Source::Peer(i) => {
                 count_peer(counts, &self.sources.peers[i], n);
                 self.peer_heard = Instant::now();
+                self.peers[i].unavailable = 0;
             }
         }
         self.done += n;
@@ -769,6 +813,8 @@ mod tests {
         Silent,
         /// Answers `Unavailable` to everything.
         Unavailable,
+        /// Answers `Unavailable` to this many requests (busy), then serves.
+        BusyFirst(usize),
         /// Answers this many requests, then never again.
         DiesAfter(usize),
         /// The first answer for the block at this offset is corrupt, later ones are good.
@@ -816,7 +862,12 @@ mod tests {
                         offset: r.offset,
                         reason: "not here".into(),
                     }),
-                    Serves::Good => None,
+                    Serves::BusyFirst(n) if *served <= n => Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: "busy".into(),
+                    }),
+                    Serves::Good | Serves::BusyFirst(_) => None,
                     Serves::Corrupt => {
                         block[0] ^= 0xff;
                         None
@@ -1007,9 +1058,23 @@ mod tests {
         assert_eq!(counts.total(), data.len() as u64);
         let busy = asked_of(&asked, Some("busy"));
         assert!(
-            (PEER_UNAVAILABLE_LIMIT as usize..=spec.in_flight).contains(&busy.len()),
-            "asked until its third Unavailable, then never again: {busy:?}"
+            (PEER_UNAVAILABLE_LIMIT as usize..PEER_UNAVAILABLE_LIMIT as usize + spec.in_flight)
+                .contains(&busy.len()),
+            "asked until its {PEER_UNAVAILABLE_LIMIT}th Unavailable in a row, then never again: \
+             {busy:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_peer_is_asked_again_rather_than_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(16);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[("p", Serves::BusyFirst(4))]);
+        let counts = run(&spec, &data, &sources(&["p"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("p".to_owned(), data.len() as u64)]);
+        assert_eq!(counts.coordinator, 0);
+        assert!(asked_of(&asked, None).is_empty());
     }
 
     #[tokio::test(start_paused = true)]
