@@ -224,28 +224,31 @@ pub async fn fetch_blocks(
                 source: std::io::Error::other(e.to_string()),
             })?
     };
-    let (file, present, copied) = prepared.map_err(|source| FetchError::WritePart {
-        artifact: artifact.clone(),
-        path: spec.part_path(),
-        source,
-    })?;
-    if copied > 0 {
-        counts.local += copied;
-        tracing::info!(
-            artifact,
-            bytes = copied,
-            "copied blocks the device already holds"
-        );
-    }
-    let result = Download::new(job, file, present).run(counts, requests, inputs, progress, cancel);
-    match result.await {
-        Err(e @ FetchError::WritePart { .. }) => {
-            // Typically a full disk: the partial download must not keep the space.
-            let _ = std::fs::remove_file(spec.part_path());
-            Err(e)
+    let result = match prepared {
+        Ok((file, present, copied)) => {
+            if copied > 0 {
+                counts.local += copied;
+                tracing::info!(
+                    artifact,
+                    bytes = copied,
+                    "copied blocks the device already holds"
+                );
+            }
+            Download::new(job, file, present)
+                .run(counts, requests, inputs, progress, cancel)
+                .await
         }
-        other => other,
+        Err(source) => Err(FetchError::WritePart {
+            artifact: artifact.clone(),
+            path: spec.part_path(),
+            source,
+        }),
+    };
+    if let Err(FetchError::WritePart { .. }) = &result {
+        // Typically a full disk: the partial download must not keep the space.
+        let _ = std::fs::remove_file(spec.part_path());
     }
+    result
 }
 
 /// Opens (or creates) the part file at the artifact's size, finds its verified blocks, and
@@ -672,6 +675,7 @@ impl<'a> Download<'a> {
             .map_err(|source| self.write_err(source))?;
         self.present[block as usize] = true;
         self.asked.remove(&block);
+        self.tried.remove(&block);
         let n = data.len() as u64;
         match source {
             Source::Coordinator => counts.coordinator += n,
@@ -1166,6 +1170,42 @@ mod tests {
         assert!(counts.coordinator * 20 <= size, "{counts:?}");
         assert_eq!(asked_of(&asked, None).len(), 4, "only the changed blocks");
         assert_eq!(counts.local, size - counts.coordinator);
+    }
+
+    /// A part file that cannot be written (`/dev/full` stands in for a full disk) fails the
+    /// download naming the file, and leaves no partial download behind.
+    #[tokio::test(start_paused = true)]
+    async fn a_part_file_that_cannot_be_written_fails_and_is_removed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(4);
+        let spec = spec(dir.path(), &data);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+        let list = BlockList::compute(&data[..], BS).expect("list");
+        let (tx, mut rx, _asked) = network(data.clone(), Serves::Good, &[]);
+        let err = fetch_blocks(
+            BlockFetch {
+                spec: &spec,
+                list: &list,
+                sources: &Sources::default(),
+            },
+            &mut ByteCounts::default(),
+            &tx,
+            &mut rx,
+            &mut |_, _| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("cannot write");
+        assert!(
+            err.to_string()
+                .starts_with("artifact rootfs.img: cannot write "),
+            "{err}"
+        );
+        assert!(
+            std::fs::symlink_metadata(spec.part_path()).is_err(),
+            "the partial download is removed"
+        );
     }
 
     #[tokio::test(start_paused = true)]
