@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 1024;
 
-fn config(port: u16, dir: &Path, device: &str, dest: &Path) -> Config {
+fn config(port: u16, dir: &Path, device: &str, dest: &Path, rate: u64) -> Config {
     let text = format!(
         r#"
 device_id = "{device}"
@@ -48,6 +48,7 @@ path = "{dest}"
 block_size = 1024
 in_flight = 4
 peer_timeout = "2s"
+max_bytes_per_sec = {rate}
 "#,
         data = dir.join("agent-data").display(),
         rk = hex::encode(key(1).verifying_key().as_bytes()),
@@ -110,6 +111,7 @@ fn desired(device: &str, artifact: &[u8], list: &BlockList, peers: &[&str]) -> S
 #[derive(Debug)]
 enum Seen {
     Final(Phase, Option<ByteCounts>),
+    Progress(u64),
     Asked(String),
 }
 
@@ -172,6 +174,12 @@ async fn stand_ins(
                         match device::open_self_signed(&blob) {
                             Ok((_, DeviceMessage::Report(r))) if r.phase.is_terminal() => {
                                 let _ = tx.send(Seen::Final(r.phase, None)).await;
+                                continue;
+                            }
+                            Ok((_, DeviceMessage::Report(r))) => {
+                                if let Phase::Downloading { done, .. } = r.phase {
+                                    let _ = tx.send(Seen::Progress(done)).await;
+                                }
                                 continue;
                             }
                             Ok((_, DeviceMessage::ReportWithBytes { report, bytes })) => {
@@ -252,7 +260,7 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
     .await;
     let shutdown = CancellationToken::new();
     let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), device, &dest),
+        config(broker.port, dir.path(), device, &dest, 0),
         shutdown.clone(),
     ));
 
@@ -262,6 +270,7 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
             match s {
                 Seen::Asked(source) => *asked.entry(source).or_default() += 1,
                 Seen::Final(phase, bytes) => return (phase, bytes),
+                Seen::Progress(_) => {}
             }
         }
         panic!("the stand-ins stopped");
@@ -292,5 +301,105 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
     assert!(
         asked.get("peer-bad").copied().unwrap_or(0) <= 4,
         "the bad peer is bypassed after its first bad block: {asked:?}"
+    );
+}
+
+/// An agent stopped half way through a block-indexed download keeps the blocks it has and the
+/// bytes it counted: after the restart it asks only for the rest, and the final report's counts
+/// add up to the artifact exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let dest = dir.path().join("app.bin");
+    let device = "dev-resume";
+    let artifact: Vec<u8> = (0..60 * BLOCK).map(|i| (i * 11 % 239) as u8).collect();
+    let blocks = artifact.len() / BLOCK as usize;
+    let list = BlockList::compute(&artifact[..], BLOCK).expect("list");
+    let files = HashMap::from([
+        (flotilla_protocol::sha256(&artifact), artifact.clone()),
+        (
+            flotilla_protocol::sha256(list.as_bytes()),
+            list.as_bytes().to_vec(),
+        ),
+    ]);
+    let mut seen = stand_ins(
+        broker.port,
+        device,
+        desired(device, &artifact, &list, &["peer-good"]),
+        files,
+        "peer-good",
+        "peer-bad",
+    )
+    .await;
+    let mut asked = 0usize;
+    // 20 KB/s: about three seconds for the artifact; stopped after a third of it.
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        config(broker.port, dir.path(), device, &dest, 20_000),
+        shutdown.clone(),
+    ));
+    tokio::time::timeout(TIMEOUT, async {
+        while let Some(s) = seen.recv().await {
+            match s {
+                Seen::Asked(source) if source == "peer-good" => asked += 1,
+                Seen::Progress(done) if done >= artifact.len() as u64 / 3 => return,
+                Seen::Final(phase, _) => panic!("finished before it was stopped: {phase:?}"),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("a third downloaded within 30s");
+    shutdown.cancel();
+    tokio::time::timeout(TIMEOUT, agent)
+        .await
+        .expect("the agent stops")
+        .expect("agent task")
+        .expect("a clean stop");
+    let before = asked;
+    assert!(
+        before < blocks,
+        "stopped half way: {before} of {blocks} asked"
+    );
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        config(broker.port, dir.path(), device, &dest, 0),
+        shutdown.clone(),
+    ));
+    let last = tokio::time::timeout(TIMEOUT, async {
+        while let Some(s) = seen.recv().await {
+            match s {
+                Seen::Asked(source) if source == "peer-good" => asked += 1,
+                Seen::Final(phase, bytes) => return (phase, bytes),
+                _ => {}
+            }
+        }
+        panic!("the stand-ins stopped");
+    })
+    .await
+    .expect("a final report within 30s");
+    shutdown.cancel();
+    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+
+    assert_eq!(std::fs::read(&dest).expect("read"), artifact, "right bytes");
+    assert_eq!(last.0, Phase::Applied);
+    let bytes = last.1.expect("bytes by source");
+    assert_eq!(
+        bytes.peers,
+        [("peer-good".to_owned(), artifact.len() as u64)],
+        "counted once across the restart"
+    );
+    assert_eq!(bytes.coordinator, list.as_bytes().len() as u64);
+    // Besides the blocks it lacked: those in flight at the stop, and those asked again when the
+    // restarted agent's first connection came up (requests queued before it may be lost).
+    let in_flight = 4;
+    assert!(
+        asked <= blocks + 2 * in_flight,
+        "only the blocks it did not have were asked again: {asked} requests for {blocks} blocks \
+         ({before} before the stop)"
     );
 }
