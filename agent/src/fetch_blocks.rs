@@ -180,6 +180,9 @@ pub struct BlockFetch<'a> {
     pub spec: &'a FetchSpec,
     pub list: &'a BlockList,
     pub sources: &'a Sources,
+    /// Peers bypassed in this action so far, and why: kept from one artifact to the next, so a
+    /// peer that served a bad block is not asked again in the same action.
+    pub bypassed: &'a mut BTreeMap<String, String>,
 }
 
 /// Downloads `job.spec` block by block from the local copies, the peers and the coordinator.
@@ -281,6 +284,7 @@ struct Download<'a> {
     spec: &'a FetchSpec,
     list: &'a BlockList,
     sources: &'a Sources,
+    bypassed: &'a mut BTreeMap<String, String>,
     file: File,
     present: Vec<bool>,
     /// Bytes of verified blocks in the part file.
@@ -324,7 +328,10 @@ impl<'a> Download<'a> {
             job.sources
                 .peers
                 .iter()
-                .map(|_| PeerState::default())
+                .map(|name| PeerState {
+                    bypassed: job.bypassed.get(name).cloned(),
+                    unavailable: 0,
+                })
                 .collect()
         } else {
             Vec::new()
@@ -334,6 +341,7 @@ impl<'a> Download<'a> {
             spec,
             list,
             sources: job.sources,
+            bypassed: job.bypassed,
             file,
             present,
             done,
@@ -438,6 +446,8 @@ impl<'a> Download<'a> {
             "bypassing peer {} for the rest of this action: {reason}",
             self.sources.peers[i]
         );
+        self.bypassed
+            .insert(self.sources.peers[i].clone(), reason.clone());
         peer.bypassed = Some(reason);
         let theirs: Vec<u64> = self
             .asked
@@ -951,6 +961,7 @@ mod tests {
                 spec,
                 list: &list,
                 sources,
+                bypassed: &mut BTreeMap::new(),
             },
             &mut counts,
             &tx,
@@ -1001,6 +1012,51 @@ mod tests {
         assert!(
             bad.len() <= spec.in_flight,
             "the bad peer is asked nothing after its first bad block: {bad:?}"
+        );
+    }
+
+    /// A peer bypassed for one artifact is not asked for the action's next one.
+    #[tokio::test(start_paused = true)]
+    async fn a_bypassed_peer_stays_bypassed_for_the_rest_of_the_action() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut bypassed = BTreeMap::new();
+        let sources = sources(&["bad", "good"]);
+        for (n, blocks) in [(1u8, 12), (2, 9)] {
+            let data: Vec<u8> = image(blocks).iter().map(|b| b ^ n).collect();
+            let spec = spec(dir.path(), &data);
+            let list = BlockList::compute(&data[..], BS).expect("list");
+            let (tx, mut rx, asked) = network(
+                data.clone(),
+                Serves::Good,
+                &[("bad", Serves::Corrupt), ("good", Serves::Good)],
+            );
+            let path = fetch_blocks(
+                BlockFetch {
+                    spec: &spec,
+                    list: &list,
+                    sources: &sources,
+                    bypassed: &mut bypassed,
+                },
+                &mut ByteCounts::default(),
+                &tx,
+                &mut rx,
+                &mut |_, _| {},
+                &CancellationToken::new(),
+            )
+            .await
+            .expect("fetch");
+            assert_eq!(std::fs::read(path).expect("read"), data);
+            let bad = asked_of(&asked, Some("bad"));
+            if n == 2 {
+                assert!(
+                    bad.is_empty(),
+                    "asked again for the second artifact: {bad:?}"
+                );
+            }
+        }
+        assert!(
+            bypassed["bad"].contains("fails its signed hash"),
+            "{bypassed:?}"
         );
     }
 
@@ -1188,6 +1244,7 @@ mod tests {
                 spec: &spec,
                 list: &list,
                 sources: &Sources::default(),
+                bypassed: &mut BTreeMap::new(),
             },
             &mut ByteCounts::default(),
             &tx,

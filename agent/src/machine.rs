@@ -266,6 +266,9 @@ pub struct ActionIo {
     pub cancel: CancellationToken,
     /// The agent is stopping: leave the state as it is, it resumes after the restart.
     pub shutdown: CancellationToken,
+    /// Peers bypassed in this action, and why (a bad block, silence): not asked again for
+    /// the action's other artifacts.
+    pub bypassed_peers: std::collections::BTreeMap<String, String>,
 }
 
 /// What a step produced.
@@ -920,6 +923,7 @@ async fn download(
         let counts = &mut counts;
         let requests = &io.fetch_requests;
         let inputs = &mut io.fetch_inputs;
+        let bypassed = &mut io.bypassed_peers;
         let stop = &stop;
         let spec = &spec;
         let sources = &sources;
@@ -939,6 +943,7 @@ async fn download(
                         spec,
                         list: &list,
                         sources,
+                        bypassed,
                     };
                     fetch_blocks::fetch_blocks(
                         job,
@@ -1290,6 +1295,7 @@ mod tests {
             fetch_inputs: in_rx,
             cancel: CancellationToken::new(),
             shutdown: CancellationToken::new(),
+            bypassed_peers: Default::default(),
         }
     }
 
@@ -1411,6 +1417,7 @@ mod tests {
             fetch_inputs: in_rx,
             cancel: CancellationToken::new(),
             shutdown: CancellationToken::new(),
+            bypassed_peers: Default::default(),
         };
         let rec = drive(&f.env, rec, &mut io, false).await;
         assert_eq!(rec.state, State::Ready);
