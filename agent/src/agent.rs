@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use flotilla_protocol::{ActionBody, DesiredAction, SignedBlob, SigningKey};
+use flotilla_protocol::{ActionBody, DesiredAction, DeviceId, SignedBlob, SigningKey};
 use flotilla_targets::{AbTarget, FileTarget, ScriptTarget, TargetError, UpdateTarget};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, TargetKind};
 use crate::error::AgentError;
-use crate::fetch::FetchInput;
+use crate::fetch::{FetchInput, FetchRequest};
 use crate::identity;
 use crate::link::{self, LinkEvent, Outgoing};
 use crate::machine::{self, ActionIo, Env};
@@ -156,7 +156,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                     env.link.send(Outgoing::Subscribe).await;
                     env.link.send(Outgoing::State(env.device_state(true))).await;
                     for report in env.store.outbox() {
-                        env.link.send(Outgoing::Report(report)).await;
+                        env.link.send(env.outgoing_report(report)).await;
                     }
                     if let Some(r) = &running {
                         let _ = r.inputs.try_send(FetchInput::Reconnected);
@@ -167,6 +167,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                     if let Some(r) = &running {
                         // A full queue drops the block; the fetcher asks again.
                         let _ = r.inputs.try_send(FetchInput::Reply(reply));
+                    }
+                }
+                Some(LinkEvent::PeerBlock { peer, reply }) => {
+                    if let Some(r) = &running {
+                        let _ = r.inputs.try_send(FetchInput::PeerReply { peer, reply });
                     }
                 }
                 Some(LinkEvent::ReportAcked(seq)) => {
@@ -231,7 +236,18 @@ fn spawn(
     let link = env.link.clone();
     tokio::spawn(async move {
         while let Some(request) = req_rx.recv().await {
-            link.send(Outgoing::Fetch(request)).await;
+            let outgoing = match request {
+                FetchRequest::Coordinator(request) => Outgoing::Fetch(request),
+                FetchRequest::Peer { peer, fetch } => match DeviceId::new(&peer) {
+                    Ok(peer) => Outgoing::PeerFetch { peer, fetch },
+                    Err(e) => {
+                        // The fetcher bypasses a peer that never answers.
+                        tracing::warn!("cannot ask peer {peer:?}: {e}");
+                        continue;
+                    }
+                },
+            };
+            link.send(outgoing).await;
         }
     });
     let mut io = ActionIo {
@@ -239,6 +255,7 @@ fn spawn(
         fetch_inputs: inputs_rx,
         cancel: cancel.clone(),
         shutdown,
+        bypassed_peers: Default::default(),
     };
     let action_id = record.action_id.clone();
     let task = tokio::spawn(async move {

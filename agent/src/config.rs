@@ -138,6 +138,10 @@ pub struct DownloadConfig {
     pub in_flight: usize,
     /// 0 means unlimited.
     pub max_bytes_per_sec: u64,
+    /// A peer that leaves a block unanswered this long is bypassed for the action.
+    pub peer_timeout: Duration,
+    /// Peers that deliver no block for this long are left: the rest comes from the coordinator.
+    pub peer_fallback_after: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -326,6 +330,10 @@ struct RawDownload {
     in_flight: usize,
     #[serde(default)]
     max_bytes_per_sec: u64,
+    #[serde(default = "default_peer_timeout")]
+    peer_timeout: String,
+    #[serde(default = "default_peer_fallback_after")]
+    peer_fallback_after: String,
 }
 
 impl Default for RawDownload {
@@ -334,8 +342,17 @@ impl Default for RawDownload {
             block_size: default_block_size(),
             in_flight: default_in_flight(),
             max_bytes_per_sec: 0,
+            peer_timeout: default_peer_timeout(),
+            peer_fallback_after: default_peer_fallback_after(),
         }
     }
+}
+
+fn default_peer_timeout() -> String {
+    "3s".into()
+}
+fn default_peer_fallback_after() -> String {
+    "30s".into()
 }
 
 fn default_block_size() -> u32 {
@@ -589,6 +606,11 @@ impl TryFrom<RawConfig> for Config {
                 block_size: d.block_size,
                 in_flight: d.in_flight,
                 max_bytes_per_sec: d.max_bytes_per_sec,
+                peer_timeout: parse_duration("download.peer_timeout", &d.peer_timeout)?,
+                peer_fallback_after: parse_duration(
+                    "download.peer_fallback_after",
+                    &d.peer_fallback_after,
+                )?,
             },
             store: StoreConfig {
                 cache_bytes: raw.store.cache_bytes,

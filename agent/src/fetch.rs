@@ -1,8 +1,12 @@
-//! The block fetcher: downloads one artifact as pipelined [`BlockRequest`]s, writing each block
-//! to `<data_dir>/downloads/<sha256>.part` at its offset and hashing as it streams.
+//! The streaming fetcher: downloads one artifact from the coordinator as pipelined
+//! [`BlockRequest`]s, writing each block to `<data_dir>/downloads/<sha256>.part` at its offset
+//! and hashing as it streams. It serves artifacts whose manifest has no block index (and block
+//! lists themselves, which are checked against their signed digest); an artifact with a block
+//! index goes through [`crate::fetch_blocks`], which checks every block and can use peers.
 //!
 //! It talks to the artifact server through two channels (requests out, replies in), not to
-//! MQTT, so it is tested here against an in-memory server. Rules it keeps:
+//! MQTT, so it is tested here against an in-memory server. Both fetchers share the channel
+//! types defined here ([`FetchRequest`], [`FetchInput`]). Rules it keeps:
 //!
 //! - `in_flight` requests outstanding; replies that arrive out of order are buffered until the
 //!   gap before them is filled, so the file and the hash only ever grow at the end.
@@ -18,8 +22,9 @@
 //! - A write error (a full disk) removes the partial download before the error is returned.
 //! - At the end the sha256 must match; the part file is then renamed to `<sha256>`. A mismatch
 //!   (a corrupt block from someone on the broker) discards the download and starts it again, at
-//!   most [`DOWNLOAD_ATTEMPTS`] times in all. Until the manifest carries a hash per block, a
-//!   corrupt block can only be found here, after the whole artifact.
+//!   most [`DOWNLOAD_ATTEMPTS`] times in all. Without a block index, a corrupt block can only be
+//!   found here, after the whole artifact.
+//! - Every byte it accepts is counted as the coordinator's in the action's [`ByteCounts`].
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -27,7 +32,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use flotilla_protocol::{hex, BlockReply, BlockRequest, Digest};
+use flotilla_protocol::{hex, BlockReply, BlockRequest, ByteCounts, Digest, PeerFetch};
 use sha2::Digest as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -77,12 +82,32 @@ impl FetchSpec {
     }
 }
 
+/// What a fetcher asks the link to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FetchRequest {
+    /// To the coordinator's artifact server, on this device's `fetch` topic.
+    Coordinator(BlockRequest),
+    /// To a peer, on its `peer-fetch` topic, with this device's grant.
+    Peer { peer: String, fetch: PeerFetch },
+}
+
 /// What reaches the fetcher from the link.
 #[derive(Debug, Clone)]
 pub enum FetchInput {
+    /// From the coordinator, on this device's `block` topic.
     Reply(BlockReply),
+    /// From peer `peer`, on `peer-block/{peer}`: the topic names the source.
+    PeerReply { peer: String, reply: BlockReply },
     /// The connection came back: requests sent while it was down may be lost, ask again.
     Reconnected,
+}
+
+/// Adds `n` bytes from `peer` to `counts`.
+pub fn count_peer(counts: &mut ByteCounts, peer: &str, n: u64) {
+    match counts.peers.iter_mut().find(|(p, _)| p == peer) {
+        Some((_, total)) => *total += n,
+        None => counts.peers.push((peer.to_owned(), n)),
+    }
 }
 
 /// Why a download failed. The message is what the report's `Failed { reason }` says.
@@ -124,15 +149,19 @@ pub enum FetchError {
     Canceled,
 }
 
+/// Called after every block with the bytes done so far and the action's byte counts.
+pub type Progress<'a> = dyn FnMut(u64, &ByteCounts) + Send + 'a;
+
 /// Downloads `spec`, starting after `done` contiguous bytes that an earlier run already wrote.
-/// `progress` is called with the new contiguous byte count after every block. Returns the path
-/// of the verified artifact.
+/// `progress` is called with the new contiguous byte count after every block; the bytes
+/// received are added to `counts.coordinator`. Returns the path of the verified artifact.
 pub async fn fetch(
     spec: &FetchSpec,
     done: u64,
-    requests: &mpsc::Sender<BlockRequest>,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
     inputs: &mut mpsc::Receiver<FetchInput>,
-    progress: &mut (dyn FnMut(u64) + Send),
+    progress: &mut Progress<'_>,
     cancel: &CancellationToken,
 ) -> Result<PathBuf, FetchError> {
     let artifact = spec.name.clone();
@@ -146,7 +175,7 @@ pub async fn fetch(
     // instead of fetching it again.
     if let Ok(digest) = hash_file(&final_path) {
         if digest.0 == spec.sha256 && digest.1 == spec.size {
-            progress(spec.size);
+            progress(spec.size, counts);
             return Ok(final_path);
         }
     }
@@ -154,7 +183,7 @@ pub async fn fetch(
     let mut done = done;
     let mut attempt = 1;
     loop {
-        match fetch_once(spec, done, requests, inputs, progress, cancel).await {
+        match fetch_once(spec, done, counts, requests, inputs, progress, cancel).await {
             Err(FetchError::Digest(refusal)) if attempt < DOWNLOAD_ATTEMPTS => {
                 tracing::warn!(
                     artifact,
@@ -163,7 +192,7 @@ pub async fn fetch(
                 );
                 attempt += 1;
                 done = 0;
-                progress(0);
+                progress(0, counts);
             }
             Err(e @ FetchError::WritePart { .. }) => {
                 // Typically a full disk: the partial download must not keep the space (nor stop
@@ -182,7 +211,7 @@ pub async fn fetch(
 
 /// Bad replies so far, and blocks waiting out their backoff before they are asked for again.
 #[derive(Default)]
-struct Retries {
+pub(crate) struct Retries {
     /// offset -> bad replies for the block at that offset.
     bad: BTreeMap<u64, u32>,
     /// (when, offset, length) of blocks to ask for again.
@@ -195,7 +224,7 @@ struct Retries {
 impl Retries {
     /// Counts a bad reply for the block at `offset`; schedules it to be asked for again, or
     /// fails once it had [`BLOCK_ATTEMPTS`] bad replies.
-    fn bad_reply(
+    pub(crate) fn bad_reply(
         &mut self,
         artifact: &str,
         offset: u64,
@@ -229,12 +258,12 @@ impl Retries {
     }
 
     /// When the next retry is due.
-    fn next_due(&self) -> Option<Instant> {
+    pub(crate) fn next_due(&self) -> Option<Instant> {
         self.due.iter().map(|(at, ..)| *at).min()
     }
 
     /// The blocks whose backoff is over.
-    fn take_due(&mut self) -> Vec<(u64, u32)> {
+    pub(crate) fn take_due(&mut self) -> Vec<(u64, u32)> {
         let now = Instant::now();
         let (ready, waiting): (Vec<_>, Vec<_>) =
             self.due.drain(..).partition(|(at, ..)| *at <= now);
@@ -249,7 +278,7 @@ impl Retries {
     }
 
     /// Every outstanding block is asked for again now.
-    fn asking_all_again(&mut self) {
+    pub(crate) fn asking_all_again(&mut self) {
         self.due.clear();
         self.spent.clear();
     }
@@ -259,9 +288,10 @@ impl Retries {
 async fn fetch_once(
     spec: &FetchSpec,
     done: u64,
-    requests: &mpsc::Sender<BlockRequest>,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
     inputs: &mut mpsc::Receiver<FetchInput>,
-    progress: &mut (dyn FnMut(u64) + Send),
+    progress: &mut Progress<'_>,
     cancel: &CancellationToken,
 ) -> Result<PathBuf, FetchError> {
     let artifact = spec.name.clone();
@@ -335,6 +365,8 @@ async fn fetch_once(
             }
             Ok(None) => return Err(FetchError::Closed { artifact }),
             Ok(Some(FetchInput::Reply(reply))) => reply,
+            // Asked nothing of peers.
+            Ok(Some(FetchInput::PeerReply { .. })) => continue,
         };
         let (offset, data) = match reply {
             BlockReply::Data { sha256, .. } | BlockReply::Unavailable { sha256, .. }
@@ -373,6 +405,7 @@ async fn fetch_once(
             continue;
         }
         outstanding.remove(&offset);
+        counts.coordinator += data.len() as u64;
         if data.len() < requested as usize {
             // A short block: ask for the rest of it separately.
             let rest = offset + data.len() as u64;
@@ -394,7 +427,7 @@ async fn fetch_once(
             if expected / SYNC_EVERY != before / SYNC_EVERY {
                 file.sync_data().map_err(write_err)?;
             }
-            progress(expected);
+            progress(expected, counts);
             throttle(
                 spec.max_bytes_per_sec,
                 expected - start_bytes,
@@ -423,13 +456,13 @@ async fn fetch_once(
     Ok(final_path)
 }
 
-async fn send(
-    requests: &mpsc::Sender<BlockRequest>,
+pub(crate) async fn send(
+    requests: &mpsc::Sender<FetchRequest>,
     request: BlockRequest,
     artifact: &str,
 ) -> Result<(), FetchError> {
     requests
-        .send(request)
+        .send(FetchRequest::Coordinator(request))
         .await
         .map_err(|_| FetchError::Closed {
             artifact: artifact.to_owned(),
@@ -471,7 +504,7 @@ fn open_part(spec: &FetchSpec, done: u64) -> Result<(File, sha2::Sha256, u64), F
 }
 
 /// sha256 and length of a file.
-fn hash_file(path: &Path) -> std::io::Result<(Digest, u64)> {
+pub(crate) fn hash_file(path: &Path) -> std::io::Result<(Digest, u64)> {
     let mut file = File::open(path)?;
     let mut hasher = sha2::Sha256::new();
     let mut buf = vec![0u8; 64 * 1024];
@@ -488,7 +521,7 @@ fn hash_file(path: &Path) -> std::io::Result<(Digest, u64)> {
 }
 
 /// Sleeps long enough to keep the average rate at or below `max_bytes_per_sec`.
-async fn throttle(
+pub(crate) async fn throttle(
     max_bytes_per_sec: u64,
     bytes: u64,
     started: Instant,
@@ -505,7 +538,7 @@ async fn throttle(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
@@ -528,17 +561,17 @@ mod tests {
         reverse: bool,
         tamper: Option<usize>,
     ) -> (
-        mpsc::Sender<BlockRequest>,
+        mpsc::Sender<FetchRequest>,
         mpsc::Receiver<FetchInput>,
         tokio::task::JoinHandle<Vec<u64>>,
     ) {
-        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
         let (rep_tx, rep_rx) = mpsc::channel(64);
         let task = tokio::spawn(async move {
             let mut asked = Vec::new();
-            while let Some(first) = req_rx.recv().await {
+            while let Some(first) = req_rx.recv().await.map(coordinator) {
                 let mut batch = vec![first];
-                while let Ok(r) = req_rx.try_recv() {
+                while let Ok(r) = req_rx.try_recv().map(coordinator) {
                     batch.push(r);
                 }
                 if reverse {
@@ -569,6 +602,14 @@ mod tests {
         (req_tx, rep_rx, task)
     }
 
+    /// The coordinator request inside a fetcher's request; this fetcher asks no peers.
+    pub(crate) fn coordinator(request: FetchRequest) -> BlockRequest {
+        match request {
+            FetchRequest::Coordinator(r) => r,
+            FetchRequest::Peer { peer, .. } => panic!("asked peer {peer}"),
+        }
+    }
+
     fn data(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
     }
@@ -583,9 +624,10 @@ mod tests {
         let path = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &tx,
             &mut rx,
-            &mut |d| seen.push(d),
+            &mut |d, _| seen.push(d),
             &CancellationToken::new(),
         )
         .await
@@ -611,9 +653,10 @@ mod tests {
         let path = fetch(
             &spec,
             300,
+            &mut ByteCounts::default(),
             &tx,
             &mut rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -641,9 +684,10 @@ mod tests {
         let err = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &tx,
             &mut rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -670,15 +714,15 @@ mod tests {
     fn hostile_server(
         reply: impl Fn(&BlockRequest) -> BlockReply + Send + 'static,
     ) -> (
-        mpsc::Sender<BlockRequest>,
+        mpsc::Sender<FetchRequest>,
         mpsc::Receiver<FetchInput>,
         tokio::task::JoinHandle<Vec<u64>>,
     ) {
-        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(16);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(16);
         let (rep_tx, rep_rx) = mpsc::channel(16);
         let task = tokio::spawn(async move {
             let mut asked = Vec::new();
-            while let Some(r) = req_rx.recv().await {
+            while let Some(r) = req_rx.recv().await.map(coordinator) {
                 asked.push(r.offset);
                 if rep_tx.send(FetchInput::Reply(reply(&r))).await.is_err() {
                     break;
@@ -703,9 +747,10 @@ mod tests {
         let err = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &req_tx,
             &mut rep_rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -739,9 +784,10 @@ mod tests {
         let err = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &req_tx,
             &mut rep_rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -794,9 +840,10 @@ mod tests {
         let path = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &tx,
             &mut rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -824,9 +871,10 @@ mod tests {
         let err = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &tx,
             &mut rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await
@@ -847,12 +895,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(250);
         let spec = spec(dir.path(), &bytes);
-        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
         let (rep_tx, mut rep_rx) = mpsc::channel(64);
         let served = bytes.clone();
         tokio::spawn(async move {
             let mut dropped_first = false;
-            while let Some(r) = req_rx.recv().await {
+            while let Some(r) = req_rx.recv().await.map(coordinator) {
                 if !dropped_first {
                     dropped_first = true; // the broker lost this one
                     continue;
@@ -872,9 +920,10 @@ mod tests {
         let path = fetch(
             &spec,
             0,
+            &mut ByteCounts::default(),
             &req_tx,
             &mut rep_rx,
-            &mut |_| {},
+            &mut |_, _| {},
             &CancellationToken::new(),
         )
         .await

@@ -27,7 +27,8 @@
 //! ```text
 //! agent                              the daemon: the agent loop, one action task at a time
 //! machine                            one action, state by state
-//! fetch   health   link   consent    what a step uses: blocks, health checks, MQTT, consent
+//! fetch_blocks  health  link  consent   what a step uses: blocks, health checks, MQTT, consent
+//! fetch   adaptive                   the streaming fetcher and channel types; local blocks
 //! trust   status   error             trust checks, keys install; status view; AgentError
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
@@ -36,7 +37,10 @@
 //!
 //! - [`agent`]: ties them together: [`run`].
 //! - [`machine`]: the persisted update state machine ([`machine::drive`], [`machine::step`]).
-//! - [`fetch`]: the pipelined, resumable block fetcher.
+//! - [`fetch_blocks`]: the block-verified, multi-source fetcher (local copies, peers, the
+//!   coordinator) for artifacts whose manifest signs a block list.
+//! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
+//! - [`adaptive`]: finding blocks the device already holds.
 //! - [`health`]: health checks over the soak time.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
 //! - [`consent`](mod@consent): local consent files for soft and time-forced actions.
@@ -96,12 +100,14 @@
 //! # }
 //! ```
 
+pub mod adaptive;
 pub mod agent;
 pub mod config;
 pub mod consent;
 pub mod error;
 pub mod fault;
 pub mod fetch;
+pub mod fetch_blocks;
 pub mod health;
 pub mod identity;
 pub mod link;

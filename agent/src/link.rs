@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    device, envelope, BlockReply, BlockRequest, DeviceId, DeviceMessage, DeviceState, Digest,
-    Message, Report, SignedBlob, SigningKey, Topic, Topics, BROKER_PACKET_LIMIT,
+    device, envelope, BlockReply, BlockRequest, ByteCounts, DeviceId, DeviceMessage, DeviceState,
+    Digest, Message, PeerFetch, Report, SignedBlob, SigningKey, Topic, Topics, BROKER_PACKET_LIMIT,
     CLIENT_PACKET_LIMIT,
 };
 use rumqttc::{AsyncClient, Event, LastWill, Packet, QoS};
@@ -41,6 +41,11 @@ pub enum LinkEvent {
     Connected,
     Desired(SignedBlob),
     Block(BlockReply),
+    /// A block reply from peer `peer`, on `peer-block/{peer}` (the topic names the source).
+    PeerBlock {
+        peer: String,
+        reply: BlockReply,
+    },
     /// The broker acknowledged the report with this `seq`.
     ReportAcked(u64),
 }
@@ -54,6 +59,17 @@ pub enum Outgoing {
     /// Retained.
     State(DeviceState),
     Fetch(BlockRequest),
+    /// A final report with the action's bytes by source ([`DeviceMessage::ReportWithBytes`]).
+    ReportWithBytes {
+        report: Report,
+        bytes: ByteCounts,
+    },
+    /// A block request to peer `peer`, on its `peer-fetch` topic (not a device message: the
+    /// grant inside it is what the peer checks).
+    PeerFetch {
+        peer: DeviceId,
+        fetch: PeerFetch,
+    },
 }
 
 /// Handle for sending through the link.
@@ -237,6 +253,25 @@ async fn writer(
                 Some(r.seq),
                 DeviceMessage::Report(r),
             ),
+            Outgoing::ReportWithBytes { report, bytes } => (
+                topics.report(&id),
+                false,
+                Some(report.seq),
+                DeviceMessage::ReportWithBytes { report, bytes },
+            ),
+            Outgoing::PeerFetch { peer, fetch } => {
+                if let Ok(mut t) = tags.lock() {
+                    t.push_back(None);
+                }
+                let payload = envelope::encode(&Message::PeerFetch(fetch));
+                if let Err(e) = client
+                    .publish(topics.peer_fetch(&peer), QoS::AtLeastOnce, false, payload)
+                    .await
+                {
+                    tracing::warn!("cannot queue a block request to peer {peer}: {e}");
+                }
+                continue;
+            }
             Outgoing::State(state) => (
                 topics.state(&id),
                 true,
@@ -411,7 +446,7 @@ impl Undelivered {
                 self.acks.push_back(seq);
             }
             // The fetcher asks again for a block it did not get.
-            LinkEvent::Block(_) => {
+            LinkEvent::Block(_) | LinkEvent::PeerBlock { .. } => {
                 tracing::debug!("agent is not keeping up with blocks; one dropped")
             }
         }
@@ -468,7 +503,7 @@ fn decode(
         ));
     }
     let expected = match topics.parse(topic) {
-        Some(t @ (Topic::Desired(_) | Topic::Block(_))) => t,
+        Some(t @ (Topic::Desired(_) | Topic::Block(_) | Topic::PeerBlock { .. })) => t,
         _ => return bad("unexpected topic".into()),
     };
     if payload.is_empty() && matches!(expected, Topic::Desired(_)) {
@@ -480,6 +515,12 @@ fn decode(
             Some(LinkEvent::Desired(blob))
         }
         (Topic::Block(d), Ok(Message::Block(reply))) if &d == id => Some(LinkEvent::Block(reply)),
+        (Topic::PeerBlock { device, source }, Ok(Message::Block(reply))) if &device == id => {
+            Some(LinkEvent::PeerBlock {
+                peer: source.to_string(),
+                reply,
+            })
+        }
         (_, Ok(other)) => bad(format!("unexpected {} on this topic", other.name())),
         (_, Err(e)) => bad(e.to_string()),
     }
@@ -529,7 +570,7 @@ mod tests {
                 LinkEvent::Connected => "connected".to_owned(),
                 LinkEvent::ReportAcked(seq) => format!("ack {seq}"),
                 LinkEvent::Desired(b) => format!("desired {}", b.payload[0]),
-                LinkEvent::Block(_) => "block".to_owned(),
+                LinkEvent::Block(_) | LinkEvent::PeerBlock { .. } => "block".to_owned(),
             });
         }
         assert_eq!(order, ["connected", "ack 2", "desired 200"]);

@@ -38,8 +38,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    ActionBody, ActionKind, CurrentAction, DesiredAction, DeviceState, InstalledRelease,
-    ReleaseManifest, Report, UnixTime,
+    ActionBody, ActionKind, ByteCounts, CurrentAction, DesiredAction, DeviceState,
+    InstalledRelease, ReleaseManifest, Report, UnixTime,
 };
 use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
 use tokio::sync::{mpsc, Notify};
@@ -47,7 +47,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::consent;
-use crate::fetch::{self, FetchError, FetchInput, FetchSpec};
+use crate::fetch::{self, FetchError, FetchInput, FetchRequest, FetchSpec};
+use crate::fetch_blocks::{self, BlockFetch, Sources};
 use crate::health::{self, Soak};
 use crate::link::{LinkHandle, Outgoing};
 use crate::record::{ActionRecord, RollbackPoint, State};
@@ -139,7 +140,7 @@ impl Env {
     /// then the retained device state.
     pub async fn report(&self, record: &ActionRecord) {
         if let Some(report) = self.make_report(record) {
-            self.link.send(Outgoing::Report(report)).await;
+            self.link.send(self.outgoing_report(report)).await;
         }
         self.link
             .send(Outgoing::State(self.device_state(true)))
@@ -151,6 +152,17 @@ impl Env {
     /// the agent holds the database.
     pub fn write_status_file(&self) {
         crate::status::write_status_file(&self.config.data_dir, &self.store, &self.trust_state());
+    }
+
+    /// How a report goes out: a final report of an action that downloaded something carries
+    /// its bytes by source (also when the outbox sends it again).
+    pub fn outgoing_report(&self, report: Report) -> Outgoing {
+        if report.phase.is_terminal() {
+            if let Ok(Some(bytes)) = self.store.action_bytes(&report.action_id) {
+                return Outgoing::ReportWithBytes { report, bytes };
+            }
+        }
+        Outgoing::Report(report)
     }
 
     /// Like [`report`](Self::report) but never waits; for download progress.
@@ -248,12 +260,15 @@ impl Env {
 /// The channels and tokens one running action uses.
 #[derive(Debug)]
 pub struct ActionIo {
-    pub fetch_requests: mpsc::Sender<flotilla_protocol::BlockRequest>,
+    pub fetch_requests: mpsc::Sender<FetchRequest>,
     pub fetch_inputs: mpsc::Receiver<FetchInput>,
     /// A signed cancel for this action.
     pub cancel: CancellationToken,
     /// The agent is stopping: leave the state as it is, it resumes after the restart.
     pub shutdown: CancellationToken,
+    /// Peers bypassed in this action, and why (a bad block, silence): not asked again for
+    /// the action's other artifacts.
+    pub bypassed_peers: std::collections::BTreeMap<String, String>,
 }
 
 /// What a step produced.
@@ -324,10 +339,11 @@ pub async fn step(env: &Env, record: &ActionRecord, io: &mut ActionIo, resumed: 
             rolled_back: false,
         });
     };
-    let kind = match &record.action.body {
-        ActionBody::Install { kind, .. } => *kind,
-        _ => ActionKind::Forced,
-    };
+    let kind = record
+        .action
+        .body
+        .install()
+        .map_or(ActionKind::Forced, |install| install.kind);
     match &record.state {
         State::Accepted | State::Waiting { .. } => {
             loop {
@@ -791,10 +807,9 @@ pub fn wait_reason(
     now: UnixTime,
     consented: bool,
 ) -> Option<(String, Option<UnixTime>)> {
-    let ActionBody::Install { kind, window, .. } = &action.body else {
-        return None;
-    };
-    if let Some(w) = window {
+    let install = action.body.install()?;
+    let kind = &install.kind;
+    if let Some(w) = &install.window {
         if now < w.not_before {
             return Some((
                 format!("outside the time window: opens at {}", w.not_before),
@@ -824,7 +839,9 @@ pub fn wait_reason(
 }
 
 /// Downloads artifact `index` from `done`, persisting progress and reporting it at most about
-/// once a second and at every completed 10%.
+/// once a second and at every completed 10%. An artifact whose manifest signs a block list goes
+/// through the block fetcher (local copies, the grant's peers, the coordinator; every block
+/// checked), one without through the streaming fetcher. Bytes by source are kept per action.
 async fn download(
     env: &Env,
     record: &ActionRecord,
@@ -844,6 +861,16 @@ async fn download(
         block_size: env.config.download.block_size,
         in_flight: env.config.download.in_flight,
         max_bytes_per_sec: env.config.download.max_bytes_per_sec,
+    };
+    let block_index = record
+        .action
+        .body
+        .install()
+        .and_then(|install| trust::manifest_blocks(install.manifest))
+        .and_then(|m| m.block_index(index as usize).copied());
+    let sources = match block_index {
+        Some(_) => block_sources(env, record, manifest).await,
+        None => Sources::default(),
     };
     let total: u64 = manifest
         .artifacts
@@ -865,7 +892,7 @@ async fn download(
         let latest = latest.clone();
         let decile = decile.clone();
         let store = env.store.clone();
-        move |d: u64| {
+        move |d: u64, counts: &ByteCounts| {
             let old = latest.swap(d, Ordering::Relaxed);
             progress_record.state = State::Downloading {
                 artifact: index,
@@ -873,6 +900,7 @@ async fn download(
             };
             // A cheap insert per block; a flush per MiB bounds what a power cut can lose.
             let _ = store.save_action_unflushed(&progress_record);
+            let _ = store.set_action_bytes(&progress_record.action_id, counts);
             // Same boundary at which the fetcher syncs the part file, just after it.
             if d >> 20 != last_flush >> 20 {
                 let _ = store.flush();
@@ -883,39 +911,82 @@ async fn download(
             }
         }
     };
+    let mut counts = env
+        .store
+        .action_bytes(&record.action_id)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
     // Both a signed cancel and shutdown stop the download.
     let stop = CancellationToken::new();
-    let fetch_fut = fetch::fetch(
-        &spec,
-        done,
-        &io.fetch_requests,
-        &mut io.fetch_inputs,
-        &mut on_progress,
-        &stop,
-    );
-    tokio::pin!(fetch_fut);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut reported = done;
-    let result = loop {
-        tokio::select! {
-            r = &mut fetch_fut => break r,
-            _ = io.shutdown.cancelled(), if !stop.is_cancelled() => stop.cancel(),
-            _ = io.cancel.cancelled(), if !stop.is_cancelled() => stop.cancel(),
-            _ = tick.tick() => {}
-            _ = decile.notified() => {}
-        }
-        let now_done = latest.load(Ordering::Relaxed);
-        if now_done != reported {
-            reported = now_done;
-            let mut r = record.clone();
-            r.state = State::Downloading {
-                artifact: index,
-                done: now_done,
-            };
-            env.report_progress(&r);
+    let result = {
+        let counts = &mut counts;
+        let requests = &io.fetch_requests;
+        let inputs = &mut io.fetch_inputs;
+        let bypassed = &mut io.bypassed_peers;
+        let stop = &stop;
+        let spec = &spec;
+        let sources = &sources;
+        let fetch_fut = async move {
+            match block_index {
+                Some(block_index) => {
+                    let list = fetch_blocks::fetch_block_list(
+                        spec,
+                        &block_index,
+                        counts,
+                        requests,
+                        inputs,
+                        stop,
+                    )
+                    .await?;
+                    let job = BlockFetch {
+                        spec,
+                        list: &list,
+                        sources,
+                        bypassed,
+                    };
+                    fetch_blocks::fetch_blocks(
+                        job,
+                        counts,
+                        requests,
+                        inputs,
+                        &mut on_progress,
+                        stop,
+                    )
+                    .await
+                }
+                None => {
+                    fetch::fetch(spec, done, counts, requests, inputs, &mut on_progress, stop).await
+                }
+            }
+        };
+        tokio::pin!(fetch_fut);
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut reported = done;
+        loop {
+            tokio::select! {
+                r = &mut fetch_fut => break r,
+                _ = io.shutdown.cancelled(), if !stop.is_cancelled() => stop.cancel(),
+                _ = io.cancel.cancelled(), if !stop.is_cancelled() => stop.cancel(),
+                _ = tick.tick() => {}
+                _ = decile.notified() => {}
+            }
+            let now_done = latest.load(Ordering::Relaxed);
+            if now_done != reported {
+                reported = now_done;
+                let mut r = record.clone();
+                r.state = State::Downloading {
+                    artifact: index,
+                    done: now_done,
+                };
+                env.report_progress(&r);
+            }
         }
     };
+    if let Err(e) = env.store.set_action_bytes(&record.action_id, &counts) {
+        tracing::warn!("{e}");
+    }
     match result {
         Ok(_) if (index as usize) + 1 < manifest.artifacts.len() => {
             Next::State(State::Downloading {
@@ -933,11 +1004,59 @@ async fn download(
     }
 }
 
+/// Where the blocks of a block-indexed artifact may come from: the peers of the action's grant
+/// (when it has one that still verifies) and what the targets hold.
+async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest) -> Sources {
+    let me = env.config.device_id.as_str();
+    let grant = record.action.body.install().and_then(|i| i.grant).cloned();
+    let peers = match &grant {
+        Some(blob) => {
+            let keys = env.trust_state().ring(&env.config.trust).coordinator_keys;
+            match trust::check_grant(blob, &keys, me, &record.action_id) {
+                Ok(grant) => grant.sources.into_iter().filter(|p| p != me).collect(),
+                Err(refusal) => {
+                    tracing::warn!(
+                        action = record.action_id,
+                        "not asking peers: {refusal}; fetching from the coordinator"
+                    );
+                    Vec::new()
+                }
+            }
+        }
+        None => Vec::new(),
+    };
+    let targets: Vec<Arc<dyn UpdateTarget>> = manifest
+        .artifacts
+        .iter()
+        .filter_map(|a| env.targets.get(&a.target).cloned())
+        .collect();
+    let local = tokio::task::spawn_blocking(move || {
+        let mut paths: Vec<PathBuf> = Vec::new();
+        for target in targets {
+            for path in target.block_sources() {
+                if !paths.contains(&path) {
+                    paths.push(path);
+                }
+            }
+        }
+        paths
+    })
+    .await
+    .unwrap_or_default();
+    Sources {
+        grant: if peers.is_empty() { None } else { grant },
+        peers,
+        peer_timeout: env.config.download.peer_timeout,
+        fallback_after: env.config.download.peer_fallback_after,
+        local,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::HealthCheck;
-    use flotilla_protocol::{Artifact, BlockReply, BlockRequest, Phase};
+    use flotilla_protocol::{Artifact, BlockReply, Phase};
     use std::sync::atomic::AtomicUsize;
 
     /// A target that counts its steps, to prove what a resumed action does and does not repeat.
@@ -1155,10 +1274,10 @@ mod tests {
 
     /// Channels to an in-memory artifact server serving `bytes`.
     fn io(bytes: Vec<u8>) -> ActionIo {
-        let (req_tx, mut req_rx) = mpsc::channel::<BlockRequest>(64);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
         let (in_tx, in_rx) = mpsc::channel(64);
         tokio::spawn(async move {
-            while let Some(r) = req_rx.recv().await {
+            while let Some(r) = req_rx.recv().await.map(crate::fetch::tests::coordinator) {
                 let s = (r.offset as usize).min(bytes.len());
                 let e = (s + r.length as usize).min(bytes.len());
                 let reply = BlockReply::Data {
@@ -1176,6 +1295,7 @@ mod tests {
             fetch_inputs: in_rx,
             cancel: CancellationToken::new(),
             shutdown: CancellationToken::new(),
+            bypassed_peers: Default::default(),
         }
     }
 
@@ -1214,6 +1334,117 @@ mod tests {
             f.env.store.current().expect("read").map(|r| r.state),
             Some(State::Ready),
             "final state is persisted"
+        );
+    }
+
+    /// An install whose manifest signs a block list, with a grant naming peer dev-7: the list
+    /// comes from the coordinator, the blocks the installed file already has are copied, the
+    /// rest comes from the peer, and the final report says so.
+    #[tokio::test]
+    async fn a_block_indexed_install_with_peers_reports_bytes_by_source() {
+        let mut f = fixture(None, vec![check("true")]);
+        let dest = f.dir.path().join("app.bin");
+        let bytes: Vec<u8> = (0..20 * 1024u32).map(|i| (i * 13 % 241) as u8).collect();
+        let mut old = bytes.clone();
+        old[3 * 1024 + 5] ^= 1;
+        std::fs::write(&dest, &old).expect("write");
+        let list = flotilla_protocol::blocks::BlockList::compute(&bytes[..], 1024).expect("list");
+        let mut rec = record(&bytes, State::Accepted, ActionKind::Forced);
+        let manifest = flotilla_protocol::manifest::Manifest {
+            release: rec.manifest.clone().expect("manifest"),
+            blocks: Some(flotilla_protocol::manifest::ManifestBlocks {
+                artifacts: vec![flotilla_protocol::blocks::BlockIndexRef {
+                    block_size: 1024,
+                    sha256: flotilla_protocol::sha256(list.as_bytes()),
+                }],
+            }),
+        };
+        let grant = flotilla_protocol::PeerGrant {
+            device_id: "dev-1".into(),
+            action_id: "act-1".into(),
+            rollout_id: "r1".into(),
+            sources: vec!["dev-1".into(), "dev-7".into()],
+            digests: vec![],
+            expires_at: u64::MAX,
+        };
+        rec.action.body = ActionBody::InstallWithPeers {
+            manifest: flotilla_protocol::SignedBlob::sign(
+                &crate::trust::tests::key(1),
+                manifest.encode(),
+            ),
+            kind: ActionKind::Forced,
+            window: None,
+            grant: flotilla_protocol::SignedBlob::sign(
+                &crate::trust::tests::key(2),
+                flotilla_protocol::envelope::to_bytes(&grant),
+            ),
+        };
+        // The coordinator serves the artifact and its list by digest; dev-7 serves the artifact.
+        let files: HashMap<[u8; 32], Vec<u8>> = HashMap::from([
+            (flotilla_protocol::sha256(&bytes), bytes.clone()),
+            (
+                flotilla_protocol::sha256(list.as_bytes()),
+                list.as_bytes().to_vec(),
+            ),
+        ]);
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
+        let (in_tx, in_rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            while let Some(request) = req_rx.recv().await {
+                let (peer, r) = match request {
+                    FetchRequest::Coordinator(r) => (None, r),
+                    FetchRequest::Peer { peer, fetch } => (Some(peer), fetch.request),
+                };
+                let file = &files[&r.sha256];
+                let s = (r.offset as usize).min(file.len());
+                let e = (s + r.length as usize).min(file.len());
+                let reply = BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: file[s..e].to_vec(),
+                };
+                let input = match peer {
+                    None => FetchInput::Reply(reply),
+                    Some(peer) => FetchInput::PeerReply { peer, reply },
+                };
+                if in_tx.send(input).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let mut io = ActionIo {
+            fetch_requests: req_tx,
+            fetch_inputs: in_rx,
+            cancel: CancellationToken::new(),
+            shutdown: CancellationToken::new(),
+            bypassed_peers: Default::default(),
+        };
+        let rec = drive(&f.env, rec, &mut io, false).await;
+        assert_eq!(rec.state, State::Ready);
+        assert_eq!(std::fs::read(&dest).expect("read"), bytes);
+        let expected = ByteCounts {
+            coordinator: list.as_bytes().len() as u64,
+            local: 19 * 1024,
+            peers: vec![("dev-7".into(), 1024)],
+        };
+        let mut final_report = None;
+        while let Ok(out) = f.outgoing.try_recv() {
+            match out {
+                Outgoing::ReportWithBytes { report, bytes } => {
+                    final_report = Some((report.phase, bytes))
+                }
+                Outgoing::Report(r) => assert!(!r.phase.is_terminal(), "{r:?} without bytes"),
+                _ => {}
+            }
+        }
+        assert_eq!(final_report, Some((Phase::Ready, expected)));
+        let blocks = downloads_dir(&f.env.config).join(format!(
+            "{}.blocks",
+            flotilla_protocol::hex::encode(&flotilla_protocol::sha256(&bytes))
+        ));
+        assert_eq!(
+            std::fs::read(blocks).expect("the verified list is kept"),
+            list.as_bytes()
         );
     }
 

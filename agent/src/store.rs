@@ -1,6 +1,6 @@
 //! The agent's durable memory, in sled: action records with their persisted state, the
 //! installed release, the report sequence number, the outbox of reports the broker has not
-//! acknowledged yet, and a mirror of the trust file.
+//! acknowledged yet, each action's bytes by source, and a mirror of the trust file.
 //!
 //! Every state change is flushed before the caller acts on it, because the state machine's
 //! promise ("persisted before every side effect") is only as good as the flush. Values are
@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
-use flotilla_protocol::{InstalledRelease, Report, UnixTime};
+use flotilla_protocol::{ByteCounts, InstalledRelease, Report, UnixTime};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -61,6 +61,8 @@ pub struct Store {
     actions: sled::Tree,
     meta: sled::Tree,
     outbox: sled::Tree,
+    /// action id -> where its downloaded bytes came from ([`ByteCounts`]).
+    bytes: sled::Tree,
     /// Tests: make every action save fail, as a full disk would.
     #[cfg(test)]
     pub fail_saves: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -144,6 +146,7 @@ impl Store {
             actions: db.open_tree("actions")?,
             meta: db.open_tree("meta")?,
             outbox: db.open_tree("outbox")?,
+            bytes: db.open_tree("bytes")?,
             db,
             #[cfg(test)]
             fail_saves: Default::default(),
@@ -240,6 +243,26 @@ impl Store {
                 what: "current action".into(),
                 source,
             })
+    }
+
+    /// Where the bytes of an action came from, if it downloaded any.
+    pub fn action_bytes(&self, action_id: &str) -> Result<Option<ByteCounts>, StoreError> {
+        self.get(
+            &self.bytes,
+            action_id.as_bytes(),
+            &format!("bytes of action {action_id}"),
+        )
+    }
+
+    /// Records where the bytes of an action came from, without flushing: saved with each block
+    /// of download progress and flushed with it.
+    pub fn set_action_bytes(&self, action_id: &str, bytes: &ByteCounts) -> Result<(), StoreError> {
+        self.put(
+            &self.bytes,
+            action_id.as_bytes(),
+            &format!("bytes of action {action_id}"),
+            bytes,
+        )
     }
 
     /// The action the agent is working on or finished last.

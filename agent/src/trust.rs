@@ -25,8 +25,9 @@
 
 use std::path::{Path, PathBuf};
 
+use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::{
-    envelope, hex, keys, ActionBody, DecodeError, DesiredAction, KeyRing, KeysError,
+    envelope, hex, keys, DecodeError, DesiredAction, KeyRing, KeysError, PeerGrant,
     ReleaseManifest, SignedBlob, UnixTime, VerifyingKey,
 };
 
@@ -83,16 +84,14 @@ pub struct DeviceFacts<'a> {
 }
 
 /// Verifies a release manifest (signature by a trusted release key, expiry, hardware, counter,
-/// a configured target for every artifact) and returns it decoded.
-pub fn check_manifest(
-    blob: &SignedBlob,
-    facts: &DeviceFacts<'_>,
-) -> Result<ReleaseManifest, Refusal> {
+/// a configured target for every artifact) and returns it decoded, with its block indexes when
+/// it has them.
+pub fn check_manifest(blob: &SignedBlob, facts: &DeviceFacts<'_>) -> Result<Manifest, Refusal> {
     let bytes = blob
         .verify("release manifest", facts.release_keys)
         .map_err(|e| Refusal(e.to_string()))?;
-    let manifest: ReleaseManifest =
-        envelope::from_bytes("release manifest", bytes).map_err(|e| Refusal(e.to_string()))?;
+    let decoded = Manifest::decode(bytes).map_err(|e| Refusal(e.to_string()))?;
+    let manifest = &decoded.release;
     if manifest.expires_at <= facts.now {
         return Err(Refusal(format!(
             "release {} expired at {}",
@@ -127,7 +126,42 @@ pub fn check_manifest(
             )));
         }
     }
-    Ok(manifest)
+    Ok(decoded)
+}
+
+/// The block indexes of a manifest that was checked when its action was accepted (the record
+/// keeps the signed bytes): `None` for a manifest without them, or bytes that no longer decode.
+pub fn manifest_blocks(blob: &SignedBlob) -> Option<Manifest> {
+    Manifest::decode(&blob.payload).ok()
+}
+
+/// Verifies the peer grant of an `InstallWithPeers` against the coordinator keys the device
+/// trusts, and checks that it was made for this device and this action. Its expiry is the
+/// peers' concern: an expired grant only means the peers refuse, and the coordinator remains.
+pub fn check_grant(
+    blob: &SignedBlob,
+    coordinator_keys: &[VerifyingKey],
+    device_id: &str,
+    action_id: &str,
+) -> Result<PeerGrant, Refusal> {
+    let bytes = blob
+        .verify("peer grant", coordinator_keys)
+        .map_err(|e| Refusal(e.to_string()))?;
+    let grant: PeerGrant =
+        envelope::from_bytes("peer grant", bytes).map_err(|e| Refusal(e.to_string()))?;
+    if grant.device_id != device_id {
+        return Err(Refusal(format!(
+            "peer grant is for device {}, this is {device_id}",
+            grant.device_id
+        )));
+    }
+    if grant.action_id != action_id {
+        return Err(Refusal(format!(
+            "peer grant is for action {}, this is {action_id}",
+            grant.action_id
+        )));
+    }
+    Ok(grant)
 }
 
 /// Refuses an action issued before the last accepted one: a replay of a captured old action.
@@ -192,18 +226,29 @@ pub fn check_all(
     let action = verify_desired(blob, &ring.coordinator_keys)?;
     check_timely(&action, config, trust, system)?;
     let now = trust.now(system, config.trust.max_clock_skew);
-    let manifest = match &action.body {
-        ActionBody::Install { manifest, .. } => Some(check_manifest(
-            manifest,
-            &DeviceFacts {
-                hardware_id: &config.hardware_id,
-                installed_counter: trust.installed_counter,
-                now,
-                release_keys: &ring.release_keys,
-                config,
-            },
-        )?),
-        _ => None,
+    let manifest = match action.body.install() {
+        Some(install) => {
+            if let Some(grant) = install.grant {
+                check_grant(
+                    grant,
+                    &ring.coordinator_keys,
+                    config.device_id.as_str(),
+                    &action.action_id,
+                )?;
+            }
+            let checked = check_manifest(
+                install.manifest,
+                &DeviceFacts {
+                    hardware_id: &config.hardware_id,
+                    installed_counter: trust.installed_counter,
+                    now,
+                    release_keys: &ring.release_keys,
+                    config,
+                },
+            )?;
+            Some(checked.release)
+        }
+        None => None,
     };
     Ok((action, manifest))
 }
@@ -278,7 +323,7 @@ pub fn install_keys(config: &Config, file: &Path) -> Result<KeyRing, InstallKeys
 pub(crate) mod tests {
     use super::*;
     use crate::trust_state::tests::rotated_keys;
-    use flotilla_protocol::{ActionKind, Artifact, SigningKey};
+    use flotilla_protocol::{ActionBody, ActionKind, Artifact, SigningKey};
 
     pub(crate) fn key(seed: u8) -> SigningKey {
         SigningKey::from_bytes(&[seed; 32])
@@ -480,5 +525,62 @@ pub(crate) mod tests {
         let mut same_second = desired("dev-1", 500, &manifest(5), &key(1));
         same_second.issued_at = 50;
         assert!(check_all(&sign(&same_second, &key(2)), &config(), &state, 100).is_ok());
+    }
+
+    fn grant(device: &str, action: &str) -> PeerGrant {
+        PeerGrant {
+            device_id: device.into(),
+            action_id: action.into(),
+            rollout_id: "r1".into(),
+            sources: vec!["dev-7".into(), "dev-8".into()],
+            digests: vec![flotilla_protocol::sha256(b"abc")],
+            expires_at: 900,
+        }
+    }
+
+    /// An `InstallWithPeers` of `manifest` (with a block index) carrying `grant` signed by
+    /// `grant_key`.
+    fn with_peers(grant: &PeerGrant, grant_key: &SigningKey) -> SignedBlob {
+        let plain = desired("dev-1", 500, &manifest(5), &key(1));
+        let blocks = flotilla_protocol::manifest::ManifestBlocks {
+            artifacts: vec![flotilla_protocol::blocks::BlockIndexRef {
+                block_size: 65_536,
+                sha256: [3; 32],
+            }],
+        };
+        let signed = Manifest {
+            release: manifest(5),
+            blocks: Some(blocks),
+        };
+        let action = DesiredAction {
+            body: ActionBody::InstallWithPeers {
+                manifest: SignedBlob::sign(&key(1), signed.encode()),
+                kind: ActionKind::Forced,
+                window: None,
+                grant: SignedBlob::sign(grant_key, envelope::to_bytes(grant)),
+            },
+            ..plain
+        };
+        sign(&action, &key(2))
+    }
+
+    #[test]
+    fn an_install_with_peers_and_a_block_index_is_accepted_like_an_install() {
+        let blob = with_peers(&grant("dev-1", "act-1"), &key(2));
+        let (action, manifest) = check_all(&blob, &config(), &installed(4), 100).expect("accepted");
+        assert_eq!(manifest.map(|m| m.counter), Some(5));
+        let install = action.body.install().expect("an install");
+        let blocks = manifest_blocks(install.manifest).expect("decodes");
+        assert_eq!(blocks.block_index(0).map(|b| b.sha256), Some([3; 32]));
+    }
+
+    #[test]
+    fn a_bad_grant_refuses_the_action_naming_why() {
+        let r = refusal(&with_peers(&grant("dev-2", "act-1"), &key(2)), 0);
+        assert_eq!(r, "peer grant is for device dev-2, this is dev-1");
+        let r = refusal(&with_peers(&grant("dev-1", "act-9"), &key(2)), 0);
+        assert_eq!(r, "peer grant is for action act-9, this is act-1");
+        let r = refusal(&with_peers(&grant("dev-1", "act-1"), &key(1)), 0);
+        assert!(r.starts_with("peer grant is signed by unknown key "), "{r}");
     }
 }

@@ -590,6 +590,18 @@ impl UpdateTarget for AbTarget {
     fn activate_is_repeatable(&self) -> bool {
         true
     }
+
+    /// The running slot (the installed release) and the other one (usually the release before):
+    /// both are read only, at the block size of the new image.
+    fn block_sources(&self) -> Vec<PathBuf> {
+        match self.running_slot() {
+            Ok(running) => vec![
+                self.slot_path(running).to_owned(),
+                self.slot_path(running.other()).to_owned(),
+            ],
+            Err(_) => Vec::new(),
+        }
+    }
 }
 
 /// Where an action stands on this slot pair.
@@ -767,6 +779,21 @@ mod tests {
         };
         let err = AbTarget::new(no_reboot).expect_err("no reboot");
         assert!(err.to_string().contains("invalid reboot_command"), "{err}");
+    }
+
+    #[test]
+    fn block_sources_are_the_running_slot_then_the_other() {
+        let d = Device::new();
+        let p = d.dir.path();
+        assert_eq!(
+            d.target().block_sources(),
+            [p.join("slot-a.img"), p.join("slot-b.img")]
+        );
+        fs::write(p.join("bootenv"), "flotilla_slot=a\n").expect("env");
+        assert!(
+            d.target().block_sources().is_empty(),
+            "no running slot known, no sources"
+        );
     }
 
     #[test]

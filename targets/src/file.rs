@@ -558,6 +558,15 @@ impl UpdateTarget for FileTarget {
     fn activate_is_repeatable(&self) -> bool {
         true
     }
+
+    /// The installed file: a new version of it often shares most of its blocks.
+    fn block_sources(&self) -> Vec<PathBuf> {
+        if self.dest.is_file() {
+            vec![self.dest.clone()]
+        } else {
+            Vec::new()
+        }
+    }
 }
 
 /// Gives the file at `path` the mode and owner recorded in `marker` and makes that durable.

@@ -20,7 +20,7 @@
 //! process builds a new target instance), and makes each step it calls repeatable a no-op the
 //! second time, or a completion of what the first call started.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::TargetError;
 
@@ -150,6 +150,14 @@ pub trait UpdateTarget: Send + Sync {
                 self.kind()
             ),
         })
+    }
+
+    /// Files or block devices this target can read that may share blocks with a new artifact
+    /// (the content it runs now, the other slot of a pair), for adaptive downloads: the agent
+    /// hashes their blocks and copies the ones a new artifact needs, each checked against its
+    /// signed hash. The default is none.
+    fn block_sources(&self) -> Vec<PathBuf> {
+        Vec::new()
     }
 
     /// May the agent run `stage` a second time for one action after a crash?

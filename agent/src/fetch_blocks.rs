@@ -1,0 +1,1319 @@
+//! The block fetcher: downloads an artifact whose manifest signs a block list, from several
+//! sources, checking every block against its signed hash before it is written.
+//!
+//! ```text
+//! block list   <sha256>.blocks, checked against the manifest's BlockIndexRef (fetched first,
+//!              from the coordinator, by its own digest: see fetch_block_list)
+//! local        blocks of <sha256>.part that already verify (a resumed download), then blocks
+//!              copied from what the device holds (crate::adaptive), counted as `local`
+//! peers        each missing block is asked of the grant's peers, in grant order
+//! coordinator  once the peers delivered nothing for `fallback_after`, or every peer is
+//!              bypassed, or for a block every peer was tried for
+//! end          the whole file's sha256 is still checked; <sha256>.part -> <sha256>
+//! ```
+//!
+//! Rules per block (a block is one request, since a manifest's block size is at most the
+//! largest reply):
+//!
+//! - A reply is checked against the block's signed hash. A block that matches is written at its
+//!   offset and counted to the source whose topic it came on, whoever was asked.
+//! - A peer that serves a block failing its hash is bypassed for the rest of the action (logged
+//!   naming the peer and the block); so is a peer that leaves a block unanswered for
+//!   `peer_timeout`, or answers `Unavailable` [`PEER_UNAVAILABLE_LIMIT`] times in a row.
+//! - `Unavailable` from a peer is transient (it may be busy serving others): the block is asked
+//!   of the next peer; once every peer still in use said so, the peers are asked again after
+//!   [`PEER_RETRY`], for as long as the peers make progress (see `fallback_after`). A block goes
+//!   to the coordinator once no peer is left, or the peers delivered nothing for
+//!   `fallback_after`.
+//! - A bad block from the coordinator is discarded and asked for again after a backoff, at most
+//!   [`crate::fetch::BLOCK_ATTEMPTS`] times; an idle coordinator is asked again for everything
+//!   outstanding after [`crate::fetch::REPLY_TIMEOUT`], as in the streaming fetcher.
+//! - At most `in_flight` requests are outstanding across all sources; the rate limit counts the
+//!   bytes fetched over the network (not local copies).
+//! - Resumable: the part file is the state. After a kill, its blocks are hashed again and only
+//!   the ones that fail are fetched.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use flotilla_protocol::blocks::{block_range, list_size, BlockIndexRef, BlockList};
+use flotilla_protocol::{hex, BlockReply, BlockRequest, ByteCounts, PeerFetch, SignedBlob};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::adaptive;
+use crate::fetch::{
+    self, count_peer, FetchError, FetchInput, FetchRequest, FetchSpec, Progress, Retries,
+    REPLY_TIMEOUT,
+};
+
+/// `Unavailable` answers in a row (no good block between them) from one peer before it is
+/// bypassed for the action.
+pub const PEER_UNAVAILABLE_LIMIT: u32 = 8;
+
+/// The wait before asking the peers again for a block every peer in use answered `Unavailable`.
+pub const PEER_RETRY: Duration = Duration::from_secs(1);
+
+/// The part file is synced whenever the verified bytes cross a multiple of this.
+const SYNC_EVERY: u64 = 1 << 20;
+
+/// Where block requests may go, and for how long peers are tried.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// Peers in the order the grant names them (this device left out).
+    pub peers: Vec<String>,
+    /// The signed grant shown to every peer; without one, no peer is asked.
+    pub grant: Option<SignedBlob>,
+    /// A peer that leaves a block unanswered this long is bypassed.
+    pub peer_timeout: Duration,
+    /// Once the peers have delivered no block for this long (from the start, or since their
+    /// last block), every block not yet asked goes to the coordinator.
+    pub fallback_after: Duration,
+    /// Files the device holds that may share blocks (target contents, A/B slots); read up to
+    /// the artifact's size. Verified artifacts in the download directory are added.
+    pub local: Vec<PathBuf>,
+}
+
+/// Where a block list is kept once verified: `<dir>/<artifact sha256>.blocks`.
+pub fn list_path(spec: &FetchSpec) -> PathBuf {
+    spec.dir
+        .join(format!("{}.blocks", hex::encode(&spec.sha256)))
+}
+
+/// Returns the verified block list of `spec`'s artifact: the stored one if it still checks,
+/// or one fetched from the coordinator by its digest (through the streaming fetcher, which
+/// checks the digest), checked against `index`, then stored as `<sha256>.blocks`.
+pub async fn fetch_block_list(
+    spec: &FetchSpec,
+    index: &BlockIndexRef,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    cancel: &CancellationToken,
+) -> Result<BlockList, FetchError> {
+    let path = list_path(spec);
+    let refused = |reason: String| {
+        FetchError::Digest(crate::trust::Refusal(format!(
+            "artifact {}: block list refused: {reason}",
+            spec.name
+        )))
+    };
+    if let Ok(bytes) = std::fs::read(&path) {
+        if let Ok(list) = BlockList::from_bytes(&bytes, index, spec.size) {
+            return Ok(list);
+        }
+    }
+    let list_spec = FetchSpec {
+        name: format!("{} (block list)", spec.name),
+        sha256: index.sha256,
+        size: list_size(spec.size, index.block_size),
+        block_size: spec.block_size,
+        ..spec.clone()
+    };
+    let fetched = fetch::fetch(
+        &list_spec,
+        0,
+        counts,
+        requests,
+        inputs,
+        &mut |_, _| {},
+        cancel,
+    )
+    .await?;
+    let read_err = |source| FetchError::ReadPart {
+        artifact: list_spec.name.clone(),
+        path: fetched.clone(),
+        source,
+    };
+    let bytes = std::fs::read(&fetched).map_err(read_err)?;
+    let list =
+        BlockList::from_bytes(&bytes, index, spec.size).map_err(|e| refused(e.to_string()))?;
+    flotilla_targets::fs::atomic_write(&path, list.as_bytes()).map_err(|source| {
+        FetchError::WritePart {
+            artifact: spec.name.clone(),
+            path: path.clone(),
+            source,
+        }
+    })?;
+    // Kept only under the artifact's name, where the block server looks for it.
+    let _ = std::fs::remove_file(&fetched);
+    Ok(list)
+}
+
+/// Where a request went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Coordinator,
+    /// Index into `Sources::peers`.
+    Peer(usize),
+}
+
+/// What to do with a block that is to be asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Choice {
+    Ask(Source),
+    /// Every peer in use answered `Unavailable` for it: ask them again after [`PEER_RETRY`].
+    Later,
+}
+
+/// A block asked for and not yet received.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    source: Source,
+    at: Instant,
+}
+
+/// One peer's standing in this action.
+#[derive(Debug, Default)]
+struct PeerState {
+    bypassed: Option<String>,
+    /// `Unavailable` answers since its last good block.
+    unavailable: u32,
+}
+
+/// What the download of one artifact needs from the fetcher's caller.
+pub struct BlockFetch<'a> {
+    pub spec: &'a FetchSpec,
+    pub list: &'a BlockList,
+    pub sources: &'a Sources,
+    /// Peers bypassed in this action so far, and why: kept from one artifact to the next, so a
+    /// peer that served a bad block is not asked again in the same action.
+    pub bypassed: &'a mut BTreeMap<String, String>,
+}
+
+/// Downloads `job.spec` block by block from the local copies, the peers and the coordinator.
+/// `progress` gets the verified bytes so far and `counts`, which every accepted byte is added
+/// to by source. Returns the path of the verified artifact.
+pub async fn fetch_blocks(
+    job: BlockFetch<'_>,
+    counts: &mut ByteCounts,
+    requests: &mpsc::Sender<FetchRequest>,
+    inputs: &mut mpsc::Receiver<FetchInput>,
+    progress: &mut Progress<'_>,
+    cancel: &CancellationToken,
+) -> Result<PathBuf, FetchError> {
+    let spec = job.spec;
+    let artifact = spec.name.clone();
+    std::fs::create_dir_all(&spec.dir).map_err(|source| FetchError::CreateDir {
+        artifact: artifact.clone(),
+        path: spec.dir.clone(),
+        source,
+    })?;
+    let final_path = spec.final_path();
+    if let Ok((digest, size)) = fetch::hash_file(&final_path) {
+        if digest == spec.sha256 && size == spec.size {
+            progress(spec.size, counts);
+            return Ok(final_path);
+        }
+    }
+
+    // The part file, what of it verifies, and what the device already holds: file work, on the
+    // blocking pool.
+    let prepared = {
+        let part = spec.part_path();
+        let list = job.list.clone();
+        let size = spec.size;
+        let mut candidates = adaptive::downloaded_artifacts(&spec.dir, &spec.sha256);
+        candidates.extend(job.sources.local.iter().cloned());
+        tokio::task::spawn_blocking(move || prepare(&part, &list, size, &candidates))
+            .await
+            .map_err(|e| FetchError::ReadPart {
+                artifact: artifact.clone(),
+                path: spec.part_path(),
+                source: std::io::Error::other(e.to_string()),
+            })?
+    };
+    let result = match prepared {
+        Ok((file, present, copied)) => {
+            if copied > 0 {
+                counts.local += copied;
+                tracing::info!(
+                    artifact,
+                    bytes = copied,
+                    "copied blocks the device already holds"
+                );
+            }
+            Download::new(job, file, present)
+                .run(counts, requests, inputs, progress, cancel)
+                .await
+        }
+        Err(source) => Err(FetchError::WritePart {
+            artifact: artifact.clone(),
+            path: spec.part_path(),
+            source,
+        }),
+    };
+    if let Err(FetchError::WritePart { .. }) = &result {
+        // Typically a full disk: the partial download must not keep the space.
+        let _ = std::fs::remove_file(spec.part_path());
+    }
+    result
+}
+
+/// Opens (or creates) the part file at the artifact's size, finds its verified blocks, and
+/// copies in what the candidates hold. Returns the file, which blocks are present, and the
+/// bytes copied.
+fn prepare(
+    part: &Path,
+    list: &BlockList,
+    size: u64,
+    candidates: &[PathBuf],
+) -> std::io::Result<(File, Vec<bool>, u64)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(part)?;
+    let mut present = adaptive::verify_part(&file, list, size)?;
+    file.set_len(size)?;
+    let limit = size.div_ceil(u64::from(list.block_size())) * u64::from(list.block_size());
+    let copied = adaptive::copy_local(&file, list, size, &mut present, candidates, limit)?;
+    if copied > 0 {
+        file.sync_data()?;
+    }
+    Ok((file, present, copied))
+}
+
+/// The state of one block-indexed download.
+struct Download<'a> {
+    spec: &'a FetchSpec,
+    list: &'a BlockList,
+    sources: &'a Sources,
+    bypassed: &'a mut BTreeMap<String, String>,
+    file: File,
+    present: Vec<bool>,
+    /// Bytes of verified blocks in the part file.
+    done: u64,
+    /// Blocks to ask for, next first.
+    queue: VecDeque<u64>,
+    asked: BTreeMap<u64, Asked>,
+    /// block -> peers already tried for it.
+    tried: BTreeMap<u64, BTreeSet<usize>>,
+    /// (when, block): blocks to ask the peers for again.
+    peer_retries: Vec<(Instant, u64)>,
+    peers: Vec<PeerState>,
+    retries: Retries,
+    started: Instant,
+    /// Network bytes since `started`, for the rate limit.
+    fetched: u64,
+    /// The start, or when a peer last delivered a verified block.
+    peer_heard: Instant,
+    /// Last time the coordinator answered or was asked again: when it has been idle for
+    /// [`REPLY_TIMEOUT`], its outstanding blocks are asked for again.
+    coordinator_heard: Instant,
+}
+
+impl<'a> Download<'a> {
+    fn new(job: BlockFetch<'a>, file: File, present: Vec<bool>) -> Self {
+        let spec = job.spec;
+        let list = job.list;
+        let done = present
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p)
+            .map(|(i, _)| u64::from(block_range(i as u64, spec.size, list.block_size()).1))
+            .sum();
+        let queue = present
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !**p)
+            .map(|(i, _)| i as u64)
+            .collect();
+        let peers = if job.sources.grant.is_some() {
+            job.sources
+                .peers
+                .iter()
+                .map(|name| PeerState {
+                    bypassed: job.bypassed.get(name).cloned(),
+                    unavailable: 0,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let now = Instant::now();
+        Self {
+            spec,
+            list,
+            sources: job.sources,
+            bypassed: job.bypassed,
+            file,
+            present,
+            done,
+            queue,
+            asked: BTreeMap::new(),
+            tried: BTreeMap::new(),
+            peer_retries: Vec::new(),
+            peers,
+            retries: Retries::default(),
+            started: now,
+            fetched: 0,
+            peer_heard: now,
+            coordinator_heard: now,
+        }
+    }
+
+    fn peer_name(&self, i: usize) -> &str {
+        &self.sources.peers[i]
+    }
+
+    /// Where block `block` should be asked now, while the peers' time lasts: the first peer
+    /// in use not yet tried for it, or (every one of them answered `Unavailable`) the peers
+    /// again after [`PEER_RETRY`]. Otherwise the coordinator.
+    fn source_for(&self, block: u64) -> Choice {
+        if self.peer_heard.elapsed() >= self.sources.fallback_after {
+            return Choice::Ask(Source::Coordinator);
+        }
+        let tried = self.tried.get(&block);
+        let mut in_use = false;
+        for (i, peer) in self.peers.iter().enumerate() {
+            if peer.bypassed.is_none() {
+                in_use = true;
+                if tried.is_none_or(|t| !t.contains(&i)) {
+                    return Choice::Ask(Source::Peer(i));
+                }
+            }
+        }
+        if in_use {
+            Choice::Later
+        } else {
+            Choice::Ask(Source::Coordinator)
+        }
+    }
+
+    fn request(&self, block: u64) -> BlockRequest {
+        let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+        BlockRequest {
+            sha256: self.spec.sha256,
+            offset,
+            length,
+        }
+    }
+
+    async fn ask(
+        &mut self,
+        block: u64,
+        source: Source,
+        requests: &mpsc::Sender<FetchRequest>,
+    ) -> Result<(), FetchError> {
+        let request = self.request(block);
+        let message = match (source, &self.sources.grant) {
+            (Source::Peer(i), Some(grant)) => {
+                self.tried.entry(block).or_default().insert(i);
+                FetchRequest::Peer {
+                    peer: self.peer_name(i).to_owned(),
+                    fetch: PeerFetch {
+                        grant: grant.clone(),
+                        request,
+                    },
+                }
+            }
+            _ => FetchRequest::Coordinator(request),
+        };
+        requests
+            .send(message)
+            .await
+            .map_err(|_| FetchError::Closed {
+                artifact: self.spec.name.clone(),
+            })?;
+        self.asked.insert(
+            block,
+            Asked {
+                source,
+                at: Instant::now(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Stops asking peer `i` for anything in this action; its outstanding blocks go back to
+    /// the front of the queue.
+    fn bypass(&mut self, i: usize, reason: String) {
+        let Some(peer) = self.peers.get_mut(i) else {
+            return;
+        };
+        if peer.bypassed.is_some() {
+            return;
+        }
+        tracing::warn!(
+            artifact = self.spec.name,
+            peer = self.sources.peers[i],
+            "bypassing peer {} for the rest of this action: {reason}",
+            self.sources.peers[i]
+        );
+        self.bypassed
+            .insert(self.sources.peers[i].clone(), reason.clone());
+        peer.bypassed = Some(reason);
+        let theirs: Vec<u64> = self
+            .asked
+            .iter()
+            .filter(|(_, a)| a.source == Source::Peer(i))
+            .map(|(b, _)| *b)
+            .collect();
+        for block in theirs.into_iter().rev() {
+            self.asked.remove(&block);
+            self.queue.push_front(block);
+        }
+    }
+
+    /// When the loop must wake up without a reply: the earliest peer timeout, retry, or
+    /// coordinator idle time.
+    fn next_deadline(&self) -> Instant {
+        let mut at = self.coordinator_heard + REPLY_TIMEOUT;
+        for a in self.asked.values() {
+            if let Source::Peer(_) = a.source {
+                at = at.min(a.at + self.sources.peer_timeout);
+            }
+        }
+        if let Some(due) = self.retries.next_due() {
+            at = at.min(due);
+        }
+        if let Some(due) = self.peer_retries.iter().map(|(due, _)| *due).min() {
+            at = at.min(due);
+        }
+        at
+    }
+
+    async fn run(
+        mut self,
+        counts: &mut ByteCounts,
+        requests: &mpsc::Sender<FetchRequest>,
+        inputs: &mut mpsc::Receiver<FetchInput>,
+        progress: &mut Progress<'_>,
+        cancel: &CancellationToken,
+    ) -> Result<PathBuf, FetchError> {
+        let artifact = self.spec.name.clone();
+        progress(self.done, counts);
+        loop {
+            // Keep the pipeline full.
+            while self.asked.len() < self.spec.in_flight.max(1) {
+                let Some(block) = self.queue.pop_front() else {
+                    break;
+                };
+                if self.present[block as usize] || self.asked.contains_key(&block) {
+                    continue;
+                }
+                match self.source_for(block) {
+                    Choice::Ask(source) => self.ask(block, source, requests).await?,
+                    Choice::Later => {
+                        self.tried.remove(&block);
+                        self.peer_retries.push((Instant::now() + PEER_RETRY, block));
+                    }
+                }
+            }
+            if self.present.iter().all(|p| *p) {
+                break;
+            }
+
+            let deadline = self.next_deadline();
+            let input = tokio::select! {
+                _ = cancel.cancelled() => return Err(FetchError::Canceled),
+                input = tokio::time::timeout_at(deadline, inputs.recv()) => input,
+            };
+            let (source, reply) = match input {
+                Err(_) => {
+                    self.on_timeout(requests).await?;
+                    continue;
+                }
+                Ok(None) => return Err(FetchError::Closed { artifact }),
+                Ok(Some(FetchInput::Reconnected)) => {
+                    tracing::debug!(artifact, "reconnected: asking for outstanding blocks again");
+                    self.retries.asking_all_again();
+                    let outstanding: Vec<(u64, Source)> =
+                        self.asked.iter().map(|(b, a)| (*b, a.source)).collect();
+                    for (block, source) in outstanding {
+                        self.ask(block, source, requests).await?;
+                    }
+                    self.coordinator_heard = Instant::now();
+                    continue;
+                }
+                Ok(Some(FetchInput::Reply(reply))) => (Source::Coordinator, reply),
+                Ok(Some(FetchInput::PeerReply { peer, reply })) => {
+                    match self.sources.peers.iter().position(|p| *p == peer) {
+                        Some(i) if i < self.peers.len() => (Source::Peer(i), reply),
+                        // Not a peer of this action: nothing it sends is used.
+                        _ => continue,
+                    }
+                }
+            };
+            if source == Source::Coordinator {
+                self.coordinator_heard = Instant::now();
+            }
+            if let Some(written) = self.on_reply(source, reply, counts)? {
+                self.fetched += written;
+                let before = self.done - written;
+                self.done_block(before, counts, progress)?;
+                fetch::throttle(
+                    self.spec.max_bytes_per_sec,
+                    self.fetched,
+                    self.started,
+                    cancel,
+                )
+                .await?;
+            }
+        }
+        let bypassed: Vec<String> = self
+            .peers
+            .iter()
+            .zip(&self.sources.peers)
+            .filter_map(|(state, name)| Some(format!("{name} ({})", state.bypassed.as_ref()?)))
+            .collect();
+        tracing::info!(
+            artifact,
+            coordinator = counts.coordinator,
+            local = counts.local,
+            peers = counts.from_peers(),
+            bypassed = bypassed.len(),
+            "every block verified{}",
+            if bypassed.is_empty() {
+                String::new()
+            } else {
+                format!("; peers bypassed: {}", bypassed.join(", "))
+            }
+        );
+        self.finish()
+    }
+
+    /// Peers that left a block unanswered too long are bypassed; coordinator retries whose
+    /// backoff is over are sent; an idle coordinator is asked again for what it owes.
+    async fn on_timeout(
+        &mut self,
+        requests: &mpsc::Sender<FetchRequest>,
+    ) -> Result<(), FetchError> {
+        let now = Instant::now();
+        let late: Vec<(u64, usize)> = self
+            .asked
+            .iter()
+            .filter_map(|(b, a)| match a.source {
+                Source::Peer(i) if a.at + self.sources.peer_timeout <= now => Some((*b, i)),
+                _ => None,
+            })
+            .collect();
+        for (block, i) in late {
+            self.bypass(
+                i,
+                format!(
+                    "no answer for block {block} within {:?}",
+                    self.sources.peer_timeout
+                ),
+            );
+        }
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.peer_retries)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.peer_retries = waiting;
+        self.queue.extend(due.into_iter().map(|(_, block)| block));
+        for (offset, _) in self.retries.take_due() {
+            let Some(block) = self.list.index_at(offset) else {
+                continue;
+            };
+            if self
+                .asked
+                .get(&block)
+                .is_some_and(|a| a.source == Source::Coordinator)
+            {
+                self.ask(block, Source::Coordinator, requests).await?;
+            }
+        }
+        if self.coordinator_heard + REPLY_TIMEOUT <= now {
+            let owed: Vec<u64> = self
+                .asked
+                .iter()
+                .filter(|(_, a)| a.source == Source::Coordinator)
+                .map(|(b, _)| *b)
+                .collect();
+            if !owed.is_empty() {
+                tracing::debug!(
+                    artifact = self.spec.name,
+                    outstanding = owed.len(),
+                    "asking the coordinator for outstanding blocks again"
+                );
+                self.retries.asking_all_again();
+            }
+            for block in owed {
+                self.ask(block, Source::Coordinator, requests).await?;
+            }
+            self.coordinator_heard = now;
+        }
+        Ok(())
+    }
+
+    /// Handles one reply from `source`. Returns the bytes written when it was a block this
+    /// download still needed and it verified.
+    fn on_reply(
+        &mut self,
+        source: Source,
+        reply: BlockReply,
+        counts: &mut ByteCounts,
+    ) -> Result<Option<u64>, FetchError> {
+        let (sha256, offset) = match &reply {
+            BlockReply::Data { sha256, offset, .. }
+            | BlockReply::Unavailable { sha256, offset, .. } => (*sha256, *offset),
+        };
+        if sha256 != self.spec.sha256 {
+            return Ok(None); // a late answer for another download
+        }
+        let Some(block) = self.list.index_at(offset) else {
+            return Ok(None); // no block starts there: not an answer to anything asked
+        };
+        let asked_here = self.asked.get(&block).is_some_and(|a| a.source == source);
+        let data = match reply {
+            BlockReply::Unavailable { reason, .. } => {
+                if asked_here {
+                    self.unavailable(block, source, reason)?;
+                }
+                return Ok(None);
+            }
+            BlockReply::Data { data, .. } => data,
+        };
+        if self.present[block as usize] {
+            return Ok(None); // a duplicate
+        }
+        if !self.list.verify(block, &data) {
+            if asked_here {
+                self.bad_block(block, source, data.len())?;
+            }
+            return Ok(None);
+        }
+        self.file
+            .write_all_at(&data, offset)
+            .map_err(|source| self.write_err(source))?;
+        self.present[block as usize] = true;
+        self.asked.remove(&block);
+        self.tried.remove(&block);
+        let n = data.len() as u64;
+        match source {
+            Source::Coordinator => counts.coordinator += n,
+            Source::Peer(i) => {
+                count_peer(counts, &self.sources.peers[i], n);
+                self.peer_heard = Instant::now();
+                self.peers[i].unavailable = 0;
+            }
+        }
+        self.done += n;
+        Ok(Some(n))
+    }
+
+    fn unavailable(
+        &mut self,
+        block: u64,
+        source: Source,
+        reason: String,
+    ) -> Result<(), FetchError> {
+        match source {
+            Source::Peer(i) => {
+                self.asked.remove(&block);
+                self.queue.push_front(block);
+                let peer = &mut self.peers[i];
+                peer.unavailable += 1;
+                if peer.unavailable >= PEER_UNAVAILABLE_LIMIT {
+                    self.bypass(i, format!("cannot provide blocks: {reason}"));
+                }
+                Ok(())
+            }
+            Source::Coordinator => {
+                let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+                self.retries.bad_reply(
+                    &self.spec.name,
+                    offset,
+                    length,
+                    format!("server cannot provide it: {reason}"),
+                )
+            }
+        }
+    }
+
+    fn bad_block(&mut self, block: u64, source: Source, len: usize) -> Result<(), FetchError> {
+        match source {
+            Source::Peer(i) => {
+                // The peer stays bypassed; `bypass` puts the block back in the queue.
+                self.bypass(
+                    i,
+                    format!("it served block {block} ({len} bytes), which fails its signed hash"),
+                );
+                Ok(())
+            }
+            Source::Coordinator => {
+                tracing::warn!(
+                    artifact = self.spec.name,
+                    block,
+                    "the coordinator's block {block} fails its signed hash; asking again"
+                );
+                let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
+                self.retries.bad_reply(
+                    &self.spec.name,
+                    offset,
+                    length,
+                    format!("server sent block {block}, which fails its signed hash"),
+                )
+            }
+        }
+    }
+
+    /// After a block was written: syncs at each MiB (before the progress that claims it is
+    /// flushed) and reports progress.
+    fn done_block(
+        &mut self,
+        before: u64,
+        counts: &ByteCounts,
+        progress: &mut Progress<'_>,
+    ) -> Result<(), FetchError> {
+        if self.done / SYNC_EVERY != before / SYNC_EVERY {
+            self.file
+                .sync_data()
+                .map_err(|source| self.write_err(source))?;
+        }
+        progress(self.done, counts);
+        Ok(())
+    }
+
+    fn write_err(&self, source: std::io::Error) -> FetchError {
+        FetchError::WritePart {
+            artifact: self.spec.name.clone(),
+            path: self.spec.part_path(),
+            source,
+        }
+    }
+
+    /// Every block verified: the whole-file digest is checked, then the file takes its name.
+    fn finish(self) -> Result<PathBuf, FetchError> {
+        self.file
+            .sync_all()
+            .map_err(|source| self.write_err(source))?;
+        let part = self.spec.part_path();
+        let final_path = self.spec.final_path();
+        let (got, _) = fetch::hash_file(&part).map_err(|source| FetchError::ReadPart {
+            artifact: self.spec.name.clone(),
+            path: part.clone(),
+            source,
+        })?;
+        if let Err(refusal) = crate::trust::check_digest(&self.spec.name, &self.spec.sha256, &got) {
+            // Every block matched a list the release key signed, so the release itself is
+            // inconsistent: fetching again cannot help.
+            let _ = std::fs::remove_file(&part);
+            return Err(FetchError::Digest(refusal));
+        }
+        flotilla_targets::fs::atomic_rename(&part, &final_path).map_err(|source| {
+            FetchError::WritePart {
+                artifact: self.spec.name.clone(),
+                path: final_path.clone(),
+                source,
+            }
+        })?;
+        Ok(final_path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    const BS: u32 = 1024;
+
+    /// How an in-memory source answers.
+    #[derive(Debug, Clone, Copy)]
+    enum Serves {
+        Good,
+        /// Every block with one byte flipped.
+        Corrupt,
+        /// Never answers.
+        Silent,
+        /// Answers `Unavailable` to everything.
+        Unavailable,
+        /// Answers `Unavailable` to this many requests (busy), then serves.
+        BusyFirst(usize),
+        /// Answers this many requests, then never again.
+        DiesAfter(usize),
+        /// The first answer for the block at this offset is corrupt, later ones are good.
+        CorruptOnceAt(u64),
+    }
+
+    /// Who was asked for which offset: `None` is the coordinator.
+    type Asked = Arc<Mutex<Vec<(Option<String>, u64)>>>;
+
+    /// A network of in-memory sources serving `data`: the coordinator and named peers.
+    fn network(
+        data: Vec<u8>,
+        coordinator: Serves,
+        peers: &[(&str, Serves)],
+    ) -> (
+        mpsc::Sender<FetchRequest>,
+        mpsc::Receiver<FetchInput>,
+        Asked,
+    ) {
+        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(256);
+        let (rep_tx, rep_rx) = mpsc::channel(256);
+        let asked: Asked = Arc::default();
+        let log = asked.clone();
+        let mut behaviour: HashMap<Option<String>, Serves> = peers
+            .iter()
+            .map(|(p, s)| (Some((*p).to_owned()), *s))
+            .collect();
+        behaviour.insert(None, coordinator);
+        let mut answered: HashMap<Option<String>, usize> = HashMap::new();
+        tokio::spawn(async move {
+            while let Some(request) = req_rx.recv().await {
+                let (who, r) = match request {
+                    FetchRequest::Coordinator(r) => (None, r),
+                    FetchRequest::Peer { peer, fetch } => (Some(peer), fetch.request),
+                };
+                log.lock().expect("log").push((who.clone(), r.offset));
+                let served = answered.entry(who.clone()).or_default();
+                *served += 1;
+                let s = r.offset as usize;
+                let e = (s + r.length as usize).min(data.len());
+                let mut block = data[s..e].to_vec();
+                let reply = match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
+                    Serves::Unavailable => Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: "not here".into(),
+                    }),
+                    Serves::BusyFirst(n) if *served <= n => Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: "busy".into(),
+                    }),
+                    Serves::Good | Serves::BusyFirst(_) => None,
+                    Serves::Corrupt => {
+                        block[0] ^= 0xff;
+                        None
+                    }
+                    Serves::Silent => continue,
+                    Serves::DiesAfter(n) if *served > n => continue,
+                    Serves::DiesAfter(_) => None,
+                    Serves::CorruptOnceAt(at) if at == r.offset => {
+                        block[0] ^= 0xff;
+                        behaviour.insert(who.clone(), Serves::Good);
+                        None
+                    }
+                    Serves::CorruptOnceAt(_) => None,
+                };
+                let reply = reply.unwrap_or(BlockReply::Data {
+                    sha256: r.sha256,
+                    offset: r.offset,
+                    data: block,
+                });
+                let input = match who {
+                    None => FetchInput::Reply(reply),
+                    Some(peer) => FetchInput::PeerReply { peer, reply },
+                };
+                if rep_tx.send(input).await.is_err() {
+                    break;
+                }
+            }
+        });
+        (req_tx, rep_rx, asked)
+    }
+
+    fn image(blocks: usize) -> Vec<u8> {
+        (0..blocks * BS as usize - 100)
+            .map(|i| (i * 31 % 253) as u8)
+            .collect()
+    }
+
+    fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
+        FetchSpec {
+            name: "rootfs.img".into(),
+            sha256: flotilla_protocol::sha256(data),
+            size: data.len() as u64,
+            dir: dir.join("downloads"),
+            block_size: BS,
+            in_flight: 4,
+            max_bytes_per_sec: 0,
+        }
+    }
+
+    fn sources(peers: &[&str]) -> Sources {
+        Sources {
+            peers: peers.iter().map(|p| (*p).to_owned()).collect(),
+            grant: Some(SignedBlob {
+                payload: b"grant".to_vec(),
+                signer: [0; 32],
+                signature: Vec::new(),
+            }),
+            peer_timeout: Duration::from_secs(3),
+            fallback_after: Duration::from_secs(30),
+            local: Vec::new(),
+        }
+    }
+
+    /// Runs the block fetcher over the network; returns the bytes by source.
+    async fn run(
+        spec: &FetchSpec,
+        data: &[u8],
+        sources: &Sources,
+        net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
+    ) -> ByteCounts {
+        let list = BlockList::compute(data, BS).expect("list");
+        let (tx, mut rx) = net;
+        let mut counts = ByteCounts::default();
+        let mut last = 0;
+        let path = fetch_blocks(
+            BlockFetch {
+                spec,
+                list: &list,
+                sources,
+                bypassed: &mut BTreeMap::new(),
+            },
+            &mut counts,
+            &tx,
+            &mut rx,
+            &mut |done, _| {
+                assert!(done >= last, "progress never goes back");
+                last = done;
+            },
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("fetch");
+        assert_eq!(std::fs::read(&path).expect("read"), data, "right bytes");
+        assert_eq!(last, data.len() as u64);
+        assert!(!spec.part_path().exists());
+        assert!(counts.total() <= data.len() as u64, "nothing counted twice");
+        counts
+    }
+
+    fn asked_of(asked: &Asked, who: Option<&str>) -> Vec<u64> {
+        asked
+            .lock()
+            .expect("log")
+            .iter()
+            .filter(|(w, _)| w.as_deref() == who)
+            .map(|(_, o)| *o)
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_serving_corrupt_blocks_is_bypassed_and_the_others_serve() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(40);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("bad", Serves::Corrupt), ("good", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["bad", "good"]), (tx, rx)).await;
+        assert_eq!(
+            counts.peers,
+            [("good".to_owned(), data.len() as u64)],
+            "every byte came from the good peer, none from the bad one"
+        );
+        assert_eq!(counts.coordinator, 0);
+        let bad = asked_of(&asked, Some("bad"));
+        assert!(
+            bad.len() <= spec.in_flight,
+            "the bad peer is asked nothing after its first bad block: {bad:?}"
+        );
+    }
+
+    /// A peer bypassed for one artifact is not asked for the action's next one.
+    #[tokio::test(start_paused = true)]
+    async fn a_bypassed_peer_stays_bypassed_for_the_rest_of_the_action() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut bypassed = BTreeMap::new();
+        let sources = sources(&["bad", "good"]);
+        for (n, blocks) in [(1u8, 12), (2, 9)] {
+            let data: Vec<u8> = image(blocks).iter().map(|b| b ^ n).collect();
+            let spec = spec(dir.path(), &data);
+            let list = BlockList::compute(&data[..], BS).expect("list");
+            let (tx, mut rx, asked) = network(
+                data.clone(),
+                Serves::Good,
+                &[("bad", Serves::Corrupt), ("good", Serves::Good)],
+            );
+            let path = fetch_blocks(
+                BlockFetch {
+                    spec: &spec,
+                    list: &list,
+                    sources: &sources,
+                    bypassed: &mut bypassed,
+                },
+                &mut ByteCounts::default(),
+                &tx,
+                &mut rx,
+                &mut |_, _| {},
+                &CancellationToken::new(),
+            )
+            .await
+            .expect("fetch");
+            assert_eq!(std::fs::read(path).expect("read"), data);
+            let bad = asked_of(&asked, Some("bad"));
+            if n == 2 {
+                assert!(
+                    bad.is_empty(),
+                    "asked again for the second artifact: {bad:?}"
+                );
+            }
+        }
+        assert!(
+            bypassed["bad"].contains("fails its signed hash"),
+            "{bypassed:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_peer_is_bypassed_after_the_bound_and_the_coordinator_serves() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(20);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[("mute", Serves::Silent)]);
+        let started = Instant::now();
+        let counts = run(&spec, &data, &sources(&["mute"]), (tx, rx)).await;
+        assert_eq!(counts.coordinator, data.len() as u64);
+        assert!(counts.peers.is_empty());
+        assert_eq!(asked_of(&asked, Some("mute")).len(), spec.in_flight);
+        // Virtual time: the only wait was one peer timeout.
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_dying_mid_transfer_leaves_the_rest_to_the_next_source() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(30);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("first", Serves::DiesAfter(10)), ("second", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["first", "second"]), (tx, rx)).await;
+        let from = |p: &str| {
+            counts
+                .peers
+                .iter()
+                .find(|(n, _)| n == p)
+                .map_or(0, |(_, b)| *b)
+        };
+        assert_eq!(
+            from("first"),
+            10 * u64::from(BS),
+            "ten blocks before it died"
+        );
+        assert_eq!(counts.total(), data.len() as u64, "byte counts add up");
+        assert_eq!(from("second"), data.len() as u64 - 10 * u64::from(BS));
+        assert_eq!(counts.coordinator, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_cannot_serve_is_passed_over_block_by_block_then_bypassed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(16);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("busy", Serves::Unavailable), ("good", Serves::Good)],
+        );
+        let counts = run(&spec, &data, &sources(&["busy", "good"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("good".to_owned(), data.len() as u64)]);
+        assert_eq!(counts.total(), data.len() as u64);
+        let busy = asked_of(&asked, Some("busy"));
+        assert!(
+            (PEER_UNAVAILABLE_LIMIT as usize..PEER_UNAVAILABLE_LIMIT as usize + spec.in_flight)
+                .contains(&busy.len()),
+            "asked until its {PEER_UNAVAILABLE_LIMIT}th Unavailable in a row, then never again: \
+             {busy:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_peer_is_asked_again_rather_than_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(16);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[("p", Serves::BusyFirst(4))]);
+        let counts = run(&spec, &data, &sources(&["p"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("p".to_owned(), data.len() as u64)]);
+        assert_eq!(counts.coordinator, 0);
+        assert!(asked_of(&asked, None).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_peer_gone_falls_back_to_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(12);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("a", Serves::DiesAfter(2)), ("b", Serves::Corrupt)],
+        );
+        let counts = run(&spec, &data, &sources(&["a", "b"]), (tx, rx)).await;
+        assert_eq!(counts.peers, [("a".to_owned(), 2 * u64::from(BS))]);
+        assert_eq!(counts.coordinator, data.len() as u64 - 2 * u64::from(BS));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_corrupt_block_from_the_coordinator_is_fetched_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(8);
+        let spec = spec(dir.path(), &data);
+        let at = 5 * u64::from(BS);
+        let (tx, rx, asked) = network(data.clone(), Serves::CorruptOnceAt(at), &[]);
+        let counts = run(&spec, &data, &Sources::default(), (tx, rx)).await;
+        assert_eq!(
+            counts.coordinator,
+            data.len() as u64,
+            "the bad copy is not counted"
+        );
+        let coordinator = asked_of(&asked, None);
+        assert_eq!(
+            coordinator.iter().filter(|&&o| o == at).count(),
+            2,
+            "{coordinator:?}"
+        );
+        assert_eq!(coordinator.len(), 9, "only the bad block was asked twice");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resumed_download_fetches_only_the_blocks_that_do_not_verify() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = spec(dir.path(), &data);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        // A killed run left blocks 0-3 and 7 written, and block 4 torn half-way.
+        let mut part = vec![0u8; data.len()];
+        let bs = BS as usize;
+        for b in [0, 1, 2, 3, 7] {
+            part[b * bs..(b + 1) * bs].copy_from_slice(&data[b * bs..(b + 1) * bs]);
+        }
+        part[4 * bs..4 * bs + 500].copy_from_slice(&data[4 * bs..4 * bs + 500]);
+        std::fs::write(spec.part_path(), &part[..8 * bs]).expect("write");
+        let (tx, rx, asked) = network(data.clone(), Serves::Good, &[]);
+        let counts = run(&spec, &data, &Sources::default(), (tx, rx)).await;
+        let mut fetched = asked_of(&asked, None);
+        fetched.sort();
+        let expected: Vec<u64> = [4, 5, 6, 8, 9].iter().map(|b| b * u64::from(BS)).collect();
+        assert_eq!(fetched, expected, "only the missing and torn blocks");
+        assert_eq!(counts.coordinator, data.len() as u64 - 5 * u64::from(BS));
+        assert_eq!(
+            counts.local, 0,
+            "blocks of its own part file are not copies"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_image_with_one_percent_changed_downloads_under_five_percent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old = image(400);
+        let mut new = old.clone();
+        for b in [17usize, 203, 350, 399] {
+            new[b * BS as usize + 7] ^= 0x5a; // 4 of 400 blocks
+        }
+        let spec = spec(dir.path(), &new);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        // The previous release's download is still there.
+        let old_path = spec.dir.join(hex::encode(&flotilla_protocol::sha256(&old)));
+        std::fs::write(&old_path, &old).expect("write");
+        let (tx, rx, asked) = network(new.clone(), Serves::Good, &[]);
+        let counts = run(&spec, &new, &Sources::default(), (tx, rx)).await;
+        let size = new.len() as u64;
+        println!(
+            "adaptive: {} of {size} bytes fetched ({:.2}%), {} copied",
+            counts.coordinator,
+            counts.coordinator as f64 * 100.0 / size as f64,
+            counts.local
+        );
+        assert!(counts.coordinator * 20 <= size, "{counts:?}");
+        assert_eq!(asked_of(&asked, None).len(), 4, "only the changed blocks");
+        assert_eq!(counts.local, size - counts.coordinator);
+    }
+
+    /// A part file that cannot be written (`/dev/full` stands in for a full disk) fails the
+    /// download naming the file, and leaves no partial download behind.
+    #[tokio::test(start_paused = true)]
+    async fn a_part_file_that_cannot_be_written_fails_and_is_removed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(4);
+        let spec = spec(dir.path(), &data);
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+        let list = BlockList::compute(&data[..], BS).expect("list");
+        let (tx, mut rx, _asked) = network(data.clone(), Serves::Good, &[]);
+        let err = fetch_blocks(
+            BlockFetch {
+                spec: &spec,
+                list: &list,
+                sources: &Sources::default(),
+                bypassed: &mut BTreeMap::new(),
+            },
+            &mut ByteCounts::default(),
+            &tx,
+            &mut rx,
+            &mut |_, _| {},
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("cannot write");
+        assert!(
+            err.to_string()
+                .starts_with("artifact rootfs.img: cannot write "),
+            "{err}"
+        );
+        assert!(
+            std::fs::symlink_metadata(spec.part_path()).is_err(),
+            "the partial download is removed"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_block_list_is_fetched_checked_and_stored_by_the_artifact_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = spec(dir.path(), &data);
+        let list = BlockList::compute(&data[..], BS).expect("list");
+        let index = BlockIndexRef {
+            block_size: BS,
+            sha256: flotilla_protocol::sha256(list.as_bytes()),
+        };
+        let (tx, mut rx, _asked) = network(list.as_bytes().to_vec(), Serves::Good, &[]);
+        let mut counts = ByteCounts::default();
+        let got = fetch_block_list(
+            &spec,
+            &index,
+            &mut counts,
+            &tx,
+            &mut rx,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("list");
+        assert_eq!(got, list);
+        assert_eq!(
+            std::fs::read(list_path(&spec)).expect("stored"),
+            list.as_bytes()
+        );
+        assert_eq!(counts.coordinator, list.as_bytes().len() as u64);
+        assert!(
+            !spec.dir.join(hex::encode(&index.sha256)).exists(),
+            "kept only under the artifact's name"
+        );
+        // A list that does not match the signed index is refused, naming why.
+        let forged = BlockIndexRef {
+            sha256: [9; 32],
+            ..index
+        };
+        std::fs::remove_file(list_path(&spec)).expect("rm");
+        let (tx, mut rx, _asked) = network(list.as_bytes().to_vec(), Serves::Good, &[]);
+        let err = fetch_block_list(
+            &spec,
+            &forged,
+            &mut counts,
+            &tx,
+            &mut rx,
+            &CancellationToken::new(),
+        )
+        .await
+        .expect_err("refused");
+        assert!(err.to_string().contains("sha256 mismatch"), "{err}");
+    }
+}
