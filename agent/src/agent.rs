@@ -255,7 +255,6 @@ fn spawn(
         fetch_inputs: inputs_rx,
         cancel: cancel.clone(),
         shutdown,
-        bypassed_peers: Default::default(),
     };
     let action_id = record.action_id.clone();
     let task = tokio::spawn(async move {

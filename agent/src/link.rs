@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    device, envelope, BlockReply, BlockRequest, ByteCounts, DeviceId, DeviceMessage, DeviceState,
-    Digest, Message, PeerFetch, Report, SignedBlob, SigningKey, Topic, Topics, BROKER_PACKET_LIMIT,
-    CLIENT_PACKET_LIMIT,
+    device, envelope, BlockReply, BlockRequest, BypassedPeer, ByteCounts, DeviceId, DeviceMessage,
+    DeviceState, Digest, Message, PeerFetch, Report, SignedBlob, SigningKey, Topic, Topics,
+    BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT,
 };
 use rumqttc::{AsyncClient, Event, LastWill, Packet, QoS};
 use tokio::sync::mpsc;
@@ -63,6 +63,7 @@ pub enum Outgoing {
     ReportWithBytes {
         report: Report,
         bytes: ByteCounts,
+        bypassed: Vec<BypassedPeer>,
     },
     /// A block request to peer `peer`, on its `peer-fetch` topic (not a device message: the
     /// grant inside it is what the peer checks).
@@ -253,11 +254,19 @@ async fn writer(
                 Some(r.seq),
                 DeviceMessage::Report(r),
             ),
-            Outgoing::ReportWithBytes { report, bytes } => (
+            Outgoing::ReportWithBytes {
+                report,
+                bytes,
+                bypassed,
+            } => (
                 topics.report(&id),
                 false,
                 Some(report.seq),
-                DeviceMessage::ReportWithBytes { report, bytes },
+                DeviceMessage::ReportWithBytes {
+                    report,
+                    bytes,
+                    bypassed,
+                },
             ),
             Outgoing::PeerFetch { peer, fetch } => {
                 if let Ok(mut t) = tags.lock() {

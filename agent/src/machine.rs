@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_protocol::{
-    ActionBody, ActionKind, ByteCounts, CurrentAction, DesiredAction, DeviceState,
+    ActionBody, ActionKind, BypassedPeer, ByteCounts, CurrentAction, DesiredAction, DeviceState,
     InstalledRelease, ReleaseManifest, Report, UnixTime,
 };
 use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
@@ -159,7 +159,18 @@ impl Env {
     pub fn outgoing_report(&self, report: Report) -> Outgoing {
         if report.phase.is_terminal() {
             if let Ok(Some(bytes)) = self.store.action_bytes(&report.action_id) {
-                return Outgoing::ReportWithBytes { report, bytes };
+                let bypassed = self
+                    .store
+                    .action_bypassed(&report.action_id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(peer, reason)| BypassedPeer { peer, reason })
+                    .collect();
+                return Outgoing::ReportWithBytes {
+                    report,
+                    bytes,
+                    bypassed,
+                };
             }
         }
         Outgoing::Report(report)
@@ -266,9 +277,6 @@ pub struct ActionIo {
     pub cancel: CancellationToken,
     /// The agent is stopping: leave the state as it is, it resumes after the restart.
     pub shutdown: CancellationToken,
-    /// Peers bypassed in this action, and why (a bad block, silence): not asked again for
-    /// the action's other artifacts.
-    pub bypassed_peers: std::collections::BTreeMap<String, String>,
 }
 
 /// What a step produced.
@@ -917,13 +925,18 @@ async fn download(
         .ok()
         .flatten()
         .unwrap_or_default();
+    // Peers this action stopped asking, kept from one artifact (and one restart) to the next.
+    let mut bypassed = env
+        .store
+        .action_bypassed(&record.action_id)
+        .unwrap_or_default();
     // Both a signed cancel and shutdown stop the download.
     let stop = CancellationToken::new();
     let result = {
         let counts = &mut counts;
         let requests = &io.fetch_requests;
         let inputs = &mut io.fetch_inputs;
-        let bypassed = &mut io.bypassed_peers;
+        let bypassed = &mut bypassed;
         let stop = &stop;
         let spec = &spec;
         let sources = &sources;
@@ -985,6 +998,9 @@ async fn download(
         }
     };
     if let Err(e) = env.store.set_action_bytes(&record.action_id, &counts) {
+        tracing::warn!("{e}");
+    }
+    if let Err(e) = env.store.set_action_bypassed(&record.action_id, &bypassed) {
         tracing::warn!("{e}");
     }
     match result {
@@ -1295,7 +1311,6 @@ mod tests {
             fetch_inputs: in_rx,
             cancel: CancellationToken::new(),
             shutdown: CancellationToken::new(),
-            bypassed_peers: Default::default(),
         }
     }
 
@@ -1417,7 +1432,6 @@ mod tests {
             fetch_inputs: in_rx,
             cancel: CancellationToken::new(),
             shutdown: CancellationToken::new(),
-            bypassed_peers: Default::default(),
         };
         let rec = drive(&f.env, rec, &mut io, false).await;
         assert_eq!(rec.state, State::Ready);
@@ -1430,7 +1444,7 @@ mod tests {
         let mut final_report = None;
         while let Ok(out) = f.outgoing.try_recv() {
             match out {
-                Outgoing::ReportWithBytes { report, bytes } => {
+                Outgoing::ReportWithBytes { report, bytes, .. } => {
                     final_report = Some((report.phase, bytes))
                 }
                 Outgoing::Report(r) => assert!(!r.phase.is_terminal(), "{r:?} without bytes"),

@@ -13,6 +13,8 @@
 
 use std::path::{Path, PathBuf};
 
+use std::collections::BTreeMap;
+
 use flotilla_protocol::{ByteCounts, InstalledRelease, Report, UnixTime};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -265,6 +267,31 @@ impl Store {
         )
     }
 
+    /// The peers an action stopped asking, by id, with the reason; empty if none.
+    pub fn action_bypassed(&self, action_id: &str) -> Result<BTreeMap<String, String>, StoreError> {
+        Ok(self
+            .get(
+                &self.bytes,
+                bypassed_key(action_id).as_bytes(),
+                &format!("bypassed peers of action {action_id}"),
+            )?
+            .unwrap_or_default())
+    }
+
+    /// Records the peers an action stopped asking, without flushing (saved with the bytes).
+    pub fn set_action_bypassed(
+        &self,
+        action_id: &str,
+        bypassed: &BTreeMap<String, String>,
+    ) -> Result<(), StoreError> {
+        self.put(
+            &self.bytes,
+            bypassed_key(action_id).as_bytes(),
+            &format!("bypassed peers of action {action_id}"),
+            bypassed,
+        )
+    }
+
     /// The action the agent is working on or finished last.
     pub fn current(&self) -> Result<Option<ActionRecord>, StoreError> {
         let id = self.meta.get(CURRENT).map_err(|source| StoreError::Read {
@@ -426,6 +453,11 @@ impl Store {
 }
 
 /// sled reports a held lock as an `Other` I/O error; its message is the only way to tell.
+/// Where an action's bypassed peers are kept, beside its bytes in the same tree.
+fn bypassed_key(action_id: &str) -> String {
+    format!("bypassed/{action_id}")
+}
+
 fn is_lock(e: &sled::Error) -> bool {
     matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
 }

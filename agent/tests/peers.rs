@@ -17,9 +17,9 @@ use flotilla_agent::Config;
 use flotilla_protocol::blocks::{BlockIndexRef, BlockList};
 use flotilla_protocol::manifest::{Manifest, ManifestBlocks};
 use flotilla_protocol::{
-    device, envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, ByteCounts, DesiredAction,
-    DeviceId, DeviceMessage, Digest, Message, PeerGrant, Phase, ReleaseManifest, SignedBlob, Topic,
-    Topics,
+    device, envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, BypassedPeer, ByteCounts,
+    DesiredAction, DeviceId, DeviceMessage, Digest, Message, PeerGrant, Phase, ReleaseManifest,
+    SignedBlob, Topic, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
@@ -110,7 +110,7 @@ fn desired(device: &str, artifact: &[u8], list: &BlockList, peers: &[&str]) -> S
 /// What the stand-ins saw: every final report with its bytes, and block requests by source.
 #[derive(Debug)]
 enum Seen {
-    Final(Phase, Option<ByteCounts>),
+    Final(Phase, Option<(ByteCounts, Vec<BypassedPeer>)>),
     Progress(u64),
     Asked(String),
 }
@@ -182,8 +182,17 @@ async fn stand_ins(
                                 }
                                 continue;
                             }
-                            Ok((_, DeviceMessage::ReportWithBytes { report, bytes })) => {
-                                let _ = tx.send(Seen::Final(report.phase, Some(bytes))).await;
+                            Ok((
+                                _,
+                                DeviceMessage::ReportWithBytes {
+                                    report,
+                                    bytes,
+                                    bypassed,
+                                },
+                            )) => {
+                                let _ = tx
+                                    .send(Seen::Final(report.phase, Some((bytes, bypassed))))
+                                    .await;
                                 continue;
                             }
                             Ok((_, DeviceMessage::Fetch { request, .. })) => {
@@ -287,7 +296,13 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
         Phase::Applied,
         "installed (no health checks configured)"
     );
-    let bytes = bytes.expect("the final report carries bytes by source");
+    let (bytes, bypassed) = bytes.expect("the final report carries bytes by source");
+    assert_eq!(
+        bypassed.iter().map(|b| b.peer.as_str()).collect::<Vec<_>>(),
+        ["peer-bad"],
+        "the final report names the bad peer: {bypassed:?}"
+    );
+    assert!(bypassed[0].reason.contains("hash"), "and why: {bypassed:?}");
     assert_eq!(
         bytes.peers,
         [("peer-good".to_owned(), artifact.len() as u64)],
@@ -387,7 +402,7 @@ async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
 
     assert_eq!(std::fs::read(&dest).expect("read"), artifact, "right bytes");
     assert_eq!(last.0, Phase::Applied);
-    let bytes = last.1.expect("bytes by source");
+    let (bytes, _) = last.1.expect("bytes by source");
     assert_eq!(
         bytes.peers,
         [("peer-good".to_owned(), artifact.len() as u64)],
