@@ -26,8 +26,10 @@
 //!
 //! ```text
 //! agent                              the daemon: the agent loop, one action task at a time
+//! peer_serve                         answering peers' block requests
 //! machine                            one action, state by state
 //! fetch   health   link   consent    what a step uses: blocks, health checks, MQTT, consent
+//! held                               verified downloads served to peers, and how many are kept
 //! trust   status   error             trust checks, keys install; status view; AgentError
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
@@ -37,6 +39,9 @@
 //! - [`agent`]: ties them together: [`run`].
 //! - [`machine`]: the persisted update state machine ([`machine::drive`], [`machine::step`]).
 //! - [`fetch`]: the pipelined, resumable block fetcher.
+//! - [`peer_serve`]: answers peers' block requests (grant checks, bounded work).
+//! - [`held`]: the verified downloads a device serves from, re-checked per block; [`held::prune`]
+//!   bounds what is kept.
 //! - [`health`]: health checks over the soak time.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
 //! - [`consent`](mod@consent): local consent files for soft and time-forced actions.
@@ -103,9 +108,11 @@ pub mod error;
 pub mod fault;
 pub mod fetch;
 pub mod health;
+pub mod held;
 pub mod identity;
 pub mod link;
 pub mod machine;
+pub mod peer_serve;
 pub mod record;
 pub mod status;
 pub mod store;
