@@ -146,7 +146,7 @@ pub struct DownloadConfig {
 pub struct PeersConfig {
     /// Answer peer block requests at all.
     pub serve: bool,
-    /// Peer requests handled at once; as many more wait, and any beyond are dropped.
+    /// Peer requests handled at once; 16 per slot more wait, and any beyond are dropped.
     pub max_concurrent: usize,
     /// Bytes a second sent to peers, all together; 0 means unlimited.
     pub max_bytes_per_sec: u64,

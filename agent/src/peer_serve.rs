@@ -17,8 +17,8 @@
 //! next source at once. Replies go to `peer_block(grant.device_id, this device)`: the topic
 //! comes from the signed grant, never from the request.
 //!
-//! Bounded work: the link queues requests in a [`PeerInbox`] of `max_concurrent` places and
-//! drops those that find it full; at most `max_concurrent` are handled at once, each reading one
+//! Bounded work: the link queues requests in a [`PeerInbox`] of [`WAITING_PER_SLOT`] places per
+//! slot and drops those that find it full; at most `max_concurrent` are handled at once, each reading one
 //! block (at most 64 KiB) on the blocking pool; an optional byte rate paces the replies. So a
 //! flood of requests costs a bounded amount of memory and CPU and never delays the link or the
 //! device's own action.
@@ -192,11 +192,15 @@ fn verify_grant(fetch: &PeerFetch, keys: &[VerifyingKey]) -> Result<(DeviceId, P
     Ok((to, grant))
 }
 
+/// Requests that may wait for a free slot, per slot: a requester keeps a few outstanding, and
+/// several requesters ask at once.
+pub const WAITING_PER_SLOT: usize = 16;
+
 /// The inbox the link fills for a server with these settings; `None` when serving is off.
 pub fn inbox(settings: &PeersConfig) -> Option<(PeerInbox, mpsc::Receiver<PeerFetch>)> {
     settings
         .serve
-        .then(|| PeerInbox::new(settings.max_concurrent))
+        .then(|| PeerInbox::new(settings.max_concurrent * WAITING_PER_SLOT))
 }
 
 /// Serves the requests arriving in `inbox` until `shutdown` is cancelled: at most
@@ -552,8 +556,9 @@ mod tests {
         assert_eq!(r, "this device does not hold that digest verified");
     }
 
-    /// At most `max_concurrent` requests are handled at once and as many wait; the rest are
-    /// dropped and counted, and every accepted one is answered once the link drains.
+    /// At most `max_concurrent` requests are handled at once and [`WAITING_PER_SLOT`] per slot
+    /// wait; the rest are dropped and counted, and every accepted one is answered once the link
+    /// drains.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn work_is_bounded_and_the_excess_is_dropped() {
         let f = fixture();
@@ -588,15 +593,16 @@ mod tests {
         })
         .await
         .expect("both slots busy");
-        // Now only the inbox's two places are left.
-        let accepted = (0..10)
+        // Now only the inbox's places are left.
+        let waiting = 2 * WAITING_PER_SLOT;
+        let accepted = (0..waiting + 8)
             .filter(|_| inbox.offer(fetch(g.clone(), f.sha, 0)))
             .count();
-        assert_eq!(accepted, 2);
+        assert_eq!(accepted, waiting);
         assert_eq!(inbox.dropped(), 8);
         assert!(matches!(sent.recv().await, Some(Outgoing::Subscribe)));
         let mut replies = 0;
-        while replies < 4 {
+        while replies < 2 + waiting {
             let m = tokio::time::timeout(Duration::from_secs(30), sent.recv())
                 .await
                 .expect("a reply")
@@ -604,7 +610,10 @@ mod tests {
             assert!(matches!(m, Outgoing::PeerBlock { .. }));
             replies += 1;
         }
-        assert_eq!(server.stats.served_blocks.load(Ordering::Relaxed), 4);
+        assert_eq!(
+            server.stats.served_blocks.load(Ordering::Relaxed),
+            2 + waiting as u64
+        );
         shutdown.cancel();
         let _ = task.await;
     }

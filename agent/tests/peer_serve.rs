@@ -1,0 +1,226 @@
+//! A device serving its site's peers, end to end over a real mosquitto: an agent holding a
+//! verified artifact answers `PeerFetch` requests with the right blocks on the requester's
+//! `peer-block/{agent}` topic, and never answers a forged grant. Skipped with a notice when
+//! mosquitto is not installed.
+
+mod common;
+
+use std::path::Path;
+
+use common::{key, now, start_broker, TIMEOUT};
+use flotilla_agent::Config;
+use flotilla_protocol::blocks::{block_range, BlockList, DEFAULT_BLOCK_SIZE};
+use flotilla_protocol::{
+    envelope, hex, BlockReply, BlockRequest, DeviceId, Message, PeerFetch, PeerGrant, SignedBlob,
+    SigningKey, Topics,
+};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio_util::sync::CancellationToken;
+
+const PEER: &str = "peer-serve-1";
+const REQUESTER: &str = "peer-req-1";
+
+fn config(port: u16, dir: &Path) -> Config {
+    Config::from_toml(&format!(
+        r#"
+device_id = "{PEER}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[trust]
+release_keys = ["{rk}"]
+coordinator_keys = ["{ck}"]
+[[target]]
+name = "app"
+kind = "file"
+path = "{dest}"
+[peers]
+max_concurrent = 2
+"#,
+        data = dir.join("agent-data").display(),
+        rk = hex::encode(key(1).verifying_key().as_bytes()),
+        ck = hex::encode(key(2).verifying_key().as_bytes()),
+        dest = dir.join("app.bin").display(),
+    ))
+    .expect("test config is valid")
+}
+
+fn grant(signer: &SigningKey, device: &str, digests: &[[u8; 32]]) -> SignedBlob {
+    SignedBlob::sign(
+        signer,
+        envelope::to_bytes(&PeerGrant {
+            device_id: device.into(),
+            action_id: "act-1".into(),
+            rollout_id: "r1".into(),
+            sources: vec!["someone-else".into(), PEER.into()],
+            digests: digests.to_vec(),
+            expires_at: now() + 600,
+        }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_grants() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    // A verified download, as the fetcher leaves it: the artifact and its block list.
+    let artifact: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let sha = flotilla_protocol::sha256(&artifact);
+    let list = BlockList::compute(&artifact[..], DEFAULT_BLOCK_SIZE).expect("list");
+    let list_sha = flotilla_protocol::sha256(list.as_bytes());
+    let downloads = dir.path().join("agent-data").join("downloads");
+    std::fs::create_dir_all(&downloads).expect("downloads");
+    std::fs::write(downloads.join(hex::encode(&sha)), &artifact).expect("artifact");
+    std::fs::write(
+        downloads.join(format!("{}.blocks", hex::encode(&sha))),
+        list.as_bytes(),
+    )
+    .expect("list");
+
+    let topics = Topics::default();
+    let peer = DeviceId::new(PEER).expect("id");
+    let mut options = MqttOptions::new(REQUESTER, "127.0.0.1", broker.port);
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut eventloop) = AsyncClient::new(options, 64);
+    // Every peer-block topic of every device, to see where replies go; and the agent's state,
+    // to know when it listens.
+    client
+        .subscribe(
+            format!("{}/devices/+/peer-block/+", topics.prefix()),
+            QoS::AtLeastOnce,
+        )
+        .await
+        .expect("subscribe");
+    client
+        .subscribe(topics.state(&peer), QoS::AtLeastOnce)
+        .await
+        .expect("subscribe");
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        config(broker.port, dir.path()),
+        shutdown.clone(),
+    ));
+
+    tokio::time::timeout(TIMEOUT, async {
+        loop {
+            let (topic, payload) = next(&mut eventloop).await;
+            if topic == topics.state(&peer) && !payload.is_empty() {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the agent publishes its state within 30s");
+
+    let ask = |grant: SignedBlob, sha256, offset, length| {
+        envelope::encode(&Message::PeerFetch(PeerFetch {
+            grant,
+            request: BlockRequest {
+                sha256,
+                offset,
+                length,
+            },
+        }))
+    };
+    let send = |payload: Vec<u8>| {
+        client
+            .try_publish(topics.peer_fetch(&peer), QoS::AtLeastOnce, false, payload)
+            .expect("publish");
+    };
+    // First a forged grant (signed by a key the agent does not trust) naming another device,
+    // then one of ours for an unheld digest, then every block and the block list, each sent once
+    // the reply to the one before arrived, so replies come in order.
+    let forged = grant(&key(99), "attacker", &[sha]);
+    send(ask(forged, sha, 0, DEFAULT_BLOCK_SIZE));
+    let good = grant(&key(2), REQUESTER, &[sha, list_sha, [5; 32]]);
+    let mut requests = vec![ask(good.clone(), [5; 32], 0, DEFAULT_BLOCK_SIZE)];
+    let blocks = list.len();
+    for i in 0..blocks {
+        let (offset, length) = block_range(i, artifact.len() as u64, DEFAULT_BLOCK_SIZE);
+        requests.push(ask(good.clone(), sha, offset, length));
+    }
+    requests.push(ask(good, list_sha, 0, DEFAULT_BLOCK_SIZE));
+
+    let mut replies = Vec::new();
+    for request in requests {
+        send(request);
+        let reply = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                let (topic, payload) = next(&mut eventloop).await;
+                if topic.contains("/peer-block/") {
+                    return (topic, payload);
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no reply within 30s after {} replies", replies.len()));
+        replies.push(reply);
+    }
+
+    let expected_topic = topics.peer_block(&DeviceId::new(REQUESTER).expect("id"), &peer);
+    let mut decoded = Vec::new();
+    for (topic, payload) in &replies {
+        assert_eq!(
+            topic, &expected_topic,
+            "every reply goes to the granted device, from this peer"
+        );
+        match envelope::decode(payload).expect("a reply decodes") {
+            Message::Block(reply) => decoded.push(reply),
+            other => panic!("unexpected {}", other.name()),
+        }
+    }
+    // The forged request got nothing, so the first reply is the refusal of the unheld digest.
+    match &decoded[0] {
+        BlockReply::Unavailable { sha256, reason, .. } => {
+            assert_eq!(sha256, &[5; 32]);
+            assert!(reason.contains("does not hold"), "{reason}");
+        }
+        other => panic!("expected a refusal first, got {other:?}"),
+    }
+    for i in 0..blocks {
+        let (offset, length) = block_range(i, artifact.len() as u64, DEFAULT_BLOCK_SIZE);
+        let want = &artifact[offset as usize..(offset + u64::from(length)) as usize];
+        match &decoded[1 + i as usize] {
+            BlockReply::Data {
+                sha256,
+                offset: at,
+                data,
+            } => {
+                assert_eq!((sha256, *at), (&sha, offset));
+                assert_eq!(data.as_slice(), want, "block {i} has the artifact's bytes");
+            }
+            other => panic!("block {i} not served: {other:?}"),
+        }
+    }
+    match decoded.last() {
+        Some(BlockReply::Data { sha256, data, .. }) => {
+            assert_eq!(sha256, &list_sha);
+            assert_eq!(data.as_slice(), list.as_bytes(), "the block list is served");
+        }
+        other => panic!("block list not served: {other:?}"),
+    }
+
+    shutdown.cancel();
+    let result = tokio::time::timeout(TIMEOUT, agent)
+        .await
+        .expect("agent stops within 30s")
+        .expect("agent task");
+    assert!(result.is_ok(), "agent ended with {result:?}");
+}
+
+/// The next publish the requester receives.
+async fn next(eventloop: &mut rumqttc::EventLoop) -> (String, Vec<u8>) {
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::Publish(p))) => return (p.topic, p.payload.to_vec()),
+            Ok(_) => {}
+            Err(e) => panic!("requester lost the broker: {e}"),
+        }
+    }
+}
