@@ -703,4 +703,48 @@ mod tests {
         ));
         assert_eq!(counter.load(Ordering::Relaxed), 2);
     }
+
+    /// Peer requests reach the peer server only when well formed and addressed to this device;
+    /// anything else on the topic is counted as malformed, and a full inbox drops and counts.
+    #[test]
+    fn peer_requests_are_checked_and_a_full_inbox_drops_them() {
+        let topics = Topics::default();
+        let id = DeviceId::new("dev-1").expect("id");
+        let fetch = PeerFetch {
+            grant: SignedBlob {
+                payload: vec![1],
+                signer: [0; 32],
+                signature: vec![0; 64],
+            },
+            request: BlockRequest {
+                sha256: [0; 32],
+                offset: 0,
+                length: 1,
+            },
+        };
+        let payload = envelope::encode(&Message::PeerFetch(fetch.clone()));
+        let topic = topics.peer_fetch(&id);
+        assert_eq!(
+            decode_peer_fetch(&topics, &id, &topic, &payload),
+            Some(fetch.clone())
+        );
+        let other = topics.peer_fetch(&DeviceId::new("dev-2").expect("id"));
+        assert_eq!(decode_peer_fetch(&topics, &id, &other, &payload), None);
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, b"\x01junk"), None);
+        let huge = vec![0u8; BROKER_PACKET_LIMIT + 1];
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, &huge), None);
+        let block = envelope::encode(&Message::Block(BlockReply::Unavailable {
+            sha256: [0; 32],
+            offset: 0,
+            reason: String::new(),
+        }));
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, &block), None);
+
+        let (inbox, mut rx) = PeerInbox::new(2);
+        assert!(inbox.offer(fetch.clone()));
+        assert!(inbox.offer(fetch.clone()));
+        assert!(!inbox.offer(fetch.clone()), "a full inbox never waits");
+        assert_eq!(inbox.dropped(), 1);
+        assert_eq!(rx.try_recv().ok(), Some(fetch));
+    }
 }
