@@ -158,6 +158,7 @@ impl Held {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
             return;
         };
+        let mut present = std::collections::HashSet::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(LIST_SUFFIX)) else {
@@ -169,6 +170,7 @@ impl Held {
             let Some(stamp) = self.stamp(&sha256) else {
                 continue;
             };
+            present.insert(sha256);
             let known = self
                 .catalog
                 .lock()
@@ -194,6 +196,20 @@ impl Held {
                     c.artifacts.insert(sha256, a);
                 }
             }
+        }
+        // Pairs removed since (pruned) are forgotten, so the catalog stays as small as the
+        // directory.
+        if let Ok(mut c) = self.catalog.lock() {
+            c.seen.retain(|sha256, _| present.contains(sha256));
+            c.artifacts.retain(|sha256, _| present.contains(sha256));
+            let artifacts = &c.artifacts;
+            let kept: HashMap<Digest, Digest> = c
+                .lists
+                .iter()
+                .filter(|(_, a)| artifacts.contains_key(*a))
+                .map(|(l, a)| (*l, *a))
+                .collect();
+            c.lists = kept;
         }
     }
 
