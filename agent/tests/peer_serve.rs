@@ -1,18 +1,18 @@
 //! A device serving its site's peers, end to end over a real mosquitto: an agent holding a
 //! verified artifact answers `PeerFetch` requests with the right blocks on the requester's
-//! `peer-block/{agent}` topic, and never answers a forged grant. Skipped with a notice when
-//! mosquitto is not installed.
+//! `peer-block/{agent}` topic, and never answers a forged grant; and what it keeps to serve once
+//! an action ends. Skipped with a notice when mosquitto is not installed.
 
 mod common;
 
 use std::path::Path;
 
-use common::{key, now, start_broker, TIMEOUT};
+use common::{coordinator, key, now, start_broker, TIMEOUT};
 use flotilla_agent::Config;
 use flotilla_protocol::blocks::{block_range, BlockList, DEFAULT_BLOCK_SIZE};
 use flotilla_protocol::{
-    envelope, hex, BlockReply, BlockRequest, DeviceId, Message, PeerFetch, PeerGrant, SignedBlob,
-    SigningKey, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, BlockRequest, DesiredAction,
+    DeviceId, Message, PeerFetch, PeerGrant, ReleaseManifest, SignedBlob, SigningKey, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio_util::sync::CancellationToken;
@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 const PEER: &str = "peer-serve-1";
 const REQUESTER: &str = "peer-req-1";
 
-fn config(port: u16, dir: &Path) -> Config {
+fn config(port: u16, dir: &Path, peers: &str) -> Config {
     Config::from_toml(&format!(
         r#"
 device_id = "{PEER}"
@@ -38,7 +38,7 @@ name = "app"
 kind = "file"
 path = "{dest}"
 [peers]
-max_concurrent = 2
+{peers}
 "#,
         data = dir.join("agent-data").display(),
         rk = hex::encode(key(1).verifying_key().as_bytes()),
@@ -103,7 +103,7 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
 
     let shutdown = CancellationToken::new();
     let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path()),
+        config(broker.port, dir.path(), "max_concurrent = 2"),
         shutdown.clone(),
     ));
 
@@ -223,4 +223,119 @@ async fn next(eventloop: &mut rumqttc::EventLoop) -> (String, Vec<u8>) {
             Err(e) => panic!("requester lost the broker: {e}"),
         }
     }
+}
+
+/// Writes a verified pair (artifact and block list) into `downloads` as the fetcher leaves it.
+fn hold(downloads: &Path, artifact: &[u8]) -> [u8; 32] {
+    std::fs::create_dir_all(downloads).expect("downloads");
+    let sha = flotilla_protocol::sha256(artifact);
+    let list = BlockList::compute(artifact, DEFAULT_BLOCK_SIZE).expect("list");
+    std::fs::write(downloads.join(hex::encode(&sha)), artifact).expect("artifact");
+    std::fs::write(
+        downloads.join(format!("{}.blocks", hex::encode(&sha))),
+        list.as_bytes(),
+    )
+    .expect("list");
+    sha
+}
+
+/// A forced install of `artifact` for `device`, signed by the test release and coordinator keys.
+fn install(device: &str, artifact: &[u8]) -> SignedBlob {
+    let manifest = ReleaseManifest {
+        name: "app-2".into(),
+        version: "2.0".into(),
+        counter: 2,
+        hardware: vec!["pi4".into()],
+        artifacts: vec![Artifact {
+            name: "app.bin".into(),
+            target: "app".into(),
+            size: artifact.len() as u64,
+            sha256: flotilla_protocol::sha256(artifact),
+        }],
+        created_at: now(),
+        expires_at: now() + 3600,
+    };
+    let action = DesiredAction {
+        action_id: "act-keep-1".into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body: ActionBody::Install {
+            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+            kind: ActionKind::Forced,
+            window: None,
+        },
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// When an action ends, its download is kept to serve and older verified downloads beyond
+/// `keep_bytes` are removed, list and all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_action_keeps_its_download_and_removes_older_ones_beyond_the_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let downloads = dir.path().join("agent-data").join("downloads");
+    let old: Vec<u8> = (0..20_000u32).map(|i| (i % 241) as u8).collect();
+    let old_sha = hold(&downloads, &old);
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for name in [
+        hex::encode(&old_sha),
+        format!("{}.blocks", hex::encode(&old_sha)),
+    ] {
+        std::fs::File::options()
+            .write(true)
+            .open(downloads.join(name))
+            .and_then(|f| f.set_modified(an_hour_ago))
+            .expect("age the old download");
+    }
+    let new: Vec<u8> = (0..10_500u32).map(|i| (i % 253) as u8).collect();
+    let new_sha = flotilla_protocol::sha256(&new);
+    let mut reports = coordinator(broker.port, PEER, install(PEER, &new), new.clone()).await;
+
+    let shutdown = CancellationToken::new();
+    let agent = tokio::spawn(flotilla_agent::run(
+        config(broker.port, dir.path(), "keep_bytes = 15000"),
+        shutdown.clone(),
+    ));
+    let last = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = reports.recv().await {
+            if r.phase.is_terminal() {
+                return r.phase;
+            }
+        }
+        panic!("reports ended");
+    })
+    .await
+    .expect("a final report within 30s");
+    assert_eq!(last.name(), "applied", "the install succeeded");
+    let old_path = downloads.join(hex::encode(&old_sha));
+    tokio::time::timeout(TIMEOUT, async {
+        while old_path.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the older download is removed once the action ends");
+    assert!(
+        !downloads
+            .join(format!("{}.blocks", hex::encode(&old_sha)))
+            .exists(),
+        "its block list goes with it"
+    );
+    assert_eq!(
+        std::fs::read(downloads.join(hex::encode(&new_sha))).expect("kept"),
+        new,
+        "the finished action's verified download is kept"
+    );
+
+    shutdown.cancel();
+    let result = tokio::time::timeout(TIMEOUT, agent)
+        .await
+        .expect("agent stops within 30s")
+        .expect("agent task");
+    assert!(result.is_ok(), "agent ended with {result:?}");
 }
