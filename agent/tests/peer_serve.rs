@@ -15,6 +15,7 @@ use flotilla_protocol::{
     DeviceId, Message, PeerFetch, PeerGrant, ReleaseManifest, SignedBlob, SigningKey, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 const PEER: &str = "peer-serve-1";
@@ -86,7 +87,7 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
     let peer = DeviceId::new(PEER).expect("id");
     let mut options = MqttOptions::new(REQUESTER, "127.0.0.1", broker.port);
     options.set_max_packet_size(1 << 20, 1 << 20);
-    let (client, mut eventloop) = AsyncClient::new(options, 64);
+    let (client, eventloop) = AsyncClient::new(options, 64);
     // Every peer-block topic of every device, to see where replies go; and the agent's state,
     // to know when it listens.
     client
@@ -101,6 +102,8 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
         .await
         .expect("subscribe");
 
+    let mut received = receive(eventloop);
+
     let shutdown = CancellationToken::new();
     let agent = tokio::spawn(flotilla_agent::run(
         config(broker.port, dir.path(), "max_concurrent = 2"),
@@ -109,7 +112,7 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
 
     tokio::time::timeout(TIMEOUT, async {
         loop {
-            let (topic, payload) = next(&mut eventloop).await;
+            let (topic, payload) = next(&mut received).await;
             if topic == topics.state(&peer) && !payload.is_empty() {
                 return;
             }
@@ -128,16 +131,29 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
             },
         }))
     };
-    let send = |payload: Vec<u8>| {
+    let send = async |payload: Vec<u8>| {
         client
-            .try_publish(topics.peer_fetch(&peer), QoS::AtLeastOnce, false, payload)
+            .publish(topics.peer_fetch(&peer), QoS::AtLeastOnce, false, payload)
+            .await
             .expect("publish");
     };
-    // First a forged grant (signed by a key the agent does not trust) naming another device,
+    // Junk first: garbage, another message kind, and a payload over the broker limit, none of
+    // which may stop the agent from serving what follows.
+    for i in 0..200u32 {
+        send(i.to_le_bytes().repeat(i as usize % 50)).await;
+    }
+    send(envelope::encode(&Message::Block(BlockReply::Unavailable {
+        sha256: sha,
+        offset: 0,
+        reason: "not a request".into(),
+    })))
+    .await;
+    send(vec![7; flotilla_protocol::BROKER_PACKET_LIMIT + 1]).await;
+    // Then a forged grant (signed by a key the agent does not trust) naming another device,
     // then one of ours for an unheld digest, then every block and the block list, each sent once
     // the reply to the one before arrived, so replies come in order.
     let forged = grant(&key(99), "attacker", &[sha]);
-    send(ask(forged, sha, 0, DEFAULT_BLOCK_SIZE));
+    send(ask(forged, sha, 0, DEFAULT_BLOCK_SIZE)).await;
     let good = grant(&key(2), REQUESTER, &[sha, list_sha, [5; 32]]);
     let mut requests = vec![ask(good.clone(), [5; 32], 0, DEFAULT_BLOCK_SIZE)];
     let blocks = list.len();
@@ -149,10 +165,10 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
 
     let mut replies = Vec::new();
     for request in requests {
-        send(request);
+        send(request).await;
         let reply = tokio::time::timeout(TIMEOUT, async {
             loop {
-                let (topic, payload) = next(&mut eventloop).await;
+                let (topic, payload) = next(&mut received).await;
                 if topic.contains("/peer-block/") {
                     return (topic, payload);
                 }
@@ -214,15 +230,31 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
     assert!(result.is_ok(), "agent ended with {result:?}");
 }
 
-/// The next publish the requester receives.
-async fn next(eventloop: &mut rumqttc::EventLoop) -> (String, Vec<u8>) {
-    loop {
-        match eventloop.poll().await {
-            Ok(Event::Incoming(Packet::Publish(p))) => return (p.topic, p.payload.to_vec()),
-            Ok(_) => {}
-            Err(e) => panic!("requester lost the broker: {e}"),
+/// Polls the requester's event loop in a task of its own, handing on every publish received.
+fn receive(mut eventloop: rumqttc::EventLoop) -> mpsc::UnboundedReceiver<(String, Vec<u8>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match eventloop.poll().await {
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    if tx.send((p.topic, p.payload.to_vec())).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => panic!("requester lost the broker: {e}"),
+            }
         }
-    }
+    });
+    rx
+}
+
+/// The next publish the requester receives.
+async fn next(received: &mut mpsc::UnboundedReceiver<(String, Vec<u8>)>) -> (String, Vec<u8>) {
+    received
+        .recv()
+        .await
+        .expect("the requester's event loop runs")
 }
 
 /// Writes a verified pair (artifact and block list) into `downloads` as the fetcher leaves it.
