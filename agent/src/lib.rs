@@ -88,6 +88,10 @@
 //!   on it and reports through the link itself. Its block requests go through a forwarder task
 //!   that ends with the action. Target steps (stage, activate, rollback, reboot) run on the
 //!   blocking pool; health checks are child processes.
+//! - Peer requests (`peer-fetch`) bypass the agent loop: the poll task offers each to the peer
+//!   server's bounded inbox ([`link::PeerInbox`], dropped when full) and the server
+//!   ([`peer_serve::start`]) answers at most `[peers] max_concurrent` at once, reading blocks
+//!   on the blocking pool, and replies through the writer task ([`link::Outgoing::PeerBlock`]).
 //! - The caller's shutdown token (the binary cancels it on SIGINT or SIGTERM) stops the agent
 //!   loop and the action task at a safe point. The link has its own token, cancelled last, once
 //!   the offline state and the last report acknowledgements had a second to go through.
