@@ -20,9 +20,11 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ConfigError, TargetKind};
 use crate::error::AgentError;
 use crate::fetch::{FetchInput, FetchRequest};
+use crate::held::{self, Held};
 use crate::identity;
 use crate::link::{self, LinkEvent, Outgoing};
 use crate::machine::{self, ActionIo, Env};
+use crate::peer_serve;
 use crate::record::{ActionRecord, State};
 use crate::trust::{self, Refusal};
 
@@ -81,9 +83,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     })?;
     let link_shutdown = CancellationToken::new();
     let key = identity::load_or_create(&config.data_dir)?;
-    let (link, mut events) = link::start(
+    let peers = peer_serve::inbox(&config.peers);
+    let (link, mut events) = link::start_with(
         &config,
         link::Signer::new(&config, key),
+        peers.as_ref().map(|(inbox, _)| inbox.clone()),
         link_shutdown.clone(),
     );
     let env = Arc::new(Env {
@@ -93,6 +97,20 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         link,
         trust: Mutex::new(trust_state),
     });
+    if let Some((_, requests)) = peers {
+        let server = peer_serve::PeerServer::new(
+            env.config.device_id.clone(),
+            Held::new(machine::downloads_dir(&env.config)),
+            env.clone(),
+        );
+        peer_serve::start(
+            Arc::new(server),
+            &env.config.peers,
+            requests,
+            env.link.clone(),
+            link_shutdown.clone(),
+        );
+    }
     tracing::info!(device = %env.config.device_id, "agent started");
     env.write_status_file();
 
@@ -144,6 +162,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
             Some(record) = done_rx.recv() => {
                 if running.as_ref().is_some_and(|r| r.action_id == record.action_id) {
                     running = None;
+                }
+                if running.is_none() {
+                    keep_downloads(&env.config);
                 }
                 tracing::info!(action = record.action_id, phase = ?record.phase(), "action finished");
                 if let Some(blob) = pending.take() {
@@ -443,6 +464,20 @@ async fn handle_desired(
             shutdown.clone(),
             done.clone(),
         ));
+    }
+}
+
+/// Bounds the verified downloads kept (to serve to peers and to copy blocks from) once no
+/// action uses them.
+fn keep_downloads(config: &Config) {
+    let pruned = held::prune(&machine::downloads_dir(config), config.peers.keep_bytes);
+    if !pruned.artifacts.is_empty() {
+        tracing::info!(
+            artifacts = pruned.artifacts.len(),
+            bytes = pruned.bytes,
+            keep_bytes = config.peers.keep_bytes,
+            "removed the oldest verified downloads"
+        );
     }
 }
 

@@ -61,6 +61,7 @@ pub struct Config {
     pub health: HealthConfig,
     pub download: DownloadConfig,
     pub store: StoreConfig,
+    pub peers: PeersConfig,
 }
 
 #[derive(Debug, Clone)]
@@ -144,6 +145,31 @@ pub struct DownloadConfig {
     pub peer_fallback_after: Duration,
 }
 
+/// Serving verified blocks to the peers of the device's site (`[peers]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeersConfig {
+    /// Answer peer block requests at all.
+    pub serve: bool,
+    /// Peer requests handled at once; 16 per slot more wait, and any beyond are dropped.
+    pub max_concurrent: usize,
+    /// Bytes a second sent to peers, all together; 0 means unlimited.
+    pub max_bytes_per_sec: u64,
+    /// Verified downloads kept after an action ends (to serve and to copy blocks from), newest
+    /// first; older ones are removed.
+    pub keep_bytes: u64,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            serve: true,
+            max_concurrent: default_peer_concurrency(),
+            max_bytes_per_sec: 0,
+            keep_bytes: default_keep_bytes(),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub cache_bytes: u64,
@@ -195,6 +221,8 @@ struct RawConfig {
     download: RawDownload,
     #[serde(default)]
     store: RawStore,
+    #[serde(default)]
+    peers: RawPeers,
 }
 
 #[derive(Debug, Deserialize)]
@@ -379,6 +407,44 @@ impl Default for RawStore {
         }
     }
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPeers {
+    #[serde(default = "default_serve")]
+    serve: bool,
+    #[serde(default = "default_peer_concurrency")]
+    max_concurrent: usize,
+    #[serde(default)]
+    max_bytes_per_sec: u64,
+    #[serde(default = "default_keep_bytes")]
+    keep_bytes: u64,
+}
+
+impl Default for RawPeers {
+    fn default() -> Self {
+        let d = PeersConfig::default();
+        Self {
+            serve: d.serve,
+            max_concurrent: d.max_concurrent,
+            max_bytes_per_sec: d.max_bytes_per_sec,
+            keep_bytes: d.keep_bytes,
+        }
+    }
+}
+
+fn default_serve() -> bool {
+    true
+}
+fn default_peer_concurrency() -> usize {
+    4
+}
+fn default_keep_bytes() -> u64 {
+    1 << 30
+}
+
+/// The most peer requests a device handles at once.
+pub const MAX_PEER_CONCURRENCY: usize = 64;
 
 fn default_max_restarts() -> u32 {
     5
@@ -592,6 +658,26 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid("store.max_restarts", "0: must be at least 1"));
         }
 
+        let p = raw.peers;
+        if p.max_concurrent == 0 || p.max_concurrent > MAX_PEER_CONCURRENCY {
+            return Err(invalid(
+                "peers.max_concurrent",
+                format!(
+                    "{}: must be between 1 and {MAX_PEER_CONCURRENCY}",
+                    p.max_concurrent
+                ),
+            ));
+        }
+        if p.max_bytes_per_sec != 0 && p.max_bytes_per_sec < u64::from(MAX_BLOCK_SIZE) {
+            return Err(invalid(
+                "peers.max_bytes_per_sec",
+                format!(
+                    "{}: must be 0 (unlimited) or at least {MAX_BLOCK_SIZE}, one block a second",
+                    p.max_bytes_per_sec
+                ),
+            ));
+        }
+
         Ok(Config {
             device_id,
             hardware_id: raw.hardware_id,
@@ -615,6 +701,12 @@ impl TryFrom<RawConfig> for Config {
             store: StoreConfig {
                 cache_bytes: raw.store.cache_bytes,
                 max_restarts: raw.store.max_restarts,
+            },
+            peers: PeersConfig {
+                serve: p.serve,
+                max_concurrent: p.max_concurrent,
+                max_bytes_per_sec: p.max_bytes_per_sec,
+                keep_bytes: p.keep_bytes,
             },
         })
     }
@@ -860,6 +952,36 @@ mod tests {
 
     fn err(replace: &str, by: &str) -> String {
         with(replace, by).expect_err("must be refused").to_string()
+    }
+
+    #[test]
+    fn peers_settings_are_read_and_checked_naming_the_field() {
+        let c = Config::from_toml(DEFAULT_CONFIG).expect("default config parses");
+        assert_eq!(c.peers, PeersConfig::default());
+        assert!(c.peers.serve, "serving is on unless turned off");
+        let c = Config::from_toml(include_str!("../example-config.toml")).expect("example");
+        assert_eq!(c.peers.max_concurrent, 2);
+        assert_eq!(c.peers.max_bytes_per_sec, 4 << 20);
+        assert_eq!(c.peers.keep_bytes, 512 << 20);
+        let c = with("serve = true", "serve = false").expect("valid");
+        assert!(!c.peers.serve);
+
+        let e = err("max_concurrent = 4", "max_concurrent = 0");
+        assert!(
+            e.starts_with("peers.max_concurrent: 0: must be between 1 and 64"),
+            "{e}"
+        );
+        let e = err("max_concurrent = 4", "max_concurrent = 65");
+        assert!(e.starts_with("peers.max_concurrent: 65"), "{e}");
+        let e = err(
+            "at least 65536.\nmax_bytes_per_sec = 0",
+            "at least 65536.\nmax_bytes_per_sec = 1000",
+        );
+        assert!(e.starts_with("peers.max_bytes_per_sec: 1000"), "{e}");
+        let e = err("keep_bytes = 1073741824", "keep_bytes = -1");
+        assert!(e.contains("keep_bytes"), "{e}");
+        let e = err("[peers]", "[peers]\nserv = true");
+        assert!(e.contains("serv"), "{e}");
     }
 
     #[test]

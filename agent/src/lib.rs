@@ -26,9 +26,11 @@
 //!
 //! ```text
 //! agent                              the daemon: the agent loop, one action task at a time
+//! peer_serve                         answering peers' block requests
 //! machine                            one action, state by state
 //! fetch_blocks  health  link  consent   what a step uses: blocks, health checks, MQTT, consent
 //! fetch   adaptive                   the streaming fetcher and channel types; local blocks
+//! held                               verified downloads served to peers, and how many are kept
 //! trust   status   error             trust checks, keys install; status view; AgentError
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
@@ -41,6 +43,9 @@
 //!   coordinator) for artifacts whose manifest signs a block list.
 //! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
 //! - [`adaptive`]: finding blocks the device already holds.
+//! - [`peer_serve`]: answers peers' block requests (grant checks, bounded work).
+//! - [`held`]: the verified downloads a device serves from, re-checked per block; [`held::prune`]
+//!   bounds what is kept.
 //! - [`health`]: health checks over the soak time.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
 //! - [`consent`](mod@consent): local consent files for soft and time-forced actions.
@@ -87,6 +92,10 @@
 //!   on it and reports through the link itself. Its block requests go through a forwarder task
 //!   that ends with the action. Target steps (stage, activate, rollback, reboot) run on the
 //!   blocking pool; health checks are child processes.
+//! - Peer requests (`peer-fetch`) bypass the agent loop: the poll task offers each to the peer
+//!   server's bounded inbox ([`link::PeerInbox`], dropped when full) and the server
+//!   ([`peer_serve::start`]) answers at most `[peers] max_concurrent` at once, reading blocks
+//!   on the blocking pool, and replies through the writer task ([`link::Outgoing::PeerBlock`]).
 //! - The caller's shutdown token (the binary cancels it on SIGINT or SIGTERM) stops the agent
 //!   loop and the action task at a safe point. The link has its own token, cancelled last, once
 //!   the offline state and the last report acknowledgements had a second to go through.
@@ -109,9 +118,11 @@ pub mod fault;
 pub mod fetch;
 pub mod fetch_blocks;
 pub mod health;
+pub mod held;
 pub mod identity;
 pub mod link;
 pub mod machine;
+pub mod peer_serve;
 pub mod record;
 pub mod status;
 pub mod store;

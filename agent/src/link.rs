@@ -11,6 +11,11 @@
 //! messages from the domain code and hands them to the client. rumqttc reconnects when polled
 //! after an error; the poll task sleeps 1s, 2s, ... up to 10s between failed attempts.
 //!
+//! Peer requests (`peer-fetch`) skip the agent loop: the poll task hands each to the peer
+//! server's bounded [`PeerInbox`] without waiting, and a full inbox drops (and counts) it, so a
+//! flood of them never delays the device's own messages. Replies to peers go out as
+//! [`Outgoing::PeerBlock`] on the requester's `peer-block/{this device}` topic.
+//!
 //! Report acknowledgements: rumqttc tells which packet id a publish got
 //! (`Outgoing::Publish(pkid)`) in the order requests were queued, and later `PubAck(pkid)`. The
 //! writer records, in queue order, whether each publish was a report (and its `seq`); the poll
@@ -71,6 +76,57 @@ pub enum Outgoing {
         peer: DeviceId,
         fetch: PeerFetch,
     },
+    /// A block (or a refusal) for the peer `to`, on `peer_block(to, this device)`. Unsigned,
+    /// like the artifact server's replies: the requester checks the block against its hash.
+    PeerBlock {
+        to: DeviceId,
+        reply: BlockReply,
+    },
+}
+
+/// Where the link hands the peer requests it receives: a bounded queue that never makes the
+/// link wait; a request that finds it full is dropped and counted (the peer asks another
+/// source).
+#[derive(Debug, Clone)]
+pub struct PeerInbox {
+    tx: mpsc::Sender<PeerFetch>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl PeerInbox {
+    /// An inbox holding up to `capacity` requests, and its receiving end.
+    pub fn new(capacity: usize) -> (Self, mpsc::Receiver<PeerFetch>) {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        (
+            Self {
+                tx,
+                dropped: Arc::new(AtomicU64::new(0)),
+            },
+            rx,
+        )
+    }
+
+    /// Queues `fetch` if there is room; returns whether it was queued.
+    pub fn offer(&self, fetch: PeerFetch) -> bool {
+        match self.tx.try_send(fetch) {
+            Ok(()) => true,
+            Err(_) => {
+                let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    tracing::warn!(
+                        dropped_total = n,
+                        "peer requests arrive faster than they are served; dropping some"
+                    );
+                }
+                false
+            }
+        }
+    }
+
+    /// Requests dropped so far because the inbox was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
 }
 
 /// Handle for sending through the link.
@@ -173,6 +229,16 @@ pub fn start(
     signer: Signer,
     shutdown: CancellationToken,
 ) -> (LinkHandle, mpsc::Receiver<LinkEvent>) {
+    start_with(config, signer, None, shutdown)
+}
+
+/// [`start`], handing peer requests to `peers` (without it they are ignored: serving is off).
+pub fn start_with(
+    config: &Config,
+    signer: Signer,
+    peers: Option<PeerInbox>,
+    shutdown: CancellationToken,
+) -> (LinkHandle, mpsc::Receiver<LinkEvent>) {
     let topics = Topics::new(&config.broker.topic_root);
     let id = config.device_id.clone();
     // The client id is the device id, so a broker ACL can tie the client to its own topics
@@ -210,6 +276,7 @@ pub fn start(
         event_tx,
         tags,
         malformed.clone(),
+        peers,
         shutdown,
     ));
     (
@@ -290,6 +357,24 @@ async fn writer(
                     enrollment: signer.enrollment,
                 },
             ),
+            Outgoing::PeerBlock { to, reply } => {
+                if let Ok(mut t) = tags.lock() {
+                    t.push_back(None);
+                }
+                let payload = envelope::encode(&Message::Block(reply));
+                if let Err(e) = client
+                    .publish(
+                        topics.peer_block(&to, &id),
+                        QoS::AtLeastOnce,
+                        false,
+                        payload,
+                    )
+                    .await
+                {
+                    tracing::warn!("cannot queue a block for peer {to}: {e}");
+                }
+                continue;
+            }
             Outgoing::Fetch(request) => (
                 topics.fetch(&id),
                 false,
@@ -323,6 +408,7 @@ async fn poll(
     events: mpsc::Sender<LinkEvent>,
     tags: Tags,
     malformed: Arc<AtomicU64>,
+    peers: Option<PeerInbox>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Duration::from_secs(1);
@@ -347,6 +433,21 @@ async fn poll(
                 backoff = Duration::from_secs(1);
                 pending.clear();
                 Some(LinkEvent::Connected)
+            }
+            Ok(Event::Incoming(Packet::Publish(p)))
+                if matches!(topics.parse(&p.topic), Some(Topic::PeerFetch(_))) =>
+            {
+                if let Some(fetch) = decode_peer_fetch(&topics, &id, &p.topic, &p.payload) {
+                    match &peers {
+                        Some(inbox) => {
+                            inbox.offer(fetch);
+                        }
+                        None => tracing::debug!("serving peers is off; peer request ignored"),
+                    }
+                } else {
+                    malformed_payload(&p.topic, "not a peer request for this device", &malformed);
+                }
+                None
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 decode(&topics, &id, &p.topic, &p.payload, &malformed)
@@ -478,6 +579,43 @@ impl Undelivered {
 /// Unix seconds of the last malformed-payload log line.
 static MALFORMED_LOGGED: AtomicU64 = AtomicU64::new(0);
 
+/// Counts a malformed payload and logs the first, then at most one a minute: garbage must not
+/// flood the log.
+fn malformed_payload(topic: &str, reason: &str, malformed: &AtomicU64) {
+    let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
+    let now = crate::trust::system_now();
+    let last = MALFORMED_LOGGED.load(Ordering::Relaxed);
+    if (n == 1 || now.saturating_sub(last) >= 60)
+        && MALFORMED_LOGGED
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        let topic: String = topic.chars().take(200).collect();
+        tracing::warn!(
+            topic,
+            malformed_total = n,
+            "ignoring malformed payload: {reason} (next such line in a minute at the earliest)"
+        );
+    }
+}
+
+/// A peer request on this device's `peer-fetch` topic, if that is what the payload is. Its grant
+/// is checked by the peer server, not here.
+fn decode_peer_fetch(
+    topics: &Topics,
+    id: &DeviceId,
+    topic: &str,
+    payload: &[u8],
+) -> Option<PeerFetch> {
+    if payload.len() > BROKER_PACKET_LIMIT {
+        return None;
+    }
+    match (topics.parse(topic), envelope::decode(payload)) {
+        (Some(Topic::PeerFetch(d)), Ok(Message::PeerFetch(fetch))) if &d == id => Some(fetch),
+        _ => None,
+    }
+}
+
 /// Decodes an incoming publish; malformed payloads are logged and counted, never fatal.
 fn decode(
     topics: &Topics,
@@ -487,22 +625,7 @@ fn decode(
     malformed: &AtomicU64,
 ) -> Option<LinkEvent> {
     let bad = |reason: String| {
-        let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
-        // The first, then at most one line a minute: garbage must not flood the log.
-        let now = crate::trust::system_now();
-        let last = MALFORMED_LOGGED.load(Ordering::Relaxed);
-        if (n == 1 || now.saturating_sub(last) >= 60)
-            && MALFORMED_LOGGED
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            let topic: String = topic.chars().take(200).collect();
-            tracing::warn!(
-                topic,
-                malformed_total = n,
-                "ignoring malformed payload: {reason} (next such line in a minute at the earliest)"
-            );
-        }
+        malformed_payload(topic, &reason, malformed);
         None
     };
     if payload.len() > BROKER_PACKET_LIMIT {
@@ -629,5 +752,49 @@ mod tests {
             Some(LinkEvent::Block(_))
         ));
         assert_eq!(counter.load(Ordering::Relaxed), 2);
+    }
+
+    /// Peer requests reach the peer server only when well formed and addressed to this device;
+    /// anything else on the topic is counted as malformed, and a full inbox drops and counts.
+    #[test]
+    fn peer_requests_are_checked_and_a_full_inbox_drops_them() {
+        let topics = Topics::default();
+        let id = DeviceId::new("dev-1").expect("id");
+        let fetch = PeerFetch {
+            grant: SignedBlob {
+                payload: vec![1],
+                signer: [0; 32],
+                signature: vec![0; 64],
+            },
+            request: BlockRequest {
+                sha256: [0; 32],
+                offset: 0,
+                length: 1,
+            },
+        };
+        let payload = envelope::encode(&Message::PeerFetch(fetch.clone()));
+        let topic = topics.peer_fetch(&id);
+        assert_eq!(
+            decode_peer_fetch(&topics, &id, &topic, &payload),
+            Some(fetch.clone())
+        );
+        let other = topics.peer_fetch(&DeviceId::new("dev-2").expect("id"));
+        assert_eq!(decode_peer_fetch(&topics, &id, &other, &payload), None);
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, b"\x01junk"), None);
+        let huge = vec![0u8; BROKER_PACKET_LIMIT + 1];
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, &huge), None);
+        let block = envelope::encode(&Message::Block(BlockReply::Unavailable {
+            sha256: [0; 32],
+            offset: 0,
+            reason: String::new(),
+        }));
+        assert_eq!(decode_peer_fetch(&topics, &id, &topic, &block), None);
+
+        let (inbox, mut rx) = PeerInbox::new(2);
+        assert!(inbox.offer(fetch.clone()));
+        assert!(inbox.offer(fetch.clone()));
+        assert!(!inbox.offer(fetch.clone()), "a full inbox never waits");
+        assert_eq!(inbox.dropped(), 1);
+        assert_eq!(rx.try_recv().ok(), Some(fetch));
     }
 }
