@@ -588,7 +588,7 @@ mod tests {
         }
         tokio::time::timeout(Duration::from_secs(30), async {
             while server.stats.served_blocks.load(Ordering::Relaxed) < 2 {
-                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
         .await
