@@ -237,6 +237,9 @@ pub struct Policies {
     pub max_unavailable_groups: Budget,
     /// Devices that register after the rollout started join a last group named `dynamic`.
     pub dynamic: bool,
+    /// Per-site limits and peer sharing; devices without the site label form no site.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sites: Option<SitePolicy>,
 }
 
 impl Default for Policies {
@@ -254,9 +257,40 @@ impl Default for Policies {
             unavailable_period: 0,
             max_unavailable_groups: Budget::Count(0),
             dynamic: false,
+            sites: None,
         }
     }
 }
+
+/// Site budgets and peer ordering, rollout-wide (a site's devices may be in several groups).
+///
+/// A site is the set of a rollout's devices with the same value of the device label `label`.
+/// These limits apply on top of each group's own pace: a device whose start would take its site
+/// over a limit waits, and starts when a device of the site finishes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SitePolicy {
+    /// The device label whose value names a device's site, e.g. `site`.
+    pub label: String,
+    /// Most devices of one site busy at once: started and not yet terminal (downloading,
+    /// installing, or waiting for a retry). None: no limit.
+    pub max_busy: Option<usize>,
+    /// Most devices of one site not ready at once, counted as a group's budget counts them
+    /// (busy, soaking, or failed). None: no limit.
+    pub max_unavailable: Option<usize>,
+    /// One device of a site (the seed) fetches from the coordinator first; the others wait for
+    /// a device of the site to hold the release's artifacts verified and fetch from it.
+    pub peers: bool,
+    /// Seconds the other devices of a site wait for the seed before another device becomes
+    /// the seed, and after which waiting devices start without peers.
+    pub seed_wait: u64,
+}
+
+/// How long a site waits for its seed unless the spec says otherwise: ten minutes, long enough
+/// to fetch a few hundred megabytes on a slow link, short enough that a dead seed costs little.
+pub const DEFAULT_SEED_WAIT: u64 = 600;
+
+/// Most peers named in one desired action: the most recent holders of the site.
+pub const MAX_PEERS: usize = 8;
 
 /// The weight of a rollout that does not set one.
 pub const DEFAULT_WEIGHT: u32 = 500;

@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use flotilla_protocol::control::{ApprovalStatus, Condition, TraceEntry};
-use flotilla_protocol::Phase;
+use flotilla_protocol::control::{ApprovalStatus, Condition, SourceBytes, TraceEntry};
+use flotilla_protocol::{ByteCounts, Phase};
 use serde::{Deserialize, Serialize};
 
 use crate::conditions::GroupCounts;
@@ -280,6 +280,15 @@ pub struct Slot {
     /// group that has not started drops it when it starts.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleted: bool,
+    /// The device's site (its value of the site policy's label) when the rollout planned it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site: Option<String>,
+    /// Where the bytes of the device's action came from, as its final report said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<ByteCounts>,
+    /// The peers the device's current attempt was told to fetch from (re-sent as they were).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<String>,
 }
 
 /// Phase name of a deleted device still listed in its group (hawkBit's "not started").
@@ -297,6 +306,9 @@ impl Slot {
             retry_at: None,
             earlier_attempts: 0,
             deleted: false,
+            site: None,
+            bytes: None,
+            peers: Vec::new(),
         }
     }
 
@@ -338,6 +350,53 @@ pub struct Group {
     /// Devices that registered after the start join this group (hawkBit's dynamic group).
     #[serde(default)]
     pub dynamic: bool,
+    /// Per-site counts of this group's devices, kept with `counts` by [`Group::set_phase`];
+    /// rebuilt from the slots on load ([`Group::count_sites`]), never stored.
+    #[serde(skip)]
+    pub site_counts: BTreeMap<String, SiteCounts>,
+    /// The bytes of every slot added up, kept like `site_counts`.
+    #[serde(skip)]
+    pub bytes: SourceBytes,
+}
+
+/// How many of a group's devices of one site are where the site limits look.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SiteCounts {
+    pub total: usize,
+    /// Not started yet.
+    pub scheduled: usize,
+    /// Started and not terminal: in progress or waiting for a retry.
+    pub busy: usize,
+    /// Not ready, as a group's budget counts it: busy, soaking, or failed.
+    pub unavailable: usize,
+    pub bytes: SourceBytes,
+}
+
+impl SiteCounts {
+    fn count(&mut self, phase: &DevicePhase, add: bool) {
+        let (scheduled, busy, unavailable) = match phase {
+            DevicePhase::Scheduled => (1, 0, 0),
+            DevicePhase::InProgress(_) | DevicePhase::Retrying(_) => (0, 1, 1),
+            DevicePhase::Soaking => (0, 0, 1),
+            p if p.is_failure() => (0, 0, 1),
+            _ => (0, 0, 0),
+        };
+        let apply = |n: &mut usize, d: usize| {
+            *n = if add { *n + d } else { n.saturating_sub(d) };
+        };
+        apply(&mut self.scheduled, scheduled);
+        apply(&mut self.busy, busy);
+        apply(&mut self.unavailable, unavailable);
+        apply(&mut self.total, 1);
+    }
+
+    pub fn add(&mut self, other: &SiteCounts) {
+        self.total += other.total;
+        self.scheduled += other.scheduled;
+        self.busy += other.busy;
+        self.unavailable += other.unavailable;
+        self.bytes.add(&other.bytes);
+    }
 }
 
 impl Group {
@@ -351,8 +410,59 @@ impl Group {
         }
         slot.phase.count_in(&mut self.counts, false);
         new.count_in(&mut self.counts, true);
+        if let Some(site) = &slot.site {
+            let c = self.site_counts.entry(site.clone()).or_default();
+            c.count(&slot.phase, false);
+            c.count(&new, true);
+        }
         slot.phase = new;
         true
+    }
+
+    /// Rebuilds [`Group::site_counts`] and [`Group::bytes`] from the slots.
+    pub fn count_sites(&mut self) {
+        self.site_counts.clear();
+        self.bytes = SourceBytes::default();
+        for slot in self.slots.values() {
+            let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
+            self.bytes.add(&bytes);
+            if let Some(site) = &slot.site {
+                let c = self.site_counts.entry(site.clone()).or_default();
+                c.count(&slot.phase, true);
+                c.bytes.add(&bytes);
+            }
+        }
+    }
+
+    /// Sets a device's bytes and keeps the sums right.
+    pub fn set_bytes(&mut self, device: &str, bytes: ByteCounts) {
+        let Some(slot) = self.slots.get_mut(device) else {
+            return;
+        };
+        let new = SourceBytes::of(&bytes);
+        let old = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
+        slot.bytes = Some(bytes);
+        self.bytes.sub(&old);
+        self.bytes.add(&new);
+        if let Some(site) = &slot.site {
+            let c = self.site_counts.entry(site.clone()).or_default();
+            c.bytes.sub(&old);
+            c.bytes.add(&new);
+        }
+    }
+
+    /// Takes a slot out of the site counts and byte sums before it is removed.
+    pub fn uncount_site(&mut self, device: &str) {
+        if let Some(slot) = self.slots.get(device) {
+            let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
+            self.bytes.sub(&bytes);
+            if let Some(site) = &slot.site {
+                if let Some(c) = self.site_counts.get_mut(site) {
+                    c.count(&slot.phase, false);
+                    c.bytes.sub(&bytes);
+                }
+            }
+        }
     }
 
     /// Sets (or adds) a condition of this type.
@@ -370,6 +480,7 @@ impl Group {
             .map(|(d, _)| d.clone())
             .collect();
         for device in &gone {
+            self.uncount_site(device);
             if let Some(slot) = self.slots.remove(device) {
                 slot.phase.count_in(&mut self.counts, false);
                 self.counts.total = self.counts.total.saturating_sub(1);
@@ -458,6 +569,24 @@ pub struct Rollout {
     /// a device not in here joins the dynamic group.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub seen: BTreeSet<String>,
+    /// Peer ordering per site (rollouts whose site policy shares between peers).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sites: BTreeMap<String, SiteState>,
+}
+
+/// Where one site stands in peer ordering.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SiteState {
+    /// The device fetching from the coordinator for the site, and since when; the site's other
+    /// devices wait for it until `seed_at` + the policy's `seed_wait`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_at: Option<u64>,
+    /// Devices of the site that reported holding the release's artifacts verified, most recent
+    /// last, at most [`crate::plan::MAX_PEERS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
 }
 
 impl Rollout {
