@@ -478,7 +478,7 @@ impl SiteStatus {
             }
         }
         if !self.holders.is_empty() {
-            line.push_str(&format!(", {} holding the release", self.holders.len()));
+            line.push_str(&format!(", peers {}", self.holders.join(" ")));
         }
         if !self.bytes.is_zero() {
             line.push_str(&format!("; bytes {}", self.bytes));

@@ -25,6 +25,41 @@ pub struct Plan {
     pub excluded: Vec<Excluded>,
     /// Devices selected and compatible but taken by no group; they are not rolled out.
     pub unassigned: Vec<String>,
+    /// With a site policy: the sites of the planned devices and their limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sites: Option<SitePlan>,
+}
+
+/// The planned devices by site, with the site policy that will hold them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SitePlan {
+    pub policy: SitePolicy,
+    /// (site, planned devices of that site), by site name.
+    pub sites: Vec<(String, usize)>,
+    /// Planned devices without the label: in no site, no site limit applies to them.
+    pub without_site: usize,
+}
+
+impl SitePlan {
+    /// What the policy does to one site, in words: "site harbour: 16 devices, at most 2 busy
+    /// at once, one seed fetches first, the others from peers (seed wait 10m)".
+    pub fn line(&self, site: &str, devices: usize) -> String {
+        let p = &self.policy;
+        let mut line = format!("site {site}: {devices} devices");
+        if let Some(n) = p.max_busy {
+            line.push_str(&format!(", at most {n} busy"));
+        }
+        if let Some(n) = p.max_unavailable {
+            line.push_str(&format!(", at most {n} unavailable"));
+        }
+        if p.peers {
+            line.push_str(&format!(
+                ", one seed fetches first and the others from peers (seed wait {}s)",
+                p.seed_wait
+            ));
+        }
+        line
+    }
 }
 
 impl Plan {

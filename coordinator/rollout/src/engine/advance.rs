@@ -343,7 +343,13 @@ impl Rollout {
             Some(w) => {
                 let text = format!("{}: {}", w.kind, w.text);
                 if self.waiting.as_deref() != Some(text.as_str()) {
-                    if old_kind != Some(w.kind) {
+                    // A site wait is traced again when another site or another reason holds
+                    // the rollout, not when only its numbers moved.
+                    let changed = old_kind != Some(w.kind)
+                        || (w.kind == "site"
+                            && self.waiting.as_deref().map(without_numbers)
+                                != Some(without_numbers(&text)));
+                    if changed {
                         let message = format!("waiting: {}", w.text);
                         self.record(now, Decision::new(TraceKind::Waiting, message), out);
                     }
@@ -1175,6 +1181,28 @@ impl Rollout {
         }
         self.state = RolloutState::Finished;
         self.waiting = None;
+        // A group passed in error may have devices it never started (its pace or site budgets
+        // held them): they were sent nothing and end canceled, as when a rollout is stopped.
+        let mut dropped = 0;
+        for group in self
+            .groups
+            .iter_mut()
+            .filter(|g| g.state == GroupState::Error)
+        {
+            let never: Vec<String> = group
+                .slots
+                .iter()
+                .filter(|(_, s)| s.phase == DevicePhase::Scheduled)
+                .map(|(d, _)| d.clone())
+                .collect();
+            for device in never {
+                group.set_phase(&device, DevicePhase::Canceled);
+                if let Some(slot) = group.slots.get_mut(&device) {
+                    slot.ended_at = Some(now);
+                }
+                dropped += 1;
+            }
+        }
         let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
             (r + g.counts.ready, f + g.counts.failures())
         });
@@ -1199,6 +1227,11 @@ impl Rollout {
                 "; not succeeded: group {} ended in error",
                 errors.join(", ")
             ));
+            if dropped > 0 {
+                message.push_str(&format!(
+                    "; {dropped} devices it never started stay as they are"
+                ));
+            }
             self.set_condition("Progressing", false, "UpdateRunFailed", now);
             self.set_condition("Succeeded", false, "UpdateRunFailed", now);
         }
@@ -1445,7 +1478,7 @@ impl Rollout {
             ..Slot::scheduled()
         };
         if let Some(site) = &slot.site {
-            let c = group.site_counts.entry(site.clone()).or_default();
+            let c = group.cache.sites.entry(site.clone()).or_default();
             c.total += 1;
             c.scheduled += 1;
         }
@@ -1465,6 +1498,18 @@ enum Step {
     Go,
     Wait(Wait),
     Stop,
+}
+
+/// A waiting text without its counts: "site harbour: of busy, waiting".
+fn without_numbers(text: &str) -> String {
+    text.split_whitespace()
+        .filter(|w| {
+            !w.trim_end_matches([',', ';', ')'])
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The kind of a stored waiting text ("approval: …").

@@ -1905,8 +1905,7 @@ fn new_group(g: crate::plan::PlannedGroup) -> Group {
         succeeded_at: None,
         conditions: Vec::new(),
         dynamic: false,
-        site_counts: BTreeMap::new(),
-        bytes: Default::default(),
+        cache: Default::default(),
     }
 }
 
@@ -2032,3 +2031,5 @@ mod tests_features;
 mod tests_property;
 #[cfg(test)]
 mod tests_reference;
+#[cfg(test)]
+mod tests_sites;

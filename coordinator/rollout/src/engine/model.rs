@@ -350,13 +350,26 @@ pub struct Group {
     /// Devices that registered after the start join this group (hawkBit's dynamic group).
     #[serde(default)]
     pub dynamic: bool,
-    /// Per-site counts of this group's devices, kept with `counts` by [`Group::set_phase`];
-    /// rebuilt from the slots on load ([`Group::count_sites`]), never stored.
+    /// Sums over the slots kept up to date per change; rebuilt on load, never stored.
     #[serde(skip)]
-    pub site_counts: BTreeMap<String, SiteCounts>,
-    /// The bytes of every slot added up, kept like `site_counts`.
-    #[serde(skip)]
+    pub cache: GroupCache,
+}
+
+/// What a group sums over its slots per site and in bytes, kept with `counts` by
+/// [`Group::set_phase`] and [`Group::set_bytes`], rebuilt from the slots on load
+/// ([`Group::count_sites`]). It is derived from the slots, so it takes no part in comparing
+/// groups: a group read back from the store equals the one written.
+#[derive(Debug, Clone, Default)]
+pub struct GroupCache {
+    pub sites: BTreeMap<String, SiteCounts>,
+    /// The bytes of every slot added up.
     pub bytes: SourceBytes,
+}
+
+impl PartialEq for GroupCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// How many of a group's devices of one site are where the site limits look.
@@ -411,7 +424,7 @@ impl Group {
         slot.phase.count_in(&mut self.counts, false);
         new.count_in(&mut self.counts, true);
         if let Some(site) = &slot.site {
-            let c = self.site_counts.entry(site.clone()).or_default();
+            let c = self.cache.sites.entry(site.clone()).or_default();
             c.count(&slot.phase, false);
             c.count(&new, true);
         }
@@ -419,15 +432,15 @@ impl Group {
         true
     }
 
-    /// Rebuilds [`Group::site_counts`] and [`Group::bytes`] from the slots.
+    /// Rebuilds the group's [`GroupCache`] from the slots.
     pub fn count_sites(&mut self) {
-        self.site_counts.clear();
-        self.bytes = SourceBytes::default();
+        self.cache.sites.clear();
+        self.cache.bytes = SourceBytes::default();
         for slot in self.slots.values() {
             let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
-            self.bytes.add(&bytes);
+            self.cache.bytes.add(&bytes);
             if let Some(site) = &slot.site {
-                let c = self.site_counts.entry(site.clone()).or_default();
+                let c = self.cache.sites.entry(site.clone()).or_default();
                 c.count(&slot.phase, true);
                 c.bytes.add(&bytes);
             }
@@ -442,10 +455,10 @@ impl Group {
         let new = SourceBytes::of(&bytes);
         let old = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
         slot.bytes = Some(bytes);
-        self.bytes.sub(&old);
-        self.bytes.add(&new);
+        self.cache.bytes.sub(&old);
+        self.cache.bytes.add(&new);
         if let Some(site) = &slot.site {
-            let c = self.site_counts.entry(site.clone()).or_default();
+            let c = self.cache.sites.entry(site.clone()).or_default();
             c.bytes.sub(&old);
             c.bytes.add(&new);
         }
@@ -455,9 +468,9 @@ impl Group {
     pub fn uncount_site(&mut self, device: &str) {
         if let Some(slot) = self.slots.get(device) {
             let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
-            self.bytes.sub(&bytes);
+            self.cache.bytes.sub(&bytes);
             if let Some(site) = &slot.site {
-                if let Some(c) = self.site_counts.get_mut(site) {
+                if let Some(c) = self.cache.sites.get_mut(site) {
                     c.count(&slot.phase, false);
                     c.bytes.sub(&bytes);
                 }
@@ -583,8 +596,8 @@ pub struct SiteState {
     pub seed: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed_at: Option<u64>,
-    /// Devices of the site that reported holding the release's artifacts verified, most recent
-    /// last, at most [`crate::plan::MAX_PEERS`].
+    /// Devices of the site that reported holding the release's artifacts verified, in the order
+    /// they first did (the newest last), at most [`crate::plan::MAX_PEERS`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub holders: Vec<String>,
 }

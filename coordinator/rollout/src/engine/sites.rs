@@ -44,7 +44,7 @@ impl Blocked {
             return false;
         }
         let mut in_sites = 0;
-        for (site, c) in &group.site_counts {
+        for (site, c) in &group.cache.sites {
             if c.scheduled > 0 {
                 if !self.blocked.contains_key(site) {
                     return false;
@@ -75,7 +75,7 @@ impl Rollout {
     pub(crate) fn site_total(&self, site: &str) -> SiteCounts {
         let mut total = SiteCounts::default();
         for g in &self.groups {
-            if let Some(c) = g.site_counts.get(site) {
+            if let Some(c) = g.cache.sites.get(site) {
                 total.add(c);
             }
         }
@@ -87,7 +87,7 @@ impl Rollout {
         self.groups
             .iter()
             .filter(|g| g.state == GroupState::Running)
-            .filter_map(|g| g.site_counts.get(site))
+            .filter_map(|g| g.cache.sites.get(site))
             .map(|c| c.scheduled)
             .sum()
     }
@@ -195,10 +195,9 @@ impl Rollout {
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
-            if state.holders.last().map(String::as_str) == Some(device) {
+            if state.holders.iter().any(|h| h == device) {
                 return false;
             }
-            state.holders.retain(|h| h != device);
             state.holders.push(device.to_owned());
             if state.holders.len() > MAX_PEERS {
                 let excess = state.holders.len() - MAX_PEERS;
@@ -248,7 +247,7 @@ impl Rollout {
     pub(crate) fn site_names(&self) -> BTreeSet<&str> {
         self.groups
             .iter()
-            .flat_map(|g| g.site_counts.keys().map(String::as_str))
+            .flat_map(|g| g.cache.sites.keys().map(String::as_str))
             .collect()
     }
 
@@ -256,7 +255,7 @@ impl Rollout {
     pub(crate) fn bytes_total(&self) -> SourceBytes {
         let mut total = SourceBytes::default();
         for g in &self.groups {
-            total.add(&g.bytes);
+            total.add(&g.cache.bytes);
         }
         total
     }
