@@ -37,7 +37,7 @@ use std::ops::Bound;
 
 use flotilla_protocol::control::{
     ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
-    TraceKind, SUMMARY_SITES,
+    SourceBytes, TraceKind, SUMMARY_SITES,
 };
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
@@ -777,7 +777,8 @@ impl Engine {
         let Some(slot) = group.slots.get(device) else {
             return;
         };
-        if slot.attempt != attempt || slot.bytes.as_ref() == Some(&bytes) {
+        let bytes = SourceBytes::of(&bytes);
+        if slot.attempt != attempt || slot.bytes == Some(bytes) {
             return;
         }
         group.set_bytes(device, bytes);

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use flotilla_protocol::control::{ApprovalStatus, Condition, SourceBytes, TraceEntry};
-use flotilla_protocol::{ByteCounts, Phase};
+use flotilla_protocol::Phase;
 use serde::{Deserialize, Serialize};
 
 use crate::conditions::GroupCounts;
@@ -283,9 +283,10 @@ pub struct Slot {
     /// The device's site (its value of the site policy's label) when the rollout planned it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub site: Option<String>,
-    /// Where the bytes of the device's action came from, as its final report said.
+    /// Where the bytes of the device's action came from, as its final report said, with the
+    /// peers added up: a report naming a thousand peers stores no more than one naming one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<ByteCounts>,
+    pub bytes: Option<SourceBytes>,
     /// The peers the device's current attempt was told to fetch from (re-sent as they were).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<String>,
@@ -437,7 +438,7 @@ impl Group {
         self.cache.sites.clear();
         self.cache.bytes = SourceBytes::default();
         for slot in self.slots.values() {
-            let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
+            let bytes = slot.bytes.unwrap_or_default();
             self.cache.bytes.add(&bytes);
             if let Some(site) = &slot.site {
                 let c = self.cache.sites.entry(site.clone()).or_default();
@@ -448,13 +449,12 @@ impl Group {
     }
 
     /// Sets a device's bytes and keeps the sums right.
-    pub fn set_bytes(&mut self, device: &str, bytes: ByteCounts) {
+    pub fn set_bytes(&mut self, device: &str, new: SourceBytes) {
         let Some(slot) = self.slots.get_mut(device) else {
             return;
         };
-        let new = SourceBytes::of(&bytes);
-        let old = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
-        slot.bytes = Some(bytes);
+        let old = slot.bytes.unwrap_or_default();
+        slot.bytes = Some(new);
         self.cache.bytes.sub(&old);
         self.cache.bytes.add(&new);
         if let Some(site) = &slot.site {
@@ -467,7 +467,7 @@ impl Group {
     /// Takes a slot out of the site counts and byte sums before it is removed.
     pub fn uncount_site(&mut self, device: &str) {
         if let Some(slot) = self.slots.get(device) {
-            let bytes = slot.bytes.as_ref().map(SourceBytes::of).unwrap_or_default();
+            let bytes = slot.bytes.unwrap_or_default();
             self.cache.bytes.sub(&bytes);
             if let Some(site) = &slot.site {
                 if let Some(c) = self.cache.sites.get_mut(site) {

@@ -544,6 +544,19 @@ fn bytes_by_source_add_up_per_site_and_per_rollout() {
         ),
         (1010, 990, 48)
     );
+    // A report naming ten thousand peers is stored as one sum, not as ten thousand names.
+    let before = serde_json::to_string(s.rollout()).expect("json").len();
+    let many: Vec<(String, u64)> = (0..10_000).map(|i| (format!("peer-{i}"), 1)).collect();
+    let flood = ByteCounts {
+        coordinator: 0,
+        local: 0,
+        peers: many,
+    };
+    s.engine.observe_bytes("q00", &id(&s, "q00"), flood);
+    let after = serde_json::to_string(s.rollout()).expect("json").len();
+    assert!(after < before + 100, "{before} -> {after} bytes stored");
+    let status = s.engine.summary("r").expect("summary");
+    assert_eq!(status.bytes.peers, 990 + 10_000);
     // Kept with the rollout: the sums are the same after a restart.
     s.restart();
     let again = s.engine.summary("r").expect("summary");
