@@ -371,9 +371,9 @@ pub struct RolloutStatus {
     /// Where the bytes of the rollout's finished actions came from, all devices together.
     #[serde(default, skip_serializing_if = "SourceBytes::is_zero")]
     pub bytes: SourceBytes,
-    /// Per-site limits and counts, by site name, when the rollout has a site policy. The
-    /// retained summary lists at most [`SUMMARY_SITES`] sites (the busiest first); the paged
-    /// status lists every site.
+    /// Per-site limits and counts when the rollout has a site policy. A summary (the retained
+    /// event, the head of a status page) lists at most [`SUMMARY_SITES`] sites, the busiest
+    /// first; the full status lists every site, by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sites: Vec<SiteStatus>,
     /// How many sites the rollout has, listed or not.

@@ -144,8 +144,8 @@ pub fn sites_and_bytes(status: &RolloutStatus) -> String {
     let left_out = status.site_count.saturating_sub(status.sites.len());
     if left_out > 0 {
         out.push_str(&format!(
-            "  … {left_out} more sites (`flotilla rollout status {} --json` lists them all)\n",
-            status.name
+            "  … {left_out} more sites, less busy (the {} busiest are listed)\n",
+            status.sites.len()
         ));
     }
     out
