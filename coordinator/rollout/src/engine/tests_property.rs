@@ -90,7 +90,7 @@ fn site_of(id: &str) -> Option<&'static str> {
     let i: usize = id.trim_start_matches('d').parse().ok()?;
     match i % 3 {
         2 => None,
-        _ if i % 2 == 0 => Some("a"),
+        _ if i.is_multiple_of(2) => Some("a"),
         _ => Some("b"),
     }
 }
