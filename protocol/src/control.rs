@@ -368,6 +368,123 @@ pub struct RolloutStatus {
     /// run leaves out (`docs/decisions/0016-reference-semantics.md`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deletion_stage: Option<GroupStatus>,
+    /// Where the bytes of the rollout's finished actions came from, all devices together.
+    #[serde(default, skip_serializing_if = "SourceBytes::is_zero")]
+    pub bytes: SourceBytes,
+    /// Per-site limits and counts when the rollout has a site policy. A summary (the retained
+    /// event, the head of a status page) lists at most [`SUMMARY_SITES`] sites, the busiest
+    /// first; the full status lists every site, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sites: Vec<SiteStatus>,
+    /// How many sites the rollout has, listed or not.
+    #[serde(default, skip_serializing_if = "no_sites")]
+    pub site_count: usize,
+}
+
+fn no_sites(n: &usize) -> bool {
+    *n == 0
+}
+
+/// Most sites a rollout's retained summary lists: it stays bounded however many sites a fleet
+/// has (docs/decisions/0019).
+pub const SUMMARY_SITES: usize = 20;
+
+/// Bytes by where they came from, summed over devices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceBytes {
+    pub coordinator: u64,
+    pub peers: u64,
+    pub local: u64,
+}
+
+impl SourceBytes {
+    pub fn is_zero(&self) -> bool {
+        *self == SourceBytes::default()
+    }
+
+    /// One device's counts, its peers added up.
+    pub fn of(counts: &crate::ByteCounts) -> Self {
+        SourceBytes {
+            coordinator: counts.coordinator,
+            peers: counts.from_peers(),
+            local: counts.local,
+        }
+    }
+
+    pub fn add(&mut self, other: &SourceBytes) {
+        self.coordinator = self.coordinator.saturating_add(other.coordinator);
+        self.peers = self.peers.saturating_add(other.peers);
+        self.local = self.local.saturating_add(other.local);
+    }
+
+    pub fn sub(&mut self, other: &SourceBytes) {
+        self.coordinator = self.coordinator.saturating_sub(other.coordinator);
+        self.peers = self.peers.saturating_sub(other.peers);
+        self.local = self.local.saturating_sub(other.local);
+    }
+}
+
+impl std::fmt::Display for SourceBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} from the coordinator, {} from peers, {} local",
+            self.coordinator, self.peers, self.local
+        )
+    }
+}
+
+/// One site of a rollout: its limits and where its devices stand.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SiteStatus {
+    pub name: String,
+    /// The rollout's devices of this site.
+    pub total: usize,
+    /// Started and not terminal.
+    pub busy: usize,
+    /// Not ready: busy, soaking or failed.
+    pub unavailable: usize,
+    /// Not started, in groups that are running.
+    pub waiting: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_busy: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<usize>,
+    /// With peer sharing: the device fetching for the site from the coordinator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<String>,
+    /// With peer sharing: devices of the site holding the release verified (at most 8 named).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
+    #[serde(default, skip_serializing_if = "SourceBytes::is_zero")]
+    pub bytes: SourceBytes,
+}
+
+impl SiteStatus {
+    /// One line: "site harbour: 2 of 2 busy, 14 waiting".
+    pub fn line(&self) -> String {
+        let busy = match self.max_busy {
+            Some(limit) => format!("{} of {limit} busy", self.busy),
+            None => format!("{} busy", self.busy),
+        };
+        let mut line = format!("site {}: {busy}", self.name);
+        if let Some(limit) = self.max_unavailable {
+            line.push_str(&format!(", {} of {limit} unavailable", self.unavailable));
+        }
+        line.push_str(&format!(", {} waiting", self.waiting));
+        if let Some(seed) = &self.seed {
+            if self.holders.is_empty() {
+                line.push_str(&format!(", seed {seed}"));
+            }
+        }
+        if !self.holders.is_empty() {
+            line.push_str(&format!(", peers {}", self.holders.join(" ")));
+        }
+        if !self.bytes.is_zero() {
+            line.push_str(&format!("; bytes {}", self.bytes));
+        }
+        line
+    }
 }
 
 /// The stages of a staged run, as captured when the run was created.

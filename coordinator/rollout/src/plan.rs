@@ -25,6 +25,41 @@ pub struct Plan {
     pub excluded: Vec<Excluded>,
     /// Devices selected and compatible but taken by no group; they are not rolled out.
     pub unassigned: Vec<String>,
+    /// With a site policy: the sites of the planned devices and their limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sites: Option<SitePlan>,
+}
+
+/// The planned devices by site, with the site policy that will hold them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SitePlan {
+    pub policy: SitePolicy,
+    /// (site, planned devices of that site), by site name.
+    pub sites: Vec<(String, usize)>,
+    /// Planned devices without the label: in no site, no site limit applies to them.
+    pub without_site: usize,
+}
+
+impl SitePlan {
+    /// What the policy does to one site, in words: "site harbour: 16 devices, at most 2 busy
+    /// at once, one seed fetches first, the others from peers (seed wait 10m)".
+    pub fn line(&self, site: &str, devices: usize) -> String {
+        let p = &self.policy;
+        let mut line = format!("site {site}: {devices} devices");
+        if let Some(n) = p.max_busy {
+            line.push_str(&format!(", at most {n} busy"));
+        }
+        if let Some(n) = p.max_unavailable {
+            line.push_str(&format!(", at most {n} unavailable"));
+        }
+        if p.peers {
+            line.push_str(&format!(
+                ", one seed fetches first and the others from peers (seed wait {}s)",
+                p.seed_wait
+            ));
+        }
+        line
+    }
 }
 
 impl Plan {
@@ -237,6 +272,9 @@ pub struct Policies {
     pub max_unavailable_groups: Budget,
     /// Devices that register after the rollout started join a last group named `dynamic`.
     pub dynamic: bool,
+    /// Per-site limits and peer sharing; devices without the site label form no site.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sites: Option<SitePolicy>,
 }
 
 impl Default for Policies {
@@ -254,9 +292,40 @@ impl Default for Policies {
             unavailable_period: 0,
             max_unavailable_groups: Budget::Count(0),
             dynamic: false,
+            sites: None,
         }
     }
 }
+
+/// Site budgets and peer ordering, rollout-wide (a site's devices may be in several groups).
+///
+/// A site is the set of a rollout's devices with the same value of the device label `label`.
+/// These limits apply on top of each group's own pace: a device whose start would take its site
+/// over a limit waits, and starts when a device of the site finishes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SitePolicy {
+    /// The device label whose value names a device's site, e.g. `site`.
+    pub label: String,
+    /// Most devices of one site busy at once: started and not yet terminal (downloading,
+    /// installing, or waiting for a retry). None: no limit.
+    pub max_busy: Option<usize>,
+    /// Most devices of one site not ready at once, counted as a group's budget counts them
+    /// (busy, soaking, or failed). None: no limit.
+    pub max_unavailable: Option<usize>,
+    /// One device of a site (the seed) fetches from the coordinator first; the others wait for
+    /// a device of the site to hold the release's artifacts verified and fetch from it.
+    pub peers: bool,
+    /// Seconds the other devices of a site wait for the seed before another device becomes
+    /// the seed, and after which waiting devices start without peers.
+    pub seed_wait: u64,
+}
+
+/// How long a site waits for its seed unless the spec says otherwise: ten minutes, long enough
+/// to fetch a few hundred megabytes on a slow link, short enough that a dead seed costs little.
+pub const DEFAULT_SEED_WAIT: u64 = 600;
+
+/// Most peers named in one desired action: the most recent holders of the site.
+pub const MAX_PEERS: usize = 8;
 
 /// The weight of a rollout that does not set one.
 pub const DEFAULT_WEIGHT: u32 = 500;

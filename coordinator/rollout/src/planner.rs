@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{Budget, Gate, Pace, SuccessAction, SuccessCondition, Threshold};
-pub use crate::plan::{Excluded, Plan, PlannedGroup};
+pub use crate::plan::{Excluded, Plan, PlannedGroup, SitePlan};
 use crate::selector::{Labels, Selector};
 use crate::spec::{
     GroupsSpec, PartitionMembers, PartitionsSpec, Pick, RollingSpec, RolloutSpec, StagedSpec,
@@ -112,6 +112,26 @@ pub fn plan<D: PlanDevice>(
         Strategy::Rolling(r) => rolling(r, &mut sel),
         Strategy::Staged(s) => staged(s, &sel.selected)?,
     };
+    let sites = spec.policies.sites.as_ref().map(|policy| {
+        let site_of: HashMap<&str, &str> = sel
+            .selected
+            .iter()
+            .filter_map(|d| Some((d.id(), d.labels().label(&policy.label)?)))
+            .collect();
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        let mut without_site = 0;
+        for device in groups.iter().flat_map(|g| &g.devices) {
+            match site_of.get(device.as_str()) {
+                Some(site) => *counts.entry((*site).to_owned()).or_default() += 1,
+                None => without_site += 1,
+            }
+        }
+        SitePlan {
+            policy: policy.clone(),
+            sites: counts.into_iter().collect(),
+            without_site,
+        }
+    });
     Ok(Plan {
         groups,
         excluded: sel
@@ -120,6 +140,7 @@ pub fn plan<D: PlanDevice>(
             .map(|(device, reason)| Excluded { device, reason })
             .collect(),
         unassigned,
+        sites,
     })
 }
 

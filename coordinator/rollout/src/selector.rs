@@ -176,7 +176,7 @@ impl<'de> Deserialize<'de> for Selector {
 }
 
 /// Characters allowed in label keys and values: Kubernetes' set plus `/` (prefixed keys) and `:`.
-fn is_word_char(c: char) -> bool {
+pub(crate) fn is_word_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/' | ':')
 }
 

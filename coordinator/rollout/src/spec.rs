@@ -39,7 +39,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::duration::parse_duration;
 use crate::plan::{
-    ActionType, FailureClasses, Gate, OfflinePolicy, RateLimit, Retry, WindowSpec, DEFAULT_WEIGHT,
+    ActionType, FailureClasses, Gate, OfflinePolicy, RateLimit, Retry, SitePolicy, WindowSpec,
+    DEFAULT_SEED_WAIT, DEFAULT_WEIGHT,
 };
 use crate::selector::{Selector, SelectorError};
 use crate::window::Window;
@@ -441,6 +442,7 @@ struct RawGroups {
     success: Option<RawSuccess>,
     error: Option<RawError>,
     dynamic: Option<bool>,
+    sites: Option<RawSites>,
     #[serde(default)]
     group: Vec<RawGroup>,
 }
@@ -464,6 +466,7 @@ struct RawPartitions {
     auto_partition_threshold: Option<i64>,
     max_new: Option<i64>,
     error: Option<RawError>,
+    sites: Option<RawSites>,
     #[serde(default)]
     partition: Vec<RawPartition>,
 }
@@ -486,6 +489,7 @@ struct RawRolling {
     unavailable_period: Option<toml::Value>,
     pick: Option<toml::Value>,
     error: Option<RawError>,
+    sites: Option<RawSites>,
     /// Read only to refuse it with a reason rather than as an unknown field.
     max_surge: Option<toml::Value>,
 }
@@ -497,6 +501,7 @@ struct RawStaged {
     #[serde(default)]
     stage: Vec<RawStage>,
     error: Option<RawError>,
+    sites: Option<RawSites>,
 }
 
 #[derive(Deserialize)]
@@ -540,6 +545,30 @@ struct RawError {
     classes: Option<Vec<String>>,
     action: Option<String>,
 }
+
+/// A vocabulary's `sites` table. Each vocabulary names the busy limit with its own word for
+/// devices at work (see [`SITE_BUSY_KEYS`]); the others are refused with a pointer to it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSites {
+    label: Option<String>,
+    max_running: Option<i64>,
+    max_busy: Option<i64>,
+    max_concurrency: Option<i64>,
+    max_unavailable: Option<i64>,
+    peers: Option<bool>,
+    seed_wait: Option<toml::Value>,
+}
+
+/// The key of the per-site busy limit in each vocabulary's `sites` table: hawkBit counts
+/// running actions, Fleet and KubeFleet's rolling update speak of devices updating (busy), a
+/// KubeFleet stage of its concurrency.
+pub const SITE_BUSY_KEYS: [(&str, &str); 4] = [
+    ("groups", "max_running"),
+    ("partitions", "max_busy"),
+    ("rolling", "max_busy"),
+    ("staged", "max_concurrency"),
+];
 
 /// A percentage or a budget as written: `25`, `12.5`, `"25%"` or `"10"`.
 #[derive(Deserialize)]
@@ -842,6 +871,88 @@ impl RawError {
     }
 }
 
+impl RawSites {
+    /// The site policy of vocabulary `table` (`groups`, `partitions`, `rolling`, `staged`).
+    fn validate(&self, table: &str) -> Result<SitePolicy, SpecError> {
+        let busy_key = SITE_BUSY_KEYS
+            .iter()
+            .find(|(t, _)| *t == table)
+            .map_or("max_busy", |(_, k)| *k);
+        let field = |key: &str| format!("{table}.sites.{key}");
+        let label = self.label.as_deref().ok_or_else(|| SpecError::Requires {
+            field: format!("{table}.sites"),
+            value: "{ ... }".into(),
+            needs:
+                "label, the device label whose value names a device's site (e.g. label = \"site\")",
+        })?;
+        if label.is_empty() || !label.chars().all(crate::selector::is_word_char) {
+            return Err(SpecError::Value {
+                field: field("label"),
+                value: format!("{label:?}"),
+                expected: "a label key (letters, digits, '.', '_', '-', '/', ':')".into(),
+            });
+        }
+        let mut max_busy = None;
+        for (key, value) in [
+            ("max_running", self.max_running),
+            ("max_busy", self.max_busy),
+            ("max_concurrency", self.max_concurrency),
+        ] {
+            let Some(v) = value else { continue };
+            if key != busy_key {
+                return Err(SpecError::Value {
+                    field: field(key),
+                    value: v.to_string(),
+                    expected: format!(
+                        "a key of [{table}.sites]; this vocabulary calls it {busy_key}"
+                    ),
+                });
+            }
+            max_busy = Some(count(&field(key), v, 1)?);
+        }
+        let max_unavailable = self
+            .max_unavailable
+            .map(|v| count(&field("max_unavailable"), v, 1))
+            .transpose()?;
+        let peers = self.peers.unwrap_or(false);
+        let seed_wait = match &self.seed_wait {
+            Some(v) => {
+                if !peers {
+                    return Err(SpecError::NotApplicable {
+                        field: field("seed_wait"),
+                        value: v.to_string(),
+                        why: "seed_wait is only used with peers = true",
+                    });
+                }
+                let secs = duration(&field("seed_wait"), v)?;
+                if secs == 0 {
+                    return Err(SpecError::Duration {
+                        field: field("seed_wait"),
+                        value: v.to_string(),
+                        reason: "must be longer than 0s: the seed needs time to fetch".into(),
+                    });
+                }
+                secs
+            }
+            None => DEFAULT_SEED_WAIT,
+        };
+        if max_busy.is_none() && max_unavailable.is_none() && !peers {
+            return Err(SpecError::Requires {
+                field: format!("{table}.sites.label"),
+                value: format!("{label:?}"),
+                needs: "a limit or peer sharing: max_unavailable, the busy limit of this vocabulary, or peers = true",
+            });
+        }
+        Ok(SitePolicy {
+            label: label.to_owned(),
+            max_busy,
+            max_unavailable,
+            peers,
+            seed_wait,
+        })
+    }
+}
+
 fn error_condition(
     field: &str,
     raw: Option<&RawError>,
@@ -878,6 +989,27 @@ impl RawSpec {
                     found.join(" and ")
                 },
             });
+        }
+        let sites = [
+            (
+                "groups",
+                self.groups.as_ref().and_then(|g| g.sites.as_ref()),
+            ),
+            (
+                "partitions",
+                self.partitions.as_ref().and_then(|p| p.sites.as_ref()),
+            ),
+            (
+                "rolling",
+                self.rolling.as_ref().and_then(|r| r.sites.as_ref()),
+            ),
+            (
+                "staged",
+                self.staged.as_ref().and_then(|s| s.sites.as_ref()),
+            ),
+        ];
+        if let Some((table, raw)) = sites.iter().find_map(|(t, r)| r.map(|r| (t, r))) {
+            policies.sites = Some(raw.validate(table)?);
         }
         let strategy = if let Some(g) = self.groups {
             policies.dynamic = g.dynamic.unwrap_or(false);

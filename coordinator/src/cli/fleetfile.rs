@@ -1126,8 +1126,30 @@ pub fn plan_table(plan: &Plan) -> String {
     for e in &plan.excluded {
         let _ = writeln!(out, "excluded {}: {}", e.device, e.reason);
     }
+    if let Some(sites) = &plan.sites {
+        for (site, devices) in sites.sites.iter().take(PLAN_SITES) {
+            let _ = writeln!(out, "{}", sites.line(site, *devices));
+        }
+        if sites.sites.len() > PLAN_SITES {
+            let _ = writeln!(
+                out,
+                "… {} more sites (--json lists them all)",
+                sites.sites.len() - PLAN_SITES
+            );
+        }
+        if sites.without_site > 0 {
+            let _ = writeln!(
+                out,
+                "{} devices without label {}: in no site, no site limit applies",
+                sites.without_site, sites.policy.label
+            );
+        }
+    }
     out
 }
+
+/// Most site lines the plan table prints.
+const PLAN_SITES: usize = 50;
 
 fn pace_text(pace: &Pace) -> String {
     let mut parts = Vec::new();

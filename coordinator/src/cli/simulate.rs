@@ -39,7 +39,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use flotilla_protocol::control::{RolloutStatus, TraceEntry};
-use flotilla_protocol::{CurrentAction, DeviceState, Phase, Report};
+use flotilla_protocol::{ByteCounts, CurrentAction, DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
 use crate::cli::fleetfile::{self, FleetError};
@@ -415,6 +415,9 @@ pub struct SimOptions {
     pub start: u64,
     /// Seconds after the start at which the run ends at the latest.
     pub until: u64,
+    /// The release's size in bytes: each device that ends ready reports that many bytes, from
+    /// its first peer when its action named peers, else from the coordinator.
+    pub artifact_size: Option<u64>,
 }
 
 impl Default for SimOptions {
@@ -422,6 +425,7 @@ impl Default for SimOptions {
         SimOptions {
             start: DEFAULT_START,
             until: DEFAULT_UNTIL,
+            artifact_size: None,
         }
     }
 }
@@ -473,6 +477,8 @@ struct Device {
     epoch: u64,
     /// The action of its last report, and that report's phase.
     current: Option<(String, Phase)>,
+    /// The peers its last desired action named.
+    peers: Vec<String>,
 }
 
 struct Sim<'f, D> {
@@ -486,6 +492,7 @@ struct Sim<'f, D> {
     /// Events by time, each second's in the order they were scheduled.
     queue: BTreeMap<u64, Vec<Event>>,
     timeline: Vec<TimelineEntry>,
+    artifact_size: Option<u64>,
 }
 
 impl<D: SimDevice> Sim<'_, D> {
@@ -524,8 +531,16 @@ impl<D: SimDevice> Sim<'_, D> {
         for effect in effects {
             match effect {
                 Effect::Desired {
-                    device, action_id, ..
-                } => self.answer(&device, action_id, now, false),
+                    device,
+                    action_id,
+                    peers,
+                    ..
+                } => {
+                    if let Some(&di) = self.index.get(device.as_str()) {
+                        self.devices[di].peers = peers;
+                    }
+                    self.answer(&device, action_id, now, false)
+                }
                 Effect::Rollback {
                     device, action_id, ..
                 } => self.answer(&device, action_id, now, true),
@@ -622,6 +637,20 @@ impl<D: SimDevice> Sim<'_, D> {
                 }
                 d.seq += 1;
                 d.current = Some((action_id.clone(), phase.clone()));
+                if let (Some(size), Phase::Ready) = (self.artifact_size, &phase) {
+                    let bytes = match d.peers.first() {
+                        Some(peer) => ByteCounts {
+                            peers: vec![(peer.clone(), size)],
+                            ..ByteCounts::default()
+                        },
+                        None => ByteCounts {
+                            coordinator: size,
+                            ..ByteCounts::default()
+                        },
+                    };
+                    let id = self.fleet[device].id().to_owned();
+                    self.engine.observe_bytes(&id, &action_id, bytes);
+                }
                 let report = Report {
                     device_id: self.fleet[device].id().to_owned(),
                     seq: d.seq,
@@ -739,6 +768,7 @@ pub fn simulate<D: SimDevice>(
         index: HashMap::with_capacity(fleet.len()),
         queue: BTreeMap::new(),
         timeline: Vec::new(),
+        artifact_size: options.artifact_size,
     };
     sim.engine.set_device_groups(device_groups);
     for (i, f) in fleet.iter().enumerate() {
@@ -750,6 +780,7 @@ pub fn simulate<D: SimDevice>(
             seq: 0,
             epoch: 0,
             current: None,
+            peers: Vec::new(),
         });
         sim.index.insert(f.id(), i);
         let effects = sim.engine.observe_state(sim.state(i, start), start);
@@ -817,6 +848,10 @@ pub struct SimulateArgs {
     /// maintenance windows.
     #[arg(long)]
     pub start: Option<String>,
+    /// The release's size in bytes, to count bytes by source: a device ready after fetching
+    /// from peers counts them from its first peer, the others from the coordinator.
+    #[arg(long, value_name = "BYTES")]
+    pub artifact_size: Option<u64>,
     /// Print the timeline, final status and device phases as JSON.
     #[arg(long)]
     pub json: bool,
@@ -859,7 +894,11 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
         &devices,
         groups,
         &outcomes,
-        SimOptions { start, until },
+        SimOptions {
+            start,
+            until,
+            artifact_size: args.artifact_size,
+        },
     )
 }
 
@@ -924,6 +963,7 @@ pub fn render(report: &SimReport) -> String {
         out.push_str(&view::group_line(g, width));
         out.push('\n');
     }
+    out.push_str(&view::sites_and_bytes(&report.rollout));
     let id_width = report
         .devices
         .keys()

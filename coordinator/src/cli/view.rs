@@ -88,6 +88,7 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         }
         out.push('\n');
     }
+    out.push_str(&sites_and_bytes(status));
     if let Some(stage) = &status.deletion_stage {
         let when = match stage.ended_at {
             Some(at) => format!(" at {}", clock(at)),
@@ -118,6 +119,34 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
     }
     for entry in &status.trace[skip..] {
         out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
+    }
+    out
+}
+
+/// The bytes by source of a rollout and one line per site: "site harbour: 2 of 2 busy, 14
+/// waiting". A summary lists only the busiest sites and says how many it left out.
+pub fn sites_and_bytes(status: &RolloutStatus) -> String {
+    let mut out = String::new();
+    if !status.bytes.is_zero() {
+        out.push_str(&format!(
+            "  bytes: {}
+",
+            status.bytes
+        ));
+    }
+    for site in &status.sites {
+        out.push_str(&format!(
+            "  {}
+",
+            site.line()
+        ));
+    }
+    let left_out = status.site_count.saturating_sub(status.sites.len());
+    if left_out > 0 {
+        out.push_str(&format!(
+            "  … {left_out} more sites, less busy (the {} busiest are listed)\n",
+            status.sites.len()
+        ));
     }
     out
 }
@@ -404,6 +433,41 @@ mod tests {
         assert_eq!(progress_bar(4, 4, 8), "[########]");
         assert_eq!(progress_bar(9, 4, 8), "[########]");
         assert_eq!(progress_bar(0, 0, 8), "[--------]");
+    }
+
+    #[test]
+    fn status_shows_sites_and_bytes_by_source() {
+        use flotilla_protocol::control::{SiteStatus, SourceBytes};
+        let status = RolloutStatus {
+            name: "fw".into(),
+            state: "running".into(),
+            bytes: SourceBytes {
+                coordinator: 1_000,
+                peers: 15_000,
+                local: 24,
+            },
+            sites: vec![SiteStatus {
+                name: "harbour".into(),
+                total: 16,
+                busy: 2,
+                unavailable: 2,
+                waiting: 14,
+                max_busy: Some(2),
+                ..SiteStatus::default()
+            }],
+            site_count: 3,
+            ..RolloutStatus::default()
+        };
+        let text = rollout_status(&status);
+        assert!(
+            text.contains("  bytes: 1000 from the coordinator, 15000 from peers, 24 local\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  site harbour: 2 of 2 busy, 14 waiting\n"),
+            "{text}"
+        );
+        assert!(text.contains("… 2 more sites"), "{text}");
     }
 
     #[test]

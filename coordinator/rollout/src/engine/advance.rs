@@ -13,6 +13,7 @@ use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
 };
+use super::sites::Blocked;
 use super::trace::Decision;
 use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
@@ -140,9 +141,9 @@ impl Ended {
 
 /// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
 /// and the words with the numbers.
-struct Wait {
-    kind: &'static str,
-    text: String,
+pub(crate) struct Wait {
+    pub kind: &'static str,
+    pub text: String,
 }
 
 impl Rollout {
@@ -181,14 +182,18 @@ impl Rollout {
         attempt_action_id(&self.name, self.created_at, device, attempt)
     }
 
-    fn desired(&self, device: &str, attempt: u32) -> Effect {
+    fn desired(&self, gi: usize, device: &str, attempt: u32) -> Effect {
         Effect::Desired {
             device: device.to_owned(),
             action_id: self.attempt_id(device, attempt),
             rollout: self.name.clone(),
             release: self.release.name.clone(),
             action: self.spec.policies.action,
-            peers: Vec::new(),
+            peers: self.groups[gi]
+                .slots
+                .get(device)
+                .map(|s| s.peers.clone())
+                .unwrap_or_default(),
         }
     }
 
@@ -338,7 +343,13 @@ impl Rollout {
             Some(w) => {
                 let text = format!("{}: {}", w.kind, w.text);
                 if self.waiting.as_deref() != Some(text.as_str()) {
-                    if old_kind != Some(w.kind) {
+                    // A site wait is traced again when another site or another reason holds
+                    // the rollout, not when only its numbers moved.
+                    let changed = old_kind != Some(w.kind)
+                        || (w.kind == "site"
+                            && self.waiting.as_deref().map(without_numbers)
+                                != Some(without_numbers(&text)));
+                    if changed {
                         let message = format!("waiting: {}", w.text);
                         self.record(now, Decision::new(TraceKind::Waiting, message), out);
                     }
@@ -503,6 +514,7 @@ impl Rollout {
         }
         let (offline_policy, my_weight) = (self.spec.policies.offline, self.spec.policies.weight);
         let successes = self.successes();
+        let mut sites = Blocked::default();
         let mut started = 0usize;
         let mut result = None;
         'batches: loop {
@@ -527,14 +539,23 @@ impl Rollout {
             }
             let batch = group.pace.batch.unwrap_or(usize::MAX);
             let mut in_batch = 0usize;
+            // Devices start in order; one whose site is at its limit is passed over (the cursor
+            // stays on it) and the scan goes on to the next, so other sites keep going.
+            let mut pos = group.cursor;
             while in_batch < batch {
                 let group = &self.groups[gi];
-                let Some(device) = group.devices.get(group.cursor).cloned() else {
+                let Some(device) = group.devices.get(pos).cloned() else {
                     break 'batches;
                 };
                 if group.slots.get(&device).map(|s| &s.phase) != Some(&DevicePhase::Scheduled) {
-                    self.groups[gi].cursor += 1;
+                    if pos == group.cursor {
+                        self.groups[gi].cursor += 1;
+                    }
+                    pos += 1;
                     continue;
+                }
+                if sites.all_blocked(group) {
+                    break 'batches;
                 }
                 if let Some(limit) = group.pace.concurrency {
                     if group.counts.not_ready() >= limit {
@@ -549,6 +570,22 @@ impl Rollout {
                         break 'batches;
                     }
                 }
+                let site = group.slots.get(&device).and_then(|s| s.site.clone());
+                if site.as_ref().is_some_and(|s| sites.blocked.contains_key(s)) {
+                    pos += 1;
+                    continue;
+                }
+                let peers = match site.as_ref() {
+                    Some(site) => match self.site_gate(site, &device, now) {
+                        Ok(peers) => peers,
+                        Err(why) => {
+                            sites.blocked.insert(site.clone(), why);
+                            pos += 1;
+                            continue;
+                        }
+                    },
+                    None => Vec::new(),
+                };
                 if let Some(ramp) = self.ramp.as_mut() {
                     if ramp.available(now, successes) == 0 {
                         result = Some(Wait {
@@ -571,7 +608,10 @@ impl Rollout {
                     if let Some(slot) = group.slots.get_mut(&device) {
                         slot.ended_at = Some(now);
                     }
-                    group.cursor += 1;
+                    if pos == group.cursor {
+                        group.cursor += 1;
+                    }
+                    pos += 1;
                     let gname = group.name.clone();
                     let message = format!(
                         "device {device} skipped in group {gname}: offline when its turn came"
@@ -595,10 +635,14 @@ impl Rollout {
                             .push((owner.clone(), device.clone(), self.name.clone()));
                     }
                 }
-                self.start_device(gi, &device, now, out);
+                if let Some(site) = &site {
+                    self.seed_if_first(site, &device, &peers, now);
+                }
+                self.start_device(gi, &device, peers, now, out);
                 if let Some(ramp) = self.ramp.as_mut() {
                     ramp.take(1);
                 }
+                pos += 1;
                 in_batch += 1;
                 started += 1;
             }
@@ -626,20 +670,37 @@ impl Rollout {
                 self.record(now, decision.group(&name), out);
             }
         }
+        if result.is_none() {
+            result = sites
+                .blocked
+                .into_iter()
+                .next()
+                .map(|(site, why)| self.site_wait(&site, why));
+        }
         result
     }
 
-    /// Sends a device its desired action (first attempt).
-    pub(crate) fn start_device(&mut self, gi: usize, device: &str, now: u64, out: &mut Out) {
+    /// Sends a device its desired action (first attempt), naming the peers it may fetch from.
+    pub(crate) fn start_device(
+        &mut self,
+        gi: usize,
+        device: &str,
+        peers: Vec<String>,
+        now: u64,
+        out: &mut Out,
+    ) {
         let group = &mut self.groups[gi];
         group.set_phase(device, DevicePhase::InProgress(ISSUED.to_owned()));
         if let Some(slot) = group.slots.get_mut(device) {
             slot.attempt = 1;
             slot.started_at = Some(now);
             slot.attempt_at = Some(now);
+            slot.peers = peers;
         }
-        group.cursor += 1;
-        out.commands.push(self.desired(device, 1));
+        if group.devices.get(group.cursor).map(String::as_str) == Some(device) {
+            group.cursor += 1;
+        }
+        out.commands.push(self.desired(gi, device, 1));
         out.claims.push((
             device.to_owned(),
             self.name.clone(),
@@ -657,9 +718,18 @@ impl Rollout {
         slot.attempt_at = Some(now);
         slot.retry_at = None;
         let attempt = slot.attempt;
+        let site = slot.site.clone();
         group.set_phase(device, DevicePhase::InProgress(ISSUED.to_owned()));
         let gname = group.name.clone();
-        out.commands.push(self.desired(device, attempt));
+        // A retry fetches from the site's holders as they are now (none: from the coordinator).
+        let peers = site
+            .filter(|_| self.spec.policies.sites.as_ref().is_some_and(|p| p.peers))
+            .map(|site| self.holders_for(&site, device))
+            .unwrap_or_default();
+        if let Some(slot) = self.groups[gi].slots.get_mut(device) {
+            slot.peers = peers;
+        }
+        out.commands.push(self.desired(gi, device, attempt));
         out.claims.push((
             device.to_owned(),
             self.name.clone(),
@@ -1111,6 +1181,28 @@ impl Rollout {
         }
         self.state = RolloutState::Finished;
         self.waiting = None;
+        // A group passed in error may have devices it never started (its pace or site budgets
+        // held them): they were sent nothing and end canceled, as when a rollout is stopped.
+        let mut dropped = 0;
+        for group in self
+            .groups
+            .iter_mut()
+            .filter(|g| g.state == GroupState::Error)
+        {
+            let never: Vec<String> = group
+                .slots
+                .iter()
+                .filter(|(_, s)| s.phase == DevicePhase::Scheduled)
+                .map(|(d, _)| d.clone())
+                .collect();
+            for device in never {
+                group.set_phase(&device, DevicePhase::Canceled);
+                if let Some(slot) = group.slots.get_mut(&device) {
+                    slot.ended_at = Some(now);
+                }
+                dropped += 1;
+            }
+        }
         let (ready, failed) = self.groups.iter().fold((0, 0), |(r, f), g| {
             (r + g.counts.ready, f + g.counts.failures())
         });
@@ -1135,6 +1227,11 @@ impl Rollout {
                 "; not succeeded: group {} ended in error",
                 errors.join(", ")
             ));
+            if dropped > 0 {
+                message.push_str(&format!(
+                    "; {dropped} devices it never started stay as they are"
+                ));
+            }
             self.set_condition("Progressing", false, "UpdateRunFailed", now);
             self.set_condition("Succeeded", false, "UpdateRunFailed", now);
         }
@@ -1331,6 +1428,9 @@ impl Rollout {
             }
         }
         if self.state == RolloutState::Running {
+            if let Some(at) = self.next_seed_deadline() {
+                consider(at);
+            }
             if let Some(w) = self.waiting.as_deref() {
                 match wait_kind(w) {
                     "window" => {
@@ -1360,14 +1460,29 @@ impl Rollout {
     }
 
     /// Adds a device that registered after the start to the dynamic group.
-    pub(crate) fn join_dynamic(&mut self, device: &str, now: u64, out: &mut Out) -> Option<usize> {
+    pub(crate) fn join_dynamic(
+        &mut self,
+        device: &str,
+        site: Option<String>,
+        now: u64,
+        out: &mut Out,
+    ) -> Option<usize> {
         let gi = self.groups.iter().position(|g| g.dynamic)?;
         let group = &mut self.groups[gi];
         if group.slots.contains_key(device) {
             return None;
         }
         group.devices.push(device.to_owned());
-        group.slots.insert(device.to_owned(), Slot::scheduled());
+        let slot = Slot {
+            site,
+            ..Slot::scheduled()
+        };
+        if let Some(site) = &slot.site {
+            let c = group.cache.sites.entry(site.clone()).or_default();
+            c.total += 1;
+            c.scheduled += 1;
+        }
+        group.slots.insert(device.to_owned(), slot);
         group.counts.total += 1;
         group.counts.scheduled += 1;
         let gname = group.name.clone();
@@ -1383,6 +1498,18 @@ enum Step {
     Go,
     Wait(Wait),
     Stop,
+}
+
+/// A waiting text without its counts: "site harbour: of busy, waiting".
+fn without_numbers(text: &str) -> String {
+    text.split_whitespace()
+        .filter(|w| {
+            !w.trim_end_matches([',', ';', ')'])
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The kind of a stored waiting text ("approval: …").

@@ -27,6 +27,7 @@
 
 mod advance;
 pub mod model;
+mod sites;
 mod status;
 mod trace;
 
@@ -36,7 +37,7 @@ use std::ops::Bound;
 
 use flotilla_protocol::control::{
     ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
-    TraceKind,
+    SourceBytes, TraceKind, SUMMARY_SITES,
 };
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
@@ -259,7 +260,10 @@ struct Entry {
 }
 
 impl Entry {
-    fn new(rollout: Rollout, zones: &dyn ZoneSource) -> Self {
+    fn new(mut rollout: Rollout, zones: &dyn ZoneSource) -> Self {
+        for g in &mut rollout.groups {
+            g.count_sites();
+        }
         let index = rollout
             .groups
             .iter()
@@ -308,7 +312,7 @@ fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
             rollout: r.name.clone(),
             release: r.release.name.clone(),
             action: r.spec.policies.action,
-            peers: Vec::new(),
+            peers: slot.peers.clone(),
         }),
         DevicePhase::Canceled if !r.state.is_active() && slot.attempt > 0 => Some(Effect::Cancel {
             device: device.to_owned(),
@@ -573,7 +577,8 @@ impl Engine {
             {
                 continue;
             }
-            if let Some(gi) = entry.rollout.join_dynamic(device, now, out) {
+            let site = site_of(r, &record.labels);
+            if let Some(gi) = entry.rollout.join_dynamic(device, site, now, out) {
                 entry.index.insert(device.to_owned(), gi);
                 joined.push(name.clone());
             }
@@ -675,6 +680,8 @@ impl Engine {
                 if from_state && current.is_terminal() && matches!(outcome, Outcome::Progress(_)) {
                     return;
                 }
+                // Peers of its site may fetch from a device that holds the release verified.
+                r.note_holder(gi, device, phase);
                 let policies = &r.spec.policies;
                 match outcome {
                     Outcome::Progress(p) => {
@@ -738,6 +745,44 @@ impl Engine {
         }
         self.dirty.insert(name.clone());
         self.advance(&name, now, out);
+    }
+
+    /// Where the bytes of a device's action came from, from its final report: stored in the
+    /// device's slot and summed per rollout and per site in the status. Anything that is not the
+    /// device's current attempt in a rollout is ignored, as for reports.
+    pub fn observe_bytes(
+        &mut self,
+        device: &str,
+        action_id: &str,
+        bytes: flotilla_protocol::ByteCounts,
+    ) {
+        let Some((rollout, created_at, for_device, ActionPart::Attempt(attempt))) =
+            parse_action_id(action_id)
+        else {
+            return;
+        };
+        if for_device != device {
+            return;
+        }
+        let Some(entry) = self.rollouts.get_mut(rollout) else {
+            return;
+        };
+        if entry.rollout.created_at != created_at {
+            return;
+        }
+        let Some(&gi) = entry.index.get(device) else {
+            return;
+        };
+        let group = &mut entry.rollout.groups[gi];
+        let Some(slot) = group.slots.get(device) else {
+            return;
+        };
+        let bytes = SourceBytes::of(&bytes);
+        if slot.attempt != attempt || slot.bytes == Some(bytes) {
+            return;
+        }
+        group.set_bytes(device, bytes);
+        self.dirty.insert(rollout.to_owned());
     }
 
     /// The registry as the planner reads it, borrowed: a million devices are not copied.
@@ -872,7 +917,9 @@ impl Engine {
             checked_at: now,
             rolled_back: false,
             seen: BTreeSet::new(),
+            sites: BTreeMap::new(),
         };
+        self.assign_sites(&mut rollout);
         if rollout.spec.policies.dynamic {
             rollout.seen = self.devices.keys().cloned().collect();
         }
@@ -1451,7 +1498,9 @@ impl Engine {
             checked_at: now,
             rolled_back: false,
             seen: BTreeSet::new(),
+            sites: BTreeMap::new(),
         };
+        self.assign_sites(&mut rollout);
         let mut out = Out::default();
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
         let message =
@@ -1527,6 +1576,7 @@ impl Engine {
                 continue;
             }
             let mut canceled = false;
+            group.uncount_site(device);
             if let Some(slot) = group.slots.remove(device) {
                 slot.phase.count_in(&mut group.counts, false);
                 group.counts.total = group.counts.total.saturating_sub(1);
@@ -1805,6 +1855,30 @@ impl Engine {
     }
 }
 
+/// A device's site in rollout `r`: its value of the site policy's label, if it has one.
+fn site_of(r: &Rollout, labels: &LabelList) -> Option<String> {
+    let policy = r.spec.policies.sites.as_ref()?;
+    labels.label(&policy.label).map(str::to_owned)
+}
+
+impl Engine {
+    /// Records every planned device's site from the labels the registry holds now.
+    fn assign_sites(&self, rollout: &mut Rollout) {
+        let Some(policy) = rollout.spec.policies.sites.as_ref() else {
+            return;
+        };
+        for g in &mut rollout.groups {
+            for (device, slot) in &mut g.slots {
+                slot.site = self
+                    .devices
+                    .get(device)
+                    .and_then(|d| d.labels.label(&policy.label))
+                    .map(str::to_owned);
+            }
+        }
+    }
+}
+
 fn new_group(g: crate::plan::PlannedGroup) -> Group {
     Group {
         counts: GroupCounts {
@@ -1832,6 +1906,7 @@ fn new_group(g: crate::plan::PlannedGroup) -> Group {
         succeeded_at: None,
         conditions: Vec::new(),
         dynamic: false,
+        cache: Default::default(),
     }
 }
 
@@ -1840,6 +1915,7 @@ impl Rollout {
     pub fn status(&self) -> RolloutStatus {
         let mut status = self.summary();
         status.trace = self.trace.clone();
+        status.sites = self.site_statuses(None);
         for (g, gs) in self.groups.iter().zip(status.groups.iter_mut()) {
             gs.devices = g
                 .slots
@@ -1915,6 +1991,9 @@ impl Rollout {
             approvals: self.approval_views(),
             strategy_snapshot: self.strategy_snapshot(),
             deletion_stage: self.deletion_stage(),
+            bytes: self.bytes_total(),
+            sites: self.site_statuses(Some(SUMMARY_SITES)),
+            site_count: self.site_names().len(),
         }
     }
 
@@ -1953,3 +2032,5 @@ mod tests_features;
 mod tests_property;
 #[cfg(test)]
 mod tests_reference;
+#[cfg(test)]
+mod tests_sites;

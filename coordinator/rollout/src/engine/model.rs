@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use flotilla_protocol::control::{ApprovalStatus, Condition, TraceEntry};
+use flotilla_protocol::control::{ApprovalStatus, Condition, SourceBytes, TraceEntry};
 use flotilla_protocol::Phase;
 use serde::{Deserialize, Serialize};
 
@@ -280,6 +280,16 @@ pub struct Slot {
     /// group that has not started drops it when it starts.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleted: bool,
+    /// The device's site (its value of the site policy's label) when the rollout planned it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site: Option<String>,
+    /// Where the bytes of the device's action came from, as its final report said, with the
+    /// peers added up: a report naming a thousand peers stores no more than one naming one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<SourceBytes>,
+    /// The peers the device's current attempt was told to fetch from (re-sent as they were).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<String>,
 }
 
 /// Phase name of a deleted device still listed in its group (hawkBit's "not started").
@@ -297,6 +307,9 @@ impl Slot {
             retry_at: None,
             earlier_attempts: 0,
             deleted: false,
+            site: None,
+            bytes: None,
+            peers: Vec::new(),
         }
     }
 
@@ -338,6 +351,66 @@ pub struct Group {
     /// Devices that registered after the start join this group (hawkBit's dynamic group).
     #[serde(default)]
     pub dynamic: bool,
+    /// Sums over the slots kept up to date per change; rebuilt on load, never stored.
+    #[serde(skip)]
+    pub cache: GroupCache,
+}
+
+/// What a group sums over its slots per site and in bytes, kept with `counts` by
+/// [`Group::set_phase`] and [`Group::set_bytes`], rebuilt from the slots on load
+/// ([`Group::count_sites`]). It is derived from the slots, so it takes no part in comparing
+/// groups: a group read back from the store equals the one written.
+#[derive(Debug, Clone, Default)]
+pub struct GroupCache {
+    pub sites: BTreeMap<String, SiteCounts>,
+    /// The bytes of every slot added up.
+    pub bytes: SourceBytes,
+}
+
+impl PartialEq for GroupCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// How many of a group's devices of one site are where the site limits look.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SiteCounts {
+    pub total: usize,
+    /// Not started yet.
+    pub scheduled: usize,
+    /// Started and not terminal: in progress or waiting for a retry.
+    pub busy: usize,
+    /// Not ready, as a group's budget counts it: busy, soaking, or failed.
+    pub unavailable: usize,
+    pub bytes: SourceBytes,
+}
+
+impl SiteCounts {
+    fn count(&mut self, phase: &DevicePhase, add: bool) {
+        let (scheduled, busy, unavailable) = match phase {
+            DevicePhase::Scheduled => (1, 0, 0),
+            DevicePhase::InProgress(_) | DevicePhase::Retrying(_) => (0, 1, 1),
+            DevicePhase::Soaking => (0, 0, 1),
+            p if p.is_failure() => (0, 0, 1),
+            _ => (0, 0, 0),
+        };
+        let apply = |n: &mut usize, d: usize| {
+            *n = if add { *n + d } else { n.saturating_sub(d) };
+        };
+        apply(&mut self.scheduled, scheduled);
+        apply(&mut self.busy, busy);
+        apply(&mut self.unavailable, unavailable);
+        apply(&mut self.total, 1);
+    }
+
+    pub fn add(&mut self, other: &SiteCounts) {
+        self.total += other.total;
+        self.scheduled += other.scheduled;
+        self.busy += other.busy;
+        self.unavailable += other.unavailable;
+        self.bytes.add(&other.bytes);
+    }
 }
 
 impl Group {
@@ -351,8 +424,58 @@ impl Group {
         }
         slot.phase.count_in(&mut self.counts, false);
         new.count_in(&mut self.counts, true);
+        if let Some(site) = &slot.site {
+            let c = self.cache.sites.entry(site.clone()).or_default();
+            c.count(&slot.phase, false);
+            c.count(&new, true);
+        }
         slot.phase = new;
         true
+    }
+
+    /// Rebuilds the group's [`GroupCache`] from the slots.
+    pub fn count_sites(&mut self) {
+        self.cache.sites.clear();
+        self.cache.bytes = SourceBytes::default();
+        for slot in self.slots.values() {
+            let bytes = slot.bytes.unwrap_or_default();
+            self.cache.bytes.add(&bytes);
+            if let Some(site) = &slot.site {
+                let c = self.cache.sites.entry(site.clone()).or_default();
+                c.count(&slot.phase, true);
+                c.bytes.add(&bytes);
+            }
+        }
+    }
+
+    /// Sets a device's bytes and keeps the sums right.
+    pub fn set_bytes(&mut self, device: &str, new: SourceBytes) {
+        let Some(slot) = self.slots.get_mut(device) else {
+            return;
+        };
+        let old = slot.bytes.unwrap_or_default();
+        slot.bytes = Some(new);
+        self.cache.bytes.sub(&old);
+        self.cache.bytes.add(&new);
+        if let Some(site) = &slot.site {
+            let c = self.cache.sites.entry(site.clone()).or_default();
+            c.bytes.sub(&old);
+            c.bytes.add(&new);
+        }
+    }
+
+    /// Takes a slot out of the site counts and byte sums before it is removed.
+    pub fn uncount_site(&mut self, device: &str) {
+        if let Some(slot) = self.slots.get(device) {
+            let bytes = slot.bytes.unwrap_or_default();
+            self.cache.bytes.sub(&bytes);
+            if let Some(site) = &slot.site {
+                if let Some(c) = self.cache.sites.get_mut(site) {
+                    c.count(&slot.phase, false);
+                    c.bytes.sub(&bytes);
+                }
+            }
+        }
     }
 
     /// Sets (or adds) a condition of this type.
@@ -370,6 +493,7 @@ impl Group {
             .map(|(d, _)| d.clone())
             .collect();
         for device in &gone {
+            self.uncount_site(device);
             if let Some(slot) = self.slots.remove(device) {
                 slot.phase.count_in(&mut self.counts, false);
                 self.counts.total = self.counts.total.saturating_sub(1);
@@ -458,6 +582,24 @@ pub struct Rollout {
     /// a device not in here joins the dynamic group.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub seen: BTreeSet<String>,
+    /// Peer ordering per site (rollouts whose site policy shares between peers).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sites: BTreeMap<String, SiteState>,
+}
+
+/// Where one site stands in peer ordering.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SiteState {
+    /// The device fetching from the coordinator for the site, and since when; the site's other
+    /// devices wait for it until `seed_at` + the policy's `seed_wait`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_at: Option<u64>,
+    /// Devices of the site that reported holding the release's artifacts verified, in the order
+    /// they first did (the newest last), at most [`crate::plan::MAX_PEERS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
 }
 
 impl Rollout {

@@ -317,6 +317,7 @@ fn approval_names_that_would_collide_are_refused_naming_both_gates() {
         ],
         excluded: Vec::new(),
         unassigned: Vec::new(),
+        sites: None,
     };
     let release = ReleaseRef {
         name: "fw-2".into(),
@@ -340,6 +341,7 @@ fn approval_names_that_would_collide_are_refused_naming_both_gates() {
         groups: vec![approval_after("y", ids(1..2))],
         excluded: Vec::new(),
         unassigned: Vec::new(),
+        sites: None,
     };
     let err = b
         .engine

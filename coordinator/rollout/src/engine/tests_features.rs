@@ -112,6 +112,7 @@ impl Bench {
             groups,
             excluded: Vec::new(),
             unassigned: Vec::new(),
+            sites: None,
         };
         let release = ReleaseRef {
             name: "fw-2".into(),

@@ -5,7 +5,11 @@
 //! - no group starts twice;
 //! - no group starts while an approval before it is pending, nor before the timed wait of the
 //!   group ahead of it ran out (unless an operator's `next` or `resume` passed it);
-//! - every group's counters equal a count over its devices and add up to its total;
+//! - every group's counters equal a count over its devices and add up to its total, its per-site
+//!   counts too;
+//! - never more devices of one site busy than the site policy allows (devices carry a `site`
+//!   label, some none; rollouts get random site budgets, some with peer sharing), and a device
+//!   is told to fetch only from peers of its own site;
 //! - a stopped or failed rollout sends no install, and a rollback only after the rollback error
 //!   action;
 //! - once the operators let everything finish, every rollout has ended and every device is in
@@ -81,11 +85,23 @@ struct World {
     seed: u64,
 }
 
+/// The site of device `d{i}`: `a` or `b`, and none for every third device.
+fn site_of(id: &str) -> Option<&'static str> {
+    let i: usize = id.trim_start_matches('d').parse().ok()?;
+    match i % 3 {
+        2 => None,
+        _ if i.is_multiple_of(2) => Some("a"),
+        _ => Some("b"),
+    }
+}
+
 fn state(id: &str) -> DeviceState {
     DeviceState {
         device_id: id.into(),
         hardware_id: "pi4".into(),
-        labels: Vec::new(),
+        labels: site_of(id)
+            .map(|s| vec![("site".to_owned(), s.to_owned())])
+            .unwrap_or_default(),
         installed: Some(InstalledRelease {
             name: "fw-1".into(),
             version: "1".into(),
@@ -185,6 +201,15 @@ impl World {
             &SystemZones,
         )
         .expect("valid spec");
+        if rng.chance(50) {
+            spec.policies.sites = Some(crate::plan::SitePolicy {
+                label: "site".into(),
+                max_busy: rng.chance(80).then(|| 1 + rng.below(2) as usize),
+                max_unavailable: rng.chance(30).then(|| 1 + rng.below(3) as usize),
+                peers: rng.chance(50),
+                seed_wait: 60 * (1 + rng.below(20)),
+            });
+        }
         if rng.chance(40) {
             spec.policies.soak = 30 * (1 + rng.below(20));
         }
@@ -201,6 +226,7 @@ impl World {
             groups: planned,
             excluded: Vec::new(),
             unassigned: Vec::new(),
+            sites: None,
         };
         let release = ReleaseRef {
             name: "fw-2".into(),
@@ -482,6 +508,13 @@ impl World {
     /// error action.
     fn check_effects(&self, effects: &[Effect]) {
         for e in effects {
+            if let Effect::Desired { device, peers, .. } = e {
+                if let Some(p) = peers.iter().find(|p| site_of(p) != site_of(device)) {
+                    self.fail(&format!(
+                        "device {device} was told to fetch from {p} of another site"
+                    ));
+                }
+            }
             let (rollout, rollback) = match e {
                 Effect::Desired { rollout, .. } => (rollout, false),
                 Effect::Rollback { rollout, .. } => (rollout, true),
@@ -514,6 +547,32 @@ impl World {
     fn check(&mut self) {
         let rollouts: Vec<Rollout> = self.engine.rollouts().cloned().collect();
         for r in &rollouts {
+            // Never more devices of a site busy than its budget (a rollback sent by the rollback
+            // error action goes to every device that installed, whatever its site).
+            if let Some(limit) = r.spec.policies.sites.as_ref().and_then(|p| p.max_busy) {
+                let mut busy: BTreeMap<&str, usize> = BTreeMap::new();
+                for g in &r.groups {
+                    for (d, s) in &g.slots {
+                        let working = match &s.phase {
+                            DevicePhase::InProgress(p) => p != model::ROLLING_BACK,
+                            DevicePhase::Retrying(_) => true,
+                            _ => false,
+                        };
+                        if let (true, Some(site)) = (working, s.site.as_deref()) {
+                            if site_of(d) != Some(site) {
+                                self.fail(&format!("device {d} is in site {site}"));
+                            }
+                            *busy.entry(site).or_default() += 1;
+                        }
+                    }
+                }
+                if let Some((site, n)) = busy.iter().find(|(_, n)| **n > limit) {
+                    self.fail(&format!(
+                        "rollout {}: site {site} has {n} devices busy, more than {limit}",
+                        r.name
+                    ));
+                }
+            }
             for (gi, g) in r.groups.iter().enumerate() {
                 // Counters are a count over the devices and add up.
                 let mut counts = crate::conditions::GroupCounts {
@@ -527,6 +586,16 @@ impl World {
                     self.fail(&format!(
                         "rollout {} group {}: counters {:?} but devices say {counts:?}",
                         r.name, g.name, g.counts
+                    ));
+                }
+                let mut sites = g.clone();
+                sites.count_sites();
+                let kept: BTreeMap<_, _> =
+                    g.cache.sites.iter().filter(|(_, c)| c.total > 0).collect();
+                if kept != sites.cache.sites.iter().collect::<BTreeMap<_, _>>() {
+                    self.fail(&format!(
+                        "rollout {} group {}: site counts {:?} but devices say {:?}",
+                        r.name, g.name, g.cache.sites, sites.cache.sites
                     ));
                 }
                 let status = &r.status().groups[gi];
@@ -632,6 +701,23 @@ impl World {
                 }
             }
             self.check();
+            if !moved && self.engine.next_timer().is_none() {
+                // A site budget held by failed devices holds the rest of the site until an
+                // operator acts, as a group's budget does (Fleet waits, it never fails).
+                for name in self.rollout_names() {
+                    let held = self.engine.rollout(&name).is_some_and(|r| {
+                        r.state == RolloutState::Running
+                            && r.waiting
+                                .as_deref()
+                                .is_some_and(|w| w.contains("unavailable"))
+                    });
+                    if held {
+                        let effects = self.engine.stop(&name, self.now).expect("stops");
+                        self.take(effects);
+                        moved = true;
+                    }
+                }
+            }
             if !moved {
                 match self.engine.next_timer() {
                     Some(at) => self.now = self.now.max(at) + 1,
