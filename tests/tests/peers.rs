@@ -285,10 +285,7 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
     b.site.kill_coordinator();
     b.site.start_coordinator();
     b.site.wait_devices(8).await;
-    let spec = SPEC.replace(
-        "[groups]",
-        "[sites]\nlabel = \"site\"\nshare_blocks = true\n[groups]",
-    );
+    let spec = SPEC.replace("[groups]", &format!("{SHARING}[groups]"));
     b.site.create_and_start(&spec).await;
     b.site
         .wait_status("harbour-fw-2", "the rollout to finish", WAIT, |s| {
@@ -331,10 +328,7 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
     }
     let content = artifact(1 << 20);
     let mut b = bridged(8, &content, &[], AgentOptions::default()).await;
-    let spec = SPEC.replace(
-        "[groups]",
-        "[sites]\nlabel = \"site\"\nshare_blocks = true\n[groups]",
-    );
+    let spec = SPEC.replace("[groups]", &format!("{SHARING}[groups]"));
     b.site.create_and_start(&spec).await;
     // The site's first device fetches from the coordinator; once it is Ready the coordinator
     // names it as a source for the others. It is then replaced by a client with its login that
@@ -423,10 +417,7 @@ async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
         ..AgentOptions::default()
     };
     let mut b = bridged(8, &content, &[], options).await;
-    let spec = SPEC.replace(
-        "[groups]",
-        "[sites]\nlabel = \"site\"\nshare_blocks = true\n[groups]",
-    );
+    let spec = SPEC.replace("[groups]", &format!("{SHARING}[groups]"));
     b.site.create_and_start(&spec).await;
     // The first device of the site fetches first; once it is done the others fetch from it.
     b.site
@@ -576,4 +567,79 @@ async fn the_coordinator_counts_bytes_by_source_once_and_ignores_malformed_repor
     // Still serving: the CLI gets an answer.
     let listed = site.flotilla(&["devices"]);
     assert!(listed.contains("harbour-01"), "{listed}");
+}
+
+/// What a rollout spec adds to share blocks within the `site` label. The sites side of issue 13
+/// defines the vocabulary; this is the one place the tests name it.
+const SHARING: &str = "[sites]\nlabel = \"site\"\nshare_blocks = true\n";
+
+/// The peer benchmark (`bench/peers.sh` runs it): one site of `PEER_BENCH_DEVICES` agents
+/// behind the bridge, an artifact of `PEER_BENCH_BYTES`, peer sharing on when
+/// `PEER_BENCH_SHARE=1`. Prints one `RESULT` line: bytes the coordinator served, bytes over the
+/// bridge, seconds from the rollout's start to its last Ready. Asserts only that every device
+/// ended with the release's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: bench/peers.sh runs it"]
+async fn bench_site() {
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let n = env("PEER_BENCH_DEVICES", 4);
+    let size = env("PEER_BENCH_BYTES", 4 << 20);
+    let share = env("PEER_BENCH_SHARE", 0) == 1;
+    let content = artifact(size);
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    let port = site.enable_metrics();
+    let devices: Vec<String> = (1..=n).map(|i| format!("harbour-{i:02}")).collect();
+    let broker = SiteBroker::start(&site.path("site-broker"), site.port, "unused", &devices);
+    broker
+        .wait_bridged(flotilla_tests::site::plain(site.port))
+        .await;
+    site.agent_broker = Some(broker.agent_broker());
+    let flags: &[&str] = if share { &[] } else { &["--no-blocks"] };
+    site.release_with("fw-2", 2, &content, flags);
+    site.start_coordinator();
+    for id in &devices {
+        let options = AgentOptions {
+            block_size: 65_536,
+            ..AgentOptions::default()
+        };
+        site.add_agent(id, &[("site", bridge::SITE)], options);
+    }
+    site.wait_devices(n).await;
+    let central = Watcher::start(site.port, &["flotilla/v1/devices/#".to_owned()]).await;
+    let spec = if share {
+        SPEC.replace("[groups]", &format!("{SHARING}[groups]"))
+    } else {
+        SPEC.to_owned()
+    };
+    let started = std::time::Instant::now();
+    site.create_and_start(&spec).await;
+    site.wait_status(
+        "harbour-fw-2",
+        "the rollout to finish",
+        Duration::from_secs(600),
+        |s| s.state == "finished",
+    )
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    for id in &devices {
+        assert!(
+            fs::read(site.target_file(id)).expect("target") == content,
+            "{id}"
+        );
+    }
+    let bridge_bytes: u64 = bridge::traffic(&central.messages()).values().sum();
+    let served = metric(
+        &scrape(port).await,
+        "flotilla_artifact_block_bytes_served_total",
+    );
+    println!(
+        "RESULT devices={n} sharing={} artifact_bytes={size} coordinator_bytes={served} \
+         bridge_bytes={bridge_bytes} last_ready_s={seconds:.2}",
+        if share { "on" } else { "off" }
+    );
 }
