@@ -20,7 +20,12 @@
 //! signed device messages, checked against the device's enrolled key by the enrollment
 //! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
 //! else is ignored and counted, with at most one log line per interval. Blocks go only to
-//! devices that hold an action for the artifact.
+//! devices that hold an action for the artifact or block list.
+//!
+//! An install the engine names peers for goes out as `InstallWithPeers` with a peer grant signed
+//! by the coordinator key (`grants.rs`, docs/peers.md). A final report that says where its bytes
+//! came from (`ReportWithBytes`) is handled as its report, and its bytes are counted by source
+//! once per device and action ([`Service::observe_bytes`], `/metrics`).
 //!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
