@@ -39,7 +39,8 @@ for n in $SIZES; do
             --nocapture >"$log" 2>&1
         line="$(grep '^RESULT ' "$log" | tail -1)"
         if [ -z "$line" ]; then
-            printf '%-8s %-8s %s\n' "$n" "$sharing" "not run: this build cannot (see $log)" | tee -a "$results"
+            printf '%-8s %-8s %s\n' "$n" "$sharing" "not run: this build cannot" | tee -a "$results"
+            echo "  (its output: $log)"
             continue
         fi
         rm -f "$log"

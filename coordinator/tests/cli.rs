@@ -92,7 +92,10 @@ fn keys_release_inspect_and_verify() {
     let stored = fs::read_dir(dir.path().join("data/artifacts"))
         .expect("artifact store")
         .count();
-    assert_eq!(stored, 2, "one content-addressed artifact and its block list");
+    assert_eq!(
+        stored, 2,
+        "one content-addressed artifact and its block list"
+    );
     let digest = inspected["artifacts"][0]["sha256"]
         .as_str()
         .expect("the artifact's digest");

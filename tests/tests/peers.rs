@@ -643,3 +643,80 @@ async fn bench_site() {
         if share { "on" } else { "off" }
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_with_an_install_may_fetch_its_block_lists_and_nothing_else() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    let content = artifact(150_000);
+    site.release_with("fw-2", 2, &content, &["--block-size", "16384"]);
+    site.start_coordinator();
+    site.add_agent("harbour-01", &[], AgentOptions::default());
+    site.wait_devices(1).await;
+    let key_text = fs::read_to_string(site.path("agents/harbour-01/data/device.key")).expect("key");
+    let key = flotilla_protocol::signing::secret_key_from_text(&key_text).expect("device key");
+    let (_, manifest) =
+        flotilla_coordinator::service::releases::ReleaseStore::new(site.path("coordinator"))
+            .load_manifest("fw-2")
+            .expect("release");
+    let list = manifest.block_index(0).expect("a block list").sha256;
+    let topics = Topics::default();
+    let id = DeviceId::new("harbour-01").expect("id");
+    let watcher = Watcher::start(site.port, &[topics.block(&id), topics.desired(&id)]).await;
+    site.create_and_start(SPEC).await;
+    watcher
+        .wait_until("the install on the desired topic", WAIT, |w| {
+            w.messages()
+                .iter()
+                .any(|m| m.topic == topics.desired(&id))
+                .then_some(())
+        })
+        .await;
+    for sha256 in [list, [7u8; 32]] {
+        let fetch = DeviceMessage::Fetch {
+            device_id: "harbour-01".into(),
+            request: flotilla_protocol::BlockRequest {
+                sha256,
+                offset: 0,
+                length: 65_536,
+            },
+        };
+        let bytes = envelope::encode(&Message::Device(device::sign(&key, &fetch)));
+        site.publish(&topics.fetch(&id), bytes, false).await;
+    }
+    let replies = watcher
+        .wait_until("both block replies", WAIT, |w| {
+            let replies: Vec<flotilla_protocol::BlockReply> = w
+                .messages()
+                .iter()
+                .filter(|m| m.topic == topics.block(&id))
+                .filter_map(|m| match m.decode() {
+                    Some(Message::Block(reply)) => Some(reply),
+                    _ => None,
+                })
+                .filter(|r| match r {
+                    flotilla_protocol::BlockReply::Data { sha256, .. }
+                    | flotilla_protocol::BlockReply::Unavailable { sha256, .. } => {
+                        *sha256 == list || *sha256 == [7u8; 32]
+                    }
+                })
+                .collect();
+            (replies.len() >= 2).then_some(replies)
+        })
+        .await;
+    let expected = fs::read(
+        site.path("coordinator/artifacts")
+            .join(flotilla_protocol::hex::encode(&list)),
+    )
+    .expect("the stored block list");
+    assert!(
+        replies.iter().any(|r| matches!(r,
+            flotilla_protocol::BlockReply::Data { sha256, data, .. } if *sha256 == list && *data == expected)),
+        "the block list was served: {replies:?}"
+    );
+    assert!(
+        replies.iter().any(|r| matches!(r,
+            flotilla_protocol::BlockReply::Unavailable { sha256, reason, .. }
+                if *sha256 == [7u8; 32] && reason.contains("holds no action"))),
+        "a digest outside the release was refused: {replies:?}"
+    );
+}
