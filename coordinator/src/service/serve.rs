@@ -371,7 +371,7 @@ struct Service {
     registry: Registry,
     /// Device messages ignored (unsigned, another key, not accepted…), counted and rate-limited.
     ignored: IgnoredLog,
-    /// The artifact digests of each release, for deciding who may fetch what.
+    /// The digests of each release (artifacts and block lists), for deciding who may fetch what.
     release_digests: HashMap<String, Vec<Digest>>,
     /// Device id -> the artifacts of the install its retained desired action (signed with this
     /// coordinator's key) names: what it published itself, and what it reads back from the
