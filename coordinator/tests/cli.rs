@@ -89,11 +89,17 @@ fn keys_release_inspect_and_verify() {
         "fw-2.4.0",
     ]);
     assert!(!wrong.status.success());
-    let artifacts: Vec<_> = fs::read_dir(dir.path().join("data/artifacts"))
+    let stored = fs::read_dir(dir.path().join("data/artifacts"))
         .expect("artifact store")
-        .collect();
-    assert_eq!(artifacts.len(), 1, "one content-addressed artifact");
-    fs::write(artifacts[0].as_ref().expect("entry").path(), b"app 6.6.6").expect("tamper");
+        .count();
+    assert_eq!(
+        stored, 2,
+        "one content-addressed artifact and its block list"
+    );
+    let digest = inspected["artifacts"][0]["sha256"]
+        .as_str()
+        .expect("the artifact's digest");
+    fs::write(dir.path().join("data/artifacts").join(digest), b"app 6.6.6").expect("tamper");
     let tampered = flotilla(&[
         "release",
         "verify",

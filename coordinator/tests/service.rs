@@ -82,6 +82,7 @@ fn harness() -> Harness {
         hardware: vec![],
         artifacts: vec![format!("app={}", app.display())],
         expires_in: 86_400,
+        block_size: Some(flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE),
     };
     releases.create(&new, &release_key, now()).expect("release");
     let (release_blob, _) = releases.load("fw-1").expect("load");

@@ -22,6 +22,7 @@
 //! Nothing here depends on a fixed port or on services already running on the machine. When a
 //! test panics, the harness prints the tail of every process's log.
 
+pub mod bridge;
 pub mod disk;
 pub mod mqtt;
 pub mod secure;
@@ -30,7 +31,7 @@ pub mod site;
 pub use disk::Tmpfs;
 pub use mqtt::{WatchedMessage, Watcher};
 pub use secure::{Connected, Probe, SecureBroker};
-pub use site::{AgentOptions, BrokerKind, Site, ADMIN};
+pub use site::{AgentBroker, AgentOptions, BrokerKind, Site, ADMIN};
 
 use std::path::PathBuf;
 use std::time::Duration;

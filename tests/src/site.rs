@@ -135,6 +135,17 @@ pub struct Site {
     agent_tokens: BTreeMap<String, String>,
     /// The coordinator serves `/metrics` on this loopback port ([`Site::enable_metrics`]).
     metrics_port: Option<u16>,
+    /// Where agents started from now on connect instead of the site's broker (a site broker
+    /// bridged to it, `bridge.rs`).
+    pub agent_broker: Option<AgentBroker>,
+}
+
+/// A broker agents log in to with their device id and a password file of their own.
+#[derive(Debug, Clone)]
+pub struct AgentBroker {
+    pub port: u16,
+    /// `{dir}/{device id}` holds each device's password.
+    pub password_dir: PathBuf,
 }
 
 impl Drop for Site {
@@ -189,6 +200,7 @@ impl Site {
                 .collect(),
             agent_tokens: BTreeMap::new(),
             metrics_port: None,
+            agent_broker: None,
         };
         fs::write(
             site.authorized_keys_file(),
@@ -290,11 +302,24 @@ impl Site {
     }
 
     /// Creates a signed release with one artifact for target `app` in the coordinator's data
-    /// directory and returns the artifact path.
+    /// directory and returns the artifact path. Its manifest has no block lists, so agents that
+    /// check only the whole-file digest read it too; [`Site::release_with`] makes others.
     pub fn release(&self, name: &str, counter: u64, content: &[u8]) -> PathBuf {
+        self.release_with(name, counter, content, &["--no-blocks"])
+    }
+
+    /// Creates a signed release with further `release create` flags (none: block lists of the
+    /// default block size; `--block-size N`; `--no-blocks`).
+    pub fn release_with(
+        &self,
+        name: &str,
+        counter: u64,
+        content: &[u8],
+        flags: &[&str],
+    ) -> PathBuf {
         let artifact = self.path(&format!("{name}.bin"));
         fs::write(&artifact, content).expect("write artifact");
-        self.flotilla(&[
+        let mut args = vec![
             "release",
             "create",
             "--data-dir",
@@ -311,7 +336,12 @@ impl Site {
             "test-board",
             "--artifact",
             &format!("app={}", artifact.display()),
-        ]);
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+        args.extend(flags.iter().map(|f| (*f).to_owned()));
+        self.flotilla(&args.iter().map(String::as_str).collect::<Vec<_>>());
         artifact
     }
 
@@ -480,6 +510,19 @@ impl Site {
             }
             None => String::new(),
         };
+        let (port, login) = match &self.agent_broker {
+            Some(broker) => (
+                broker.port,
+                format!(
+                    "username = {id:?}\npassword_file = {:?}\n",
+                    broker.password_dir.join(id)
+                ),
+            ),
+            None => (
+                self.secure.as_ref().map_or(self.port, |s| s.mtls_port),
+                String::new(),
+            ),
+        };
         let mut text = format!(
             r#"device_id = "{id}"
 hardware_id = "test-board"
@@ -488,10 +531,9 @@ data_dir = {data:?}
 host = "127.0.0.1"
 port = {port}
 keep_alive = "5s"
-{tls}[labels]
+{login}{tls}[labels]
 "#,
             data = dir.join("data"),
-            port = self.secure.as_ref().map_or(self.port, |s| s.mtls_port),
         );
         for (k, v) in labels {
             text.push_str(&format!("{k} = {v:?}\n"));

@@ -280,6 +280,13 @@ pub struct ReleaseCreateArgs {
     /// How long the release stays installable (s, m, h, d).
     #[arg(long, default_value = "365d")]
     pub expires_in: String,
+    /// Bytes per block of each artifact's block list (1024..=65536).
+    #[arg(long, default_value_t = flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE)]
+    pub block_size: u32,
+    /// Sign a manifest without block lists, which agents older than block hashes can read
+    /// (decision 0024); devices then check only each artifact's whole-file digest.
+    #[arg(long, conflicts_with = "block_size")]
+    pub no_blocks: bool,
 }
 
 /// Where `serve` takes each setting from, first match wins. Shown by `flotilla serve --help`

@@ -612,9 +612,13 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 hardware: args.hardware,
                 artifacts: args.artifact,
                 expires_in,
+                block_size: (!args.no_blocks).then_some(args.block_size),
             };
             let manifest = store.create(&new, &key, now())?;
-            println!("created {}", store.release_path(&manifest.name).display());
+            println!(
+                "created {}",
+                store.release_path(&manifest.release.name).display()
+            );
             print!(
                 "{}",
                 releases::render_manifest(&manifest, &key.verifying_key().to_bytes())
@@ -629,12 +633,12 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
         } => {
             let (blob, manifest) = match (file, data_dir, name) {
                 (Some(file), _, _) => releases::read_release_file(&file)?,
-                (None, Some(dir), Some(name)) => ReleaseStore::new(dir).load(&name)?,
+                (None, Some(dir), Some(name)) => ReleaseStore::new(dir).load_manifest(&name)?,
                 // clap's required_unless_present rules make this unreachable; exit as usage error.
                 _ => return Ok(2),
             };
             if json {
-                println!("{}", to_json(&releases::summary(&manifest)));
+                println!("{}", to_json(&releases::summary(&manifest.release)));
             } else {
                 print!("{}", releases::render_manifest(&manifest, &blob.signer));
             }
@@ -651,30 +655,42 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             store.load(&name)?;
             let manifest = store.verify(&store.release_path(&name), &key)?;
             println!(
-                "release {} verified: signature ok, {} artifact(s) present with the declared size and sha256",
-                manifest.name,
-                manifest.artifacts.len()
+                "release {} verified: signature ok, {} artifact(s) present with the declared size and sha256{}",
+                manifest.release.name,
+                manifest.release.artifacts.len(),
+                if manifest.blocks.is_some() { ", block lists match" } else { "" }
             );
             Ok(0)
         }
         ReleaseCmd::List { data_dir, json } => {
-            let summaries: Vec<ReleaseSummary> = ReleaseStore::new(&data_dir).summaries()?;
+            let manifests = ReleaseStore::new(&data_dir).manifests()?;
             if json {
+                let summaries: Vec<ReleaseSummary> = manifests
+                    .iter()
+                    .map(|m| releases::summary(&m.release))
+                    .collect();
                 println!("{}", to_json(&summaries));
-            } else if summaries.is_empty() {
+            } else if manifests.is_empty() {
                 println!("no releases in {}", data_dir.display());
             } else {
                 println!(
-                    "{:24}  {:12}  {:>8}  HARDWARE",
-                    "RELEASE", "VERSION", "COUNTER"
+                    "{:24}  {:12}  {:>8}  {:>7}  HARDWARE",
+                    "RELEASE", "VERSION", "COUNTER", "BLOCKS"
                 );
-                for s in &summaries {
+                for m in &manifests {
+                    let s = &m.release;
                     let hw = if s.hardware.is_empty() {
                         "any".to_owned()
                     } else {
                         s.hardware.join(",")
                     };
-                    println!("{:24}  {:12}  {:>8}  {hw}", s.name, s.version, s.counter);
+                    println!(
+                        "{:24}  {:12}  {:>8}  {:>7}  {hw}",
+                        s.name,
+                        s.version,
+                        s.counter,
+                        releases::block_size_label(m)
+                    );
                 }
             }
             Ok(0)

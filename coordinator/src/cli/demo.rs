@@ -302,15 +302,16 @@ async fn run_in(
             hardware: vec!["demo-board".into()],
             artifacts: vec![format!("app={}", artifact.display())],
             expires_in: 30 * 24 * 3600,
+            block_size: None,
         },
         &release_key,
         unix_now(),
     )?;
     say(format!(
         "signed release {} ({} bytes, sha256 {}…)",
-        manifest.name,
-        manifest.artifacts[0].size,
-        &flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)[..16]
+        manifest.release.name,
+        manifest.release.artifacts[0].size,
+        &flotilla_protocol::hex::encode(&manifest.release.artifacts[0].sha256)[..16]
     ));
 
     // Each demo device enrolls itself with a one-time token the coordinator lists, so the demo

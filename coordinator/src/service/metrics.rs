@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::control::{TraceEntry, TraceKind};
-use flotilla_protocol::{BlockReply, Topics};
+use flotilla_protocol::{BlockReply, ByteCounts, Topics};
 use flotilla_rollout::engine::Engine;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -229,6 +229,7 @@ pub struct Metrics {
     refused: Family<[(&'static str, &'static str); 1], Counter>,
     block_bytes: Counter,
     block_replies: Family<[(&'static str, &'static str); 1], Counter>,
+    device_bytes: Family<[(&'static str, &'static str); 1], Counter>,
     connects: Counter,
     disconnects: Counter,
     decisions: Family<[(&'static str, &'static str); 1], Histogram>,
@@ -366,6 +367,12 @@ impl Metrics {
             "Block replies sent to devices, by result (data or unavailable)",
             block_replies.clone(),
         );
+        let device_bytes = Family::default();
+        registry.register(
+            "flotilla_device_bytes",
+            "Bytes devices reported for their finished actions, by source (coordinator, peer, local)",
+            device_bytes.clone(),
+        );
         let connects = Counter::default();
         registry.register(
             "flotilla_link_connects",
@@ -427,6 +434,7 @@ impl Metrics {
             refused,
             block_bytes,
             block_replies,
+            device_bytes,
             connects,
             disconnects,
             decisions,
@@ -514,6 +522,19 @@ impl Metrics {
         self.block_replies
             .get_or_create(&[("result", result)])
             .inc();
+    }
+
+    /// A device's final report said where its bytes came from.
+    pub fn device_bytes(&mut self, bytes: &ByteCounts) {
+        for (source, n) in [
+            ("coordinator", bytes.coordinator),
+            ("peer", bytes.from_peers()),
+            ("local", bytes.local),
+        ] {
+            self.device_bytes
+                .get_or_create(&[("source", source)])
+                .inc_by(n);
+        }
     }
 
     /// The link connected (first or again).

@@ -29,7 +29,8 @@
 //!   snapshot of the engine that the loop hands over when a scrape asks.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
-//! - [`releases`]: signed release manifests and content-addressed artifacts on disk.
+//! - [`releases`]: signed release manifests, artifacts and their block lists on disk.
+//! - [`grants`]: an install's action body, with the signed peer grant when it names peers.
 //! - [`keys`]: the coordinator's and the release key files.
 //! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
 //! - [`operators`]: who sent a control request and whether they may (signature, clock window,
@@ -40,6 +41,7 @@ pub mod backup;
 pub mod broker;
 pub mod config;
 pub mod enrollment;
+pub mod grants;
 pub mod keys;
 pub mod metrics;
 pub mod mqtt;

@@ -4,8 +4,16 @@
 //!
 //! ```text
 //! {data_dir}/artifacts/{sha256 hex}     artifact bytes, named by their digest
-//! {data_dir}/releases/{name}.release    postcard SignedBlob of the ReleaseManifest
+//! {data_dir}/artifacts/{sha256 hex}     an artifact's block list, named by its own digest
+//! {data_dir}/releases/{name}.release    postcard SignedBlob of the manifest bytes
 //! ```
+//!
+//! The signed bytes are a [`Manifest`]: the `ReleaseManifest` and, unless the release was made
+//! with `--no-blocks`, the block index of every artifact (decision 0024). A block list is
+//! content-addressed like an artifact and served by the same block server, so devices fetch it
+//! from the coordinator or from a peer the same way. [`ReleaseStore::load_manifest`] checks every
+//! block list file against its signed digest, so a release whose list is missing or altered is
+//! reported when it is loaded, not when the first device asks for it.
 //!
 //! Releases are plain files rather than sled entries so that `flotilla release create` works
 //! while `flotilla serve` holds the database (sled is single-process), and [`ReleaseStore`]
@@ -17,7 +25,9 @@ use std::fs::{self, File};
 use std::io::{Read, Write as _};
 use std::path::{Path, PathBuf};
 
+use flotilla_protocol::blocks::{BlockIndexRef, BlockList, BlockListError};
 use flotilla_protocol::control::{ArtifactSummary, ReleaseSummary};
+use flotilla_protocol::manifest::{Manifest, ManifestBlocks, ManifestError};
 use flotilla_protocol::{envelope, hex, Artifact, DecodeError, Digest, IdError, ReleaseManifest};
 use flotilla_protocol::{SignatureError, SignedBlob, SigningKey, UnixTime, VerifyingKey};
 use sha2::Digest as _;
@@ -63,6 +73,24 @@ pub enum ReleaseError {
     #[error("release file {path} is malformed: {source}")]
     Decode { path: PathBuf, source: DecodeError },
     #[error("release file {path}: {source}")]
+    Manifest {
+        path: PathBuf,
+        source: ManifestError,
+    },
+    #[error("artifact {name}: cannot compute its block list: {source}")]
+    BlockList {
+        name: String,
+        source: BlockListError,
+    },
+    #[error("artifact {name}: its block list {path} is missing from the store")]
+    BlockListMissing { name: String, path: PathBuf },
+    #[error("artifact {name}: its block list {path} does not match the signed manifest: {source}")]
+    BlockListMismatch {
+        name: String,
+        path: PathBuf,
+        source: BlockListError,
+    },
+    #[error("release file {path}: {source}")]
     Signature {
         path: PathBuf,
         source: SignatureError,
@@ -107,6 +135,9 @@ pub struct NewRelease {
     pub artifacts: Vec<String>,
     /// Seconds from now until the release expires.
     pub expires_in: u64,
+    /// The block size of every artifact's block list; `None` makes a manifest without block
+    /// lists, which agents older than decision 0024 can read (`--no-blocks`).
+    pub block_size: Option<u32>,
 }
 
 /// The releases and artifacts under one data directory.
@@ -147,7 +178,7 @@ impl ReleaseStore {
         new: &NewRelease,
         key: &SigningKey,
         now: UnixTime,
-    ) -> Result<ReleaseManifest, ReleaseError> {
+    ) -> Result<Manifest, ReleaseError> {
         flotilla_protocol::validate_id("release name", &new.name).map_err(|source| {
             ReleaseError::Name {
                 name: new.name.clone(),
@@ -181,13 +212,28 @@ impl ReleaseStore {
                 path: release_path,
             });
         }
+        if let Some(block_size) = new.block_size {
+            BlockIndexRef {
+                block_size,
+                sha256: [0; 32],
+            }
+            .validate()
+            .map_err(|source| ReleaseError::BlockList {
+                name: "(every artifact)".into(),
+                source,
+            })?;
+        }
         let mut artifacts = Vec::new();
+        let mut indexes = Vec::new();
         for (target, path) in sources {
             let (size, sha256) = self.import_artifact(&path)?;
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| target.clone());
+            if let Some(block_size) = new.block_size {
+                indexes.push(self.store_block_list(&name, &sha256, block_size)?);
+            }
             artifacts.push(Artifact {
                 name,
                 target,
@@ -204,7 +250,13 @@ impl ReleaseStore {
             created_at: now,
             expires_at: now.saturating_add(new.expires_in),
         };
-        let blob = SignedBlob::sign(key, envelope::to_bytes(&manifest));
+        let manifest = Manifest {
+            release: manifest,
+            blocks: new
+                .block_size
+                .map(|_| ManifestBlocks { artifacts: indexes }),
+        };
+        let blob = SignedBlob::sign(key, manifest.encode());
         // A concurrent `create` of the same name could have won since the check above; the
         // no-clobber link makes the last step refuse instead of silently replacing it.
         write_atomic(&release_path, &envelope::to_bytes(&blob), false).map_err(|e| match e {
@@ -218,6 +270,37 @@ impl ReleaseStore {
             },
         })?;
         Ok(manifest)
+    }
+
+    /// Hashes every block of a stored artifact and stores the list under its own digest.
+    fn store_block_list(
+        &self,
+        name: &str,
+        sha256: &Digest,
+        block_size: u32,
+    ) -> Result<BlockIndexRef, ReleaseError> {
+        let path = self.artifact_path(sha256);
+        let file = File::open(&path).map_err(|source| ReleaseError::ReadArtifact {
+            path: path.clone(),
+            source,
+        })?;
+        let list =
+            BlockList::compute(std::io::BufReader::new(file), block_size).map_err(|source| {
+                ReleaseError::BlockList {
+                    name: name.to_owned(),
+                    source,
+                }
+            })?;
+        let index = BlockIndexRef {
+            block_size,
+            sha256: flotilla_protocol::sha256(list.as_bytes()),
+        };
+        let dest = self.artifact_path(&index.sha256);
+        // Same digest, same bytes: a list already stored (a shared artifact) is kept as it is.
+        match write_atomic(&dest, list.as_bytes(), false) {
+            Ok(()) | Err(WriteError::Exists) => Ok(index),
+            Err(WriteError::Io(source)) => Err(ReleaseError::Write { path: dest, source }),
+        }
     }
 
     /// Streams a file into the store, hashing while copying. Returns its size and digest.
@@ -266,6 +349,12 @@ impl ReleaseStore {
     /// and its decoded manifest. Does not check the signature: the coordinator forwards the
     /// blob, and agents hold the release keys.
     pub fn load(&self, name: &str) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+        self.load_manifest(name).map(|(blob, m)| (blob, m.release))
+    }
+
+    /// Like [`ReleaseStore::load`], with the manifest's block indexes; every block list file is
+    /// checked against its signed digest and its artifact's size.
+    pub fn load_manifest(&self, name: &str) -> Result<(SignedBlob, Manifest), ReleaseError> {
         flotilla_protocol::validate_id("release name", name).map_err(|source| {
             ReleaseError::Name {
                 name: name.to_owned(),
@@ -284,14 +373,43 @@ impl ReleaseStore {
             Err(source) => return Err(ReleaseError::ReadRelease { path, source }),
         };
         let (blob, manifest) = decode_release(&path, &bytes)?;
-        if manifest.name != name {
+        if manifest.release.name != name {
             return Err(ReleaseError::WrongName {
                 path,
                 expected: name.to_owned(),
-                found: manifest.name,
+                found: manifest.release.name,
             });
         }
+        self.check_block_lists(&manifest)?;
         Ok((blob, manifest))
+    }
+
+    /// Checks every block list a manifest names is in the store and matches its signed digest.
+    pub fn check_block_lists(&self, manifest: &Manifest) -> Result<(), ReleaseError> {
+        for (position, artifact) in manifest.release.artifacts.iter().enumerate() {
+            let Some(index) = manifest.block_index(position) else {
+                continue;
+            };
+            let path = self.artifact_path(&index.sha256);
+            let bytes = match fs::read(&path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(ReleaseError::BlockListMissing {
+                        name: artifact.name.clone(),
+                        path,
+                    })
+                }
+                Err(source) => return Err(ReleaseError::ReadArtifact { path, source }),
+            };
+            BlockList::from_bytes(&bytes, index, artifact.size).map_err(|source| {
+                ReleaseError::BlockListMismatch {
+                    name: artifact.name.clone(),
+                    path,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
     }
 
     /// Names of every release file, sorted.
@@ -323,10 +441,19 @@ impl ReleaseStore {
     /// Summaries of every readable release; unreadable files are logged and skipped so one
     /// corrupt file does not hide the rest.
     pub fn summaries(&self) -> Result<Vec<ReleaseSummary>, ReleaseError> {
+        Ok(self
+            .manifests()?
+            .iter()
+            .map(|m| summary(&m.release))
+            .collect())
+    }
+
+    /// Every readable release's manifest, by name; unreadable ones are logged and skipped.
+    pub fn manifests(&self) -> Result<Vec<Manifest>, ReleaseError> {
         let mut out = Vec::new();
         for name in self.list()? {
-            match self.load(&name) {
-                Ok((_, manifest)) => out.push(summary(&manifest)),
+            match self.load_manifest(&name) {
+                Ok((_, manifest)) => out.push(manifest),
                 Err(e) => {
                     tracing::warn!(release = %name, error = %e, "skipping unreadable release")
                 }
@@ -337,7 +464,7 @@ impl ReleaseStore {
 
     /// Checks a release: the signature against `key` (strict), then every artifact in the
     /// store has the declared size and sha256.
-    pub fn verify(&self, path: &Path, key: &VerifyingKey) -> Result<ReleaseManifest, ReleaseError> {
+    pub fn verify(&self, path: &Path, key: &VerifyingKey) -> Result<Manifest, ReleaseError> {
         let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease {
             path: path.to_owned(),
             source,
@@ -353,14 +480,15 @@ impl ReleaseStore {
                 path: path.to_owned(),
                 source,
             })?;
-        let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
-            .map_err(|source| ReleaseError::Decode {
+        let manifest =
+            Manifest::decode(&blob.payload).map_err(|source| ReleaseError::Manifest {
                 path: path.to_owned(),
                 source,
             })?;
-        for artifact in &manifest.artifacts {
+        for artifact in &manifest.release.artifacts {
             self.check_artifact(artifact)?;
         }
+        self.check_block_lists(&manifest)?;
         Ok(manifest)
     }
 
@@ -408,26 +536,32 @@ impl ReleaseStore {
     }
 }
 
-/// Decodes a release file's bytes into the blob and its manifest.
-pub fn decode_release(
-    path: &Path,
-    bytes: &[u8],
-) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+/// Decodes a release file's bytes into the blob and its manifest (with or without block lists).
+pub fn decode_release(path: &Path, bytes: &[u8]) -> Result<(SignedBlob, Manifest), ReleaseError> {
     let blob: SignedBlob =
         envelope::from_bytes("release file", bytes).map_err(|source| ReleaseError::Decode {
             path: path.to_owned(),
             source,
         })?;
-    let manifest: ReleaseManifest = envelope::from_bytes("release manifest", &blob.payload)
-        .map_err(|source| ReleaseError::Decode {
-            path: path.to_owned(),
-            source,
-        })?;
+    let manifest = Manifest::decode(&blob.payload).map_err(|source| ReleaseError::Manifest {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok((blob, manifest))
 }
 
+/// Every digest a device installing this release may fetch: each artifact and each block list.
+pub fn fetchable_digests(manifest: &Manifest) -> Vec<Digest> {
+    let artifacts = manifest.release.artifacts.iter().map(|a| a.sha256);
+    let lists = manifest
+        .blocks
+        .iter()
+        .flat_map(|b| b.artifacts.iter().map(|i| i.sha256));
+    artifacts.chain(lists).collect()
+}
+
 /// Reads a release file anywhere on disk (for `release inspect --file`).
-pub fn read_release_file(path: &Path) -> Result<(SignedBlob, ReleaseManifest), ReleaseError> {
+pub fn read_release_file(path: &Path) -> Result<(SignedBlob, Manifest), ReleaseError> {
     let bytes = fs::read(path).map_err(|source| ReleaseError::ReadRelease {
         path: path.to_owned(),
         source,
@@ -456,7 +590,8 @@ pub fn summary(manifest: &ReleaseManifest) -> ReleaseSummary {
 }
 
 /// A manifest as a human-readable table.
-pub fn render_manifest(manifest: &ReleaseManifest, signer: &[u8; 32]) -> String {
+pub fn render_manifest(full: &Manifest, signer: &[u8; 32]) -> String {
+    let manifest = &full.release;
     let hardware = if manifest.hardware.is_empty() {
         "any".to_owned()
     } else {
@@ -499,7 +634,34 @@ pub fn render_manifest(manifest: &ReleaseManifest, signer: &[u8; 32]) -> String 
             hex::encode(&a.sha256)
         ));
     }
+    if full.blocks.is_none() {
+        out.push_str("\nblock lists: none (a manifest agents before block hashes can read)\n");
+        return out;
+    }
+    out.push_str(&format!(
+        "\n{:name_w$}  {:>10}  BLOCK LIST SHA256\n",
+        "ARTIFACT", "BLOCK SIZE"
+    ));
+    for (position, a) in manifest.artifacts.iter().enumerate() {
+        if let Some(index) = full.block_index(position) {
+            out.push_str(&format!(
+                "{:name_w$}  {:>10}  {}\n",
+                a.name,
+                index.block_size,
+                hex::encode(&index.sha256)
+            ));
+        }
+    }
     out
+}
+
+/// The block size of a manifest's lists for `release list`: "64 KiB", or "none".
+pub fn block_size_label(manifest: &Manifest) -> String {
+    match manifest.block_index(0) {
+        Some(index) if index.block_size % 1024 == 0 => format!("{} KiB", index.block_size / 1024),
+        Some(index) => format!("{} B", index.block_size),
+        None => "none".to_owned(),
+    }
 }
 
 enum WriteError {
@@ -566,6 +728,7 @@ mod tests {
             hardware: vec!["pi4".into()],
             artifacts: vec![format!("app={}", app.display())],
             expires_in: 3600,
+            block_size: Some(4096),
         }
     }
 
@@ -575,7 +738,8 @@ mod tests {
         let made = f
             .store
             .create(&new_release("fw-2.4.0", &f.app), &f.key, 1_000)
-            .expect("create");
+            .expect("create")
+            .release;
         assert_eq!(made.artifacts.len(), 1);
         assert_eq!(made.artifacts[0].size, 100_000);
         assert_eq!(
@@ -588,13 +752,17 @@ mod tests {
             vec![42u8; 100_000]
         );
 
-        let (blob, loaded) = f.store.load("fw-2.4.0").expect("load");
+        let (blob, loaded) = f.store.load_manifest("fw-2.4.0").expect("load");
+        let loaded = loaded.release;
         assert_eq!(loaded, made);
         assert!(blob
             .verify("release manifest", &[f.key.verifying_key()])
             .is_ok());
         assert_eq!(f.store.list().expect("list"), vec!["fw-2.4.0".to_owned()]);
-        let table = render_manifest(&loaded, &blob.signer);
+        let table = render_manifest(
+            &f.store.load_manifest("fw-2.4.0").expect("load").1,
+            &blob.signer,
+        );
         assert!(
             table.contains("fw-2.4.0") && table.contains("app.bin") && table.contains("100000"),
             "{table}"
@@ -604,7 +772,8 @@ mod tests {
         assert_eq!(
             f.store
                 .verify(&path, &f.key.verifying_key())
-                .expect("verifies"),
+                .expect("verifies")
+                .release,
             made
         );
     }
@@ -657,7 +826,7 @@ mod tests {
             .expect_err("wrong key");
         assert!(err.to_string().contains("unknown key"), "{err}");
 
-        let stored = f.store.artifact_path(&made.artifacts[0].sha256);
+        let stored = f.store.artifact_path(&made.release.artifacts[0].sha256);
         let mut bytes = fs::read(&stored).expect("read");
         bytes[10] ^= 0xff;
         fs::write(&stored, &bytes).expect("tamper");
@@ -684,6 +853,73 @@ mod tests {
             .verify(&path, &f.key.verifying_key())
             .expect_err("missing");
         assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn block_lists_are_stored_signed_and_checked_at_load() {
+        let f = fixture();
+        let made = f
+            .store
+            .create(&new_release("fw-5", &f.app), &f.key, 0)
+            .expect("create");
+        let index = *made.block_index(0).expect("a block list");
+        assert_eq!(index.block_size, 4096);
+        let list = fs::read(f.store.artifact_path(&index.sha256)).expect("list stored by digest");
+        assert_eq!(list.len(), 100_000usize.div_ceil(4096) * 32);
+        let checked = BlockList::from_bytes(&list, &index, 100_000).expect("list matches");
+        assert!(checked.verify(1, &[42u8; 4096]));
+        let (blob, loaded) = f.store.load_manifest("fw-5").expect("load");
+        assert_eq!(loaded, made);
+        assert_eq!(Manifest::decode(&blob.payload).expect("signed bytes"), made);
+        assert_eq!(
+            fetchable_digests(&loaded),
+            vec![made.release.artifacts[0].sha256, index.sha256]
+        );
+        let table = render_manifest(&loaded, &blob.signer);
+        assert!(
+            table.contains("4096") && table.contains(&hex::encode(&index.sha256)),
+            "{table}"
+        );
+        assert_eq!(block_size_label(&loaded), "4 KiB");
+
+        let path = f.store.artifact_path(&index.sha256);
+        let mut tampered = list.clone();
+        tampered[0] ^= 1;
+        fs::write(&path, &tampered).expect("tamper");
+        let err = f.store.load("fw-5").expect_err("altered list");
+        assert!(
+            err.to_string().contains("app.bin")
+                && err
+                    .to_string()
+                    .contains("does not match the signed manifest"),
+            "{err}"
+        );
+        fs::remove_file(&path).expect("remove");
+        let err = f.store.load("fw-5").expect_err("missing list");
+        assert!(
+            err.to_string().contains("block list") && err.to_string().contains("missing"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn no_blocks_signs_the_manifest_older_agents_read() {
+        let f = fixture();
+        let mut new = new_release("fw-6", &f.app);
+        new.block_size = None;
+        f.store.create(&new, &f.key, 0).expect("create");
+        let (blob, loaded) = f.store.load_manifest("fw-6").expect("load");
+        assert!(loaded.blocks.is_none());
+        let plain: ReleaseManifest =
+            envelope::from_bytes("release manifest", &blob.payload).expect("old readers read it");
+        assert_eq!(plain, loaded.release);
+        assert!(render_manifest(&loaded, &blob.signer).contains("block lists: none"));
+
+        new.name = "fw-7".into();
+        new.block_size = Some(100);
+        let err = f.store.create(&new, &f.key, 0).expect_err("bad block size");
+        assert!(err.to_string().contains("block size 100"), "{err}");
+        assert!(!f.store.release_path("fw-7").exists());
     }
 
     #[test]

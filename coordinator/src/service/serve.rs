@@ -20,7 +20,12 @@
 //! signed device messages, checked against the device's enrolled key by the enrollment
 //! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
 //! else is ignored and counted, with at most one log line per interval. Blocks go only to
-//! devices that hold an action for the artifact.
+//! devices that hold an action for the artifact or block list.
+//!
+//! An install the engine names peers for goes out as `InstallWithPeers` with a peer grant signed
+//! by the coordinator key (`grants.rs`, docs/peers.md). A final report that says where its bytes
+//! came from (`ReportWithBytes`) is handled as its report, and its bytes are counted by source
+//! once per device and action ([`Service::observe_bytes`], `/metrics`).
 //!
 //! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
 //! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
@@ -36,9 +41,10 @@ use std::time::Duration;
 use flotilla_protocol::control::{
     Command, ControlReply, DeviceGroupInfo, DeviceSummary, PageQuery, RolloutPage, StrategyInfo,
 };
+use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
-    envelope, validate_id, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId,
+    envelope, validate_id, ActionBody, ActionKind, BlockReply, ByteCounts, DesiredAction, DeviceId,
     DeviceMessage, Digest, Message, SignedBlob,
 };
 use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
@@ -50,12 +56,13 @@ use crate::service::backup;
 use crate::service::broker::{BrokerError, EmbeddedBroker};
 use crate::service::config::Config;
 use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
+use crate::service::grants;
 use crate::service::keys::{self, KeysError};
 use crate::service::metrics::{self, Malformed, Metrics, Totals};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::page::Pager;
-use crate::service::releases::ReleaseStore;
+use crate::service::releases::{self, ReleaseStore};
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
@@ -277,6 +284,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
         release_digests: HashMap::new(),
         holdings: HashMap::new(),
+        bytes_counted: HashMap::new(),
         health: StoreHealth::default(),
         data_dir: config.data_dir.clone(),
         metrics,
@@ -363,12 +371,14 @@ struct Service {
     registry: Registry,
     /// Device messages ignored (unsigned, another key, not accepted…), counted and rate-limited.
     ignored: IgnoredLog,
-    /// The artifact digests of each release, for deciding who may fetch what.
+    /// The digests of each release (artifacts and block lists), for deciding who may fetch what.
     release_digests: HashMap<String, Vec<Digest>>,
     /// Device id -> the artifacts of the install its retained desired action (signed with this
     /// coordinator's key) names: what it published itself, and what it reads back from the
     /// retained `desired` topics (after a restart, or another instance with the same key).
     holdings: HashMap<String, Vec<Digest>>,
+    /// Device id -> the action whose bytes by source were last counted.
+    bytes_counted: HashMap<String, String>,
     /// Whether the store can be written (`store_health.rs`).
     health: StoreHealth,
     data_dir: PathBuf,
@@ -407,6 +417,20 @@ impl Service {
             self.metrics
                 .refresh(&self.engine, &self.ignored.total, totals);
         }
+    }
+
+    /// Where the bytes of a device's finished action came from. Counted by source for
+    /// `/metrics`; this is the one place bytes by source enter the service.
+    fn observe_bytes(&mut self, device: &str, action_id: &str, bytes: &ByteCounts) {
+        // A report sent again (the agent repeats it until it is acknowledged) counts once.
+        if self.bytes_counted.get(device).map(String::as_str) == Some(action_id) {
+            return;
+        }
+        self.bytes_counted
+            .insert(device.to_owned(), action_id.to_owned());
+        tracing::debug!(%device, %action_id, coordinator = bytes.coordinator,
+            peers = bytes.from_peers(), local = bytes.local, "bytes by source");
+        self.metrics.device_bytes(bytes);
     }
 
     /// Counts an ignored device message; logs at most one line per interval.
@@ -489,19 +513,15 @@ impl Service {
         Ok(())
     }
 
-    /// Records which artifacts `device` may fetch under the desired action `body`: those of
-    /// an install, none for anything else (nothing, cancel, rollback to a kept release).
+    /// Records which digests `device` may fetch under the desired action `body`: the artifacts
+    /// and block lists of an install (with or without peers), none for anything else (nothing,
+    /// cancel, rollback to a kept release).
     fn hold(&mut self, device: &str, body: &ActionBody) {
-        let digests = match body {
-            ActionBody::Install { manifest, .. } => envelope::from_bytes::<
-                flotilla_protocol::ReleaseManifest,
-            >(
-                "release manifest", &manifest.payload
-            )
-            .map(|m| m.artifacts.iter().map(|a| a.sha256).collect::<Vec<_>>())
-            .unwrap_or_default(),
-            _ => Vec::new(),
-        };
+        let digests = body
+            .install()
+            .and_then(|install| Manifest::decode(&install.manifest.payload).ok())
+            .map(|m| releases::fetchable_digests(&m))
+            .unwrap_or_default();
         if digests.is_empty() {
             self.holdings.remove(device);
         } else {
@@ -580,27 +600,32 @@ impl Service {
             .map(str::to_owned)
             .collect();
         for release in releases {
-            if !self.release_digests.contains_key(&release) {
-                match self.releases.load(&release) {
-                    Ok((_, manifest)) => {
-                        let digests = manifest.artifacts.iter().map(|a| a.sha256).collect();
-                        self.release_digests.insert(release.clone(), digests);
-                    }
-                    Err(e) => {
-                        tracing::error!(%release, error = %e, "cannot check a block request: release unreadable");
-                        continue;
-                    }
-                }
-            }
             if self
-                .release_digests
-                .get(&release)
+                .release_digests(&release)
                 .is_some_and(|d| d.contains(sha256))
             {
                 return true;
             }
         }
         false
+    }
+
+    /// Every digest of a release a device may fetch (artifacts and block lists), cached.
+    /// Release names are never reused, so the cache cannot go stale.
+    fn release_digests(&mut self, release: &str) -> Option<&[Digest]> {
+        if !self.release_digests.contains_key(release) {
+            match self.releases.load_manifest(release) {
+                Ok((_, manifest)) => {
+                    let digests = releases::fetchable_digests(&manifest);
+                    self.release_digests.insert(release.to_owned(), digests);
+                }
+                Err(e) => {
+                    tracing::error!(%release, error = %e, "release unreadable");
+                    return None;
+                }
+            }
+        }
+        self.release_digests.get(release).map(Vec::as_slice)
     }
 
     async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
@@ -701,8 +726,14 @@ impl Service {
                 let effects = self.engine.observe_state(state, now);
                 self.apply(effects).await
             }
-            DeviceMessage::Report(report) | DeviceMessage::ReportWithBytes { report, .. } => {
+            DeviceMessage::Report(report) => {
                 let effects = self.engine.observe_report(report, now);
+                self.apply(effects).await
+            }
+            DeviceMessage::ReportWithBytes { report, bytes } => {
+                let action_id = report.action_id.clone();
+                let effects = self.engine.observe_report(report, now);
+                self.observe_bytes(id.as_str(), &action_id, &bytes);
                 self.apply(effects).await
             }
             DeviceMessage::Fetch { request, .. } => {
@@ -1228,20 +1259,35 @@ impl Service {
                     rollout,
                     release,
                     action,
-                    peers: _,
+                    peers,
                 } => {
                     let Some(manifest) = self.manifest(&release) else {
                         continue;
                     };
+                    let digests = if peers.is_empty() {
+                        Vec::new()
+                    } else {
+                        match self.release_digests(&release) {
+                            Some(d) => d.to_vec(),
+                            None => continue,
+                        }
+                    };
                     // The maintenance window the attempt was sent in, in UTC: the agent holds
                     // to it too, so an action it receives late waits for its window.
                     let window = self.engine.install_window(&rollout, &device);
-                    let body = ActionBody::Install {
+                    let install = grants::Install {
+                        device: &device,
+                        action_id: &action_id,
+                        rollout: &rollout,
                         manifest,
                         kind: action_kind(action),
                         window,
+                        peers: &peers,
+                        digests: &digests,
                     };
-                    self.publish_action(&device, action_id, rollout, body)
+                    let key = self.key.clone();
+                    let body = move |expires_at| grants::install_body(&key, install, expires_at);
+                    self.publish_action_with(&device, action_id.clone(), rollout.clone(), body)
                         .await?;
                 }
                 Effect::Rollback {
@@ -1339,6 +1385,19 @@ impl Service {
         rollout_id: String,
         body: ActionBody,
     ) -> Result<(), ServiceError> {
+        self.publish_action_with(device, action_id, rollout_id, |_| body)
+            .await
+    }
+
+    /// Stamps, signs and publishes a desired action whose body depends on its expiry (a peer
+    /// grant expires with its action).
+    async fn publish_action_with(
+        &mut self,
+        device: &str,
+        action_id: String,
+        rollout_id: String,
+        body: impl FnOnce(u64) -> ActionBody,
+    ) -> Result<(), ServiceError> {
         let Ok(id) = DeviceId::new(device) else {
             tracing::error!(%device, "engine produced an action for an invalid device id; skipped");
             return Ok(());
@@ -1348,13 +1407,14 @@ impl Service {
             // Still strictly increasing while this process runs; only a restart could repeat it.
             self.store_failed(&e);
         }
+        let expires_at = issued_at.saturating_add(self.validity);
         let action = DesiredAction {
             action_id,
             device_id: device.to_owned(),
             rollout_id,
             issued_at,
-            expires_at: issued_at.saturating_add(self.validity),
-            body,
+            expires_at,
+            body: body(expires_at),
         };
         self.hold(device, &action.body);
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
@@ -1851,6 +1911,7 @@ mod tests {
             ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
             release_digests: HashMap::new(),
             holdings: HashMap::new(),
+            bytes_counted: HashMap::new(),
             health: StoreHealth::default(),
             data_dir: dir.path().to_owned(),
             metrics: Metrics::new(),
