@@ -142,9 +142,9 @@ impl Ended {
 
 /// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
 /// and the words with the numbers.
-pub(crate) struct Wait {
-    pub kind: &'static str,
-    pub text: String,
+struct Wait {
+    kind: &'static str,
+    text: String,
 }
 
 impl Rollout {
@@ -704,7 +704,10 @@ impl Rollout {
                 .min()
                 .unwrap_or(u64::MAX);
             if let Some((site, why)) = sites.blocked.pop_first() {
-                let wait = self.site_wait(&site, why);
+                let wait = Wait {
+                    kind: "site",
+                    text: self.site_wait(&site, why),
+                };
                 self.groups[gi].cache.stalled = Some(Stall {
                     generation: self.site_generation(),
                     until,
@@ -714,11 +717,10 @@ impl Rollout {
             }
         }
         if result.is_none() {
-            result = sites
-                .blocked
-                .into_iter()
-                .next()
-                .map(|(site, why)| self.site_wait(&site, why));
+            result = sites.blocked.into_iter().next().map(|(site, why)| Wait {
+                kind: "site",
+                text: self.site_wait(&site, why),
+            });
         }
         result
     }

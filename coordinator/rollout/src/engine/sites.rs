@@ -17,7 +17,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use flotilla_protocol::control::{SiteStatus, SourceBytes};
 use flotilla_protocol::Phase;
 
-use super::advance::Wait;
 use super::model::{DevicePhase, Group, GroupState, Rollout, SiteCounts};
 use crate::plan::MAX_PEERS;
 use crate::window::utc_text;
@@ -231,7 +230,7 @@ impl Rollout {
     }
 
     /// The words of a site's wait, with the numbers.
-    pub(crate) fn site_wait(&self, site: &str, why: SiteWhy) -> Wait {
+    pub(crate) fn site_wait(&self, site: &str, why: SiteWhy) -> String {
         let waiting = self.site_waiting(site);
         let text = match why {
             SiteWhy::Busy { busy, limit } => {
@@ -245,7 +244,7 @@ impl Rollout {
                 utc_text(until)
             ),
         };
-        Wait { kind: "site", text }
+        text
     }
 
     /// When the oldest seed wait of a site with devices waiting ends (a timer to act on).
