@@ -403,7 +403,7 @@ impl SourceBytes {
     }
 
     /// One device's counts, its peers added up.
-    pub fn of(counts: &crate::ByteCounts) -> Self {
+    pub fn of(counts: &crate::messages::ByteCounts) -> Self {
         SourceBytes {
             coordinator: counts.coordinator,
             peers: counts.from_peers(),

@@ -11,9 +11,10 @@ use std::collections::HashMap;
 use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 
 use super::model::{
-    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, ISSUED, ROLLING_BACK,
+    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, Stall, ISSUED,
+    ROLLING_BACK,
 };
-use super::sites::Blocked;
+use super::sites::{Blocked, SiteWhy};
 use super::trace::Decision;
 use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_met, success_met};
@@ -141,9 +142,9 @@ impl Ended {
 
 /// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
 /// and the words with the numbers.
-pub(crate) struct Wait {
-    pub kind: &'static str,
-    pub text: String,
+struct Wait {
+    kind: &'static str,
+    text: String,
 }
 
 impl Rollout {
@@ -472,6 +473,8 @@ impl Rollout {
         let group = &mut self.groups[gi];
         let dropped = group.drop_deleted();
         group.state = GroupState::Running;
+        // Its devices now count as waiting for their sites.
+        group.cache.changes = group.cache.changes.wrapping_add(1);
         group.started_at = Some(now);
         group.condition("Progressing", true, "StageUpdatingStarted", now);
         let mut message = format!(
@@ -512,9 +515,22 @@ impl Rollout {
                 },
             });
         }
+        let site_policy = self.spec.policies.sites.is_some();
+        let generation = self.site_generation();
+        if site_policy {
+            if let Some(stall) = &self.groups[gi].cache.stalled {
+                if stall.generation == generation && now < stall.until {
+                    return Some(Wait {
+                        kind: "site",
+                        text: stall.text.clone(),
+                    });
+                }
+            }
+            self.groups[gi].cache.stalled = None;
+        }
         let (offline_policy, my_weight) = (self.spec.policies.offline, self.spec.policies.weight);
         let successes = self.successes();
-        let mut sites = Blocked::default();
+        let mut sites = Blocked::for_group(&self.groups[gi]);
         let mut started = 0usize;
         let mut result = None;
         'batches: loop {
@@ -544,19 +560,29 @@ impl Rollout {
             let mut pos = group.cursor;
             while in_batch < batch {
                 let group = &self.groups[gi];
-                let Some(device) = group.devices.get(pos).cloned() else {
+                let Some(id) = group.devices.get(pos) else {
                     break 'batches;
                 };
-                if group.slots.get(&device).map(|s| &s.phase) != Some(&DevicePhase::Scheduled) {
+                let slot = group.slots.get(id);
+                if slot.map(|s| &s.phase) != Some(&DevicePhase::Scheduled) {
                     if pos == group.cursor {
                         self.groups[gi].cursor += 1;
                     }
                     pos += 1;
                     continue;
                 }
-                if sites.all_blocked(group) {
+                if sites.all_blocked() {
                     break 'batches;
                 }
+                // Passing over a device of a site already found full costs no allocation.
+                if slot
+                    .and_then(|s| s.site.as_deref())
+                    .is_some_and(|s| sites.blocked.contains_key(s))
+                {
+                    pos += 1;
+                    continue;
+                }
+                let device = id.clone();
                 if let Some(limit) = group.pace.concurrency {
                     if group.counts.not_ready() >= limit {
                         result = Some(Wait {
@@ -571,10 +597,6 @@ impl Rollout {
                     }
                 }
                 let site = group.slots.get(&device).and_then(|s| s.site.clone());
-                if site.as_ref().is_some_and(|s| sites.blocked.contains_key(s)) {
-                    pos += 1;
-                    continue;
-                }
                 let peers = match site.as_ref() {
                     Some(site) => match self.site_gate(site, &device, now) {
                         Ok(peers) => peers,
@@ -670,12 +692,35 @@ impl Rollout {
                 self.record(now, decision.group(&name), out);
             }
         }
-        if result.is_none() {
-            result = sites
+        if result.is_none() && sites.all_blocked() {
+            // Until a site changes, a fill would pass over the same devices again.
+            let until = sites
                 .blocked
-                .into_iter()
-                .next()
-                .map(|(site, why)| self.site_wait(&site, why));
+                .values()
+                .filter_map(|why| match why {
+                    SiteWhy::Seed { until, .. } => Some(*until),
+                    _ => None,
+                })
+                .min()
+                .unwrap_or(u64::MAX);
+            if let Some((site, why)) = sites.blocked.pop_first() {
+                let wait = Wait {
+                    kind: "site",
+                    text: self.site_wait(&site, why),
+                };
+                self.groups[gi].cache.stalled = Some(Stall {
+                    generation: self.site_generation(),
+                    until,
+                    text: wait.text.clone(),
+                });
+                return Some(wait);
+            }
+        }
+        if result.is_none() {
+            result = sites.blocked.into_iter().next().map(|(site, why)| Wait {
+                kind: "site",
+                text: self.site_wait(&site, why),
+            });
         }
         result
     }
@@ -1482,6 +1527,7 @@ impl Rollout {
             c.total += 1;
             c.scheduled += 1;
         }
+        group.cache.changes = group.cache.changes.wrapping_add(1);
         group.slots.insert(device.to_owned(), slot);
         group.counts.total += 1;
         group.counts.scheduled += 1;

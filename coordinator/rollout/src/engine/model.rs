@@ -365,6 +365,23 @@ pub struct GroupCache {
     pub sites: BTreeMap<String, SiteCounts>,
     /// The bytes of every slot added up.
     pub bytes: SourceBytes,
+    /// Bumped by every change that can let a device of a site start: a site device's phase,
+    /// a device joining or leaving, the group starting, a site's holders.
+    pub changes: u64,
+    /// Every device the group has left was held by a full site at the last fill; nothing
+    /// changed since (the sum of every group's `changes` says so) means no scan is needed.
+    pub stalled: Option<Stall>,
+}
+
+/// A group whose remaining devices all wait for their sites.
+#[derive(Debug, Clone)]
+pub struct Stall {
+    /// The sum of every group's `changes` when it was found.
+    pub generation: u64,
+    /// A seed's wait ends then: look again.
+    pub until: u64,
+    /// The words of the wait.
+    pub text: String,
 }
 
 impl PartialEq for GroupCache {
@@ -426,8 +443,13 @@ impl Group {
         new.count_in(&mut self.counts, true);
         if let Some(site) = &slot.site {
             let c = self.cache.sites.entry(site.clone()).or_default();
+            let before = *c;
             c.count(&slot.phase, false);
             c.count(&new, true);
+            // Progress within a phase (accepted, downloading…) lets no other device start.
+            if *c != before {
+                self.cache.changes = self.cache.changes.wrapping_add(1);
+            }
         }
         slot.phase = new;
         true
@@ -466,6 +488,7 @@ impl Group {
 
     /// Takes a slot out of the site counts and byte sums before it is removed.
     pub fn uncount_site(&mut self, device: &str) {
+        self.cache.changes = self.cache.changes.wrapping_add(1);
         if let Some(slot) = self.slots.get(device) {
             let bytes = slot.bytes.unwrap_or_default();
             self.cache.bytes.sub(&bytes);

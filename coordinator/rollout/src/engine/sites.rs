@@ -17,7 +17,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use flotilla_protocol::control::{SiteStatus, SourceBytes};
 use flotilla_protocol::Phase;
 
-use super::advance::Wait;
 use super::model::{DevicePhase, Group, GroupState, Rollout, SiteCounts};
 use crate::plan::MAX_PEERS;
 use crate::window::utc_text;
@@ -34,25 +33,32 @@ pub(crate) enum SiteWhy {
 #[derive(Default)]
 pub(crate) struct Blocked {
     pub blocked: BTreeMap<String, SiteWhy>,
+    /// When the fill began: the group's sites with devices left to start, and whether devices
+    /// without a site are left too (then the scan never stops early).
+    open_sites: usize,
+    open_without_site: bool,
 }
 
 impl Blocked {
-    /// Every device the group has left to start is in a site found full: scanning further
-    /// would only pass over more of them.
-    pub fn all_blocked(&self, group: &Group) -> bool {
-        if self.blocked.is_empty() {
-            return false;
-        }
+    /// Ready for a fill of `group`: O(sites of the group), once per fill.
+    pub fn for_group(group: &Group) -> Self {
+        let mut open_sites = 0;
         let mut in_sites = 0;
-        for (site, c) in &group.cache.sites {
-            if c.scheduled > 0 {
-                if !self.blocked.contains_key(site) {
-                    return false;
-                }
-                in_sites += c.scheduled;
-            }
+        for c in group.cache.sites.values().filter(|c| c.scheduled > 0) {
+            open_sites += 1;
+            in_sites += c.scheduled;
         }
-        in_sites >= group.counts.scheduled
+        Blocked {
+            blocked: BTreeMap::new(),
+            open_sites,
+            open_without_site: group.counts.scheduled > in_sites,
+        }
+    }
+
+    /// Every device the group had left to start is in a site found full: scanning further
+    /// would only pass over more of them.
+    pub fn all_blocked(&self) -> bool {
+        !self.blocked.is_empty() && !self.open_without_site && self.blocked.len() >= self.open_sites
     }
 }
 
@@ -71,6 +77,13 @@ pub(crate) fn holds_release(phase: &Phase) -> bool {
 }
 
 impl Rollout {
+    /// Changes to any group's sites so far (see [`super::model::GroupCache::changes`]).
+    pub(crate) fn site_generation(&self) -> u64 {
+        self.groups
+            .iter()
+            .fold(0u64, |n, g| n.wrapping_add(g.cache.changes))
+    }
+
     /// A site's counts over every group of the rollout.
     pub(crate) fn site_total(&self, site: &str) -> SiteCounts {
         let mut total = SiteCounts::default();
@@ -192,6 +205,8 @@ impl Rollout {
         else {
             return false;
         };
+        // Devices waiting for their site may start now (or with other peers).
+        self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
@@ -215,7 +230,7 @@ impl Rollout {
     }
 
     /// The words of a site's wait, with the numbers.
-    pub(crate) fn site_wait(&self, site: &str, why: SiteWhy) -> Wait {
+    pub(crate) fn site_wait(&self, site: &str, why: SiteWhy) -> String {
         let waiting = self.site_waiting(site);
         let text = match why {
             SiteWhy::Busy { busy, limit } => {
@@ -229,7 +244,7 @@ impl Rollout {
                 utc_text(until)
             ),
         };
-        Wait { kind: "site", text }
+        text
     }
 
     /// When the oldest seed wait of a site with devices waiting ends (a timer to act on).
