@@ -302,10 +302,10 @@ impl Site {
     }
 
     /// Creates a signed release with one artifact for target `app` in the coordinator's data
-    /// directory and returns the artifact path. Its manifest has no block lists, so agents that
-    /// check only the whole-file digest read it too; [`Site::release_with`] makes others.
+    /// directory and returns the artifact path. Its manifest signs block lists, as `release
+    /// create` makes by default; [`Site::release_with`] takes other flags (`--no-blocks`).
     pub fn release(&self, name: &str, counter: u64, content: &[u8]) -> PathBuf {
-        self.release_with(name, counter, content, &["--no-blocks"])
+        self.release_with(name, counter, content, &[])
     }
 
     /// Creates a signed release with further `release create` flags (none: block lists of the

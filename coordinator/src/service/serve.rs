@@ -44,8 +44,8 @@ use flotilla_protocol::control::{
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
-    envelope, validate_id, ActionBody, ActionKind, BlockReply, ByteCounts, DesiredAction, DeviceId,
-    DeviceMessage, Digest, Message, SignedBlob,
+    envelope, validate_id, ActionBody, ActionKind, BlockReply, BypassedPeer, ByteCounts,
+    DesiredAction, DeviceId, DeviceMessage, Digest, Message, SignedBlob,
 };
 use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
 use rumqttc::{AsyncClient, QoS};
@@ -421,16 +421,27 @@ impl Service {
 
     /// Where the bytes of a device's finished action came from. Counted by source for
     /// `/metrics`; this is the one place bytes by source enter the service.
-    fn observe_bytes(&mut self, device: &str, action_id: &str, bytes: &ByteCounts) {
+    /// The engine keeps them per rollout and per site, and traces the peers the device bypassed.
+    fn observe_bytes(
+        &mut self,
+        device: &str,
+        action_id: &str,
+        bytes: &ByteCounts,
+        bypassed: &[BypassedPeer],
+        now: u64,
+    ) -> Vec<Effect> {
         // A report sent again (the agent repeats it until it is acknowledged) counts once.
         if self.bytes_counted.get(device).map(String::as_str) == Some(action_id) {
-            return;
+            return Vec::new();
         }
         self.bytes_counted
             .insert(device.to_owned(), action_id.to_owned());
         tracing::debug!(%device, %action_id, coordinator = bytes.coordinator,
             peers = bytes.from_peers(), local = bytes.local, "bytes by source");
         self.metrics.device_bytes(bytes);
+        self.engine.observe_bytes(device, action_id, bytes.clone());
+        self.engine
+            .observe_bypassed(device, action_id, bypassed, now)
     }
 
     /// Counts an ignored device message; logs at most one line per interval.
@@ -730,10 +741,15 @@ impl Service {
                 let effects = self.engine.observe_report(report, now);
                 self.apply(effects).await
             }
-            DeviceMessage::ReportWithBytes { report, bytes } => {
-                let action_id = report.action_id.clone();
-                let effects = self.engine.observe_report(report, now);
-                self.observe_bytes(id.as_str(), &action_id, &bytes);
+            DeviceMessage::ReportWithBytes {
+                report,
+                bytes,
+                bypassed,
+            } => {
+                // The bytes first, so the status the report publishes counts them.
+                let mut effects =
+                    self.observe_bytes(id.as_str(), &report.action_id, &bytes, &bypassed, now);
+                effects.extend(self.engine.observe_report(report, now));
                 self.apply(effects).await
             }
             DeviceMessage::Fetch { request, .. } => {

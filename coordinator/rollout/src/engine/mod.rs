@@ -747,6 +747,70 @@ impl Engine {
         self.advance(&name, now, out);
     }
 
+    /// The most peers one report may name in the trace; the rest are counted in one line, so a
+    /// device cannot flood its rollout's trace.
+    pub const BYPASSED_TRACED: usize = 4;
+
+    /// Traces the peers a device stopped asking during its action (a block that failed its
+    /// hash, no answer), as its final report names them: "dev-3 bypassed peer dev-5: block 12
+    /// failed its hash". Call once per final report (the service counts a repeated report
+    /// once); a report for an action the engine does not run is ignored.
+    pub fn observe_bypassed(
+        &mut self,
+        device: &str,
+        action_id: &str,
+        bypassed: &[flotilla_protocol::BypassedPeer],
+        now: u64,
+    ) -> Vec<Effect> {
+        let mut out = Out::default();
+        if bypassed.is_empty() {
+            return out.into_effects();
+        }
+        let Some((rollout, created_at, for_device, ActionPart::Attempt(_))) =
+            parse_action_id(action_id)
+        else {
+            return out.into_effects();
+        };
+        if for_device != device {
+            return out.into_effects();
+        }
+        let Some(entry) = self.rollouts.get_mut(rollout) else {
+            return out.into_effects();
+        };
+        if entry.rollout.created_at != created_at {
+            return out.into_effects();
+        }
+        let Some(&gi) = entry.index.get(device) else {
+            return out.into_effects();
+        };
+        let r = &mut entry.rollout;
+        let group = r.groups[gi].name.clone();
+        for b in bypassed.iter().take(Self::BYPASSED_TRACED) {
+            let message = format!("{device} bypassed peer {}: {}", b.peer, b.reason);
+            r.record(
+                now,
+                Decision::new(TraceKind::Note, message)
+                    .group(&group)
+                    .device(device),
+                &mut out,
+            );
+        }
+        if bypassed.len() > Self::BYPASSED_TRACED {
+            let message = format!(
+                "{device} bypassed {} more peers",
+                bypassed.len() - Self::BYPASSED_TRACED
+            );
+            r.record(
+                now,
+                Decision::new(TraceKind::Note, message)
+                    .group(&group)
+                    .device(device),
+                &mut out,
+            );
+        }
+        self.dirty.insert(rollout.to_owned());
+        out.into_effects()
+    }
     /// Where the bytes of a device's action came from, from its final report: stored in the
     /// device's slot and summed per rollout and per site in the status. Anything that is not the
     /// device's current attempt in a rollout is ignored, as for reports.
