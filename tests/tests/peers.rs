@@ -512,6 +512,7 @@ async fn the_coordinator_counts_bytes_by_source_once_and_ignores_malformed_repor
     let good = DeviceMessage::ReportWithBytes {
         report: report.clone(),
         bytes: bytes.clone(),
+        bypassed: Vec::new(),
     };
 
     // Malformed: cut short, signed by a key nobody enrolled, speaking for another device, and
@@ -533,6 +534,7 @@ async fn the_coordinator_counts_bytes_by_source_once_and_ignores_malformed_repor
         signed(&DeviceMessage::ReportWithBytes {
             report: other,
             bytes: bytes.clone(),
+            bypassed: Vec::new(),
         }),
         false,
     )

@@ -302,7 +302,7 @@ async fn run_in(
             hardware: vec!["demo-board".into()],
             artifacts: vec![format!("app={}", artifact.display())],
             expires_in: 30 * 24 * 3600,
-            block_size: None,
+            block_size: Some(flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE),
         },
         &release_key,
         unix_now(),
