@@ -281,6 +281,11 @@ impl Probe {
     pub async fn connect(connection: &Connection, client_id: &str) -> (Connected, Option<Probe>) {
         let mut options = connection.options(client_id);
         options.set_keep_alive(Duration::from_secs(30));
+        // rumqttc's default 10 KiB limit would drop the connection on an artifact block.
+        options.set_max_packet_size(
+            flotilla_protocol::CLIENT_PACKET_LIMIT,
+            flotilla_protocol::CLIENT_PACKET_LIMIT,
+        );
         let (client, mut eventloop) = flotilla_mqtt::client(options, 100);
         let first = tokio::time::timeout(crate::WAIT, async {
             loop {
@@ -333,6 +338,28 @@ impl Probe {
             .await
             .unwrap_or_else(|_| panic!("no {what} from the broker within {:?}", crate::WAIT))
             .expect("probe connection alive")
+    }
+
+    /// The next publish received within `wait` (other packets are skipped), or `None`.
+    pub async fn next_publish(&mut self, wait: Duration) -> Option<(String, Vec<u8>)> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let packet = tokio::time::timeout_at(deadline, self.events.recv())
+                .await
+                .ok()??;
+            if let Packet::Publish(p) = packet {
+                return Some((p.topic.clone(), p.payload.to_vec()));
+            }
+        }
+    }
+
+    /// Publishes at QoS 0 without waiting for anything, so a stand-in answering requests never
+    /// skips one while it waits.
+    pub async fn publish_now(&self, topic: &str, payload: &[u8]) {
+        self.client
+            .publish(topic, QoS::AtMostOnce, false, payload.to_vec())
+            .await
+            .expect("queue publish");
     }
 
     /// Subscribes to `filter` and returns whether the broker granted it.

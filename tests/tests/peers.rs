@@ -351,13 +351,14 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
             s.groups.iter().map(|g| g.ready).sum::<usize>() >= 1
         })
         .await;
-    let bad = first
-        .groups
+    // The ready device is the one whose target holds the release (the summary carries counts,
+    // not devices).
+    let bad = b
+        .devices
         .iter()
-        .flat_map(|g| g.devices.iter())
-        .find(|(_, d)| format!("{d:?}").contains("Ready"))
-        .map(|(id, _)| id.clone())
-        .expect("a ready device");
+        .find(|id| fs::read(b.site.target_file(id)).ok().as_deref() == Some(&content[..]))
+        .cloned()
+        .unwrap_or_else(|| panic!("a device holding the release: {first:#?}"));
     b.site.kill_agent(&bad);
     let topics = Topics::default();
     let bad_id = DeviceId::new(&bad).expect("id");
@@ -365,29 +366,29 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
     assert!(liar.subscribe(&topics.peer_fetch(&bad_id)).await);
     let liar_task = tokio::spawn(async move {
         loop {
-            for (_, payload) in liar.until("flotilla/v1/never").await {
-                let Ok(Message::PeerFetch(fetch)) = envelope::decode(&payload) else {
-                    continue;
-                };
-                let Ok(grant) = envelope::from_bytes::<flotilla_protocol::PeerGrant>(
-                    "peer grant",
-                    &fetch.grant.payload,
-                ) else {
-                    continue;
-                };
-                let to = DeviceId::new(&grant.device_id).expect("id");
-                let reply = flotilla_protocol::BlockReply::Data {
-                    sha256: fetch.request.sha256,
-                    offset: fetch.request.offset,
-                    data: vec![0xEE; fetch.request.length.min(65_536) as usize],
-                };
-                liar.publish(
-                    &topics.peer_block(&to, &bad_id),
-                    &envelope::encode(&Message::Block(reply)),
-                    false,
-                )
-                .await;
-            }
+            let Some((_, payload)) = liar.next_publish(Duration::from_secs(3600)).await else {
+                return;
+            };
+            let Ok(Message::PeerFetch(fetch)) = envelope::decode(&payload) else {
+                continue;
+            };
+            let Ok(grant) = envelope::from_bytes::<flotilla_protocol::PeerGrant>(
+                "peer grant",
+                &fetch.grant.payload,
+            ) else {
+                continue;
+            };
+            let to = DeviceId::new(&grant.device_id).expect("id");
+            let reply = flotilla_protocol::BlockReply::Data {
+                sha256: fetch.request.sha256,
+                offset: fetch.request.offset,
+                data: vec![0xEE; fetch.request.length.min(65_536) as usize],
+            };
+            liar.publish_now(
+                &topics.peer_block(&to, &bad_id),
+                &envelope::encode(&Message::Block(reply)),
+            )
+            .await;
         }
     });
     let status = b
@@ -396,7 +397,8 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
             "harbour-fw-2",
             "every other device to be ready",
             WAIT,
-            |s| s.groups.iter().map(|g| g.ready).sum::<usize>() >= b.devices.len() - 1,
+            // The liar's device counts: it was ready before it was replaced.
+            |s| s.groups.iter().map(|g| g.ready).sum::<usize>() >= b.devices.len(),
         )
         .await;
     liar_task.abort();
