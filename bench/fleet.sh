@@ -26,7 +26,7 @@
 #   - the coordinator's CPU time (user + system) for the rollout and its whole life, and the
 #     load average when each size starts (the machine may be shared);
 #   - restart with every state retained: time to the first answered control request, and to a
-#     complete registry (the coordinator's `flotilla_messages_received_total{kind="state"}`
+#     complete registry (the coordinator's `flotilla_messages_received_total{topic="state"}`
 #     reaching the device count: every retained state read).
 # Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
 set -euo pipefail
@@ -177,7 +177,7 @@ until_registry() {
   local since="$1" want="$2" got
   for _ in $(seq 6000); do
     got=$(curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |
-      awk '/^flotilla_messages_received_total\{.*kind="state"/ {print $2}')
+      awk '/^flotilla_messages_received_total\{.*topic="state"/ {print $2}')
     if [ -n "$got" ] && [ "${got%.*}" -ge "$want" ]; then
       awk -v a="$since" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
       return

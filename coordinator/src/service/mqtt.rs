@@ -305,8 +305,8 @@ impl Inbox {
             {
                 let mut state = self.lock();
                 // The urgent lane first, unless the last event came from it and others wait.
-                let from_urgent = !state.urgent.is_empty()
-                    && !(state.took_urgent && !state.queue.is_empty());
+                let from_urgent =
+                    !state.urgent.is_empty() && !(state.took_urgent && !state.queue.is_empty());
                 let next = if from_urgent {
                     state.urgent.pop_front()
                 } else {
@@ -496,7 +496,11 @@ mod tests {
             inbox.push(state(n)).expect("owner alive");
         }
         inbox.push(request(1)).expect("owner alive");
-        assert_eq!(events.recv().await, Some(request(1)), "read before the states");
+        assert_eq!(
+            events.recv().await,
+            Some(request(1)),
+            "read before the states"
+        );
         assert_eq!(events.recv().await, Some(state(1)));
 
         // A burst of requests alternates with the states still waiting, each lane in order.
