@@ -177,7 +177,7 @@ until_registry() {
   local since="$1" want="$2" got
   for _ in $(seq 6000); do
     got=$(curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |
-      awk '/^flotilla_messages_received_total\{.*topic="state"/ {print $2}')
+      awk '/^flotilla_messages_received_total\{.*topic="state"/ {print $2}' || true)
     if [ -n "$got" ] && [ "${got%.*}" -ge "$want" ]; then
       awk -v a="$since" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
       return

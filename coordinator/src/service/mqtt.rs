@@ -306,7 +306,7 @@ impl Inbox {
                 let mut state = self.lock();
                 // The urgent lane first, unless the last event came from it and others wait.
                 let from_urgent =
-                    !state.urgent.is_empty() && !(state.took_urgent && !state.queue.is_empty());
+                    !state.urgent.is_empty() && (!state.took_urgent || state.queue.is_empty());
                 let next = if from_urgent {
                     state.urgent.pop_front()
                 } else {
