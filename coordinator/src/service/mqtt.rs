@@ -10,12 +10,6 @@
 //! (a flood, or an owner far behind), never a reason to block. Connection events are never
 //! dropped; they are a few bytes each and at most a few per second.
 //!
-//! Publishes on the options' `urgent` topics (the coordinator's control requests) wait in a lane
-//! of their own that the owner reads first, so an operator's request is answered within one
-//! message's handling even with 100k retained states or a rollout's reports queued before it.
-//! The lane alternates with the rest whenever both hold something: a flood of control requests
-//! slows device traffic by half at most, never stops it. Within each lane the order is kept.
-//!
 //! Sessions are clean (state is level-triggered through retained messages, ADR 0002), so the
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
 //! what it must. Connection failures are retried forever with a capped exponential backoff.
@@ -66,8 +60,6 @@ pub struct LinkOptions {
     pub client_id: String,
     /// Filters subscribed (QoS 1) after every ConnAck.
     pub subscriptions: Vec<String>,
-    /// Topics whose publishes the owner reads ahead of everything else (see the module doc).
-    pub urgent: Vec<String>,
     pub keep_alive: Duration,
 }
 
@@ -91,7 +83,6 @@ impl LinkOptions {
             connection,
             client_id,
             subscriptions,
-            urgent: Vec::new(),
             keep_alive: Duration::from_secs(30),
         }
     }
@@ -132,7 +123,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     mqtt.set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
     let (client, eventloop) = flotilla_mqtt::client(mqtt, REQUEST_CAPACITY);
-    let tx = Inbox::with_urgent(INBOX_BYTES, options.urgent.clone());
+    let tx = Inbox::new(INBOX_BYTES);
     let events = Events { inbox: tx.clone() };
     let client_id = options.client_id.clone();
     let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
@@ -212,17 +203,11 @@ struct InboxShared {
     state: Mutex<InboxState>,
     ready: Notify,
     limit: usize,
-    /// Topics of the urgent lane.
-    urgent_topics: Vec<String>,
 }
 
 #[derive(Debug, Default)]
 struct InboxState {
     queue: VecDeque<LinkEvent>,
-    /// Publishes on an urgent topic, read ahead of `queue`.
-    urgent: VecDeque<LinkEvent>,
-    /// The last event taken came from `urgent`: the next one comes from `queue` if it has one.
-    took_urgent: bool,
     bytes: usize,
     dropped: u64,
     dropped_logged: Option<std::time::Instant>,
@@ -238,17 +223,11 @@ pub struct Abandoned;
 
 impl Inbox {
     pub fn new(limit: usize) -> Inbox {
-        Self::with_urgent(limit, Vec::new())
-    }
-
-    /// An inbox whose publishes on `urgent_topics` are read ahead of the rest.
-    pub fn with_urgent(limit: usize, urgent_topics: Vec<String>) -> Inbox {
         Inbox {
             shared: Arc::new(InboxShared {
                 state: Mutex::new(InboxState::default()),
                 ready: Notify::new(),
                 limit,
-                urgent_topics,
             }),
         }
     }
@@ -268,12 +247,9 @@ impl Inbox {
         if state.abandoned {
             return Err(Abandoned);
         }
-        let (size, urgent) = match &event {
-            LinkEvent::Publish { payload, topic } => (
-                payload.len() + topic.len(),
-                self.shared.urgent_topics.iter().any(|t| t == topic),
-            ),
-            _ => (0, false),
+        let size = match &event {
+            LinkEvent::Publish { payload, topic } => payload.len() + topic.len(),
+            _ => 0,
         };
         if size > 0 && state.bytes + size > self.shared.limit {
             state.dropped += 1;
@@ -289,11 +265,7 @@ impl Inbox {
             return Ok(());
         }
         state.bytes += size;
-        if urgent {
-            state.urgent.push_back(event);
-        } else {
-            state.queue.push_back(event);
-        }
+        state.queue.push_back(event);
         drop(state);
         self.shared.ready.notify_one();
         Ok(())
@@ -304,16 +276,7 @@ impl Inbox {
         loop {
             {
                 let mut state = self.lock();
-                // The urgent lane first, unless the last event came from it and others wait.
-                let from_urgent =
-                    !state.urgent.is_empty() && (!state.took_urgent || state.queue.is_empty());
-                let next = if from_urgent {
-                    state.urgent.pop_front()
-                } else {
-                    state.queue.pop_front()
-                };
-                if let Some(event) = next {
-                    state.took_urgent = from_urgent;
+                if let Some(event) = state.queue.pop_front() {
                     if let LinkEvent::Publish { payload, topic } = &event {
                         state.bytes -= payload.len() + topic.len();
                     }
@@ -478,51 +441,6 @@ mod tests {
         assert_eq!(events.recv().await, None, "closed and empty");
         drop(events);
         assert!(inbox.push(publish(4)).is_err(), "the owner is gone");
-    }
-
-    #[tokio::test]
-    async fn control_requests_jump_the_queue_without_starving_device_traffic() {
-        let inbox = Inbox::with_urgent(1 << 20, vec!["f/control/request".into()]);
-        let mut events = Events {
-            inbox: inbox.clone(),
-        };
-        let on = |topic: &str, n: u8| LinkEvent::Publish {
-            topic: topic.into(),
-            payload: vec![n],
-        };
-        let state = |n| on("f/devices/d/state", n);
-        let request = |n| on("f/control/request", n);
-        for n in 1..=3 {
-            inbox.push(state(n)).expect("owner alive");
-        }
-        inbox.push(request(1)).expect("owner alive");
-        assert_eq!(
-            events.recv().await,
-            Some(request(1)),
-            "read before the states"
-        );
-        assert_eq!(events.recv().await, Some(state(1)));
-
-        // A burst of requests alternates with the states still waiting, each lane in order.
-        for n in 2..=4 {
-            inbox.push(request(n)).expect("owner alive");
-        }
-        let order: Vec<LinkEvent> = [
-            events.recv().await,
-            events.recv().await,
-            events.recv().await,
-            events.recv().await,
-            events.recv().await,
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        assert_eq!(
-            order,
-            vec![request(2), state(2), request(3), state(3), request(4)]
-        );
-        inbox.close();
-        assert_eq!(events.recv().await, None, "closed and empty");
     }
 
     #[test]

@@ -245,13 +245,11 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     // coordinator started by mistake takes the connection over instead of running beside it).
     let mut filters = topics.coordinator_filters();
     filters.push(topics.desired_filter());
-    let mut options = LinkOptions::with_connection(
+    let options = LinkOptions::with_connection(
         config.connection(),
         config.broker.client_id.clone(),
         filters,
     );
-    // Operators' requests are read ahead of device traffic (docs/performance.md).
-    options.urgent = vec![topics.control_request()];
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let mut link = mqtt::start(options, link_token.clone());
     metrics.attach(link.events.stats());
