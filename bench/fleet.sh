@@ -225,13 +225,13 @@ for n in $sizes; do
     >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
   sim_pid=$!
   pids+=("$sim_pid")
-  # Registration: wait until the broker has taken every state, then a little for the
-  # coordinator to read them (create plans over the registered fleet).
+  # Registration: wait until the broker has taken every state and the coordinator has read
+  # them all (create plans over the registered fleet; a partial registry is a partial rollout).
   for _ in $(seq 6000); do
     grep -q "every device's state is queued" "$dir/fleetsim.log" && break
     sleep 0.05
   done
-  sleep 2
+  registered_s=$(until_registry "$(date +%s.%N)" "$n")
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
   if [ -n "${PERF:-}" ]; then
@@ -253,6 +253,7 @@ for n in $sizes; do
   sim="$dir/summary.txt"
   drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 
+  say "registration:             the coordinator read every state $registered_s s after the broker had them all"
   say "rollout wall time:        $(field rollout_s "$sim") s   (broker-only $(field rollout_s "$base") s, ratio $(awk -v a="$(field rollout_s "$sim")" -v b="$(field rollout_s "$base")" 'BEGIN {printf "%.1f", a / b}')x)"
   say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim")   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms)"
   say "desired actions/s:        $(field desired_per_s "$sim")   (broker-only $(field desired_per_s "$base"))"
