@@ -23,8 +23,11 @@
 #   - control request round trips (signed list_releases, every 200 ms) p50/p99 on the idle
 #     coordinator and during the rollout;
 #   - link drops (coordinator log "MQTT connection lost") and desired actions sent twice;
-#   - for the largest size: restart with every state retained: time to the first answered
-#     control request.
+#   - the coordinator's CPU time (user + system) for the rollout and its whole life, and the
+#     load average when each size starts (the machine may be shared);
+#   - restart with every state retained: time to the first answered control request, and to a
+#     complete registry (the coordinator's `flotilla_messages_received_total{topic="state"}`
+#     reaching the device count: every retained state read).
 # Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -56,8 +59,8 @@ build_flags=()
 # The coordinator as shipped (release profile); the simulator with fast signing
 # (Cargo.toml, profile.fleetsim) so that the devices are not what is measured.
 # COORDINATOR_PROFILE=fleetsim (and PERF=1, which profiles the coordinator) build the coordinator
-# with the fleetsim profile instead: opt-level 3 and symbols. Under the release profile's
-# opt-level "z", ed25519 is ~20x slower and sets every figure (docs/performance.md).
+# with the fleetsim profile instead: opt-level 3 everywhere, thin LTO and symbols (the release
+# profile builds the signature crates and the coordinator's own at opt-level 3 too, decision 0029).
 if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
   profile=fleetsim; build_flags=(--profile fleetsim)
 fi
@@ -145,6 +148,11 @@ name = "admin"
 role = "admin"
 key_file = "$dir/keys/admin.pub"
 EOF
+  metrics_port=$(free_port)
+  cat >>"$dir/coordinator.toml" <<EOF
+[metrics]
+listen = "127.0.0.1:$metrics_port"
+EOF
   cat >"$dir/spec.toml" <<EOF
 name = "fleet"
 release = "fw-2"
@@ -159,6 +167,24 @@ start_coordinator() {
   RUST_LOG=info "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
   coordinator_pid=$!
   pids+=("$coordinator_pid")
+}
+
+# User + system CPU seconds of a process so far.
+cpu_s() { awk -v t="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / t}' "/proc/$1/stat"; }
+
+# Seconds from $1 (date +%s.%N) until the coordinator has read $2 retained states.
+until_registry() {
+  local since="$1" want="$2" got
+  for _ in $(seq 6000); do
+    got=$(curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |
+      awk '/^flotilla_messages_received_total\{.*topic="state"/ {print $2}' || true)
+    if [ -n "$got" ] && [ "${got%.*}" -ge "$want" ]; then
+      awk -v a="$since" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
+      return
+    fi
+    sleep 0.05
+  done
+  echo "more than 300"
 }
 
 cli() {
@@ -176,7 +202,7 @@ say "$(mosquitto -h 2>/dev/null | head -1)"
 say ""
 
 for n in $sizes; do
-  say "== $n devices"
+  say "== $n devices (load $(cut -d' ' -f1-3 /proc/loadavg))"
   # The broker-only baseline: the same messages through a fresh broker of the same settings.
   dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
   start_broker "$dir" "$port"
@@ -199,14 +225,15 @@ for n in $sizes; do
     >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
   sim_pid=$!
   pids+=("$sim_pid")
-  # Registration: wait until the broker has taken every state, then a little for the
-  # coordinator to read them (create plans over the registered fleet).
+  # Registration: wait until the broker has taken every state and the coordinator has read
+  # them all (create plans over the registered fleet; a partial registry is a partial rollout).
   for _ in $(seq 6000); do
     grep -q "every device's state is queued" "$dir/fleetsim.log" && break
     sleep 0.05
   done
-  sleep 2
+  registered_s=$(until_registry "$(date +%s.%N)" "$n")
   registered_rss=$(kb VmRSS "$coordinator_pid")
+  registered_cpu=$(cpu_s "$coordinator_pid")
   if [ -n "${PERF:-}" ]; then
     # A profile of the coordinator during the rollout (PERF=1): bench/results/fleet-<n>.perf.txt.
     perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
@@ -221,15 +248,18 @@ for n in $sizes; do
       | grep -v '^$' | head -80 >"$results.$n.perf.txt" || true
   fi
   after_rss=$(kb VmRSS "$coordinator_pid")
+  after_cpu=$(cpu_s "$coordinator_pid")
   hwm=$(kb VmHWM "$coordinator_pid")
   sim="$dir/summary.txt"
   drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 
+  say "registration:             the coordinator read every state $registered_s s after the broker had them all"
   say "rollout wall time:        $(field rollout_s "$sim") s   (broker-only $(field rollout_s "$base") s, ratio $(awk -v a="$(field rollout_s "$sim")" -v b="$(field rollout_s "$base")" 'BEGIN {printf "%.1f", a / b}')x)"
   say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim")   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms)"
   say "desired actions/s:        $(field desired_per_s "$sim")   (broker-only $(field desired_per_s "$base"))"
   say "coordinator RSS:          empty $((empty_rss / 1024)) MiB, registered $((registered_rss / 1024)) MiB, after the rollout $((after_rss / 1024)) MiB (peak $((hwm / 1024)) MiB)"
   say "  per managed device:     $(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB after the rollout, $(awk -v a="$registered_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB registered"
+  say "coordinator CPU:          $(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.2f", a - r}') s user+sys from registration to the end of the rollout, $after_cpu s in all; load now $(cut -d' ' -f1-3 /proc/loadavg)"
   say "control round trip p50/p99: idle $(field probe_idle_p50_ms "$sim") / $(field probe_idle_p99_ms "$sim") ms ($(field probe_idle "$sim")), during the rollout $(field probe_rollout_p50_ms "$sim") / $(field probe_rollout_p99_ms "$sim") ms ($(field probe_rollout "$sim")), unanswered $(field probe_unanswered "$sim")"
   say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice $(field desired_duplicates "$sim"), refused $(field refused "$sim")"
   say "link drops:               coordinator $drops, simulator $(field connections_lost "$sim")"
@@ -237,8 +267,13 @@ for n in $sizes; do
 
   # Restart with every state retained (the largest size is the one that matters).
   kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
+  restart_at=$(date +%s.%N)
   start_coordinator "$dir"
-  say "restart to first answer:  $(until_answer) s with $n retained states"
+  until_registry "$restart_at" "$n" >"$dir/registry.out" &
+  registry_pid=$!
+  first=$(until_answer)
+  wait "$registry_pid" || true
+  say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s)"
   kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
   cp "$sim" "$results.$n.fleetsim.txt"; cp "$base" "$results.$n.baseline.txt"
