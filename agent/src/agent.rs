@@ -97,19 +97,20 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         link,
         trust: Mutex::new(trust_state),
     });
+    let mut serving = None;
     if let Some((_, requests)) = peers {
         let server = peer_serve::PeerServer::new(
             env.config.device_id.clone(),
             Held::new(machine::downloads_dir(&env.config)),
             env.clone(),
         );
-        peer_serve::start(
+        serving = Some(peer_serve::start(
             Arc::new(server),
             &env.config.peers,
             requests,
             env.link.clone(),
             link_shutdown.clone(),
-        );
+        ));
     }
     tracing::info!(device = %env.config.device_id, "agent started");
     env.write_status_file();
@@ -241,6 +242,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     }
     let _ = env.store.flush();
     link_shutdown.cancel();
+    // The peer server holds the agent's state; it ends before `run` returns.
+    if let Some(serving) = serving {
+        let _ = serving.await;
+    }
     Ok(())
 }
 

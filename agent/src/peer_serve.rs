@@ -212,7 +212,8 @@ pub fn start(
     link: LinkHandle,
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
-    let slots = Arc::new(Semaphore::new(settings.max_concurrent.max(1)));
+    let max_concurrent = settings.max_concurrent.max(1);
+    let slots = Arc::new(Semaphore::new(max_concurrent));
     let pacer = Arc::new(Pacer::new(settings.max_bytes_per_sec));
     tokio::spawn(async move {
         loop {
@@ -248,9 +249,16 @@ pub fn start(
                         _ = pacer.wait(data.len() as u64) => {}
                     }
                 }
-                link.send(Outgoing::PeerBlock { to, reply }).await;
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = link.send(Outgoing::PeerBlock { to, reply }) => {}
+                }
             });
         }
+        // Requests in flight end before the server does (each holds its slot to the end), so
+        // nothing of the agent outlives a stop: its database is closed when `run` returns.
+        let all = u32::try_from(max_concurrent).unwrap_or(u32::MAX);
+        let _ = tokio::time::timeout(Duration::from_secs(5), slots.acquire_many(all)).await;
     })
 }
 
