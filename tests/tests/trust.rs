@@ -7,8 +7,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use flotilla_protocol::signing::{generate_key, secret_key_from_text};
 use flotilla_protocol::{
-    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, ReleaseManifest,
-    SignedBlob, SigningKey, Topics,
+    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, SignedBlob,
+    SigningKey, Topics,
 };
 use flotilla_tests::{AgentOptions, BrokerKind, Site, Watcher, WAIT};
 
@@ -170,8 +170,9 @@ async fn untrusted_or_invalid_updates_are_refused_with_a_reason() {
 
     // A tampered artifact: the server's copy no longer matches the signed digest.
     let nine = release_blob(&site, "fw-9");
-    let manifest: ReleaseManifest =
-        envelope::from_bytes("manifest", &nine.payload).expect("manifest");
+    let manifest = flotilla_protocol::manifest::Manifest::decode(&nine.payload)
+        .expect("manifest")
+        .release;
     let stored = site.path(&format!(
         "coordinator/artifacts/{}",
         flotilla_protocol::hex::encode(&manifest.artifacts[0].sha256)
