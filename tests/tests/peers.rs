@@ -630,8 +630,10 @@ async fn bench_site() {
     }
     site.wait_devices(n).await;
     let central = Watcher::start(site.port, &["flotilla/v1/devices/#".to_owned()]).await;
+    // Sharing alone, no busy limit: once the seed holds the release every other device starts,
+    // as every device starts at once without sharing.
     let spec = if share {
-        format!("{SPEC}{SHARING}")
+        format!("{SPEC}[groups.sites]\nlabel = \"site\"\npeers = true\n")
     } else {
         SPEC.to_owned()
     };
@@ -738,4 +740,65 @@ async fn a_device_with_an_install_may_fetch_its_block_lists_and_nothing_else() {
                 if *sha256 == [7u8; 32] && reason.contains("holds no action"))),
         "a digest outside the release was refused: {replies:?}"
     );
+}
+
+/// Adaptive downloads (issue 13, part 4) through real processes: a device that installed one
+/// release fetches, for the next one with 1% of its blocks changed, only the changed blocks; the
+/// rest it copies from what it already holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() {
+    const BLOCK: usize = 16_384;
+    const BLOCKS: usize = 200;
+    let mut site = Site::new(BrokerKind::Embedded);
+    let port = site.enable_metrics();
+    let first: Vec<u8> = (0..BLOCK * BLOCKS)
+        .map(|i| ((i / BLOCK) as u8) ^ (i as u8).wrapping_mul(31))
+        .collect();
+    let mut second = first.clone();
+    // Two blocks of two hundred, one at the start and one in the middle, become content found
+    // nowhere in the first image (a block equal to another block anywhere is copied, not
+    // fetched: the index is by hash, not by position).
+    for b in [0, BLOCKS / 2] {
+        for (k, byte) in second[b * BLOCK..(b + 1) * BLOCK].iter_mut().enumerate() {
+            *byte = ((k as u32).wrapping_mul(2_654_435_761) >> 13) as u8 ^ b as u8;
+        }
+    }
+    let block_size = BLOCK.to_string();
+    site.release_with("fw-1", 1, &first, &["--block-size", &block_size]);
+    site.release_with("fw-2", 2, &second, &["--block-size", &block_size]);
+    site.start_coordinator();
+    site.add_agent("quay-01", &[], AgentOptions::default());
+    site.wait_devices(1).await;
+    for (release, content) in [("fw-1", &first), ("fw-2", &second)] {
+        let spec = format!(
+            "name = \"{release}-run\"\nrelease = \"{release}\"\n[groups]\ncount = 1\n\
+             success = {{ threshold = \"100%\", action = \"next\" }}\n"
+        );
+        site.create_and_start(&spec).await;
+        site.wait_status(
+            &format!("{release}-run"),
+            "the rollout to finish",
+            WAIT,
+            |s| s.state == "finished",
+        )
+        .await;
+        assert!(
+            fs::read(site.target_file("quay-01")).expect("target") == *content,
+            "quay-01 does not hold {release}'s bytes"
+        );
+    }
+    let text = scrape(port).await;
+    let list = flotilla_protocol::blocks::list_size(first.len() as u64, BLOCK as u32);
+    let coordinator = metric(&text, "flotilla_device_bytes_total{source=\"coordinator\"}");
+    let local = metric(&text, "flotilla_device_bytes_total{source=\"local\"}");
+    // The first release came whole from the coordinator (with its block list); of the second,
+    // two blocks and the list.
+    let second_fetched = coordinator - (first.len() as u64 + list);
+    assert_eq!(second_fetched, 2 * BLOCK as u64 + list, "{text}");
+    assert!(
+        second_fetched as f64 <= 0.05 * second.len() as f64,
+        "fetched {second_fetched} of {} bytes",
+        second.len()
+    );
+    assert_eq!(local, (BLOCKS - 2) as u64 * BLOCK as u64, "{text}");
 }
