@@ -9,9 +9,9 @@
 #              SHARING (default "off on"), RESULTS (default bench/results-peers.txt).
 #
 # It runs the `bench_site` test of tests/tests/peers.rs (real processes, debug build, as the
-# other tests) once per configuration. A configuration this build cannot run (peer sharing
-# before the engine and agent sides are in) is reported as such, not as a number. Nothing here
-# passes or fails on a number; docs/performance.md has the figures.
+# other tests) once per configuration; a configuration that does not finish is reported as "not
+# run", not as a number. Nothing here passes or fails on a number; docs/performance.md has the
+# figures.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -39,7 +39,7 @@ for n in $SIZES; do
             --nocapture >"$log" 2>&1
         line="$(grep '^RESULT ' "$log" | tail -1)"
         if [ -z "$line" ]; then
-            printf '%-8s %-8s %s\n' "$n" "$sharing" "not run: this build cannot" | tee -a "$results"
+            printf '%-8s %-8s %s\n' "$n" "$sharing" "not run: no result, see the log below" | tee -a "$results"
             echo "  (its output: $log)"
             continue
         fi
