@@ -91,6 +91,9 @@ struct Catalog {
 pub struct Held {
     dir: PathBuf,
     catalog: Mutex<Catalog>,
+    /// Held while the directory is looked at, so a request that arrives during a look waits
+    /// for it instead of being told the digest is not held.
+    scanning: Mutex<()>,
 }
 
 impl Held {
@@ -99,6 +102,7 @@ impl Held {
         Self {
             dir: dir.into(),
             catalog: Mutex::default(),
+            scanning: Mutex::new(()),
         }
     }
 
@@ -133,6 +137,14 @@ impl Held {
             let a = c.lists.get(digest)?;
             c.artifacts.get(a).map(|a| (a.clone(), true))
         };
+        {
+            let catalog = self.catalog.lock().ok()?;
+            if let Some(found) = lookup(&catalog) {
+                return Some(found);
+            }
+        }
+        // One look at a time; a request that waited for another's look finds what it found.
+        let _scanning = self.scanning.lock().ok()?;
         {
             let catalog = self.catalog.lock().ok()?;
             if let Some(found) = lookup(&catalog) {
@@ -510,6 +522,30 @@ pub(crate) mod tests {
             sha256,
             offset,
             length,
+        }
+    }
+
+    /// Requests arriving together for a download nobody asked for yet: one looks at the
+    /// directory, the others wait for that look instead of being told "not held".
+    #[test]
+    fn requests_during_the_first_look_are_served_too() {
+        for _ in 0..20 {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let data = artifact(8 * 4096);
+            let (sha, _) = hold(dir.path(), &data, 4096);
+            let held = Held::new(dir.path());
+            std::thread::scope(|s| {
+                let asks: Vec<_> = (0..8)
+                    .map(|i| {
+                        let held = &held;
+                        s.spawn(move || held.serve(&ask(sha, i * 4096, 4096)))
+                    })
+                    .collect();
+                for a in asks {
+                    let served = a.join().expect("thread");
+                    assert!(served.is_ok(), "{:?}", served.err().map(|e| e.reason));
+                }
+            });
         }
     }
 
