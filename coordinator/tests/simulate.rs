@@ -313,6 +313,51 @@ fn an_approval_holds_the_next_stage_until_the_operator_approves() {
 }
 
 #[test]
+fn next_refuses_at_an_approval_and_next_with_skip_approval_passes_it() {
+    let files = Files::new(
+        APPROVAL_STAGES,
+        "default = { ready_after = \"1m\" }\n\
+         [[operator]]\nat = \"1h\"\ncommand = \"next\"\n\
+         [[operator]]\nat = \"2h\"\ncommand = \"next\"\nskip_approval = true\n",
+    );
+    let (code, report) = files.simulate_json(&[]);
+    assert_eq!(code, 0, "{report}");
+    let lines = timeline(&report);
+    let refused = lines
+        .iter()
+        .find(|(_, m)| m.contains("operator next refused"))
+        .expect("a plain next is refused at the approval");
+    assert_eq!(refused.0, 3600, "{refused:?}");
+    assert!(refused.1.contains("approval"), "{refused:?}");
+    let prod = lines
+        .iter()
+        .find(|(_, m)| m.contains("prod started"))
+        .expect("prod starts");
+    assert_eq!(prod.0, 7200, "prod starts at the skip at 2h");
+    assert!(
+        lines
+            .iter()
+            .any(|(_, m)| m.contains("given by operator via next")),
+        "the timeline says who passed the approval: {lines:?}"
+    );
+}
+
+#[test]
+fn skip_approval_belongs_to_next_only() {
+    let files = Files::new(
+        APPROVAL_STAGES,
+        "[[operator]]\nat = \"1h\"\ncommand = \"pause\"\nskip_approval = true\n",
+    );
+    let out = files.simulate(&[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("operator[0].skip_approval: only with command = \"next\""),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn an_unapproved_stage_waits_until_the_horizon() {
     let files = Files::new(APPROVAL_STAGES, "default = { ready_after = \"1m\" }\n");
     let (code, report) = files.simulate_json(&["--until", "1d"]);

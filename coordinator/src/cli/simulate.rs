@@ -30,7 +30,8 @@
 //! offline_at = "5m"              # optional, from the start of the run
 //! [[operator]]
 //! at = "1h"
-//! approve = "fw-2-4-canary"      # or command = "pause" | "resume" | "stop" | "next"
+//! approve = "fw-2-4-canary"      # or command = "pause" | "resume" | "stop" | "next" (with
+//!                                 # skip_approval = true: `rollout next --skip-approval`)
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -45,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use crate::cli::fleetfile::{self, FleetError};
 use crate::cli::view;
 use flotilla_rollout::duration::parse_duration;
-use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef};
+use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef, OPERATOR};
 use flotilla_rollout::planner::{DeviceGroup, FleetDevice, PlanDevice};
 use flotilla_rollout::selector::Selector;
 use flotilla_rollout::spec::RolloutSpec;
@@ -130,7 +131,10 @@ pub enum OperatorAction {
     Pause,
     Resume,
     Stop,
-    Next,
+    /// `rollout next`; with `true`, `rollout next --skip-approval`.
+    Next {
+        skip_approval: bool,
+    },
 }
 
 /// An operator action at a time (seconds after the start).
@@ -202,6 +206,9 @@ struct RawOperator {
     approve: Option<String>,
     #[serde(default)]
     command: Option<String>,
+    /// Only with `command = "next"`: as `rollout next --skip-approval`.
+    #[serde(default)]
+    skip_approval: bool,
 }
 
 fn duration(field: &str, value: &str) -> Result<u64, String> {
@@ -305,12 +312,19 @@ impl Outcomes {
         for (i, o) in raw.operator.iter().enumerate() {
             let field = format!("operator[{i}]");
             let at = duration(&format!("{field}.at"), &o.at)?;
+            if o.skip_approval && o.command.as_deref() != Some("next") {
+                return Err(format!(
+                    "{field}.skip_approval: only with command = \"next\""
+                ));
+            }
             let action = match (&o.approve, o.command.as_deref()) {
                 (Some(name), None) => OperatorAction::Approve(name.clone()),
                 (None, Some("pause")) => OperatorAction::Pause,
                 (None, Some("resume")) => OperatorAction::Resume,
                 (None, Some("stop")) => OperatorAction::Stop,
-                (None, Some("next")) => OperatorAction::Next,
+                (None, Some("next")) => OperatorAction::Next {
+                    skip_approval: o.skip_approval,
+                },
                 (None, Some(other)) => {
                     return Err(format!(
                         "{field}.command: {other:?} is not one of pause, resume, stop, next"
@@ -677,8 +691,16 @@ impl<D: SimDevice> Sim<'_, D> {
                     OperatorAction::Pause => ("pause".to_owned(), self.engine.pause(&name, now)),
                     OperatorAction::Resume => ("resume".to_owned(), self.engine.resume(&name, now)),
                     OperatorAction::Stop => ("stop".to_owned(), self.engine.stop(&name, now)),
-                    OperatorAction::Next => {
-                        ("next".to_owned(), self.engine.trigger_next(&name, now))
+                    OperatorAction::Next { skip_approval } => {
+                        let what = if *skip_approval {
+                            "next --skip-approval"
+                        } else {
+                            "next"
+                        };
+                        let result =
+                            self.engine
+                                .trigger_next_with(&name, OPERATOR, *skip_approval, now);
+                        (what.to_owned(), result)
                     }
                 };
                 match result {
