@@ -68,6 +68,26 @@ fn keys_release_inspect_and_verify() {
     ]))
     .expect("inspect --json");
     assert_eq!(inspected["counter"], 24, "{inspected}");
+    // The block list that adaptive and peer downloads use is named, with its block size: it is
+    // the second file in the artifact store.
+    let artifact = &inspected["artifacts"][0];
+    assert_eq!(artifact["block_size"], 65536, "{inspected}");
+    let list = artifact["block_list_sha256"]
+        .as_str()
+        .expect("the block list's digest");
+    assert!(
+        dir.path().join("data/artifacts").join(list).is_file(),
+        "{inspected}"
+    );
+    let listed: serde_json::Value = serde_json::from_str(&ok(&[
+        "release",
+        "list",
+        "--data-dir",
+        &d("data"),
+        "--json",
+    ]))
+    .expect("list --json");
+    assert_eq!(listed[0]["artifacts"][0], *artifact, "{listed}");
     ok(&[
         "release",
         "verify",

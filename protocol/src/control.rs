@@ -831,6 +831,13 @@ pub struct ArtifactSummary {
     pub target: String,
     pub size: u64,
     pub sha256: String,
+    /// The block size of the artifact's signed block list, when the release has block lists
+    /// (what adaptive and peer downloads use); absent for a release made with `--no-blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// The sha256 (hex) of that block list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_list_sha256: Option<String>,
 }
 
 #[cfg(test)]

@@ -638,7 +638,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 _ => return Ok(2),
             };
             if json {
-                println!("{}", to_json(&releases::summary(&manifest.release)));
+                println!("{}", to_json(&releases::summary(&manifest)));
             } else {
                 print!("{}", releases::render_manifest(&manifest, &blob.signer));
             }
@@ -665,10 +665,8 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
         ReleaseCmd::List { data_dir, json } => {
             let manifests = ReleaseStore::new(&data_dir).manifests()?;
             if json {
-                let summaries: Vec<ReleaseSummary> = manifests
-                    .iter()
-                    .map(|m| releases::summary(&m.release))
-                    .collect();
+                let summaries: Vec<ReleaseSummary> =
+                    manifests.iter().map(releases::summary).collect();
                 println!("{}", to_json(&summaries));
             } else if manifests.is_empty() {
                 println!("no releases in {}", data_dir.display());

@@ -441,11 +441,7 @@ impl ReleaseStore {
     /// Summaries of every readable release; unreadable files are logged and skipped so one
     /// corrupt file does not hide the rest.
     pub fn summaries(&self) -> Result<Vec<ReleaseSummary>, ReleaseError> {
-        Ok(self
-            .manifests()?
-            .iter()
-            .map(|m| summary(&m.release))
-            .collect())
+        Ok(self.manifests()?.iter().map(summary).collect())
     }
 
     /// Every readable release's manifest, by name; unreadable ones are logged and skipped.
@@ -570,7 +566,9 @@ pub fn read_release_file(path: &Path) -> Result<(SignedBlob, Manifest), ReleaseE
 }
 
 /// The JSON summary of a manifest.
-pub fn summary(manifest: &ReleaseManifest) -> ReleaseSummary {
+pub fn summary(full: &Manifest) -> ReleaseSummary {
+    let manifest = &full.release;
+    let block_index = |i: usize| full.blocks.as_ref().and_then(|b| b.artifacts.get(i));
     ReleaseSummary {
         name: manifest.name.clone(),
         version: manifest.version.clone(),
@@ -579,11 +577,14 @@ pub fn summary(manifest: &ReleaseManifest) -> ReleaseSummary {
         artifacts: manifest
             .artifacts
             .iter()
-            .map(|a| ArtifactSummary {
+            .enumerate()
+            .map(|(i, a)| ArtifactSummary {
                 name: a.name.clone(),
                 target: a.target.clone(),
                 size: a.size,
                 sha256: hex::encode(&a.sha256),
+                block_size: block_index(i).map(|b| b.block_size),
+                block_list_sha256: block_index(i).map(|b| hex::encode(&b.sha256)),
             })
             .collect(),
     }
