@@ -116,16 +116,99 @@ mod tests {
         assert!(!prints(&filter, "rumqttc", Level::DEBUG));
     }
 
+    /// Every event [`emit_all`] sends that `filter` lets through, as "target level fields".
+    fn seen_through<L>(filter: L) -> Vec<String>
+    where
+        L: tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync + 'static,
+    {
+        use std::sync::{Arc, Mutex};
+        use tracing_subscriber::layer::SubscriberExt as _;
+
+        struct Record(Arc<Mutex<Vec<String>>>);
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Record {
+            fn on_event(
+                &self,
+                event: &tracing::Event<'_>,
+                _: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                let meta = event.metadata();
+                let fields: Vec<&str> = meta.fields().iter().map(|f| f.name()).collect();
+                let line = format!("{} {} {}", meta.target(), meta.level(), fields.join(" "));
+                self.0.lock().expect("record").push(line);
+            }
+        }
+
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry()
+            .with(filter)
+            .with(Record(seen.clone()));
+        tracing::subscriber::with_default(subscriber, emit_all);
+        let seen = seen.lock().expect("record").clone();
+        seen
+    }
+
+    /// One event at every level for a few targets the agent logs under, some with the fields
+    /// the agent's events carry.
+    fn emit_all() {
+        macro_rules! at_every_level {
+            ($target:literal $(, $field:ident = $value:literal)*) => {
+                tracing::event!(target: $target, Level::TRACE, $($field = $value,)* "m");
+                tracing::event!(target: $target, Level::DEBUG, $($field = $value,)* "m");
+                tracing::event!(target: $target, Level::INFO, $($field = $value,)* "m");
+                tracing::event!(target: $target, Level::WARN, $($field = $value,)* "m");
+                tracing::event!(target: $target, Level::ERROR, $($field = $value,)* "m");
+            };
+        }
+        at_every_level!("flotilla_agent");
+        at_every_level!("flotilla_agent::link");
+        at_every_level!("flotilla_agent::fetch_blocks", artifact = "app");
+        at_every_level!("flotilla_agent::machine", artifact = "app", attempt = 2);
+        at_every_level!("flotilla_targets::script");
+    }
+
+    /// The agent's filter lets through exactly the events `EnvFilter` (what the agent used
+    /// before decision 0033, and what the coordinator uses) lets through, for the directives a
+    /// user writes and the ones that only select spans.
     #[test]
-    fn field_name_directives_are_kept() {
-        let (filter, warning) = parse(Some("warn,[{artifact}]=debug"));
-        assert!(warning.is_none());
-        // `would_enable` has no event to look at fields on; the directive is there, and with it
-        // the filter's most verbose level.
-        assert_eq!(
-            tracing_subscriber::Layer::<tracing_subscriber::Registry>::max_level_hint(&filter),
-            Some(LevelFilter::DEBUG)
-        );
+    fn the_same_events_pass_as_through_env_filter() {
+        use tracing_subscriber::EnvFilter;
+        let values = [
+            "info",
+            "warn",
+            "TRACE",
+            "off",
+            "flotilla_agent=debug",
+            "warn,flotilla_agent::fetch_blocks=debug",
+            "error,flotilla_targets=info,flotilla_agent::link=trace",
+            "flotilla_agent",
+            "flotilla_agent,flotilla_agent::link=off",
+            "warn,[{artifact}]=debug",
+            "info,flotilla_agent::machine[{attempt}]=trace",
+            "warn,[fetch]=trace",
+            "warn,flotilla_agent[step{action=\"a1\"}]=trace,[{peer=\"p\"}]=debug",
+            "",
+            ",",
+        ];
+        for value in values {
+            let (filter, warning) = parse(Some(value));
+            assert!(warning.is_none(), "{value:?}");
+            let env_filter = EnvFilter::builder()
+                .parse(value)
+                .expect("EnvFilter parses it");
+            assert_eq!(
+                seen_through(filter),
+                seen_through(env_filter),
+                "RUST_LOG={value:?}"
+            );
+        }
+        // Unset, and a value that does not parse: both were `EnvFilter::new("info")`.
+        for value in [None, Some("warn,flotilla_agent=loud")] {
+            assert_eq!(
+                seen_through(parse(value).0),
+                seen_through(EnvFilter::new("info")),
+                "RUST_LOG={value:?}"
+            );
+        }
     }
 
     #[test]
