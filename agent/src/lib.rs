@@ -35,6 +35,7 @@
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
 //! config  fault                      used from every layer
+//! log_filter                         `RUST_LOG` (for the binary; imports nothing)
 //! ```
 //!
 //! - [`agent`]: ties them together: [`run`].
@@ -61,6 +62,7 @@
 //! - [`identity`]: the device's own key (`<data_dir>/device.key`), which signs what it sends.
 //! - [`config`]: the TOML configuration, validated into [`Config`].
 //! - [`fault`]: `FLOTILLA_FAULT`, crash points for crash-safety tests.
+//! - [`log_filter`]: `RUST_LOG`, read without a regular-expression engine.
 //!
 //! ## At run time
 //!
@@ -121,6 +123,7 @@ pub mod health;
 pub mod held;
 pub mod identity;
 pub mod link;
+pub mod log_filter;
 pub mod machine;
 pub mod peer_serve;
 pub mod record;

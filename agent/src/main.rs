@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use flotilla_agent::log_filter;
 use tokio_util::sync::CancellationToken;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 #[derive(Debug, Parser)]
 #[command(name = "flotilla-agent", version, about = "flotilla device agent")]
@@ -67,15 +70,17 @@ enum KeysCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let (filter, warning) = log_filter::parse(std::env::var("RUST_LOG").ok().as_deref());
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
         .with_writer(std::io::stderr)
         // Colour codes only for a person at a terminal, not in journald or log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .finish()
+        .with(filter)
         .init();
+    if let Some(warning) = warning {
+        tracing::warn!("{warning}");
+    }
     match real_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
