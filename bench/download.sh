@@ -5,7 +5,9 @@
 # Environment: SIZE (artifact bytes, default 134217728 = 128 MiB), RUNS (rollouts of each kind,
 #              default 1), MODES (default "blocks no-blocks"), IN_FLIGHT (the agent's
 #              download.in_flight; default: the agent's own default), PERF=1 (profile the agent
-#              and the coordinator with perf during the first download), KEEP=1 (keep the work
+#              and the coordinator with perf during the first download, both built in the
+#              fleetsim profile for their symbols; bench/results/download-<date>.txt.<who>.perf.txt),
+#              KEEP=1 (keep the work
 #              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/download-<UTC date>.txt), TIMEOUT (per rollout, default 10m).
@@ -40,7 +42,7 @@ while [ $# -gt 0 ]; do
     --size) SIZE="$2"; shift 2 ;;
     --runs) RUNS="$2"; shift 2 ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "download.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,7 +54,12 @@ command -v mosquitto >/dev/null || die "mosquitto not found (apt-get install mos
 build_flags=()
 [ "$profile" = release ] && build_flags=(--release)
 # The coordinator and the agent as shipped; the baseline and the watcher in the fleetsim
-# profile (opt-level 3), as bench/fleet.sh runs the simulator.
+# profile (opt-level 3), as bench/fleet.sh runs the simulator. PERF=1 builds the coordinator and
+# the agent in the fleetsim profile too: the release profile strips symbols (and builds the
+# agent at opt-level "z", so the profile is of a faster agent than the one shipped).
+if [ "$profile" = release ] && [ -n "${PERF:-}" ]; then
+  profile=fleetsim; build_flags=(--profile fleetsim)
+fi
 cargo build -q "${build_flags[@]}" -p flotilla-coordinator -p flotilla-agent --bins
 sim_profile=fleetsim
 [ "$profile" = debug ] && sim_profile=dev

@@ -75,7 +75,10 @@ pub fn block_message(offset: u64, data: &[u8]) -> Vec<u8> {
     }))
 }
 
-async fn connected(events: &mut mpsc::UnboundedReceiver<LinkEvent>, what: &str) -> anyhow::Result<()> {
+async fn connected(
+    events: &mut mpsc::UnboundedReceiver<LinkEvent>,
+    what: &str,
+) -> anyhow::Result<()> {
     loop {
         match events.recv().await {
             Some(LinkEvent::Connected) => return Ok(()),
@@ -153,7 +156,9 @@ pub async fn stream(
     let receiving = tokio::time::timeout(timeout, async {
         while received < bytes {
             match sub_events.recv().await {
-                Some(LinkEvent::Publish { topic: t, payload, .. }) if t == topic => {
+                Some(LinkEvent::Publish {
+                    topic: t, payload, ..
+                }) if t == topic => {
                     if let Ok(Message::Block(BlockReply::Data { data, .. })) =
                         envelope::decode(&payload)
                     {
@@ -246,7 +251,11 @@ impl std::fmt::Display for WatchFigures {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let show = |v: Option<f64>| v.map_or("none".to_owned(), |v| format!("{v:.6}"));
         writeln!(f, "desired_unix: {}", show(self.desired))?;
-        writeln!(f, "first_downloading_unix: {}", show(self.first_downloading))?;
+        writeln!(
+            f,
+            "first_downloading_unix: {}",
+            show(self.first_downloading)
+        )?;
         writeln!(f, "verified_unix: {}", show(self.verified))?;
         writeln!(f, "end_unix: {}", show(self.end))?;
         writeln!(
@@ -259,7 +268,11 @@ impl std::fmt::Display for WatchFigures {
             "desired_to_verified_s: {}",
             show(self.since_desired(self.verified))
         )?;
-        writeln!(f, "desired_to_end_s: {}", show(self.since_desired(self.end)))?;
+        writeln!(
+            f,
+            "desired_to_end_s: {}",
+            show(self.since_desired(self.end))
+        )?;
         writeln!(
             f,
             "end_phase: {}",
@@ -377,12 +390,7 @@ mod tests {
             desired: Some(100.0),
             ..WatchFigures::default()
         };
-        let downloading = || {
-            report(Phase::Downloading {
-                done: 1,
-                total: 2,
-            })
-        };
+        let downloading = || report(Phase::Downloading { done: 1, total: 2 });
         assert!(!w.observe(&downloading(), 100.5));
         assert!(!w.observe(&downloading(), 101.0));
         assert!(!w.observe(&report(Phase::Verified), 104.0));
