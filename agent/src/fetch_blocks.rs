@@ -1259,7 +1259,7 @@ mod tests {
         let data = image(6);
         let mut spec = spec(dir.path(), &data);
         spec.sha256 = flotilla_protocol::sha256(b"some other artifact");
-        let list = BlockList::compute(&data, BS).expect("list");
+        let list = BlockList::compute(&data[..], BS).expect("list");
         let (tx, mut rx, _asked) = network(data.clone(), Serves::Good, &[]);
         let result = fetch_blocks(
             BlockFetch {
