@@ -32,6 +32,10 @@
 //!   bytes fetched over the network (not local copies).
 //! - Resumable: the part file is the state. After a kill, its blocks are hashed again and only
 //!   the ones that fail are fetched.
+//! - The whole file's sha256 is computed on the way: each verified block that extends the
+//!   hashed prefix is fed to it as it is written (blocks that arrived ahead of a gap are read
+//!   back from the part file once the gap fills), so the check at the end reads only what was
+//!   not hashed yet instead of the whole artifact.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -41,6 +45,7 @@ use std::time::Duration;
 
 use flotilla_protocol::blocks::{block_range, list_size, BlockIndexRef, BlockList};
 use flotilla_protocol::{hex, BlockReply, BlockRequest, ByteCounts, PeerFetch, SignedBlob};
+use sha2::Digest as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -306,6 +311,9 @@ struct Download<'a> {
     /// Last time the coordinator answered or was asked again: when it has been idle for
     /// [`REPLY_TIMEOUT`], its outstanding blocks are asked for again.
     coordinator_heard: Instant,
+    /// The whole file's sha256 over its first `hashed` bytes.
+    whole: sha2::Sha256,
+    hashed: u64,
 }
 
 impl<'a> Download<'a> {
@@ -355,7 +363,40 @@ impl<'a> Download<'a> {
             fetched: 0,
             peer_heard: now,
             coordinator_heard: now,
+            whole: sha2::Sha256::new(),
+            hashed: 0,
         }
+    }
+
+    /// Feeds the whole-file hash with `data`, just written at `offset`, if it extends the
+    /// hashed prefix, then with every present block that follows (read back from the part
+    /// file). A block written ahead of a gap waits until the gap fills.
+    fn extend_hash(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        if offset != self.hashed {
+            return Ok(());
+        }
+        self.whole.update(data);
+        self.hashed += data.len() as u64;
+        self.hash_present(false)
+    }
+
+    /// Feeds the whole-file hash from the part file: the present blocks from the hashed prefix
+    /// on, or (`to_end`, once every block verified) everything not hashed yet.
+    fn hash_present(&mut self, to_end: bool) -> std::io::Result<()> {
+        let bs = self.list.block_size();
+        let mut buf = Vec::new();
+        while self.hashed < self.spec.size {
+            let block = self.hashed / u64::from(bs);
+            if !to_end && !self.present.get(block as usize).copied().unwrap_or(false) {
+                break;
+            }
+            let (offset, length) = block_range(block, self.spec.size, bs);
+            buf.resize(length as usize, 0);
+            self.file.read_exact_at(&mut buf, offset)?;
+            self.whole.update(&buf);
+            self.hashed = offset + u64::from(length);
+        }
+        Ok(())
     }
 
     fn peer_name(&self, i: usize) -> &str {
@@ -684,6 +725,8 @@ impl<'a> Download<'a> {
             .write_all_at(&data, offset)
             .map_err(|source| self.write_err(source))?;
         self.present[block as usize] = true;
+        self.extend_hash(offset, &data)
+            .map_err(|source| self.read_err(source))?;
         self.asked.remove(&block);
         self.tried.remove(&block);
         let n = data.len() as u64;
@@ -772,6 +815,14 @@ impl<'a> Download<'a> {
         Ok(())
     }
 
+    fn read_err(&self, source: std::io::Error) -> FetchError {
+        FetchError::ReadPart {
+            artifact: self.spec.name.clone(),
+            path: self.spec.part_path(),
+            source,
+        }
+    }
+
     fn write_err(&self, source: std::io::Error) -> FetchError {
         FetchError::WritePart {
             artifact: self.spec.name.clone(),
@@ -780,18 +831,17 @@ impl<'a> Download<'a> {
         }
     }
 
-    /// Every block verified: the whole-file digest is checked, then the file takes its name.
-    fn finish(self) -> Result<PathBuf, FetchError> {
+    /// Every block verified: the whole-file digest is checked (hashing what was not hashed on
+    /// the way), then the file takes its name.
+    fn finish(mut self) -> Result<PathBuf, FetchError> {
         self.file
             .sync_all()
             .map_err(|source| self.write_err(source))?;
         let part = self.spec.part_path();
         let final_path = self.spec.final_path();
-        let (got, _) = fetch::hash_file(&part).map_err(|source| FetchError::ReadPart {
-            artifact: self.spec.name.clone(),
-            path: part.clone(),
-            source,
-        })?;
+        self.hash_present(true)
+            .map_err(|source| self.read_err(source))?;
+        let got: flotilla_protocol::Digest = std::mem::take(&mut self.whole).finalize().into();
         if let Err(refusal) = crate::trust::check_digest(&self.spec.name, &self.spec.sha256, &got) {
             // Every block matched a list the release key signed, so the release itself is
             // inconsistent: fetching again cannot help.
@@ -1199,6 +1249,35 @@ mod tests {
             counts.local, 0,
             "blocks of its own part file are not copies"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocks_that_match_their_list_but_not_the_artifact_digest_fail_the_download() {
+        // A release whose block list describes other bytes than its digest: every block
+        // verifies, and only the whole-file digest, hashed on the way, can tell.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(6);
+        let mut spec = spec(dir.path(), &data);
+        spec.sha256 = flotilla_protocol::sha256(b"some other artifact");
+        let list = BlockList::compute(&data[..], BS).expect("list");
+        let (tx, mut rx, _asked) = network(data.clone(), Serves::Good, &[]);
+        let result = fetch_blocks(
+            BlockFetch {
+                spec: &spec,
+                list: &list,
+                sources: &Sources::default(),
+                bypassed: &mut BTreeMap::new(),
+            },
+            &mut ByteCounts::default(),
+            &tx,
+            &mut rx,
+            &mut |_, _| {},
+            &CancellationToken::new(),
+        )
+        .await;
+        assert!(matches!(result, Err(FetchError::Digest(_))), "{result:?}");
+        assert!(!spec.part_path().exists(), "the download is discarded");
+        assert!(!spec.final_path().exists());
     }
 
     #[tokio::test(start_paused = true)]

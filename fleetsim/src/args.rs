@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub first: u64,
     /// How many devices, from --first on.
-    #[arg(long, required_unless_present = "first_answer")]
+    #[arg(long, required_unless_present_any = ["first_answer", "stream_bytes", "watch_device"])]
     pub count: Option<u64>,
     /// Digits of the index in the id.
     #[arg(long, default_value_t = 6)]
@@ -109,6 +109,22 @@ pub struct Args {
     /// print how long that took and exit (how soon a restarted coordinator answers).
     #[arg(long, requires = "probe_key")]
     pub first_answer: bool,
+    /// Play no devices: stream this many bytes of block replies (--stream-block each, QoS 1)
+    /// from one connection to another through the broker, print how long it took and exit
+    /// (the baseline of one agent's download, bench/download.sh).
+    #[arg(long, value_name = "BYTES", conflicts_with = "watch_device")]
+    pub stream_bytes: Option<u64>,
+    /// The block size of --stream-bytes: the artifact server's largest reply.
+    #[arg(long, value_name = "BYTES", default_value_t = 65_536)]
+    pub stream_block: u32,
+    /// Play no devices: watch this real device's desired action and reports until its action
+    /// ends (or --timeout), then print when each step was seen and exit. Needs --device-key.
+    #[arg(long, value_name = "DEVICE", requires = "device_key")]
+    pub watch_device: Option<String>,
+    /// The watched device's public key (hex, as `flotilla-agent identity` prints it): only
+    /// reports it signed count.
+    #[arg(long, value_name = "HEX")]
+    pub device_key: Option<String>,
     /// Also write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub summary: Option<PathBuf>,
@@ -212,6 +228,13 @@ impl Args {
                 };
                 arg_error(flag, e.value, e.reason)
             })
+    }
+
+    /// The watched device's public key.
+    pub fn device_key(&self) -> Result<flotilla_protocol::VerifyingKey, ArgError> {
+        let text = self.device_key.as_deref().unwrap_or_default();
+        flotilla_protocol::signing::public_key_from_text(text)
+            .map_err(|e| arg_error("--device-key", text, e.to_string()))
     }
 
     /// The probe's operator key, if any.

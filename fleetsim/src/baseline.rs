@@ -106,6 +106,7 @@ pub async fn stand_in(settings: StandIn, stop: CancellationToken) {
                 tracing::warn!("baseline: MQTT connection lost: {reason}");
                 continue;
             }
+            LinkEvent::Subscribed => continue,
             LinkEvent::Publish { topic, payload, .. } => (topic, payload),
         };
         let (id, is_report) = match topics.parse(&topic) {

@@ -13,7 +13,9 @@
 //!
 //! Layout: `args.rs` (the command line, validated into [`sim::Options`]), `fleet.rs` (who the
 //! devices are and how they behave; pure), `sim.rs` (the run), `link.rs` (the MQTT event loop),
-//! `baseline.rs` (the broker-only baseline's stand-in coordinator).
+//! `baseline.rs` (the broker-only baseline's stand-in coordinator), `download.rs` (one real
+//! agent's download timed from outside, and the same bytes streamed through the broker alone,
+//! for `bench/download.sh`).
 //!
 //! ```
 //! use flotilla_fleetsim::fleet::Fleet;
@@ -25,6 +27,7 @@
 
 pub mod args;
 pub mod baseline;
+pub mod download;
 pub mod fleet;
 pub mod link;
 pub mod sim;

@@ -19,6 +19,8 @@ const REQUEST_CAPACITY: usize = 10_000;
 pub enum LinkEvent {
     /// A connection is up (the first, or again after a loss): subscribe now (clean session).
     Connected,
+    /// The broker granted a subscription.
+    Subscribed,
     Publish {
         topic: String,
         payload: Vec<u8>,
@@ -74,6 +76,7 @@ pub fn start(
             };
             let forward = match event {
                 Ok(Event::Incoming(Packet::ConnAck(_))) => LinkEvent::Connected,
+                Ok(Event::Incoming(Packet::SubAck(_))) => LinkEvent::Subscribed,
                 Ok(Event::Incoming(Packet::Publish(p))) => LinkEvent::Publish {
                     topic: p.topic,
                     payload: p.payload.to_vec(),

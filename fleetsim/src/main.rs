@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use flotilla_fleetsim::{args::Args, baseline, sim};
+use flotilla_fleetsim::{args::Args, baseline, download, sim};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
@@ -47,6 +47,9 @@ fn run(args: Args) -> anyhow::Result<()> {
         println!("first_answer_s: {:.3}", took.as_secs_f64());
         return Ok(());
     }
+    if args.stream_bytes.is_some() || args.watch_device.is_some() {
+        return download(&args);
+    }
     let fleet = args.fleet()?;
     if let Some(path) = &args.write_authorized_keys {
         std::fs::write(path, fleet.authorized_keys())
@@ -81,6 +84,45 @@ fn run(args: Args) -> anyhow::Result<()> {
         shutdown.cancel();
         Ok(())
     })
+}
+
+/// `--stream-bytes` (the baseline) or `--watch-device` (one agent's download).
+fn download(args: &Args) -> anyhow::Result<()> {
+    let connection = args.connection()?;
+    let timeout = match &args.timeout {
+        Some(t) => flotilla_fleetsim::args::parse_duration("--timeout", t)?,
+        None => std::time::Duration::from_secs(600),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    if let Some(bytes) = args.stream_bytes {
+        if args.stream_block == 0 {
+            anyhow::bail!("--stream-block 0: must be at least 1");
+        }
+        let figures = runtime.block_on(download::stream(
+            &connection,
+            &args.topic_root,
+            bytes,
+            args.stream_block,
+            timeout,
+        ))?;
+        print!("{figures}");
+        return Ok(());
+    }
+    let device = args.watch_device.as_deref().unwrap_or_default();
+    let device = flotilla_protocol::DeviceId::new(device)
+        .map_err(|e| anyhow::anyhow!("--watch-device {device:?}: {e}"))?;
+    let key = args.device_key()?;
+    let figures = runtime.block_on(download::watch(
+        &connection,
+        &args.topic_root,
+        &device,
+        &key,
+        timeout,
+    ))?;
+    print!("{figures}");
+    Ok(())
 }
 
 async fn wait_for_signal() {

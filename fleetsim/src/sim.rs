@@ -349,6 +349,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
                 Some(LinkEvent::Lost(reason)) => {
                     tracing::warn!("MQTT connection lost: {reason}; reconnecting");
                 }
+                Some(LinkEvent::Subscribed) => {}
                 Some(LinkEvent::Publish { topic, payload, retain }) => {
                     if topic == sim.reply_topic {
                         sim.on_reply(&payload);

@@ -13,6 +13,7 @@
 //! - [`control`]: the JSON control requests, replies and status documents.
 //! - [`operator`]: signed control requests, operator roles, the checks on `reply_to`.
 //! - [`ids`]: the safe character set for ids that appear in topics.
+//! - [`raw_bytes`]: bulk bytes (artifact blocks) serialized as one byte string.
 //!
 //! ```
 //! use flotilla_protocol::{envelope, DeviceId, Message, Topics, BlockRequest};
@@ -34,6 +35,7 @@ pub mod keys;
 pub mod manifest;
 pub mod messages;
 pub mod operator;
+pub mod raw_bytes;
 pub mod signing;
 pub mod topics;
 

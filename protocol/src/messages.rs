@@ -344,6 +344,9 @@ pub enum BlockReply {
     Data {
         sha256: Digest,
         offset: u64,
+        /// One byte string on the wire (the same postcard bytes as a `u8` sequence, read and
+        /// written in one piece).
+        #[serde(with = "crate::raw_bytes")]
         data: Vec<u8>,
     },
     /// The server has no artifact with that digest, or the range lies outside it.
