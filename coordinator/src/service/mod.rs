@@ -53,5 +53,6 @@ pub mod sequence;
 pub mod serve;
 pub mod store;
 pub mod store_health;
+pub mod verify;
 
 pub use serve::{serve, ServiceError};

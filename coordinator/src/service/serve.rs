@@ -36,6 +36,7 @@
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
@@ -67,6 +68,7 @@ use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
 use crate::service::store::{Store, StoreError, StoredStrategy};
 use crate::service::store_health::{self, StoreHealth};
+use crate::service::verify::{self, Arrival, Checked, KeyCache};
 use flotilla_rollout::engine::{cancel_action_id, Effect, Engine, ReleaseRef};
 use flotilla_rollout::planner::DeviceGroup;
 use flotilla_rollout::selector::Selector;
@@ -85,6 +87,8 @@ pub enum ServiceError {
     Broker(#[from] BrokerError),
     #[error("embedded broker start-up task failed: {reason}")]
     BrokerTask { reason: String },
+    #[error("cannot start the signature worker threads ([service] verify_threads = {threads}): {reason}")]
+    VerifyThreads { threads: usize, reason: String },
     #[error("cannot load the coordinator key: {0}")]
     Key(#[from] KeysError),
     /// The store's own error already names the path.
@@ -258,8 +262,28 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         filters,
     );
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
-    let mut link = mqtt::start(options, link_token.clone());
-    metrics.attach(link.events.stats());
+    let link = mqtt::start(options, link_token.clone());
+    let inbox = link.events.stats();
+    metrics.attach(inbox.clone());
+    let mqtt::MqttLink {
+        client: link_client,
+        events,
+        task: link_task,
+        ..
+    } = link;
+    // Device signatures are checked on worker threads; the loop gets the events in order.
+    let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
+    let mut incoming =
+        verify::start(events, topics.clone(), config.verify_threads, keys).map_err(|e| {
+            ServiceError::VerifyThreads {
+                threads: config.verify_threads,
+                reason: e.to_string(),
+            }
+        })?;
+    tracing::info!(
+        threads = config.verify_threads,
+        "checking device signatures ahead of the service loop"
+    );
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
         engine,
@@ -270,7 +294,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         manifests: HashMap::new(),
         sequence: ActionSequence::new(issued),
         topics,
-        client: link.client.clone(),
+        client: link_client,
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
@@ -296,7 +320,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
-            event = link.events.recv() => match event {
+            event = incoming.recv() => match event {
                 Some(event) => service.on_link_event(event).await,
                 None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
             },
@@ -320,14 +344,14 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         service.apply(effects).await?;
     }
     link_token.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
     if service.health.is_failing() {
         // Closing a sled instance after a failed write can wait forever on a full disk; what
         // it acknowledged is on disk already.
         service.store.abandon();
     }
     tracing::info!(
-        incoming_dropped = link.events.dropped(),
+        incoming_dropped = inbox.dropped(),
         store_write_failures = service.health.failures,
         device_actions_held_back = service.health.held_back,
         malformed_payloads = service.malformed,
@@ -639,7 +663,8 @@ impl Service {
         self.release_digests.get(release).map(Vec::as_slice)
     }
 
-    async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
+    async fn on_link_event(&mut self, arrival: Arrival) -> Result<(), ServiceError> {
+        let Arrival { event, checked } = arrival;
         match event {
             LinkEvent::Connected => {
                 let _timing = self.metrics.connected();
@@ -653,11 +678,20 @@ impl Service {
                 Ok(())
             }
             LinkEvent::Subscribed => Ok(()),
-            LinkEvent::Publish { topic, payload } => self.on_publish(&topic, &payload).await,
+            LinkEvent::Publish { topic, payload } => {
+                self.on_publish(&topic, &payload, checked).await
+            }
         }
     }
 
-    async fn on_publish(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
+    /// One publish from the link. `checked` is what a signature worker made of a device topic's
+    /// payload (`verify.rs`); without it the payload is checked here.
+    async fn on_publish(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        checked: Option<Checked>,
+    ) -> Result<(), ServiceError> {
         let _timing = self.metrics.received(&self.topics, topic);
         if payload.len() > BROKER_PACKET_LIMIT {
             let reason = format!(
@@ -686,21 +720,19 @@ impl Service {
         if payload.is_empty() && matches!(parsed, Topic::State(_)) {
             return Ok(());
         }
-        let message = match envelope::decode(payload) {
-            Ok(m) => m,
-            Err(e) => {
-                self.reject(topic, Malformed::Undecodable, &e.to_string());
+        let checked = checked.unwrap_or_else(|| verify::check(payload, None));
+        let (blob, opened) = match checked {
+            Checked::Signed { blob, opened } => (blob, opened),
+            Checked::Undecodable(reason) => {
+                self.reject(topic, Malformed::Undecodable, &reason);
                 return Ok(());
             }
-        };
-        let blob = match message {
-            Message::Device(blob) => blob,
-            Message::State(_) | Message::Report(_) | Message::Fetch(_) => {
+            Checked::Unsigned => {
                 self.ignore(topic, Ignored::Unsigned);
                 return Ok(());
             }
-            other => {
-                let reason = format!("unexpected {} on this topic", other.name());
+            Checked::WrongKind(name) => {
+                let reason = format!("unexpected {name} on this topic");
                 self.reject(topic, Malformed::WrongKind, &reason);
                 return Ok(());
             }
@@ -711,7 +743,9 @@ impl Service {
             _ => "block request",
         };
         let now = now();
-        let verdict = self.registry.observe(id.as_str(), expected, &blob, now);
+        let verdict = self
+            .registry
+            .observe_checked(id.as_str(), expected, &blob, opened, now);
         if let Some(token) = &verdict.used_token {
             if let Err(e) = self.store.use_token(token, now) {
                 self.store_failed(&e);
