@@ -740,7 +740,10 @@ impl Service {
         }
         let checked = checked.unwrap_or_else(|| verify::check(payload, None));
         let (blob, opened) = match checked {
-            Checked::Signed { blob, opened } => (blob, opened),
+            Checked::Signed { blob, verified } => {
+                let opened = verify::decode_verified(&blob, verified);
+                (blob, opened)
+            }
             Checked::Undecodable(reason) => {
                 self.reject(topic, Malformed::Undecodable, &reason);
                 return Ok(());
