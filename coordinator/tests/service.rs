@@ -107,6 +107,7 @@ fn harness() -> Harness {
             max_pending: 10,
         },
         metrics: None,
+        verify_threads: 2,
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {

@@ -127,7 +127,13 @@ pub struct Config {
     pub enrollment: EnrollmentConfig,
     /// Where `GET /metrics` is served (`[metrics] listen`); `None`, the default, serves none.
     pub metrics: Option<SocketAddr>,
+    /// Worker threads that check device signatures ahead of the service loop
+    /// (`[service] verify_threads`; default: the cores available, at most 8).
+    pub verify_threads: usize,
 }
+
+/// The most `[service] verify_threads` may ask for.
+pub const MAX_VERIFY_THREADS: usize = 64;
 
 /// One operator allowed to send signed control requests.
 #[derive(Debug, Clone, PartialEq)]
@@ -202,6 +208,14 @@ struct RawConfig {
     enrollment: RawEnrollment,
     #[serde(default)]
     metrics: RawMetrics,
+    #[serde(default)]
+    service: RawService,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawService {
+    verify_threads: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -488,6 +502,17 @@ impl TryFrom<Located<'_>> for Config {
                 )
             })?),
         };
+        let verify_threads = match raw.service.verify_threads {
+            None => crate::service::verify::default_threads(),
+            Some(n @ 1..=MAX_VERIFY_THREADS) => n,
+            Some(n) => {
+                return Err(field(
+                    "service.verify_threads",
+                    &n.to_string(),
+                    &format!("must be between 1 and {MAX_VERIFY_THREADS}"),
+                ))
+            }
+        };
         let enrollment = EnrollmentConfig {
             authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
             tokens: raw.enrollment.tokens,
@@ -495,6 +520,7 @@ impl TryFrom<Located<'_>> for Config {
         };
         Ok(Config {
             metrics,
+            verify_threads,
             operators,
             clock_window,
             enrollment,
@@ -755,6 +781,27 @@ mod tests {
         assert_eq!(config.enrollment.max_pending, 1000);
         assert!(config.enrollment.tokens.is_empty());
         assert_eq!(config.metrics, None, "no metrics endpoint unless asked for");
+        assert_eq!(
+            config.verify_threads,
+            crate::service::verify::default_threads(),
+            "one signature worker per core unless set"
+        );
+    }
+
+    #[test]
+    fn verify_threads_is_a_small_positive_number() {
+        let config =
+            parse("data_dir = \"d\"\ncoordinator_key = \"k\"\n[service]\nverify_threads = 3\n")
+                .expect("valid");
+        assert_eq!(config.verify_threads, 3);
+        for bad in ["0", "65", "-1", "\"two\""] {
+            let err = parse(&format!(
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[service]\nverify_threads = {bad}\n"
+            ))
+            .expect_err(bad)
+            .to_string();
+            assert!(err.contains("verify_threads"), "{bad}: {err}");
+        }
     }
 
     #[test]

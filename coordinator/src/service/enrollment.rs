@@ -287,7 +287,22 @@ impl Registry {
         blob: &SignedBlob,
         now: u64,
     ) -> Verdict {
-        let Ok((key, message)) = device::open_self_signed(blob) else {
+        let opened = device::open_self_signed(blob).ok();
+        self.observe_checked(topic_device, expected, blob, opened, now)
+    }
+
+    /// [`Registry::observe`] with the signature already checked against the key the blob
+    /// names (`verify.rs`, on a worker thread): `opened` is that key and the message when it
+    /// verified, `None` when it did not.
+    pub fn observe_checked(
+        &mut self,
+        topic_device: &str,
+        expected: &str,
+        blob: &SignedBlob,
+        opened: Option<(VerifyingKey, DeviceMessage)>,
+        now: u64,
+    ) -> Verdict {
+        let Some((key, message)) = opened.filter(|(key, _)| key.as_bytes() == &blob.signer) else {
             return Verdict::ignored(Ignored::BadSignature);
         };
         if message.device_id() != topic_device || message.name() != expected {

@@ -3,11 +3,13 @@
 //! ## Tasks and channels of `flotilla serve`
 //!
 //! ```text
-//! ┌──────────────────────┐ LinkEvent (mpsc) ┌────────────────────────────────────────────┐
-//! │ mqtt link task       │─────────────────>│ service loop (serve): the one owner of the │
-//! │ owns the rumqttc     │                  │ engine, the store, the enrollment registry │
-//! │ EventLoop, polls it  │<── AsyncClient ──│ and the operator gate; a 1 s tick          │
-//! └──────────────────────┘    publishes     └────────────────────────────────────────────┘
+//! ┌──────────────────────┐ LinkEvent  ┌──────────────────┐ Arrival ┌─────────────────────────────┐
+//! │ mqtt link task       │ (inbox,    │ verify workers   │ (round  │ service loop (serve): the   │
+//! │ owns the rumqttc     │ bytes-     │ (threads): decode│ robin,  │ one owner of the engine,    │
+//! │ EventLoop, polls it  │ bounded)──>│ and check device │ arrival │ the store, the enrollment   │
+//! │                      │            │ signatures       │ order)─>│ registry and the operator   │
+//! │                      │<──────────────── AsyncClient publishes ──│ gate; a 1 s tick            │
+//! └──────────────────────┘            └──────────────────┘         └─────────────────────────────┘
 //! ```
 //!
 //! The service loop handles one input at a time (a publish, a control request, a tick) and
@@ -25,6 +27,8 @@
 //! - [`enrollment`]: device keys and enrollment; which signed device messages pass.
 //! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
 //! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
+//! - [`verify`]: worker threads that decode device messages and check their signatures ahead
+//!   of the service loop, which gets every event in the order it arrived.
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
@@ -53,5 +57,6 @@ pub mod sequence;
 pub mod serve;
 pub mod store;
 pub mod store_health;
+pub mod verify;
 
 pub use serve::{serve, ServiceError};

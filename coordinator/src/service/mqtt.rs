@@ -327,6 +327,16 @@ impl Events {
     }
 }
 
+/// An inbox and its owner's end without a link, for feeding a consumer of [`Events`] in tests.
+#[cfg(test)]
+pub(crate) fn inbox_pair(limit: usize) -> (Inbox, Events) {
+    let inbox = Inbox::new(limit);
+    let events = Events {
+        inbox: inbox.clone(),
+    };
+    (inbox, events)
+}
+
 /// Reads an [`Inbox`]'s counts without taking events from it.
 #[derive(Debug, Clone)]
 pub struct InboxStats {

@@ -36,6 +36,7 @@
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
@@ -47,7 +48,9 @@ use flotilla_protocol::{
     envelope, validate_id, ActionBody, ActionKind, BlockReply, BypassedPeer, ByteCounts,
     DesiredAction, DeviceId, DeviceMessage, Digest, Message, SignedBlob,
 };
-use flotilla_protocol::{SigningKey, Topic, Topics, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE};
+use flotilla_protocol::{
+    SigningKey, Topic, Topics, VerifyingKey, BROKER_PACKET_LIMIT, MAX_PACKET_SIZE,
+};
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
@@ -65,8 +68,9 @@ use crate::service::page::Pager;
 use crate::service::releases::{self, ReleaseStore};
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
-use crate::service::store::{Store, StoreError, StoredStrategy};
+use crate::service::store::{self, Store, StoreError, StoredStrategy};
 use crate::service::store_health::{self, StoreHealth};
+use crate::service::verify::{self, Arrival, Checked, KeyCache};
 use flotilla_rollout::engine::{cancel_action_id, Effect, Engine, ReleaseRef};
 use flotilla_rollout::planner::DeviceGroup;
 use flotilla_rollout::selector::Selector;
@@ -85,6 +89,8 @@ pub enum ServiceError {
     Broker(#[from] BrokerError),
     #[error("embedded broker start-up task failed: {reason}")]
     BrokerTask { reason: String },
+    #[error("cannot start the signature worker threads ([service] verify_threads = {threads}): {reason}")]
+    VerifyThreads { threads: usize, reason: String },
     #[error("cannot load the coordinator key: {0}")]
     Key(#[from] KeysError),
     /// The store's own error already names the path.
@@ -258,19 +264,41 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         filters,
     );
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
-    let mut link = mqtt::start(options, link_token.clone());
-    metrics.attach(link.events.stats());
+    let link = mqtt::start(options, link_token.clone());
+    let inbox = link.events.stats();
+    metrics.attach(inbox.clone());
+    let mqtt::MqttLink {
+        client: link_client,
+        events,
+        task: link_task,
+        ..
+    } = link;
+    // Device signatures are checked on worker threads; the loop gets the events in order.
+    let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
+    let mut incoming =
+        verify::start(events, topics.clone(), config.verify_threads, keys).map_err(|e| {
+            ServiceError::VerifyThreads {
+                threads: config.verify_threads,
+                reason: e.to_string(),
+            }
+        })?;
+    tracing::info!(
+        threads = config.verify_threads,
+        "checking device signatures ahead of the service loop"
+    );
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
         engine,
         store,
+        verifying_key: key.verifying_key(),
+        desired_known: 0,
         key,
         blocks: BlockServer::new(releases.artifacts_dir()),
         releases,
         manifests: HashMap::new(),
         sequence: ActionSequence::new(issued),
         topics,
-        client: link.client.clone(),
+        client: link_client,
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
@@ -296,7 +324,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
-            event = link.events.recv() => match event {
+            event = incoming.recv() => match event {
                 Some(event) => service.on_link_event(event).await,
                 None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
             },
@@ -320,19 +348,20 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         service.apply(effects).await?;
     }
     link_token.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
     if service.health.is_failing() {
         // Closing a sled instance after a failed write can wait forever on a full disk; what
         // it acknowledged is on disk already.
         service.store.abandon();
     }
     tracing::info!(
-        incoming_dropped = link.events.dropped(),
+        incoming_dropped = inbox.dropped(),
         store_write_failures = service.health.failures,
         device_actions_held_back = service.health.held_back,
         malformed_payloads = service.malformed,
         unpublishable = service.unpublishable,
         desired_repairs = service.desired_repairs,
+        desired_recognised_unchecked = service.desired_known,
         refused_control_requests = service.refused,
         ignored_device_messages = service.ignored.total(),
         "coordinator stopped"
@@ -344,6 +373,11 @@ struct Service {
     engine: Engine,
     store: Store,
     key: SigningKey,
+    /// `key`'s public half, decompressed once.
+    verifying_key: VerifyingKey,
+    /// Retained desired actions recognised as this coordinator's by their bytes, without a
+    /// signature check (see [`Service::our_desired_action`]).
+    desired_known: u64,
     releases: ReleaseStore,
     /// Signed manifests by release name. Release names are never reused, so a cached blob
     /// cannot go stale, and a group start does not re-read the file once per device.
@@ -582,14 +616,22 @@ impl Service {
         wanted
     }
 
-    /// The desired action in `payload` if this coordinator signed it for `id`.
-    fn our_desired_action(&self, id: &DeviceId, payload: &[u8]) -> Option<DesiredAction> {
+    /// The desired action in `payload` if this coordinator signed it for `id`. Bytes identical
+    /// to the last ones published for the device (the echo of every publish, and after a
+    /// restart the retained actions of a whole fleet) are known to be ours without a signature
+    /// check; anything else is checked.
+    fn our_desired_action(&mut self, id: &DeviceId, payload: &[u8]) -> Option<DesiredAction> {
         let Ok(Message::Desired(blob)) = envelope::decode(payload) else {
             return None;
         };
-        let bytes = blob
-            .verify("desired action", &[self.key.verifying_key()])
-            .ok()?;
+        let ours = self.store.published(id.as_str())
+            == Some(store::published_digest(&self.verifying_key, payload));
+        let bytes = if ours {
+            self.desired_known += 1;
+            blob.payload.as_slice()
+        } else {
+            blob.verify("desired action", &[self.verifying_key]).ok()?
+        };
         let action = envelope::from_bytes::<DesiredAction>("desired action", bytes).ok()?;
         (action.device_id == id.as_str()).then_some(action)
     }
@@ -639,7 +681,8 @@ impl Service {
         self.release_digests.get(release).map(Vec::as_slice)
     }
 
-    async fn on_link_event(&mut self, event: LinkEvent) -> Result<(), ServiceError> {
+    async fn on_link_event(&mut self, arrival: Arrival) -> Result<(), ServiceError> {
+        let Arrival { event, checked } = arrival;
         match event {
             LinkEvent::Connected => {
                 let _timing = self.metrics.connected();
@@ -653,11 +696,20 @@ impl Service {
                 Ok(())
             }
             LinkEvent::Subscribed => Ok(()),
-            LinkEvent::Publish { topic, payload } => self.on_publish(&topic, &payload).await,
+            LinkEvent::Publish { topic, payload } => {
+                self.on_publish(&topic, &payload, checked).await
+            }
         }
     }
 
-    async fn on_publish(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
+    /// One publish from the link. `checked` is what a signature worker made of a device topic's
+    /// payload (`verify.rs`); without it the payload is checked here.
+    async fn on_publish(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        checked: Option<Checked>,
+    ) -> Result<(), ServiceError> {
         let _timing = self.metrics.received(&self.topics, topic);
         if payload.len() > BROKER_PACKET_LIMIT {
             let reason = format!(
@@ -686,21 +738,22 @@ impl Service {
         if payload.is_empty() && matches!(parsed, Topic::State(_)) {
             return Ok(());
         }
-        let message = match envelope::decode(payload) {
-            Ok(m) => m,
-            Err(e) => {
-                self.reject(topic, Malformed::Undecodable, &e.to_string());
+        let checked = checked.unwrap_or_else(|| verify::check(payload, None));
+        let (blob, opened) = match checked {
+            Checked::Signed { blob, verified } => {
+                let opened = verify::decode_verified(&blob, verified);
+                (blob, opened)
+            }
+            Checked::Undecodable(reason) => {
+                self.reject(topic, Malformed::Undecodable, &reason);
                 return Ok(());
             }
-        };
-        let blob = match message {
-            Message::Device(blob) => blob,
-            Message::State(_) | Message::Report(_) | Message::Fetch(_) => {
+            Checked::Unsigned => {
                 self.ignore(topic, Ignored::Unsigned);
                 return Ok(());
             }
-            other => {
-                let reason = format!("unexpected {} on this topic", other.name());
+            Checked::WrongKind(name) => {
+                let reason = format!("unexpected {name} on this topic");
                 self.reject(topic, Malformed::WrongKind, &reason);
                 return Ok(());
             }
@@ -711,7 +764,9 @@ impl Service {
             _ => "block request",
         };
         let now = now();
-        let verdict = self.registry.observe(id.as_str(), expected, &blob, now);
+        let verdict = self
+            .registry
+            .observe_checked(id.as_str(), expected, &blob, opened, now);
         if let Some(token) = &verdict.used_token {
             if let Err(e) = self.store.use_token(token, now) {
                 self.store_failed(&e);
@@ -1435,6 +1490,11 @@ impl Service {
         self.hold(device, &action.body);
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
         let bytes = envelope::encode(&Message::Desired(blob));
+        let digest = store::published_digest(&self.verifying_key, &bytes);
+        if let Err(e) = self.store.save_published(device, &digest) {
+            // Harmless: the stored digest is of older bytes, which then get their signature checked.
+            tracing::debug!(%device, error = %e, "could not record the digest of a published desired action");
+        }
         self.publish(self.topics.desired(&id), true, bytes).await
     }
 
@@ -1908,6 +1968,8 @@ mod tests {
             engine: Engine::new(SystemZones),
             store: Store::open(dir.path().join("db")).expect("store"),
             key: SigningKey::from_bytes(&[7; 32]),
+            verifying_key: SigningKey::from_bytes(&[7; 32]).verifying_key(),
+            desired_known: 0,
             blocks: BlockServer::new(releases.artifacts_dir()),
             releases,
             manifests: HashMap::new(),

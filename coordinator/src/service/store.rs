@@ -10,7 +10,12 @@
 //! used_tokens    sha256 hex    -> unix time        (enrollment tokens already used up)
 //! issued         device id     -> u64 big-endian   (`issued_at` of the last desired action)
 //! meta           "generation"  -> u64 big-endian   (commits so far, see below)
+//! published      device id     -> 32 bytes         (digest of the last desired action published)
 //! ```
+//!
+//! `published` is a cache, not a record: it lets a restarted coordinator recognise its own
+//! retained desired actions by their bytes instead of checking each signature again
+//! ([`published_digest`]). It is not in backups; without it the signatures are checked.
 //!
 //! Every flushed write is a commit: it bumps the generation in the same flush and then writes
 //! it to the seal file beside the database (`seal.rs`), so a store that comes back from a
@@ -51,7 +56,22 @@ const ISSUED: &str = "issued";
 const ENROLLMENTS: &str = "enrollments";
 const USED_TOKENS: &str = "used_tokens";
 const META: &str = "meta";
+/// Device id -> [`published_digest`] of the last desired action published for it.
+const PUBLISHED: &str = "published";
 const GENERATION: &[u8] = b"generation";
+/// What [`Store::save_published`] keeps of a retained desired action: sha256 over the signing
+/// key's public half and the payload as published. Retained bytes with the digest stored for
+/// their device are exactly what this coordinator, with this key, published last; any other
+/// bytes (another key, an older action, a forgery) have their signature checked.
+pub fn published_digest(key: &flotilla_protocol::VerifyingKey, payload: &[u8]) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut hash = sha2::Sha256::new();
+    hash.update(b"flotilla published desired v1\0");
+    hash.update(key.as_bytes());
+    hash.update(payload);
+    hash.finalize().into()
+}
+
 /// One exported record: its tree, key and value.
 pub type Record = (&'static str, Vec<u8>, Vec<u8>);
 
@@ -155,6 +175,7 @@ struct Trees {
     strategies: sled::Tree,
     device_groups: sled::Tree,
     issued: sled::Tree,
+    published: sled::Tree,
     enrollments: sled::Tree,
     used_tokens: sled::Tree,
 }
@@ -472,6 +493,22 @@ impl Store {
         Ok(issued)
     }
 
+    /// The [`published_digest`] of the last desired action published for `device`, if known.
+    pub fn published(&self, device: &str) -> Option<[u8; 32]> {
+        let value = self.t().ok()?.published.get(device.as_bytes()).ok()??;
+        <[u8; 32]>::try_from(value.as_ref()).ok()
+    }
+
+    /// Records the [`published_digest`] of the desired action just published for `device`. Not
+    /// flushed here (the rollout save before every publish flushes); a digest that is lost or
+    /// stale only means a signature check.
+    pub fn save_published(&self, device: &str, digest: &[u8; 32]) -> Result<(), sled::Error> {
+        self.t()?
+            .published
+            .insert(device.as_bytes(), digest.as_slice())?;
+        Ok(())
+    }
+
     /// Records the `issued_at` of the desired action just signed for `device`. Not flushed
     /// here: the rollout save that precedes every publish flushes the database.
     pub fn save_issued(&self, device: &str, at: u64) -> Result<(), StoreError> {
@@ -606,6 +643,7 @@ impl Trees {
             strategies: db.open_tree(STRATEGIES).map_err(open_error)?,
             device_groups: db.open_tree(DEVICE_GROUPS).map_err(open_error)?,
             issued: db.open_tree(ISSUED).map_err(open_error)?,
+            published: db.open_tree(PUBLISHED).map_err(open_error)?,
             enrollments: db.open_tree(ENROLLMENTS).map_err(open_error)?,
             used_tokens: db.open_tree(USED_TOKENS).map_err(open_error)?,
             db,
@@ -645,6 +683,43 @@ mod tests {
     use flotilla_rollout::engine::{Engine, ReleaseRef};
     use flotilla_rollout::spec::RolloutSpec;
     use flotilla_rollout::zoneinfo::SystemZones;
+
+    #[test]
+    fn published_digests_survive_a_reopen_and_name_key_and_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ours = flotilla_protocol::SigningKey::from_bytes(&[1; 32]).verifying_key();
+        let other = flotilla_protocol::SigningKey::from_bytes(&[2; 32]).verifying_key();
+        let digest = published_digest(&ours, b"retained bytes");
+        {
+            let store = Store::open(dir.path().join("db")).expect("open");
+            assert_eq!(store.published("dev-1"), None, "nothing published yet");
+            store.save_published("dev-1", &digest).expect("save");
+            store
+                .save_rollout(&rollout("r1"))
+                .expect("a flushed commit");
+        }
+        let store = Store::open(dir.path().join("db")).expect("reopen");
+        assert_eq!(store.published("dev-1"), Some(digest));
+        assert_eq!(store.published("dev-2"), None);
+        assert_ne!(
+            digest,
+            published_digest(&ours, b"retained bytez"),
+            "other bytes"
+        );
+        assert_ne!(
+            digest,
+            published_digest(&other, b"retained bytes"),
+            "another key"
+        );
+        assert!(
+            store
+                .export()
+                .expect("export")
+                .iter()
+                .all(|(tree, _, _)| *tree != PUBLISHED),
+            "a cache, not in backups"
+        );
+    }
 
     /// A started rollout over three devices, the way the engine builds it.
     fn rollout(name: &str) -> Rollout {

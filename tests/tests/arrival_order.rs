@@ -1,0 +1,181 @@
+//! The coordinator checks device signatures on several worker threads and still acts on its
+//! input in the order it arrived: a control request sent after a burst of device states is
+//! answered with every one of those devices, and forged states in the burst are ignored.
+//! (Mosquitto keeps one client's messages in order across topics; the embedded rumqttd does not.)
+
+use std::time::Duration;
+
+use flotilla_protocol::control::{Command, ControlReply, ControlRequest, DeviceSummary};
+use flotilla_protocol::operator::{new_nonce, SignedRequest};
+use flotilla_protocol::{
+    device, envelope, DeviceId, DeviceMessage, DeviceState, Message, Report, SigningKey, Topics,
+};
+use flotilla_tests::{BrokerKind, Site, ADMIN};
+use rumqttc::{Event, Packet, QoS};
+
+const DEVICES: u32 = 400;
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn key(n: u32) -> SigningKey {
+    let mut seed = [9u8; 32];
+    seed[..4].copy_from_slice(&n.to_le_bytes());
+    SigningKey::from_bytes(&seed)
+}
+
+fn id(n: u32) -> String {
+    format!("ordered-{n:04}")
+}
+
+fn state(n: u32) -> DeviceMessage {
+    DeviceMessage::State {
+        state: DeviceState {
+            device_id: id(n),
+            hardware_id: "sim".into(),
+            labels: vec![("burst".into(), "yes".into())],
+            installed: None,
+            current: None,
+            online: true,
+            agent_version: "test".into(),
+            at: now(),
+        },
+        enrollment: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_request_after_a_burst_of_states_sees_every_state() {
+    if flotilla_tests::mosquitto_binary().is_none() {
+        eprintln!("skipped: mosquitto not installed");
+        return;
+    }
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    let mut authorized = String::new();
+    for n in 0..DEVICES {
+        let public = flotilla_protocol::hex::encode(key(n).verifying_key().as_bytes());
+        authorized.push_str(&format!("{public} {}\n", id(n)));
+    }
+    std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
+    site.start_coordinator();
+    // Answers once subscribed; from here on nothing this test sends is lost.
+    let client = site.client().await;
+    // Asked until answered (a request sent before the coordinator subscribed is lost).
+    let mut devices = None;
+    for _ in 0..30 {
+        if let Ok(d) = client
+            .list_devices(Default::default(), None, Duration::from_secs(1))
+            .await
+        {
+            devices = Some(d);
+            break;
+        }
+    }
+    assert_eq!(devices.map(|d| d.len()), Some(0), "answered, no device yet");
+
+    // One connection sends the burst and then the request, so the broker keeps their order.
+    let topics = Topics::default();
+    let mut options = site.connection().options("burst-sender".to_owned());
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (sender, mut eventloop) = flotilla_mqtt::client(options, 10_000);
+    let reply_to = topics.control_reply("burst-sender");
+    sender
+        .subscribe(reply_to.clone(), QoS::AtLeastOnce)
+        .await
+        .expect("queue subscribe");
+    let subscribed = async {
+        loop {
+            if let Event::Incoming(Packet::SubAck(_)) = eventloop.poll().await.expect("connected") {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), subscribed)
+        .await
+        .expect("subscribed");
+    let forger = key(DEVICES + 1);
+    for n in 0..DEVICES {
+        let device_id = DeviceId::new(id(n)).expect("id");
+        let signed = |blob| envelope::encode(&Message::Device(blob));
+        // A forged state for the device first (another key, not authorized), then its own
+        // signed state, then a report: the forged one is ignored, the others pass in order.
+        let mut forged = device::sign(&forger, &state(n));
+        forged.signature[0] ^= 1;
+        for (topic, payload) in [
+            (topics.state(&device_id), signed(forged)),
+            (
+                topics.state(&device_id),
+                signed(device::sign(&key(n), &state(n))),
+            ),
+            (
+                topics.report(&device_id),
+                signed(device::sign(
+                    &key(n),
+                    &DeviceMessage::Report(Report {
+                        device_id: id(n),
+                        seq: 1,
+                        action_id: "none".into(),
+                        rollout_id: "none".into(),
+                        phase: flotilla_protocol::Phase::Accepted,
+                        at: now(),
+                    }),
+                )),
+            ),
+        ] {
+            sender
+                .publish(topic, QoS::AtLeastOnce, false, payload)
+                .await
+                .expect("queue");
+        }
+    }
+    let request = ControlRequest::new(
+        "after-the-burst",
+        reply_to.clone(),
+        now(),
+        new_nonce(),
+        Command::ListDevices {
+            page: Default::default(),
+        },
+    );
+    let signed = SignedRequest::sign(&site.operator_key(ADMIN), &request);
+    sender
+        .publish(
+            topics.control_request(),
+            QoS::AtLeastOnce,
+            false,
+            serde_json::to_vec(&signed).expect("json"),
+        )
+        .await
+        .expect("queue request");
+    let reply = async {
+        loop {
+            if let Event::Incoming(Packet::Publish(p)) = eventloop.poll().await.expect("connected")
+            {
+                if p.topic == reply_to {
+                    return serde_json::from_slice::<ControlReply>(&p.payload).expect("reply");
+                }
+            }
+        }
+    };
+    let reply = tokio::time::timeout(Duration::from_secs(60), reply)
+        .await
+        .expect("the request is answered");
+    assert!(reply.ok, "{reply:?}");
+    let listed: Vec<DeviceSummary> = serde_json::from_value(reply.result).expect("devices");
+    let ids: std::collections::BTreeSet<&str> = listed.iter().map(|d| d.id.as_str()).collect();
+    let missing: Vec<String> = (0..DEVICES)
+        .map(id)
+        .filter(|d| !ids.contains(d.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty() && ids.len() == DEVICES as usize,
+        "the request saw every state sent before it and only those: {} listed, missing {:?}",
+        ids.len(),
+        missing.iter().take(10).collect::<Vec<_>>()
+    );
+    assert!(listed.iter().all(|d| d.online && d.hardware_id == "sim"));
+}
