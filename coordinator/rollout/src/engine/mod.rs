@@ -27,6 +27,7 @@
 
 mod advance;
 pub mod model;
+mod queues;
 mod sites;
 mod status;
 mod trace;
@@ -1657,6 +1658,8 @@ impl Engine {
                 if pos < group.cursor {
                     group.cursor -= 1;
                 }
+                // Positions moved: the queues are rebuilt at the next fill.
+                group.cache.queues = None;
             }
             entry.index.remove(device);
             let gname = group.name.clone();
