@@ -17,7 +17,7 @@ use super::model::{
 use super::queues::SiteQueues;
 use super::trace::Decision;
 use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
-use crate::conditions::{error_met, success_met};
+use crate::conditions::{error_holds, error_met, success_holds, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
 use crate::window::{utc_text, Window, LOOKAHEAD};
@@ -857,6 +857,14 @@ impl Rollout {
     /// Applies the group's error condition; true when it fired (the caller stops advancing).
     fn check_error(&mut self, gi: usize, now: u64, out: &mut Out) -> bool {
         let group = &self.groups[gi];
+        // The words are only made when the condition holds.
+        if !group
+            .error
+            .as_ref()
+            .is_some_and(|cond| error_holds(cond, &group.counts))
+        {
+            return false;
+        }
         let Some(cond) = group.error.clone() else {
             return false;
         };
@@ -1117,6 +1125,10 @@ impl Rollout {
             return Step::Go;
         }
         if group.succeeded_at.is_none() {
+            // The words are only made when the condition holds.
+            if !success_holds(&group.success, &group.counts) {
+                return Step::Go;
+            }
             let s = success_met(&group.success, &group.counts);
             if !s.met {
                 return Step::Go;

@@ -27,6 +27,7 @@
 
 mod advance;
 pub mod model;
+mod names;
 mod queues;
 mod sites;
 mod status;
@@ -35,6 +36,7 @@ mod trace;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::ops::Bound;
+use std::sync::Arc;
 
 use flotilla_protocol::control::{
     ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
@@ -56,6 +58,7 @@ use advance::{after_approval, before_approval, Ctx, Out};
 pub use model::{
     DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
 };
+use names::Names;
 use trace::Decision;
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
@@ -202,33 +205,38 @@ pub fn parse_action_id(id: &str) -> Option<(&str, u64, &str, ActionPart)> {
 /// What the engine knows about a device from its retained state and its reports.
 #[derive(Debug, Clone)]
 struct DeviceRecord {
-    hardware_id: String,
+    hardware_id: Arc<str>,
     labels: LabelList,
     online: bool,
-    installed: Option<String>,
-    rollout: Option<String>,
-    phase: Option<String>,
+    installed: Option<Arc<str>>,
+    rollout: Option<Arc<str>>,
+    phase: Option<&'static str>,
     reason: Option<String>,
 }
 
-/// A device's labels sorted by key, each key once: a third of a `BTreeMap`'s memory for the
-/// few labels a device carries.
+/// A device's labels sorted by key, each key once, keys and values shared with the other
+/// devices that carry them ([`names::Names`]).
 #[derive(Debug, Clone)]
-struct LabelList(Box<[(String, String)]>);
+struct LabelList(Box<[(Arc<str>, Arc<str>)]>);
 
 impl LabelList {
     /// As a map would keep them: the last of a repeated key counts.
-    fn new(mut labels: Vec<(String, String)>) -> Self {
+    fn new(mut labels: Vec<(String, String)>, names: &mut Names) -> Self {
         labels.reverse();
         labels.sort_by(|a, b| a.0.cmp(&b.0));
         labels.dedup_by(|later, first| later.0 == first.0);
-        Self(labels.into_boxed_slice())
+        Self(
+            labels
+                .iter()
+                .map(|(k, v)| (names.get(k), names.get(v)))
+                .collect(),
+        )
     }
 }
 
 impl Labels for LabelList {
     fn label(&self, key: &str) -> Option<&str> {
-        let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
         Some(&self.0[i].1)
     }
 }
@@ -340,6 +348,8 @@ pub struct Engine {
     dirty: BTreeSet<String>,
     /// Named device groups that partitions refer to.
     device_groups: Vec<DeviceGroup>,
+    /// The registry's shared strings.
+    names: Names,
 }
 
 impl fmt::Debug for Engine {
@@ -363,6 +373,7 @@ impl Engine {
             last_seq: HashMap::new(),
             dirty: BTreeSet::new(),
             device_groups: Vec::new(),
+            names: Names::default(),
         }
     }
 
@@ -521,12 +532,12 @@ impl Engine {
         let current = state.current.as_ref();
         let known = self.devices.contains_key(&state.device_id);
         let record = DeviceRecord {
-            hardware_id: state.hardware_id.clone(),
-            labels: LabelList::new(state.labels),
+            hardware_id: self.names.get(&state.hardware_id),
+            labels: LabelList::new(state.labels, &mut self.names),
             online: state.online,
-            installed: state.installed.as_ref().map(|i| i.name.clone()),
-            rollout: current.map(|c| c.rollout_id.clone()),
-            phase: current.map(|c| c.phase.name().to_owned()),
+            installed: state.installed.as_ref().map(|i| self.names.get(&i.name)),
+            rollout: current.map(|c| self.names.get(&c.rollout_id)),
+            phase: current.map(|c| c.phase.name()),
             reason: current.and_then(|c| c.phase.reason().map(str::to_owned)),
         };
         let was_offline = self.offline.get(&state.device_id).copied().flatten();
@@ -535,8 +546,18 @@ impl Engine {
         } else {
             Some(was_offline.unwrap_or(now))
         };
-        self.offline.insert(state.device_id.clone(), offline);
-        self.devices.insert(state.device_id.clone(), record);
+        match self.offline.get_mut(&state.device_id) {
+            Some(o) => *o = offline,
+            None => {
+                self.offline.insert(state.device_id.clone(), offline);
+            }
+        }
+        match self.devices.get_mut(&state.device_id) {
+            Some(r) => *r = record,
+            None => {
+                self.devices.insert(state.device_id.clone(), record);
+            }
+        }
         let mut out = Out::default();
         if let Some(c) = current {
             self.apply(
@@ -574,7 +595,10 @@ impl Engine {
                 || entry.index.contains_key(device)
                 || !r.spec.select.matches(&record.labels)
                 || !(r.release.hardware.is_empty()
-                    || r.release.hardware.contains(&record.hardware_id))
+                    || r.release
+                        .hardware
+                        .iter()
+                        .any(|h| **h == *record.hardware_id))
             {
                 continue;
             }
@@ -596,11 +620,21 @@ impl Engine {
             Some(&last) if report.seq <= last => return Vec::new(),
             _ => {}
         }
-        self.last_seq.insert(report.device_id.clone(), report.seq);
+        match self.last_seq.get_mut(&report.device_id) {
+            Some(last) => *last = report.seq,
+            None => {
+                self.last_seq.insert(report.device_id.clone(), report.seq);
+            }
+        }
         if let Some(record) = self.devices.get_mut(&report.device_id) {
-            record.rollout = Some(report.rollout_id.clone());
-            record.phase = Some(report.phase.name().to_owned());
-            record.reason = report.phase.reason().map(str::to_owned);
+            if record.rollout.as_deref() != Some(report.rollout_id.as_str()) {
+                record.rollout = Some(self.names.get(&report.rollout_id));
+            }
+            record.phase = Some(report.phase.name());
+            let reason = report.phase.reason();
+            if record.reason.as_deref() != reason {
+                record.reason = reason.map(str::to_owned);
+            }
         }
         let mut out = Out::default();
         self.apply(
@@ -650,7 +684,7 @@ impl Engine {
         let name = r.name.clone();
         match part {
             ActionPart::Rollback => {
-                if current != DevicePhase::InProgress(model::ROLLING_BACK.to_owned()) {
+                if !is_rolling_back(&current) {
                     return;
                 }
                 let new = match outcome {
@@ -672,7 +706,7 @@ impl Engine {
                     return;
                 }
                 if matches!(current, DevicePhase::Retrying(_) | DevicePhase::RolledBack)
-                    || current == DevicePhase::InProgress(model::ROLLING_BACK.to_owned())
+                    || is_rolling_back(&current)
                 {
                     return;
                 }
@@ -744,7 +778,9 @@ impl Engine {
                 }
             }
         }
-        self.dirty.insert(name.clone());
+        if !self.dirty.contains(&name) {
+            self.dirty.insert(name.clone());
+        }
         self.advance(&name, now, out);
     }
 
@@ -1910,16 +1946,26 @@ impl Engine {
             .range((start, Bound::Unbounded))
             .map(|(id, d)| DeviceSummary {
                 id: id.clone(),
-                hardware_id: d.hardware_id.clone(),
-                labels: d.labels.0.iter().cloned().collect(),
+                hardware_id: d.hardware_id.to_string(),
+                labels: d
+                    .labels
+                    .0
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 online: d.online,
-                installed: d.installed.clone(),
-                rollout: d.rollout.clone(),
-                phase: d.phase.clone(),
+                installed: d.installed.as_deref().map(str::to_owned),
+                rollout: d.rollout.as_deref().map(str::to_owned),
+                phase: d.phase.map(str::to_owned),
                 reason: d.reason.clone(),
                 enrollment: None,
             })
     }
+}
+
+/// Whether the device is being sent back to the release it kept.
+fn is_rolling_back(phase: &DevicePhase) -> bool {
+    matches!(phase, DevicePhase::InProgress(p) if p == model::ROLLING_BACK)
 }
 
 /// A device's site in rollout `r`: its value of the site policy's label, if it has one.
