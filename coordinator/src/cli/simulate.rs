@@ -805,6 +805,11 @@ pub fn simulate<D: SimDevice>(
     let effects = sim.engine.start(&rollout, start)?;
     sim.handle(effects, start);
     let end = sim.run(start, start.saturating_add(options.until))?;
+    // The devices' side is done with: its memory goes before the report's copies are made
+    // (the peak of a large run).
+    sim.devices = Vec::new();
+    sim.index = HashMap::new();
+    sim.queue = BTreeMap::new();
     let status = sim
         .engine
         .status(&rollout)

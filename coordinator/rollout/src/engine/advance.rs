@@ -24,8 +24,8 @@ use crate::window::{utc_text, Window, LOOKAHEAD};
 
 /// What the engine knows about devices, as the rollout logic needs it.
 pub(crate) struct Ctx<'a> {
-    /// Device id -> offline since (None when online). Devices not in the map are unknown.
-    pub offline: &'a HashMap<String, Option<u64>>,
+    /// Device id -> offline since; online and unknown devices are not in it.
+    pub offline: &'a HashMap<String, u64>,
     /// Device id -> (rollout, weight) whose action is the device's current one.
     pub owners: &'a HashMap<String, (String, u32)>,
     /// Parsed maintenance windows of this rollout.
@@ -617,7 +617,7 @@ impl Rollout {
                         break 'batches;
                     }
                 }
-                let offline_since = ctx.offline.get(&device).copied().flatten();
+                let offline_since = ctx.offline.get(&device).copied();
                 if offline_since.is_some() && offline_policy == OfflinePolicy::Skip {
                     let group = &mut self.groups[gi];
                     group.set_phase(
@@ -1387,7 +1387,7 @@ impl Rollout {
                             }
                         }
                         if let OfflinePolicy::Fail { grace } = offline {
-                            if let Some(Some(since)) = ctx.offline.get(device) {
+                            if let Some(&since) = ctx.offline.get(device) {
                                 if since + grace <= now {
                                     timed_out.push((
                                         device.clone(),
@@ -1514,7 +1514,7 @@ impl Rollout {
                             consider(at + limit);
                         }
                         if let OfflinePolicy::Fail { grace } = p.offline {
-                            if let Some(Some(since)) = ctx.offline.get(device) {
+                            if let Some(&since) = ctx.offline.get(device) {
                                 consider(since + grace);
                             }
                         }

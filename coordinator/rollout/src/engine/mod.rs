@@ -33,7 +33,7 @@ mod sites;
 mod status;
 mod trace;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -338,8 +338,9 @@ pub struct Engine {
     zones: Box<dyn ZoneSource + Send + Sync>,
     rollouts: BTreeMap<String, Entry>,
     devices: BTreeMap<String, DeviceRecord>,
-    /// Device id -> offline since (None when online).
-    offline: HashMap<String, Option<u64>>,
+    /// Device id -> offline since, for the devices offline (most of a fleet is not: it takes
+    /// no room here).
+    offline: HashMap<String, u64>,
     /// Device id -> (rollout, weight) whose action is the device's current one.
     owners: HashMap<String, (String, u32)>,
     /// Highest report seq seen per device, to drop duplicates and re-sent reports.
@@ -530,7 +531,6 @@ impl Engine {
     /// rollout, applies the phase like a report (this is how a restarted coordinator catches up).
     pub fn observe_state(&mut self, state: DeviceState, now: u64) -> Vec<Effect> {
         let current = state.current.as_ref();
-        let known = self.devices.contains_key(&state.device_id);
         let record = DeviceRecord {
             hardware_id: self.names.get(&state.hardware_id),
             labels: LabelList::new(state.labels, &mut self.names),
@@ -540,24 +540,21 @@ impl Engine {
             phase: current.map(|c| c.phase.name()),
             reason: current.and_then(|c| c.phase.reason().map(str::to_owned)),
         };
-        let was_offline = self.offline.get(&state.device_id).copied().flatten();
-        let offline = if state.online {
-            None
-        } else {
-            Some(was_offline.unwrap_or(now))
+        if state.online {
+            self.offline.remove(&state.device_id);
+        } else if !self.offline.contains_key(&state.device_id) {
+            self.offline.insert(state.device_id.clone(), now);
+        }
+        let known = match self.devices.entry(state.device_id.clone()) {
+            btree_map::Entry::Occupied(mut e) => {
+                e.insert(record);
+                true
+            }
+            btree_map::Entry::Vacant(e) => {
+                e.insert(record);
+                false
+            }
         };
-        match self.offline.get_mut(&state.device_id) {
-            Some(o) => *o = offline,
-            None => {
-                self.offline.insert(state.device_id.clone(), offline);
-            }
-        }
-        match self.devices.get_mut(&state.device_id) {
-            Some(r) => *r = record,
-            None => {
-                self.devices.insert(state.device_id.clone(), record);
-            }
-        }
         let mut out = Out::default();
         if let Some(c) = current {
             self.apply(
@@ -579,6 +576,13 @@ impl Engine {
     /// record it, and those already started take it if it matches. A device a rollout saw
     /// before (before a coordinator restart too) is never new to it.
     fn join_dynamic_groups(&mut self, device: &str, now: u64, out: &mut Out) {
+        if !self
+            .rollouts
+            .values()
+            .any(|e| e.rollout.spec.policies.dynamic)
+        {
+            return;
+        }
         let Some(record) = self.devices.get(device) else {
             return;
         };
