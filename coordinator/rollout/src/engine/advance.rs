@@ -742,7 +742,10 @@ impl Rollout {
         let touched: Vec<String> = self
             .groups
             .iter_mut()
-            .flat_map(|g| std::mem::take(&mut g.cache.touched))
+            .flat_map(|g| {
+                g.cache.touched_folded = 0;
+                std::mem::take(&mut g.cache.touched)
+            })
             .collect();
         for (i, g) in self.groups.iter_mut().enumerate() {
             if i != gi && g.state != GroupState::Running {

@@ -378,6 +378,8 @@ pub struct GroupCache {
     /// Sites whose counts changed since the last fill of any group: every group's waiting
     /// queues look at them again ([`super::queues`]).
     pub touched: Vec<String>,
+    /// The length of `touched` after repeated names were last folded.
+    pub touched_folded: usize,
     /// The group's per-site waiting queues, built at its first fill.
     pub queues: Option<Box<SiteQueues>>,
 }
@@ -401,9 +403,21 @@ impl GroupCache {
         self.scheduled_in_sites = self.scheduled_in_sites + after.scheduled - before.scheduled;
         let changed = after != before;
         if changed {
-            self.touched.push(site.to_owned());
+            self.touch(site);
         }
         changed
+    }
+
+    /// Notes a site for every group's waiting queues. Read at the next fill; until then (a paused
+    /// rollout, one whose groups all ended) repeated names are folded each time the list
+    /// doubles, so it stays within twice the sites touched.
+    pub fn touch(&mut self, site: &str) {
+        self.touched.push(site.to_owned());
+        if self.touched.len() >= 2 * self.touched_folded.max(32) {
+            self.touched.sort_unstable();
+            self.touched.dedup();
+            self.touched_folded = self.touched.len();
+        }
     }
 }
 
@@ -508,6 +522,7 @@ impl Group {
         }
         // Nothing waits on a fresh count.
         self.cache.touched.clear();
+        self.cache.touched_folded = 0;
     }
 
     /// Sets a device's bytes and keeps the sums right.
@@ -676,5 +691,23 @@ impl Rollout {
         self.spec.policies.dynamic
             && !self.state.is_terminal()
             && self.seen.insert(device.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GroupCache;
+
+    #[test]
+    fn sites_touched_while_no_fill_reads_them_take_bounded_room() {
+        let mut cache = GroupCache::default();
+        for i in 0..10_000 {
+            cache.touch(["harbour", "quarry", "mill"][i % 3]);
+        }
+        assert!(cache.touched.len() < 64, "{}", cache.touched.len());
+        let mut sites = cache.touched.clone();
+        sites.sort();
+        sites.dedup();
+        assert_eq!(sites, ["harbour", "mill", "quarry"]);
     }
 }

@@ -134,7 +134,7 @@ impl Rollout {
         if !seed_busy {
             // Other groups' devices of the site wait for this seed now.
             if let Some(g) = self.groups.first_mut() {
-                g.cache.touched.push(site.to_owned());
+                g.cache.touch(site);
             }
             let state = self.sites.entry(site.to_owned()).or_default();
             state.seed = Some(device.to_owned());
@@ -178,7 +178,7 @@ impl Rollout {
         };
         // Devices waiting for their site may start now (or with other peers).
         self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
-        self.groups[gi].cache.touched.push(site.clone());
+        self.groups[gi].cache.touch(&site);
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
