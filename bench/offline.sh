@@ -5,6 +5,7 @@
 #
 # Usage: bench/offline.sh
 # Environment: CARGO_TARGET_DIR (default: <repo>/target), SIZES (default "100000 1000000"),
+#              SITE_SIZES (default "20000"; "" skips the site budget runs),
 #              RUNS (best of; default 3), RESULTS (default bench/results-offline.txt),
 #              FLOTILLA (a flotilla binary to measure instead of building the release one),
 #              KEEP=1 (keep the generated files in the work directory).
@@ -16,12 +17,17 @@
 # Nothing here passes or fails on a number: it reports them beside the goals of issue 12
 # (plan of 1M < 1 s and < 500 MB; simulate of 1M < 10 s and < 1 GB). docs/performance.md has
 # the figures.
+#
+# Site budgets: `simulate` of SITE_SIZES devices spread over 500 sites (label `site`), a 3-group
+# `[groups]` spec with `[groups.sites] max_running = 2`, so most devices wait for their site
+# (decision 0032). No goal; it shows that choosing the next device does not grow with the sites.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
 export CARGO_TERM_COLOR=never
-SIZES="${SIZES:-100000 1000000}"
+SIZES="${SIZES-100000 1000000}"
+SITE_SIZES="${SITE_SIZES-20000}"
 RUNS="${RUNS:-3}"
 results="${RESULTS:-$repo/bench/results-offline.txt}"
 
@@ -53,15 +59,37 @@ select = "site in (ber,muc,ham,fra)"
 name = "rest"
 SPEC
 
-# fleet N FORMAT FILE: FORMAT is "fleet" or "devices".
+cat >"$work/sites.toml" <<'SPEC'
+name = "fw-3-0"
+release = "fw-3.0.0"
+[groups]
+error = { threshold = "5%" }
+[groups.sites]
+label = "site"
+max_running = 2
+[[groups.group]]
+name = "canary"
+select = "env=canary"
+[[groups.group]]
+name = "half"
+select = "site in (s001,s002,s003)"
+percent = 50
+[[groups.group]]
+name = "rest"
+SPEC
+
+# fleet N FORMAT FILE [SITES]: FORMAT is "fleet" or "devices"; SITES > 0 names that many sites
+# s000... instead of the eight cities.
 fleet() {
-    python3 - "$1" "$2" "$3" <<'PY'
+    python3 - "$1" "$2" "$3" "${4:-0}" <<'PY'
 import json, random, sys
-n, fmt, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+n, fmt, path, nsites = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 rng = random.Random(12)
 order = list(range(n))
 rng.shuffle(order)
 sites = ["ber", "muc", "ham", "fra", "par", "lyo", "mad", "rom"]
+if nsites > 0:
+    sites = [f"s{k:03d}" for k in range(nsites)]
 hw = ["pi4", "pi5", "x86"]
 with open(path, "w") as f:
     f.write("[\n")
@@ -124,6 +152,13 @@ for n in $SIZES; do
             "$FLOTILLA" simulate --spec "$work/spec.toml" --fleet "$file"
         rm -f "$file"
     done
+done
+for n in $SITE_SIZES; do
+    file="$work/sites-$n.json"
+    fleet "$n" fleet "$file" 500
+    measure "simulate $n in 500 sites, 2 running a site" \
+        "$FLOTILLA" simulate --spec "$work/sites.toml" --fleet "$file"
+    rm -f "$file"
 done
 mv "$results.tmp" "$results"
 echo "written to $results"

@@ -129,6 +129,38 @@ pub fn success_met(cond: &SuccessCondition, counts: &GroupCounts) -> Evaluation 
     }
 }
 
+/// Whether the success condition holds: [`success_met`]'s `met` without the words, for the
+/// check made after every report.
+pub fn success_holds(cond: &SuccessCondition, counts: &GroupCounts) -> bool {
+    let total = counts.effective_total();
+    match cond.threshold {
+        Threshold::Share(share) => share.reached_by(counts.ready, total),
+        Threshold::AllBut(budget) => {
+            counts.scheduled == 0 && counts.not_ready() <= budget.of(total)
+        }
+    }
+}
+
+/// Whether the error condition holds: [`error_met`]'s `met` without the words, for the check
+/// made after every report.
+pub fn error_holds(cond: &ErrorCondition, counts: &GroupCounts) -> bool {
+    let total = counts.effective_total();
+    let classes = cond.classes;
+    let failures = if classes.failed { counts.failed } else { 0 }
+        + if classes.refused { counts.refused } else { 0 }
+        + if classes.timed_out {
+            counts.timed_out
+        } else {
+            0
+        };
+    let ended = counts.ready + counts.soaking + counts.failures();
+    ended >= cond.min_sample
+        && (cond.count.is_some_and(|count| failures >= count)
+            || cond
+                .percent
+                .is_some_and(|percent| percent.exceeded_by(failures, total)))
+}
+
 /// The error condition: at least `min_sample` devices ended, and the failures of the counted
 /// classes are strictly more than the percentage of the group or at least the count. A 0%
 /// threshold fires on the first failure; an empty group never fails.
@@ -249,6 +281,43 @@ mod tests {
             min_sample,
             classes: FailureClasses::default(),
             action: ErrorAction::Pause,
+        }
+    }
+
+    #[test]
+    fn the_quick_checks_agree_with_the_evaluations() {
+        let mut errors = Vec::new();
+        for percent in [None, Some(0), Some(10), Some(50)] {
+            for count in [None, Some(1), Some(3)] {
+                for min_sample in [0, 2, 6] {
+                    errors.push(error(percent, count, min_sample));
+                }
+            }
+        }
+        let successes = [
+            share(100),
+            share(60),
+            SuccessCondition {
+                threshold: Threshold::AllBut(Budget::Count(1)),
+                action: SuccessAction::Next,
+            },
+        ];
+        for total in 0..8 {
+            for ready in 0..=total {
+                for failed in 0..=total - ready {
+                    for scheduled in 0..=(total - ready - failed).min(1) {
+                        let mut c = counts(total, ready, failed);
+                        c.in_progress -= scheduled;
+                        c.scheduled = scheduled;
+                        for e in &errors {
+                            assert_eq!(error_holds(e, &c), error_met(e, &c).met, "{e:?} {c:?}");
+                        }
+                        for s in &successes {
+                            assert_eq!(success_holds(s, &c), success_met(s, &c).met, "{c:?}");
+                        }
+                    }
+                }
+            }
         }
     }
 

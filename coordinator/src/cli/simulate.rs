@@ -432,6 +432,9 @@ pub struct SimOptions {
     /// The release's size in bytes: each device that ends ready reports that many bytes, from
     /// its first peer when its action named peers, else from the coordinator.
     pub artifact_size: Option<u64>,
+    /// The process ends right after the run (the `simulate` command): the engine, millions of
+    /// small allocations at a million devices, is left to the exit instead of freed one by one.
+    pub then_exit: bool,
 }
 
 impl Default for SimOptions {
@@ -440,6 +443,7 @@ impl Default for SimOptions {
             start: DEFAULT_START,
             until: DEFAULT_UNTIL,
             artifact_size: None,
+            then_exit: false,
         }
     }
 }
@@ -552,12 +556,16 @@ impl<D: SimDevice> Sim<'_, D> {
                 } => {
                     if let Some(&di) = self.index.get(device.as_str()) {
                         self.devices[di].peers = peers;
+                        self.answer(di, action_id, now, false);
                     }
-                    self.answer(&device, action_id, now, false)
                 }
                 Effect::Rollback {
                     device, action_id, ..
-                } => self.answer(&device, action_id, now, true),
+                } => {
+                    if let Some(&di) = self.index.get(device.as_str()) {
+                        self.answer(di, action_id, now, true);
+                    }
+                }
                 Effect::Cancel {
                     device, action_id, ..
                 } => {
@@ -598,10 +606,7 @@ impl<D: SimDevice> Sim<'_, D> {
     }
 
     /// Schedules a device's scripted reports for a new action.
-    fn answer(&mut self, device: &str, action_id: String, now: u64, rollback: bool) {
-        let Some(&di) = self.index.get(device) else {
-            return;
-        };
+    fn answer(&mut self, di: usize, action_id: String, now: u64, rollback: bool) {
         let d = &mut self.devices[di];
         d.epoch += 1;
         let epoch = d.epoch;
@@ -827,6 +832,11 @@ pub fn simulate<D: SimDevice>(
     let effects = sim.engine.start(&rollout, start)?;
     sim.handle(effects, start);
     let end = sim.run(start, start.saturating_add(options.until))?;
+    // The devices' side is done with: its memory goes before the report's copies are made
+    // (the peak of a large run).
+    sim.devices = Vec::new();
+    sim.index = HashMap::new();
+    sim.queue = BTreeMap::new();
     let status = sim
         .engine
         .status(&rollout)
@@ -836,6 +846,9 @@ pub fn simulate<D: SimDevice>(
         .iter()
         .flat_map(|g| g.devices.iter().map(|(d, p)| (d.clone(), p.clone())))
         .collect();
+    if options.then_exit {
+        std::mem::forget(sim.engine);
+    }
     Ok(SimReport {
         timeline: sim.timeline,
         rollout: status,
@@ -879,7 +892,8 @@ pub struct SimulateArgs {
     pub json: bool,
 }
 
-/// Reads the files named by the arguments and runs the simulation.
+/// Reads the files named by the arguments and runs the simulation, for the `simulate` command
+/// (which ends the process right after: [`SimOptions::then_exit`]).
 pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
     let until = parse_duration(&args.until).map_err(|reason| SimError::Flag {
         flag: "until",
@@ -920,6 +934,7 @@ pub fn simulate_files(args: &SimulateArgs) -> Result<SimReport, SimError> {
             start,
             until,
             artifact_size: args.artifact_size,
+            then_exit: true,
         },
     )
 }
@@ -940,7 +955,11 @@ pub fn run_simulate(args: &SimulateArgs) -> i32 {
             } else {
                 print!("{}", render(&report));
             }
-            report.exit_code()
+            let code = report.exit_code();
+            // A report of a million devices is millions of small allocations; the command ends
+            // here, so they are not freed one by one.
+            std::mem::forget(report);
+            code
         }
         Err(e) => {
             eprintln!("error: {e}");

@@ -14,18 +14,18 @@ use super::model::{
     set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, Stall, ISSUED,
     ROLLING_BACK,
 };
-use super::sites::{Blocked, SiteWhy};
+use super::queues::SiteQueues;
 use super::trace::Decision;
 use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
-use crate::conditions::{error_met, success_met};
+use crate::conditions::{error_holds, error_met, success_holds, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
 use crate::window::{utc_text, Window, LOOKAHEAD};
 
 /// What the engine knows about devices, as the rollout logic needs it.
 pub(crate) struct Ctx<'a> {
-    /// Device id -> offline since (None when online). Devices not in the map are unknown.
-    pub offline: &'a HashMap<String, Option<u64>>,
+    /// Device id -> offline since; online and unknown devices are not in it.
+    pub offline: &'a HashMap<String, u64>,
     /// Device id -> (rollout, weight) whose action is the device's current one.
     pub owners: &'a HashMap<String, (String, u32)>,
     /// Parsed maintenance windows of this rollout.
@@ -530,9 +530,21 @@ impl Rollout {
         }
         let (offline_policy, my_weight) = (self.spec.policies.offline, self.spec.policies.weight);
         let successes = self.successes();
-        let mut sites = Blocked::for_group(&self.groups[gi]);
+        let mut queues = self.site_queues(gi, now);
+        // When the fill began: the group's sites with devices left to start, and whether devices
+        // without a site are left too.
+        let open_sites = self.groups[gi].cache.open_sites;
+        let open_without_site =
+            self.groups[gi].counts.scheduled > self.groups[gi].cache.scheduled_in_sites;
         let mut started = 0usize;
         let mut result = None;
+        // Devices start in list order; one whose site is full is passed over (the cursor stays
+        // on it) and the next is looked at, so other sites keep going. The queues give that
+        // order; `pos` is where a scan of the list would be (devices before it were looked at).
+        let mut pos = self.groups[gi].cursor;
+        // The last look ended at a device it could not start or at the end of the list (not at
+        // the end of a batch): the cursor moves up to the first device not started.
+        let mut stopped = false;
         'batches: loop {
             let group = &self.groups[gi];
             if group.cursor >= group.devices.len() {
@@ -555,36 +567,17 @@ impl Rollout {
             }
             let batch = group.pace.batch.unwrap_or(usize::MAX);
             let mut in_batch = 0usize;
-            // Devices start in order; one whose site is at its limit is passed over (the cursor
-            // stays on it) and the scan goes on to the next, so other sites keep going.
-            let mut pos = group.cursor;
+            let mut last_started = pos;
+            stopped = true;
             while in_batch < batch {
+                let next = queues.next(&self.groups[gi]);
                 let group = &self.groups[gi];
-                let Some(id) = group.devices.get(pos) else {
-                    break 'batches;
-                };
-                let slot = group.slots.get(id);
-                if slot.map(|s| &s.phase) != Some(&DevicePhase::Scheduled) {
-                    if pos == group.cursor {
-                        self.groups[gi].cursor += 1;
-                    }
-                    pos += 1;
-                    continue;
-                }
-                if sites.all_blocked() {
-                    break 'batches;
-                }
-                // Passing over a device of a site already found full costs no allocation.
-                if slot
-                    .and_then(|s| s.site.as_deref())
-                    .is_some_and(|s| sites.blocked.contains_key(s))
-                {
-                    pos += 1;
-                    continue;
-                }
-                let device = id.clone();
                 if let Some(limit) = group.pace.concurrency {
-                    if group.counts.not_ready() >= limit {
+                    // The limit holds at the next device not started whose site was not yet
+                    // found full in this fill, blocked sites' first devices included.
+                    if group.counts.not_ready() >= limit
+                        && (next.is_some() || queues.blocked_from(pos))
+                    {
                         result = Some(Wait {
                             kind: "concurrency",
                             text: format!(
@@ -596,13 +589,17 @@ impl Rollout {
                         break 'batches;
                     }
                 }
-                let site = group.slots.get(&device).and_then(|s| s.site.clone());
+                let Some((at, site_id)) = next else {
+                    break 'batches;
+                };
+                pos = at + 1;
+                let device = group.devices[at].clone();
+                let site = queues.name(site_id).map(str::to_owned);
                 let peers = match site.as_ref() {
                     Some(site) => match self.site_gate(site, &device, now) {
                         Ok(peers) => peers,
                         Err(why) => {
-                            sites.blocked.insert(site.clone(), why);
-                            pos += 1;
+                            queues.block(at, site_id, why);
                             continue;
                         }
                     },
@@ -620,7 +617,7 @@ impl Rollout {
                         break 'batches;
                     }
                 }
-                let offline_since = ctx.offline.get(&device).copied().flatten();
+                let offline_since = ctx.offline.get(&device).copied();
                 if offline_since.is_some() && offline_policy == OfflinePolicy::Skip {
                     let group = &mut self.groups[gi];
                     group.set_phase(
@@ -630,10 +627,7 @@ impl Rollout {
                     if let Some(slot) = group.slots.get_mut(&device) {
                         slot.ended_at = Some(now);
                     }
-                    if pos == group.cursor {
-                        group.cursor += 1;
-                    }
-                    pos += 1;
+                    queues.pop(at, site_id);
                     let gname = group.name.clone();
                     let message = format!(
                         "device {device} skipped in group {gname}: offline when its turn came"
@@ -661,13 +655,17 @@ impl Rollout {
                     self.seed_if_first(site, &device, &peers, now);
                 }
                 self.start_device(gi, &device, peers, now, out);
+                queues.pop(at, site_id);
                 if let Some(ramp) = self.ramp.as_mut() {
                     ramp.take(1);
                 }
-                pos += 1;
+                last_started = at + 1;
                 in_batch += 1;
                 started += 1;
             }
+            // The batch is full: a scan would be just past its last device.
+            stopped = false;
+            self.advance_cursor(gi, last_started);
             if self.groups[gi].pace.gate.is_none() && self.groups[gi].pace.batch.is_some() {
                 // A batch without a gate is only a chunk: go on with the next one.
                 continue;
@@ -676,6 +674,10 @@ impl Rollout {
                 break;
             }
         }
+        if stopped {
+            self.advance_cursor(gi, usize::MAX);
+        }
+        self.groups[gi].cache.queues = Some(queues);
         if started > 0 {
             let group = &self.groups[gi];
             if group.pace.batch.is_some() || group.pace.gate.is_some() {
@@ -692,37 +694,77 @@ impl Rollout {
                 self.record(now, decision.group(&name), out);
             }
         }
-        if result.is_none() && sites.all_blocked() {
-            // Until a site changes, a fill would pass over the same devices again.
-            let until = sites
-                .blocked
-                .values()
-                .filter_map(|why| match why {
-                    SiteWhy::Seed { until, .. } => Some(*until),
-                    _ => None,
-                })
-                .min()
-                .unwrap_or(u64::MAX);
-            if let Some((site, why)) = sites.blocked.pop_first() {
-                let wait = Wait {
-                    kind: "site",
-                    text: self.site_wait(&site, why),
-                };
-                self.groups[gi].cache.stalled = Some(Stall {
-                    generation: self.site_generation(),
-                    until,
-                    text: wait.text.clone(),
-                });
-                return Some(wait);
-            }
+        if result.is_some() {
+            return result;
         }
-        if result.is_none() {
-            result = sites.blocked.into_iter().next().map(|(site, why)| Wait {
-                kind: "site",
-                text: self.site_wait(&site, why),
+        // The sites found full: when the fill got here, every site with devices left to start
+        // was looked at.
+        let queues = self.groups[gi].cache.queues.as_deref()?;
+        let (site, why) = queues
+            .blocked
+            .first_key_value()
+            .map(|(s, w)| (s.clone(), w.clone()))?;
+        let all_blocked = !open_without_site && queues.blocked.len() >= open_sites;
+        let until = queues.first_seed_wait().unwrap_or(u64::MAX);
+        let wait = Wait {
+            kind: "site",
+            text: self.site_wait(&site, why),
+        };
+        if all_blocked {
+            // Until a site changes, a fill would pass over the same devices again.
+            self.groups[gi].cache.stalled = Some(Stall {
+                generation: self.site_generation(),
+                until,
+                text: wait.text.clone(),
             });
         }
-        result
+        Some(wait)
+    }
+
+    /// Moves a group's cursor past the devices that have started, up to `bound`.
+    fn advance_cursor(&mut self, gi: usize, bound: usize) {
+        let group = &mut self.groups[gi];
+        let end = bound.min(group.devices.len());
+        while group.cursor < end
+            && group
+                .slots
+                .get(&group.devices[group.cursor])
+                .map(|s| &s.phase)
+                != Some(&DevicePhase::Scheduled)
+        {
+            group.cursor += 1;
+        }
+    }
+
+    /// The group's waiting queues for a fill, up to date: the sites touched since the last
+    /// fill are open again in every group's queues, and those whose seed wait ended.
+    fn site_queues(&mut self, gi: usize, now: u64) -> Box<SiteQueues> {
+        let touched: Vec<String> = self
+            .groups
+            .iter_mut()
+            .flat_map(|g| {
+                g.cache.touched_folded = 0;
+                std::mem::take(&mut g.cache.touched)
+            })
+            .collect();
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            if i != gi && g.state != GroupState::Running {
+                // Built again if the group runs again.
+                g.cache.queues = None;
+            }
+            if let Some(queues) = g.cache.queues.as_mut() {
+                for site in &touched {
+                    queues.reopen(site);
+                }
+            }
+        }
+        let mut queues = self.groups[gi]
+            .cache
+            .queues
+            .take()
+            .unwrap_or_else(|| Box::new(SiteQueues::build(&self.groups[gi])));
+        queues.end_seed_waits(now);
+        queues
     }
 
     /// Sends a device its desired action (first attempt), naming the peers it may fetch from.
@@ -818,6 +860,14 @@ impl Rollout {
     /// Applies the group's error condition; true when it fired (the caller stops advancing).
     fn check_error(&mut self, gi: usize, now: u64, out: &mut Out) -> bool {
         let group = &self.groups[gi];
+        // The words are only made when the condition holds.
+        if !group
+            .error
+            .as_ref()
+            .is_some_and(|cond| error_holds(cond, &group.counts))
+        {
+            return false;
+        }
         let Some(cond) = group.error.clone() else {
             return false;
         };
@@ -1078,6 +1128,10 @@ impl Rollout {
             return Step::Go;
         }
         if group.succeeded_at.is_none() {
+            // The words are only made when the condition holds.
+            if !success_holds(&group.success, &group.counts) {
+                return Step::Go;
+            }
             let s = success_met(&group.success, &group.counts);
             if !s.met {
                 return Step::Go;
@@ -1336,7 +1390,7 @@ impl Rollout {
                             }
                         }
                         if let OfflinePolicy::Fail { grace } = offline {
-                            if let Some(Some(since)) = ctx.offline.get(device) {
+                            if let Some(&since) = ctx.offline.get(device) {
                                 if since + grace <= now {
                                     timed_out.push((
                                         device.clone(),
@@ -1463,7 +1517,7 @@ impl Rollout {
                             consider(at + limit);
                         }
                         if let OfflinePolicy::Fail { grace } = p.offline {
-                            if let Some(Some(since)) = ctx.offline.get(device) {
+                            if let Some(&since) = ctx.offline.get(device) {
                                 consider(since + grace);
                             }
                         }
@@ -1522,10 +1576,14 @@ impl Rollout {
             site,
             ..Slot::scheduled()
         };
+        if let Some(queues) = group.cache.queues.as_mut() {
+            queues.append(group.devices.len() - 1, slot.site.as_deref());
+        }
         if let Some(site) = &slot.site {
-            let c = group.cache.sites.entry(site.clone()).or_default();
-            c.total += 1;
-            c.scheduled += 1;
+            group.cache.update_site(site, |c| {
+                c.total += 1;
+                c.scheduled += 1;
+            });
         }
         group.cache.changes = group.cache.changes.wrapping_add(1);
         group.slots.insert(device.to_owned(), slot);

@@ -27,13 +27,16 @@
 
 mod advance;
 pub mod model;
+mod names;
+mod queues;
 mod sites;
 mod status;
 mod trace;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::ops::Bound;
+use std::sync::Arc;
 
 use flotilla_protocol::control::{
     ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
@@ -55,6 +58,7 @@ use advance::{after_approval, before_approval, Ctx, Out};
 pub use model::{
     DevicePhase, Group, GroupState, Outcome, ReleaseRef, Rollout, RolloutState, Slot, ISSUED,
 };
+use names::Names;
 use trace::Decision;
 
 /// How many trace entries a rollout keeps; older ones are dropped (they also went to `events/log`).
@@ -201,33 +205,38 @@ pub fn parse_action_id(id: &str) -> Option<(&str, u64, &str, ActionPart)> {
 /// What the engine knows about a device from its retained state and its reports.
 #[derive(Debug, Clone)]
 struct DeviceRecord {
-    hardware_id: String,
+    hardware_id: Arc<str>,
     labels: LabelList,
     online: bool,
-    installed: Option<String>,
-    rollout: Option<String>,
-    phase: Option<String>,
+    installed: Option<Arc<str>>,
+    rollout: Option<Arc<str>>,
+    phase: Option<&'static str>,
     reason: Option<String>,
 }
 
-/// A device's labels sorted by key, each key once: a third of a `BTreeMap`'s memory for the
-/// few labels a device carries.
+/// A device's labels sorted by key, each key once, keys and values shared with the other
+/// devices that carry them ([`names::Names`]).
 #[derive(Debug, Clone)]
-struct LabelList(Box<[(String, String)]>);
+struct LabelList(Box<[(Arc<str>, Arc<str>)]>);
 
 impl LabelList {
     /// As a map would keep them: the last of a repeated key counts.
-    fn new(mut labels: Vec<(String, String)>) -> Self {
+    fn new(mut labels: Vec<(String, String)>, names: &mut Names) -> Self {
         labels.reverse();
         labels.sort_by(|a, b| a.0.cmp(&b.0));
         labels.dedup_by(|later, first| later.0 == first.0);
-        Self(labels.into_boxed_slice())
+        Self(
+            labels
+                .iter()
+                .map(|(k, v)| (names.get(k), names.get(v)))
+                .collect(),
+        )
     }
 }
 
 impl Labels for LabelList {
     fn label(&self, key: &str) -> Option<&str> {
-        let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        let i = self.0.binary_search_by(|(k, _)| (**k).cmp(key)).ok()?;
         Some(&self.0[i].1)
     }
 }
@@ -329,8 +338,9 @@ pub struct Engine {
     zones: Box<dyn ZoneSource + Send + Sync>,
     rollouts: BTreeMap<String, Entry>,
     devices: BTreeMap<String, DeviceRecord>,
-    /// Device id -> offline since (None when online).
-    offline: HashMap<String, Option<u64>>,
+    /// Device id -> offline since, for the devices offline (most of a fleet is not: it takes
+    /// no room here).
+    offline: HashMap<String, u64>,
     /// Device id -> (rollout, weight) whose action is the device's current one.
     owners: HashMap<String, (String, u32)>,
     /// Highest report seq seen per device, to drop duplicates and re-sent reports.
@@ -339,6 +349,8 @@ pub struct Engine {
     dirty: BTreeSet<String>,
     /// Named device groups that partitions refer to.
     device_groups: Vec<DeviceGroup>,
+    /// The registry's shared strings.
+    names: Names,
 }
 
 impl fmt::Debug for Engine {
@@ -362,6 +374,7 @@ impl Engine {
             last_seq: HashMap::new(),
             dirty: BTreeSet::new(),
             device_groups: Vec::new(),
+            names: Names::default(),
         }
     }
 
@@ -518,24 +531,30 @@ impl Engine {
     /// rollout, applies the phase like a report (this is how a restarted coordinator catches up).
     pub fn observe_state(&mut self, state: DeviceState, now: u64) -> Vec<Effect> {
         let current = state.current.as_ref();
-        let known = self.devices.contains_key(&state.device_id);
         let record = DeviceRecord {
-            hardware_id: state.hardware_id.clone(),
-            labels: LabelList::new(state.labels),
+            hardware_id: self.names.get(&state.hardware_id),
+            labels: LabelList::new(state.labels, &mut self.names),
             online: state.online,
-            installed: state.installed.as_ref().map(|i| i.name.clone()),
-            rollout: current.map(|c| c.rollout_id.clone()),
-            phase: current.map(|c| c.phase.name().to_owned()),
+            installed: state.installed.as_ref().map(|i| self.names.get(&i.name)),
+            rollout: current.map(|c| self.names.get(&c.rollout_id)),
+            phase: current.map(|c| c.phase.name()),
             reason: current.and_then(|c| c.phase.reason().map(str::to_owned)),
         };
-        let was_offline = self.offline.get(&state.device_id).copied().flatten();
-        let offline = if state.online {
-            None
-        } else {
-            Some(was_offline.unwrap_or(now))
+        if state.online {
+            self.offline.remove(&state.device_id);
+        } else if !self.offline.contains_key(&state.device_id) {
+            self.offline.insert(state.device_id.clone(), now);
+        }
+        let known = match self.devices.entry(state.device_id.clone()) {
+            btree_map::Entry::Occupied(mut e) => {
+                e.insert(record);
+                true
+            }
+            btree_map::Entry::Vacant(e) => {
+                e.insert(record);
+                false
+            }
         };
-        self.offline.insert(state.device_id.clone(), offline);
-        self.devices.insert(state.device_id.clone(), record);
         let mut out = Out::default();
         if let Some(c) = current {
             self.apply(
@@ -557,6 +576,13 @@ impl Engine {
     /// record it, and those already started take it if it matches. A device a rollout saw
     /// before (before a coordinator restart too) is never new to it.
     fn join_dynamic_groups(&mut self, device: &str, now: u64, out: &mut Out) {
+        if !self
+            .rollouts
+            .values()
+            .any(|e| e.rollout.spec.policies.dynamic)
+        {
+            return;
+        }
         let Some(record) = self.devices.get(device) else {
             return;
         };
@@ -573,7 +599,10 @@ impl Engine {
                 || entry.index.contains_key(device)
                 || !r.spec.select.matches(&record.labels)
                 || !(r.release.hardware.is_empty()
-                    || r.release.hardware.contains(&record.hardware_id))
+                    || r.release
+                        .hardware
+                        .iter()
+                        .any(|h| **h == *record.hardware_id))
             {
                 continue;
             }
@@ -595,11 +624,21 @@ impl Engine {
             Some(&last) if report.seq <= last => return Vec::new(),
             _ => {}
         }
-        self.last_seq.insert(report.device_id.clone(), report.seq);
+        match self.last_seq.get_mut(&report.device_id) {
+            Some(last) => *last = report.seq,
+            None => {
+                self.last_seq.insert(report.device_id.clone(), report.seq);
+            }
+        }
         if let Some(record) = self.devices.get_mut(&report.device_id) {
-            record.rollout = Some(report.rollout_id.clone());
-            record.phase = Some(report.phase.name().to_owned());
-            record.reason = report.phase.reason().map(str::to_owned);
+            if record.rollout.as_deref() != Some(report.rollout_id.as_str()) {
+                record.rollout = Some(self.names.get(&report.rollout_id));
+            }
+            record.phase = Some(report.phase.name());
+            let reason = report.phase.reason();
+            if record.reason.as_deref() != reason {
+                record.reason = reason.map(str::to_owned);
+            }
         }
         let mut out = Out::default();
         self.apply(
@@ -649,7 +688,7 @@ impl Engine {
         let name = r.name.clone();
         match part {
             ActionPart::Rollback => {
-                if current != DevicePhase::InProgress(model::ROLLING_BACK.to_owned()) {
+                if !is_rolling_back(&current) {
                     return;
                 }
                 let new = match outcome {
@@ -671,7 +710,7 @@ impl Engine {
                     return;
                 }
                 if matches!(current, DevicePhase::Retrying(_) | DevicePhase::RolledBack)
-                    || current == DevicePhase::InProgress(model::ROLLING_BACK.to_owned())
+                    || is_rolling_back(&current)
                 {
                     return;
                 }
@@ -743,7 +782,9 @@ impl Engine {
                 }
             }
         }
-        self.dirty.insert(name.clone());
+        if !self.dirty.contains(&name) {
+            self.dirty.insert(name.clone());
+        }
         self.advance(&name, now, out);
     }
 
@@ -1657,6 +1698,8 @@ impl Engine {
                 if pos < group.cursor {
                     group.cursor -= 1;
                 }
+                // Positions moved: the queues are rebuilt at the next fill.
+                group.cache.queues = None;
             }
             entry.index.remove(device);
             let gname = group.name.clone();
@@ -1907,16 +1950,26 @@ impl Engine {
             .range((start, Bound::Unbounded))
             .map(|(id, d)| DeviceSummary {
                 id: id.clone(),
-                hardware_id: d.hardware_id.clone(),
-                labels: d.labels.0.iter().cloned().collect(),
+                hardware_id: d.hardware_id.to_string(),
+                labels: d
+                    .labels
+                    .0
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
                 online: d.online,
-                installed: d.installed.clone(),
-                rollout: d.rollout.clone(),
-                phase: d.phase.clone(),
+                installed: d.installed.as_deref().map(str::to_owned),
+                rollout: d.rollout.as_deref().map(str::to_owned),
+                phase: d.phase.map(str::to_owned),
                 reason: d.reason.clone(),
                 enrollment: None,
             })
     }
+}
+
+/// Whether the device is being sent back to the release it kept.
+fn is_rolling_back(phase: &DevicePhase) -> bool {
+    matches!(phase, DevicePhase::InProgress(p) if p == model::ROLLING_BACK)
 }
 
 /// A device's site in rollout `r`: its value of the site policy's label, if it has one.

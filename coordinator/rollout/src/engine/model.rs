@@ -9,6 +9,7 @@ use flotilla_protocol::control::{ApprovalStatus, Condition, SourceBytes, TraceEn
 use flotilla_protocol::Phase;
 use serde::{Deserialize, Serialize};
 
+use super::queues::SiteQueues;
 use crate::conditions::GroupCounts;
 use crate::plan::{ErrorCondition, Excluded, Gate, Pace, SuccessCondition};
 use crate::ramp::Ramp;
@@ -371,6 +372,53 @@ pub struct GroupCache {
     /// Every device the group has left was held by a full site at the last fill; nothing
     /// changed since (the sum of every group's `changes` says so) means no scan is needed.
     pub stalled: Option<Stall>,
+    /// How many sites have devices not started yet, and how many such devices they have.
+    pub open_sites: usize,
+    pub scheduled_in_sites: usize,
+    /// Sites whose counts changed since the last fill of any group: every group's waiting
+    /// queues look at them again ([`super::queues`]).
+    pub touched: Vec<String>,
+    /// The length of `touched` after repeated names were last folded.
+    pub touched_folded: usize,
+    /// The group's per-site waiting queues, built at its first fill.
+    pub queues: Option<Box<SiteQueues>>,
+}
+
+impl GroupCache {
+    /// Changes a site's counts with `f`, keeping the open-site counters right and noting the
+    /// site as touched when its counts changed; true when they did.
+    pub fn update_site(&mut self, site: &str, f: impl FnOnce(&mut SiteCounts)) -> bool {
+        let c = match self.sites.get_mut(site) {
+            Some(c) => c,
+            None => self.sites.entry(site.to_owned()).or_default(),
+        };
+        let before = *c;
+        f(c);
+        let after = *c;
+        match (before.scheduled > 0, after.scheduled > 0) {
+            (false, true) => self.open_sites += 1,
+            (true, false) => self.open_sites -= 1,
+            _ => {}
+        }
+        self.scheduled_in_sites = self.scheduled_in_sites + after.scheduled - before.scheduled;
+        let changed = after != before;
+        if changed {
+            self.touch(site);
+        }
+        changed
+    }
+
+    /// Notes a site for every group's waiting queues. Read at the next fill; until then (a paused
+    /// rollout, one whose groups all ended) repeated names are folded each time the list
+    /// doubles, so it stays within twice the sites touched.
+    pub fn touch(&mut self, site: &str) {
+        self.touched.push(site.to_owned());
+        if self.touched.len() >= 2 * self.touched_folded.max(32) {
+            self.touched.sort_unstable();
+            self.touched.dedup();
+            self.touched_folded = self.touched.len();
+        }
+    }
 }
 
 /// A group whose remaining devices all wait for their sites.
@@ -442,12 +490,12 @@ impl Group {
         slot.phase.count_in(&mut self.counts, false);
         new.count_in(&mut self.counts, true);
         if let Some(site) = &slot.site {
-            let c = self.cache.sites.entry(site.clone()).or_default();
-            let before = *c;
-            c.count(&slot.phase, false);
-            c.count(&new, true);
+            let old = &slot.phase;
             // Progress within a phase (accepted, downloading…) lets no other device start.
-            if *c != before {
+            if self.cache.update_site(site, |c| {
+                c.count(old, false);
+                c.count(&new, true);
+            }) {
                 self.cache.changes = self.cache.changes.wrapping_add(1);
             }
         }
@@ -459,15 +507,22 @@ impl Group {
     pub fn count_sites(&mut self) {
         self.cache.sites.clear();
         self.cache.bytes = SourceBytes::default();
+        self.cache.open_sites = 0;
+        self.cache.scheduled_in_sites = 0;
+        self.cache.queues = None;
         for slot in self.slots.values() {
             let bytes = slot.bytes.unwrap_or_default();
             self.cache.bytes.add(&bytes);
             if let Some(site) = &slot.site {
-                let c = self.cache.sites.entry(site.clone()).or_default();
-                c.count(&slot.phase, true);
-                c.bytes.add(&bytes);
+                self.cache.update_site(site, |c| {
+                    c.count(&slot.phase, true);
+                    c.bytes.add(&bytes);
+                });
             }
         }
+        // Nothing waits on a fresh count.
+        self.cache.touched.clear();
+        self.cache.touched_folded = 0;
     }
 
     /// Sets a device's bytes and keeps the sums right.
@@ -493,9 +548,11 @@ impl Group {
             let bytes = slot.bytes.unwrap_or_default();
             self.cache.bytes.sub(&bytes);
             if let Some(site) = &slot.site {
-                if let Some(c) = self.cache.sites.get_mut(site) {
-                    c.count(&slot.phase, false);
-                    c.bytes.sub(&bytes);
+                if self.cache.sites.contains_key(site) {
+                    self.cache.update_site(site, |c| {
+                        c.count(&slot.phase, false);
+                        c.bytes.sub(&bytes);
+                    });
                 }
             }
         }
@@ -527,6 +584,8 @@ impl Group {
                     self.cursor -= 1;
                 }
             }
+            // Positions moved: the queues are rebuilt at the next fill.
+            self.cache.queues = None;
         }
         gone
     }
@@ -632,5 +691,23 @@ impl Rollout {
         self.spec.policies.dynamic
             && !self.state.is_terminal()
             && self.seen.insert(device.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GroupCache;
+
+    #[test]
+    fn sites_touched_while_no_fill_reads_them_take_bounded_room() {
+        let mut cache = GroupCache::default();
+        for i in 0..10_000 {
+            cache.touch(["harbour", "quarry", "mill"][i % 3]);
+        }
+        assert!(cache.touched.len() < 64, "{}", cache.touched.len());
+        let mut sites = cache.touched.clone();
+        sites.sort();
+        sites.dedup();
+        assert_eq!(sites, ["harbour", "mill", "quarry"]);
     }
 }

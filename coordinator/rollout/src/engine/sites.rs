@@ -12,12 +12,12 @@
 //! ends without holding is replaced by the next device; one that stays busy past `seed_wait`
 //! lets every waiting device of the site start without peers, so nobody waits forever.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use flotilla_protocol::control::{SiteStatus, SourceBytes};
 use flotilla_protocol::Phase;
 
-use super::model::{DevicePhase, Group, GroupState, Rollout, SiteCounts};
+use super::model::{DevicePhase, GroupState, Rollout, SiteCounts};
 use crate::plan::MAX_PEERS;
 use crate::window::utc_text;
 
@@ -27,39 +27,6 @@ pub(crate) enum SiteWhy {
     Busy { busy: usize, limit: usize },
     Unavailable { unavailable: usize, limit: usize },
     Seed { seed: String, until: u64 },
-}
-
-/// The sites found full during one fill of a group, with why.
-#[derive(Default)]
-pub(crate) struct Blocked {
-    pub blocked: BTreeMap<String, SiteWhy>,
-    /// When the fill began: the group's sites with devices left to start, and whether devices
-    /// without a site are left too (then the scan never stops early).
-    open_sites: usize,
-    open_without_site: bool,
-}
-
-impl Blocked {
-    /// Ready for a fill of `group`: O(sites of the group), once per fill.
-    pub fn for_group(group: &Group) -> Self {
-        let mut open_sites = 0;
-        let mut in_sites = 0;
-        for c in group.cache.sites.values().filter(|c| c.scheduled > 0) {
-            open_sites += 1;
-            in_sites += c.scheduled;
-        }
-        Blocked {
-            blocked: BTreeMap::new(),
-            open_sites,
-            open_without_site: group.counts.scheduled > in_sites,
-        }
-    }
-
-    /// Every device the group had left to start is in a site found full: scanning further
-    /// would only pass over more of them.
-    pub fn all_blocked(&self) -> bool {
-        !self.blocked.is_empty() && !self.open_without_site && self.blocked.len() >= self.open_sites
-    }
 }
 
 /// A reported phase that means the device holds the release's artifacts verified.
@@ -165,6 +132,10 @@ impl Rollout {
             .and_then(|s| s.seed.as_deref())
             .is_some_and(|seed| self.is_busy(seed));
         if !seed_busy {
+            // Other groups' devices of the site wait for this seed now.
+            if let Some(g) = self.groups.first_mut() {
+                g.cache.touch(site);
+            }
             let state = self.sites.entry(site.to_owned()).or_default();
             state.seed = Some(device.to_owned());
             state.seed_at = Some(now);
@@ -207,6 +178,7 @@ impl Rollout {
         };
         // Devices waiting for their site may start now (or with other peers).
         self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
+        self.groups[gi].cache.touch(&site);
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {

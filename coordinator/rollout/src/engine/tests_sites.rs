@@ -349,6 +349,34 @@ fn the_unavailable_budget_counts_failed_devices_of_the_site() {
     );
 }
 
+#[test]
+fn a_site_held_by_another_groups_devices_opens_when_one_of_them_finishes() {
+    let mut s = Sites::new(fleet(4, 2, 0));
+    s.create_and_start(&format!(
+        "{HEAD}[partitions]\nmax_unavailable_partitions = 1\n\
+         [partitions.sites]\nlabel = \"site\"\nmax_busy = 2\n\
+         [[partitions.partition]]\nname = \"first\"\ndevices = [\"h00\", \"h01\"]\n\
+         [[partitions.partition]]\nname = \"rest\"\nselect = \"site in (harbour,quarry)\"\n"
+    ));
+    // The second partition runs beside the first: its quarry devices start, its harbour
+    // devices wait for the first partition's.
+    assert_eq!(s.busy()["harbour"], ["h00", "h01"]);
+    assert_eq!(s.busy()["quarry"], ["q00", "q01"]);
+    let waiting = s.rollout().waiting.clone().unwrap_or_default();
+    assert!(
+        waiting.contains("site harbour: 2 of 2 busy, 2 waiting"),
+        "{waiting}"
+    );
+    s.report("h00", Phase::Ready);
+    assert_eq!(s.busy()["harbour"], ["h01", "h02"]);
+    s.restart();
+    s.report("q00", Phase::Ready);
+    assert_eq!(s.busy()["harbour"], ["h01", "h02"]);
+    s.report("h01", Phase::Ready);
+    assert_eq!(s.busy()["harbour"], ["h02", "h03"]);
+    s.finish_all();
+}
+
 fn sharing(seed_wait: &str) -> String {
     format!(
         "{HEAD}[groups]\ncount = 1\n[groups.sites]\nlabel = \"site\"\nmax_running = 3\npeers = true\nseed_wait = \"{seed_wait}\"\n"
