@@ -20,7 +20,7 @@
 #
 # Site budgets: `simulate` of SITE_SIZES devices spread over 500 sites (label `site`), a 3-group
 # `[groups]` spec with `[groups.sites] max_running = 2`, so most devices wait for their site
-# (decision 0032). No goal; it shows that choosing the next device does not grow with the sites.
+# (decision 0031). No goal; it shows that choosing the next device does not grow with the sites.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"

@@ -4,7 +4,7 @@
 //! `flotilla_agent::fetch_blocks=trace`, `[{artifact}]=debug`), read into a
 //! [`tracing_subscriber::filter::Targets`], which matches on an event's target, level and field
 //! names; `EnvFilter` and the regular-expression engine it brings were about 260 KB of the
-//! aarch64 binary (docs/decisions/0033-agent-size-log-filter.md). `EnvFilter`'s other directives name a span
+//! aarch64 binary (docs/decisions/0032-agent-size-log-filter.md). `EnvFilter`'s other directives name a span
 //! (`[fetch]=debug`) or a span field's value (`[{peer="a"}]=debug`) and only enable events
 //! inside such spans; nothing in the agent opens a span, so they never matched anything and are
 //! skipped here. The rest behaves as before:
@@ -167,7 +167,7 @@ mod tests {
     }
 
     /// The agent's filter lets through exactly the events `EnvFilter` (what the agent used
-    /// before decision 0033, and what the coordinator uses) lets through, for the directives a
+    /// before decision 0032, and what the coordinator uses) lets through, for the directives a
     /// user writes and the ones that only select spans.
     #[test]
     fn the_same_events_pass_as_through_env_filter() {
