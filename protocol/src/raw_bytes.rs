@@ -51,8 +51,9 @@ impl<'de> Visitor<'de> for BytesVisitor {
 mod tests {
     use serde::{Deserialize, Serialize};
 
+    use crate::envelope::Message;
     use crate::envelope::{self, DecodeError};
-    use crate::{BlockReply, Digest, Message};
+    use crate::messages::{BlockReply, Digest};
 
     /// `BlockReply` as it was declared before its data became a byte string.
     #[derive(Debug, PartialEq, Serialize, Deserialize)]

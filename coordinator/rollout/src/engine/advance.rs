@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 
 use super::model::{
-    set_condition, DevicePhase, GroupState, Rollout, RolloutState, Slot, Stall, ISSUED,
+    set_condition, DevicePhase, Group, GroupState, Rollout, RolloutState, Slot, Stall, ISSUED,
     ROLLING_BACK,
 };
 use super::queues::SiteQueues;
@@ -570,7 +570,7 @@ impl Rollout {
             let mut last_started = pos;
             stopped = true;
             while in_batch < batch {
-                let next = queues.next(&self.groups[gi]);
+                let next = queues.next(|pos| scheduled_at(&self.groups[gi], pos));
                 let group = &self.groups[gi];
                 if let Some(limit) = group.pace.concurrency {
                     // The limit holds at the next device not started whose site was not yet
@@ -762,7 +762,7 @@ impl Rollout {
             .cache
             .queues
             .take()
-            .unwrap_or_else(|| Box::new(SiteQueues::build(&self.groups[gi])));
+            .unwrap_or_else(|| Box::new(build_queues(&self.groups[gi])));
         queues.end_seed_waits(now);
         queues
     }
@@ -1634,4 +1634,21 @@ pub(crate) fn seconds(secs: u64) -> String {
         out.push_str("0s");
     }
     out
+}
+
+/// Whether the device at `pos` of the group's list has not started.
+fn scheduled_at(group: &Group, pos: usize) -> bool {
+    group
+        .devices
+        .get(pos)
+        .and_then(|d| group.slots.get(d))
+        .is_some_and(|s| s.phase == DevicePhase::Scheduled)
+}
+
+/// The group's per-site waiting queues: its devices from the cursor on that have not started.
+fn build_queues(group: &Group) -> SiteQueues {
+    SiteQueues::build((group.cursor..group.devices.len()).filter_map(|pos| {
+        let slot = group.slots.get(&group.devices[pos])?;
+        (slot.phase == DevicePhase::Scheduled).then_some((pos, slot.site.as_deref()))
+    }))
 }

@@ -20,11 +20,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use super::model::{DevicePhase, Group};
-use super::sites::SiteWhy;
-
 /// The queue of devices without a site.
 const NO_SITE: u32 = 0;
+
+/// Why a site holds a device back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SiteWhy {
+    Busy { busy: usize, limit: usize },
+    Unavailable { unavailable: usize, limit: usize },
+    Seed { seed: String, until: u64 },
+}
 
 /// A group's per-site waiting queues. See the module documentation.
 #[derive(Debug, Clone, Default)]
@@ -63,30 +68,17 @@ enum State {
     Blocked { until: Option<u64> },
 }
 
-/// Whether the device at `pos` of the group's list has not started.
-fn scheduled_at(group: &Group, pos: usize) -> bool {
-    group
-        .devices
-        .get(pos)
-        .and_then(|d| group.slots.get(d))
-        .is_some_and(|s| s.phase == DevicePhase::Scheduled)
-}
-
 impl SiteQueues {
-    /// The queues of the devices of `group` from its cursor on that have not started.
-    pub fn build(group: &Group) -> Self {
+    /// The queues of the devices that have not started, given in list order as (position in
+    /// the group's list, site) from the group's cursor on.
+    pub fn build<'a>(scheduled: impl IntoIterator<Item = (usize, Option<&'a str>)>) -> Self {
         let mut q = SiteQueues {
             sites: vec![QueueSite::default()],
             ..SiteQueues::default()
         };
-        for pos in group.cursor..group.devices.len() {
-            let Some(slot) = group.slots.get(&group.devices[pos]) else {
-                continue;
-            };
-            if slot.phase == DevicePhase::Scheduled {
-                let id = q.id(slot.site.as_deref());
-                q.sites[id as usize].queue.push_back(pos);
-            }
+        for (pos, site) in scheduled {
+            let id = q.id(site);
+            q.sites[id as usize].queue.push_back(pos);
         }
         for (id, s) in q.sites.iter_mut().enumerate() {
             if let Some(&head) = s.queue.front() {
@@ -165,10 +157,11 @@ impl SiteQueues {
 
     /// The first device of an open site that has not started: (position, site id). Devices
     /// that started since they were queued are dropped on the way.
-    pub fn next(&mut self, group: &Group) -> Option<(usize, u32)> {
+    /// `scheduled_at` says whether the device at a position of the group's list has not started.
+    pub fn next(&mut self, scheduled_at: impl Fn(usize) -> bool) -> Option<(usize, u32)> {
         loop {
             let &(pos, id) = self.open.first()?;
-            if scheduled_at(group, pos) {
+            if scheduled_at(pos) {
                 return Some((pos, id));
             }
             self.pop(pos, id);

@@ -18,16 +18,9 @@ use flotilla_protocol::control::{SiteStatus, SourceBytes};
 use flotilla_protocol::Phase;
 
 use super::model::{DevicePhase, GroupState, Rollout, SiteCounts};
+pub(crate) use super::queues::SiteWhy;
 use crate::plan::MAX_PEERS;
 use crate::window::utc_text;
-
-/// Why a site holds a device back.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum SiteWhy {
-    Busy { busy: usize, limit: usize },
-    Unavailable { unavailable: usize, limit: usize },
-    Seed { seed: String, until: u64 },
-}
 
 /// A reported phase that means the device holds the release's artifacts verified.
 pub(crate) fn holds_release(phase: &Phase) -> bool {
