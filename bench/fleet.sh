@@ -7,7 +7,8 @@
 #              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
-#              default agent), TIMEOUT (per run, default 20m).
+#              default agent), TIMEOUT (per run, default 20m), MALLOC_STATS=1 (glibc's
+#              per-arena figures after the rollout, via gdb: <results>.<n>.malloc.txt).
 #
 # Starts its own Mosquitto (deploy/mosquitto/mosquitto.conf with its TLS listeners, passwords and
 # ACL replaced by one plain loopback listener), a coordinator (release build unless --debug) and
@@ -42,7 +43,7 @@ while [ $# -gt 0 ]; do
     --sizes) sizes="$2"; shift 2 ;;
     --with-100k) sizes="$sizes 100000"; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -248,6 +249,14 @@ for n in $sizes; do
       | grep -v '^$' | head -80 >"$results.$n.perf.txt" || true
   fi
   after_rss=$(kb VmRSS "$coordinator_pid")
+  if [ -n "${MALLOC_STATS:-}" ]; then
+    # glibc's per-arena figures after the rollout (MALLOC_STATS=1, needs gdb):
+    # bench/results/fleet-<n>.malloc.txt.
+    gdb -p "$coordinator_pid" -batch -ex 'call (void) malloc_stats()' >/dev/null 2>&1 || true
+    sleep 1
+    { grep -A3 '^Arena\|^Total' "$dir/coordinator.log"; grep -E 'Rss|Anon' "/proc/$coordinator_pid/smaps_rollup"; } \
+      >"$results.$n.malloc.txt" 2>/dev/null || true
+  fi
   after_cpu=$(cpu_s "$coordinator_pid")
   hwm=$(kb VmHWM "$coordinator_pid")
   sim="$dir/summary.txt"
