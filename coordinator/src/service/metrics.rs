@@ -176,14 +176,17 @@ pub enum Malformed {
     Undecodable,
     /// A valid envelope of the wrong kind for its topic.
     WrongKind,
+    /// A marker on the coordinator's marker topic without this connection's nonce.
+    BadMarker,
 }
 
 impl Malformed {
-    const ALL: [Malformed; 4] = [
+    const ALL: [Malformed; 5] = [
         Malformed::TooLarge,
         Malformed::UnknownTopic,
         Malformed::Undecodable,
         Malformed::WrongKind,
+        Malformed::BadMarker,
     ];
 
     pub fn name(self) -> &'static str {
@@ -192,6 +195,7 @@ impl Malformed {
             Malformed::UnknownTopic => "unknown_topic",
             Malformed::Undecodable => "undecodable",
             Malformed::WrongKind => "wrong_kind",
+            Malformed::BadMarker => "bad_marker",
         }
     }
 }

@@ -14,6 +14,11 @@
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
 //! what it must. Connection failures are retried forever with a capped exponential backoff.
 //!
+//! A control lane: publishes on one topic (the coordinator's control requests) can go into an
+//! inbox of their own ([`LinkOptions::lane`], [`MqttLink::lane`]), so their owner reads them
+//! ahead of a burst of device traffic queued in the main inbox. Within each inbox the order is
+//! the order of arrival.
+//!
 //! How to reach the broker (address, credentials, TLS) is a [`flotilla_mqtt::Connection`],
 //! shared with the agent; this module only adds what the coordinator's side needs.
 
@@ -35,6 +40,10 @@ pub const REQUEST_CAPACITY: usize = 10_000;
 /// Bytes of incoming payloads the inbox holds before it drops publishes: room for the retained
 /// states of a large fleet arriving at once after a restart.
 pub const INBOX_BYTES: usize = 128 * 1024 * 1024;
+
+/// Bytes of incoming payloads the control lane holds before it drops publishes: control
+/// requests are small and few; a flood of them is dropped and counted like any other.
+pub const LANE_BYTES: usize = 4 * 1024 * 1024;
 
 const BACKOFF_START: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -61,6 +70,8 @@ pub struct LinkOptions {
     /// Filters subscribed (QoS 1) after every ConnAck.
     pub subscriptions: Vec<String>,
     pub keep_alive: Duration,
+    /// Publishes on exactly this topic go to [`MqttLink::lane`] instead of [`MqttLink::events`].
+    pub lane: Option<String>,
 }
 
 impl LinkOptions {
@@ -84,7 +95,14 @@ impl LinkOptions {
             client_id,
             subscriptions,
             keep_alive: Duration::from_secs(30),
+            lane: None,
         }
+    }
+
+    /// The same options, with publishes on `topic` sent to the control lane.
+    pub fn with_lane(mut self, topic: String) -> Self {
+        self.lane = Some(topic);
+        self
     }
 }
 
@@ -96,6 +114,9 @@ pub struct MqttLink {
     /// loop could block on a full inbox while its owner awaits `publish` on a full request
     /// channel, the two would wait on each other forever.
     pub events: Events,
+    /// Publishes on [`LinkOptions::lane`], in order, read apart from `events` (empty without a
+    /// lane).
+    pub lane: Events,
     pub task: JoinHandle<()>,
     pub client_id: String,
 }
@@ -125,23 +146,44 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let (client, eventloop) = flotilla_mqtt::client(mqtt, REQUEST_CAPACITY);
     let tx = Inbox::new(INBOX_BYTES);
     let events = Events { inbox: tx.clone() };
+    let lane_tx = Inbox::new(LANE_BYTES);
+    let lane = Events {
+        inbox: lane_tx.clone(),
+    };
     let client_id = options.client_id.clone();
-    let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
+    let task = tokio::spawn(run(
+        options,
+        client.clone(),
+        eventloop,
+        Inboxes {
+            main: tx,
+            lane: lane_tx,
+        },
+        shutdown,
+    ));
     MqttLink {
         client,
         events,
+        lane,
         task,
         client_id,
     }
+}
+
+/// Where the poll loop puts what arrives.
+struct Inboxes {
+    main: Inbox,
+    lane: Inbox,
 }
 
 async fn run(
     options: LinkOptions,
     client: AsyncClient,
     mut eventloop: EventLoop,
-    tx: Inbox,
+    inboxes: Inboxes,
     shutdown: CancellationToken,
 ) {
+    let Inboxes { main: tx, lane } = inboxes;
     let addr = options.connection.describe();
     let mut backoff = BACKOFF_START;
     loop {
@@ -180,12 +222,16 @@ async fn run(
             }
         };
         if let Some(event) = forward {
-            if tx.push(event).is_err() {
+            let to_lane = matches!(&event, LinkEvent::Publish { topic, .. }
+                if options.lane.as_deref() == Some(topic.as_str()));
+            let inbox = if to_lane { &lane } else { &tx };
+            if inbox.push(event).is_err() {
                 break;
             }
         }
     }
     tx.close();
+    lane.close();
     // Best effort: tell the broker we are leaving so it does not wait out the keep alive.
     let _ = client.try_disconnect();
     let _ = tokio::time::timeout(Duration::from_millis(500), eventloop.poll()).await;
