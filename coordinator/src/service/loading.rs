@@ -119,6 +119,11 @@ impl<T> Loading<T> {
         Ok(())
     }
 
+    /// How long a marker may take.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Commands held now.
     pub fn held(&self) -> usize {
         self.held.len()

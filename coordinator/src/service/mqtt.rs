@@ -14,10 +14,13 @@
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
 //! what it must. Connection failures are retried forever with a capped exponential backoff.
 //!
-//! A control lane: publishes on one topic (the coordinator's control requests) can go into an
-//! inbox of their own ([`LinkOptions::lane`], [`MqttLink::lane`]), so their owner reads them
-//! ahead of a burst of device traffic queued in the main inbox. Within each inbox the order is
-//! the order of arrival.
+//! A control lane: while it is open, publishes on one topic (the coordinator's control
+//! requests) go into an inbox of their own ([`LinkOptions::lane`], [`MqttLink::lane`]), so
+//! their owner reads them ahead of the burst of retained messages queued in the main inbox
+//! after a (re)connect. The link opens the lane on every ConnAck; the owner closes it
+//! ([`MqttLink::lane_open`]) once it has read the burst, and from then on those publishes take
+//! their place in the main inbox, in arrival order with everything else. Within each inbox the
+//! order is the order of arrival.
 //!
 //! How to reach the broker (address, credentials, TLS) is a [`flotilla_mqtt::Connection`],
 //! shared with the agent; this module only adds what the coordinator's side needs.
@@ -28,6 +31,7 @@ use flotilla_mqtt::Connection;
 use flotilla_protocol::{BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT};
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -70,7 +74,8 @@ pub struct LinkOptions {
     /// Filters subscribed (QoS 1) after every ConnAck.
     pub subscriptions: Vec<String>,
     pub keep_alive: Duration,
-    /// Publishes on exactly this topic go to [`MqttLink::lane`] instead of [`MqttLink::events`].
+    /// Publishes on exactly this topic go to [`MqttLink::lane`] instead of [`MqttLink::events`]
+    /// while [`MqttLink::lane_open`] is set.
     pub lane: Option<String>,
 }
 
@@ -117,6 +122,9 @@ pub struct MqttLink {
     /// Publishes on [`LinkOptions::lane`], in order, read apart from `events` (empty without a
     /// lane).
     pub lane: Events,
+    /// Whether the lane takes its publishes: set by the link on every ConnAck, cleared by the
+    /// owner.
+    pub lane_open: Arc<AtomicBool>,
     pub task: JoinHandle<()>,
     pub client_id: String,
 }
@@ -150,6 +158,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let lane = Events {
         inbox: lane_tx.clone(),
     };
+    let lane_open = Arc::new(AtomicBool::new(true));
     let client_id = options.client_id.clone();
     let task = tokio::spawn(run(
         options,
@@ -158,6 +167,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
         Inboxes {
             main: tx,
             lane: lane_tx,
+            lane_open: Arc::clone(&lane_open),
         },
         shutdown,
     ));
@@ -165,6 +175,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
         client,
         events,
         lane,
+        lane_open,
         task,
         client_id,
     }
@@ -174,6 +185,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
 struct Inboxes {
     main: Inbox,
     lane: Inbox,
+    lane_open: Arc<AtomicBool>,
 }
 
 async fn run(
@@ -183,7 +195,11 @@ async fn run(
     inboxes: Inboxes,
     shutdown: CancellationToken,
 ) {
-    let Inboxes { main: tx, lane } = inboxes;
+    let Inboxes {
+        main: tx,
+        lane,
+        lane_open,
+    } = inboxes;
     let addr = options.connection.describe();
     let mut backoff = BACKOFF_START;
     loop {
@@ -194,6 +210,8 @@ async fn run(
         let forward = match event {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 backoff = BACKOFF_START;
+                // The retained burst is on its way again: control requests go ahead of it.
+                lane_open.store(true, Ordering::SeqCst);
                 tracing::info!(broker = %addr, client = %options.client_id, "MQTT connected");
                 subscribe(&client, &options.subscriptions);
                 Some(LinkEvent::Connected)
@@ -223,7 +241,8 @@ async fn run(
         };
         if let Some(event) = forward {
             let to_lane = matches!(&event, LinkEvent::Publish { topic, .. }
-                if options.lane.as_deref() == Some(topic.as_str()));
+                if options.lane.as_deref() == Some(topic.as_str()))
+                && lane_open.load(Ordering::SeqCst);
             let inbox = if to_lane { &lane } else { &tx };
             if inbox.push(event).is_err() {
                 break;

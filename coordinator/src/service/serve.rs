@@ -276,6 +276,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         client: link_client,
         events,
         lane: mut control,
+        lane_open,
         task: link_task,
         ..
     } = link;
@@ -323,7 +324,8 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         health: StoreHealth::default(),
         data_dir: config.data_dir.clone(),
         metrics,
-        loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+        loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+        lane_open,
     };
 
     let mut ticker = tokio::time::interval(TICK);
@@ -445,6 +447,9 @@ struct Service {
     metrics: Metrics,
     /// Whether every retained state is read yet, and the commands waiting for it.
     loading: Loading<Held>,
+    /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
+    /// loading. Afterwards they are read in arrival order with everything else.
+    lane_open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A control request that passed the gate and waits for the registry to be complete.
@@ -719,6 +724,8 @@ impl Service {
         match event {
             LinkEvent::Connected => {
                 self.loading.connected();
+                self.lane_open
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
                 let _timing = self.metrics.connected();
                 // Retained desired actions may have been lost with a broker that restarted
                 // without persistence; re-publishing them is idempotent.
@@ -972,7 +979,7 @@ impl Service {
             return Ok(());
         }
         tracing::warn!(
-            timeout = ?loading::MARKER_TIMEOUT,
+            timeout = ?self.loading.timeout(),
             devices = self.engine.device_count(),
             held = self.loading.held(),
             "the end-of-retained marker did not come back (an ACL refusing the marker topic?); \
@@ -981,8 +988,11 @@ impl Service {
         self.release_held().await
     }
 
-    /// Runs the commands held while loading, in the order they arrived.
+    /// Loading ended: control requests from now on come in arrival order with device traffic,
+    /// and the commands held while loading run, in the order they arrived.
     async fn release_held(&mut self) -> Result<(), ServiceError> {
+        self.lane_open
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         while let Some(Held { request, operator }) = self.loading.release() {
             self.run(request, &operator).await?;
         }
@@ -2113,6 +2123,7 @@ mod tests {
             data_dir: dir.path().to_owned(),
             metrics: Metrics::new(),
             loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+            lane_open: link.lane_open.clone(),
         };
         service
             .apply(vec![Effect::Forget {
