@@ -269,6 +269,7 @@ pub struct Snapshot {
     pub store_write_failures: u64,
     pub device_actions_held_back: u64,
     pub store_failing: bool,
+    pub registry_loading: bool,
 }
 
 /// One rollout in a [`Snapshot`].
@@ -290,6 +291,7 @@ pub struct Totals {
     pub store_write_failures: u64,
     pub device_actions_held_back: u64,
     pub store_failing: bool,
+    pub registry_loading: bool,
 }
 
 /// Between the service loop and the scrapes.
@@ -620,6 +622,7 @@ fn snapshot(engine: &Engine, ignored: &BTreeMap<Ignored, u64>, totals: Totals) -
         store_write_failures: totals.store_write_failures,
         device_actions_held_back: totals.device_actions_held_back,
         store_failing: totals.store_failing,
+        registry_loading: totals.registry_loading,
     }
 }
 
@@ -741,6 +744,14 @@ impl Collector for SnapshotCollector {
             failing.metric_type(),
         )?;
         failing.encode(metric)?;
+        let loading = ConstGauge::new(i64::from(snap.registry_loading));
+        let metric = encoder.encode_descriptor(
+            "flotilla_registry_loading",
+            "1 while the retained device states delivered after a (re)connect are still being read",
+            None,
+            loading.metric_type(),
+        )?;
+        loading.encode(metric)?;
 
         let inbox = self
             .shared

@@ -485,6 +485,7 @@ impl Service {
                 store_write_failures: self.health.failures,
                 device_actions_held_back: self.health.held_back,
                 store_failing: self.health.is_failing(),
+                registry_loading: self.loading.is_loading(),
             };
             self.metrics
                 .refresh(&self.engine, &self.ignored.total, totals);
