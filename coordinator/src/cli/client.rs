@@ -28,6 +28,11 @@ use crate::service::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
 /// The default time to wait for a reply.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The least a change (any command above the viewer role) waits for its reply: right after a
+/// (re)connect the coordinator holds changes until it has read every retained device state, up
+/// to its default `[service] marker_timeout` of 30 s.
+pub const CHANGE_TIMEOUT: Duration = Duration::from_secs(45);
+
 /// Why a control request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -154,6 +159,11 @@ impl ControlClient {
         command: Command,
         timeout: Duration,
     ) -> Result<serde_json::Value, ClientError> {
+        let timeout = if command.required_role() == flotilla_protocol::operator::Role::Viewer {
+            timeout
+        } else {
+            timeout.max(CHANGE_TIMEOUT)
+        };
         let reply = self.request_reply(command, timeout).await?;
         if reply.loading
             && !self
