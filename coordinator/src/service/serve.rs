@@ -81,6 +81,9 @@ use flotilla_rollout::spec::RolloutSpec;
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
 
+/// Control requests read from the lane in a row before a device message (or a tick) gets a turn.
+const LANE_STREAK: u32 = 64;
+
 /// At most one log line per this interval about ignored device messages.
 const IGNORED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -281,6 +284,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         ..
     } = link;
     let mut control_open = true;
+    let mut lane_streak = 0u32;
     // Device signatures are checked on worker threads; the loop gets the events in order.
     let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
     let mut incoming =
@@ -337,9 +341,12 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
-            // Control requests first: they must not wait behind a burst of device traffic.
-            request = control.recv(), if control_open => match request {
+            // Control requests first: they must not wait behind a burst of device traffic. At
+            // most LANE_STREAK in a row, so a flood of them cannot stall the device messages
+            // (and the marker) behind them.
+            request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
                 Some(LinkEvent::Publish { topic, payload }) => {
+                    lane_streak += 1;
                     service.on_publish(&topic, &payload, None).await
                 }
                 Some(_) => Ok(()),
@@ -349,13 +356,17 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
                 }
             },
             event = incoming.recv() => match event {
-                Some(event) => service.on_link_event(event).await,
+                Some(event) => {
+                    lane_streak = 0;
+                    service.on_link_event(event).await
+                }
                 None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
             },
             _ = tokio::time::sleep_until(marker_wait), if marker_due.is_some() => {
                 service.marker_overdue().await
             }
             _ = ticker.tick() => {
+                lane_streak = 0;
                 let _timing = service.metrics.input("tick");
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
