@@ -16,6 +16,11 @@
 //! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
 //! command into the engine, whose trace says who did what.
 //!
+//! After every (re)connect the service is *loading* until its end-of-retained marker comes back
+//! (`loading.rs`, decision 0034): control requests are then read ahead of the retained burst
+//! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
+//! other command is held, in order and bounded, until every retained state is read.
+//!
 //! Nothing a device sends reaches the engine unverified: states, reports and block requests are
 //! signed device messages, checked against the device's enrolled key by the enrollment
 //! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
