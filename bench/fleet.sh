@@ -26,7 +26,8 @@
 #   - link drops (coordinator log "MQTT connection lost") and desired actions sent twice;
 #   - the coordinator's CPU time (user + system) for the rollout and its whole life, and the
 #     load average when each size starts (the machine may be shared);
-#   - restart with every state retained: time to the first answered control request, and to a
+#   - restart with every state retained: time to the first answered control request, to the
+#     coordinator's end-of-retained marker coming back (`flotilla_registry_loading` 0), and to a
 #     complete registry (the coordinator's `flotilla_messages_received_total{topic="state"}`
 #     reaching the device count: every retained state read).
 # Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
@@ -188,6 +189,23 @@ until_registry() {
   echo "more than 300"
 }
 
+# Seconds from $1 until the coordinator says it has read every retained state (its own
+# end-of-retained marker came back: flotilla_registry_loading 0); commands that change anything
+# wait until then.
+until_loaded() {
+  local since="$1" got
+  for _ in $(seq 6000); do
+    got=$(curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |
+      awk '/^flotilla_registry_loading / {print $2}' || true)
+    if [ "$got" = "0" ]; then
+      awk -v a="$since" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
+      return
+    fi
+    sleep 0.05
+  done
+  echo "more than 300"
+}
+
 cli() {
   "$flotilla" --broker "127.0.0.1:$port" --operator-key "$dir/keys/admin.key" "$@"
 }
@@ -280,9 +298,12 @@ for n in $sizes; do
   start_coordinator "$dir"
   until_registry "$restart_at" "$n" >"$dir/registry.out" &
   registry_pid=$!
+  until_loaded "$restart_at" >"$dir/loaded.out" &
+  loaded_pid=$!
   first=$(until_answer)
   wait "$registry_pid" || true
-  say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s)"
+  wait "$loaded_pid" || true
+  say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s); marker back (changes accepted) after $(cat "$dir/loaded.out") s"
   kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
   cp "$sim" "$results.$n.fleetsim.txt"; cp "$base" "$results.$n.baseline.txt"

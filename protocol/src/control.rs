@@ -332,6 +332,10 @@ pub struct ControlReply {
     /// The command's result: a [`RolloutStatus`], a list of them, a list of [`DeviceSummary`]…
     #[serde(default)]
     pub result: serde_json::Value,
+    /// True while the coordinator is still reading the retained device states after a
+    /// (re)connect: a read-only answer may then miss devices. Absent when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub loading: bool,
 }
 
 /// A rollout as operators see it; also published retained on `events/rollouts/{name}`.

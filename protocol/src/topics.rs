@@ -55,6 +55,8 @@ pub enum Topic {
     ApprovalEvent(String),
     ControlRequest,
     ControlReply(String),
+    /// The coordinator's own end-of-retained marker (see [`Topics::marker`]).
+    Marker,
 }
 
 impl Topics {
@@ -122,6 +124,13 @@ impl Topics {
     pub fn control_reply(&self, client: &str) -> String {
         format!("{}/control/reply/{client}", self.prefix)
     }
+    /// Where the coordinator publishes, and reads back, the marker that tells it every retained
+    /// message delivered on subscribe has been read. Only the coordinator may publish or
+    /// subscribe here (the shipped ACL); a random per-connection nonce in the payload covers a
+    /// broker without one.
+    pub fn marker(&self) -> String {
+        format!("{}/coordinator/marker", self.prefix)
+    }
 
     /// Subscription filters for the coordinator: every device's reports, states and block
     /// requests, and control requests.
@@ -187,6 +196,7 @@ impl Topics {
                 Some(Topic::ApprovalEvent((*name).to_owned()))
             }
             ["control", "request"] => Some(Topic::ControlRequest),
+            ["coordinator", "marker"] => Some(Topic::Marker),
             ["control", "reply", client] if !client.is_empty() => {
                 Some(Topic::ControlReply((*client).to_owned()))
             }
@@ -231,6 +241,7 @@ mod tests {
                 t.control_reply("cli-7"),
                 Topic::ControlReply("cli-7".into()),
             ),
+            (t.marker(), Topic::Marker),
         ];
         for (topic, parsed) in cases {
             assert!(topic.starts_with("site-a/flotilla/v1/"), "{topic}");

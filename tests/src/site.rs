@@ -138,6 +138,9 @@ pub struct Site {
     /// Where agents started from now on connect instead of the site's broker (a site broker
     /// bridged to it, `bridge.rs`).
     pub agent_broker: Option<AgentBroker>,
+    /// Appended to the coordinator's config from the next [`Site::start_coordinator`] on
+    /// (whole sections, such as `[service]`).
+    pub coordinator_config: String,
 }
 
 /// A broker agents log in to with their device id and a password file of their own.
@@ -168,6 +171,16 @@ impl Drop for Site {
 impl Site {
     /// A site with a fresh broker of `kind` and freshly generated release and coordinator keys.
     pub fn new(kind: BrokerKind) -> Site {
+        Self::build(kind, "")
+    }
+
+    /// A site whose Mosquitto gets `broker_config` after its usual settings (an `acl_file`,
+    /// say). Files it names must exist already: write them somewhere of the test's own first.
+    pub fn mosquitto_with(broker_config: &str) -> Site {
+        Self::build(BrokerKind::Mosquitto, broker_config)
+    }
+
+    fn build(kind: BrokerKind, broker_config: &str) -> Site {
         let dir = tempfile::tempdir().expect("temporary directory");
         let port = free_port();
         let (mut embedded, mut broker, mut secure) = (None, None, None);
@@ -176,7 +189,9 @@ impl Site {
                 let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
                 embedded = Some(EmbeddedBroker::start(addr).expect("start embedded broker"));
             }
-            BrokerKind::Mosquitto => broker = Some(start_mosquitto(dir.path(), port)),
+            BrokerKind::Mosquitto => {
+                broker = Some(start_mosquitto(dir.path(), port, broker_config))
+            }
             BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
         }
         let port = secure.as_ref().map_or(port, |s| s.tls_port);
@@ -201,6 +216,7 @@ impl Site {
             agent_tokens: BTreeMap::new(),
             metrics_port: None,
             agent_broker: None,
+            coordinator_config: String::new(),
         };
         fs::write(
             site.authorized_keys_file(),
@@ -415,6 +431,7 @@ impl Site {
         if let Some(port) = self.metrics_port {
             text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
         }
+        text.push_str(&self.coordinator_config);
         fs::write(&config, text).expect("write coordinator config");
         let mut command = Command::new(bin("flotilla"));
         command
@@ -772,14 +789,14 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
 pub const SHIPPED_BROKER_TUNING: &str = "set_tcp_nodelay true\nmax_queued_messages 200000\n\
      max_queued_bytes 0\nmax_inflight_messages 1000\n";
 
-fn start_mosquitto(dir: &Path, port: u16) -> Process {
+fn start_mosquitto(dir: &Path, port: u16, extra: &str) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
     fs::write(
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n{}",
+             max_packet_size {}\n{}{extra}\n",
             flotilla_protocol::BROKER_PACKET_LIMIT,
             SHIPPED_BROKER_TUNING
         ),

@@ -208,13 +208,20 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
     operator
         .publish(&format!("{ROOT}/devices/dev-a/desired"), b"operator", false)
         .await;
+    // Nobody but the coordinator publishes its end-of-retained marker.
+    for client in [&mut observer, &mut operator] {
+        client
+            .publish(&format!("{ROOT}/coordinator/marker"), b"forged", false)
+            .await;
+    }
     let marker = format!("{ROOT}/events/marker-1");
     coordinator.publish(&marker, b"", false).await;
     let seen = all.until(&marker).await;
     assert_eq!(
         seen,
         vec![(format!("{ROOT}/control/request"), b"operator".to_vec())],
-        "only the operator's control request arrives; neither writes device topics"
+        "only the operator's control request arrives; neither writes device topics nor the \
+         coordinator's marker"
     );
 
     // Reading: both get events; device topics and other clients' replies reach neither; the
@@ -228,6 +235,10 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
         (format!("{ROOT}/control/request"), "request"),
         (format!("{ROOT}/events/rollouts/fw-2"), "rollout event"),
         (format!("{ROOT}/control/reply/{operator_id}"), "yours"),
+        (
+            format!("{ROOT}/coordinator/marker"),
+            "the coordinator's marker",
+        ),
     ] {
         coordinator.publish(&topic, payload.as_bytes(), false).await;
     }

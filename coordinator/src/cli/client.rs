@@ -28,6 +28,11 @@ use crate::service::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
 /// The default time to wait for a reply.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The least a change (any command above the viewer role) waits for its reply: right after a
+/// (re)connect the coordinator holds changes until it has read every retained device state, up
+/// to its default `[service] marker_timeout` of 30 s.
+pub const CHANGE_TIMEOUT: Duration = Duration::from_secs(45);
+
 /// Why a control request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -64,6 +69,8 @@ pub struct ControlClient {
     shutdown: CancellationToken,
     /// The operator's key; signs every request.
     key: SigningKey,
+    /// A reply said the coordinator was still loading, and the note was printed.
+    loading_noted: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for ControlClient {
@@ -139,16 +146,50 @@ impl ControlClient {
             addr,
             shutdown,
             key,
+            loading_noted: Default::default(),
         })
     }
 
     /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
-    /// [`ClientError::Refused`] carrying the coordinator's message.
+    /// [`ClientError::Refused`] carrying the coordinator's message. A reply given while the
+    /// coordinator is still reading the retained device states (`loading`) prints a note on
+    /// stderr, once per client: a list may miss devices.
     pub async fn request(
         &self,
         command: Command,
         timeout: Duration,
     ) -> Result<serde_json::Value, ClientError> {
+        let timeout = if command.required_role() == flotilla_protocol::operator::Role::Viewer {
+            timeout
+        } else {
+            timeout.max(CHANGE_TIMEOUT)
+        };
+        let reply = self.request_reply(command, timeout).await?;
+        if reply.loading
+            && !self
+                .loading_noted
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            eprintln!(
+                "note: the coordinator is still reading the devices' retained states after a \
+                 (re)connect; this answer may miss devices"
+            );
+        }
+        if reply.ok {
+            Ok(reply.result)
+        } else {
+            Err(ClientError::Refused {
+                message: reply.error.unwrap_or_else(|| "no reason given".into()),
+            })
+        }
+    }
+
+    /// Sends `command` and returns the coordinator's whole reply, `ok` or not.
+    pub async fn request_reply(
+        &self,
+        command: Command,
+        timeout: Duration,
+    ) -> Result<ControlReply, ClientError> {
         let id = mqtt::unique_client_id("req");
         let at = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -209,13 +250,7 @@ impl ControlClient {
             addr: self.addr.clone(),
             secs: timeout.as_secs(),
         })??;
-        if reply.ok {
-            Ok(reply.result)
-        } else {
-            Err(ClientError::Refused {
-                message: reply.error.unwrap_or_else(|| "no reason given".into()),
-            })
-        }
+        Ok(reply)
     }
 }
 

@@ -130,7 +130,13 @@ pub struct Config {
     /// Worker threads that check device signatures ahead of the service loop
     /// (`[service] verify_threads`; default: the cores available, at most 8).
     pub verify_threads: usize,
+    /// How long the end-of-retained marker may take to come back after a (re)connect before the
+    /// registry is taken as complete (`[service] marker_timeout`, seconds; default 30).
+    pub marker_timeout: std::time::Duration,
 }
+
+/// The most `[service] marker_timeout` may ask for, in seconds.
+pub const MAX_MARKER_TIMEOUT: u64 = 3600;
 
 /// The most `[service] verify_threads` may ask for.
 pub const MAX_VERIFY_THREADS: usize = 64;
@@ -216,6 +222,7 @@ struct RawConfig {
 #[serde(deny_unknown_fields, default)]
 struct RawService {
     verify_threads: Option<usize>,
+    marker_timeout: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -513,6 +520,17 @@ impl TryFrom<Located<'_>> for Config {
                 ))
             }
         };
+        let marker_timeout = match raw.service.marker_timeout {
+            None => crate::service::loading::MARKER_TIMEOUT,
+            Some(n @ 1..=MAX_MARKER_TIMEOUT) => std::time::Duration::from_secs(n),
+            Some(n) => {
+                return Err(field(
+                    "service.marker_timeout",
+                    &n.to_string(),
+                    &format!("must be between 1 and {MAX_MARKER_TIMEOUT} seconds"),
+                ))
+            }
+        };
         let enrollment = EnrollmentConfig {
             authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
             tokens: raw.enrollment.tokens,
@@ -521,6 +539,7 @@ impl TryFrom<Located<'_>> for Config {
         Ok(Config {
             metrics,
             verify_threads,
+            marker_timeout,
             operators,
             clock_window,
             enrollment,
@@ -786,6 +805,21 @@ mod tests {
             crate::service::verify::default_threads(),
             "one signature worker per core unless set"
         );
+    }
+
+    #[test]
+    fn marker_timeout_is_thirty_seconds_unless_set() {
+        let base = "data_dir = \"d\"\ncoordinator_key = \"k\"\n";
+        let config = parse(base).expect("valid");
+        assert_eq!(config.marker_timeout, std::time::Duration::from_secs(30));
+        let config = parse(&format!("{base}[service]\nmarker_timeout = 5\n")).expect("valid");
+        assert_eq!(config.marker_timeout, std::time::Duration::from_secs(5));
+        for bad in ["0", "3601", "\"5s\""] {
+            let err = parse(&format!("{base}[service]\nmarker_timeout = {bad}\n"))
+                .expect_err(bad)
+                .to_string();
+            assert!(err.contains("marker_timeout"), "{bad}: {err}");
+        }
     }
 
     #[test]

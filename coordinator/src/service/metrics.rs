@@ -176,14 +176,17 @@ pub enum Malformed {
     Undecodable,
     /// A valid envelope of the wrong kind for its topic.
     WrongKind,
+    /// A marker on the coordinator's marker topic without this connection's nonce.
+    BadMarker,
 }
 
 impl Malformed {
-    const ALL: [Malformed; 4] = [
+    const ALL: [Malformed; 5] = [
         Malformed::TooLarge,
         Malformed::UnknownTopic,
         Malformed::Undecodable,
         Malformed::WrongKind,
+        Malformed::BadMarker,
     ];
 
     pub fn name(self) -> &'static str {
@@ -192,6 +195,7 @@ impl Malformed {
             Malformed::UnknownTopic => "unknown_topic",
             Malformed::Undecodable => "undecodable",
             Malformed::WrongKind => "wrong_kind",
+            Malformed::BadMarker => "bad_marker",
         }
     }
 }
@@ -265,6 +269,7 @@ pub struct Snapshot {
     pub store_write_failures: u64,
     pub device_actions_held_back: u64,
     pub store_failing: bool,
+    pub registry_loading: bool,
 }
 
 /// One rollout in a [`Snapshot`].
@@ -286,6 +291,7 @@ pub struct Totals {
     pub store_write_failures: u64,
     pub device_actions_held_back: u64,
     pub store_failing: bool,
+    pub registry_loading: bool,
 }
 
 /// Between the service loop and the scrapes.
@@ -616,6 +622,7 @@ fn snapshot(engine: &Engine, ignored: &BTreeMap<Ignored, u64>, totals: Totals) -
         store_write_failures: totals.store_write_failures,
         device_actions_held_back: totals.device_actions_held_back,
         store_failing: totals.store_failing,
+        registry_loading: totals.registry_loading,
     }
 }
 
@@ -737,6 +744,14 @@ impl Collector for SnapshotCollector {
             failing.metric_type(),
         )?;
         failing.encode(metric)?;
+        let loading = ConstGauge::new(i64::from(snap.registry_loading));
+        let metric = encoder.encode_descriptor(
+            "flotilla_registry_loading",
+            "1 while the retained device states delivered after a (re)connect are still being read",
+            None,
+            loading.metric_type(),
+        )?;
+        loading.encode(metric)?;
 
         let inbox = self
             .shared

@@ -47,6 +47,7 @@ pub mod config;
 pub mod enrollment;
 pub mod grants;
 pub mod keys;
+pub mod loading;
 pub mod metrics;
 pub mod mqtt;
 pub mod operators;

@@ -14,6 +14,14 @@
 //! link resubscribes on every ConnAck and tells its owner it (re)connected; the owner reissues
 //! what it must. Connection failures are retried forever with a capped exponential backoff.
 //!
+//! A control lane: while it is open, publishes on one topic (the coordinator's control
+//! requests) go into an inbox of their own ([`LinkOptions::lane`], [`MqttLink::lane`]), so
+//! their owner reads them ahead of the burst of retained messages queued in the main inbox
+//! after a (re)connect. The link opens the lane on every ConnAck; the owner closes it
+//! ([`MqttLink::lane_open`]) once it has read the burst, and from then on those publishes take
+//! their place in the main inbox, in arrival order with everything else. Within each inbox the
+//! order is the order of arrival.
+//!
 //! How to reach the broker (address, credentials, TLS) is a [`flotilla_mqtt::Connection`],
 //! shared with the agent; this module only adds what the coordinator's side needs.
 
@@ -23,6 +31,7 @@ use flotilla_mqtt::Connection;
 use flotilla_protocol::{BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT};
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -35,6 +44,10 @@ pub const REQUEST_CAPACITY: usize = 10_000;
 /// Bytes of incoming payloads the inbox holds before it drops publishes: room for the retained
 /// states of a large fleet arriving at once after a restart.
 pub const INBOX_BYTES: usize = 128 * 1024 * 1024;
+
+/// Bytes of incoming payloads the control lane holds before it drops publishes: control
+/// requests are small and few; a flood of them is dropped and counted like any other.
+pub const LANE_BYTES: usize = 4 * 1024 * 1024;
 
 const BACKOFF_START: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -61,6 +74,9 @@ pub struct LinkOptions {
     /// Filters subscribed (QoS 1) after every ConnAck.
     pub subscriptions: Vec<String>,
     pub keep_alive: Duration,
+    /// Publishes on exactly this topic go to [`MqttLink::lane`] instead of [`MqttLink::events`]
+    /// while [`MqttLink::lane_open`] is set.
+    pub lane: Option<String>,
 }
 
 impl LinkOptions {
@@ -84,7 +100,14 @@ impl LinkOptions {
             client_id,
             subscriptions,
             keep_alive: Duration::from_secs(30),
+            lane: None,
         }
+    }
+
+    /// The same options, with publishes on `topic` sent to the control lane.
+    pub fn with_lane(mut self, topic: String) -> Self {
+        self.lane = Some(topic);
+        self
     }
 }
 
@@ -96,6 +119,12 @@ pub struct MqttLink {
     /// loop could block on a full inbox while its owner awaits `publish` on a full request
     /// channel, the two would wait on each other forever.
     pub events: Events,
+    /// Publishes on [`LinkOptions::lane`], in order, read apart from `events` (empty without a
+    /// lane).
+    pub lane: Events,
+    /// Whether the lane takes its publishes: set by the link on every ConnAck, cleared by the
+    /// owner.
+    pub lane_open: Arc<AtomicBool>,
     pub task: JoinHandle<()>,
     pub client_id: String,
 }
@@ -125,23 +154,52 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let (client, eventloop) = flotilla_mqtt::client(mqtt, REQUEST_CAPACITY);
     let tx = Inbox::new(INBOX_BYTES);
     let events = Events { inbox: tx.clone() };
+    let lane_tx = Inbox::new(LANE_BYTES);
+    let lane = Events {
+        inbox: lane_tx.clone(),
+    };
+    let lane_open = Arc::new(AtomicBool::new(true));
     let client_id = options.client_id.clone();
-    let task = tokio::spawn(run(options, client.clone(), eventloop, tx, shutdown));
+    let task = tokio::spawn(run(
+        options,
+        client.clone(),
+        eventloop,
+        Inboxes {
+            main: tx,
+            lane: lane_tx,
+            lane_open: Arc::clone(&lane_open),
+        },
+        shutdown,
+    ));
     MqttLink {
         client,
         events,
+        lane,
+        lane_open,
         task,
         client_id,
     }
+}
+
+/// Where the poll loop puts what arrives.
+struct Inboxes {
+    main: Inbox,
+    lane: Inbox,
+    lane_open: Arc<AtomicBool>,
 }
 
 async fn run(
     options: LinkOptions,
     client: AsyncClient,
     mut eventloop: EventLoop,
-    tx: Inbox,
+    inboxes: Inboxes,
     shutdown: CancellationToken,
 ) {
+    let Inboxes {
+        main: tx,
+        lane,
+        lane_open,
+    } = inboxes;
     let addr = options.connection.describe();
     let mut backoff = BACKOFF_START;
     loop {
@@ -152,6 +210,8 @@ async fn run(
         let forward = match event {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 backoff = BACKOFF_START;
+                // The retained burst is on its way again: control requests go ahead of it.
+                lane_open.store(true, Ordering::SeqCst);
                 tracing::info!(broker = %addr, client = %options.client_id, "MQTT connected");
                 subscribe(&client, &options.subscriptions);
                 Some(LinkEvent::Connected)
@@ -180,12 +240,17 @@ async fn run(
             }
         };
         if let Some(event) = forward {
-            if tx.push(event).is_err() {
+            let to_lane = matches!(&event, LinkEvent::Publish { topic, .. }
+                if options.lane.as_deref() == Some(topic.as_str()))
+                && lane_open.load(Ordering::SeqCst);
+            let inbox = if to_lane { &lane } else { &tx };
+            if inbox.push(event).is_err() {
                 break;
             }
         }
     }
     tx.close();
+    lane.close();
     // Best effort: tell the broker we are leaving so it does not wait out the keep alive.
     let _ = client.try_disconnect();
     let _ = tokio::time::timeout(Duration::from_millis(500), eventloop.poll()).await;

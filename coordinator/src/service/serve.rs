@@ -16,6 +16,11 @@
 //! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
 //! command into the engine, whose trace says who did what.
 //!
+//! After every (re)connect the service is *loading* until its end-of-retained marker comes back
+//! (`loading.rs`, decision 0034): control requests are then read ahead of the retained burst
+//! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
+//! other command is held, in order and bounded, until every retained state is read.
+//!
 //! Nothing a device sends reaches the engine unverified: states, reports and block requests are
 //! signed device messages, checked against the device's enrolled key by the enrollment
 //! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
@@ -40,7 +45,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_protocol::control::{
-    Command, ControlReply, DeviceGroupInfo, DeviceSummary, PageQuery, RolloutPage, StrategyInfo,
+    Command, ControlReply, ControlRequest, DeviceGroupInfo, DeviceSummary, PageQuery, RolloutPage,
+    StrategyInfo,
 };
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::Role;
@@ -61,6 +67,7 @@ use crate::service::config::Config;
 use crate::service::enrollment::{self, Ignored, IgnoredLog, Registry};
 use crate::service::grants;
 use crate::service::keys::{self, KeysError};
+use crate::service::loading::{self, Loading, MarkerSeen};
 use crate::service::metrics::{self, Malformed, Metrics, Totals};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
@@ -78,6 +85,9 @@ use flotilla_rollout::spec::RolloutSpec;
 
 /// How often the engine's timers are evaluated.
 const TICK: Duration = Duration::from_secs(1);
+
+/// Control requests read from the lane in a row before a device message (or a tick) gets a turn.
+const LANE_STREAK: u32 = 64;
 
 /// At most one log line per this interval about ignored device messages.
 const IGNORED_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -258,11 +268,14 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     // coordinator started by mistake takes the connection over instead of running beside it).
     let mut filters = topics.coordinator_filters();
     filters.push(topics.desired_filter());
+    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
+    filters.push(topics.marker());
     let options = LinkOptions::with_connection(
         config.connection(),
         config.broker.client_id.clone(),
         filters,
-    );
+    )
+    .with_lane(topics.control_request());
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let link = mqtt::start(options, link_token.clone());
     let inbox = link.events.stats();
@@ -270,9 +283,13 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     let mqtt::MqttLink {
         client: link_client,
         events,
+        lane: mut control,
+        lane_open,
         task: link_task,
         ..
     } = link;
+    let mut control_open = true;
+    let mut lane_streak = 0u32;
     // Device signatures are checked on worker threads; the loop gets the events in order.
     let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
     let mut incoming =
@@ -316,19 +333,45 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         health: StoreHealth::default(),
         data_dir: config.data_dir.clone(),
         metrics,
+        loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+        lane_open,
     };
 
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let result = loop {
+        // Far enough never to fire when no marker is awaited (the branch is disabled then).
+        let marker_due = service.loading.deadline();
+        let marker_wait = marker_due.unwrap_or_else(|| tokio::time::Instant::now() + TICK * 3600);
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
+            // Control requests first: they must not wait behind a burst of device traffic. At
+            // most LANE_STREAK in a row, so a flood of them cannot stall the device messages
+            // (and the marker) behind them.
+            request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
+                Some(LinkEvent::Publish { topic, payload }) => {
+                    lane_streak += 1;
+                    service.on_publish(&topic, &payload, None).await
+                }
+                Some(_) => Ok(()),
+                None => {
+                    control_open = false;
+                    Ok(())
+                }
+            },
             event = incoming.recv() => match event {
-                Some(event) => service.on_link_event(event).await,
+                Some(event) => {
+                    lane_streak = 0;
+                    service.on_link_event(event).await
+                }
                 None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
             },
+            _ = tokio::time::sleep_until(marker_wait), if marker_due.is_some() => {
+                service.marker_overdue().await
+            }
             _ = ticker.tick() => {
+                lane_streak = 0;
                 let _timing = service.metrics.input("tick");
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
@@ -418,6 +461,17 @@ struct Service {
     data_dir: PathBuf,
     /// Counters and timings for the metrics endpoint (`metrics.rs`).
     metrics: Metrics,
+    /// Whether every retained state is read yet, and the commands waiting for it.
+    loading: Loading<Held>,
+    /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
+    /// loading. Afterwards they are read in arrival order with everything else.
+    lane_open: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A control request that passed the gate and waits for the registry to be complete.
+struct Held {
+    request: ControlRequest,
+    operator: String,
 }
 
 impl Service {
@@ -447,6 +501,7 @@ impl Service {
                 store_write_failures: self.health.failures,
                 device_actions_held_back: self.health.held_back,
                 store_failing: self.health.is_failing(),
+                registry_loading: self.loading.is_loading(),
             };
             self.metrics
                 .refresh(&self.engine, &self.ignored.total, totals);
@@ -685,6 +740,9 @@ impl Service {
         let Arrival { event, checked } = arrival;
         match event {
             LinkEvent::Connected => {
+                self.loading.connected();
+                self.lane_open
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
                 let _timing = self.metrics.connected();
                 // Retained desired actions may have been lost with a broker that restarted
                 // without persistence; re-publishing them is idempotent.
@@ -695,7 +753,12 @@ impl Service {
                 self.metrics.disconnected();
                 Ok(())
             }
-            LinkEvent::Subscribed => Ok(()),
+            LinkEvent::Subscribed => {
+                // Queued by the broker behind every retained message it delivers on subscribe.
+                let nonce = self.loading.subscribed(tokio::time::Instant::now());
+                self.publish(self.topics.marker(), false, nonce.into_bytes())
+                    .await
+            }
             LinkEvent::Publish { topic, payload } => {
                 self.on_publish(&topic, &payload, checked).await
             }
@@ -725,6 +788,7 @@ impl Service {
         };
         let id = match &parsed {
             Topic::ControlRequest => return self.on_control(topic, payload).await,
+            Topic::Marker => return self.on_marker(topic, payload).await,
             Topic::State(id) | Topic::Report(id) | Topic::Fetch(id) => id.clone(),
             Topic::Desired(id) => {
                 let id = id.clone();
@@ -846,6 +910,7 @@ impl Service {
                     ok: false,
                     error: Some(refusal.reason),
                     result: serde_json::Value::Null,
+                    loading: false,
                 };
                 return self.reply(reply_to, reply).await;
             }
@@ -854,21 +919,101 @@ impl Service {
         let operator = authorized.operator;
         tracing::info!(%operator, role = %authorized.role, command = request.command.name(),
             id = %request.id, "control request");
-        let reply = match self.command(request.command, &operator).await? {
+        // A command that changes anything may depend on the whole registry (a rollout plans
+        // over every device): it waits until the retained states are read. Reads answer now,
+        // marked as loading.
+        if self.loading.is_loading() && request.command.required_role() != Role::Viewer {
+            let held = self.loading.held();
+            return match self.loading.hold(Held { request, operator }) {
+                Ok(()) => {
+                    tracing::info!(
+                        held = held + 1,
+                        "control request held until every retained device state is read"
+                    );
+                    Ok(())
+                }
+                Err(Held { request, .. }) => {
+                    let reply = ControlReply {
+                        id: request.id,
+                        ok: false,
+                        error: Some(format!(
+                            "the coordinator is still reading the fleet's retained states and \
+                             already holds {held} commands until it has; try again shortly"
+                        )),
+                        result: serde_json::Value::Null,
+                        loading: true,
+                    };
+                    self.reply(request.reply_to, reply).await
+                }
+            };
+        }
+        self.run(request, &operator).await
+    }
+
+    /// Runs an accepted control request and replies.
+    async fn run(&mut self, request: ControlRequest, operator: &str) -> Result<(), ServiceError> {
+        let loading = self.loading.is_loading();
+        let reply = match self.command(request.command, operator).await? {
             Ok(result) => ControlReply {
                 id: request.id,
                 ok: true,
                 error: None,
                 result,
+                loading,
             },
             Err(error) => ControlReply {
                 id: request.id,
                 ok: false,
                 error: Some(error),
                 result: serde_json::Value::Null,
+                loading,
             },
         };
         self.reply(request.reply_to, reply).await
+    }
+
+    /// A publish on the marker topic: this connection's marker ends the loading state.
+    async fn on_marker(&mut self, topic: &str, payload: &[u8]) -> Result<(), ServiceError> {
+        match self.loading.marker(payload) {
+            MarkerSeen::Complete => {
+                tracing::info!(
+                    devices = self.engine.device_count(),
+                    held = self.loading.held(),
+                    "every retained device state is read"
+                );
+                self.release_held().await
+            }
+            MarkerSeen::Foreign => {
+                self.reject(topic, Malformed::BadMarker, "not this connection's marker");
+                Ok(())
+            }
+        }
+    }
+
+    /// The marker did not come back in time: the registry is taken as complete.
+    async fn marker_overdue(&mut self) -> Result<(), ServiceError> {
+        if !self.loading.expire(tokio::time::Instant::now()) {
+            return Ok(());
+        }
+        tracing::warn!(
+            timeout = ?self.loading.timeout(),
+            devices = self.engine.device_count(),
+            held = self.loading.held(),
+            "the end-of-retained marker did not come back (an ACL refusing the marker topic?); \
+             taking the registry as complete, it may miss devices whose states were not read yet"
+        );
+        self.release_held().await
+    }
+
+    /// Loading ended: control requests from now on come in arrival order with device traffic,
+    /// and the commands held while loading run, in the order they arrived.
+    async fn release_held(&mut self) -> Result<(), ServiceError> {
+        self.lane_open
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        while let Some(Held { request, operator }) = self.loading.release() {
+            self.run(request, &operator).await?;
+        }
+        Ok(())
     }
 
     /// Runs one control command. The outer error stops the service; the inner one is the
@@ -1540,6 +1685,7 @@ impl Service {
                     bytes.len()
                 )),
                 result: serde_json::Value::Null,
+                loading: reply.loading,
             };
             bytes = serde_json::to_vec(&too_large).unwrap_or_default();
         }
@@ -1993,6 +2139,8 @@ mod tests {
             health: StoreHealth::default(),
             data_dir: dir.path().to_owned(),
             metrics: Metrics::new(),
+            loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+            lane_open: link.lane_open.clone(),
         };
         service
             .apply(vec![Effect::Forget {

@@ -1932,6 +1932,11 @@ impl Engine {
             .collect()
     }
 
+    /// How many devices are known from their retained state.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
     /// Every device known from its retained state, sorted by id.
     pub fn devices(&self) -> Vec<DeviceSummary> {
         self.devices_after(None).collect()

@@ -1,0 +1,274 @@
+//! A restarted coordinator answers control requests while it is still reading the fleet's
+//! retained states, and never plans over a partial registry: reads are answered at once and
+//! say `loading`, a `rollout create` waits until every retained state is read (its own
+//! end-of-retained marker came back, or the marker timeout passed) and then plans over every
+//! device. A marker published by someone else does not end the loading state. Mosquitto only
+//! (it keeps one client's messages in order across topics; the embedded rumqttd does not).
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use flotilla_coordinator::cli::client::ControlClient;
+use flotilla_protocol::control::{Command, ControlReply, DeviceSummary, PageQuery, RolloutStatus};
+use flotilla_protocol::{
+    device, envelope, DeviceId, DeviceMessage, DeviceState, Message, SigningKey, Topics,
+};
+use flotilla_tests::{Site, WAIT};
+use rumqttc::{Event, Packet, QoS};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn key(n: u32) -> SigningKey {
+    let mut seed = [5u8; 32];
+    seed[..4].copy_from_slice(&n.to_le_bytes());
+    SigningKey::from_bytes(&seed)
+}
+
+fn id(n: u32) -> String {
+    format!("retained-{n:05}")
+}
+
+/// Authorizes `devices` keys, starts the coordinator, and publishes every device's signed state
+/// retained; returns once the coordinator lists them all.
+async fn fleet_with_retained_states(site: &mut Site, devices: u32) {
+    let mut authorized = String::new();
+    for n in 0..devices {
+        let public = flotilla_protocol::hex::encode(key(n).verifying_key().as_bytes());
+        authorized.push_str(&format!("{public} {}\n", id(n)));
+    }
+    std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
+    site.release("fw-1", 1, b"firmware one\n");
+    site.start_coordinator();
+    let topics = Topics::default();
+    let mut options = site.connection().options("retained-sender".to_owned());
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (sender, mut eventloop) = flotilla_mqtt::client(options, devices as usize + 10);
+    for n in 0..devices {
+        let state = DeviceMessage::State {
+            state: DeviceState {
+                device_id: id(n),
+                hardware_id: "test-board".into(),
+                labels: vec![("fleet".into(), "retained".into())],
+                installed: None,
+                current: None,
+                online: true,
+                agent_version: "test".into(),
+                at: now(),
+            },
+            enrollment: None,
+        };
+        let payload = envelope::encode(&Message::Device(device::sign(&key(n), &state)));
+        let topic = topics.state(&DeviceId::new(id(n)).expect("id"));
+        sender
+            .publish(topic, QoS::AtLeastOnce, true, payload)
+            .await
+            .expect("queue");
+    }
+    let acked = async {
+        let mut acked = 0;
+        while acked < devices {
+            if let Event::Incoming(Packet::PubAck(_)) = eventloop.poll().await.expect("connected") {
+                acked += 1;
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, acked)
+        .await
+        .expect("the broker took every state");
+    site.wait_devices(devices as usize).await;
+}
+
+/// A read that does not grow with the fleet: the first page of one device.
+fn one_device() -> Command {
+    Command::ListDevices {
+        page: PageQuery {
+            limit: Some(1),
+            ..PageQuery::default()
+        },
+    }
+}
+
+/// The first answer to `one_device` after a (re)start, asked until answered (a request sent
+/// before the coordinator subscribed is lost).
+async fn first_answer(client: &ControlClient) -> ControlReply {
+    for _ in 0..60 {
+        if let Ok(reply) = client
+            .request_reply(one_device(), Duration::from_secs(1))
+            .await
+        {
+            return reply;
+        }
+    }
+    panic!("the restarted coordinator never answered");
+}
+
+fn spec() -> Command {
+    Command::CreateRollout {
+        spec: "name = \"everyone\"\nrelease = \"fw-1\"\n[groups]\ncount = 4\n".into(),
+    }
+}
+
+/// Devices the rollout planned over, from the create reply's summary.
+fn planned(reply: &ControlReply) -> usize {
+    assert!(reply.ok, "{reply:?}");
+    let status: RolloutStatus = serde_json::from_value(reply.result.clone()).expect("status");
+    status.groups.iter().map(|g| g.total).sum()
+}
+
+async fn metrics(port: u16) -> String {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: coordinator\r\n\r\n")
+        .await
+        .expect("send");
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer))
+        .await
+        .expect("answers")
+        .expect("read");
+    String::from_utf8(answer).expect("text")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_created_during_the_retained_burst_plans_over_every_device() {
+    if flotilla_tests::mosquitto_binary().is_none() {
+        eprintln!("skipped: mosquitto not installed");
+        return;
+    }
+    const DEVICES: u32 = 10_000;
+    let mut site = Site::new(flotilla_tests::BrokerKind::Mosquitto);
+    fleet_with_retained_states(&mut site, DEVICES).await;
+    site.kill_coordinator();
+    let client = site.client().await;
+    // The restarted coordinator's marker, seen by a watcher as soon as it is published: the
+    // coordinator's subscriptions are in place and its own copy of the marker is queued behind
+    // every retained state.
+    let watcher = site.watcher(&[Topics::default().marker()]).await;
+    site.start_coordinator();
+    watcher
+        .wait_until("the restarted coordinator's marker", WAIT, |w| {
+            (!w.messages().is_empty()).then_some(())
+        })
+        .await;
+    // Both sent now, while the retained states are still being read: the read is answered at
+    // once and says so, the create waits for all of them.
+    let (first, created) = tokio::join!(
+        client.request_reply(one_device(), WAIT),
+        client.request_reply(spec(), WAIT)
+    );
+    let first = first.expect("the read is answered");
+    let created = created.expect("the create is answered");
+    assert!(first.ok, "{first:?}");
+    assert_eq!(
+        planned(&created),
+        DEVICES as usize,
+        "the rollout plans over every device with a retained state"
+    );
+    assert!(!created.loading, "a held command runs once loading ended");
+    let after = client
+        .request_reply(one_device(), WAIT)
+        .await
+        .expect("answered");
+    assert!(!after.loading, "{after:?}");
+    assert!(
+        first.loading,
+        "the read was answered before every retained state was read, and says so"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_its_marker_the_coordinator_stays_loading_until_the_timeout_and_a_forged_marker_changes_nothing(
+) {
+    if flotilla_tests::mosquitto_binary().is_none() {
+        eprintln!("skipped: mosquitto not installed");
+        return;
+    }
+    const DEVICES: u32 = 500;
+    // The coordinator may read its marker topic but not publish there, so its own marker never
+    // comes back; a client named `marker` may publish there (a forger).
+    let acl_dir = tempfile::tempdir().expect("tempdir");
+    let acl = acl_dir.path().join("acl");
+    let mut file = std::fs::File::create(&acl).expect("acl");
+    writeln!(
+        file,
+        "topic readwrite flotilla/v1/devices/#\ntopic readwrite flotilla/v1/control/#\n\
+         topic readwrite flotilla/v1/events/#\ntopic read flotilla/v1/coordinator/marker\n\
+         pattern write flotilla/v1/coordinator/%c"
+    )
+    .expect("write acl");
+    let mut site = Site::mosquitto_with(&format!("acl_file {}", acl.display()));
+    let metrics_port = site.enable_metrics();
+    site.coordinator_config
+        .push_str("[service]\nmarker_timeout = 20\n");
+    fleet_with_retained_states(&mut site, DEVICES).await;
+    site.kill_coordinator();
+    let client = site.client().await;
+    site.start_coordinator();
+
+    // Reads are answered at once, marked as loading.
+    let first = first_answer(&client).await;
+    assert!(first.ok && first.loading, "{first:?}");
+
+    // A marker from another client, with a nonce of its own: counted, ignored.
+    let mut options = site.connection().options("marker".to_owned());
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (forger, mut forger_loop) = flotilla_mqtt::client(options, 10);
+    forger
+        .publish(
+            Topics::default().marker(),
+            QoS::AtLeastOnce,
+            false,
+            b"00112233445566778899aabbccddeeff".to_vec(),
+        )
+        .await
+        .expect("queue");
+    tokio::spawn(async move { while forger_loop.poll().await.is_ok() {} });
+    let counted = async {
+        loop {
+            let text = metrics(metrics_port).await;
+            if text.lines().any(|l| {
+                l.starts_with("flotilla_messages_malformed_total{")
+                    && l.contains("reason=\"bad_marker\"")
+                    && l.ends_with(" 1")
+            }) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, counted)
+        .await
+        .expect("the forged marker is counted as malformed");
+    let still = client
+        .request_reply(one_device(), WAIT)
+        .await
+        .expect("answered");
+    assert!(
+        still.loading,
+        "a forged marker does not end loading: {still:?}"
+    );
+    let listed: flotilla_protocol::control::Page<DeviceSummary> =
+        serde_json::from_value(still.result).expect("a page");
+    assert_eq!(listed.items.len(), 1);
+
+    // A create is held until the marker times out, then plans over every device.
+    let created = client
+        .request_reply(spec(), WAIT)
+        .await
+        .expect("the create is answered after the marker timeout");
+    assert_eq!(planned(&created), DEVICES as usize);
+    assert!(!created.loading, "{created:?}");
+    let log = std::fs::read_to_string(site.path("coordinator.log")).expect("log");
+    assert!(
+        log.contains("marker did not come back"),
+        "the timeout is logged as a warning"
+    );
+}
