@@ -74,6 +74,19 @@ pub fn mosquitto_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Whether a test that needs Mosquitto itself can run: CI (`FLOTILLA_REQUIRE_TOOLS`, set by
+/// `.ci/run`, which installs it) fails instead of skipping; elsewhere the skip is loud.
+pub fn require_mosquitto(test: &str) -> bool {
+    if mosquitto_binary().is_some() {
+        return true;
+    }
+    if std::env::var_os("FLOTILLA_REQUIRE_TOOLS").is_some() || std::env::var_os("CI").is_some() {
+        panic!("{test}: mosquitto is not installed; .ci/run must install it");
+    }
+    eprintln!("SKIPPED {test}: mosquitto is not installed");
+    false
+}
+
 /// Every broker kind the tests can run against on this machine. CI installs Mosquitto, so a
 /// missing binary there is an error rather than a silent skip.
 pub fn broker_kinds() -> Vec<BrokerKind> {

@@ -50,8 +50,7 @@ fn state(n: u32) -> DeviceMessage {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_request_after_a_burst_of_states_sees_every_state() {
-    if flotilla_tests::mosquitto_binary().is_none() {
-        eprintln!("skipped: mosquitto not installed");
+    if !flotilla_tests::require_mosquitto(module_path!()) {
         return;
     }
     let mut site = Site::new(BrokerKind::Mosquitto);

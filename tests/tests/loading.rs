@@ -139,8 +139,7 @@ async fn metrics(port: u16) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_created_during_the_retained_burst_plans_over_every_device() {
-    if flotilla_tests::mosquitto_binary().is_none() {
-        eprintln!("skipped: mosquitto not installed");
+    if !flotilla_tests::require_mosquitto(module_path!()) {
         return;
     }
     const DEVICES: u32 = 10_000;
@@ -178,17 +177,18 @@ async fn a_rollout_created_during_the_retained_burst_plans_over_every_device() {
         .await
         .expect("answered");
     assert!(!after.loading, "{after:?}");
-    assert!(
-        first.loading,
-        "the read was answered before every retained state was read, and says so"
-    );
+    // Whether this first read still found the coordinator loading depends on how fast this
+    // machine reads 10,000 states; that a read during loading is answered and says so is
+    // asserted where loading cannot end early (the next test, whose marker never comes back).
+    if !first.loading {
+        eprintln!("note: the retained states were all read before the first read arrived");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_its_marker_the_coordinator_stays_loading_until_the_timeout_and_a_forged_marker_changes_nothing(
 ) {
-    if flotilla_tests::mosquitto_binary().is_none() {
-        eprintln!("skipped: mosquitto not installed");
+    if !flotilla_tests::require_mosquitto(module_path!()) {
         return;
     }
     const DEVICES: u32 = 500;

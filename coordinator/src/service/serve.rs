@@ -17,7 +17,7 @@
 //! command into the engine, whose trace says who did what.
 //!
 //! After every (re)connect the service is *loading* until its end-of-retained marker comes back
-//! (`loading.rs`, decision 0034): control requests are then read ahead of the retained burst
+//! (`loading.rs`, decision 0033): control requests are then read ahead of the retained burst
 //! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
 //! other command is held, in order and bounded, until every retained state is read.
 //!
