@@ -74,6 +74,40 @@ pub fn mosquitto_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Seconds since the Unix epoch, as devices stamp their states.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The `n`th of a family of device keys, distinct per `family`, the same in every run.
+pub fn numbered_key(family: u8, n: u32) -> flotilla_protocol::SigningKey {
+    let mut seed = [family; 32];
+    seed[..4].copy_from_slice(&n.to_le_bytes());
+    flotilla_protocol::SigningKey::from_bytes(&seed)
+}
+
+/// The text a coordinator's metrics endpoint on `port` answers `GET /metrics` with (headers
+/// included).
+pub async fn scrape_metrics(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: coordinator\r\n\r\n")
+        .await
+        .expect("send");
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer))
+        .await
+        .expect("answered")
+        .expect("read");
+    String::from_utf8(answer).expect("text")
+}
+
 /// Whether a test that needs Mosquitto itself can run: CI (`FLOTILLA_REQUIRE_TOOLS`, set by
 /// `.ci/run`, which installs it) fails instead of skipping; elsewhere the skip is loud.
 pub fn require_mosquitto(test: &str) -> bool {

@@ -15,17 +15,8 @@ use rumqttc::{Event, Packet, QoS};
 
 const DEVICES: u32 = 400;
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn key(n: u32) -> SigningKey {
-    let mut seed = [9u8; 32];
-    seed[..4].copy_from_slice(&n.to_le_bytes());
-    SigningKey::from_bytes(&seed)
+fn key_of(n: u32) -> SigningKey {
+    flotilla_tests::numbered_key(9, n)
 }
 
 fn id(n: u32) -> String {
@@ -42,7 +33,7 @@ fn state(n: u32) -> DeviceMessage {
             current: None,
             online: true,
             agent_version: "test".into(),
-            at: now(),
+            at: flotilla_tests::unix_now(),
         },
         enrollment: None,
     }
@@ -56,7 +47,7 @@ async fn a_control_request_after_a_burst_of_states_sees_every_state() {
     let mut site = Site::new(BrokerKind::Mosquitto);
     let mut authorized = String::new();
     for n in 0..DEVICES {
-        let public = flotilla_protocol::hex::encode(key(n).verifying_key().as_bytes());
+        let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
         authorized.push_str(&format!("{public} {}\n", id(n)));
     }
     std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
@@ -96,7 +87,7 @@ async fn a_control_request_after_a_burst_of_states_sees_every_state() {
     tokio::time::timeout(Duration::from_secs(20), subscribed)
         .await
         .expect("subscribed");
-    let forger = key(DEVICES + 1);
+    let forger = key_of(DEVICES + 1);
     for n in 0..DEVICES {
         let device_id = DeviceId::new(id(n)).expect("id");
         let signed = |blob| envelope::encode(&Message::Device(blob));
@@ -108,19 +99,19 @@ async fn a_control_request_after_a_burst_of_states_sees_every_state() {
             (topics.state(&device_id), signed(forged)),
             (
                 topics.state(&device_id),
-                signed(device::sign(&key(n), &state(n))),
+                signed(device::sign(&key_of(n), &state(n))),
             ),
             (
                 topics.report(&device_id),
                 signed(device::sign(
-                    &key(n),
+                    &key_of(n),
                     &DeviceMessage::Report(Report {
                         device_id: id(n),
                         seq: 1,
                         action_id: "none".into(),
                         rollout_id: "none".into(),
                         phase: flotilla_protocol::Phase::Accepted,
-                        at: now(),
+                        at: flotilla_tests::unix_now(),
                     }),
                 )),
             ),
@@ -134,7 +125,7 @@ async fn a_control_request_after_a_burst_of_states_sees_every_state() {
     let request = ControlRequest::new(
         "after-the-burst",
         reply_to.clone(),
-        now(),
+        flotilla_tests::unix_now(),
         new_nonce(),
         Command::ListDevices {
             page: Default::default(),

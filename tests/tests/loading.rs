@@ -15,19 +15,9 @@ use flotilla_protocol::{
 };
 use flotilla_tests::{Site, WAIT};
 use rumqttc::{Event, Packet, QoS};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn key(n: u32) -> SigningKey {
-    let mut seed = [5u8; 32];
-    seed[..4].copy_from_slice(&n.to_le_bytes());
-    SigningKey::from_bytes(&seed)
+fn key_of(n: u32) -> SigningKey {
+    flotilla_tests::numbered_key(5, n)
 }
 
 fn id(n: u32) -> String {
@@ -39,7 +29,7 @@ fn id(n: u32) -> String {
 async fn fleet_with_retained_states(site: &mut Site, devices: u32) {
     let mut authorized = String::new();
     for n in 0..devices {
-        let public = flotilla_protocol::hex::encode(key(n).verifying_key().as_bytes());
+        let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
         authorized.push_str(&format!("{public} {}\n", id(n)));
     }
     std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
@@ -59,11 +49,11 @@ async fn fleet_with_retained_states(site: &mut Site, devices: u32) {
                 current: None,
                 online: true,
                 agent_version: "test".into(),
-                at: now(),
+                at: flotilla_tests::unix_now(),
             },
             enrollment: None,
         };
-        let payload = envelope::encode(&Message::Device(device::sign(&key(n), &state)));
+        let payload = envelope::encode(&Message::Device(device::sign(&key_of(n), &state)));
         let topic = topics.state(&DeviceId::new(id(n)).expect("id"));
         sender
             .publish(topic, QoS::AtLeastOnce, true, payload)
@@ -119,22 +109,6 @@ fn planned(reply: &ControlReply) -> usize {
     assert!(reply.ok, "{reply:?}");
     let status: RolloutStatus = serde_json::from_value(reply.result.clone()).expect("status");
     status.groups.iter().map(|g| g.total).sum()
-}
-
-async fn metrics(port: u16) -> String {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect to the metrics port");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: coordinator\r\n\r\n")
-        .await
-        .expect("send");
-    let mut answer = Vec::new();
-    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer))
-        .await
-        .expect("answers")
-        .expect("read");
-    String::from_utf8(answer).expect("text")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,7 +207,7 @@ async fn without_its_marker_the_coordinator_stays_loading_until_the_timeout_and_
     tokio::spawn(async move { while forger_loop.poll().await.is_ok() {} });
     let counted = async {
         loop {
-            let text = metrics(metrics_port).await;
+            let text = flotilla_tests::scrape_metrics(metrics_port).await;
             if text.lines().any(|l| {
                 l.starts_with("flotilla_messages_malformed_total{")
                     && l.contains("reason=\"bad_marker\"")

@@ -17,7 +17,6 @@ use flotilla_tests::bridge::{
     self, CentralBroker, SiteBroker, BRIDGE_STATE_TOPIC, BRIDGE_USER, MONITOR,
 };
 use flotilla_tests::{mosquitto_binary, AgentOptions, BrokerKind, Probe, Site, Watcher, WAIT};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const COORDINATOR: &str = "flotilla-coordinator";
 
@@ -303,7 +302,7 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         "the coordinator served {from_coordinator} bytes for a site of 8 and an artifact of {}",
         content.len()
     );
-    let metrics = scrape(port).await;
+    let metrics = flotilla_tests::scrape_metrics(port).await;
     let coordinator = metric(
         &metrics,
         "flotilla_device_bytes_total{source=\"coordinator\"}",
@@ -456,22 +455,6 @@ async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
     }
 }
 
-async fn scrape(port: u16) -> String {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect to the metrics port");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: coordinator\r\n\r\n")
-        .await
-        .expect("send");
-    let mut answer = Vec::new();
-    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer))
-        .await
-        .expect("answered")
-        .expect("read");
-    String::from_utf8(answer).expect("text")
-}
-
 /// The value of the sample whose name and labels are exactly `sample`, 0 when absent.
 fn metric(text: &str, sample: &str) -> u64 {
     text.lines()
@@ -556,7 +539,7 @@ async fn the_coordinator_counts_bytes_by_source_once_and_ignores_malformed_repor
     };
     let deadline = std::time::Instant::now() + WAIT;
     let text = loop {
-        let text = scrape(port).await;
+        let text = flotilla_tests::scrape_metrics(port).await;
         if metric(&text, "flotilla_device_bytes_total{source=\"coordinator\"}") > 0
             && metric(
                 &text,
@@ -655,7 +638,7 @@ async fn bench_site() {
     }
     let bridge_bytes: u64 = bridge::traffic(&central.messages()).values().sum();
     let served = metric(
-        &scrape(port).await,
+        &flotilla_tests::scrape_metrics(port).await,
         "flotilla_artifact_block_bytes_served_total",
     );
     println!(
@@ -787,7 +770,7 @@ async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() 
             "quay-01 does not hold {release}'s bytes"
         );
     }
-    let text = scrape(port).await;
+    let text = flotilla_tests::scrape_metrics(port).await;
     let list = flotilla_protocol::blocks::list_size(first.len() as u64, BLOCK as u32);
     let coordinator = metric(&text, "flotilla_device_bytes_total{source=\"coordinator\"}");
     let local = metric(&text, "flotilla_device_bytes_total{source=\"local\"}");
