@@ -184,11 +184,9 @@ impl Sites {
     }
 
     fn restart(&mut self) {
-        let stored: Vec<Rollout> = self
-            .engine
-            .rollouts()
-            .map(|r| serde_json::from_str(&serde_json::to_string(r).expect("json")).expect("back"))
-            .collect();
+        let mut store = super::stored::MemoryStore::default();
+        store.save_all(&mut self.engine);
+        let stored: Vec<Rollout> = store.load();
         self.engine = Engine::restore(stored, SystemZones);
         for (id, site) in self.fleet.clone() {
             let effects = self.engine.observe_state(state(&id, site), self.now);
@@ -573,7 +571,12 @@ fn bytes_by_source_add_up_per_site_and_per_rollout() {
         (1010, 990, 48)
     );
     // A report naming ten thousand peers is stored as one sum, not as ten thousand names.
-    let before = serde_json::to_string(s.rollout()).expect("json").len();
+    let stored_len = |r: &Rollout| {
+        let records = r.stored_changes(true).expect("encodes");
+        let parts: usize = records.parts.iter().flat_map(|(_, v)| v).map(Vec::len).sum();
+        records.head.len() + parts
+    };
+    let before = stored_len(s.rollout());
     let many: Vec<(String, u64)> = (0..10_000).map(|i| (format!("peer-{i}"), 1)).collect();
     let flood = ByteCounts {
         coordinator: 0,
@@ -581,7 +584,7 @@ fn bytes_by_source_add_up_per_site_and_per_rollout() {
         peers: many,
     };
     s.engine.observe_bytes("q00", &id(&s, "q00"), flood);
-    let after = serde_json::to_string(s.rollout()).expect("json").len();
+    let after = stored_len(s.rollout());
     assert!(after < before + 100, "{before} -> {after} bytes stored");
     let status = s.engine.summary("r").expect("summary");
     assert_eq!(status.bytes.peers, 990 + 10_000);
