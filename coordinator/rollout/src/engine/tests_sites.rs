@@ -573,7 +573,12 @@ fn bytes_by_source_add_up_per_site_and_per_rollout() {
     // A report naming ten thousand peers is stored as one sum, not as ten thousand names.
     let stored_len = |r: &Rollout| {
         let records = r.stored_changes(true).expect("encodes");
-        let parts: usize = records.parts.iter().flat_map(|(_, v)| v).map(Vec::len).sum();
+        let parts: usize = records
+            .parts
+            .iter()
+            .flat_map(|(_, v)| v)
+            .map(Vec::len)
+            .sum();
         records.head.len() + parts
     };
     let before = stored_len(s.rollout());

@@ -304,13 +304,13 @@ mod tests {
         seen.mark_saved();
         assert!(!seen.insert("a".into()), "seen before");
         assert!(!seen.is_unsaved(), "nothing changed");
-        let back: Seen = serde_json::from_str(&serde_json::to_string(&seen).expect("json"))
-            .expect("back");
+        let back: Seen =
+            serde_json::from_str(&serde_json::to_string(&seen).expect("json")).expect("back");
         assert_eq!(back, seen);
 
         let devices = Devices::new(vec!["a".into()]);
-        let back: Devices = serde_json::from_str(&serde_json::to_string(&devices).expect("json"))
-            .expect("back");
+        let back: Devices =
+            serde_json::from_str(&serde_json::to_string(&devices).expect("json")).expect("back");
         assert_eq!(back, devices);
         assert!(devices.is_unsaved() && !back.is_unsaved());
     }
