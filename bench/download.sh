@@ -52,51 +52,21 @@ done
 mkdir -p "$repo/bench/results"
 results="${RESULTS:-$repo/bench/results/download-$(date -u +%Y-%m-%d).txt}"
 
-die() { echo "download.sh: $*" >&2; exit 1; }
-command -v mosquitto >/dev/null || die "mosquitto not found (apt-get install mosquitto)"
-build_flags=()
-[ "$profile" = release ] && build_flags=(--release)
-# The coordinator and the agent as shipped; the baseline and the watcher in the fleetsim
-# profile (opt-level 3), as bench/fleet.sh runs the simulator. PERF=1 builds the coordinator and
-# the agent in the fleetsim profile too: the release profile strips symbols (and builds the
-# agent at opt-level "z", so the profile is of a faster agent than the one shipped).
+bench=download.sh
+# The coordinator and the agent as shipped; the baseline and the watcher in the fleetsim profile
+# (opt-level 3), as bench/fleet.sh runs the simulator. PERF=1 builds the coordinator and the
+# agent in the fleetsim profile too: the release profile strips symbols (and builds the agent at
+# opt-level "z", so the profile is of a faster agent than the one shipped).
 if [ "$profile" = release ] && [ -n "${PERF:-}" ]; then
-  profile=fleetsim; build_flags=(--profile fleetsim)
+  profile=fleetsim
 fi
-cargo build -q "${build_flags[@]}" -p flotilla-coordinator -p flotilla-agent --bins
-sim_profile=fleetsim
-[ "$profile" = debug ] && sim_profile=dev
-cargo build -q --profile "$sim_profile" -p flotilla-fleetsim --bins
-flotilla="$CARGO_TARGET_DIR/$profile/flotilla"
-agent="$CARGO_TARGET_DIR/$profile/flotilla-agent"
-fleetsim="$CARGO_TARGET_DIR/$([ "$sim_profile" = dev ] && echo debug || echo fleetsim)/flotilla-fleetsim"
-
-# As in bench/fleet.sh: every store write is flushed, and a flush on this shared VM's disk
-# takes ~10-40 ms; data directories go on tmpfs unless DATA_ON_DISK=1.
-if [ -z "${DATA_ON_DISK:-}" ] && [ -d /dev/shm ]; then
-  work="$(mktemp -d /dev/shm/flotilla-download.XXXXXX)"
-else
-  work="$(mktemp -d /tmp/flotilla-download.XXXXXX)"
-fi
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  [ -n "${KEEP:-}" ] && echo "kept $work" >&2 || rm -rf "$work"
-}
-trap cleanup EXIT
-
+# shellcheck source=bench/lib.sh
+. "$repo/bench/lib.sh"
+build_bins -p flotilla-coordinator -p flotilla-agent
+flotilla="$bin/flotilla"
+agent="$bin/flotilla-agent"
+make_work download
 : >"$results"
-say() { echo "$*" | tee -a "$results"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-field() { awk -v k="$1:" '$1 == k {print $2}' "$2"; }
-wait_port() {
-  for _ in $(seq 200); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.05
-  done
-  die "nothing listens on $1"
-}
 wait_log() {
   local pattern="$1" file="$2"
   for _ in $(seq 1200); do
@@ -104,19 +74,6 @@ wait_log() {
     sleep 0.05
   done
   die "no \"$pattern\" in $file after 60 s"
-}
-
-# The shipped broker settings on plain loopback (the same as bench/fleet.sh).
-broker_conf() {
-  local port="$1"
-  grep -vE '^\s*(#|$|listener|cafile|certfile|keyfile|tls_version|require_certificate|use_identity_as_username|password_file|acl_file|allow_anonymous|persistence|persistence_location|per_listener_settings)' \
-    deploy/mosquitto/mosquitto.conf || true
-  echo "per_listener_settings false"
-  echo "allow_anonymous true"
-  echo "persistence false"
-  echo "listener $port 127.0.0.1"
-  grep -q '^max_queued_messages' deploy/mosquitto/mosquitto.conf || echo "max_queued_messages 0"
-  grep -q '^set_tcp_nodelay' deploy/mosquitto/mosquitto.conf || echo "set_tcp_nodelay true"
 }
 
 dir="$work"
@@ -164,22 +121,7 @@ EOF
 "$agent" check-config --config "$dir/agent/agent.toml" >/dev/null || die "agent config: $("$agent" check-config --config "$dir/agent/agent.toml" 2>&1)"
 device_key=$("$agent" identity --config "$dir/agent/agent.toml" | tr -d '[:space:]')
 echo "$device_key $device" >"$dir/authorized_devices"
-metrics_port=$(free_port)
-cat >"$dir/coordinator.toml" <<EOF
-data_dir = "$dir/coordinator"
-coordinator_key = "$dir/keys/coordinator.key"
-[broker]
-host = "127.0.0.1"
-port = $port
-[enrollment]
-authorized_keys = "$dir/authorized_devices"
-[[operators]]
-name = "admin"
-role = "admin"
-key_file = "$dir/keys/admin.pub"
-[metrics]
-listen = "127.0.0.1:$metrics_port"
-EOF
+coordinator_conf "$dir" "$port"
 
 # One release per rollout, each a fresh random artifact (nothing the device holds to copy).
 counter=1

@@ -54,73 +54,25 @@ TIMEOUT="${TIMEOUT:-20m}"
 mkdir -p "$repo/bench/results"
 results="${RESULTS:-$repo/bench/results/fleet-$(date -u +%Y-%m-%d).txt}"
 
-die() { echo "fleet.sh: $*" >&2; exit 1; }
-command -v mosquitto >/dev/null || die "mosquitto not found (apt-get install mosquitto)"
-build_flags=()
-[ "$profile" = release ] && build_flags=(--release)
-# The coordinator as shipped (release profile); the simulator with fast signing
-# (Cargo.toml, profile.fleetsim) so that the devices are not what is measured.
-# COORDINATOR_PROFILE=fleetsim (and PERF=1, which profiles the coordinator) build the coordinator
-# with the fleetsim profile instead: opt-level 3 everywhere, thin LTO and symbols (the release
-# profile builds the signature crates and the coordinator's own at opt-level 3 too, decision 0029).
+bench=fleet.sh
+# The coordinator as shipped (release profile). COORDINATOR_PROFILE=fleetsim (and PERF=1, which
+# profiles the coordinator) build it with the fleetsim profile instead: opt-level 3 everywhere,
+# thin LTO and symbols (the release profile builds the signature crates and the coordinator's own
+# at opt-level 3 too, decision 0029).
 if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
-  profile=fleetsim; build_flags=(--profile fleetsim)
+  profile=fleetsim
 fi
-cargo build -q "${build_flags[@]}" -p flotilla-coordinator --bins
-sim_profile=fleetsim
-[ "$profile" = debug ] && sim_profile=dev
-cargo build -q --profile "$sim_profile" -p flotilla-fleetsim --bins
-flotilla="$CARGO_TARGET_DIR/$profile/flotilla"
-fleetsim="$CARGO_TARGET_DIR/$([ "$sim_profile" = dev ] && echo debug || echo fleetsim)/flotilla-fleetsim"
-
-# The coordinator flushes every store write (sled, fsync). On this shared VM's disk a flush takes
-# ~10-40 ms, which alone would set every figure; the data directories go on tmpfs unless
-# DATA_ON_DISK=1 (docs/performance.md has both).
-if [ -z "${DATA_ON_DISK:-}" ] && [ -d /dev/shm ]; then
-  work="$(mktemp -d /dev/shm/flotilla-fleet.XXXXXX)"
-else
-  work="$(mktemp -d /tmp/flotilla-fleet.XXXXXX)"
-fi
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  [ -n "${KEEP:-}" ] && echo "kept $work" >&2 || rm -rf "$work"
-}
-trap cleanup EXIT
-
+# shellcheck source=bench/lib.sh
+. "$repo/bench/lib.sh"
+build_bins -p flotilla-coordinator
+flotilla="$bin/flotilla"
+make_work fleet
 : >"$results"
-say() { echo "$*" | tee -a "$results"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-field() { awk -v k="$1:" '$1 == k {print $2}' "$2"; }
 kb() { awk -v k="$1:" '$1 == k {print $2}' "/proc/$2/status"; }
-wait_port() {
-  for _ in $(seq 200); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.05
-  done
-  die "nothing listens on $1"
-}
-
-# The shipped broker settings on plain loopback: everything but listeners, TLS, passwords, ACL
-# and persistence location.
-broker_conf() {
-  local port="$1" dir="$2"
-  grep -vE '^\s*(#|$|listener|cafile|certfile|keyfile|tls_version|require_certificate|use_identity_as_username|password_file|acl_file|allow_anonymous|persistence|persistence_location|per_listener_settings)' \
-    deploy/mosquitto/mosquitto.conf || true
-  echo "per_listener_settings false"
-  echo "allow_anonymous true"
-  echo "persistence false"
-  echo "listener $port 127.0.0.1"
-  # Sizing for a fleet over few connections (docs/operations.md): unless the shipped file sets
-  # them, no queue limit and no Nagle delay.
-  grep -q '^max_queued_messages' deploy/mosquitto/mosquitto.conf || echo "max_queued_messages 0"
-  grep -q '^set_tcp_nodelay' deploy/mosquitto/mosquitto.conf || echo "set_tcp_nodelay true"
-}
 
 start_broker() {
   local dir="$1" port="$2"
-  broker_conf "$port" "$dir" >"$dir/mosquitto.conf"
+  broker_conf "$port" >"$dir/mosquitto.conf"
   mosquitto -c "$dir/mosquitto.conf" >"$dir/mosquitto.log" 2>&1 &
   broker_pid=$!
   pids+=("$broker_pid")
@@ -137,24 +89,7 @@ make_site() {
   "$flotilla" release create --data-dir "$dir/coordinator" --key "$dir/keys/release.key" \
     --name fw-2 --version 2.0.0 --counter 2 --hardware sim-board --artifact "app=$dir/app.bin" >/dev/null
   "$fleetsim" --count "$n" --write-authorized-keys "$dir/authorized_devices" >/dev/null
-  cat >"$dir/coordinator.toml" <<EOF
-data_dir = "$dir/coordinator"
-coordinator_key = "$dir/keys/coordinator.key"
-[broker]
-host = "127.0.0.1"
-port = $port
-[enrollment]
-authorized_keys = "$dir/authorized_devices"
-[[operators]]
-name = "admin"
-role = "admin"
-key_file = "$dir/keys/admin.pub"
-EOF
-  metrics_port=$(free_port)
-  cat >>"$dir/coordinator.toml" <<EOF
-[metrics]
-listen = "127.0.0.1:$metrics_port"
-EOF
+  coordinator_conf "$dir" "$port"
   cat >"$dir/spec.toml" <<EOF
 name = "fleet"
 release = "fw-2"
