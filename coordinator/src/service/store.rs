@@ -14,7 +14,7 @@
 //! ```
 //!
 //! A rollout is a head under its name and one record per device under `{name}\0…`
-//! (`flotilla_rollout::engine::stored`, decision 0035), so a save writes the records of the
+//! (`flotilla_rollout::engine::stored`, decision 0034), so a save writes the records of the
 //! devices that changed, not the whole rollout: at 100,000 devices the whole rollout is several
 //! megabytes, and the engine saves a running rollout about once a second. A save's records go
 //! in one atomic batch.

@@ -2166,3 +2166,5 @@ mod tests_property;
 mod tests_reference;
 #[cfg(test)]
 mod tests_sites;
+#[cfg(test)]
+mod tests_store;

@@ -10,7 +10,7 @@ use flotilla_protocol::Phase;
 use serde::{Deserialize, Serialize};
 
 use super::queues::SiteQueues;
-use super::tracked::{Devices, Seen, Slots, Unsaved};
+use super::tracked::{Devices, Marked, Seen, Slots, Unsaved};
 use crate::conditions::GroupCounts;
 use crate::plan::{ErrorCondition, Excluded, Gate, Pace, SuccessCondition};
 use crate::ramp::Ramp;
@@ -297,6 +297,15 @@ pub struct Slot {
     pub(crate) unsaved: Unsaved,
 }
 
+impl Marked for Slot {
+    fn mark(&mut self, unsaved: bool) {
+        self.unsaved = Unsaved(unsaved);
+    }
+    fn is_marked(&self) -> bool {
+        self.unsaved.0
+    }
+}
+
 /// Phase name of a deleted device still listed in its group (hawkBit's "not started").
 pub const NOT_STARTED: &str = "not_started";
 
@@ -346,7 +355,7 @@ pub struct Group {
     pub counts: GroupCounts,
     /// Stored one record per device (`stored.rs`), not in the head.
     #[serde(default, skip_serializing)]
-    pub slots: Slots,
+    pub slots: Slots<Slot>,
     /// Index into `devices` of the next device to consider starting.
     pub cursor: usize,
     /// The group let the next one start (its success action ran after its after gate, an

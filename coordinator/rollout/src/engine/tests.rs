@@ -507,7 +507,7 @@ fn restore_and_reissue_resume_without_starting_groups_twice() {
     sim.report(&second[1], Phase::Downloading { done: 1, total: 2 });
 
     // What the store holds, through its records.
-    let mut store = super::stored::MemoryStore::default();
+    let mut store = super::tests_store::MemoryStore::default();
     store.save_all(&mut sim.engine);
     let saved = store.load().remove(0);
     assert_eq!(&saved, sim.rollout());

@@ -73,7 +73,7 @@ struct World {
     rng: Rng,
     engine: Engine,
     /// What the coordinator's store holds: every `Save` is applied to it as the service does.
-    store: super::stored::MemoryStore,
+    store: super::tests_store::MemoryStore,
     now: u64,
     devices: Vec<String>,
     agents: BTreeMap<String, Agent>,

@@ -57,7 +57,7 @@ fn sent(effects: &[Effect]) -> Vec<String> {
 
 /// Through the store's records, as a restarted coordinator reads them.
 fn stored(engine: &mut Engine) -> Vec<Rollout> {
-    let mut store = super::stored::MemoryStore::default();
+    let mut store = super::tests_store::MemoryStore::default();
     store.save_all(engine);
     store.load()
 }

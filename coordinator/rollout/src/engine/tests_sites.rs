@@ -184,7 +184,7 @@ impl Sites {
     }
 
     fn restart(&mut self) {
-        let mut store = super::stored::MemoryStore::default();
+        let mut store = super::tests_store::MemoryStore::default();
         store.save_all(&mut self.engine);
         let stored: Vec<Rollout> = store.load();
         self.engine = Engine::restore(stored, SystemZones);

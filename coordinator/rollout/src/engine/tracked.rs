@@ -1,6 +1,6 @@
 //! The per-device collections of a rollout, each noting what changed since the store last wrote
 //! it, so a save writes what changed instead of the whole rollout (`stored.rs`,
-//! docs/decisions/0035-per-device-rollout-records.md).
+//! docs/decisions/0034-per-device-rollout-records.md).
 //!
 //! Reads go through `Deref` to the plain collection; every change goes through a method here
 //! that marks it, so no change can miss the store: the inner collections are private to this
@@ -11,8 +11,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Deref;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-use super::model::Slot;
 
 /// Whether something changed since the store last wrote it. Never stored, and equal to every
 /// other: a rollout read back from the store equals the one written.
@@ -27,61 +25,67 @@ impl PartialEq for Unsaved {
 
 impl Eq for Unsaved {}
 
+/// What [`Slots`] holds: something that keeps its own mark (the engine's `Slot`).
+pub trait Marked {
+    fn mark(&mut self, unsaved: bool);
+    fn is_marked(&self) -> bool;
+}
+
 /// A group's slots by device id.
-#[derive(Debug, Clone, Default)]
-pub struct Slots {
-    map: BTreeMap<String, Slot>,
+#[derive(Debug, Clone)]
+pub struct Slots<S> {
+    map: BTreeMap<String, S>,
     /// Some slot is marked.
     unsaved: bool,
     /// Devices whose slots were removed since the last save.
     removed: Vec<String>,
 }
 
-impl Slots {
+impl<S: Marked> Slots<S> {
     /// The slot of `device`, marked as changed.
-    pub fn get_mut(&mut self, device: &str) -> Option<&mut Slot> {
+    pub fn get_mut(&mut self, device: &str) -> Option<&mut S> {
         let slot = self.map.get_mut(device)?;
-        slot.unsaved = Unsaved(true);
+        slot.mark(true);
         self.unsaved = true;
         Some(slot)
     }
 
     /// Every slot, each marked as changed.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut Slot)> {
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut S)> {
         self.unsaved = true;
         self.map.iter_mut().map(|(device, slot)| {
-            slot.unsaved = Unsaved(true);
+            slot.mark(true);
             (device, slot)
         })
     }
 
-    pub fn insert(&mut self, device: String, mut slot: Slot) -> Option<Slot> {
-        slot.unsaved = Unsaved(true);
+    pub fn insert(&mut self, device: String, mut slot: S) -> Option<S> {
+        slot.mark(true);
         self.unsaved = true;
         self.removed.retain(|d| *d != device);
         self.map.insert(device, slot)
     }
 
-    pub fn remove(&mut self, device: &str) -> Option<Slot> {
+    pub fn remove(&mut self, device: &str) -> Option<S> {
         let slot = self.map.remove(device)?;
         self.removed.push(device.to_owned());
         Some(slot)
     }
 
     /// The slots changed since the last save, and the devices whose slots were removed.
-    pub(crate) fn unsaved(&self) -> (impl Iterator<Item = (&String, &Slot)>, &[String]) {
+    pub(crate) fn unsaved(&self) -> (impl Iterator<Item = (&String, &S)> + '_, &[String]) {
         let any = self.unsaved;
         let changed = self
             .map
             .iter()
-            .filter(move |(_, slot)| any && slot.unsaved.0);
+            .filter(move |(_, slot)| any && slot.is_marked());
         (changed, &self.removed)
     }
 
     pub(crate) fn mark_saved(&mut self) {
         if self.unsaved {
             for slot in self.map.values_mut() {
-                slot.unsaved = Unsaved(false);
+                slot.mark(false);
             }
         }
         self.unsaved = false;
@@ -89,16 +93,26 @@ impl Slots {
     }
 }
 
-impl Deref for Slots {
-    type Target = BTreeMap<String, Slot>;
+impl<S> Default for Slots<S> {
+    fn default() -> Self {
+        Slots {
+            map: BTreeMap::new(),
+            unsaved: false,
+            removed: Vec::new(),
+        }
+    }
+}
+
+impl<S> Deref for Slots<S> {
+    type Target = BTreeMap<String, S>;
     fn deref(&self) -> &Self::Target {
         &self.map
     }
 }
 
-impl FromIterator<(String, Slot)> for Slots {
+impl<S: Marked> FromIterator<(String, S)> for Slots<S> {
     /// New slots, all marked: nothing of them is stored yet.
-    fn from_iter<I: IntoIterator<Item = (String, Slot)>>(iter: I) -> Self {
+    fn from_iter<I: IntoIterator<Item = (String, S)>>(iter: I) -> Self {
         let mut slots = Slots::default();
         for (device, slot) in iter {
             slots.insert(device, slot);
@@ -107,7 +121,7 @@ impl FromIterator<(String, Slot)> for Slots {
     }
 }
 
-impl PartialEq for Slots {
+impl<S: PartialEq> PartialEq for Slots<S> {
     fn eq(&self, other: &Self) -> bool {
         self.map == other.map
     }
@@ -218,9 +232,9 @@ impl PartialEq for Seen {
     }
 }
 
-impl<'a> IntoIterator for &'a Slots {
-    type Item = (&'a String, &'a Slot);
-    type IntoIter = std::collections::btree_map::Iter<'a, String, Slot>;
+impl<'a, S> IntoIterator for &'a Slots<S> {
+    type Item = (&'a String, &'a S);
+    type IntoIter = std::collections::btree_map::Iter<'a, String, S>;
     fn into_iter(self) -> Self::IntoIter {
         self.map.iter()
     }
@@ -263,7 +277,20 @@ macro_rules! plain_serde {
     };
 }
 
-plain_serde!(Slots, map, BTreeMap<String, Slot>);
+impl<S: Serialize> Serialize for Slots<S> {
+    fn serialize<Z: Serializer>(&self, s: Z) -> Result<Z::Ok, Z::Error> {
+        self.map.serialize(s)
+    }
+}
+
+impl<'de, S: Deserialize<'de>> Deserialize<'de> for Slots<S> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Slots {
+            map: BTreeMap::deserialize(d)?,
+            ..Default::default()
+        })
+    }
+}
 plain_serde!(Devices, list, Vec<String>);
 plain_serde!(Seen, set, BTreeSet<String>);
 
@@ -271,9 +298,32 @@ plain_serde!(Seen, set, BTreeSet<String>);
 mod tests {
     use super::*;
 
+    /// A slot standing in for the engine's.
+    #[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+    struct Slot {
+        attempt: u32,
+        #[serde(skip)]
+        unsaved: Unsaved,
+    }
+
+    impl Slot {
+        fn scheduled() -> Slot {
+            Slot::default()
+        }
+    }
+
+    impl Marked for Slot {
+        fn mark(&mut self, unsaved: bool) {
+            self.unsaved = Unsaved(unsaved);
+        }
+        fn is_marked(&self) -> bool {
+            self.unsaved.0
+        }
+    }
+
     #[test]
     fn every_change_is_marked_and_a_save_clears_the_marks() {
-        let mut slots: Slots = [("a".to_owned(), Slot::scheduled())].into_iter().collect();
+        let mut slots: Slots<Slot> = [("a".to_owned(), Slot::scheduled())].into_iter().collect();
         assert_eq!(slots.unsaved().0.count(), 1, "a new slot is not stored yet");
         slots.mark_saved();
         assert_eq!(slots.unsaved().0.count(), 0);
@@ -292,9 +342,9 @@ mod tests {
 
     #[test]
     fn read_back_collections_are_unmarked_and_equal_to_the_written_ones() {
-        let slots: Slots = [("a".to_owned(), Slot::scheduled())].into_iter().collect();
+        let slots: Slots<Slot> = [("a".to_owned(), Slot::scheduled())].into_iter().collect();
         let json = serde_json::to_string(&slots).expect("json");
-        let back: Slots = serde_json::from_str(&json).expect("back");
+        let back: Slots<Slot> = serde_json::from_str(&json).expect("back");
         assert_eq!(back, slots);
         assert_eq!(back.unsaved().0.count(), 0);
 
