@@ -537,11 +537,15 @@ pub(crate) async fn throttle(
     }
 }
 
+/// The fetcher's tests, and the pieces of them that the tests of the fetchers above it
+/// ([`crate::fetch_blocks`], [`crate::machine`]) use too: a spec, the in-memory server's
+/// replies, a part file on a full disk.
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
 
-    fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
+    /// `data` as `app.bin`, fetched into `dir/downloads` in blocks of 100, three at a time.
+    pub(crate) fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
         FetchSpec {
             name: "app.bin".into(),
             sha256: flotilla_protocol::sha256(data),
@@ -553,18 +557,21 @@ pub(crate) mod tests {
         }
     }
 
-    /// An in-memory artifact server. `serve` answers each request; `reverse` answers each batch of
-    /// pending requests in reverse order to exercise the reorder buffer. Records every offset
-    /// asked for.
-    fn server(
-        data: Vec<u8>,
-        reverse: bool,
-        tamper: Option<usize>,
-    ) -> (
+    /// The fetcher's ends of an in-memory server's channels, and its task, which returns every
+    /// offset asked for once the requests end.
+    type Server = (
         mpsc::Sender<FetchRequest>,
         mpsc::Receiver<FetchInput>,
         tokio::task::JoinHandle<Vec<u64>>,
-    ) {
+    );
+
+    /// An in-memory artifact server that answers each request with `answer(request)`, as a
+    /// hostile one may; with `reverse`, each batch of pending requests in reverse order, to
+    /// exercise the reorder buffer.
+    fn serve(
+        reverse: bool,
+        answer: impl Fn(&BlockRequest) -> BlockReply + Send + 'static,
+    ) -> Server {
         let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(64);
         let (rep_tx, rep_rx) = mpsc::channel(64);
         let task = tokio::spawn(async move {
@@ -579,20 +586,7 @@ pub(crate) mod tests {
                 }
                 for r in batch {
                     asked.push(r.offset);
-                    let start = r.offset as usize;
-                    let end = (start + r.length as usize).min(data.len());
-                    let mut block = data[start..end].to_vec();
-                    if let Some(at) = tamper {
-                        if (start..end).contains(&at) {
-                            block[at - start] ^= 0xff;
-                        }
-                    }
-                    let reply = BlockReply::Data {
-                        sha256: flotilla_protocol::sha256(&data),
-                        offset: r.offset,
-                        data: block,
-                    };
-                    if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                    if rep_tx.send(FetchInput::Reply(answer(&r))).await.is_err() {
                         return asked;
                     }
                 }
@@ -602,12 +596,72 @@ pub(crate) mod tests {
         (req_tx, rep_rx, task)
     }
 
+    /// A server of `data` (see [`serve`]); the byte at offset `tamper`, if any, is flipped.
+    fn server(data: Vec<u8>, reverse: bool, tamper: Option<usize>) -> Server {
+        let sha256 = flotilla_protocol::sha256(&data);
+        serve(reverse, move |r| {
+            let start = r.offset as usize;
+            let mut block = block(&data, r);
+            if let Some(at) = tamper {
+                if (start..start + block.len()).contains(&at) {
+                    block[at - start] ^= 0xff;
+                }
+            }
+            BlockReply::Data {
+                sha256,
+                offset: r.offset,
+                data: block,
+            }
+        })
+    }
+
     /// The coordinator request inside a fetcher's request; this fetcher asks no peers.
     pub(crate) fn coordinator(request: FetchRequest) -> BlockRequest {
         match request {
             FetchRequest::Coordinator(r) => r,
             FetchRequest::Peer { peer, .. } => panic!("asked peer {peer}"),
         }
+    }
+
+    /// The bytes of `data` that `request` asks for, cut short at its end.
+    pub(crate) fn block(data: &[u8], request: &BlockRequest) -> Vec<u8> {
+        let start = (request.offset as usize).min(data.len());
+        let end = (start + request.length as usize).min(data.len());
+        data[start..end].to_vec()
+    }
+
+    /// The right answer to `request` from a source holding `data`.
+    pub(crate) fn reply(data: &[u8], request: &BlockRequest) -> BlockReply {
+        BlockReply::Data {
+            sha256: request.sha256,
+            offset: request.offset,
+            data: block(data, request),
+        }
+    }
+
+    /// Makes `spec`'s part file a link to `/dev/full`, which stands in for a full disk.
+    pub(crate) fn part_file_on_full_disk(spec: &FetchSpec) {
+        std::fs::create_dir_all(&spec.dir).expect("mkdir");
+        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+    }
+
+    /// Fetches `spec` from `have` contiguous bytes on, reporting no progress and never cancelled.
+    async fn fetch_quietly(
+        spec: &FetchSpec,
+        have: u64,
+        requests: &mpsc::Sender<FetchRequest>,
+        inputs: &mut mpsc::Receiver<FetchInput>,
+    ) -> Result<PathBuf, FetchError> {
+        fetch(
+            spec,
+            have,
+            &mut ByteCounts::default(),
+            requests,
+            inputs,
+            &mut |_, _| {},
+            &CancellationToken::new(),
+        )
+        .await
     }
 
     fn data(n: usize) -> Vec<u8> {
@@ -650,17 +704,9 @@ pub(crate) mod tests {
         // An earlier run wrote 300 contiguous bytes plus a torn partial block after them.
         std::fs::write(spec.part_path(), &bytes[..350]).expect("write");
         let (tx, mut rx, server) = server(bytes.clone(), false, None);
-        let path = fetch(
-            &spec,
-            300,
-            &mut ByteCounts::default(),
-            &tx,
-            &mut rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect("fetch");
+        let path = fetch_quietly(&spec, 300, &tx, &mut rx)
+            .await
+            .expect("fetch");
         assert_eq!(std::fs::read(&path).expect("read"), bytes);
         drop(tx);
         let asked = server.await.expect("server");
@@ -681,17 +727,9 @@ pub(crate) mod tests {
         let bytes = data(500);
         let spec = spec(dir.path(), &bytes);
         let (tx, mut rx, server) = server(bytes, false, Some(123));
-        let err = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &tx,
-            &mut rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect_err("mismatch");
+        let err = fetch_quietly(&spec, 0, &tx, &mut rx)
+            .await
+            .expect_err("mismatch");
         let msg = err.to_string();
         assert!(
             msg.starts_with("artifact app.bin: sha256 mismatch (expected "),
@@ -710,51 +748,20 @@ pub(crate) mod tests {
         );
     }
 
-    /// A server that answers every request with `reply(request)`; records the offsets asked.
-    fn hostile_server(
-        reply: impl Fn(&BlockRequest) -> BlockReply + Send + 'static,
-    ) -> (
-        mpsc::Sender<FetchRequest>,
-        mpsc::Receiver<FetchInput>,
-        tokio::task::JoinHandle<Vec<u64>>,
-    ) {
-        let (req_tx, mut req_rx) = mpsc::channel::<FetchRequest>(16);
-        let (rep_tx, rep_rx) = mpsc::channel(16);
-        let task = tokio::spawn(async move {
-            let mut asked = Vec::new();
-            while let Some(r) = req_rx.recv().await.map(coordinator) {
-                asked.push(r.offset);
-                if rep_tx.send(FetchInput::Reply(reply(&r))).await.is_err() {
-                    break;
-                }
-            }
-            asked
-        });
-        (req_tx, rep_rx, task)
-    }
-
     #[tokio::test(start_paused = true)]
     async fn more_than_declared_size_is_refused_block_by_block() {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(150);
         let spec = spec(dir.path(), &bytes);
         // A hostile server pads every block to 200 bytes.
-        let (req_tx, mut rep_rx, server) = hostile_server(|r| BlockReply::Data {
+        let (req_tx, mut rep_rx, server) = serve(false, |r| BlockReply::Data {
             sha256: r.sha256,
             offset: r.offset,
             data: vec![0; 200],
         });
-        let err = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &req_tx,
-            &mut rep_rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect_err("too large");
+        let err = fetch_quietly(&spec, 0, &req_tx, &mut rep_rx)
+            .await
+            .expect_err("too large");
         assert_eq!(
             err.to_string(),
             "artifact app.bin: server sent more than the declared 150 bytes \
@@ -775,23 +782,15 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(10);
         let spec = spec(dir.path(), &bytes);
-        let (req_tx, mut rep_rx, _server) = hostile_server(|r| BlockReply::Unavailable {
+        let (req_tx, mut rep_rx, _server) = serve(false, |r| BlockReply::Unavailable {
             sha256: r.sha256,
             offset: r.offset,
             reason: "no such artifact".into(),
         });
         let started = Instant::now();
-        let err = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &req_tx,
-            &mut rep_rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect_err("unavailable");
+        let err = fetch_quietly(&spec, 0, &req_tx, &mut rep_rx)
+            .await
+            .expect_err("unavailable");
         assert_eq!(
             err.to_string(),
             "artifact app.bin: server cannot provide it: no such artifact \
@@ -810,7 +809,7 @@ pub(crate) mod tests {
         // and an oversized block 200. Every later answer is right.
         let first = std::sync::Mutex::new(std::collections::BTreeSet::new());
         let good = bytes.clone();
-        let (tx, mut rx, server) = hostile_server(move |r| {
+        let (tx, mut rx, server) = serve(false, move |r| {
             let sha256 = r.sha256;
             let offset = r.offset;
             let fresh = first.lock().map(|mut f| f.insert(offset)).unwrap_or(false);
@@ -830,24 +829,12 @@ pub(crate) mod tests {
                     offset,
                     data: vec![7; 150],
                 },
-                (false, _) => BlockReply::Data {
-                    sha256,
-                    offset,
-                    data: good[offset as usize..offset as usize + r.length as usize].to_vec(),
-                },
+                (false, _) => reply(&good, r),
             }
         });
-        let path = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &tx,
-            &mut rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect("the download survives one bad reply per block");
+        let path = fetch_quietly(&spec, 0, &tx, &mut rx)
+            .await
+            .expect("the download survives one bad reply per block");
         assert_eq!(std::fs::read(&path).expect("read"), bytes);
         drop(tx);
         let asked = server.await.expect("server");
@@ -865,20 +852,11 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let bytes = data(300);
         let spec = spec(dir.path(), &bytes);
-        std::fs::create_dir_all(&spec.dir).expect("mkdir");
-        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+        part_file_on_full_disk(&spec);
         let (tx, mut rx, _server) = server(bytes, false, None);
-        let err = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &tx,
-            &mut rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect_err("no space");
+        let err = fetch_quietly(&spec, 0, &tx, &mut rx)
+            .await
+            .expect_err("no space");
         let msg = err.to_string();
         assert!(
             msg.starts_with("artifact app.bin: cannot write ") && msg.contains("No space left"),
@@ -905,29 +883,18 @@ pub(crate) mod tests {
                     dropped_first = true; // the broker lost this one
                     continue;
                 }
-                let s = r.offset as usize;
-                let e = (s + r.length as usize).min(served.len());
-                let reply = BlockReply::Data {
-                    sha256: r.sha256,
-                    offset: r.offset,
-                    data: served[s..e].to_vec(),
-                };
-                if rep_tx.send(FetchInput::Reply(reply)).await.is_err() {
+                if rep_tx
+                    .send(FetchInput::Reply(reply(&served, &r)))
+                    .await
+                    .is_err()
+                {
                     break;
                 }
             }
         });
-        let path = fetch(
-            &spec,
-            0,
-            &mut ByteCounts::default(),
-            &req_tx,
-            &mut rep_rx,
-            &mut |_, _| {},
-            &CancellationToken::new(),
-        )
-        .await
-        .expect("fetch");
+        let path = fetch_quietly(&spec, 0, &req_tx, &mut rep_rx)
+            .await
+            .expect("fetch");
         assert_eq!(std::fs::read(path).expect("read"), bytes);
     }
 }

@@ -862,6 +862,7 @@ impl<'a> Download<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fetch::tests::{block, part_file_on_full_disk};
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
@@ -917,9 +918,7 @@ mod tests {
                 log.lock().expect("log").push((who.clone(), r.offset));
                 let served = answered.entry(who.clone()).or_default();
                 *served += 1;
-                let s = r.offset as usize;
-                let e = (s + r.length as usize).min(data.len());
-                let mut block = data[s..e].to_vec();
+                let mut block = block(&data, &r);
                 let reply = match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
                     Serves::Unavailable => Some(BlockReply::Unavailable {
                         sha256: r.sha256,
@@ -969,15 +968,13 @@ mod tests {
             .collect()
     }
 
+    /// `data` as `rootfs.img`, fetched into `dir/downloads` in blocks of [`BS`], four at a time.
     fn spec(dir: &Path, data: &[u8]) -> FetchSpec {
         FetchSpec {
             name: "rootfs.img".into(),
-            sha256: flotilla_protocol::sha256(data),
-            size: data.len() as u64,
-            dir: dir.join("downloads"),
             block_size: BS,
             in_flight: 4,
-            max_bytes_per_sec: 0,
+            ..crate::fetch::tests::spec(dir, data)
         }
     }
 
@@ -1314,8 +1311,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let data = image(4);
         let spec = spec(dir.path(), &data);
-        std::fs::create_dir_all(&spec.dir).expect("mkdir");
-        std::os::unix::fs::symlink("/dev/full", spec.part_path()).expect("symlink");
+        part_file_on_full_disk(&spec);
         let list = BlockList::compute(&data[..], BS).expect("list");
         let (tx, mut rx, _asked) = network(data.clone(), Serves::Good, &[]);
         let err = fetch_blocks(

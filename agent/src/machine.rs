@@ -1294,13 +1294,7 @@ mod tests {
         let (in_tx, in_rx) = mpsc::channel(64);
         tokio::spawn(async move {
             while let Some(r) = req_rx.recv().await.map(crate::fetch::tests::coordinator) {
-                let s = (r.offset as usize).min(bytes.len());
-                let e = (s + r.length as usize).min(bytes.len());
-                let reply = BlockReply::Data {
-                    sha256: r.sha256,
-                    offset: r.offset,
-                    data: bytes[s..e].to_vec(),
-                };
+                let reply = crate::fetch::tests::reply(&bytes, &r);
                 if in_tx.send(FetchInput::Reply(reply)).await.is_err() {
                     break;
                 }

@@ -12,68 +12,18 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{coordinator, key, now, start_broker, TIMEOUT};
-use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, DesiredAction, Phase, ReleaseManifest, Report,
-    SignedBlob,
+use common::{
+    config_text, coordinator, install, release, reports_until, sign_action, start_broker, TIMEOUT,
 };
+use flotilla_protocol::{ActionKind, Phase, Report, SignedBlob};
 use flotilla_targets::bootctl::{BootControl, FileBootControl};
 use flotilla_targets::Slot;
 use tokio::sync::mpsc;
 
 /// A forced install of release `os-2` whose one artifact goes to target `target`.
 fn desired(device: &str, action_id: &str, target: &str, artifact: &[u8]) -> SignedBlob {
-    let manifest = ReleaseManifest {
-        name: "os-2".into(),
-        version: "2.0".into(),
-        counter: 2,
-        hardware: vec!["pi4".into()],
-        artifacts: vec![Artifact {
-            name: "image.bin".into(),
-            target: target.into(),
-            size: artifact.len() as u64,
-            sha256: flotilla_protocol::sha256(artifact),
-        }],
-        created_at: now(),
-        expires_at: now() + 3600,
-    };
-    let action = DesiredAction {
-        action_id: action_id.into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body: ActionBody::Install {
-            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
-            kind: ActionKind::Forced,
-            window: None,
-        },
-    };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
-}
-
-/// Collects reports until `done` says stop; returns them all.
-async fn reports_until(
-    rx: &mut mpsc::Receiver<Report>,
-    what: &str,
-    done: impl Fn(&Report) -> bool,
-) -> Vec<Report> {
-    let mut seen = Vec::new();
-    let result = tokio::time::timeout(TIMEOUT, async {
-        while let Some(r) = rx.recv().await {
-            let stop = done(&r);
-            seen.push(r);
-            if stop {
-                return;
-            }
-        }
-    })
-    .await;
-    assert!(
-        result.is_ok(),
-        "no {what} report within 30s; reports so far: {seen:#?}"
-    );
-    seen
+    let manifest = release("os", 2, "image.bin", target, artifact);
+    sign_action(device, action_id, install(&manifest, ActionKind::Forced))
 }
 
 fn image() -> Vec<u8> {
@@ -102,18 +52,8 @@ impl Device {
         )
         .expect("reboot script");
         make_executable(&reboot);
-        let text = format!(
+        let rest = format!(
             r#"
-device_id = "{device}"
-hardware_id = "pi4"
-data_dir = "{data}"
-[broker]
-host = "127.0.0.1"
-port = {port}
-keep_alive = "5s"
-[trust]
-release_keys = ["{rk}"]
-coordinator_keys = ["{ck}"]
 [[target]]
 name = "rootfs"
 kind = "ab"
@@ -130,16 +70,13 @@ command = ["true"]
 [download]
 block_size = 4000
 "#,
-            data = dir.join("agent-data").display(),
-            rk = hex::encode(key(1).verifying_key().as_bytes()),
-            ck = hex::encode(key(2).verifying_key().as_bytes()),
             a = dir.join("slot-a.img").display(),
             b = dir.join("slot-b.img").display(),
             env = dir.join("bootenv").display(),
             reboot = reboot.display(),
         );
         let config = dir.join("agent.toml");
-        std::fs::write(&config, text).expect("config");
+        std::fs::write(&config, config_text(port, dir, device, &rest)).expect("config");
         Self {
             dir: dir.to_path_buf(),
             config,
@@ -360,20 +297,8 @@ async fn a_script_target_installs_through_the_agent() {
         .canonicalize()
         .expect("copy-target.sh");
     let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-device_id = "{device}"
-hardware_id = "pi4"
-data_dir = "{data}"
-[broker]
-host = "127.0.0.1"
-port = {port}
-keep_alive = "5s"
-[trust]
-release_keys = ["{rk}"]
-coordinator_keys = ["{ck}"]
+    let rest = format!(
+        r#"
 [[target]]
 name = "app"
 kind = "script"
@@ -387,15 +312,10 @@ interval = "100ms"
 name = "config-present"
 command = ["test", "-s", "{dest}"]
 "#,
-            port = broker.port,
-            data = dir.path().join("agent-data").display(),
-            rk = hex::encode(key(1).verifying_key().as_bytes()),
-            ck = hex::encode(key(2).verifying_key().as_bytes()),
-            script = script.display(),
-            dest = dest.display(),
-        ),
-    )
-    .expect("config");
+        script = script.display(),
+        dest = dest.display(),
+    );
+    std::fs::write(&config, config_text(broker.port, dir.path(), device, &rest)).expect("config");
     let bytes = b"listen = 8080\n".repeat(300);
     let mut reports = coordinator(
         broker.port,

@@ -12,36 +12,26 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
-    coordinator, coordinator_bad_first, coordinator_with, key, now, start_broker, TIMEOUT,
+    config_text, coordinator, coordinator_bad_first, coordinator_with, key, now, release,
+    reports_until, run_agent, sign_action, start_broker, TIMEOUT,
 };
 use flotilla_agent::Config;
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, DesiredAction, DeviceId, Message, Phase,
-    ReleaseManifest, Report, SignedBlob, Topics,
+    envelope, ActionBody, ActionKind, DesiredAction, DeviceId, Message, Phase, Report, SignedBlob,
+    Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 fn agent_config(port: u16, dir: &Path, device: &str, dest: &Path) -> Config {
     Config::from_toml(&agent_config_text(port, dir, device, dest, 0)).expect("test config is valid")
 }
 
 fn agent_config_text(port: u16, dir: &Path, device: &str, dest: &Path, rate: u64) -> String {
-    format!(
+    let rest = format!(
         r#"
-device_id = "{device}"
-hardware_id = "pi4"
-data_dir = "{data}"
-[broker]
-host = "127.0.0.1"
-port = {port}
-keep_alive = "5s"
 [labels]
 env = "test"
-[trust]
-release_keys = ["{rk}"]
-coordinator_keys = ["{ck}"]
 [[target]]
 name = "app"
 kind = "file"
@@ -58,72 +48,23 @@ block_size = 1000
 in_flight = 3
 max_bytes_per_sec = {rate}
 "#,
-        rate = rate,
-        data = dir.join("agent-data").display(),
-        rk = hex::encode(key(1).verifying_key().as_bytes()),
-        ck = hex::encode(key(2).verifying_key().as_bytes()),
         dest = dest.display(),
-    )
+    );
+    config_text(port, dir, device, &rest)
 }
 
 fn desired(device: &str, action_id: &str, artifact: &[u8]) -> SignedBlob {
     sign_action(device, action_id, install(artifact, 2, ActionKind::Forced))
 }
 
-/// The coordinator's signature over a desired action with `body`.
-fn sign_action(device: &str, action_id: &str, body: ActionBody) -> SignedBlob {
-    let action = DesiredAction {
-        action_id: action_id.into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body,
-    };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
-}
-
 /// An install of release `app-{counter}` holding `artifact`, signed by the release key.
 fn install(artifact: &[u8], counter: u64, kind: ActionKind) -> ActionBody {
-    let manifest = ReleaseManifest {
-        name: format!("app-{counter}"),
-        version: format!("{counter}.0"),
-        counter,
-        hardware: vec!["pi4".into()],
-        artifacts: vec![Artifact {
-            name: "app.bin".into(),
-            target: "app".into(),
-            size: artifact.len() as u64,
-            sha256: flotilla_protocol::sha256(artifact),
-        }],
-        created_at: now(),
-        expires_at: now() + 3600,
-    };
-    ActionBody::Install {
-        manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
-        kind,
-        window: None,
-    }
+    common::install(&release("app", counter, "app.bin", "app", artifact), kind)
 }
 
 /// Collects reports until one is terminal; returns them all.
 async fn reports_until_final(rx: &mut mpsc::Receiver<Report>) -> Vec<Report> {
-    let mut seen = Vec::new();
-    let result = tokio::time::timeout(TIMEOUT, async {
-        while let Some(r) = rx.recv().await {
-            let done = r.phase.is_terminal();
-            seen.push(r);
-            if done {
-                return;
-            }
-        }
-    })
-    .await;
-    assert!(
-        result.is_ok(),
-        "no final report within 30s; reports so far: {seen:#?}"
-    );
-    seen
+    reports_until(rx, "final", |r| r.phase.is_terminal()).await
 }
 
 fn artifact() -> Vec<u8> {
@@ -148,11 +89,7 @@ async fn installs_signed_release_and_reports_ready() {
     )
     .await;
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
 
     let seen = reports_until_final(&mut reports).await;
     let last = seen.last().map(|r| r.phase.clone());
@@ -182,8 +119,8 @@ async fn installs_signed_release_and_reports_ready() {
         "seq grows: {seen:#?}"
     );
 
-    shutdown.cancel();
-    let result = tokio::time::timeout(TIMEOUT, agent)
+    let result = agent
+        .stop()
         .await
         .expect("agent stops within 30s")
         .expect("agent task");
@@ -205,18 +142,13 @@ async fn installs_signed_release_and_reports_ready() {
     // Restarted, the agent receives the same retained action again: it only re-reports Ready.
     let last_seq = seen.last().map(|r| r.seq).unwrap_or(0);
     std::fs::write(&dest, b"changed by hand").expect("write");
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
     let again = reports_until_final(&mut reports).await;
     let phases: Vec<&str> = again.iter().map(|r| r.phase.name()).collect();
     assert_eq!(phases, ["ready"], "nothing is applied twice: {again:#?}");
     assert!(again[0].seq > last_seq, "seq keeps growing across restarts");
     assert_eq!(std::fs::read(&dest).expect("read"), b"changed by hand");
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 /// issue 10, case 7: a single `Unavailable` or empty block reply, as anyone on the broker can
@@ -241,11 +173,7 @@ async fn bad_block_replies_are_retried_and_the_install_succeeds() {
         asked.clone(),
     )
     .await;
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
     let seen = reports_until_final(&mut reports).await;
     assert_eq!(
         seen.last().map(|r| r.phase.clone()),
@@ -261,8 +189,7 @@ async fn bad_block_replies_are_retried_and_the_install_succeeds() {
             "block {block} was asked for again after its bad reply: {asked:?}"
         );
     }
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 /// issue 10, case 5: after one action from a coordinator whose clock was 30 days ahead, a device
@@ -294,11 +221,7 @@ async fn an_action_from_a_clock_far_ahead_is_refused_and_locks_nobody_out() {
         bytes.clone(),
     )
     .await;
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
     let seen = reports_until_final(&mut reports).await;
     let last = seen.last().expect("a report");
     assert_eq!(last.action_id, "act-ahead");
@@ -321,8 +244,7 @@ async fn an_action_from_a_clock_far_ahead_is_refused_and_locks_nobody_out() {
         "{seen:#?}"
     );
     assert_eq!(std::fs::read(&dest).expect("read"), bytes);
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,11 +265,7 @@ async fn action_for_another_device_is_refused() {
         bytes,
     )
     .await;
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
     let seen = reports_until_final(&mut reports).await;
     assert_eq!(
         seen.last().map(|r| r.phase.clone()),
@@ -360,8 +278,7 @@ async fn action_for_another_device_is_refused() {
         b"old version",
         "nothing applied"
     );
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -384,11 +301,7 @@ async fn tampered_artifact_leaves_target_untouched() {
     )
     .await;
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        agent_config(broker.port, dir.path(), device, &dest),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(agent_config(broker.port, dir.path(), device, &dest));
 
     let seen = reports_until_final(&mut reports).await;
     match seen.last().map(|r| &r.phase) {
@@ -408,8 +321,7 @@ async fn tampered_artifact_leaves_target_untouched() {
         b"old version",
         "target is untouched"
     );
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 /// Kill -9 in the middle of a download, restart: the agent resumes where it was (never asking
@@ -639,8 +551,7 @@ async fn signed_rollback_returns_to_the_kept_release() {
     )
     .await;
     let config = agent_config(broker.port, dir.path(), device, &dest);
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let agent = run_agent(config.clone());
     let seen = reports_until_final(&mut reports).await;
     assert_eq!(seen.last().map(|r| r.phase.clone()), Some(Phase::Ready));
     assert_eq!(std::fs::read(&dest).expect("read"), bytes);
@@ -663,8 +574,7 @@ async fn signed_rollback_returns_to_the_kept_release() {
     assert_eq!(last.phase, Phase::Ready, "reports: {seen:#?}");
     assert_eq!(std::fs::read(&dest).expect("read"), b"factory version");
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
     let status = flotilla_agent::status(&config).expect("status");
     assert!(status.contains("installed: nothing recorded"), "{status}");
 }

@@ -7,33 +7,25 @@ mod common;
 
 use std::path::Path;
 
-use common::{coordinator, key, now, start_broker, TIMEOUT};
+use common::{
+    coordinator, install, key, now, release, reports_until, run_agent, sign_action, start_broker,
+    TIMEOUT,
+};
 use flotilla_agent::Config;
 use flotilla_protocol::blocks::{block_range, BlockList, DEFAULT_BLOCK_SIZE};
 use flotilla_protocol::{
-    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, BlockRequest, DesiredAction,
-    DeviceId, Message, PeerFetch, PeerGrant, ReleaseManifest, SignedBlob, SigningKey, Topics,
+    envelope, hex, ActionKind, BlockReply, BlockRequest, DeviceId, Message, PeerFetch, PeerGrant,
+    SignedBlob, SigningKey, Topics,
 };
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 const PEER: &str = "peer-serve-1";
 const REQUESTER: &str = "peer-req-1";
 
 fn config(port: u16, dir: &Path, peers: &str) -> Config {
-    Config::from_toml(&format!(
+    let rest = format!(
         r#"
-device_id = "{PEER}"
-hardware_id = "pi4"
-data_dir = "{data}"
-[broker]
-host = "127.0.0.1"
-port = {port}
-keep_alive = "5s"
-[trust]
-release_keys = ["{rk}"]
-coordinator_keys = ["{ck}"]
 [[target]]
 name = "app"
 kind = "file"
@@ -41,12 +33,9 @@ path = "{dest}"
 [peers]
 {peers}
 "#,
-        data = dir.join("agent-data").display(),
-        rk = hex::encode(key(1).verifying_key().as_bytes()),
-        ck = hex::encode(key(2).verifying_key().as_bytes()),
         dest = dir.join("app.bin").display(),
-    ))
-    .expect("test config is valid")
+    );
+    common::config(port, dir, PEER, &rest)
 }
 
 fn grant(signer: &SigningKey, device: &str, digests: &[[u8; 32]]) -> SignedBlob {
@@ -71,17 +60,9 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
     };
     // A verified download, as the fetcher leaves it: the artifact and its block list.
     let artifact: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
-    let sha = flotilla_protocol::sha256(&artifact);
+    let sha = hold(&dir.path().join("agent-data").join("downloads"), &artifact);
     let list = BlockList::compute(&artifact[..], DEFAULT_BLOCK_SIZE).expect("list");
     let list_sha = flotilla_protocol::sha256(list.as_bytes());
-    let downloads = dir.path().join("agent-data").join("downloads");
-    std::fs::create_dir_all(&downloads).expect("downloads");
-    std::fs::write(downloads.join(hex::encode(&sha)), &artifact).expect("artifact");
-    std::fs::write(
-        downloads.join(format!("{}.blocks", hex::encode(&sha))),
-        list.as_bytes(),
-    )
-    .expect("list");
 
     let topics = Topics::default();
     let peer = DeviceId::new(PEER).expect("id");
@@ -104,11 +85,7 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
 
     let mut received = receive(eventloop);
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), "max_concurrent = 2"),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(config(broker.port, dir.path(), "max_concurrent = 2"));
 
     tokio::time::timeout(TIMEOUT, async {
         loop {
@@ -222,8 +199,8 @@ async fn a_device_serves_verified_blocks_to_the_granted_peer_and_ignores_forged_
         other => panic!("block list not served: {other:?}"),
     }
 
-    shutdown.cancel();
-    let result = tokio::time::timeout(TIMEOUT, agent)
+    let result = agent
+        .stop()
         .await
         .expect("agent stops within 30s")
         .expect("agent task");
@@ -271,37 +248,6 @@ fn hold(downloads: &Path, artifact: &[u8]) -> [u8; 32] {
     sha
 }
 
-/// A forced install of `artifact` for `device`, signed by the test release and coordinator keys.
-fn install(device: &str, artifact: &[u8]) -> SignedBlob {
-    let manifest = ReleaseManifest {
-        name: "app-2".into(),
-        version: "2.0".into(),
-        counter: 2,
-        hardware: vec!["pi4".into()],
-        artifacts: vec![Artifact {
-            name: "app.bin".into(),
-            target: "app".into(),
-            size: artifact.len() as u64,
-            sha256: flotilla_protocol::sha256(artifact),
-        }],
-        created_at: now(),
-        expires_at: now() + 3600,
-    };
-    let action = DesiredAction {
-        action_id: "act-keep-1".into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body: ActionBody::Install {
-            manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
-            kind: ActionKind::Forced,
-            window: None,
-        },
-    };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
-}
-
 /// When an action ends, its download is kept to serve and older verified downloads beyond
 /// `keep_bytes` are removed, list and all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,23 +272,17 @@ async fn a_finished_action_keeps_its_download_and_removes_older_ones_beyond_the_
     }
     let new: Vec<u8> = (0..10_500u32).map(|i| (i % 253) as u8).collect();
     let new_sha = flotilla_protocol::sha256(&new);
-    let mut reports = coordinator(broker.port, PEER, install(PEER, &new), new.clone()).await;
+    // A forced install of the new artifact, signed by the test release and coordinator keys.
+    let manifest = release("app", 2, "app.bin", "app", &new);
+    let desired = sign_action(PEER, "act-keep-1", install(&manifest, ActionKind::Forced));
+    let mut reports = coordinator(broker.port, PEER, desired, new.clone()).await;
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), "keep_bytes = 15000"),
-        shutdown.clone(),
-    ));
-    let last = tokio::time::timeout(TIMEOUT, async {
-        while let Some(r) = reports.recv().await {
-            if r.phase.is_terminal() {
-                return r.phase;
-            }
-        }
-        panic!("reports ended");
-    })
-    .await
-    .expect("a final report within 30s");
+    let agent = run_agent(config(broker.port, dir.path(), "keep_bytes = 15000"));
+    let seen = reports_until(&mut reports, "final", |r| r.phase.is_terminal()).await;
+    let last = seen
+        .last()
+        .map(|r| r.phase.clone())
+        .expect("a final report within 30s");
     assert_eq!(last.name(), "applied", "the install succeeded");
     let old_path = downloads.join(hex::encode(&old_sha));
     tokio::time::timeout(TIMEOUT, async {
@@ -364,8 +304,8 @@ async fn a_finished_action_keeps_its_download_and_removes_older_ones_beyond_the_
         "the finished action's verified download is kept"
     );
 
-    shutdown.cancel();
-    let result = tokio::time::timeout(TIMEOUT, agent)
+    let result = agent
+        .stop()
         .await
         .expect("agent stops within 30s")
         .expect("agent task");

@@ -10,36 +10,25 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::Duration;
 
-use common::{key, now, start_broker, TIMEOUT};
+use common::{
+    block, key, next_publish, now, release, run_agent, send_block, set_desired, sign_action,
+    start_broker, TIMEOUT,
+};
 use flotilla_agent::Config;
 use flotilla_protocol::blocks::{BlockIndexRef, BlockList};
 use flotilla_protocol::manifest::{Manifest, ManifestBlocks};
 use flotilla_protocol::{
-    device, envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, BypassedPeer, ByteCounts,
-    DesiredAction, DeviceId, DeviceMessage, Digest, Message, PeerGrant, Phase, ReleaseManifest,
-    SignedBlob, Topic, Topics,
+    device, envelope, ActionBody, ActionKind, BlockReply, BypassedPeer, ByteCounts, DeviceId,
+    DeviceMessage, Digest, Message, PeerGrant, Phase, SignedBlob, Topic, Topics,
 };
-use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 1024;
 
 fn config(port: u16, dir: &Path, device: &str, dest: &Path, rate: u64) -> Config {
-    let text = format!(
+    let rest = format!(
         r#"
-device_id = "{device}"
-hardware_id = "pi4"
-data_dir = "{data}"
-[broker]
-host = "127.0.0.1"
-port = {port}
-keep_alive = "5s"
-[trust]
-release_keys = ["{rk}"]
-coordinator_keys = ["{ck}"]
 [[target]]
 name = "app"
 kind = "file"
@@ -50,32 +39,15 @@ in_flight = 4
 peer_timeout = "2s"
 max_bytes_per_sec = {rate}
 "#,
-        data = dir.join("agent-data").display(),
-        rk = hex::encode(key(1).verifying_key().as_bytes()),
-        ck = hex::encode(key(2).verifying_key().as_bytes()),
         dest = dest.display(),
     );
-    Config::from_toml(&text).expect("test config is valid")
+    common::config(port, dir, device, &rest)
 }
 
 /// An `InstallWithPeers` of `artifact`, whose manifest signs its block list, naming `peers`.
 fn desired(device: &str, artifact: &[u8], list: &BlockList, peers: &[&str]) -> SignedBlob {
-    let release = ReleaseManifest {
-        name: "app-2".into(),
-        version: "2.0".into(),
-        counter: 2,
-        hardware: vec!["pi4".into()],
-        artifacts: vec![Artifact {
-            name: "app.bin".into(),
-            target: "app".into(),
-            size: artifact.len() as u64,
-            sha256: flotilla_protocol::sha256(artifact),
-        }],
-        created_at: now(),
-        expires_at: now() + 3600,
-    };
     let manifest = Manifest {
-        release,
+        release: release("app", 2, "app.bin", "app", artifact),
         blocks: Some(ManifestBlocks {
             artifacts: vec![BlockIndexRef {
                 block_size: BLOCK,
@@ -91,20 +63,24 @@ fn desired(device: &str, artifact: &[u8], list: &BlockList, peers: &[&str]) -> S
         digests: vec![flotilla_protocol::sha256(artifact)],
         expires_at: now() + 3600,
     };
-    let action = DesiredAction {
-        action_id: "act-peers".into(),
-        device_id: device.into(),
-        rollout_id: "r1".into(),
-        issued_at: now(),
-        expires_at: now() + 3600,
-        body: ActionBody::InstallWithPeers {
-            manifest: SignedBlob::sign(&key(1), manifest.encode()),
-            kind: ActionKind::Forced,
-            window: None,
-            grant: SignedBlob::sign(&key(2), envelope::to_bytes(&grant)),
-        },
+    let body = ActionBody::InstallWithPeers {
+        manifest: SignedBlob::sign(&key(1), manifest.encode()),
+        kind: ActionKind::Forced,
+        window: None,
+        grant: SignedBlob::sign(&key(2), envelope::to_bytes(&grant)),
     };
-    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+    sign_action(device, "act-peers", body)
+}
+
+/// What the coordinator serves by digest: the artifact and its block list.
+fn served(artifact: &[u8], list: &BlockList) -> HashMap<Digest, Vec<u8>> {
+    HashMap::from([
+        (flotilla_protocol::sha256(artifact), artifact.to_vec()),
+        (
+            flotilla_protocol::sha256(list.as_bytes()),
+            list.as_bytes().to_vec(),
+        ),
+    ])
 }
 
 /// What the stand-ins saw: every final report with its bytes, and block requests by source.
@@ -127,47 +103,24 @@ async fn stand_ins(
 ) -> mpsc::Receiver<Seen> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("id");
-    let mut options = MqttOptions::new(format!("stand-ins-{device}"), "127.0.0.1", port);
-    options.set_max_packet_size(
-        flotilla_protocol::MAX_PACKET_SIZE,
-        flotilla_protocol::MAX_PACKET_SIZE,
-    );
-    let (client, mut eventloop) = AsyncClient::new(options, 100);
     let good_id = DeviceId::new(good).expect("id");
     let bad_id = DeviceId::new(bad).expect("id");
-    for topic in [
-        topics.report(&id),
-        topics.fetch(&id),
-        topics.peer_fetch(&good_id),
-        topics.peer_fetch(&bad_id),
-    ] {
-        client
-            .subscribe(topic, QoS::AtLeastOnce)
-            .await
-            .expect("subscribe");
-    }
-    client
-        .publish(
-            topics.desired(&id),
-            QoS::AtLeastOnce,
-            true,
-            envelope::encode(&Message::Desired(desired)),
-        )
-        .await
-        .expect("publish desired");
+    let (client, mut eventloop) = common::client(
+        port,
+        &format!("stand-ins-{device}"),
+        [
+            topics.report(&id),
+            topics.fetch(&id),
+            topics.peer_fetch(&good_id),
+            topics.peer_fetch(&bad_id),
+        ],
+    )
+    .await;
+    set_desired(&client, &id, desired).await;
     let (tx, rx) = mpsc::channel(10_000);
     tokio::spawn(async move {
         loop {
-            let event = match eventloop.poll().await {
-                Ok(e) => e,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Event::Incoming(Packet::Publish(p)) = event else {
-                continue;
-            };
+            let p = next_publish(&mut eventloop).await;
             let (request, reply_topic, source) =
                 match (topics.parse(&p.topic), envelope::decode(&p.payload)) {
                     (Some(Topic::Report(_) | Topic::Fetch(_)), Ok(Message::Device(blob))) => {
@@ -212,9 +165,7 @@ async fn stand_ins(
             let Some(file) = files.get(&request.sha256) else {
                 continue;
             };
-            let start = (request.offset as usize).min(file.len());
-            let end = (start + request.length as usize).min(file.len());
-            let mut data = file[start..end].to_vec();
+            let mut data = block(file, &request);
             if source == bad_id.as_str() {
                 data[0] ^= 0xff;
             }
@@ -223,18 +174,7 @@ async fn stand_ins(
                 offset: request.offset,
                 data,
             };
-            let c = client.clone();
-            // Never wait on the client inside the poll loop.
-            tokio::spawn(async move {
-                let _ = c
-                    .publish(
-                        reply_topic,
-                        QoS::AtLeastOnce,
-                        false,
-                        envelope::encode(&Message::Block(reply)),
-                    )
-                    .await;
-            });
+            send_block(&client, reply_topic, reply);
         }
     });
     rx
@@ -251,27 +191,16 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
     let device = "dev-peers";
     let artifact: Vec<u8> = (0..40 * BLOCK).map(|i| (i * 7 % 251) as u8).collect();
     let list = BlockList::compute(&artifact[..], BLOCK).expect("list");
-    let files = HashMap::from([
-        (flotilla_protocol::sha256(&artifact), artifact.clone()),
-        (
-            flotilla_protocol::sha256(list.as_bytes()),
-            list.as_bytes().to_vec(),
-        ),
-    ]);
     let mut seen = stand_ins(
         broker.port,
         device,
         desired(device, &artifact, &list, &["peer-bad", "peer-good"]),
-        files,
+        served(&artifact, &list),
         "peer-good",
         "peer-bad",
     )
     .await;
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), device, &dest, 0),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(config(broker.port, dir.path(), device, &dest, 0));
 
     let mut asked: HashMap<String, usize> = HashMap::new();
     let last = tokio::time::timeout(TIMEOUT, async {
@@ -286,8 +215,7 @@ async fn blocks_come_from_the_good_peer_and_the_bad_peer_is_refused_per_block() 
     })
     .await
     .expect("a final report within 30s");
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 
     assert_eq!(std::fs::read(&dest).expect("read"), artifact, "right bytes");
     let (phase, bytes) = last;
@@ -333,29 +261,18 @@ async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
     let artifact: Vec<u8> = (0..60 * BLOCK).map(|i| (i * 11 % 239) as u8).collect();
     let blocks = artifact.len() / BLOCK as usize;
     let list = BlockList::compute(&artifact[..], BLOCK).expect("list");
-    let files = HashMap::from([
-        (flotilla_protocol::sha256(&artifact), artifact.clone()),
-        (
-            flotilla_protocol::sha256(list.as_bytes()),
-            list.as_bytes().to_vec(),
-        ),
-    ]);
     let mut seen = stand_ins(
         broker.port,
         device,
         desired(device, &artifact, &list, &["peer-good"]),
-        files,
+        served(&artifact, &list),
         "peer-good",
         "peer-bad",
     )
     .await;
     let mut asked = 0usize;
     // 20 KB/s: about three seconds for the artifact; stopped after a third of it.
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), device, &dest, 20_000),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(config(broker.port, dir.path(), device, &dest, 20_000));
     tokio::time::timeout(TIMEOUT, async {
         while let Some(s) = seen.recv().await {
             match s {
@@ -368,8 +285,8 @@ async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
     })
     .await
     .expect("a third downloaded within 30s");
-    shutdown.cancel();
-    tokio::time::timeout(TIMEOUT, agent)
+    agent
+        .stop()
         .await
         .expect("the agent stops")
         .expect("agent task")
@@ -380,11 +297,7 @@ async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
         "stopped half way: {before} of {blocks} asked"
     );
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        config(broker.port, dir.path(), device, &dest, 0),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(config(broker.port, dir.path(), device, &dest, 0));
     let last = tokio::time::timeout(TIMEOUT, async {
         while let Some(s) = seen.recv().await {
             match s {
@@ -397,8 +310,7 @@ async fn a_restarted_download_keeps_its_blocks_and_its_byte_counts() {
     })
     .await
     .expect("a final report within 30s");
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 
     assert_eq!(std::fs::read(&dest).expect("read"), artifact, "right bytes");
     assert_eq!(last.0, Phase::Applied);

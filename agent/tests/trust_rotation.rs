@@ -10,19 +10,19 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{key, now, start_broker, TIMEOUT};
+use common::{
+    block, key, next_publish, now, release, run_agent, send_block, set_desired, start_broker,
+    TIMEOUT,
+};
 use flotilla_agent::trust::{self, InstallKeysError};
 use flotilla_agent::Config;
 use flotilla_protocol::{
-    envelope, hex, keys, ActionBody, ActionKind, Artifact, BlockReply, DesiredAction, DeviceId,
-    KeysDocument, Message, MultiSignedBlob, Phase, ReleaseManifest, Report, SignedBlob, SigningKey,
-    Topics,
+    envelope, hex, keys, ActionBody, ActionKind, BlockReply, DesiredAction, DeviceId, KeysDocument,
+    Message, MultiSignedBlob, Phase, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
 };
-use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use rumqttc::AsyncClient;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 const RELEASE: u8 = 1;
 const OLD_COORDINATOR: u8 = 2;
@@ -97,20 +97,9 @@ fn install(
     issued_at: u64,
     coordinator: u8,
 ) -> SignedBlob {
-    let bytes = artifact(counter);
     let manifest = ReleaseManifest {
-        name: format!("app-{counter}"),
-        version: format!("{counter}.0"),
-        counter,
-        hardware: vec!["pi4".into()],
-        artifacts: vec![Artifact {
-            name: "app.bin".into(),
-            target: "app".into(),
-            size: bytes.len() as u64,
-            sha256: flotilla_protocol::sha256(&bytes),
-        }],
         created_at: issued_at,
-        expires_at: now() + 3600,
+        ..release("app", counter, "app.bin", "app", &artifact(counter))
     };
     let action = DesiredAction {
         action_id: action_id.into(),
@@ -131,7 +120,7 @@ fn install(
 /// artifacts of releases 1 to 9 by digest, and collects reports.
 struct Coordinator {
     client: AsyncClient,
-    topic: String,
+    device: DeviceId,
     reports: mpsc::Receiver<Report>,
     /// Block requests served so far.
     fetches: Arc<AtomicUsize>,
@@ -141,18 +130,12 @@ impl Coordinator {
     async fn start(port: u16, device: &str) -> Coordinator {
         let topics = Topics::default();
         let id = DeviceId::new(device).expect("device id");
-        let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
-        options.set_max_packet_size(
-            flotilla_protocol::MAX_PACKET_SIZE,
-            flotilla_protocol::MAX_PACKET_SIZE,
-        );
-        let (client, mut eventloop) = AsyncClient::new(options, 100);
-        for topic in [topics.report(&id), topics.fetch(&id)] {
-            client
-                .subscribe(topic, QoS::AtLeastOnce)
-                .await
-                .expect("subscribe");
-        }
+        let (client, mut eventloop) = common::client(
+            port,
+            &format!("test-coordinator-{device}"),
+            [topics.report(&id), topics.fetch(&id)],
+        )
+        .await;
         let served: HashMap<[u8; 32], Vec<u8>> = (1..10)
             .map(|c| {
                 let bytes = artifact(c);
@@ -166,43 +149,20 @@ impl Coordinator {
         let counted = fetches.clone();
         tokio::spawn(async move {
             loop {
-                let event = match eventloop.poll().await {
-                    Ok(e) => e,
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let Event::Incoming(Packet::Publish(p)) = event else {
-                    continue;
-                };
+                let p = next_publish(&mut eventloop).await;
                 match envelope::decode(&p.payload).map(flotilla_protocol::device::plain) {
                     Ok(Message::Report(r)) => {
                         let _ = tx.send(r).await;
                     }
                     Ok(Message::Fetch(req)) => {
                         counted.fetch_add(1, Ordering::SeqCst);
-                        let data = served.get(&req.sha256).cloned().unwrap_or_default();
-                        let start = (req.offset as usize).min(data.len());
-                        let end = (start + req.length as usize).min(data.len());
+                        let data = served.get(&req.sha256).map_or(&[][..], Vec::as_slice);
                         let reply = BlockReply::Data {
                             sha256: req.sha256,
                             offset: req.offset,
-                            data: data[start..end].to_vec(),
+                            data: block(data, &req),
                         };
-                        let c = c.clone();
-                        let topic = block_topic.clone();
-                        // Never wait on the client inside its own poll loop.
-                        tokio::spawn(async move {
-                            let _ = c
-                                .publish(
-                                    topic,
-                                    QoS::AtLeastOnce,
-                                    false,
-                                    envelope::encode(&Message::Block(reply)),
-                                )
-                                .await;
-                        });
+                        send_block(&c, block_topic.clone(), reply);
                     }
                     _ => {}
                 }
@@ -210,7 +170,7 @@ impl Coordinator {
         });
         Coordinator {
             client,
-            topic: topics.desired(&id),
+            device: id,
             reports,
             fetches,
         }
@@ -218,15 +178,7 @@ impl Coordinator {
 
     /// Replaces the retained desired action.
     async fn publish(&self, desired: SignedBlob) {
-        self.client
-            .publish(
-                self.topic.clone(),
-                QoS::AtLeastOnce,
-                true,
-                envelope::encode(&Message::Desired(desired)),
-            )
-            .await
-            .expect("publish desired");
+        set_desired(&self.client, &self.device, desired).await;
     }
 
     /// Waits for a final report about `action_id`; earlier reports are skipped.
@@ -309,8 +261,7 @@ async fn a_rotated_coordinator_key_replaces_the_old_one() {
 
     let mut coordinator = Coordinator::start(broker.port, device).await;
     let config = Config::load(&config_path).expect("config");
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(config, shutdown.clone()));
+    let agent = run_agent(config);
 
     // Signed by the retired key: ignored (and not reported under its action id, which anyone
     // could claim), so nothing is installed until the action signed by the new key.
@@ -328,8 +279,7 @@ async fn a_rotated_coordinator_key_replaces_the_old_one() {
     );
     assert_eq!(std::fs::read(&dest).expect("read"), artifact(2));
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 /// Every refused keys document names its reason and leaves the trusted keys as they were.
@@ -426,11 +376,7 @@ async fn replayed_actions_are_not_applied() {
         &config_text(broker.port, dir.path(), device, &dest),
     );
     let mut coordinator = Coordinator::start(broker.port, device).await;
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(
-        Config::load(&config_path).expect("config"),
-        shutdown.clone(),
-    ));
+    let agent = run_agent(Config::load(&config_path).expect("config"));
 
     let issued = now();
     let first = install(device, "act-3", 3, issued, OLD_COORDINATOR);
@@ -468,8 +414,7 @@ async fn replayed_actions_are_not_applied() {
     );
     assert_eq!(std::fs::read(&dest).expect("read"), b"changed locally");
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }
 
 /// Stop the agent, delete its database, start it again: the trust file still refuses a lower
@@ -490,15 +435,14 @@ async fn deleting_the_database_keeps_the_release_counter() {
     let config = Config::load(&config_path).expect("config");
     let mut coordinator = Coordinator::start(broker.port, device).await;
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let agent = run_agent(config.clone());
     let issued = now();
     coordinator
         .publish(install(device, "act-5", 5, issued, OLD_COORDINATOR))
         .await;
     assert_eq!(coordinator.final_phase("act-5").await, Phase::Applied);
-    shutdown.cancel();
-    tokio::time::timeout(TIMEOUT, agent)
+    agent
+        .stop()
         .await
         .expect("agent stops")
         .expect("agent task")
@@ -507,8 +451,7 @@ async fn deleting_the_database_keeps_the_release_counter() {
     let db = flotilla_agent::store::db_path(&config.data_dir);
     std::fs::remove_dir_all(&db).expect("rm -r the database");
 
-    let shutdown = CancellationToken::new();
-    let agent = tokio::spawn(flotilla_agent::run(config.clone(), shutdown.clone()));
+    let agent = run_agent(config.clone());
     coordinator
         .publish(install(
             device,
@@ -532,6 +475,5 @@ async fn deleting_the_database_keeps_the_release_counter() {
     );
     assert_eq!(std::fs::read(&dest).expect("read"), artifact(5));
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(TIMEOUT, agent).await;
+    let _ = agent.stop().await;
 }

@@ -1,5 +1,7 @@
 //! What the agent's broker tests share: a real mosquitto on a free port, the fixed test keys and
-//! the clock. Each test file uses part of it.
+//! the clock, agent configs and signed releases, the agent run in this process, and the pieces
+//! of a stand-in coordinator (a client, its poll loop, block replies). Each test file uses part
+//! of it.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -7,11 +9,16 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flotilla_agent::{AgentError, Config};
 use flotilla_protocol::{
-    envelope, BlockReply, DeviceId, DeviceState, Message, Report, SignedBlob, SigningKey, Topics,
+    envelope, hex, ActionBody, ActionKind, Artifact, BlockReply, BlockRequest, DesiredAction,
+    DeviceId, DeviceState, Message, ReleaseManifest, Report, SignedBlob, SigningKey, Topics,
 };
-use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
 use tokio::sync::mpsc;
+use tokio::task::{JoinError, JoinHandle};
+use tokio::time::error::Elapsed;
+use tokio_util::sync::CancellationToken;
 
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -104,6 +111,196 @@ pub async fn start_broker(dir: &Path) -> Option<Broker> {
     panic!("mosquitto could not bind a free port in five tries");
 }
 
+/// The text of an agent config for `device` on the broker at `port`, keeping its data in
+/// `dir/agent-data` and trusting test key 1 for releases and test key 2 for the coordinator;
+/// `rest` adds the targets and whatever other tables the test needs.
+pub fn config_text(port: u16, dir: &Path, device: &str, rest: &str) -> String {
+    format!(
+        r#"
+device_id = "{device}"
+hardware_id = "pi4"
+data_dir = "{data}"
+[broker]
+host = "127.0.0.1"
+port = {port}
+keep_alive = "5s"
+[trust]
+release_keys = ["{rk}"]
+coordinator_keys = ["{ck}"]
+{rest}"#,
+        data = dir.join("agent-data").display(),
+        rk = hex::encode(key(1).verifying_key().as_bytes()),
+        ck = hex::encode(key(2).verifying_key().as_bytes()),
+    )
+}
+
+/// [`config_text`], validated.
+pub fn config(port: u16, dir: &Path, device: &str, rest: &str) -> Config {
+    Config::from_toml(&config_text(port, dir, device, rest)).expect("test config is valid")
+}
+
+/// Release `{name}-{counter}` (version `{counter}.0`) for pi4 devices, valid for an hour: one
+/// artifact, `file`, holding `bytes` for the target `target`.
+pub fn release(
+    name: &str,
+    counter: u64,
+    file: &str,
+    target: &str,
+    bytes: &[u8],
+) -> ReleaseManifest {
+    ReleaseManifest {
+        name: format!("{name}-{counter}"),
+        version: format!("{counter}.0"),
+        counter,
+        hardware: vec!["pi4".into()],
+        artifacts: vec![Artifact {
+            name: file.into(),
+            target: target.into(),
+            size: bytes.len() as u64,
+            sha256: flotilla_protocol::sha256(bytes),
+        }],
+        created_at: now(),
+        expires_at: now() + 3600,
+    }
+}
+
+/// An install of `release`, its manifest signed by the release key (test key 1).
+pub fn install(release: &ReleaseManifest, kind: ActionKind) -> ActionBody {
+    ActionBody::Install {
+        manifest: SignedBlob::sign(&key(1), envelope::to_bytes(release)),
+        kind,
+        window: None,
+    }
+}
+
+/// The desired action `action_id` for `device` in rollout `r1`, valid for an hour, signed by
+/// the coordinator key (test key 2).
+pub fn sign_action(device: &str, action_id: &str, body: ActionBody) -> SignedBlob {
+    let action = DesiredAction {
+        action_id: action_id.into(),
+        device_id: device.into(),
+        rollout_id: "r1".into(),
+        issued_at: now(),
+        expires_at: now() + 3600,
+        body,
+    };
+    SignedBlob::sign(&key(2), envelope::to_bytes(&action))
+}
+
+/// An agent run in this process by [`flotilla_agent::run`].
+pub struct Agent {
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), AgentError>>,
+}
+
+/// Runs the agent with `config` in a task of this process.
+pub fn run_agent(config: Config) -> Agent {
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(flotilla_agent::run(config, shutdown.clone()));
+    Agent { shutdown, task }
+}
+
+impl Agent {
+    /// Cancels the agent's shutdown token and waits for its task, for [`TIMEOUT`] at most.
+    pub async fn stop(self) -> Result<Result<Result<(), AgentError>, JoinError>, Elapsed> {
+        self.shutdown.cancel();
+        tokio::time::timeout(TIMEOUT, self.task).await
+    }
+}
+
+/// Collects reports until `done` says stop; returns them all.
+pub async fn reports_until(
+    rx: &mut mpsc::Receiver<Report>,
+    what: &str,
+    done: impl Fn(&Report) -> bool,
+) -> Vec<Report> {
+    let mut seen = Vec::new();
+    let result = tokio::time::timeout(TIMEOUT, async {
+        while let Some(r) = rx.recv().await {
+            let stop = done(&r);
+            seen.push(r);
+            if stop {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        result.is_ok(),
+        "no {what} report within 30s; reports so far: {seen:#?}"
+    );
+    seen
+}
+
+/// A client named `name` of the broker at `port`, for packets as large as the protocol's,
+/// subscribed to `topics`.
+pub async fn client(
+    port: u16,
+    name: &str,
+    topics: impl IntoIterator<Item = String>,
+) -> (AsyncClient, EventLoop) {
+    let mut options = MqttOptions::new(name, "127.0.0.1", port);
+    options.set_max_packet_size(
+        flotilla_protocol::MAX_PACKET_SIZE,
+        flotilla_protocol::MAX_PACKET_SIZE,
+    );
+    let (client, eventloop) = AsyncClient::new(options, 100);
+    for topic in topics {
+        client
+            .subscribe(topic, QoS::AtLeastOnce)
+            .await
+            .expect("subscribe");
+    }
+    (client, eventloop)
+}
+
+/// Publishes `desired` retained for `device`, as the coordinator does.
+pub async fn set_desired(client: &AsyncClient, device: &DeviceId, desired: SignedBlob) {
+    client
+        .publish(
+            Topics::default().desired(device),
+            QoS::AtLeastOnce,
+            true,
+            envelope::encode(&Message::Desired(desired)),
+        )
+        .await
+        .expect("publish desired");
+}
+
+/// The next publish the client receives; a lost connection is waited out (rumqttc reconnects).
+pub async fn next_publish(eventloop: &mut EventLoop) -> Publish {
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::Publish(p))) => return p,
+            Ok(_) => {}
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Publishes `reply` on `topic` from a task of its own: a stand-in never waits on its client
+/// inside its poll loop.
+pub fn send_block(client: &AsyncClient, topic: String, reply: BlockReply) {
+    let client = client.clone();
+    tokio::spawn(async move {
+        let _ = client
+            .publish(
+                topic,
+                QoS::AtLeastOnce,
+                false,
+                envelope::encode(&Message::Block(reply)),
+            )
+            .await;
+    });
+}
+
+/// The bytes of `data` that `request` asks for, cut short at its end.
+pub fn block(data: &[u8], request: &BlockRequest) -> Vec<u8> {
+    let start = (request.offset as usize).min(data.len());
+    let end = (start + request.length as usize).min(data.len());
+    data[start..end].to_vec()
+}
+
 /// Plays the coordinator for one device: publishes `desired` retained, serves `served` as the
 /// artifact, and forwards the agent's reports.
 pub async fn coordinator(
@@ -160,47 +357,18 @@ async fn stand_in(
 ) -> mpsc::Receiver<Report> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("device id");
-    let mut options = MqttOptions::new(format!("test-coordinator-{device}"), "127.0.0.1", port);
-    options.set_max_packet_size(
-        flotilla_protocol::MAX_PACKET_SIZE,
-        flotilla_protocol::MAX_PACKET_SIZE,
-    );
-    let (client, mut eventloop) = AsyncClient::new(options, 100);
-    client
-        .subscribe(topics.report(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .subscribe(topics.fetch(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .subscribe(topics.state(&id), QoS::AtLeastOnce)
-        .await
-        .expect("subscribe");
-    client
-        .publish(
-            topics.desired(&id),
-            QoS::AtLeastOnce,
-            true,
-            envelope::encode(&Message::Desired(desired)),
-        )
-        .await
-        .expect("publish desired");
+    let (client, mut eventloop) = client(
+        port,
+        &format!("test-coordinator-{device}"),
+        [topics.report(&id), topics.fetch(&id), topics.state(&id)],
+    )
+    .await;
+    set_desired(&client, &id, desired).await;
     let (tx, rx) = mpsc::channel(1000);
     let block_topic = topics.block(&id);
     tokio::spawn(async move {
         loop {
-            let event = match eventloop.poll().await {
-                Ok(e) => e,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Event::Incoming(Packet::Publish(p)) = event else {
-                continue;
-            };
+            let p = next_publish(&mut eventloop).await;
             match envelope::decode(&p.payload).map(flotilla_protocol::device::plain) {
                 Ok(Message::Report(r)) => {
                     let _ = tx.send(r).await;
@@ -216,10 +384,8 @@ async fn stand_in(
                         a.push(req.offset);
                         first
                     });
-                    let start = (req.offset as usize).min(served.len());
-                    let end = (start + req.length as usize).min(served.len());
-                    let block = req.offset / u64::from(req.length.max(1));
-                    let reply = match (bad_first && first, block % 2) {
+                    let block_no = req.offset / u64::from(req.length.max(1));
+                    let reply = match (bad_first && first, block_no % 2) {
                         (true, 0) => BlockReply::Unavailable {
                             sha256: req.sha256,
                             offset: req.offset,
@@ -233,22 +399,10 @@ async fn stand_in(
                         (false, _) => BlockReply::Data {
                             sha256: req.sha256,
                             offset: req.offset,
-                            data: served[start..end].to_vec(),
+                            data: block(&served, &req),
                         },
                     };
-                    let c = client.clone();
-                    let topic = block_topic.clone();
-                    // Publishing from a separate task: never wait on the client inside the poll loop.
-                    tokio::spawn(async move {
-                        let _ = c
-                            .publish(
-                                topic,
-                                QoS::AtLeastOnce,
-                                false,
-                                envelope::encode(&Message::Block(reply)),
-                            )
-                            .await;
-                    });
+                    send_block(&client, block_topic.clone(), reply);
                 }
                 _ => {}
             }
