@@ -8,7 +8,8 @@
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
 #              default agent), TIMEOUT (per run, default 20m), MALLOC_STATS=1 (glibc's
-#              per-arena figures after the rollout, via gdb: <results>.<n>.malloc.txt).
+#              per-arena figures after the rollout, via gdb: <results>.<n>.malloc.txt), HEAPTRACK=1
+#              (the coordinator's heap profile until the restart: <results>.<n>.heaptrack.txt).
 #
 # Starts its own Mosquitto (deploy/mosquitto/mosquitto.conf with its TLS listeners, passwords and
 # ACL replaced by one plain loopback listener), a coordinator (release build unless --debug) and
@@ -101,9 +102,30 @@ EOF
 
 start_coordinator() {
   local dir="$1"
-  RUST_LOG=info "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
-  coordinator_pid=$!
+  if [ -n "${HEAPTRACK:-}" ] && [ "$dir" = "$work/site-$n" ] && [ -z "${restarted:-}" ]; then
+    # The first coordinator of each size under heaptrack (HEAPTRACK=1): its heap profile goes to
+    # <results>.<n>.heaptrack.zst, and the largest consumers to <results>.<n>.heaptrack.txt.
+    RUST_LOG=info heaptrack -o "$results.$n.heaptrack" "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
+    pids+=("$!")
+    coordinator_pid=""
+    for _ in $(seq 200); do
+      coordinator_pid=$(pgrep -f -n "^$flotilla serve --config $dir/coordinator.toml" || true)
+      [ -n "$coordinator_pid" ] && break
+      sleep 0.05
+    done
+    [ -n "$coordinator_pid" ] || die "the coordinator did not start under heaptrack"
+  else
+    RUST_LOG=info "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
+    coordinator_pid=$!
+  fi
   pids+=("$coordinator_pid")
+}
+
+# Stops the coordinator and waits until it is gone (under heaptrack it is not this shell's child).
+stop_coordinator() {
+  kill -TERM "$coordinator_pid" 2>/dev/null || true
+  wait "$coordinator_pid" 2>/dev/null || true
+  for _ in $(seq 600); do kill -0 "$coordinator_pid" 2>/dev/null || return 0; sleep 0.05; done
 }
 
 # User + system CPU seconds of a process so far.
@@ -228,7 +250,15 @@ for n in $sizes; do
   say "create/start replies:     $(head -c 120 "$dir/create.out" | tr '\n' ' ') / $(head -c 120 "$dir/start.out" | tr '\n' ' ')"
 
   # Restart with every state retained (the largest size is the one that matters).
-  kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
+  stop_coordinator
+  if [ -n "${HEAPTRACK:-}" ]; then
+    for _ in $(seq 600); do [ -e "$results.$n.heaptrack.zst" ] && break; sleep 0.1; done
+    sleep 2
+    heaptrack_print -f "$results.$n.heaptrack.zst" --print-peaks --peak-limit 25 --print-allocators 0 \
+      --print-leaks 0 --print-temporary 0 2>/dev/null | grep -v '^\s*$' | head -200 \
+      >"$results.$n.heaptrack.txt" || true
+  fi
+  restarted=1
   restart_at=$(date +%s.%N)
   start_coordinator "$dir"
   until_registry "$restart_at" "$n" >"$dir/registry.out" &
@@ -239,7 +269,8 @@ for n in $sizes; do
   wait "$registry_pid" || true
   wait "$loaded_pid" || true
   say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s); marker back (changes accepted) after $(cat "$dir/loaded.out") s"
-  kill -TERM "$coordinator_pid"; wait "$coordinator_pid" 2>/dev/null || true
+  stop_coordinator
+  restarted=""
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
   cp "$sim" "$results.$n.fleetsim.txt"; cp "$base" "$results.$n.baseline.txt"
   say ""
