@@ -16,21 +16,9 @@ use flotilla_protocol::{
 use flotilla_tests::bridge::{
     self, CentralBroker, SiteBroker, BRIDGE_STATE_TOPIC, BRIDGE_USER, MONITOR,
 };
-use flotilla_tests::{mosquitto_binary, AgentOptions, BrokerKind, Probe, Site, Watcher, WAIT};
+use flotilla_tests::{require_mosquitto, AgentOptions, BrokerKind, Probe, Site, Watcher, WAIT};
 
 const COORDINATOR: &str = "flotilla-coordinator";
-
-fn have_mosquitto() -> bool {
-    if mosquitto_binary().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("FLOTILLA_REQUIRE_TOOLS").is_none(),
-        "mosquitto is not installed; .ci/run must install it"
-    );
-    eprintln!("note: mosquitto not installed, skipping the bridged-broker tests");
-    false
-}
 
 /// An artifact whose every 64 KiB block differs from the others.
 fn artifact(size: usize) -> Vec<u8> {
@@ -46,7 +34,7 @@ async fn probe(connection: flotilla_mqtt::Connection, client_id: &str) -> Probe 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_bridge_carries_device_topics_and_keeps_peer_topics_on_the_site() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
@@ -246,7 +234,7 @@ async fn roll_out_and_check(b: &Bridged, content: &[u8]) -> BTreeMap<String, u64
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_behind_the_bridge_install_from_the_coordinator_on_the_central_broker() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(200_000);
@@ -263,7 +251,7 @@ async fn eight_agents_behind_the_bridge_install_from_the_coordinator_on_the_cent
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_behind_the_bridge_install_a_release_with_block_lists() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(300_000);
@@ -273,7 +261,7 @@ async fn eight_agents_behind_the_bridge_install_a_release_with_block_lists() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(1 << 20);
@@ -328,7 +316,7 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_installs() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(1 << 20);
@@ -421,7 +409,7 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(4 << 20);
