@@ -10,13 +10,17 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::time::Duration;
 
+use flotilla_protocol::control::SourceBytes;
 use flotilla_protocol::{
-    device, envelope, ByteCounts, DeviceId, DeviceMessage, Message, Phase, Report, Topics,
+    device, envelope, BypassedPeer, ByteCounts, DeviceId, DeviceMessage, Message, Phase, Report,
+    Topics,
 };
 use flotilla_tests::bridge::{
     self, CentralBroker, SiteBroker, BRIDGE_STATE_TOPIC, BRIDGE_USER, MONITOR,
 };
-use flotilla_tests::{require_mosquitto, AgentOptions, BrokerKind, Probe, Site, Watcher, WAIT};
+use flotilla_tests::{
+    require_mosquitto, AgentOptions, BrokerKind, Probe, Site, WatchedMessage, Watcher, WAIT,
+};
 
 const COORDINATOR: &str = "flotilla-coordinator";
 
@@ -159,6 +163,8 @@ struct Bridged {
     _broker: SiteBroker,
     central: Watcher,
     devices: Vec<String>,
+    /// The coordinator's metrics port.
+    metrics: u16,
 }
 
 async fn bridged(
@@ -176,6 +182,7 @@ async fn bridged(
     site.agent_broker = Some(broker.agent_broker());
     let central = Watcher::start(site.port, &["flotilla/v1/devices/#".to_owned()]).await;
     site.release_with("fw-2", 2, content, release_flags);
+    let metrics = site.enable_metrics();
     site.start_coordinator();
     for id in &devices {
         site.add_agent(id, &[("site", bridge::SITE)], options.clone());
@@ -186,7 +193,47 @@ async fn bridged(
         _broker: broker,
         central,
         devices,
+        metrics,
     }
+}
+
+/// Fails naming them if peer requests or peer blocks (`devices/{peer}/peer-fetch`,
+/// `devices/{device}/peer-block/{peer}`) were seen on the central broker: the bridge keeps them
+/// on the site.
+fn assert_no_peer_traffic(central: &[WatchedMessage]) {
+    let peer: Vec<&str> = central
+        .iter()
+        .map(|m| m.topic.as_str())
+        .filter(|t| t.contains("/peer-"))
+        .collect();
+    assert!(
+        peer.is_empty(),
+        "peer traffic reached the central broker: {peer:?}"
+    );
+}
+
+/// Each device's final report with its bytes by source (`ReportWithBytes`, signed by the
+/// device) as seen on the central broker, the last one per device: what the coordinator adds
+/// up. No operator command shows bytes per device, only per rollout and per site.
+fn final_bytes(central: &[WatchedMessage]) -> BTreeMap<String, (ByteCounts, Vec<BypassedPeer>)> {
+    let mut out = BTreeMap::new();
+    for m in central {
+        let Ok(Message::Device(blob)) = envelope::decode(&m.payload) else {
+            continue;
+        };
+        if let Ok((
+            _,
+            DeviceMessage::ReportWithBytes {
+                report,
+                bytes,
+                bypassed,
+            },
+        )) = device::open_self_signed(&blob)
+        {
+            out.insert(report.device_id, (bytes, bypassed));
+        }
+    }
+    out
 }
 
 const SPEC: &str = r#"
@@ -218,15 +265,7 @@ async fn roll_out_and_check(b: &Bridged, content: &[u8]) -> BTreeMap<String, u64
         );
     }
     let messages = b.central.messages();
-    let peer: Vec<&str> = messages
-        .iter()
-        .map(|m| m.topic.as_str())
-        .filter(|t| t.contains("/peer-"))
-        .collect();
-    assert!(
-        peer.is_empty(),
-        "peer traffic reached the central broker: {peer:?}"
-    );
+    assert_no_peer_traffic(&messages);
     let traffic = bridge::traffic(&messages);
     println!("bytes over the bridge by topic: {traffic:?}");
     traffic
@@ -265,14 +304,11 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         return;
     }
     let content = artifact(1 << 20);
-    let mut b = bridged(8, &content, &[], AgentOptions::default()).await;
-    let port = b.site.enable_metrics();
-    b.site.kill_coordinator();
-    b.site.start_coordinator();
-    b.site.wait_devices(8).await;
+    let b = bridged(8, &content, &[], AgentOptions::default()).await;
     let spec = format!("{SPEC}{SHARING}");
     b.site.create_and_start(&spec).await;
-    b.site
+    let status = b
+        .site
         .wait_status("harbour-fw-2", "the rollout to finish", WAIT, |s| {
             s.state == "finished"
         })
@@ -283,14 +319,17 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
             "{id}"
         );
     }
-    let traffic = bridge::traffic(&b.central.messages());
+    let central = b.central.messages();
+    // The site's peers moved most of the bytes (below), none of it over the bridge.
+    assert_no_peer_traffic(&central);
+    let traffic = bridge::traffic(&central);
     let from_coordinator = traffic.get("block").copied().unwrap_or(0);
     assert!(
         from_coordinator as f64 <= 1.1 * content.len() as f64,
         "the coordinator served {from_coordinator} bytes for a site of 8 and an artifact of {}",
         content.len()
     );
-    let metrics = flotilla_tests::scrape_metrics(port).await;
+    let metrics = flotilla_tests::scrape_metrics(b.metrics).await;
     let coordinator = metric(
         &metrics,
         "flotilla_device_bytes_total{source=\"coordinator\"}",
@@ -302,9 +341,10 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         content.len() as u64,
         flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE,
     );
+    let per_device = content.len() as u64 + list;
     assert_eq!(
         coordinator + peer + local,
-        8 * (content.len() as u64 + list),
+        8 * per_device,
         "bytes by source add up to every device's artifact and block list"
     );
     assert!(
@@ -312,6 +352,41 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         "most bytes came from peers: coordinator {coordinator}, peer {peer}, local {local}"
     );
     assert!(coordinator <= from_coordinator);
+
+    // `flotilla rollout status` shows the same numbers, for the rollout and for its one site.
+    let by_source = SourceBytes {
+        coordinator,
+        peers: peer,
+        local,
+    };
+    assert_eq!(status.bytes, by_source, "the rollout's bytes by source");
+    assert_eq!(status.site_count, 1, "{:#?}", status.sites);
+    let harbour = &status.sites[0];
+    assert_eq!(harbour.name, bridge::SITE, "{harbour:#?}");
+    assert_eq!(harbour.bytes, by_source, "the harbour's bytes by source");
+    let text = b.site.flotilla(&["rollout", "status", "harbour-fw-2"]);
+    assert!(
+        text.contains(&format!("  bytes: {by_source}\n"))
+            && text
+                .lines()
+                .any(|l| l.contains("site harbour: ")
+                    && l.ends_with(&format!("; bytes {by_source}"))),
+        "the rollout and the site line show the bytes by source: {text}"
+    );
+    // Per device, from what each device reported.
+    let reported = final_bytes(&central);
+    assert_eq!(
+        reported.keys().collect::<Vec<_>>(),
+        b.devices.iter().collect::<Vec<_>>(),
+        "a final report with bytes from every device"
+    );
+    for (id, (bytes, _)) in &reported {
+        assert_eq!(
+            bytes.coordinator + bytes.from_peers() + bytes.local,
+            per_device,
+            "{id} counted its artifact and block list once: {bytes:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
