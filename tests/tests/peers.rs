@@ -488,6 +488,7 @@ async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
         return;
     }
     let content = artifact(4 << 20);
+    // About 2 s per download, so a device is still fetching when the peer is killed.
     let options = AgentOptions {
         max_bytes_per_sec: 2 << 20,
         ..AgentOptions::default()
@@ -495,27 +496,124 @@ async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
     let mut b = bridged(8, &content, &[], options).await;
     let spec = format!("{SPEC}{SHARING}");
     b.site.create_and_start(&spec).await;
-    // The first device of the site fetches first; once it is done the others fetch from it.
-    b.site
+    // The site's seed fetches from the coordinator; once it holds the release the others are
+    // granted it as their first peer. It is the victim once it is ready (its install is done,
+    // so the rollout can still finish) and another device has begun a download that names it.
+    let first = b
+        .site
         .wait_status("harbour-fw-2", "a device serving its peers", WAIT, |s| {
             s.groups.iter().map(|g| g.ready).sum::<usize>() >= 1
         })
         .await;
-    let victim = b.devices[0].clone();
+    let victim = first
+        .groups
+        .iter()
+        .flat_map(|g| &g.devices)
+        .find(|(_, phase)| *phase == "ready")
+        .map(|(id, _)| id.clone())
+        .unwrap_or_else(|| panic!("a ready device: {first:#?}"));
+    let fetching = b
+        .central
+        .wait_until(
+            &format!("a device downloading with {victim} among its peers"),
+            WAIT,
+            |w| downloading_from(&w.messages(), &victim),
+        )
+        .await;
     b.site.kill_agent(&victim);
     let status = b
         .site
-        .wait_status("harbour-fw-2", "the others to be ready", WAIT, |s| {
-            s.groups.iter().map(|g| g.ready).sum::<usize>() >= b.devices.len()
-                || s.state == "paused"
+        .wait_status("harbour-fw-2", "the rollout to end", WAIT, |s| {
+            s.state == "finished" || s.state == "paused"
         })
         .await;
-    for id in b.devices.iter().filter(|id| **id != victim) {
+    assert_eq!(status.state, "finished", "{:#?}", status.trace);
+    for id in &b.devices {
         assert!(
             fs::read(b.site.target_file(id)).expect("target") == content,
-            "{id}: {status:#?}"
+            "{id} does not hold the release's bytes"
         );
     }
+    // The device that was fetching had bytes from the victim (so it was serving when it was
+    // killed), bypassed it and finished from other sources; the trace names the victim.
+    let reported = final_bytes(&b.central.messages());
+    let (bytes, bypassed) = reported
+        .get(&fetching)
+        .unwrap_or_else(|| panic!("no final report with bytes from {fetching}"));
+    let from_victim: u64 = bytes
+        .peers
+        .iter()
+        .filter(|(peer, _)| *peer == victim)
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        from_victim > 0,
+        "{fetching} got nothing from {victim} before the kill: {bytes:?}"
+    );
+    assert!(
+        bypassed.iter().any(|p| p.peer == victim),
+        "{fetching} did not bypass {victim}: {bypassed:?}"
+    );
+    assert!(
+        status.trace.iter().any(|t| t
+            .message
+            .starts_with(&format!("{fetching} bypassed peer {victim}: "))),
+        "the trace names the peer that was killed: {:#?}",
+        status.trace
+    );
+    let metrics = flotilla_tests::scrape_metrics(b.metrics).await;
+    let peer = metric(&metrics, "flotilla_device_bytes_total{source=\"peer\"}");
+    assert!(
+        peer >= from_victim,
+        "the coordinator counted {peer} bytes from peers"
+    );
+    println!("{fetching} had {from_victim} bytes from {victim} before it was killed: {bytes:?}");
+}
+
+/// A device other than `victim` whose latest install names `victim` among its peers and whose
+/// latest report says it has started its download and is at most halfway (so blocks are still
+/// to come: one near its end might finish on replies already sent), as seen on the central
+/// broker.
+fn downloading_from(central: &[WatchedMessage], victim: &str) -> Option<String> {
+    let topics = Topics::default();
+    // Device -> the action id of its latest install that names the victim as a peer.
+    let mut granted: BTreeMap<String, String> = BTreeMap::new();
+    // Device -> its latest report.
+    let mut latest: BTreeMap<String, Report> = BTreeMap::new();
+    for m in central {
+        match (topics.parse(&m.topic), m.decode()) {
+            (Some(flotilla_protocol::Topic::Desired(id)), Some(Message::Desired(blob))) => {
+                let Ok(action) = envelope::from_bytes::<flotilla_protocol::DesiredAction>(
+                    "desired action",
+                    &blob.payload,
+                ) else {
+                    continue;
+                };
+                let grant = action.body.install().and_then(|i| i.grant).and_then(|g| {
+                    envelope::from_bytes::<flotilla_protocol::PeerGrant>("peer grant", &g.payload)
+                        .ok()
+                });
+                match grant {
+                    Some(g) if g.sources.iter().any(|p| p == victim) => {
+                        granted.insert(id.as_str().to_owned(), action.action_id);
+                    }
+                    _ => {
+                        granted.remove(id.as_str());
+                    }
+                }
+            }
+            (Some(flotilla_protocol::Topic::Report(id)), Some(Message::Report(r))) => {
+                latest.insert(id.as_str().to_owned(), r);
+            }
+            _ => {}
+        }
+    }
+    granted.into_iter().find_map(|(id, action_id)| {
+        let r = latest.get(&id)?;
+        let partway =
+            matches!(r.phase, Phase::Downloading { done, total } if done > 0 && done <= total / 2);
+        (id != victim && r.action_id == action_id && partway).then_some(id)
+    })
 }
 
 /// The value of the sample whose name and labels are exactly `sample`, 0 when absent.
