@@ -913,7 +913,15 @@ async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() 
     site.start_coordinator();
     site.add_agent("quay-01", &[], AgentOptions::default());
     site.wait_devices(1).await;
+    let served = || async {
+        metric(
+            &flotilla_tests::scrape_metrics(port).await,
+            "flotilla_artifact_block_bytes_served_total",
+        )
+    };
+    let mut served_before = 0;
     for (release, content) in [("fw-1", &first), ("fw-2", &second)] {
+        served_before = served().await;
         let spec = format!(
             "name = \"{release}-run\"\nrelease = \"{release}\"\n[groups]\ncount = 1\n\
              success = {{ threshold = \"100%\", action = \"next\" }}\n"
@@ -945,4 +953,15 @@ async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() 
         second.len()
     );
     assert_eq!(local, (BLOCKS - 2) as u64 * BLOCK as u64, "{text}");
+    // The coordinator's own count of what it sent agrees, whatever the device says.
+    let served_second = served().await - served_before;
+    assert!(
+        served_second as f64 <= 0.05 * second.len() as f64,
+        "the coordinator served {served_second} bytes for the second release of {}",
+        second.len()
+    );
+    assert!(
+        served_second >= 2 * BLOCK as u64,
+        "the coordinator served {served_second} bytes, less than the two changed blocks"
+    );
 }
