@@ -1,6 +1,7 @@
 //! Site budgets through `flotilla plan` and `flotilla simulate`, in each of the four
-//! vocabularies: the plan names every site and its limits, the simulated timeline says when a
-//! site holds devices back, and the final status shows each site and the bytes by source.
+//! vocabularies: the plan names every site and its limits (the busy limit and the unavailable
+//! limit), the simulated timeline says when a site holds devices back and which limit does, and
+//! the final status shows each site and the bytes by source.
 
 use std::fs;
 use std::process::{Command, Output};
@@ -47,6 +48,28 @@ const SPECS: [(&str, &str); 4] = [
     (
         "staged",
         "[staged]\n[[staged.stage]]\nname = \"all\"\nmax_concurrency = 100\n[staged.sites]\nlabel = \"site\"\nmax_concurrency = 2\npeers = true\n",
+    ),
+];
+
+/// Two busy and three unavailable per site, every device soaking 5 minutes after it is ready,
+/// in each vocabulary's words: soaking devices are not busy but still unavailable, so the
+/// unavailable limit is what holds a site back once its first two devices are ready.
+const UNAVAILABLE_SPECS: [(&str, &str); 4] = [
+    (
+        "groups",
+        "[groups]\ncount = 1\n[groups.sites]\nlabel = \"site\"\nmax_running = 2\nmax_unavailable = 3\n",
+    ),
+    (
+        "partitions",
+        "[partitions]\n[partitions.sites]\nlabel = \"site\"\nmax_busy = 2\nmax_unavailable = 3\n",
+    ),
+    (
+        "rolling",
+        "[rolling]\nmax_unavailable = \"100%\"\n[rolling.sites]\nlabel = \"site\"\nmax_busy = 2\nmax_unavailable = 3\n",
+    ),
+    (
+        "staged",
+        "[staged]\n[[staged.stage]]\nname = \"all\"\nmax_concurrency = 100\n[staged.sites]\nlabel = \"site\"\nmax_concurrency = 2\nmax_unavailable = 3\n",
     ),
 ];
 
@@ -146,6 +169,61 @@ fn simulate_shows_site_waits_site_lines_and_bytes_by_source() {
             report["rollout"]["bytes"]["coordinator"], 3000,
             "{vocabulary}"
         );
+    }
+}
+
+#[test]
+fn plan_and_simulate_show_the_unavailable_limit_holding_a_site_back() {
+    for (vocabulary, table) in UNAVAILABLE_SPECS {
+        let files = Files::new(&format!("soak = \"5m\"\n{table}"));
+        let out = files.run("plan", &[]);
+        assert_eq!(out.status.code(), Some(0), "{vocabulary}: {out:?}");
+        let text = stdout(&out);
+        assert!(
+            text.contains("site harbour: 16 devices, at most 2 busy, at most 3 unavailable\n"),
+            "{vocabulary}: {text}"
+        );
+        assert!(
+            text.contains("site quarry: 4 devices, at most 2 busy, at most 3 unavailable\n"),
+            "{vocabulary}: {text}"
+        );
+        let json: Value =
+            serde_json::from_str(&stdout(&files.run("plan", &["--json"]))).expect("plan json");
+        assert_eq!(
+            json["sites"]["policy"]["max_unavailable"], 3,
+            "{vocabulary}"
+        );
+
+        let out = files.run("simulate", &["--artifact-size", "1000"]);
+        assert_eq!(out.status.code(), Some(0), "{vocabulary}: {out:?}");
+        let text = stdout(&out);
+        // h00 and h01 are ready after 30s and soak: no longer busy, still unavailable. One more
+        // starts (three unavailable), and the rest of the harbour waits for the soak to end.
+        assert!(
+            text.contains("waiting: site harbour: 2 of 2 busy, 14 waiting"),
+            "{vocabulary}: {text}"
+        );
+        assert!(
+            text.contains("+00:00:30  waiting: site harbour: 3 of 3 unavailable, 13 waiting"),
+            "{vocabulary}: {text}"
+        );
+        assert!(
+            text.contains("rollout fw finished: 21 of 21 devices ready"),
+            "{vocabulary}: {text}"
+        );
+        assert!(
+            text.contains("  site harbour: 0 of 2 busy, 0 of 3 unavailable, 0 waiting; bytes 16000 from the coordinator, 0 from peers, 0 local\n"),
+            "{vocabulary}: {text}"
+        );
+
+        let out = files.run("simulate", &["--artifact-size", "1000", "--json"]);
+        let report: Value = serde_json::from_str(&stdout(&out)).expect("report json");
+        let sites = report["rollout"]["sites"].as_array().expect("sites");
+        assert_eq!(sites.len(), 2, "{vocabulary}");
+        for site in sites {
+            assert_eq!(site["max_unavailable"], 3, "{vocabulary}: {site}");
+            assert_eq!(site["unavailable"], 0, "{vocabulary}: {site}");
+        }
     }
 }
 

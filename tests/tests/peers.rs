@@ -10,27 +10,19 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::time::Duration;
 
+use flotilla_protocol::control::SourceBytes;
 use flotilla_protocol::{
-    device, envelope, ByteCounts, DeviceId, DeviceMessage, Message, Phase, Report, Topics,
+    device, envelope, BypassedPeer, ByteCounts, DeviceId, DeviceMessage, Message, Phase, Report,
+    Topics,
 };
 use flotilla_tests::bridge::{
     self, CentralBroker, SiteBroker, BRIDGE_STATE_TOPIC, BRIDGE_USER, MONITOR,
 };
-use flotilla_tests::{mosquitto_binary, AgentOptions, BrokerKind, Probe, Site, Watcher, WAIT};
+use flotilla_tests::{
+    require_mosquitto, AgentOptions, BrokerKind, Probe, Site, WatchedMessage, Watcher, WAIT,
+};
 
 const COORDINATOR: &str = "flotilla-coordinator";
-
-fn have_mosquitto() -> bool {
-    if mosquitto_binary().is_some() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("FLOTILLA_REQUIRE_TOOLS").is_none(),
-        "mosquitto is not installed; .ci/run must install it"
-    );
-    eprintln!("note: mosquitto not installed, skipping the bridged-broker tests");
-    false
-}
 
 /// An artifact whose every 64 KiB block differs from the others.
 fn artifact(size: usize) -> Vec<u8> {
@@ -46,7 +38,7 @@ async fn probe(connection: flotilla_mqtt::Connection, client_id: &str) -> Probe 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_bridge_carries_device_topics_and_keeps_peer_topics_on_the_site() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
@@ -171,6 +163,8 @@ struct Bridged {
     _broker: SiteBroker,
     central: Watcher,
     devices: Vec<String>,
+    /// The coordinator's metrics port.
+    metrics: u16,
 }
 
 async fn bridged(
@@ -188,6 +182,7 @@ async fn bridged(
     site.agent_broker = Some(broker.agent_broker());
     let central = Watcher::start(site.port, &["flotilla/v1/devices/#".to_owned()]).await;
     site.release_with("fw-2", 2, content, release_flags);
+    let metrics = site.enable_metrics();
     site.start_coordinator();
     for id in &devices {
         site.add_agent(id, &[("site", bridge::SITE)], options.clone());
@@ -198,7 +193,47 @@ async fn bridged(
         _broker: broker,
         central,
         devices,
+        metrics,
     }
+}
+
+/// Fails naming them if peer requests or peer blocks (`devices/{peer}/peer-fetch`,
+/// `devices/{device}/peer-block/{peer}`) were seen on the central broker: the bridge keeps them
+/// on the site.
+fn assert_no_peer_traffic(central: &[WatchedMessage]) {
+    let peer: Vec<&str> = central
+        .iter()
+        .map(|m| m.topic.as_str())
+        .filter(|t| t.contains("/peer-"))
+        .collect();
+    assert!(
+        peer.is_empty(),
+        "peer traffic reached the central broker: {peer:?}"
+    );
+}
+
+/// Each device's final report with its bytes by source (`ReportWithBytes`, signed by the
+/// device) as seen on the central broker, the last one per device: what the coordinator adds
+/// up. No operator command shows bytes per device, only per rollout and per site.
+fn final_bytes(central: &[WatchedMessage]) -> BTreeMap<String, (ByteCounts, Vec<BypassedPeer>)> {
+    let mut out = BTreeMap::new();
+    for m in central {
+        let Ok(Message::Device(blob)) = envelope::decode(&m.payload) else {
+            continue;
+        };
+        if let Ok((
+            _,
+            DeviceMessage::ReportWithBytes {
+                report,
+                bytes,
+                bypassed,
+            },
+        )) = device::open_self_signed(&blob)
+        {
+            out.insert(report.device_id, (bytes, bypassed));
+        }
+    }
+    out
 }
 
 const SPEC: &str = r#"
@@ -230,15 +265,7 @@ async fn roll_out_and_check(b: &Bridged, content: &[u8]) -> BTreeMap<String, u64
         );
     }
     let messages = b.central.messages();
-    let peer: Vec<&str> = messages
-        .iter()
-        .map(|m| m.topic.as_str())
-        .filter(|t| t.contains("/peer-"))
-        .collect();
-    assert!(
-        peer.is_empty(),
-        "peer traffic reached the central broker: {peer:?}"
-    );
+    assert_no_peer_traffic(&messages);
     let traffic = bridge::traffic(&messages);
     println!("bytes over the bridge by topic: {traffic:?}");
     traffic
@@ -246,7 +273,7 @@ async fn roll_out_and_check(b: &Bridged, content: &[u8]) -> BTreeMap<String, u64
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_behind_the_bridge_install_from_the_coordinator_on_the_central_broker() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(200_000);
@@ -263,7 +290,7 @@ async fn eight_agents_behind_the_bridge_install_from_the_coordinator_on_the_cent
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_agents_behind_the_bridge_install_a_release_with_block_lists() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(300_000);
@@ -273,18 +300,15 @@ async fn eight_agents_behind_the_bridge_install_a_release_with_block_lists() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(1 << 20);
-    let mut b = bridged(8, &content, &[], AgentOptions::default()).await;
-    let port = b.site.enable_metrics();
-    b.site.kill_coordinator();
-    b.site.start_coordinator();
-    b.site.wait_devices(8).await;
+    let b = bridged(8, &content, &[], AgentOptions::default()).await;
     let spec = format!("{SPEC}{SHARING}");
     b.site.create_and_start(&spec).await;
-    b.site
+    let status = b
+        .site
         .wait_status("harbour-fw-2", "the rollout to finish", WAIT, |s| {
             s.state == "finished"
         })
@@ -295,14 +319,17 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
             "{id}"
         );
     }
-    let traffic = bridge::traffic(&b.central.messages());
+    let central = b.central.messages();
+    // The site's peers moved most of the bytes (below), none of it over the bridge.
+    assert_no_peer_traffic(&central);
+    let traffic = bridge::traffic(&central);
     let from_coordinator = traffic.get("block").copied().unwrap_or(0);
     assert!(
         from_coordinator as f64 <= 1.1 * content.len() as f64,
         "the coordinator served {from_coordinator} bytes for a site of 8 and an artifact of {}",
         content.len()
     );
-    let metrics = flotilla_tests::scrape_metrics(port).await;
+    let metrics = flotilla_tests::scrape_metrics(b.metrics).await;
     let coordinator = metric(
         &metrics,
         "flotilla_device_bytes_total{source=\"coordinator\"}",
@@ -314,9 +341,10 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         content.len() as u64,
         flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE,
     );
+    let per_device = content.len() as u64 + list;
     assert_eq!(
         coordinator + peer + local,
-        8 * (content.len() as u64 + list),
+        8 * per_device,
         "bytes by source add up to every device's artifact and block list"
     );
     assert!(
@@ -324,11 +352,46 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         "most bytes came from peers: coordinator {coordinator}, peer {peer}, local {local}"
     );
     assert!(coordinator <= from_coordinator);
+
+    // `flotilla rollout status` shows the same numbers, for the rollout and for its one site.
+    let by_source = SourceBytes {
+        coordinator,
+        peers: peer,
+        local,
+    };
+    assert_eq!(status.bytes, by_source, "the rollout's bytes by source");
+    assert_eq!(status.site_count, 1, "{:#?}", status.sites);
+    let harbour = &status.sites[0];
+    assert_eq!(harbour.name, bridge::SITE, "{harbour:#?}");
+    assert_eq!(harbour.bytes, by_source, "the harbour's bytes by source");
+    let text = b.site.flotilla(&["rollout", "status", "harbour-fw-2"]);
+    assert!(
+        text.contains(&format!("  bytes: {by_source}\n"))
+            && text
+                .lines()
+                .any(|l| l.contains("site harbour: ")
+                    && l.ends_with(&format!("; bytes {by_source}"))),
+        "the rollout and the site line show the bytes by source: {text}"
+    );
+    // Per device, from what each device reported.
+    let reported = final_bytes(&central);
+    assert_eq!(
+        reported.keys().collect::<Vec<_>>(),
+        b.devices.iter().collect::<Vec<_>>(),
+        "a final report with bytes from every device"
+    );
+    for (id, (bytes, _)) in &reported {
+        assert_eq!(
+            bytes.coordinator + bytes.from_peers() + bytes.local,
+            per_device,
+            "{id} counted its artifact and block list once: {bytes:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_installs() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(1 << 20);
@@ -421,10 +484,11 @@ async fn a_peer_serving_corrupt_blocks_is_refused_per_block_and_every_device_ins
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
-    if !have_mosquitto() {
+    if !require_mosquitto(module_path!()) {
         return;
     }
     let content = artifact(4 << 20);
+    // About 2 s per download, so a device is still fetching when the peer is killed.
     let options = AgentOptions {
         max_bytes_per_sec: 2 << 20,
         ..AgentOptions::default()
@@ -432,27 +496,124 @@ async fn a_peer_killed_mid_transfer_does_not_stop_the_others() {
     let mut b = bridged(8, &content, &[], options).await;
     let spec = format!("{SPEC}{SHARING}");
     b.site.create_and_start(&spec).await;
-    // The first device of the site fetches first; once it is done the others fetch from it.
-    b.site
+    // The site's seed fetches from the coordinator; once it holds the release the others are
+    // granted it as their first peer. It is the victim once it is ready (its install is done,
+    // so the rollout can still finish) and another device has begun a download that names it.
+    let first = b
+        .site
         .wait_status("harbour-fw-2", "a device serving its peers", WAIT, |s| {
             s.groups.iter().map(|g| g.ready).sum::<usize>() >= 1
         })
         .await;
-    let victim = b.devices[0].clone();
+    let victim = first
+        .groups
+        .iter()
+        .flat_map(|g| &g.devices)
+        .find(|(_, phase)| *phase == "ready")
+        .map(|(id, _)| id.clone())
+        .unwrap_or_else(|| panic!("a ready device: {first:#?}"));
+    let fetching = b
+        .central
+        .wait_until(
+            &format!("a device downloading with {victim} among its peers"),
+            WAIT,
+            |w| downloading_from(&w.messages(), &victim),
+        )
+        .await;
     b.site.kill_agent(&victim);
     let status = b
         .site
-        .wait_status("harbour-fw-2", "the others to be ready", WAIT, |s| {
-            s.groups.iter().map(|g| g.ready).sum::<usize>() >= b.devices.len()
-                || s.state == "paused"
+        .wait_status("harbour-fw-2", "the rollout to end", WAIT, |s| {
+            s.state == "finished" || s.state == "paused"
         })
         .await;
-    for id in b.devices.iter().filter(|id| **id != victim) {
+    assert_eq!(status.state, "finished", "{:#?}", status.trace);
+    for id in &b.devices {
         assert!(
             fs::read(b.site.target_file(id)).expect("target") == content,
-            "{id}: {status:#?}"
+            "{id} does not hold the release's bytes"
         );
     }
+    // The device that was fetching had bytes from the victim (so it was serving when it was
+    // killed), bypassed it and finished from other sources; the trace names the victim.
+    let reported = final_bytes(&b.central.messages());
+    let (bytes, bypassed) = reported
+        .get(&fetching)
+        .unwrap_or_else(|| panic!("no final report with bytes from {fetching}"));
+    let from_victim: u64 = bytes
+        .peers
+        .iter()
+        .filter(|(peer, _)| *peer == victim)
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        from_victim > 0,
+        "{fetching} got nothing from {victim} before the kill: {bytes:?}"
+    );
+    assert!(
+        bypassed.iter().any(|p| p.peer == victim),
+        "{fetching} did not bypass {victim}: {bypassed:?}"
+    );
+    assert!(
+        status.trace.iter().any(|t| t
+            .message
+            .starts_with(&format!("{fetching} bypassed peer {victim}: "))),
+        "the trace names the peer that was killed: {:#?}",
+        status.trace
+    );
+    let metrics = flotilla_tests::scrape_metrics(b.metrics).await;
+    let peer = metric(&metrics, "flotilla_device_bytes_total{source=\"peer\"}");
+    assert!(
+        peer >= from_victim,
+        "the coordinator counted {peer} bytes from peers"
+    );
+    println!("{fetching} had {from_victim} bytes from {victim} before it was killed: {bytes:?}");
+}
+
+/// A device other than `victim` whose latest install names `victim` among its peers and whose
+/// latest report says it has started its download and is at most halfway (so blocks are still
+/// to come: one near its end might finish on replies already sent), as seen on the central
+/// broker.
+fn downloading_from(central: &[WatchedMessage], victim: &str) -> Option<String> {
+    let topics = Topics::default();
+    // Device -> the action id of its latest install that names the victim as a peer.
+    let mut granted: BTreeMap<String, String> = BTreeMap::new();
+    // Device -> its latest report.
+    let mut latest: BTreeMap<String, Report> = BTreeMap::new();
+    for m in central {
+        match (topics.parse(&m.topic), m.decode()) {
+            (Some(flotilla_protocol::Topic::Desired(id)), Some(Message::Desired(blob))) => {
+                let Ok(action) = envelope::from_bytes::<flotilla_protocol::DesiredAction>(
+                    "desired action",
+                    &blob.payload,
+                ) else {
+                    continue;
+                };
+                let grant = action.body.install().and_then(|i| i.grant).and_then(|g| {
+                    envelope::from_bytes::<flotilla_protocol::PeerGrant>("peer grant", &g.payload)
+                        .ok()
+                });
+                match grant {
+                    Some(g) if g.sources.iter().any(|p| p == victim) => {
+                        granted.insert(id.as_str().to_owned(), action.action_id);
+                    }
+                    _ => {
+                        granted.remove(id.as_str());
+                    }
+                }
+            }
+            (Some(flotilla_protocol::Topic::Report(id)), Some(Message::Report(r))) => {
+                latest.insert(id.as_str().to_owned(), r);
+            }
+            _ => {}
+        }
+    }
+    granted.into_iter().find_map(|(id, action_id)| {
+        let r = latest.get(&id)?;
+        let partway =
+            matches!(r.phase, Phase::Downloading { done, total } if done > 0 && done <= total / 2);
+        (id != victim && r.action_id == action_id && partway).then_some(id)
+    })
 }
 
 /// The value of the sample whose name and labels are exactly `sample`, 0 when absent.
@@ -752,7 +913,15 @@ async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() 
     site.start_coordinator();
     site.add_agent("quay-01", &[], AgentOptions::default());
     site.wait_devices(1).await;
+    let served = || async {
+        metric(
+            &flotilla_tests::scrape_metrics(port).await,
+            "flotilla_artifact_block_bytes_served_total",
+        )
+    };
+    let mut served_before = 0;
     for (release, content) in [("fw-1", &first), ("fw-2", &second)] {
+        served_before = served().await;
         let spec = format!(
             "name = \"{release}-run\"\nrelease = \"{release}\"\n[groups]\ncount = 1\n\
              success = {{ threshold = \"100%\", action = \"next\" }}\n"
@@ -784,4 +953,15 @@ async fn an_image_with_one_percent_of_its_blocks_changed_downloads_only_those() 
         second.len()
     );
     assert_eq!(local, (BLOCKS - 2) as u64 * BLOCK as u64, "{text}");
+    // The coordinator's own count of what it sent agrees, whatever the device says.
+    let served_second = served().await - served_before;
+    assert!(
+        served_second as f64 <= 0.05 * second.len() as f64,
+        "the coordinator served {served_second} bytes for the second release of {}",
+        second.len()
+    );
+    assert!(
+        served_second >= 2 * BLOCK as u64,
+        "the coordinator served {served_second} bytes, less than the two changed blocks"
+    );
 }

@@ -6,7 +6,9 @@
 //! What a user would notice: at no status the operator reads is a site over its limit; both
 //! sites hold devices back at some point (the budget, not the fleet's pace, sets the speed);
 //! the rollout still finishes with every device ready; `flotilla rollout status` prints each
-//! site's line, and the decision trace says why devices waited.
+//! site's line, and the decision trace says why devices waited. With an unavailable limit and a
+//! release that fails on one site, that site stops after its limit of failures while the other
+//! finishes.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -19,6 +21,9 @@ const PER_SITE: u64 = 12;
 /// The busy limit of every site.
 const LIMIT: usize = 2;
 const SITES: [&str; 2] = ["a", "b"];
+
+/// The simulator exits once every device of its site finished an install.
+const UNTIL_DONE: [&str; 3] = ["--until-done", "--timeout", "2m"];
 
 /// A running simulator of one site's devices, and the file its figures go to.
 struct Simulator {
@@ -87,7 +92,9 @@ fn prepare(site: &mut Site) {
     site.start_coordinator();
 }
 
-fn simulate(site: &Site, name: &str) -> Simulator {
+/// Starts the simulator of site `name`'s devices; `behaviour` adds to its arguments (when to
+/// exit, how installs end).
+fn simulate(site: &Site, name: &str, behaviour: &[&str]) -> Simulator {
     let summary = site.path(&format!("fleetsim-{name}.json"));
     let log = std::fs::File::create(site.path(&format!("fleetsim-{name}.log"))).expect("log");
     let child = Command::new(bin("flotilla-fleetsim"))
@@ -97,7 +104,7 @@ fn simulate(site: &Site, name: &str) -> Simulator {
         .args(["--install-time", "1s", "--progress", "0s"])
         .arg("--coordinator-key")
         .arg(site.path("keys/coordinator.pub"))
-        .args(["--until-done", "--timeout", "2m"])
+        .args(behaviour)
         .arg("--summary")
         .arg(&summary)
         .stdout(Stdio::null())
@@ -112,7 +119,10 @@ fn simulate(site: &Site, name: &str) -> Simulator {
 async fn live_rollout(vocabulary: &str, table: &str) {
     let mut site = Site::new(BrokerKind::Mosquitto);
     prepare(&mut site);
-    let mut simulators: Vec<Simulator> = SITES.iter().map(|s| simulate(&site, s)).collect();
+    let mut simulators: Vec<Simulator> = SITES
+        .iter()
+        .map(|s| simulate(&site, s, &UNTIL_DONE))
+        .collect();
     site.wait_devices(SITES.len() * PER_SITE as usize).await;
 
     let spec = format!("name = \"fw\"\nrelease = \"fw-2\"\n{table}");
@@ -260,4 +270,109 @@ async fn kubefleet_staged_keeps_each_site_within_max_concurrency() {
          [staged.sites]\nlabel = \"site\"\nmax_concurrency = 2\n",
     )
     .await;
+}
+
+/// Fleet's `maxUnavailable` per site, with a release that fails on every device of site `a`:
+/// the site's first two devices fail and keep counting as unavailable, so the rest of site `a`
+/// waits for an operator while site `b` installs every device. The status and the trace say
+/// which limit holds site `a`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_partitions_hold_a_site_whose_failed_devices_fill_max_unavailable() {
+    const UNAVAILABLE: usize = 2;
+    let held = PER_SITE as usize - UNAVAILABLE;
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    prepare(&mut site);
+    // Every install of site a fails after activating (rolled back), as a bad release would.
+    let _failing = simulate(&site, "a", &["--fail-rate", "1"]);
+    let mut healthy = simulate(&site, "b", &UNTIL_DONE);
+    site.wait_devices(SITES.len() * PER_SITE as usize).await;
+    let spec = format!(
+        "name = \"fw\"\nrelease = \"fw-2\"\n[partitions]\n[partitions.sites]\n\
+         label = \"site\"\nmax_unavailable = {UNAVAILABLE}\n"
+    );
+    site.create_and_start(&spec).await;
+
+    let client = site.client().await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let site_of = |status: &RolloutStatus, name: &str| {
+        status
+            .sites
+            .iter()
+            .find(|s| s.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no site {name}: {:#?}", status.sites))
+    };
+    // Until site b is done and site a holds nothing but its failed devices.
+    let status: RolloutStatus = loop {
+        let reply = client
+            .rollout_status("fw", PageQuery::default(), Duration::from_secs(5))
+            .await;
+        if let Ok(status) = reply {
+            for s in &status.sites {
+                assert!(
+                    s.unavailable <= UNAVAILABLE,
+                    "site {} has {} unavailable, over its limit of {UNAVAILABLE}: {:#?}",
+                    s.name,
+                    s.unavailable,
+                    status.sites
+                );
+                assert_eq!(s.max_unavailable, Some(UNAVAILABLE), "{:#?}", status.sites);
+            }
+            let (a, b) = (site_of(&status, "a"), site_of(&status, "b"));
+            let ready: usize = status.groups.iter().map(|g| g.ready).sum();
+            if a.busy == 0 && b.busy == 0 && ready == PER_SITE as usize {
+                break status;
+            }
+        }
+        assert!(Instant::now() < deadline, "site b did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let failed: usize = status.groups.iter().map(|g| g.failed).sum();
+    assert_eq!(failed, UNAVAILABLE, "{:#?}", status.groups);
+    let a = site_of(&status, "a");
+    assert_eq!(
+        (a.busy, a.unavailable, a.waiting),
+        (0, UNAVAILABLE, held),
+        "site a is held by its failed devices: {a:#?}"
+    );
+    assert_eq!(
+        status.state, "running",
+        "the rollout waits for an operator: {:#?}",
+        status.trace
+    );
+    let wait = format!("site a: {UNAVAILABLE} of {UNAVAILABLE} unavailable, {held} waiting");
+    assert!(
+        status.waiting.as_deref().is_some_and(|w| w.contains(&wait)),
+        "the status says why the rollout waits: {:?}",
+        status.waiting
+    );
+    assert!(
+        status.trace.iter().any(|e| e.kind == TraceKind::Waiting
+            && e.message.contains(&format!(
+                "site a: {UNAVAILABLE} of {UNAVAILABLE} unavailable"
+            ))),
+        "no wait for site a's unavailable limit in the trace: {:#?}",
+        status.trace
+    );
+    let text = site.flotilla(&["rollout", "status", "fw"]);
+    assert!(
+        text.lines().any(|l| l.contains(&format!(
+            "site a: 0 busy, {UNAVAILABLE} of {UNAVAILABLE} unavailable, {held} waiting"
+        ))),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l.contains(&format!(
+            "site b: 0 busy, 0 of {UNAVAILABLE} unavailable, 0 waiting"
+        ))),
+        "{text}"
+    );
+
+    // Site b's devices installed once each and ended ready.
+    let exit = healthy.child.wait().expect("wait for flotilla-fleetsim");
+    assert!(exit.success(), "site b's devices did not all finish");
+    let figures: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&healthy.summary).expect("fleetsim summary"))
+            .expect("summary JSON");
+    assert_eq!(figures["ready"], PER_SITE, "{figures:#}");
 }

@@ -10,6 +10,7 @@
 //! - never more devices of one site busy than the site policy allows (devices carry a `site`
 //!   label, some none; rollouts get random site budgets, some with peer sharing), and a device
 //!   is told to fetch only from peers of its own site;
+//! - no device of a site starts when that takes the site over its unavailable limit;
 //! - a stopped or failed rollout sends no install, and a rollback only after the rollback error
 //!   action;
 //! - once the operators let everything finish, every rollout has ended and every device is in
@@ -83,6 +84,8 @@ struct World {
     forced: HashSet<String>,
     /// Rollouts that had ended before the current step.
     ended: HashSet<String>,
+    /// (rollout, device) -> whether it was not yet started at the last check.
+    scheduled: HashMap<(String, String), bool>,
     step: usize,
     seed: u64,
 }
@@ -139,6 +142,7 @@ impl World {
             started: HashMap::new(),
             forced: HashSet::new(),
             ended: HashSet::new(),
+            scheduled: HashMap::new(),
             step: 0,
             seed,
         };
@@ -578,6 +582,15 @@ impl World {
                     ));
                 }
             }
+            if let Some(limit) = r
+                .spec
+                .policies
+                .sites
+                .as_ref()
+                .and_then(|p| p.max_unavailable)
+            {
+                self.check_unavailable(r, limit);
+            }
             for (gi, g) in r.groups.iter().enumerate() {
                 // Counters are a count over the devices and add up.
                 let mut counts = crate::conditions::GroupCounts {
@@ -673,6 +686,52 @@ impl World {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The site's unavailable limit holds back starts: a device of a site starts only while
+    /// fewer than `limit` of the site are unavailable (busy, soaking or failed, over every group
+    /// of the rollout), so at the end of a step in which one started the site has at most
+    /// `limit` unavailable. That is all the engine promises: devices already started may push a
+    /// site over later (a late failure of a canceled device, a rollback sent to every device that
+    /// installed), and then nothing more of the site starts.
+    fn check_unavailable(&mut self, r: &Rollout, limit: usize) {
+        let mut unavailable: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut started: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for g in &r.groups {
+            for (d, s) in &g.slots {
+                // A rollout created in this step starts with every device scheduled.
+                let was_scheduled = self
+                    .scheduled
+                    .insert(
+                        (r.name.clone(), d.clone()),
+                        s.phase == DevicePhase::Scheduled,
+                    )
+                    .unwrap_or(true);
+                let Some(site) = s.site.as_deref() else {
+                    continue;
+                };
+                let not_ready = matches!(
+                    s.phase,
+                    DevicePhase::InProgress(_) | DevicePhase::Retrying(_) | DevicePhase::Soaking
+                ) || s.phase.is_failure();
+                if not_ready {
+                    *unavailable.entry(site).or_default() += 1;
+                }
+                if was_scheduled && matches!(s.phase, DevicePhase::InProgress(_)) {
+                    started.entry(site).or_default().push(d);
+                }
+            }
+        }
+        for (site, devices) in started {
+            let n = unavailable.get(site).copied().unwrap_or(0);
+            if n > limit {
+                self.fail(&format!(
+                    "rollout {}: {devices:?} of site {site} started and the site has {n} \
+                     devices unavailable, more than {limit}",
+                    r.name
+                ));
             }
         }
     }
