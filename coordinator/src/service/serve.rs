@@ -606,22 +606,11 @@ impl Service {
         self.apply(effects).await
     }
 
-    /// Writes what changed in a rollout since its last save; what a failed write did not store
-    /// stays marked for the next save.
-    fn save_rollout(&mut self, name: &str) -> Result<(), StoreError> {
-        if let Some(rollout) = self.engine.rollout(name) {
-            self.store.save_rollout(rollout)?;
-            self.engine.mark_saved(name);
-        }
-        Ok(())
-    }
-
     /// Reopens the store and writes every rollout, enrollment and used token held in memory.
     fn resave(&mut self) -> Result<(), StoreError> {
         self.store.reopen()?;
-        let names: Vec<String> = self.engine.rollouts().map(|r| r.name.clone()).collect();
-        for name in names {
-            self.save_rollout(&name)?;
+        for rollout in self.engine.rollouts() {
+            self.store.save_rollout(rollout)?;
         }
         for record in self.registry.all() {
             self.store.save_enrollment(record)?;
@@ -1473,8 +1462,10 @@ impl Service {
         for effect in effects {
             match effect {
                 Effect::Save(name) => {
-                    if let Err(e) = self.save_rollout(&name) {
-                        self.store_failed(&e);
+                    if let Some(rollout) = self.engine.rollout(&name) {
+                        if let Err(e) = self.store.save_rollout(rollout) {
+                            self.store_failed(&e);
+                        }
                     }
                 }
                 // Nothing may instruct a device ahead of the stored rollout that justifies it;

@@ -3,7 +3,7 @@
 //! Trees keyed by name, most with the JSON of one record as the value:
 //!
 //! ```text
-//! rollouts       rollout name  -> Rollout's head   (engine state; per-device records below)
+//! rollouts       rollout name  -> Rollout          (engine state)
 //! strategies     strategy name -> StoredStrategy   (`flotilla strategy create`)
 //! device_groups  group name    -> DeviceGroup      (`flotilla group create`)
 //! enrollments    device id     -> Enrollment       (device keys and whether they are accepted)
@@ -12,12 +12,6 @@
 //! meta           "generation"  -> u64 big-endian   (commits so far, see below)
 //! published      device id     -> 32 bytes         (digest of the last desired action published)
 //! ```
-//!
-//! A rollout is a head under its name and one record per device under `{name}\0…`
-//! (`flotilla_rollout::engine::stored`, decision 0034), so a save writes the records of the
-//! devices that changed, not the whole rollout: at 100,000 devices the whole rollout is several
-//! megabytes, and the engine saves a running rollout about once a second. A save's records go
-//! in one atomic batch.
 //!
 //! `published` is a cache, not a record: it lets a restarted coordinator recognise its own
 //! retained desired actions by their bytes instead of checking each signature again
@@ -38,15 +32,13 @@
 //! A record that does not decode is logged, naming it, and skipped, so one bad record cannot keep
 //! the coordinator from starting; it stays in the database for an operator to inspect.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use flotilla_rollout::engine::stored::PARTS;
 use flotilla_rollout::engine::Rollout;
 use flotilla_rollout::planner::DeviceGroup;
 
@@ -80,14 +72,17 @@ pub fn published_digest(key: &flotilla_protocol::VerifyingKey, payload: &[u8]) -
     hash.finalize().into()
 }
 
-/// Where the per-device records of rollout `name` start (`flotilla_rollout::engine::stored`).
-fn parts_prefix(name: &str) -> String {
-    format!("{name}{PARTS}")
-}
-
-fn digest(bytes: &[u8]) -> [u8; 32] {
-    use sha2::Digest as _;
-    sha2::Sha256::digest(bytes).into()
+/// Hands this thread's deferred frees to sled's garbage collector.
+///
+/// sled frees a superseded page (the old value of a rewritten rollout among them) through
+/// crossbeam-epoch, which keeps what a thread defers in that thread's own bag until 64 items have
+/// gathered. The service task moves between tokio's worker threads and a running rollout is saved
+/// about once a second, so a few dozen superseded copies of a rollout record (4 MB at 100,000
+/// devices) could wait in a bag for good: that was most of the memory a 100k rollout left behind
+/// (decision 0034). Flushing after each commit lets the collector free them once no thread can
+/// still be reading them. It costs one pin and a queue push per commit.
+fn release_deferred_frees() {
+    crossbeam_epoch::pin().flush();
 }
 
 /// One exported record: its tree, key and value.
@@ -183,9 +178,6 @@ pub struct Store {
     generation: AtomicU64,
     /// `None` only when a reopen failed: every call then fails naming why.
     trees: Option<Trees>,
-    /// Rollouts whose records this store holds, with the digest of the head last written: a
-    /// rollout not in here is written whole at its next save.
-    written: Mutex<HashMap<String, [u8; 32]>>,
 }
 
 /// The open database and its trees.
@@ -313,7 +305,6 @@ impl Store {
             seal: Seal::for_store(path),
             generation: AtomicU64::new(generation),
             trees: Some(trees),
-            written: Mutex::default(),
         })
     }
 
@@ -328,8 +319,6 @@ impl Store {
         })?;
         self.generation.store(generation, Ordering::Relaxed);
         self.trees = Some(trees);
-        // What failed to be written is not known: every rollout is written whole again.
-        self.written().clear();
         Ok(())
     }
 
@@ -458,100 +447,41 @@ impl Store {
         self.groups().delete(name)
     }
 
-    /// Writes what changed in a rollout since its last save (all of it, the first time this
-    /// store writes it) in one batch, and flushes it before returning. On success the caller
-    /// marks the rollout saved ([`flotilla_rollout::engine::Engine::mark_saved`]); after a
-    /// failure the changes stay marked and the next save writes them.
+    /// Writes a rollout and flushes it to disk before returning.
     pub fn save_rollout(&self, rollout: &Rollout) -> Result<(), StoreError> {
-        let name = &rollout.name;
+        let bytes = serde_json::to_vec(rollout).map_err(|source| StoreError::Encode {
+            rollout: rollout.name.clone(),
+            source,
+        })?;
         let write_error = |source| StoreError::Write {
-            rollout: name.clone(),
+            rollout: rollout.name.clone(),
             source,
         };
-        let last_head = self.written().get(name).copied();
-        let changes = rollout
-            .stored_changes(last_head.is_none())
-            .map_err(|source| StoreError::Encode {
-                rollout: name.clone(),
-                source,
-            })?;
-        let head_digest = digest(&changes.head);
-        let tree = &self.t().map_err(write_error)?.rollouts;
-        let mut batch = sled::Batch::default();
-        if last_head.is_none() {
-            // Whatever an earlier rollout of this name or a failed write left goes.
-            for key in tree.scan_prefix(parts_prefix(name)).keys() {
-                batch.remove(key.map_err(write_error)?);
-            }
-        }
-        if last_head != Some(head_digest) {
-            batch.insert(name.as_bytes(), changes.head);
-        }
-        for (suffix, value) in changes.parts {
-            let key = format!("{name}{suffix}");
-            match value {
-                Some(value) => batch.insert(key.as_bytes(), value),
-                None => batch.remove(key.as_bytes()),
-            }
-        }
-        tree.apply_batch(batch).map_err(write_error)?;
-        self.commit().map_err(write_error)?;
-        self.written().insert(name.clone(), head_digest);
-        Ok(())
+        self.t()
+            .and_then(|t| t.rollouts.insert(rollout.name.as_bytes(), bytes))
+            .map_err(write_error)?;
+        self.commit().map_err(write_error)
     }
 
-    /// Every stored rollout that decodes, in name order, read from its head and per-device
-    /// records. A head that does not decode is logged and skipped, and so is a per-device
-    /// record that does not fit its head (both stay in the store for an operator to inspect).
+    /// Every stored rollout that decodes, in name order. Records that do not decode are logged
+    /// and skipped.
     pub fn load_rollouts(&self) -> Result<Vec<Rollout>, StoreError> {
+        let mut rollouts = Vec::new();
         let tree = &self
             .t()
             .map_err(|source| StoreError::Read { source })?
             .rollouts;
-        // Name -> (head, per-device records by key suffix).
-        let mut stored: BTreeMap<String, (Option<sled::IVec>, Vec<(String, Vec<u8>)>)> =
-            BTreeMap::new();
         for item in tree.iter() {
             let (key, value) = item.map_err(|source| StoreError::Read { source })?;
-            let key = String::from_utf8_lossy(&key).into_owned();
-            match key.find(PARTS) {
-                Some(at) => {
-                    let (name, suffix) = key.split_at(at);
-                    let entry = stored.entry(name.to_owned()).or_default();
-                    entry.1.push((suffix.to_owned(), value.to_vec()));
-                }
-                None => stored.entry(key).or_default().0 = Some(value),
+            let name = String::from_utf8_lossy(&key);
+            match serde_json::from_slice::<Rollout>(&value) {
+                Ok(rollout) => rollouts.push(rollout),
+                Err(error) => tracing::warn!(
+                    rollout = %name,
+                    %error,
+                    "skipping stored rollout {name:?}: it does not decode ({error}); it stays in the store"
+                ),
             }
-        }
-        let mut rollouts = Vec::new();
-        for (name, (head, parts)) in stored {
-            let Some(head) = head else {
-                tracing::warn!(rollout = %name, records = parts.len(),
-                    "skipping {} per-device records of rollout {name:?}: the store holds no rollout of that name; they stay in the store",
-                    parts.len());
-                continue;
-            };
-            let read = match Rollout::from_stored(&head, parts) {
-                Ok(read) => read,
-                Err(error) => {
-                    tracing::warn!(
-                        rollout = %name,
-                        %error,
-                        "skipping stored rollout {name:?}: it does not decode ({error}); it stays in the store"
-                    );
-                    continue;
-                }
-            };
-            if let Some((key, why)) = read.skipped.first() {
-                tracing::warn!(rollout = %name, skipped = read.skipped.len(),
-                    "rollout {name:?}: skipped {} stored per-device records that do not fit it, the first {key:?}: {why}",
-                    read.skipped.len());
-            }
-            // A head of the layout before per-device records is written whole at its next save.
-            if !read.inline {
-                self.written().insert(name, digest(&head));
-            }
-            rollouts.push(read.rollout);
         }
         Ok(rollouts)
     }
@@ -604,27 +534,16 @@ impl Store {
         Ok(())
     }
 
-    /// Removes a rollout with its per-device records; removing one that is not stored is not
-    /// an error.
+    /// Removes a rollout; removing one that is not stored is not an error.
     pub fn delete_rollout(&self, name: &str) -> Result<(), StoreError> {
         let delete_error = |source| StoreError::Delete {
             rollout: name.to_owned(),
             source,
         };
-        let tree = &self.t().map_err(delete_error)?.rollouts;
-        let mut batch = sled::Batch::default();
-        batch.remove(name.as_bytes());
-        for key in tree.scan_prefix(parts_prefix(name)).keys() {
-            batch.remove(key.map_err(delete_error)?);
-        }
-        tree.apply_batch(batch).map_err(delete_error)?;
-        self.written().remove(name);
+        self.t()
+            .and_then(|t| t.rollouts.remove(name.as_bytes()))
+            .map_err(delete_error)?;
         self.commit().map_err(delete_error)
-    }
-
-    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<String, [u8; 32]>> {
-        // Only ever held for a map operation: a panic cannot leave it half changed.
-        self.written.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes everything written so far durable as one commit: bumps the generation in the same
@@ -635,6 +554,7 @@ impl Store {
         let t = self.t()?;
         t.meta.insert(GENERATION, &next.to_be_bytes())?;
         t.db.flush()?;
+        release_deferred_frees();
         self.generation.store(next, Ordering::Relaxed);
         self.seal.write(next).map_err(|e| {
             sled::Error::Io(std::io::Error::new(
@@ -774,7 +694,7 @@ fn read_generation(meta: &sled::Tree) -> Result<u64, sled::Error> {
 mod tests {
     use super::*;
     use flotilla_protocol::DeviceState;
-    use flotilla_rollout::engine::{DevicePhase, Engine, ReleaseRef};
+    use flotilla_rollout::engine::{Engine, ReleaseRef};
     use flotilla_rollout::spec::RolloutSpec;
     use flotilla_rollout::zoneinfo::SystemZones;
 
@@ -861,109 +781,15 @@ mod tests {
         let store = Store::open(&path).expect("reopens");
         let loaded = store.load_rollouts().expect("loads");
         assert_eq!(loaded, vec![a.clone(), b], "equal, in name order");
-        assert_eq!(*loaded[0].groups[0].devices, vec!["dev-1"]);
+        assert_eq!(loaded[0].groups[0].devices, vec!["dev-1"]);
 
         store.delete_rollout("b").expect("deleted");
         store
             .delete_rollout("never-existed")
             .expect("deleting nothing is fine");
-        let rollouts = &store.t().expect("open").rollouts;
-        assert_eq!(
-            rollouts.scan_prefix("b\0").count(),
-            0,
-            "no per-device record of a deleted rollout is left"
-        );
         drop(store);
         let store = Store::open(&path).expect("reopens");
         assert_eq!(store.load_rollouts().expect("loads"), vec![a]);
-    }
-
-    fn records(store: &Store) -> BTreeMap<String, Vec<u8>> {
-        store
-            .t()
-            .expect("open")
-            .rollouts
-            .iter()
-            .map(|item| {
-                let (k, v) = item.expect("reads");
-                (String::from_utf8_lossy(&k).into_owned(), v.to_vec())
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_save_writes_the_records_of_the_devices_that_changed_and_nothing_else() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("db");
-        let store = Store::open(&path).expect("opens");
-        let mut r = rollout("r");
-        store.save_rollout(&r).expect("saved");
-        r.mark_saved();
-        let before = records(&store);
-        assert_eq!(
-            before.len(),
-            1 + 2 + 3,
-            "a head, two device lists, three slots"
-        );
-
-        let device = r.groups[1].devices[0].clone();
-        r.groups[1].set_phase(&device, DevicePhase::InProgress("downloading".into()));
-        store.save_rollout(&r).expect("saved");
-        r.mark_saved();
-        let after = records(&store);
-        let changed: Vec<&String> = after
-            .iter()
-            .filter(|(k, v)| before.get(*k) != Some(*v))
-            .map(|(k, _)| k)
-            .collect();
-        assert_eq!(
-            changed,
-            [&"r".to_owned(), &format!("r\0s\0{device}")],
-            "the head (its counts) and the device's record"
-        );
-
-        // Nothing changed: nothing is written.
-        store.save_rollout(&r).expect("saved");
-        assert_eq!(records(&store), after);
-
-        drop(store);
-        let store = Store::open(&path).expect("reopens");
-        assert_eq!(store.load_rollouts().expect("loads"), vec![r]);
-    }
-
-    #[test]
-    fn a_rollout_stored_whole_by_an_older_version_loads_and_is_split_at_its_next_save() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store = Store::open(dir.path().join("db")).expect("opens");
-        let r = rollout("r");
-        // The layout before per-device records: the whole rollout in one JSON record.
-        let mut old = serde_json::to_value(&r).expect("json");
-        for (g, group) in r.groups.iter().enumerate() {
-            old["groups"][g]["slots"] = serde_json::to_value(&group.slots).expect("json");
-            old["groups"][g]["devices"] = serde_json::to_value(&group.devices).expect("json");
-        }
-        store
-            .t()
-            .expect("open")
-            .rollouts
-            .insert("r", serde_json::to_vec(&old).expect("json"))
-            .expect("raw insert");
-
-        let mut loaded = store.load_rollouts().expect("loads");
-        assert_eq!(loaded, vec![r.clone()]);
-        store.save_rollout(&loaded[0]).expect("saved");
-        loaded[0].mark_saved();
-        let keys: Vec<String> = records(&store).into_keys().collect();
-        assert_eq!(
-            keys.len(),
-            1 + 2 + 3,
-            "split into per-device records: {keys:?}"
-        );
-        assert!(
-            !String::from_utf8_lossy(&records(&store)["r"]).contains("\"slots\""),
-            "the head no longer holds the slots"
-        );
-        assert_eq!(store.load_rollouts().expect("loads"), vec![r]);
     }
 
     #[test]

@@ -31,9 +31,7 @@ mod names;
 mod queues;
 mod sites;
 mod status;
-pub mod stored;
 mod trace;
-pub mod tracked;
 
 use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -1023,7 +1021,7 @@ impl Engine {
             started_at: None,
             checked_at: now,
             rolled_back: false,
-            seen: Default::default(),
+            seen: BTreeSet::new(),
             sites: BTreeMap::new(),
         };
         self.assign_sites(&mut rollout);
@@ -1561,7 +1559,7 @@ impl Engine {
                 before: g.before,
                 after: g.after,
             });
-            for (device, slot) in group.slots.iter_mut() {
+            for (device, slot) in &mut group.slots {
                 if let Some(old) = g.slots.get(device) {
                     slot.earlier_attempts = old.earlier_attempts + old.attempt;
                 }
@@ -1604,7 +1602,7 @@ impl Engine {
             started_at: None,
             checked_at: now,
             rolled_back: false,
-            seen: Default::default(),
+            seen: BTreeSet::new(),
             sites: BTreeMap::new(),
         };
         self.assign_sites(&mut rollout);
@@ -1813,14 +1811,6 @@ impl Engine {
         self.rollouts.values().map(|e| &e.rollout)
     }
 
-    /// The store wrote what [`Rollout::stored_changes`] gave for the rollout `name`: what is
-    /// changed from now on is what the next save writes.
-    pub fn mark_saved(&mut self, name: &str) {
-        if let Some(entry) = self.rollouts.get_mut(name) {
-            entry.rollout.mark_saved();
-        }
-    }
-
     /// A rollout's full status: every device's phase and detail, the whole trace. It grows
     /// with the rollout; what is published or sent in one message is [`Engine::summary`].
     pub fn status(&self, name: &str) -> Option<RolloutStatus> {
@@ -2000,7 +1990,7 @@ impl Engine {
             return;
         };
         for g in &mut rollout.groups {
-            for (device, slot) in g.slots.iter_mut() {
+            for (device, slot) in &mut g.slots {
                 slot.site = self
                     .devices
                     .get(device)
@@ -2025,7 +2015,7 @@ fn new_group(g: crate::plan::PlannedGroup) -> Group {
             .collect(),
         name: g.name,
         state: GroupState::Scheduled,
-        devices: tracked::Devices::new(g.devices),
+        devices: g.devices,
         pace: g.pace,
         success: g.success,
         error: g.error,
@@ -2166,5 +2156,3 @@ mod tests_property;
 mod tests_reference;
 #[cfg(test)]
 mod tests_sites;
-#[cfg(test)]
-mod tests_store;

@@ -2,7 +2,7 @@
 //! trace. Everything here is serialized into the store, so a restarted coordinator continues
 //! exactly where it stopped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use flotilla_protocol::control::{ApprovalStatus, Condition, SourceBytes, TraceEntry};
@@ -10,7 +10,6 @@ use flotilla_protocol::Phase;
 use serde::{Deserialize, Serialize};
 
 use super::queues::SiteQueues;
-use super::tracked::{Devices, Marked, Seen, Slots, Unsaved};
 use crate::conditions::GroupCounts;
 use crate::plan::{ErrorCondition, Excluded, Gate, Pace, SuccessCondition};
 use crate::ramp::Ramp;
@@ -292,18 +291,6 @@ pub struct Slot {
     /// The peers the device's current attempt was told to fetch from (re-sent as they were).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<String>,
-    /// Changed since the store last wrote it (kept by [`Slots`]).
-    #[serde(skip)]
-    pub(crate) unsaved: Unsaved,
-}
-
-impl Marked for Slot {
-    fn mark(&mut self, unsaved: bool) {
-        self.unsaved = Unsaved(unsaved);
-    }
-    fn is_marked(&self) -> bool {
-        self.unsaved.0
-    }
 }
 
 /// Phase name of a deleted device still listed in its group (hawkBit's "not started").
@@ -324,7 +311,6 @@ impl Slot {
             site: None,
             bytes: None,
             peers: Vec::new(),
-            unsaved: Unsaved::default(),
         }
     }
 
@@ -343,9 +329,8 @@ impl Slot {
 pub struct Group {
     pub name: String,
     pub state: GroupState,
-    /// In rollout order. Stored as a record of its own (`stored.rs`), not in the head.
-    #[serde(default, skip_serializing)]
-    pub devices: Devices,
+    /// In rollout order.
+    pub devices: Vec<String>,
     pub pace: Pace,
     pub success: SuccessCondition,
     pub error: Option<ErrorCondition>,
@@ -353,9 +338,7 @@ pub struct Group {
     pub after: Gate,
     /// Kept equal to a count over `slots`, updated per change rather than recomputed.
     pub counts: GroupCounts,
-    /// Stored one record per device (`stored.rs`), not in the head.
-    #[serde(default, skip_serializing)]
-    pub slots: Slots<Slot>,
+    pub slots: BTreeMap<String, Slot>,
     /// Index into `devices` of the next device to consider starting.
     pub cursor: usize,
     /// The group let the next one start (its success action ran after its after gate, an
@@ -679,9 +662,8 @@ pub struct Rollout {
     /// (the fleet at creation and each device that registered since). Stored, so a restarted
     /// coordinator, whose registry refills from retained states, still knows who is new; only
     /// a device not in here joins the dynamic group.
-    /// Stored as a record of its own (`stored.rs`), not in the head.
-    #[serde(default, skip_serializing)]
-    pub seen: Seen,
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub seen: BTreeSet<String>,
     /// Peer ordering per site (rollouts whose site policy shares between peers).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sites: BTreeMap<String, SiteState>,

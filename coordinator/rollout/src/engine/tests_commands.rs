@@ -409,7 +409,7 @@ fn retry_keeps_the_groups_gates_and_counts_attempts_on() {
     let retry = b.rollout("orig-retry");
     assert_eq!(retry.groups.len(), 1);
     assert_eq!(retry.groups[0].name, "canary");
-    assert_eq!(*retry.groups[0].devices, vec!["d001"]);
+    assert_eq!(retry.groups[0].devices, vec!["d001"]);
     assert!(retry.groups[0].before.approval && retry.groups[0].after.approval);
     let sent = b.sent.len();
     b.start("orig-retry");

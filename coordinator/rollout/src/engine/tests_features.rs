@@ -665,7 +665,7 @@ fn retry_failed_creates_a_rollout_of_the_failed_devices() {
     b.take(effects);
     let retry = b.rollout("orig-retry");
     assert_eq!(retry.state, RolloutState::Ready);
-    assert_eq!(*retry.groups[0].devices, vec!["d001", "d002"]);
+    assert_eq!(retry.groups[0].devices, vec!["d001", "d002"]);
     b.start("orig-retry");
     assert!(b.action["d001"].starts_with("orig-retry@"));
 }
@@ -778,7 +778,7 @@ fn staged_runs_over_the_same_devices_need_identical_strategies() {
     );
     let r = engine.rollout("run-1").expect("run");
     assert_eq!(
-        *r.groups[1].devices,
+        r.groups[1].devices,
         vec!["p2", "p3", "p1"],
         "sorted by the order label"
     );
