@@ -884,6 +884,9 @@ mod tests {
         DiesAfter(usize),
         /// The first answer for the block at this offset is corrupt, later ones are good.
         CorruptOnceAt(u64),
+        /// Serves this many requests, then answers `Unavailable` to every request after the
+        /// delay.
+        BusyAfter(usize, Duration),
     }
 
     /// Who was asked for which offset: `None` is the coordinator.
@@ -919,18 +922,23 @@ mod tests {
                 let served = answered.entry(who.clone()).or_default();
                 *served += 1;
                 let mut block = block(&data, &r);
+                let refusal = |reason: &str| {
+                    Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: reason.into(),
+                    })
+                };
+                let mut delay = Duration::ZERO;
                 let reply = match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
-                    Serves::Unavailable => Some(BlockReply::Unavailable {
-                        sha256: r.sha256,
-                        offset: r.offset,
-                        reason: "not here".into(),
-                    }),
-                    Serves::BusyFirst(n) if *served <= n => Some(BlockReply::Unavailable {
-                        sha256: r.sha256,
-                        offset: r.offset,
-                        reason: "busy".into(),
-                    }),
+                    Serves::Unavailable => refusal("not here"),
+                    Serves::BusyFirst(n) if *served <= n => refusal("busy"),
                     Serves::Good | Serves::BusyFirst(_) => None,
+                    Serves::BusyAfter(n, _) if *served <= n => None,
+                    Serves::BusyAfter(_, after) => {
+                        delay = after;
+                        refusal("busy")
+                    }
                     Serves::Corrupt => {
                         block[0] ^= 0xff;
                         None
@@ -954,7 +962,14 @@ mod tests {
                     None => FetchInput::Reply(reply),
                     Some(peer) => FetchInput::PeerReply { peer, reply },
                 };
-                if rep_tx.send(input).await.is_err() {
+                if !delay.is_zero() {
+                    // Answers in its own time, without holding up the other sources.
+                    let rep_tx = rep_tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = rep_tx.send(input).await;
+                    });
+                } else if rep_tx.send(input).await.is_err() {
                     break;
                 }
             }
@@ -999,16 +1014,27 @@ mod tests {
         sources: &Sources,
         net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
     ) -> ByteCounts {
+        run_bypassing(spec, data, sources, net).await.0
+    }
+
+    /// [`run`], returning the peers bypassed and why as well (what the final report lists).
+    async fn run_bypassing(
+        spec: &FetchSpec,
+        data: &[u8],
+        sources: &Sources,
+        net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
+    ) -> (ByteCounts, BTreeMap<String, String>) {
         let list = BlockList::compute(data, BS).expect("list");
         let (tx, mut rx) = net;
         let mut counts = ByteCounts::default();
+        let mut bypassed = BTreeMap::new();
         let mut last = 0;
         let path = fetch_blocks(
             BlockFetch {
                 spec,
                 list: &list,
                 sources,
-                bypassed: &mut BTreeMap::new(),
+                bypassed: &mut bypassed,
             },
             &mut counts,
             &tx,
@@ -1025,7 +1051,7 @@ mod tests {
         assert_eq!(last, data.len() as u64);
         assert!(!spec.part_path().exists());
         assert!(counts.total() <= data.len() as u64, "nothing counted twice");
-        counts
+        (counts, bypassed)
     }
 
     fn asked_of(asked: &Asked, who: Option<&str>) -> Vec<u64> {
@@ -1197,6 +1223,58 @@ mod tests {
         let counts = run(&spec, &data, &sources(&["a", "b"]), (tx, rx)).await;
         assert_eq!(counts.peers, [("a".to_owned(), 2 * u64::from(BS))]);
         assert_eq!(counts.coordinator, data.len() as u64 - 2 * u64::from(BS));
+    }
+
+    /// Two peers that stay under every per-peer limit: after three blocks they answer each
+    /// request `Unavailable`, slowly but within `peer_timeout`, one request at a time, so
+    /// neither says it 8 times in a row before `fallback_after` (30 s) passes. The bounded
+    /// fallback is what ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn peers_that_deliver_nothing_for_fallback_after_leave_the_rest_to_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = FetchSpec {
+            in_flight: 1,
+            ..spec(dir.path(), &data)
+        };
+        let refusing = Duration::from_millis(2900);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[
+                ("a", Serves::BusyAfter(3, refusing)),
+                ("b", Serves::BusyAfter(0, refusing)),
+            ],
+        );
+        let sources = sources(&["a", "b"]);
+        let started = Instant::now();
+        let (counts, bypassed) = run_bypassing(&spec, &data, &sources, (tx, rx)).await;
+        assert_eq!(counts.peers, [("a".to_owned(), 3 * u64::from(BS))]);
+        assert_eq!(
+            counts.coordinator,
+            data.len() as u64 - 3 * u64::from(BS),
+            "the coordinator served every block the peers had not"
+        );
+        assert!(
+            bypassed.is_empty(),
+            "no peer reached a limit; the fallback left them: {bypassed:?}"
+        );
+        let refusals = |p| asked_of(&asked, Some(p)).len() - if p == "a" { 3 } else { 0 };
+        for p in ["a", "b"] {
+            assert!(
+                refusals(p) < PEER_UNAVAILABLE_LIMIT as usize,
+                "{p} refused {} times",
+                refusals(p)
+            );
+        }
+        // Virtual time: the coordinator took over with the first answer after 30 s (a peer
+        // answer, then at most one wait before asking the peers again).
+        let waited = started.elapsed();
+        assert!(
+            waited >= sources.fallback_after
+                && waited <= sources.fallback_after + refusing + PEER_RETRY,
+            "{waited:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
