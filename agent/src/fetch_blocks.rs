@@ -1036,7 +1036,7 @@ mod tests {
                         delay = after;
                         refusal("busy")
                     }
-                    Serves::Trickles { every, .. } if *served % every == 0 => None,
+                    Serves::Trickles { every, .. } if served.is_multiple_of(every) => None,
                     Serves::Trickles { refusing, .. } => {
                         delay = refusing;
                         refusal("busy")

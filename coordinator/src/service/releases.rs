@@ -668,7 +668,7 @@ pub fn block_size_label(manifest: &Manifest) -> String {
 
 /// "64 KiB", or "1500 B" for a size that is not a whole number of KiB.
 fn block_size_text(block_size: u32) -> String {
-    if block_size % 1024 == 0 {
+    if block_size.is_multiple_of(1024) {
         format!("{} KiB", block_size / 1024)
     } else {
         format!("{block_size} B")
