@@ -141,6 +141,9 @@ pub struct DownloadConfig {
     pub max_bytes_per_sec: u64,
     /// A peer that leaves a block unanswered this long is bypassed for the action.
     pub peer_timeout: Duration,
+    /// A peer whose blocks take longer than this on average (its `Unavailable` answers
+    /// included), over its last 8, is bypassed for the action as slow. More than 0.
+    pub peer_slow_block: Duration,
     /// Peers that deliver no block for this long are left: the rest comes from the coordinator.
     pub peer_fallback_after: Duration,
 }
@@ -360,6 +363,8 @@ struct RawDownload {
     max_bytes_per_sec: u64,
     #[serde(default = "default_peer_timeout")]
     peer_timeout: String,
+    #[serde(default = "default_peer_slow_block")]
+    peer_slow_block: String,
     #[serde(default = "default_peer_fallback_after")]
     peer_fallback_after: String,
 }
@@ -371,6 +376,7 @@ impl Default for RawDownload {
             in_flight: default_in_flight(),
             max_bytes_per_sec: 0,
             peer_timeout: default_peer_timeout(),
+            peer_slow_block: default_peer_slow_block(),
             peer_fallback_after: default_peer_fallback_after(),
         }
     }
@@ -378,6 +384,9 @@ impl Default for RawDownload {
 
 fn default_peer_timeout() -> String {
     "3s".into()
+}
+fn default_peer_slow_block() -> String {
+    "1s".into()
 }
 fn default_peer_fallback_after() -> String {
     "30s".into()
@@ -647,6 +656,16 @@ impl TryFrom<RawConfig> for Config {
                 format!("{}: must be between 1 and 64", d.in_flight),
             ));
         }
+        let peer_slow_block = parse_duration("download.peer_slow_block", &d.peer_slow_block)?;
+        if peer_slow_block.is_zero() {
+            return Err(invalid(
+                "download.peer_slow_block",
+                format!(
+                    "{:?}: must be more than 0 (a larger value tolerates slower peers)",
+                    d.peer_slow_block
+                ),
+            ));
+        }
         if raw.store.cache_bytes < 64 * 1024 {
             return Err(invalid(
                 "store.cache_bytes",
@@ -693,6 +712,7 @@ impl TryFrom<RawConfig> for Config {
                 in_flight: d.in_flight,
                 max_bytes_per_sec: d.max_bytes_per_sec,
                 peer_timeout: parse_duration("download.peer_timeout", &d.peer_timeout)?,
+                peer_slow_block,
                 peer_fallback_after: parse_duration(
                     "download.peer_fallback_after",
                     &d.peer_fallback_after,
@@ -1094,6 +1114,24 @@ mod tests {
             r#"path = "relative/app.bin""#,
         );
         assert!(e.starts_with("target[0].path"), "{e}");
+    }
+
+    #[test]
+    fn the_slow_peer_bound_is_read_and_must_be_more_than_zero() {
+        let c = Config::from_toml(DEFAULT_CONFIG).expect("default");
+        assert_eq!(c.download.peer_slow_block, Duration::from_secs(1));
+        let c = with(r#"peer_slow_block = "1s""#, r#"peer_slow_block = "250ms""#).expect("250ms");
+        assert_eq!(c.download.peer_slow_block, Duration::from_millis(250));
+        let e = err(r#"peer_slow_block = "1s""#, r#"peer_slow_block = "0s""#);
+        assert!(
+            e.starts_with("download.peer_slow_block: \"0s\": must be more than 0"),
+            "{e}"
+        );
+        let e = err(r#"peer_slow_block = "1s""#, r#"peer_slow_block = "soon""#);
+        assert!(e.starts_with("download.peer_slow_block: \"soon\""), "{e}");
+        // Left out, it is the default.
+        let c = with("peer_slow_block = \"1s\"\n", "").expect("without the key");
+        assert_eq!(c.download.peer_slow_block, Duration::from_secs(1));
     }
 
     const FILE_TARGET: &str = "kind = \"file\"\npath = \"/opt/app/app.bin\"";

@@ -8,7 +8,7 @@
 //!              copied from what the device holds (crate::adaptive), counted as `local`
 //! peers        each missing block is asked of the grant's peers, in grant order
 //! coordinator  once the peers delivered nothing for `fallback_after`, or every peer is
-//!              bypassed, or for a block every peer was tried for
+//!              bypassed (bad, silent, unable or slow)
 //! end          the whole file's sha256 is still checked; <sha256>.part -> <sha256>
 //! ```
 //!
@@ -20,11 +20,20 @@
 //! - A peer that serves a block failing its hash is bypassed for the rest of the action (logged
 //!   naming the peer and the block); so is a peer that leaves a block unanswered for
 //!   `peer_timeout`, or answers `Unavailable` [`PEER_UNAVAILABLE_LIMIT`] times in a row.
+//! - A slow peer is bypassed too (decision 0035). Every answer a peer gives is timed, from the
+//!   request to the reply, less the time this fetcher spent in its own rate limit; a block
+//!   costs the peer its own answer plus the `Unavailable` answers it gave since its previous
+//!   block. Once its last [`PEER_SLOW_BLOCKS`] blocks (fewer at the start) cost more than
+//!   [`PEER_SLOW_BLOCKS`] × `slow_block` in all, it is bypassed ("slow: …"). A peer that is
+//!   kept therefore answers at `slow_block` per block on average or better: answering every
+//!   block just within `peer_timeout` no longer holds a device, and neither does padding slow
+//!   blocks with refusals.
 //! - `Unavailable` from a peer is transient (it may be busy serving others): the block is asked
 //!   of the next peer; once every peer still in use said so, the peers are asked again after
-//!   [`PEER_RETRY`], for as long as the peers make progress (see `fallback_after`). A block goes
-//!   to the coordinator once no peer is left, or the peers delivered nothing for
-//!   `fallback_after`.
+//!   [`PEER_RETRY`], for as long as the peers make progress. A block goes to the coordinator
+//!   once no peer is left, or the peers delivered nothing for `fallback_after`: the bound for
+//!   peers that each stay under every limit above (busy, answering slowly) while the download
+//!   waits on all of them together.
 //! - A bad block from the coordinator is discarded and asked for again after a backoff, at most
 //!   [`crate::fetch::BLOCK_ATTEMPTS`] times; an idle coordinator is asked again for everything
 //!   outstanding after [`crate::fetch::REPLY_TIMEOUT`], as in the streaming fetcher.
@@ -63,6 +72,10 @@ pub const PEER_UNAVAILABLE_LIMIT: u32 = 8;
 /// The wait before asking the peers again for a block every peer in use answered `Unavailable`.
 pub const PEER_RETRY: Duration = Duration::from_secs(1);
 
+/// How many of a peer's latest blocks are timed against `Sources::slow_block`: a peer whose
+/// last this many blocks cost more than this many times `slow_block` is bypassed as slow.
+pub const PEER_SLOW_BLOCKS: usize = 8;
+
 /// The part file is synced whenever the verified bytes cross a multiple of this.
 const SYNC_EVERY: u64 = 1 << 20;
 
@@ -75,6 +88,9 @@ pub struct Sources {
     pub grant: Option<SignedBlob>,
     /// A peer that leaves a block unanswered this long is bypassed.
     pub peer_timeout: Duration,
+    /// The average time a peer's block may cost, its `Unavailable` answers included, over its
+    /// last [`PEER_SLOW_BLOCKS`] blocks; a peer over it is bypassed as slow.
+    pub slow_block: Duration,
     /// Once the peers have delivered no block for this long (from the start, or since their
     /// last block), every block not yet asked goes to the coordinator.
     pub fallback_after: Duration,
@@ -170,6 +186,9 @@ enum Choice {
 struct Asked {
     source: Source,
     at: Instant,
+    /// `Download::throttled` when it was asked: the rate limit's sleeps since then are the
+    /// fetcher's own delay, not the source's.
+    throttled: Duration,
 }
 
 /// One peer's standing in this action.
@@ -178,6 +197,11 @@ struct PeerState {
     bypassed: Option<String>,
     /// `Unavailable` answers since its last good block.
     unavailable: u32,
+    /// What each of its last [`PEER_SLOW_BLOCKS`] blocks cost: the time of its answer and of
+    /// the `Unavailable` answers before it. Oldest first.
+    costs: VecDeque<Duration>,
+    /// The time of its `Unavailable` answers since its last block, charged to its next one.
+    refusing: Duration,
 }
 
 /// What the download of one artifact needs from the fetcher's caller.
@@ -306,6 +330,8 @@ struct Download<'a> {
     started: Instant,
     /// Network bytes since `started`, for the rate limit.
     fetched: u64,
+    /// Time spent sleeping in the rate limit, all told.
+    throttled: Duration,
     /// The start, or when a peer last delivered a verified block.
     peer_heard: Instant,
     /// Last time the coordinator answered or was asked again: when it has been idle for
@@ -338,7 +364,7 @@ impl<'a> Download<'a> {
                 .iter()
                 .map(|name| PeerState {
                     bypassed: job.bypassed.get(name).cloned(),
-                    unavailable: 0,
+                    ..PeerState::default()
                 })
                 .collect()
         } else {
@@ -361,6 +387,7 @@ impl<'a> Download<'a> {
             retries: Retries::default(),
             started: now,
             fetched: 0,
+            throttled: Duration::ZERO,
             peer_heard: now,
             coordinator_heard: now,
             whole: sha2::Sha256::new(),
@@ -467,9 +494,46 @@ impl<'a> Download<'a> {
             Asked {
                 source,
                 at: Instant::now(),
+                throttled: self.throttled,
             },
         );
         Ok(())
+    }
+
+    /// How long `asked`'s source took to answer it, up to now, less the fetcher's own sleeps
+    /// in the rate limit meanwhile (replies wait in the channel while it sleeps).
+    fn answer_time(&self, asked: &Asked) -> Duration {
+        asked
+            .at
+            .elapsed()
+            .saturating_sub(self.throttled.saturating_sub(asked.throttled))
+    }
+
+    /// Charges peer `i` for a block it delivered after `answer` (plus its refusals since its
+    /// last block), and bypasses it as slow once its last [`PEER_SLOW_BLOCKS`] blocks cost more
+    /// than that many times `slow_block`.
+    fn charge(&mut self, i: usize, answer: Duration) {
+        let budget = self
+            .sources
+            .slow_block
+            .saturating_mul(PEER_SLOW_BLOCKS as u32);
+        let peer = &mut self.peers[i];
+        let cost = std::mem::take(&mut peer.refusing) + answer;
+        peer.costs.push_back(cost);
+        if peer.costs.len() > PEER_SLOW_BLOCKS {
+            peer.costs.pop_front();
+        }
+        let total: Duration = peer.costs.iter().sum();
+        if total > budget {
+            let reason = format!(
+                "slow: its answers for its last {} blocks took {:.1}s, more than \
+                 {PEER_SLOW_BLOCKS} × peer_slow_block ({:?})",
+                peer.costs.len(),
+                total.as_secs_f64(),
+                self.sources.slow_block
+            );
+            self.bypass(i, reason);
+        }
     }
 
     /// Stops asking peer `i` for anything in this action; its outstanding blocks go back to
@@ -589,6 +653,7 @@ impl<'a> Download<'a> {
                 self.fetched += written;
                 let before = self.done - written;
                 self.done_block(before, counts, progress)?;
+                let sleeping = Instant::now();
                 fetch::throttle(
                     self.spec.max_bytes_per_sec,
                     self.fetched,
@@ -596,6 +661,7 @@ impl<'a> Download<'a> {
                     cancel,
                 )
                 .await?;
+                self.throttled += sleeping.elapsed();
             }
         }
         let bypassed: Vec<String> = self
@@ -702,11 +768,17 @@ impl<'a> Download<'a> {
         let Some(block) = self.list.index_at(offset) else {
             return Ok(None); // no block starts there: not an answer to anything asked
         };
-        let asked_here = self.asked.get(&block).is_some_and(|a| a.source == source);
+        // How long the source took, if this answers what it was asked.
+        let answered_in = self
+            .asked
+            .get(&block)
+            .filter(|a| a.source == source)
+            .map(|a| self.answer_time(a));
+        let asked_here = answered_in.is_some();
         let data = match reply {
             BlockReply::Unavailable { reason, .. } => {
-                if asked_here {
-                    self.unavailable(block, source, reason)?;
+                if let Some(took) = answered_in {
+                    self.unavailable(block, source, reason, took)?;
                 }
                 return Ok(None);
             }
@@ -736,6 +808,9 @@ impl<'a> Download<'a> {
                 count_peer(counts, &self.sources.peers[i], n);
                 self.peer_heard = Instant::now();
                 self.peers[i].unavailable = 0;
+                if let Some(took) = answered_in {
+                    self.charge(i, took);
+                }
             }
         }
         self.done += n;
@@ -747,6 +822,7 @@ impl<'a> Download<'a> {
         block: u64,
         source: Source,
         reason: String,
+        took: Duration,
     ) -> Result<(), FetchError> {
         match source {
             Source::Peer(i) => {
@@ -754,6 +830,7 @@ impl<'a> Download<'a> {
                 self.queue.push_front(block);
                 let peer = &mut self.peers[i];
                 peer.unavailable += 1;
+                peer.refusing += took;
                 if peer.unavailable >= PEER_UNAVAILABLE_LIMIT {
                     self.bypass(i, format!("cannot provide blocks: {reason}"));
                 }
@@ -884,6 +961,19 @@ mod tests {
         DiesAfter(usize),
         /// The first answer for the block at this offset is corrupt, later ones are good.
         CorruptOnceAt(u64),
+        /// Serves every block, each after this delay.
+        Slow(Duration),
+        /// Serves the block at this offset after the delay, every other block at once.
+        SlowOnceAt(u64, Duration),
+        /// Serves this many requests, then answers `Unavailable` to every request after the
+        /// delay.
+        BusyAfter(usize, Duration),
+        /// Serves every `every`-th request at once and answers `Unavailable` to the others
+        /// after `refusing`: never `every` refusals in a row.
+        Trickles {
+            every: usize,
+            refusing: Duration,
+        },
     }
 
     /// Who was asked for which offset: `None` is the coordinator.
@@ -919,18 +1009,38 @@ mod tests {
                 let served = answered.entry(who.clone()).or_default();
                 *served += 1;
                 let mut block = block(&data, &r);
+                let refusal = |reason: &str| {
+                    Some(BlockReply::Unavailable {
+                        sha256: r.sha256,
+                        offset: r.offset,
+                        reason: reason.into(),
+                    })
+                };
+                let mut delay = Duration::ZERO;
                 let reply = match behaviour.get_mut(&who).copied().unwrap_or(Serves::Silent) {
-                    Serves::Unavailable => Some(BlockReply::Unavailable {
-                        sha256: r.sha256,
-                        offset: r.offset,
-                        reason: "not here".into(),
-                    }),
-                    Serves::BusyFirst(n) if *served <= n => Some(BlockReply::Unavailable {
-                        sha256: r.sha256,
-                        offset: r.offset,
-                        reason: "busy".into(),
-                    }),
+                    Serves::Unavailable => refusal("not here"),
+                    Serves::BusyFirst(n) if *served <= n => refusal("busy"),
                     Serves::Good | Serves::BusyFirst(_) => None,
+                    Serves::Slow(after) => {
+                        delay = after;
+                        None
+                    }
+                    Serves::SlowOnceAt(at, after) => {
+                        if at == r.offset {
+                            delay = after;
+                        }
+                        None
+                    }
+                    Serves::BusyAfter(n, _) if *served <= n => None,
+                    Serves::BusyAfter(_, after) => {
+                        delay = after;
+                        refusal("busy")
+                    }
+                    Serves::Trickles { every, .. } if served.is_multiple_of(every) => None,
+                    Serves::Trickles { refusing, .. } => {
+                        delay = refusing;
+                        refusal("busy")
+                    }
                     Serves::Corrupt => {
                         block[0] ^= 0xff;
                         None
@@ -954,7 +1064,14 @@ mod tests {
                     None => FetchInput::Reply(reply),
                     Some(peer) => FetchInput::PeerReply { peer, reply },
                 };
-                if rep_tx.send(input).await.is_err() {
+                if !delay.is_zero() {
+                    // Answers in its own time, without holding up the other sources.
+                    let rep_tx = rep_tx.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = rep_tx.send(input).await;
+                    });
+                } else if rep_tx.send(input).await.is_err() {
                     break;
                 }
             }
@@ -987,6 +1104,7 @@ mod tests {
                 signature: Vec::new(),
             }),
             peer_timeout: Duration::from_secs(3),
+            slow_block: Duration::from_secs(1),
             fallback_after: Duration::from_secs(30),
             local: Vec::new(),
         }
@@ -999,16 +1117,27 @@ mod tests {
         sources: &Sources,
         net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
     ) -> ByteCounts {
+        run_bypassing(spec, data, sources, net).await.0
+    }
+
+    /// [`run`], returning the peers bypassed and why as well (what the final report lists).
+    async fn run_bypassing(
+        spec: &FetchSpec,
+        data: &[u8],
+        sources: &Sources,
+        net: (mpsc::Sender<FetchRequest>, mpsc::Receiver<FetchInput>),
+    ) -> (ByteCounts, BTreeMap<String, String>) {
         let list = BlockList::compute(data, BS).expect("list");
         let (tx, mut rx) = net;
         let mut counts = ByteCounts::default();
+        let mut bypassed = BTreeMap::new();
         let mut last = 0;
         let path = fetch_blocks(
             BlockFetch {
                 spec,
                 list: &list,
                 sources,
-                bypassed: &mut BTreeMap::new(),
+                bypassed: &mut bypassed,
             },
             &mut counts,
             &tx,
@@ -1025,7 +1154,16 @@ mod tests {
         assert_eq!(last, data.len() as u64);
         assert!(!spec.part_path().exists());
         assert!(counts.total() <= data.len() as u64, "nothing counted twice");
+        (counts, bypassed)
+    }
+
+    /// The bytes `peer` delivered.
+    fn from(counts: &ByteCounts, peer: &str) -> u64 {
         counts
+            .peers
+            .iter()
+            .find(|(n, _)| n == peer)
+            .map_or(0, |(_, b)| *b)
     }
 
     fn asked_of(asked: &Asked, who: Option<&str>) -> Vec<u64> {
@@ -1197,6 +1335,161 @@ mod tests {
         let counts = run(&spec, &data, &sources(&["a", "b"]), (tx, rx)).await;
         assert_eq!(counts.peers, [("a".to_owned(), 2 * u64::from(BS))]);
         assert_eq!(counts.coordinator, data.len() as u64 - 2 * u64::from(BS));
+    }
+
+    /// Two peers that stay under every per-peer limit: after three blocks they answer each
+    /// request `Unavailable`, slowly but within `peer_timeout`, one request at a time, so
+    /// neither says it 8 times in a row before `fallback_after` (30 s) passes, and no block
+    /// is charged to them as slow. The bounded fallback is what ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn peers_that_deliver_nothing_for_fallback_after_leave_the_rest_to_the_coordinator() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(10);
+        let spec = FetchSpec {
+            in_flight: 1,
+            ..spec(dir.path(), &data)
+        };
+        let refusing = Duration::from_millis(2900);
+        let (tx, rx, asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[
+                ("a", Serves::BusyAfter(3, refusing)),
+                ("b", Serves::BusyAfter(0, refusing)),
+            ],
+        );
+        let sources = sources(&["a", "b"]);
+        let started = Instant::now();
+        let (counts, bypassed) = run_bypassing(&spec, &data, &sources, (tx, rx)).await;
+        assert_eq!(counts.peers, [("a".to_owned(), 3 * u64::from(BS))]);
+        assert_eq!(
+            counts.coordinator,
+            data.len() as u64 - 3 * u64::from(BS),
+            "the coordinator served every block the peers had not"
+        );
+        assert!(
+            bypassed.is_empty(),
+            "no peer reached a limit; the fallback left them: {bypassed:?}"
+        );
+        let refusals = |p| asked_of(&asked, Some(p)).len() - if p == "a" { 3 } else { 0 };
+        for p in ["a", "b"] {
+            assert!(
+                refusals(p) < PEER_UNAVAILABLE_LIMIT as usize,
+                "{p} refused {} times",
+                refusals(p)
+            );
+        }
+        // Virtual time: the coordinator took over with the first answer after 30 s (a peer
+        // answer, then at most one wait before asking the peers again).
+        let waited = started.elapsed();
+        assert!(
+            waited >= sources.fallback_after
+                && waited <= sources.fallback_after + refusing + PEER_RETRY,
+            "{waited:?}"
+        );
+    }
+
+    /// Every block just within `peer_timeout`: the peer is bypassed as slow after three of
+    /// them, and the next peer serves the rest.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_answering_each_block_just_within_the_timeout_is_bypassed_as_slow() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(24);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[
+                ("slow", Serves::Slow(Duration::from_millis(2900))),
+                ("fast", Serves::Good),
+            ],
+        );
+        let (counts, bypassed) =
+            run_bypassing(&spec, &data, &sources(&["slow", "fast"]), (tx, rx)).await;
+        assert_eq!(
+            bypassed["slow"],
+            "slow: its answers for its last 3 blocks took 8.7s, more than 8 × \
+             peer_slow_block (1s)"
+        );
+        assert!(!bypassed.contains_key("fast"), "{bypassed:?}");
+        // The blocks it had been asked for when it was bypassed still count if they verify.
+        assert_eq!(from(&counts, "slow"), spec.in_flight as u64 * u64::from(BS));
+        assert_eq!(
+            from(&counts, "fast"),
+            data.len() as u64 - from(&counts, "slow")
+        );
+        assert_eq!(counts.coordinator, 0);
+    }
+
+    /// A peer that serves every 4th request at once and answers the others `Unavailable`
+    /// slowly never refuses 8 times in a row, and each block it serves resets the fallback
+    /// clock; the time of its refusals, charged to its blocks, is what bypasses it.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_padding_its_blocks_with_slow_refusals_is_bypassed_as_slow() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(40);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[(
+                "trickle",
+                Serves::Trickles {
+                    every: 4,
+                    refusing: Duration::from_millis(2500),
+                },
+            )],
+        );
+        let started = Instant::now();
+        let (counts, bypassed) =
+            run_bypassing(&spec, &data, &sources(&["trickle"]), (tx, rx)).await;
+        assert!(bypassed["trickle"].starts_with("slow: "), "{bypassed:?}");
+        let served = from(&counts, "trickle");
+        assert!(
+            served <= PEER_SLOW_BLOCKS as u64 * u64::from(BS),
+            "bypassed within its first {PEER_SLOW_BLOCKS} blocks: {served} bytes"
+        );
+        assert_eq!(counts.coordinator, data.len() as u64 - served);
+        assert!(
+            started.elapsed() < sources(&[]).fallback_after,
+            "long before the fallback would have: {:?}",
+            started.elapsed()
+        );
+    }
+
+    /// An occasional slow block is not slowness: the peer keeps serving.
+    #[tokio::test(start_paused = true)]
+    async fn one_slow_block_does_not_make_a_peer_slow() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(20);
+        let spec = spec(dir.path(), &data);
+        let at = 5 * u64::from(BS);
+        let (tx, rx, _asked) = network(
+            data.clone(),
+            Serves::Good,
+            &[("p", Serves::SlowOnceAt(at, Duration::from_millis(2900)))],
+        );
+        let (counts, bypassed) = run_bypassing(&spec, &data, &sources(&["p"]), (tx, rx)).await;
+        assert!(bypassed.is_empty(), "{bypassed:?}");
+        assert_eq!(counts.peers, [("p".to_owned(), data.len() as u64)]);
+    }
+
+    /// The fetcher's own rate limit holds replies back (they wait in the channel while it
+    /// sleeps); that time is not the peer's.
+    #[tokio::test(start_paused = true)]
+    async fn the_fetchers_own_rate_limit_is_not_counted_against_a_peer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(16);
+        // One block a second with four asked at once: counted naively, the fourth reply of
+        // each round would look 3 s late.
+        let spec = FetchSpec {
+            max_bytes_per_sec: u64::from(BS),
+            ..spec(dir.path(), &data)
+        };
+        let (tx, rx, _asked) = network(data.clone(), Serves::Good, &[("p", Serves::Good)]);
+        let (counts, bypassed) = run_bypassing(&spec, &data, &sources(&["p"]), (tx, rx)).await;
+        assert!(bypassed.is_empty(), "{bypassed:?}");
+        assert_eq!(counts.peers, [("p".to_owned(), data.len() as u64)]);
     }
 
     #[tokio::test(start_paused = true)]

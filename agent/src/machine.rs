@@ -1063,6 +1063,7 @@ async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManif
         grant: if peers.is_empty() { None } else { grant },
         peers,
         peer_timeout: env.config.download.peer_timeout,
+        slow_block: env.config.download.peer_slow_block,
         fallback_after: env.config.download.peer_fallback_after,
         local,
     }

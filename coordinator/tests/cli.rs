@@ -136,6 +136,49 @@ fn keys_release_inspect_and_verify() {
     );
 }
 
+/// A block list over 0.1% of its artifact (docs/peers.md) still makes a release, with a
+/// warning on stderr naming the artifact, the block size and the overhead.
+#[test]
+fn release_create_warns_when_a_block_list_is_over_a_tenth_of_a_percent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = |p: &str| dir.path().join(p).to_string_lossy().into_owned();
+    ok(&["keygen", "--out", &d("keys")]);
+    fs::write(dir.path().join("rootfs.img"), vec![5u8; 1 << 20]).expect("artifact");
+    let create = |name: &str, block_size: &str| {
+        let out = flotilla(&[
+            "release",
+            "create",
+            "--data-dir",
+            &d("data"),
+            "--key",
+            &d("keys/release.key"),
+            "--name",
+            name,
+            "--version",
+            "1.0.0",
+            "--counter",
+            "1",
+            "--artifact",
+            &format!("rootfs={}", d("rootfs.img")),
+            "--block-size",
+            block_size,
+        ]);
+        assert!(out.status.success(), "{out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(stdout.starts_with("created "), "{stdout}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let warned = create("fw-small-blocks", "1024");
+    assert_eq!(
+        warned,
+        "warning: artifact rootfs.img (1048576 bytes): its block list at 1 KiB blocks is 32768 \
+         bytes, 3.1% of the artifact, over the 0.1% bound; --block-size 65536 would make it \
+         0.049%\n"
+    );
+    let quiet = create("fw-default-blocks", "65536");
+    assert_eq!(quiet, "", "0.049% is within the bound");
+}
+
 #[test]
 fn default_config_is_printable() {
     let text = ok(&["serve", "--print-default-config"]);

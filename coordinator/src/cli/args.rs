@@ -280,7 +280,10 @@ pub struct ReleaseCreateArgs {
     /// How long the release stays installable (s, m, h, d).
     #[arg(long, default_value = "365d")]
     pub expires_in: String,
-    /// Bytes per block of each artifact's block list (1024..=65536).
+    /// Bytes per block of each artifact's block list (1024..=65536). A list holds 32 bytes per
+    /// block: 0.049% of the artifact at 65536, 3.1% at 1024. The bound is 0.1%; `release
+    /// create` warns, naming the artifact, for every list over it (small blocks, or an
+    /// artifact under 32,000 bytes at any block size).
     #[arg(long, default_value_t = flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
     /// Sign a manifest without block lists, which agents older than block hashes can read

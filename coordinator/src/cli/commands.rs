@@ -615,6 +615,9 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 block_size: (!args.no_blocks).then_some(args.block_size),
             };
             let manifest = store.create(&new, &key, now())?;
+            for line in releases::block_list_overheads(&manifest) {
+                eprintln!("warning: {line}");
+            }
             println!(
                 "created {}",
                 store.release_path(&manifest.release.name).display()

@@ -25,7 +25,9 @@ use std::fs::{self, File};
 use std::io::{Read, Write as _};
 use std::path::{Path, PathBuf};
 
-use flotilla_protocol::blocks::{BlockIndexRef, BlockList, BlockListError};
+use flotilla_protocol::blocks::{
+    list_size, BlockIndexRef, BlockList, BlockListError, MAX_BLOCK_SIZE,
+};
 use flotilla_protocol::control::{ArtifactSummary, ReleaseSummary};
 use flotilla_protocol::manifest::{Manifest, ManifestBlocks, ManifestError};
 use flotilla_protocol::{envelope, hex, Artifact, DecodeError, Digest, IdError, ReleaseManifest};
@@ -659,10 +661,65 @@ pub fn render_manifest(full: &Manifest, signer: &[u8; 32]) -> String {
 /// The block size of a manifest's lists for `release list`: "64 KiB", or "none".
 pub fn block_size_label(manifest: &Manifest) -> String {
     match manifest.block_index(0) {
-        Some(index) if index.block_size % 1024 == 0 => format!("{} KiB", index.block_size / 1024),
-        Some(index) => format!("{} B", index.block_size),
+        Some(index) => block_size_text(index.block_size),
         None => "none".to_owned(),
     }
+}
+
+/// "64 KiB", or "1500 B" for a size that is not a whole number of KiB.
+fn block_size_text(block_size: u32) -> String {
+    if block_size.is_multiple_of(1024) {
+        format!("{} KiB", block_size / 1024)
+    } else {
+        format!("{block_size} B")
+    }
+}
+
+/// One line per artifact of `full` whose block list is over 0.1% of the artifact (the bound in
+/// docs/peers.md; a list is 32 bytes per block, 0.049% of the artifact at 64 KiB blocks),
+/// naming the artifact, the block size and the overhead, and whether the largest block size
+/// would keep it within the bound. `release create` prints them as warnings: such a list still
+/// works, it only costs every device more than the bound (small blocks, or an artifact under
+/// 32,000 bytes, where one 32-byte hash is already over 0.1%).
+pub fn block_list_overheads(full: &Manifest) -> Vec<String> {
+    let over = |list: u64, size: u64| u128::from(list) * 1000 > u128::from(size);
+    let percent = |list: u64, size: u64| {
+        let p = list as f64 * 100.0 / size as f64;
+        if p >= 1.0 {
+            format!("{p:.1}%")
+        } else {
+            format!("{p:.3}%")
+        }
+    };
+    let mut lines = Vec::new();
+    for (position, a) in full.release.artifacts.iter().enumerate() {
+        let Some(index) = full.block_index(position) else {
+            continue;
+        };
+        let list = list_size(a.size, index.block_size);
+        if !over(list, a.size) {
+            continue;
+        }
+        let largest = list_size(a.size, MAX_BLOCK_SIZE);
+        let hint = if index.block_size == MAX_BLOCK_SIZE || over(largest, a.size) {
+            "; no block size keeps an artifact this small within it".to_owned()
+        } else {
+            format!(
+                "; --block-size {MAX_BLOCK_SIZE} would make it {}",
+                percent(largest, a.size)
+            )
+        };
+        lines.push(format!(
+            "artifact {} ({} bytes): its block list at {} blocks is {} bytes, {} of the \
+             artifact, over the 0.1% bound{hint}",
+            a.name,
+            a.size,
+            block_size_text(index.block_size),
+            list,
+            percent(list, a.size),
+        ));
+    }
+    lines
 }
 
 enum WriteError {
@@ -854,6 +911,43 @@ mod tests {
             .verify(&path, &f.key.verifying_key())
             .expect_err("missing");
         assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn block_lists_over_a_tenth_of_a_percent_are_named_with_their_overhead() {
+        let f = fixture();
+        let small = f.app.with_file_name("boot.cfg");
+        fs::write(&small, [7u8; 9]).expect("write");
+        let mut new = new_release("fw-6", &f.app);
+        new.artifacts.push(format!("boot={}", small.display()));
+        // 4 KiB blocks: 25 hashes for 100,000 bytes.
+        let made = f.store.create(&new, &f.key, 0).expect("create");
+        assert_eq!(
+            block_list_overheads(&made),
+            [
+                "artifact app.bin (100000 bytes): its block list at 4 KiB blocks is 800 bytes, \
+                 0.800% of the artifact, over the 0.1% bound; --block-size 65536 would make it \
+                 0.064%",
+                "artifact boot.cfg (9 bytes): its block list at 4 KiB blocks is 32 bytes, 355.6% \
+                 of the artifact, over the 0.1% bound; no block size keeps an artifact this \
+                 small within it",
+            ]
+        );
+        // At 64 KiB blocks the large artifact is within the bound (0.064%), the small one
+        // cannot be; without block lists there is nothing to say.
+        new.name = "fw-7".into();
+        new.block_size = Some(65536);
+        let made = f.store.create(&new, &f.key, 0).expect("create");
+        let lines = block_list_overheads(&made);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].starts_with("artifact boot.cfg (9 bytes)"),
+            "{lines:?}"
+        );
+        new.name = "fw-8".into();
+        new.block_size = None;
+        let made = f.store.create(&new, &f.key, 0).expect("create");
+        assert!(block_list_overheads(&made).is_empty());
     }
 
     #[test]
