@@ -269,6 +269,9 @@ for n in $sizes; do
   wait "$registry_pid" || true
   wait "$loaded_pid" || true
   say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s); marker back (changes accepted) after $(cat "$dir/loaded.out") s"
+  # Where the restart's time went before the coordinator connected (its start-up log line).
+  say "restart before connecting: $(grep 'coordinator starting' "$dir/coordinator.log" | tail -1 |
+    grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
   stop_coordinator
   restarted=""
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
