@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The peer benchmark: one site of 1, 4 and 16 agents on a site Mosquitto bridged to a central
-# Mosquitto, the coordinator on the central one, peer sharing off and on. For each run: bytes the
+# Mosquitto, the coordinator on the central one, peer sharing off and on (the same release, with
+# block lists, and the same rollout but for its site policy). For each run: bytes the
 # coordinator's block server sent, payload bytes that crossed the bridge (every device topic seen
 # on the central broker), and seconds from the rollout's start to its last Ready.
 #

@@ -762,8 +762,9 @@ async fn bench_site() {
         .wait_bridged(flotilla_tests::site::plain(site.port))
         .await;
     site.agent_broker = Some(broker.agent_broker());
-    let flags: &[&str] = if share { &[] } else { &["--no-blocks"] };
-    site.release_with("fw-2", 2, &content, flags);
+    // The same release either way (block lists, as `release create` makes them): the runs
+    // differ only in the rollout's site policy.
+    site.release_with("fw-2", 2, &content, &[]);
     site.start_coordinator();
     for id in &devices {
         let options = AgentOptions {

@@ -826,6 +826,24 @@ impl Engine {
         };
         let r = &mut entry.rollout;
         let group = r.groups[gi].name.clone();
+        // Later devices of the site are not sent to a peer that failed one of them.
+        for b in bypassed {
+            if r.drop_holder(gi, device, &b.peer) {
+                let site = r.groups[gi].slots.get(device).and_then(|s| s.site.clone());
+                let message = format!(
+                    "peer {} is no longer offered to site {}: {device} bypassed it",
+                    b.peer,
+                    site.unwrap_or_default()
+                );
+                r.record(
+                    now,
+                    Decision::new(TraceKind::Note, message)
+                        .group(&group)
+                        .device(device),
+                    &mut out,
+                );
+            }
+        }
         for b in bypassed.iter().take(Self::BYPASSED_TRACED) {
             let message = format!("{device} bypassed peer {}: {}", b.peer, b.reason);
             r.record(

@@ -682,6 +682,10 @@ pub struct SiteState {
     /// they first did (the newest last), at most [`crate::plan::MAX_PEERS`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub holders: Vec<String>,
+    /// Holders taken out because a device of the site bypassed them, never offered again in
+    /// this rollout; the newest [`super::sites::DROPPED_KEPT`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dropped: Vec<String>,
 }
 
 impl Rollout {

@@ -20,6 +20,9 @@ use flotilla_protocol::Phase;
 use super::model::{DevicePhase, GroupState, Rollout, SiteCounts};
 pub(crate) use super::queues::SiteWhy;
 use crate::plan::MAX_PEERS;
+
+/// How many holders a site remembers having taken out (`SiteState::dropped`).
+pub const DROPPED_KEPT: usize = 64;
 use crate::window::utc_text;
 
 /// A reported phase that means the device holds the release's artifacts verified.
@@ -175,7 +178,7 @@ impl Rollout {
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
-            if state.holders.iter().any(|h| h == device) {
+            if state.holders.iter().chain(&state.dropped).any(|h| h == device) {
                 return false;
             }
             state.holders.push(device.to_owned());
@@ -192,6 +195,37 @@ impl Rollout {
             state.holders.retain(|h| h != device);
         }
         false
+    }
+
+    /// Takes `peer` out of the holders of `device`'s site (device `device` of group `gi`
+    /// bypassed it: a block that failed its hash, no answer, too slow): the site's later devices
+    /// are sent to its other holders, or to the coordinator. True when it was a holder. Only the
+    /// reporting device's own site is touched. The peer is not taken back when it reports
+    /// holding the release again (`Ready` after `Verified`).
+    pub(crate) fn drop_holder(&mut self, gi: usize, device: &str, peer: &str) -> bool {
+        let Some(site) = self.groups[gi]
+            .slots
+            .get(device)
+            .and_then(|s| s.site.clone())
+        else {
+            return false;
+        };
+        let Some(state) = self.sites.get_mut(&site) else {
+            return false;
+        };
+        let before = state.holders.len();
+        state.holders.retain(|h| h != peer);
+        if state.holders.len() == before {
+            return false;
+        }
+        state.dropped.push(peer.to_owned());
+        if state.dropped.len() > DROPPED_KEPT {
+            state.dropped.remove(0);
+        }
+        // Devices waiting for their site look again (with other peers, or as a new seed).
+        self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
+        self.groups[gi].cache.touch(&site);
+        true
     }
 
     /// The words of a site's wait, with the numbers.

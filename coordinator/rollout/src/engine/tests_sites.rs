@@ -439,6 +439,55 @@ fn a_seed_fetches_first_and_the_site_then_fetches_from_it() {
 }
 
 #[test]
+fn a_peer_a_device_bypassed_is_no_longer_offered_to_its_site() {
+    let mut s = Sites::new(fleet(6, 0, 0));
+    s.create_and_start(&sharing("10m"));
+    s.report("h00", Phase::Verified);
+    assert_eq!(
+        s.sent[1..],
+        [
+            ("h01".to_owned(), vec!["h00".to_owned()]),
+            ("h02".to_owned(), vec!["h00".to_owned()]),
+        ]
+    );
+    // h01's final report says the seed served a block that failed its hash.
+    let bypassed = [flotilla_protocol::BypassedPeer {
+        peer: "h00".into(),
+        reason: "block 3 failed its hash".into(),
+    }];
+    let action = s.action["h01"].clone();
+    let effects = s.engine.observe_bypassed("h01", &action, &bypassed, s.now);
+    s.take(effects);
+    s.report("h01", Phase::Ready);
+    assert_eq!(
+        s.sent[3],
+        ("h03".to_owned(), vec!["h01".to_owned()]),
+        "the next device is sent to the other holder only"
+    );
+    // Across a restart, and when it finishes: the bypassed peer is not offered again.
+    s.restart();
+    s.report("h00", Phase::Ready);
+    s.report("h02", Phase::Ready);
+    // (The restart re-sends h02's action as it was; only devices starting now count.)
+    let before: Vec<String> = s.sent[..4].iter().map(|(d, _)| d.clone()).collect();
+    let later: Vec<&(String, Vec<String>)> = s.sent[4..]
+        .iter()
+        .filter(|(d, _)| !before.contains(d))
+        .collect();
+    assert!(!later.is_empty(), "{:?}", s.sent);
+    for (device, peers) in later {
+        assert!(!peers.contains(&"h00".to_owned()), "{device} was sent to h00: {peers:?}");
+    }
+    let trace = s.trace();
+    assert!(
+        trace
+            .iter()
+            .any(|m| m == "peer h00 is no longer offered to site harbour: h01 bypassed it"),
+        "{trace:?}"
+    );
+}
+
+#[test]
 fn a_failed_seed_is_replaced_and_a_silent_one_is_waited_for_only_so_long() {
     let mut s = Sites::new(fleet(4, 0, 0));
     s.create_and_start(&sharing("5m"));
