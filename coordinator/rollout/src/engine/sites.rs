@@ -178,7 +178,12 @@ impl Rollout {
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
-            if state.holders.iter().chain(&state.dropped).any(|h| h == device) {
+            if state
+                .holders
+                .iter()
+                .chain(&state.dropped)
+                .any(|h| h == device)
+            {
                 return false;
             }
             state.holders.push(device.to_owned());

@@ -476,7 +476,10 @@ fn a_peer_a_device_bypassed_is_no_longer_offered_to_its_site() {
         .collect();
     assert!(!later.is_empty(), "{:?}", s.sent);
     for (device, peers) in later {
-        assert!(!peers.contains(&"h00".to_owned()), "{device} was sent to h00: {peers:?}");
+        assert!(
+            !peers.contains(&"h00".to_owned()),
+            "{device} was sent to h00: {peers:?}"
+        );
     }
     let trace = s.trace();
     assert!(
