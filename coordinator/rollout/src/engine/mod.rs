@@ -826,46 +826,28 @@ impl Engine {
         };
         let r = &mut entry.rollout;
         let group = r.groups[gi].name.clone();
+        let mut notes = Vec::new();
         // Later devices of the site are not sent to a peer that failed one of them.
         for b in bypassed {
-            if r.drop_holder(gi, device, &b.peer) {
-                let site = r.groups[gi].slots.get(device).and_then(|s| s.site.clone());
-                let message = format!(
-                    "peer {} is no longer offered to site {}: {device} bypassed it",
-                    b.peer,
-                    site.unwrap_or_default()
-                );
-                r.record(
-                    now,
-                    Decision::new(TraceKind::Note, message)
-                        .group(&group)
-                        .device(device),
-                    &mut out,
-                );
+            if let Some(site) = r.drop_holder(gi, device, &b.peer) {
+                notes.push(format!(
+                    "peer {} is no longer offered to site {site}: {device} bypassed it",
+                    b.peer
+                ));
             }
         }
         for b in bypassed.iter().take(Self::BYPASSED_TRACED) {
-            let message = format!("{device} bypassed peer {}: {}", b.peer, b.reason);
-            r.record(
-                now,
-                Decision::new(TraceKind::Note, message)
-                    .group(&group)
-                    .device(device),
-                &mut out,
-            );
+            notes.push(format!("{device} bypassed peer {}: {}", b.peer, b.reason));
         }
         if bypassed.len() > Self::BYPASSED_TRACED {
-            let message = format!(
+            notes.push(format!(
                 "{device} bypassed {} more peers",
                 bypassed.len() - Self::BYPASSED_TRACED
-            );
-            r.record(
-                now,
-                Decision::new(TraceKind::Note, message)
-                    .group(&group)
-                    .device(device),
-                &mut out,
-            );
+            ));
+        }
+        for message in notes {
+            let decision = Decision::new(TraceKind::Note, message).group(&group);
+            r.record(now, decision.device(device), &mut out);
         }
         self.dirty.insert(rollout.to_owned());
         out.into_effects()

@@ -165,16 +165,10 @@ impl Rollout {
         if !self.spec.policies.sites.as_ref().is_some_and(|p| p.peers) {
             return false;
         }
-        let Some(site) = self.groups[gi]
-            .slots
-            .get(device)
-            .and_then(|s| s.site.clone())
-        else {
+        let Some(site) = self.site_of(gi, device) else {
             return false;
         };
-        // Devices waiting for their site may start now (or with other peers).
-        self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
-        self.groups[gi].cache.touch(&site);
+        self.holders_changed(gi, &site);
         let state = self.sites.entry(site).or_default();
         let had = state.holders.is_empty();
         if holds_release(phase) {
@@ -204,33 +198,35 @@ impl Rollout {
 
     /// Takes `peer` out of the holders of `device`'s site (device `device` of group `gi`
     /// bypassed it: a block that failed its hash, no answer, too slow): the site's later devices
-    /// are sent to its other holders, or to the coordinator. True when it was a holder. Only the
-    /// reporting device's own site is touched. The peer is not taken back when it reports
-    /// holding the release again (`Ready` after `Verified`).
-    pub(crate) fn drop_holder(&mut self, gi: usize, device: &str, peer: &str) -> bool {
-        let Some(site) = self.groups[gi]
-            .slots
-            .get(device)
-            .and_then(|s| s.site.clone())
-        else {
-            return false;
-        };
-        let Some(state) = self.sites.get_mut(&site) else {
-            return false;
-        };
+    /// are sent to its other holders, or to the coordinator. The site, when `peer` was one of its
+    /// holders. Only the reporting device's own site is touched. The peer is not taken back when
+    /// it reports holding the release again (`Ready` after `Verified`).
+    pub(crate) fn drop_holder(&mut self, gi: usize, device: &str, peer: &str) -> Option<String> {
+        let site = self.site_of(gi, device)?;
+        let state = self.sites.get_mut(&site)?;
         let before = state.holders.len();
         state.holders.retain(|h| h != peer);
         if state.holders.len() == before {
-            return false;
+            return None;
         }
         state.dropped.push(peer.to_owned());
         if state.dropped.len() > DROPPED_KEPT {
             state.dropped.remove(0);
         }
-        // Devices waiting for their site look again (with other peers, or as a new seed).
-        self.groups[gi].cache.changes = self.groups[gi].cache.changes.wrapping_add(1);
-        self.groups[gi].cache.touch(&site);
-        true
+        self.holders_changed(gi, &site);
+        Some(site)
+    }
+
+    /// The site of a device of group `gi`, as planned.
+    fn site_of(&self, gi: usize, device: &str) -> Option<String> {
+        self.groups[gi].slots.get(device)?.site.clone()
+    }
+
+    /// A site's holders changed: devices waiting for it may start now (or with other peers).
+    fn holders_changed(&mut self, gi: usize, site: &str) {
+        let cache = &mut self.groups[gi].cache;
+        cache.changes = cache.changes.wrapping_add(1);
+        cache.touch(site);
     }
 
     /// The words of a site's wait, with the numbers.
