@@ -1448,8 +1448,13 @@ impl Rollout {
         };
         let attempt = slot.attempt.max(1);
         let reason = failure.reason().unwrap_or_default().to_owned();
-        // An ended rollout sends nothing more: its failures are final.
-        let retryable = !matches!(failure, DevicePhase::Refused(_)) && !self.state.is_terminal();
+        // An ended rollout sends nothing more: its failures are final. Nor does a canceled
+        // action that failed afterwards (it was past activation): the device was taken over by
+        // another rollout, or this one stopped; a retry would send this rollout's install over
+        // whatever the device was sent since.
+        let retryable = !matches!(failure, DevicePhase::Refused(_))
+            && !self.state.is_terminal()
+            && slot.phase != DevicePhase::Canceled;
         if let Some(r) = retry.filter(|r| retryable && attempt <= r.attempts) {
             let delay = r.backoff.saturating_mul(1u64 << (attempt - 1).min(20));
             slot.retry_at = Some(now + delay);

@@ -28,6 +28,7 @@
 mod advance;
 pub mod model;
 mod names;
+mod owed;
 mod queues;
 mod sites;
 mod status;
@@ -296,42 +297,6 @@ impl Entry {
     }
 }
 
-/// Orders re-published actions so that a device's live action goes out after the cancels of
-/// older rollouts: the last one published is the one its retained `desired` topic keeps.
-fn cancels_first(effects: &mut [Effect]) {
-    effects.sort_by_key(|e| !matches!(e, Effect::Cancel { .. }));
-}
-
-/// The effect that re-publishes what a device's slot in rollout `r` last sent it, if any.
-fn reissue_slot(r: &Rollout, device: &str, slot: &Slot) -> Option<Effect> {
-    if slot.deleted {
-        return None;
-    }
-    let id = r.attempt_id(device, slot.attempt);
-    match &slot.phase {
-        DevicePhase::InProgress(p) if p == model::ROLLING_BACK => Some(Effect::Rollback {
-            device: device.to_owned(),
-            action_id: rollback_action_id(&r.name, r.created_at, device),
-            rollout: r.name.clone(),
-            undo: id,
-        }),
-        DevicePhase::InProgress(_) if r.state.is_active() => Some(Effect::Desired {
-            device: device.to_owned(),
-            action_id: id,
-            rollout: r.name.clone(),
-            release: r.release.name.clone(),
-            action: r.spec.policies.action,
-            peers: slot.peers.clone(),
-        }),
-        DevicePhase::Canceled if !r.state.is_active() && slot.attempt > 0 => Some(Effect::Cancel {
-            device: device.to_owned(),
-            action_id: id,
-            rollout: r.name.clone(),
-        }),
-        _ => None,
-    }
-}
-
 /// The rollout engine. See the module documentation.
 pub struct Engine {
     /// Time zone rules for maintenance windows.
@@ -351,6 +316,9 @@ pub struct Engine {
     device_groups: Vec<DeviceGroup>,
     /// The registry's shared strings.
     names: Names,
+    /// Actions sent to devices so far (installs, rollbacks, cancels), stamped on the slot of
+    /// each as it is sent (`owed.rs`).
+    sends: u64,
 }
 
 impl fmt::Debug for Engine {
@@ -375,6 +343,7 @@ impl Engine {
             dirty: BTreeSet::new(),
             device_groups: Vec::new(),
             names: Names::default(),
+            sends: 0,
         }
     }
 
@@ -382,6 +351,7 @@ impl Engine {
     /// empty and refills from the retained state topics.
     pub fn restore(rollouts: Vec<Rollout>, zones: impl ZoneSource + Send + Sync + 'static) -> Self {
         let mut engine = Self::new(zones);
+        engine.sends = owed::last_sent(rollouts.iter());
         for mut r in rollouts {
             if r.state.is_active() {
                 for g in &r.groups {
@@ -410,50 +380,6 @@ impl Engine {
         engine
     }
 
-    /// Re-publishes what a crash may have kept from being published: desired actions of every
-    /// live device of active rollouts, rollbacks in flight, cancels of stopped ones. Idempotent
-    /// (same action ids, retained); never starts a group.
-    pub fn reissue(&mut self, _now: u64) -> Vec<Effect> {
-        let mut effects = Vec::new();
-        for entry in self.rollouts.values() {
-            let r = &entry.rollout;
-            for g in r.groups.iter().filter(|g| g.state != GroupState::Scheduled) {
-                for (device, slot) in &g.slots {
-                    effects.extend(reissue_slot(r, device, slot));
-                }
-            }
-            for a in &r.approvals {
-                effects.push(Effect::Approval(a.clone()));
-            }
-        }
-        cancels_first(&mut effects);
-        effects
-    }
-
-    /// What [`Engine::reissue`] would publish for one device: the actions its retained
-    /// `desired` topic should hold. Used when that topic is found holding something else.
-    pub fn reissue_device(&self, device: &str) -> Vec<Effect> {
-        let mut effects = Vec::new();
-        for entry in self.rollouts.values() {
-            let Some(&gi) = entry.index.get(device) else {
-                continue;
-            };
-            let r = &entry.rollout;
-            let Some(group) = r
-                .groups
-                .get(gi)
-                .filter(|g| g.state != GroupState::Scheduled)
-            else {
-                continue;
-            };
-            if let Some(slot) = group.slots.get(device) {
-                effects.extend(reissue_slot(r, device, slot));
-            }
-        }
-        cancels_first(&mut effects);
-        effects
-    }
-
     /// Advances one rollout with the engine's device knowledge, then applies what it decided
     /// across rollouts (owners, preemption).
     fn advance(&mut self, name: &str, now: u64, out: &mut Out) {
@@ -479,52 +405,6 @@ impl Engine {
                 }
             }
         }
-    }
-
-    /// Applies claims, releases and preemptions collected in `out`; returns the rollouts that
-    /// lost a device and must be advanced again.
-    fn apply_bookkeeping(&mut self, now: u64, out: &mut Out) -> Vec<String> {
-        for (device, rollout) in std::mem::take(&mut out.releases) {
-            if self.owners.get(&device).is_some_and(|(r, _)| *r == rollout) {
-                self.owners.remove(&device);
-            }
-        }
-        for (device, rollout, weight) in std::mem::take(&mut out.claims) {
-            self.owners.insert(device, (rollout, weight));
-        }
-        for (device, rollout) in std::mem::take(&mut out.left) {
-            if let Some(entry) = self.rollouts.get_mut(&rollout) {
-                entry.index.remove(&device);
-            }
-        }
-        let mut touched = Vec::new();
-        for (other, device, by) in std::mem::take(&mut out.preempt) {
-            let Some(entry) = self.rollouts.get_mut(&other) else {
-                continue;
-            };
-            let Some(&gi) = entry.index.get(&device) else {
-                continue;
-            };
-            let r = &mut entry.rollout;
-            let group = &mut r.groups[gi];
-            if group
-                .slots
-                .get(&device)
-                .is_some_and(|s| !s.phase.is_terminal())
-            {
-                group.set_phase(&device, DevicePhase::Canceled);
-                if let Some(slot) = group.slots.get_mut(&device) {
-                    slot.ended_at = Some(now);
-                }
-                let message =
-                    format!("device {device}: action canceled, rollout {by} took the device over");
-                let gname = r.groups[gi].name.clone();
-                let decision = Decision::new(TraceKind::DeviceTakenOver, message);
-                r.record(now, decision.group(&gname).device(&device), out);
-                touched.push(other.clone());
-            }
-        }
-        touched
     }
 
     /// A device's retained state: updates the registry, and if its current action belongs to a
@@ -569,7 +449,7 @@ impl Engine {
         if !known {
             self.join_dynamic_groups(&state.device_id, now, &mut out);
         }
-        out.into_effects()
+        self.emit(out)
     }
 
     /// A device the registry did not hold: rollouts with a dynamic group that never saw it
@@ -649,7 +529,7 @@ impl Engine {
             now,
             &mut out,
         );
-        out.into_effects()
+        self.emit(out)
     }
 
     /// Routes a device's phase for an action to its rollout and group. Anything that is not the
@@ -805,24 +685,24 @@ impl Engine {
     ) -> Vec<Effect> {
         let mut out = Out::default();
         if bypassed.is_empty() {
-            return out.into_effects();
+            return self.emit(out);
         }
         let Some((rollout, created_at, for_device, ActionPart::Attempt(_))) =
             parse_action_id(action_id)
         else {
-            return out.into_effects();
+            return self.emit(out);
         };
         if for_device != device {
-            return out.into_effects();
+            return self.emit(out);
         }
         let Some(entry) = self.rollouts.get_mut(rollout) else {
-            return out.into_effects();
+            return self.emit(out);
         };
         if entry.rollout.created_at != created_at {
-            return out.into_effects();
+            return self.emit(out);
         }
         let Some(&gi) = entry.index.get(device) else {
-            return out.into_effects();
+            return self.emit(out);
         };
         let r = &mut entry.rollout;
         let group = r.groups[gi].name.clone();
@@ -850,7 +730,7 @@ impl Engine {
             r.record(now, decision.device(device), &mut out);
         }
         self.dirty.insert(rollout.to_owned());
-        out.into_effects()
+        self.emit(out)
     }
     /// Where the bytes of a device's action came from, from its final report: stored in the
     /// device's slot and summed per rollout and per site in the status. Anything that is not the
@@ -1059,7 +939,7 @@ impl Engine {
         rollout.state = RolloutState::Ready;
         self.rollouts
             .insert(name, Entry::new(rollout, &*self.zones));
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// KubeFleet: concurrent staged runs over the same devices must use identical strategies.
@@ -1184,7 +1064,7 @@ impl Engine {
         }
         self.cancel_older_scheduled(name, now, &mut out);
         self.advance(name, now, &mut out);
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// hawkBit: a newer rollout cancels the older rollouts' scheduled (never sent) actions on
@@ -1249,7 +1129,7 @@ impl Engine {
             Decision::new(TraceKind::Paused, message).by(by),
             &mut out,
         );
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// paused -> running. A group in error, or whose success action paused the rollout, counts
@@ -1309,7 +1189,7 @@ impl Engine {
             }
         }
         self.advance(name, now, &mut out);
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Stops a rollout for good: no group starts again and every unfinished device ends by its
@@ -1339,7 +1219,7 @@ impl Engine {
             &mut out,
         );
         self.apply_bookkeeping(now, &mut out);
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Approves an approval request by name; approving twice is harmless.
@@ -1401,7 +1281,7 @@ impl Engine {
         let decision = Decision::new(TraceKind::Approved, message).by(by);
         r.record(now, decision.group(&gname), &mut out);
         self.advance(&rollout, now, &mut out);
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Every approval request, pending and approved.
@@ -1464,7 +1344,7 @@ impl Engine {
             }
             r.grant(&approval, last, "before", &how, now, &mut out);
             self.advance(name, now, &mut out);
-            return Ok(out.into_effects());
+            return Ok(self.emit(out));
         }
         if last + 1 >= r.groups.len() || r.groups[last + 1].dynamic {
             return Err(EngineError::Conflict(format!(
@@ -1499,7 +1379,7 @@ impl Engine {
         let decision = Decision::new(TraceKind::NextTriggered, message).by(by);
         r.record(now, decision.group(&gname), &mut out);
         self.advance(name, now, &mut out);
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Creates a rollout (ready, not started) over the failed, refused and timed-out devices of
@@ -1614,7 +1494,7 @@ impl Engine {
         rollout.record(now, decision, &mut out);
         self.rollouts
             .insert(new_name, Entry::new(rollout, &*self.zones));
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Forgets a device: it leaves the registry. As in hawkBit, it leaves a running group at
@@ -1727,7 +1607,7 @@ impl Engine {
         for name in touched {
             self.advance(&name, now, &mut out);
         }
-        Ok(out.into_effects())
+        Ok(self.emit(out))
     }
 
     /// Timers: start times, soak, retries, timeouts, offline grace, timed waits, windows and
@@ -1762,7 +1642,7 @@ impl Engine {
                 out.touch(&name);
             }
         }
-        out.into_effects()
+        self.emit(out)
     }
 
     /// The earliest time at which [`Engine::tick`] has a timer to act on (a start time, a timed
@@ -2150,6 +2030,8 @@ mod tests;
 mod tests_commands;
 #[cfg(test)]
 mod tests_features;
+#[cfg(test)]
+mod tests_owed;
 #[cfg(test)]
 mod tests_property;
 #[cfg(test)]

@@ -291,6 +291,16 @@ pub struct Slot {
     /// The peers the device's current attempt was told to fetch from (re-sent as they were).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<String>,
+    /// When this slot last sent the device something (an install, a rollback or a cancel), in
+    /// the engine's count of actions sent to any device: the slot with the highest is the one
+    /// whose action the device's retained `desired` topic holds (`owed.rs`). 0 for nothing
+    /// sent, and in rollouts stored before it was counted.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub sent: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Phase name of a deleted device still listed in its group (hawkBit's "not started").
@@ -311,6 +321,7 @@ impl Slot {
             site: None,
             bytes: None,
             peers: Vec::new(),
+            sent: 0,
         }
     }
 

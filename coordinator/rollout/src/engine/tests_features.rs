@@ -137,6 +137,11 @@ impl Bench {
             .get(device)
             .cloned()
             .expect("device has an action");
+        self.report_on(device, action_id, phase);
+    }
+
+    /// A report on `action_id`, which need not be the last action the device was sent.
+    pub(super) fn report_on(&mut self, device: &str, action_id: String, phase: Phase) {
         let rollout = action_id.split('@').next().unwrap_or_default().to_owned();
         let seq = self.seq.entry(device.to_owned()).or_insert(0);
         *seq += 1;

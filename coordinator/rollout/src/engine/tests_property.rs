@@ -14,10 +14,15 @@
 //! - a stopped or failed rollout sends no install, and a rollback only after the rollback error
 //!   action;
 //! - once the operators let everything finish, every rollout has ended and every device is in
-//!   a final phase.
+//!   a final phase;
+//! - what the engine owes a device (what a restart or a repair of its retained `desired` topic
+//!   publishes) is at most one action, and always the one the device's retained `desired` topic
+//!   already holds: the newest action any rollout sent it. Rollouts over the same devices are
+//!   created, stopped and started while devices are offline (they read their retained action when
+//!   they come back), so an old rollout's cancel is never published over a newer action.
 //!
 //! A small xorshift generator keeps it dependency-free; a failure prints the seed and the step
-//! (`FLOTILLA_SEED=n` runs that one seed).
+//! (`FLOTILLA_SEED=n` runs that one seed; `FLOTILLA_TRACE=d3` adds what is known of device d3).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -58,6 +63,9 @@ struct Agent {
     stage: usize,
     queued: Option<(String, bool)>,
     seq: u64,
+    /// Actions it ran to an end: as a real agent, it never applies an action id twice (its
+    /// retained `desired` topic may hold one it finished when it comes back online).
+    done: HashSet<String>,
 }
 
 /// Install phases in order; from index 3 (`activated`) a cancel is ignored.
@@ -84,6 +92,14 @@ struct World {
     ended: HashSet<String>,
     /// (rollout, device) -> whether it was not yet started at the last check.
     scheduled: HashMap<(String, String), bool>,
+    /// Device id -> the last action published on its retained `desired` topic (install,
+    /// rollback, cancel, or the "nothing to do" of a forget).
+    retained: BTreeMap<String, Effect>,
+    /// Devices offline: they miss what is published and read their retained action when they
+    /// come back.
+    offline: HashSet<String>,
+    /// Rollouts created besides `r` and its retries.
+    made: usize,
     step: usize,
     seed: u64,
 }
@@ -117,6 +133,28 @@ fn state(id: &str) -> DeviceState {
     }
 }
 
+/// The device whose retained `desired` topic an effect publishes on.
+fn published_on(e: &Effect) -> Option<&str> {
+    match e {
+        Effect::Desired { device, .. }
+        | Effect::Rollback { device, .. }
+        | Effect::Cancel { device, .. }
+        | Effect::Forget { device } => Some(device),
+        _ => None,
+    }
+}
+
+/// What a published action is, for messages: `install r@…:d1`, `cancel r@…:d1`…
+fn label(e: &Effect) -> String {
+    match e {
+        Effect::Desired { action_id, .. } => format!("install {action_id}"),
+        Effect::Rollback { action_id, .. } => format!("rollback {action_id}"),
+        Effect::Cancel { action_id, .. } => format!("cancel {action_id}"),
+        Effect::Forget { .. } => "nothing to do".into(),
+        other => format!("{other:?}"),
+    }
+}
+
 impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
@@ -140,6 +178,9 @@ impl World {
             forced: HashSet::new(),
             ended: HashSet::new(),
             scheduled: HashMap::new(),
+            retained: BTreeMap::new(),
+            offline: HashSet::new(),
+            made: 0,
             step: 0,
             seed,
         };
@@ -148,9 +189,40 @@ impl World {
     }
 
     fn fail(&self, what: &str) -> ! {
+        if let Ok(device) = std::env::var("FLOTILLA_TRACE") {
+            self.dump(&device);
+        }
         panic!(
             "seed {} step {}: {what}\nrerun with FLOTILLA_SEED={}",
             self.seed, self.step, self.seed
+        );
+    }
+
+    /// What the engine and the world know of one device (`FLOTILLA_TRACE=d3` prints it with a
+    /// failure): its slot in every rollout, the decisions naming it, the agent, the topic.
+    fn dump(&self, device: &str) {
+        for r in self.engine.rollouts() {
+            for g in &r.groups {
+                if let Some(s) = g.slots.get(device) {
+                    eprintln!(
+                        "{} ({}) group {}: {:?}, attempt {}, sent {}",
+                        r.name, r.state, g.name, s.phase, s.attempt, s.sent
+                    );
+                }
+            }
+            for t in r.trace.iter().filter(|t| t.message.contains(device)) {
+                eprintln!("{} at {}: {}", r.name, t.at, t.message);
+            }
+        }
+        let agent = self
+            .agents
+            .get(device)
+            .map(|a| (&a.action, a.rollback, a.stage, &a.queued));
+        eprintln!(
+            "agent {agent:?}, offline {}, owner {:?}, retained {:?}",
+            self.offline.contains(device),
+            self.engine.owners.get(device),
+            self.retained.get(device).map(label)
         );
     }
 
@@ -217,6 +289,12 @@ impl World {
         if rng.chance(40) {
             spec.policies.soak = 30 * (1 + rng.below(20));
         }
+        if rng.chance(30) {
+            spec.policies.weight = 400 + 100 * rng.below(3) as u32;
+        }
+        if rng.chance(30) {
+            spec.policies.offline = crate::plan::OfflinePolicy::Skip;
+        }
         if rng.chance(40) {
             spec.policies.timeout = Some(300 * (1 + rng.below(6)));
         }
@@ -247,33 +325,57 @@ impl World {
 
     fn take(&mut self, effects: Vec<Effect>) {
         for e in effects {
-            match e {
-                Effect::Desired {
-                    device, action_id, ..
-                } => self.deliver(&device, action_id, false),
-                Effect::Rollback {
-                    device, action_id, ..
-                } => self.deliver(&device, action_id, true),
-                Effect::Cancel {
-                    device, action_id, ..
-                } => {
-                    let Some(agent) = self.agents.get_mut(&device) else {
-                        continue;
-                    };
-                    if agent.queued.as_ref().is_some_and(|(q, _)| *q == action_id) {
-                        agent.queued = None;
-                    }
-                    if agent.action.as_deref() == Some(action_id.as_str())
-                        && !agent.rollback
-                        && agent.stage < POINT_OF_NO_RETURN
-                    {
-                        self.report(&device, Phase::Canceled);
-                        self.finish(&device);
-                    }
-                }
-                _ => {}
+            let Some(device) = published_on(&e) else {
+                continue;
+            };
+            let device = device.to_owned();
+            self.retained.insert(device.clone(), e.clone());
+            if !self.offline.contains(&device) {
+                self.receive(&device, e);
             }
         }
+    }
+
+    /// An online agent reads an action from its `desired` topic.
+    fn receive(&mut self, device: &str, e: Effect) {
+        match e {
+            Effect::Desired { action_id, .. } => self.deliver(device, action_id, false),
+            Effect::Rollback { action_id, .. } => self.deliver(device, action_id, true),
+            Effect::Cancel { action_id, .. } => {
+                let Some(agent) = self.agents.get_mut(device) else {
+                    return;
+                };
+                if agent.queued.as_ref().is_some_and(|(q, _)| *q == action_id) {
+                    agent.queued = None;
+                }
+                if agent.action.as_deref() == Some(action_id.as_str())
+                    && !agent.rollback
+                    && agent.stage < POINT_OF_NO_RETURN
+                {
+                    self.report(device, Phase::Canceled);
+                    self.finish(device);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A device goes offline, or comes back and reads its retained `desired` topic.
+    fn toggle_online(&mut self, device: &str) {
+        let online = self.offline.remove(device);
+        if !online {
+            self.offline.insert(device.to_owned());
+        }
+        let mut s = state(device);
+        s.online = online;
+        if online {
+            if let Some(e) = self.retained.get(device).cloned() {
+                self.receive(device, e);
+            }
+        }
+        let effects = self.engine.observe_state(s, self.now);
+        self.check_effects(&effects);
+        self.take(effects);
     }
 
     /// An agent gets a desired action: it supersedes one that has not passed activation (the
@@ -282,14 +384,16 @@ impl World {
         let Some(agent) = self.agents.get_mut(device) else {
             return;
         };
-        if agent.action.as_deref() == Some(action_id.as_str()) {
+        if agent.action.as_deref() == Some(action_id.as_str()) || agent.done.contains(&action_id) {
             return;
         }
         match &agent.action {
             Some(_) if agent.rollback || agent.stage >= POINT_OF_NO_RETURN => {
                 agent.queued = Some((action_id, rollback));
             }
-            Some(_) => {
+            Some(old) => {
+                let old = old.clone();
+                agent.done.insert(old);
                 self.report(device, Phase::Canceled);
                 self.begin(device, action_id, rollback);
             }
@@ -308,7 +412,7 @@ impl World {
 
     fn finish(&mut self, device: &str) {
         let queued = self.agents.get_mut(device).and_then(|agent| {
-            agent.action = None;
+            agent.done.extend(agent.action.take());
             agent.queued.take()
         });
         if let Some((id, rollback)) = queued {
@@ -342,7 +446,7 @@ impl World {
         let Some(agent) = self.agents.get(device).cloned() else {
             return;
         };
-        if agent.action.is_none() {
+        if agent.action.is_none() || self.offline.contains(device) {
             return;
         }
         if agent.rollback {
@@ -403,31 +507,31 @@ impl World {
             return;
         };
         let result = match roll {
-            0..=39 => {
+            0..=35 => {
                 let device = self.pick(&self.devices.clone());
                 if let Some(d) = device {
                     self.agent_step(&d);
                 }
                 return;
             }
-            40..=49 => {
+            36..=44 => {
                 self.now += 1 + self.rng.below(900);
                 let effects = self.engine.tick(self.now);
                 self.check_effects(&effects);
                 self.take(effects);
                 return;
             }
-            50..=54 => self.engine.start(&name, now),
-            55..=59 => self.engine.pause(&name, now),
-            60..=64 => {
+            45..=49 => self.engine.start(&name, now),
+            50..=53 => self.engine.pause(&name, now),
+            54..=57 => {
                 let r = self.engine.resume(&name, now);
                 if r.is_ok() {
                     self.forced.insert(name.clone());
                 }
                 r
             }
-            65..=66 => self.engine.stop(&name, now),
-            67..=74 => {
+            58..=60 => self.engine.stop(&name, now),
+            61..=67 => {
                 let skip = self.rng.chance(50);
                 let r = self.engine.trigger_next_with(&name, "alice", skip, now);
                 if r.is_ok() {
@@ -435,7 +539,7 @@ impl World {
                 }
                 r
             }
-            75..=84 => {
+            68..=76 => {
                 let pending: Vec<String> = self
                     .engine
                     .approvals()
@@ -448,7 +552,7 @@ impl World {
                     None => return,
                 }
             }
-            85..=87 => {
+            77..=79 => {
                 let retry = format!("{name}-x");
                 let r = self.engine.retry_failed(&name, Some(retry.clone()), now);
                 if r.is_ok() && self.rng.chance(70) {
@@ -462,15 +566,36 @@ impl World {
                 }
                 r
             }
-            88..=89 => {
+            80..=81 => {
                 let Some(d) = self.pick(&self.devices.clone()) else {
                     return;
                 };
                 let r = self.engine.delete_device(&d, now);
                 // The device announces itself again later; it is a new device then.
-                let effects = self.engine.observe_state(state(&d), now);
+                let effects = self.engine.observe_state(self.state(&d), now);
                 self.take(effects);
                 r
+            }
+            82..=85 => {
+                if let Some(d) = self.pick(&self.devices.clone()) {
+                    self.toggle_online(&d);
+                }
+                return;
+            }
+            86..=90 => {
+                // Another rollout over the same devices, started at once or later (a few: the
+                // checks go over every rollout after every step).
+                if self.made >= 3 {
+                    return;
+                }
+                self.made += 1;
+                let name = format!("n{}", self.made);
+                self.create(&name);
+                if self.rng.chance(60) {
+                    self.engine.start(&name, now)
+                } else {
+                    return;
+                }
             }
             _ => {
                 self.restart();
@@ -500,12 +625,43 @@ impl World {
         }
         self.engine = Engine::restore(stored, SystemZones);
         for d in self.devices.clone() {
-            let effects = self.engine.observe_state(state(&d), self.now);
+            let effects = self.engine.observe_state(self.state(&d), self.now);
             self.take(effects);
         }
         let effects = self.engine.reissue(self.now);
         self.check_effects(&effects);
+        for e in &effects {
+            if let Some(device) = published_on(e) {
+                self.check_owed(device, std::slice::from_ref(e), "a restart publishes");
+            }
+        }
         self.take(effects);
+    }
+
+    /// A device's state as it announces it: online unless it is offline.
+    fn state(&self, device: &str) -> DeviceState {
+        let mut s = state(device);
+        s.online = !self.offline.contains(device);
+        s
+    }
+
+    /// What the engine owes a device (`owed`, reissued or read back by a repair of its
+    /// retained `desired` topic) is at most one action, and the one that topic holds.
+    fn check_owed(&self, device: &str, owed: &[Effect], how: &str) {
+        let held = self.retained.get(device).map(label);
+        let owed: Vec<String> = owed.iter().map(label).collect();
+        let fine = match owed.as_slice() {
+            [] => true,
+            [one] => held.as_ref() == Some(one),
+            _ => false,
+        };
+        if !fine {
+            let held = held.unwrap_or_else(|| "nothing".into());
+            self.fail(&format!(
+                "device {device}: its retained desired action is {held}, and {how} {owed:?} \
+                 over it: the newest action sent to a device is the one it is owed"
+            ));
+        }
     }
 
     /// Effects never install for an ended rollout, and roll back only after the rollback
@@ -549,8 +705,19 @@ impl World {
     }
 
     fn check(&mut self) {
-        let rollouts: Vec<Rollout> = self.engine.rollouts().cloned().collect();
-        for r in &rollouts {
+        for d in &self.devices {
+            let owed = self.engine.reissue_device(d);
+            self.check_owed(d, &owed, "a repair of that topic publishes");
+        }
+        // Borrowed out of the world while it is checked (cloning every rollout's trace after
+        // every step would cost more than the steps).
+        let engine = std::mem::replace(&mut self.engine, Engine::new(SystemZones));
+        self.check_rollouts(&engine);
+        self.engine = engine;
+    }
+
+    fn check_rollouts(&mut self, engine: &Engine) {
+        for r in engine.rollouts() {
             // Never more devices of a site busy than its budget (a rollback sent by the rollback
             // error action goes to every device that installed, whatever its site).
             if let Some(limit) = r.spec.policies.sites.as_ref().and_then(|p| p.max_busy) {
@@ -586,6 +753,7 @@ impl World {
             {
                 self.check_unavailable(r, limit);
             }
+            let summary = r.summary();
             for (gi, g) in r.groups.iter().enumerate() {
                 // Counters are a count over the devices and add up.
                 let mut counts = crate::conditions::GroupCounts {
@@ -611,7 +779,7 @@ impl World {
                         r.name, g.name, g.cache.sites, sites.cache.sites
                     ));
                 }
-                let status = &r.status().groups[gi];
+                let status = &summary.groups[gi];
                 let sum = status.ready
                     + status.failed
                     + status.in_progress
@@ -733,6 +901,11 @@ impl World {
 
     /// The operators let everything finish: approve, resume, devices report, time passes.
     fn drain(&mut self) {
+        let mut away: Vec<String> = self.offline.iter().cloned().collect();
+        away.sort();
+        for d in away {
+            self.toggle_online(&d);
+        }
         for _ in 0..400 {
             self.step += 1;
             let mut moved = false;
@@ -746,7 +919,10 @@ impl World {
             for name in self.rollout_names() {
                 let state = self.engine.rollout(&name).map(|r| r.state);
                 let effects = match state {
-                    Some(RolloutState::Paused) => self.engine.resume(&name, self.now),
+                    Some(RolloutState::Paused) => {
+                        self.forced.insert(name.clone());
+                        self.engine.resume(&name, self.now)
+                    }
                     Some(RolloutState::Ready) => self.engine.start(&name, self.now),
                     _ => continue,
                 };
@@ -761,14 +937,14 @@ impl World {
             }
             self.check();
             if !moved && self.engine.next_timer().is_none() {
-                // A site budget held by failed devices holds the rest of the site until an
-                // operator acts, as a group's budget does (Fleet waits, it never fails).
+                // A site budget or a group's concurrency held by failed devices holds the rest
+                // until an operator acts (Fleet waits, it never fails).
                 for name in self.rollout_names() {
                     let held = self.engine.rollout(&name).is_some_and(|r| {
                         r.state == RolloutState::Running
-                            && r.waiting
-                                .as_deref()
-                                .is_some_and(|w| w.contains("unavailable"))
+                            && r.waiting.as_deref().is_some_and(|w| {
+                                w.contains("unavailable") || w.contains("are not ready")
+                            })
                     });
                     if held {
                         let effects = self.engine.stop(&name, self.now).expect("stops");
@@ -787,10 +963,7 @@ impl World {
                 self.take(effects);
             }
             let done = self.engine.rollouts().all(|r| {
-                r.state.is_terminal()
-                    && r.groups
-                        .iter()
-                        .all(|g| g.slots.values().all(|s| s.phase.is_terminal()))
+                r.state.is_terminal() && r.groups.iter().all(|g| g.slots.values().all(finished))
             });
             if done && self.agents.values().all(|a| a.action.is_none()) {
                 return;
@@ -803,7 +976,7 @@ impl World {
                 r.groups.iter().flat_map(move |g| {
                     g.slots
                         .iter()
-                        .filter(|(_, s)| !s.phase.is_terminal())
+                        .filter(|(_, s)| !finished(s))
                         .map(move |(d, s)| format!("{}/{}/{d}: {}", r.name, g.name, s.phase.name()))
                 })
             })
@@ -817,6 +990,13 @@ impl World {
             "after the drain: rollouts {states:?}, devices not in a final phase {open:?}"
         ));
     }
+}
+
+/// A device's slot is over: its phase is final, or the device was deleted (forgotten, it shows
+/// as not started whatever it was doing; the cancel or "nothing to do" it was sent may be the
+/// last it hears of the rollout).
+fn finished(s: &Slot) -> bool {
+    s.deleted || s.phase.is_terminal()
 }
 
 fn run(seed: u64, steps: usize) {
