@@ -90,6 +90,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         peers.as_ref().map(|(inbox, _)| inbox.clone()),
         link_shutdown.clone(),
     );
+    // Once stopping, nothing waits for room in the link: a broker that takes nothing must not
+    // hold up the stop (what is not sent is in the outbox, or sent afresh after the restart).
+    let link = link.stop_waiting_on(shutdown.clone());
     let env = Arc::new(Env {
         targets,
         config: Arc::new(config),
@@ -500,4 +503,83 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
 /// tools).
 pub fn last_will_payload(config: &Config, key: SigningKey) -> Vec<u8> {
     link::Signer::new(config, key).state(link::offline_state(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use flotilla_protocol::{ActionKind, Phase};
+
+    use super::*;
+    use crate::store::Store;
+
+    /// issue 19, item 11, in virtual time: an agent mid-download whose broker has been gone
+    /// for hours stops within seconds of shutdown, keeps the report it could not send, and
+    /// leaves the download to resume. It used to hang: its block requests, asked again every
+    /// 10 s, filled the link's queues within minutes, and shutdown waited on the fetcher, which
+    /// waited for room.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_ends_the_agent_however_long_its_broker_has_been_gone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = crate::trust::tests::config();
+        config.data_dir = dir.path().join("data");
+        config.targets[0].kind = TargetKind::File {
+            path: dir.path().join("app.bin"),
+        };
+        // A port nothing listens on: every connection attempt fails.
+        config.broker.host = "127.0.0.1".into();
+        config.broker.port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        std::fs::create_dir_all(&config.data_dir).expect("mkdir");
+        // A soft action that waits for consent when the agent starts, as after a restart.
+        let bytes = vec![7u8; 1 << 20];
+        let record = crate::machine::tests::record(
+            &bytes,
+            State::Waiting {
+                reason: "waiting for local consent".into(),
+            },
+            ActionKind::Soft,
+        );
+        {
+            let (store, _) = Store::open(&config.data_dir, 1 << 20, 0).expect("store");
+            store.save_action(&record).expect("save");
+        }
+
+        let shutdown = CancellationToken::new();
+        let agent = tokio::spawn(run(config.clone(), shutdown.clone()));
+        // An hour without the broker, then consent: the download starts at 0 bytes, and
+        // nothing it sends can go out for five hours more.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        crate::consent::give(&config.data_dir, &record.action_id, trust::system_now())
+            .expect("consent");
+        tokio::time::sleep(Duration::from_secs(5 * 3600)).await;
+        shutdown.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(5), agent)
+            .await
+            .expect("the agent did not stop within 5 s of shutdown after 6 hours without a broker");
+        stopped.expect("the agent task").expect("a clean stop");
+
+        let (store, _) = Store::open(&config.data_dir, 1 << 20, 0).expect("store");
+        let current = store.current().expect("read").expect("the action");
+        assert!(
+            matches!(
+                current.state,
+                State::Downloading {
+                    artifact: 0,
+                    done: 0
+                }
+            ),
+            "resumes the download after the restart: {:?}",
+            current.state
+        );
+        let outbox = store.outbox();
+        assert!(
+            outbox.iter().any(|r| r.action_id == record.action_id
+                && matches!(r.phase, Phase::Downloading { done: 0, .. })),
+            "the report made without a broker is kept for later: {outbox:#?}"
+        );
+    }
 }

@@ -323,7 +323,7 @@ async fn fetch_once(
         // Keep the pipeline full.
         while outstanding.len() < spec.in_flight && next_request < spec.size {
             let length = (spec.size - next_request).min(u64::from(spec.block_size)) as u32;
-            send(requests, request(next_request, length), &artifact).await?;
+            send(requests, request(next_request, length), &artifact, cancel).await?;
             outstanding.insert(next_request, length);
             next_request += u64::from(length);
         }
@@ -346,7 +346,7 @@ async fn fetch_once(
                 for (offset, length) in retries.take_due() {
                     // The real reply may have come in while this block waited.
                     if outstanding.contains_key(&offset) {
-                        send(requests, request(offset, length), &artifact).await?;
+                        send(requests, request(offset, length), &artifact, cancel).await?;
                     }
                 }
                 continue;
@@ -359,7 +359,7 @@ async fn fetch_once(
                 );
                 retries.asking_all_again();
                 for (&offset, &length) in &outstanding {
-                    send(requests, request(offset, length), &artifact).await?;
+                    send(requests, request(offset, length), &artifact, cancel).await?;
                 }
                 continue;
             }
@@ -410,7 +410,7 @@ async fn fetch_once(
             // A short block: ask for the rest of it separately.
             let rest = offset + data.len() as u64;
             let length = requested - data.len() as u32;
-            send(requests, request(rest, length), &artifact).await?;
+            send(requests, request(rest, length), &artifact, cancel).await?;
             outstanding.insert(rest, length);
         }
         buffered.insert(offset, data);
@@ -456,17 +456,37 @@ async fn fetch_once(
     Ok(final_path)
 }
 
-pub(crate) async fn send(
+async fn send(
     requests: &mpsc::Sender<FetchRequest>,
     request: BlockRequest,
     artifact: &str,
+    cancel: &CancellationToken,
 ) -> Result<(), FetchError> {
-    requests
-        .send(FetchRequest::Coordinator(request))
-        .await
-        .map_err(|_| FetchError::Closed {
+    ask(
+        requests,
+        FetchRequest::Coordinator(request),
+        artifact,
+        cancel,
+    )
+    .await
+}
+
+/// Queues `request` for the link, waiting while the queue is full, but never past `cancel`: a
+/// link that does not drain (no broker, or one that accepts nothing) must not keep a cancel or
+/// a shutdown waiting.
+pub(crate) async fn ask(
+    requests: &mpsc::Sender<FetchRequest>,
+    request: FetchRequest,
+    artifact: &str,
+    cancel: &CancellationToken,
+) -> Result<(), FetchError> {
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => Err(FetchError::Canceled),
+        sent = requests.send(request) => sent.map_err(|_| FetchError::Closed {
             artifact: artifact.to_owned(),
-        })
+        }),
+    }
 }
 
 /// Opens the part file for appending after `done` bytes, re-hashing that prefix. If the file

@@ -1015,7 +1015,11 @@ async fn download(
             let _ = env.store.flush();
             Next::Interrupted
         }
-        Err(FetchError::Canceled) => Next::State(State::Canceled),
+        Err(FetchError::Canceled) => {
+            // Never resumed: nothing of it stays behind (a shutdown keeps it, above).
+            fetch_blocks::discard_partial(&spec, block_index.as_ref());
+            Next::State(State::Canceled)
+        }
         Err(e) => failed(e.to_string(), false),
     }
 }
@@ -1070,7 +1074,7 @@ async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManif
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::HealthCheck;
     use flotilla_protocol::{Artifact, BlockReply, Phase};
@@ -1250,7 +1254,7 @@ mod tests {
         }
     }
 
-    fn record(bytes: &[u8], state: State, kind: ActionKind) -> ActionRecord {
+    pub(crate) fn record(bytes: &[u8], state: State, kind: ActionKind) -> ActionRecord {
         let manifest = ReleaseManifest {
             name: "app-2".into(),
             version: "2.0".into(),
