@@ -688,6 +688,40 @@ pub(crate) mod tests {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
     }
 
+    /// issue 19, item 11: a link that takes no requests (no broker, or one that acknowledges
+    /// nothing) fills the request queue; a cancel or a shutdown still stops the fetcher, which
+    /// used to wait for room without looking at its stop token.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_request_queue_does_not_hold_up_a_cancel() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(1050);
+        let spec = spec(dir.path(), &bytes);
+        // Room for one request, and nobody takes it: the second waits.
+        let (tx, _nobody_reads) = mpsc::channel(1);
+        let (_replies, mut rx) = mpsc::channel(1);
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            stop.cancel();
+        });
+        let fetched = tokio::time::timeout(
+            Duration::from_secs(3605),
+            fetch(
+                &spec,
+                0,
+                &mut ByteCounts::default(),
+                &tx,
+                &mut rx,
+                &mut |_, _| {},
+                &cancel,
+            ),
+        )
+        .await
+        .expect("the fetcher did not stop within 5 s of the cancel");
+        assert!(matches!(fetched, Err(FetchError::Canceled)), "{fetched:?}");
+    }
+
     #[tokio::test]
     async fn downloads_out_of_order_replies_in_order() {
         let dir = tempfile::tempdir().expect("tempdir");

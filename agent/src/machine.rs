@@ -1074,7 +1074,7 @@ async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManif
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use crate::config::HealthCheck;
     use flotilla_protocol::{Artifact, BlockReply, Phase};
@@ -1254,7 +1254,7 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn record(bytes: &[u8], state: State, kind: ActionKind) -> ActionRecord {
+    fn record(bytes: &[u8], state: State, kind: ActionKind) -> ActionRecord {
         let manifest = ReleaseManifest {
             name: "app-2".into(),
             version: "2.0".into(),
