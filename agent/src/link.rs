@@ -11,6 +11,16 @@
 //! messages from the domain code and hands them to the client. rumqttc reconnects when polled
 //! after an error; the poll task sleeps 1s, 2s, ... up to 10s between failed attempts.
 //!
+//! Without a connection nothing is queued (decision 0037). rumqttc reads its request channel
+//! only while connected, so requests queued meanwhile would fill it, the writer would wait for
+//! room, the link's channel would fill behind it, and everything sending through the link would
+//! wait with it; a fetcher asking for its blocks again every 10 s did that within minutes, and
+//! shutdown then waited forever. So the writer drops what it is given while no connection is up
+//! (the agent publishes its state and its outbox again on [`LinkEvent::Connected`], the fetcher
+//! asks again for what it lacks), and a connection error empties the client's channel too, so
+//! nothing stale goes out on the next connection. Against a broker that is connected but takes
+//! nothing, [`LinkHandle::stop_waiting_on`] makes senders give up once the agent stops.
+//!
 //! Peer requests (`peer-fetch`) skip the agent loop: the poll task hands each to the peer
 //! server's bounded [`PeerInbox`] without waiting, and a full inbox drops (and counts) it, so a
 //! flood of them never delays the device's own messages. Replies to peers go out as
