@@ -1015,7 +1015,11 @@ async fn download(
             let _ = env.store.flush();
             Next::Interrupted
         }
-        Err(FetchError::Canceled) => Next::State(State::Canceled),
+        Err(FetchError::Canceled) => {
+            // Never resumed: nothing of it stays behind (a shutdown keeps it, above).
+            fetch_blocks::discard_partial(&spec, block_index.as_ref());
+            Next::State(State::Canceled)
+        }
         Err(e) => failed(e.to_string(), false),
     }
 }
