@@ -100,6 +100,8 @@ pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<Strin
         source,
     })?;
     let file = trust_state::read_trust_file(&config.data_dir);
+    // A database removed by hand is not one that lost writes: sled starts a new one.
+    let existed = db_path(&config.data_dir).exists();
     let (store, note) = Store::open(
         &config.data_dir,
         config.store.cache_bytes,
@@ -116,7 +118,7 @@ pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<Strin
     };
     // A database that was moved aside is empty, and says so already.
     let note = note.or_else(|| {
-        let behind = readable.then(|| behind_trust_file(&file, mirror.as_ref()));
+        let behind = (existed && readable).then(|| behind_trust_file(&file, mirror.as_ref()));
         behind.flatten().map(|why| {
             format!(
                 "database {} {why}: it lost writes, so what it holds about recent actions may be old",
@@ -967,11 +969,18 @@ mod tests {
         drop(store);
         let (_, _, note) = open_data_dir(&config).expect("open");
         assert_eq!(note, None, "in step again");
-        // A database emptied by hand (or lost) while the trust file stayed.
-        std::fs::remove_dir_all(db_path(dir.path())).expect("remove");
+        // A database that lost everything while the trust file stayed.
+        {
+            let (store, _, _) = open_data_dir(&config).expect("open");
+            store.meta.remove(TRUST).expect("remove");
+        }
         let (_, _, note) = open_data_dir(&config).expect("open");
         assert!(note.is_some_and(
             |n| n.contains("holds no trust state, while the trust file holds installed counter 12")
-        ),);
+        ));
+        // One removed by hand is simply new: the trust file keeps the counter (decision 0006).
+        std::fs::remove_dir_all(db_path(dir.path())).expect("remove");
+        let (_, trust, note) = open_data_dir(&config).expect("open");
+        assert_eq!((note, trust.installed_counter), (None, 12));
     }
 }
