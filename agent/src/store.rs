@@ -808,19 +808,41 @@ mod tests {
         assert!(store.current().expect("read").is_none(), "starts empty");
     }
 
-    /// An install record as the agent keeps it: the signed action and what was decoded from it.
+    /// An install record as the agent keeps it: the signed action (with its signed manifest)
+    /// beside what was decoded from it.
     fn signed_record(id: &str, state: State) -> ActionRecord {
-        let manifest = crate::trust::tests::manifest(5);
-        let mut action =
-            crate::trust::tests::desired("dev-1", 500, &manifest, &crate::trust::tests::key(1));
-        action.action_id = id.into();
+        use flotilla_protocol::{envelope, ActionKind, Artifact, ReleaseManifest, SignedBlob};
+        let key = |seed: u8| flotilla_protocol::SigningKey::from_bytes(&[seed; 32]);
+        let manifest = ReleaseManifest {
+            name: "app-5".into(),
+            version: "5.0".into(),
+            counter: 5,
+            hardware: vec!["pi4".into()],
+            artifacts: vec![Artifact {
+                name: "app.bin".into(),
+                target: "app".into(),
+                size: 3,
+                sha256: flotilla_protocol::sha256(b"abc"),
+            }],
+            created_at: 10,
+            expires_at: 1_000,
+        };
+        let action = DesiredAction {
+            action_id: id.into(),
+            device_id: "dev-1".into(),
+            rollout_id: "r1".into(),
+            issued_at: 10,
+            expires_at: 500,
+            body: ActionBody::Install {
+                manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+                kind: ActionKind::Forced,
+                window: None,
+            },
+        };
         ActionRecord {
             action_id: id.into(),
             rollout_id: "r1".into(),
-            signed: Some(flotilla_protocol::SignedBlob::sign(
-                &crate::trust::tests::key(2),
-                flotilla_protocol::envelope::to_bytes(&action),
-            )),
+            signed: Some(SignedBlob::sign(&key(2), envelope::to_bytes(&action))),
             action,
             manifest: Some(manifest),
             state,
@@ -927,7 +949,8 @@ mod tests {
     }
 
     fn config_in(dir: &Path) -> Config {
-        let mut config = crate::trust::tests::config();
+        let mut config =
+            Config::from_toml(crate::config::DEFAULT_CONFIG).expect("the default config");
         config.data_dir = dir.to_owned();
         config
     }
