@@ -127,8 +127,21 @@ pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<Strin
         })
     });
     let trust = file.merge(mirror.unwrap_or_default());
+    if note.is_some() {
+        // The report sequence went back with the rest, and the coordinator drops a number it
+        // has seen. Continue above any number this device can have used.
+        let floor = trust
+            .now(trust_state::system_now(), config.trust.max_clock_skew)
+            .saturating_mul(SEQ_PER_SECOND);
+        store.continue_seq_above(floor)?;
+    }
     Ok((store, trust, note))
 }
+
+/// Where the report sequence continues after its database lost writes: the trusted time times
+/// this. A device reports far less often than this many times a second, so the numbers it
+/// used before (counted from 1, or from an earlier such floor) are all below it.
+const SEQ_PER_SECOND: u64 = 1_000;
 
 /// How the database's copy of the trust state is behind the trust file, if it is. The agent
 /// writes the copy first and the file second (`Env::save_trust`), so a copy behind the file
@@ -512,6 +525,20 @@ impl Store {
         let seq = last.unwrap_or(0) + 1;
         self.put(&self.meta, SEQ, "report sequence", &seq)?;
         Ok(seq)
+    }
+
+    /// Makes the next report sequence number higher than `floor`, durably.
+    pub fn continue_seq_above(&self, floor: u64) -> Result<(), StoreError> {
+        let last = match self.get::<u64>(&self.meta, SEQ, "report sequence") {
+            Ok(last) => last.unwrap_or(0),
+            Err(StoreError::Decode { .. }) => 0,
+            Err(e) => return Err(e),
+        };
+        if last < floor {
+            self.put(&self.meta, SEQ, "report sequence", &floor)?;
+            self.flush()?;
+        }
+        Ok(())
     }
 
     /// Keeps a report until the broker acknowledges it, durably.
@@ -979,6 +1006,10 @@ mod tests {
         trust_state::write_trust_file(dir.path(), &new).expect("trust file");
         let (store, trust, note) = open_data_dir(&config).expect("open");
         assert_eq!(trust.installed_counter, 12, "the higher counter wins");
+        assert!(
+            store.next_seq().expect("seq") > trust_state::system_now() * 1000,
+            "reports continue above any number used before"
+        );
         let note = note.expect("noted");
         assert!(
             note.ends_with(

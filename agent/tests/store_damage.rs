@@ -88,6 +88,8 @@ struct StandIn {
     client: rumqttc::AsyncClient,
     heard: mpsc::Receiver<Heard>,
     task: JoinHandle<()>,
+    /// The highest report sequence number seen.
+    max_seq: u64,
 }
 
 impl Drop for StandIn {
@@ -140,6 +142,7 @@ async fn stand_in(port: u16, name: &str, desired: SignedBlob, counters: &[u64]) 
         client,
         heard,
         task,
+        max_seq: 0,
     }
 }
 
@@ -155,8 +158,11 @@ impl StandIn {
         let wait = async {
             loop {
                 match self.heard.recv().await {
-                    Some(Heard::Report(r)) if r.action_id == action_id && r.phase.is_terminal() => {
-                        return r
+                    Some(Heard::Report(r)) => {
+                        self.max_seq = self.max_seq.max(r.seq);
+                        if r.action_id == action_id && r.phase.is_terminal() {
+                            return r;
+                        }
                     }
                     Some(_) => {}
                     None => panic!("the stand-in stopped"),
@@ -180,6 +186,7 @@ impl StandIn {
                 match self.heard.recv().await {
                     // Reports the outbox sends again were made before this run.
                     Some(Heard::Report(r)) if r.at >= started => {
+                        self.max_seq = self.max_seq.max(r.seq);
                         reconciled |= r.action_id == action_id && r.phase.is_terminal();
                         reports.push(r);
                     }
@@ -316,8 +323,14 @@ async fn an_old_action_from_a_database_gone_back_fails_and_installs_nothing() {
     std::fs::remove_dir_all(&db).expect("remove");
     copy_tree(&dir.path().join("db-verified"), &db);
     let started = now();
+    let seen = coordinator.max_seq;
     let agent = spawn_agent(&config, None);
     let reports = coordinator.settled("act-12", started).await;
+    // A coordinator drops a report whose number it has seen: the reports made now continue
+    // above every number used before, though the database's counter went back.
+    for r in reports.iter().filter(|r| r.phase.is_terminal()) {
+        assert!(r.seq > seen, "{r:?} reuses a number up to {seen}");
+    }
 
     assert_eq!(running(&work), "release 12", "release 12 stays installed");
     // The outbox of that moment sends act-2's reports up to verified again; beside them only
