@@ -5,7 +5,8 @@
 //! action task at a time (the state machine), routes block replies to it, and removes reports
 //! from the outbox when the broker acknowledges them. On every (re)connect it subscribes,
 //! publishes the retained device state and re-sends the outbox; the retained desired action
-//! then arrives and is reconciled (a known action id only re-reports its phase).
+//! then arrives and is reconciled (a known action id only re-reports its phase). An action
+//! found unfinished in the store goes on only once it verifies again ([`crate::resume`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

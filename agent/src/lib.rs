@@ -58,8 +58,9 @@
 //! - [`error`]: [`AgentError`], what stops the daemon. Other errors live where they arise:
 //!   [`ConfigError`], [`store::StoreError`], [`trust::InstallKeysError`], [`StatusError`],
 //!   [`ConsentError`].
-//! - [`store`]: sled: action records, installed release, rollback point, report sequence,
-//!   outbox, trust mirror; [`store::open_data_dir`] opens it with the trust state.
+//! - [`store`]: sled, every value with its sha256: action records, installed release, rollback
+//!   point, report sequence, outbox, trust mirror; [`store::open_data_dir`] opens it with the
+//!   trust state and notices a database behind the trust file.
 //! - [`record`]: the persisted records of an action: its state, action record, rollback point.
 //! - `trust_state` (private, re-exported by [`trust`]): the trust state and the trust file.
 //! - [`identity`]: the device's own key (`<data_dir>/device.key`), which signs what it sends.
