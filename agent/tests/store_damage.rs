@@ -384,6 +384,55 @@ async fn an_old_action_from_a_database_gone_back_fails_and_installs_nothing() {
     );
 }
 
+/// The record of an action and the current action's pointer are written one after the other,
+/// and a log cut between them leaves an unfinished action that is not the current one. When its
+/// desired action arrives again it is verified and goes on, rather than being re-reported in a
+/// phase it never leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_action_that_is_not_the_current_one_goes_on_when_it_arrives_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(broker) = start_broker(dir.path()).await else {
+        return;
+    };
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&work).expect("mkdir");
+    std::fs::write(work.join("app.bin"), b"factory").expect("write");
+    let config = write_config(&work, &agent_config_text(broker.port, &work));
+    let mut coordinator =
+        stand_in(broker.port, "test-coordinator-aside", install(1), &[1, 2]).await;
+    let agent = spawn_agent(&config, None);
+    assert_eq!(coordinator.final_report("act-1").await.phase, Phase::Ready);
+    kill(agent).await;
+
+    // Action 2 recorded as accepted, while the current action is still action 1.
+    let second = install(2);
+    {
+        let (store, _) =
+            flotilla_agent::store::Store::open(&work.join("agent-data"), 1 << 20, now())
+                .expect("open the database");
+        let action: flotilla_protocol::DesiredAction =
+            envelope::from_bytes("desired action", &second.payload).expect("decode");
+        let manifest = action.body.install().map(|i| {
+            envelope::from_bytes("release manifest", &i.manifest.payload).expect("decode")
+        });
+        store
+            .save_action_aside(&flotilla_agent::record::ActionRecord {
+                action_id: action.action_id.clone(),
+                rollout_id: action.rollout_id.clone(),
+                manifest,
+                state: flotilla_agent::record::State::Accepted,
+                action,
+                signed: Some(second.clone()),
+            })
+            .expect("save");
+    }
+    coordinator.desire(second).await;
+    let agent = spawn_agent(&config, None);
+    assert_eq!(coordinator.final_report("act-2").await.phase, Phase::Ready);
+    assert_eq!(running(&work), "release 2");
+    kill(agent).await;
+}
+
 /// A small generator (splitmix64): the same flips for the same seed.
 struct Flips(u64);
 
