@@ -5,7 +5,8 @@
 //! action task at a time (the state machine), routes block replies to it, and removes reports
 //! from the outbox when the broker acknowledges them. On every (re)connect it subscribes,
 //! publishes the retained device state and re-sends the outbox; the retained desired action
-//! then arrives and is reconciled (a known action id only re-reports its phase).
+//! then arrives and is reconciled (a known action id only re-reports its phase). An action
+//! found unfinished in the store goes on only once it verifies again ([`crate::resume`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, TargetKind};
+use crate::consent;
 use crate::error::AgentError;
 use crate::fetch::{FetchInput, FetchRequest};
 use crate::held::{self, Held};
@@ -26,6 +28,7 @@ use crate::link::{self, LinkEvent, Outgoing};
 use crate::machine::{self, ActionIo, Env};
 use crate::peer_serve;
 use crate::record::{ActionRecord, State};
+use crate::resume;
 use crate::trust::{self, Refusal};
 
 /// Builds the configured update targets, by name. The configuration was validated, so this
@@ -125,38 +128,19 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     // A damaged database was moved aside: the first action reconciled from the retained desired
     // action carries the note to the coordinator.
     let mut recovered = note;
-    // Resume an action interrupted by a crash or restart.
-    if let Some(record) = env.store.current()? {
-        if !record.state.is_terminal() {
-            // Only unclean stops count (a clean shutdown clears the count), and waiting for
-            // consent or a time window over many reboots is no crash loop.
-            let restarts = if matches!(record.state, State::Waiting { .. }) {
-                0
-            } else {
-                env.store.count_restart(&record)?
-            };
-            if restarts >= env.config.store.max_restarts {
-                let record = machine::give_up(&env, record, restarts).await;
-                if !record.state.is_terminal() {
-                    // Rolled back, and the old content is live only after a reboot: drive that.
-                    running = Some(spawn(
-                        env.clone(),
-                        record,
-                        false,
-                        shutdown.clone(),
-                        done_tx.clone(),
-                    ));
-                }
-            } else {
-                tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
-                running = Some(spawn(
-                    env.clone(),
-                    record,
-                    true,
-                    shutdown.clone(),
-                    done_tx.clone(),
-                ));
+    // Resume an action interrupted by a crash or restart, once it verifies again.
+    match env.store.current() {
+        Ok(Some(record)) if !record.state.is_terminal() => {
+            running = resume(&env, record, &shutdown, &done_tx).await?;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            let note = format!("{e}; the action it describes was not resumed");
+            tracing::error!("{note}");
+            if let Err(e) = env.store.set_last_error(&note) {
+                tracing::warn!("{e}");
             }
+            recovered.get_or_insert(note);
         }
     }
 
@@ -250,6 +234,56 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         let _ = serving.await;
     }
     Ok(())
+}
+
+/// Resumes a stored, unfinished action once it verifies again (`resume.rs`). One that does not
+/// is ended as Failed with the reason and reported, and no target is touched: its record may be
+/// older than what the device runs.
+async fn resume(
+    env: &Arc<Env>,
+    mut record: ActionRecord,
+    shutdown: &CancellationToken,
+    done: &mpsc::Sender<ActionRecord>,
+) -> Result<Option<Running>, AgentError> {
+    let checked = resume::check_stored(
+        &record,
+        &env.config,
+        &env.trust_state(),
+        trust::system_now(),
+    );
+    if let Err(Refusal(reason)) = checked {
+        tracing::error!(action = record.action_id, "{reason}");
+        record.state = State::Failed {
+            reason,
+            rolled_back: false,
+        };
+        // Reported even when it cannot be recorded (a full disk): the coordinator learns why.
+        let _ = env.persist(&record);
+        env.report(&record).await;
+        consent::clear(&env.config.data_dir, &record.action_id);
+        return Ok(None);
+    }
+    // Only unclean stops count (a clean shutdown clears the count), and waiting for consent or
+    // a time window over many reboots is no crash loop.
+    let restarts = if matches!(record.state, State::Waiting { .. }) {
+        0
+    } else {
+        env.store.count_restart(&record)?
+    };
+    if restarts >= env.config.store.max_restarts {
+        let record = machine::give_up(env, record, restarts).await;
+        // Rolled back, and the old content is live only after a reboot: drive that.
+        return Ok((!record.state.is_terminal())
+            .then(|| spawn(env.clone(), record, false, shutdown.clone(), done.clone())));
+    }
+    tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
+    Ok(Some(spawn(
+        env.clone(),
+        record,
+        true,
+        shutdown.clone(),
+        done.clone(),
+    )))
 }
 
 fn spawn(
@@ -359,10 +393,17 @@ async fn handle_desired(
         }
     };
 
-    // A known action id is never applied again; only its phase is re-reported.
-    match env.store.action(&action.action_id) {
+    // A known action id is never applied again; only its phase is re-reported. An unfinished
+    // one that is not running (its record and the current action's were not written together)
+    // goes on once it verifies again, as at start.
+    let damaged = match env.store.action(&action.action_id) {
         Ok(Some(record)) => {
-            if running
+            if running.is_none() && !record.state.is_terminal() {
+                match resume(env, record, shutdown, done).await {
+                    Ok(resumed) => *running = resumed,
+                    Err(e) => tracing::error!("{e}"),
+                }
+            } else if running
                 .as_ref()
                 .is_none_or(|r| r.action_id != record.action_id)
             {
@@ -370,9 +411,13 @@ async fn handle_desired(
             }
             return;
         }
-        Ok(None) => {}
-        Err(e) => tracing::warn!("{e}"),
-    }
+        Ok(None) => None,
+        // Treated as a record lost with a damaged database: see `recovered` below.
+        Err(e) => {
+            tracing::error!("{e}");
+            Some(format!("{e}"))
+        }
+    };
 
     // "Nothing to do" and cancels are never stored, but they count in the per-device order: once
     // accepted, every action issued before them is a replay (a captured install re-published
@@ -409,7 +454,7 @@ async fn handle_desired(
 
     let system = trust::system_now();
     let mut record = match trust::check_all(&blob, config, &env.trust_state(), system) {
-        Err(Refusal(reason)) => refused_record(action, reason),
+        Err(Refusal(reason)) => refused_record(action, &blob, reason),
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);
             ActionRecord {
@@ -418,13 +463,15 @@ async fn handle_desired(
                 state: State::Accepted,
                 manifest,
                 action,
+                signed: Some(blob.clone()),
             }
         }
     };
-    if let Some(note) = recovered.take() {
-        // The records of this action went with the damaged database. If it cannot be applied
-        // now (typically: its release is already installed, says the trust file), say why in
-        // a failure the coordinator sees; otherwise it starts again from the beginning.
+    if let Some(note) = damaged.or_else(|| recovered.take()) {
+        // The records of this action went with a damaged database, or its own is damaged. If
+        // it cannot be applied now (typically: its release is already installed, says the
+        // trust file), say why in a failure the coordinator sees; otherwise it starts again
+        // from the beginning.
         if let State::Refused { reason } = &record.state {
             record.state = State::Failed {
                 reason: format!("{note}; this action cannot be resumed: {reason}"),
@@ -489,13 +536,14 @@ fn keep_downloads(config: &Config) {
     }
 }
 
-fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
+fn refused_record(action: DesiredAction, blob: &SignedBlob, reason: String) -> ActionRecord {
     ActionRecord {
         action_id: action.action_id.clone(),
         rollout_id: action.rollout_id.clone(),
         state: State::Refused { reason },
         manifest: None,
         action,
+        signed: Some(blob.clone()),
     }
 }
 

@@ -97,11 +97,11 @@ impl Env {
         if let Ok(mut t) = self.trust.lock() {
             *t = state.clone();
         }
-        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
-            tracing::error!("cannot write trust file: {e}");
-        }
         if let Err(e) = self.store.set_trust(&state) {
             tracing::error!("{e}");
+        }
+        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
+            tracing::error!("cannot write trust file: {e}");
         }
     }
 
@@ -1290,6 +1290,7 @@ mod tests {
             },
             manifest: Some(manifest),
             state,
+            signed: None,
         }
     }
 
