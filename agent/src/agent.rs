@@ -20,12 +20,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, TargetKind};
 use crate::consent;
+use crate::env::{self, ActionIo, Env};
 use crate::error::AgentError;
 use crate::fetch::{FetchInput, FetchRequest};
 use crate::held::{self, Held};
 use crate::identity;
 use crate::link::{self, LinkEvent, Outgoing};
-use crate::machine::{self, ActionIo, Env};
+use crate::machine;
 use crate::peer_serve;
 use crate::record::{ActionRecord, State};
 use crate::resume;
@@ -107,7 +108,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     if let Some((_, requests)) = peers {
         let server = peer_serve::PeerServer::new(
             env.config.device_id.clone(),
-            Held::new(machine::downloads_dir(&env.config)),
+            Held::new(env::downloads_dir(&env.config)),
             env.clone(),
         );
         serving = Some(peer_serve::start(
@@ -525,7 +526,7 @@ async fn handle_desired(
 /// Bounds the verified downloads kept (to serve to peers and to copy blocks from) once no
 /// action uses them.
 fn keep_downloads(config: &Config) {
-    let pruned = held::prune(&machine::downloads_dir(config), config.peers.keep_bytes);
+    let pruned = held::prune(&env::downloads_dir(config), config.peers.keep_bytes);
     if !pruned.artifacts.is_empty() {
         tracing::info!(
             artifacts = pruned.artifacts.len(),

@@ -28,6 +28,7 @@
 //! agent                              the daemon: the agent loop, one action task at a time
 //! peer_serve                         answering peers' block requests
 //! machine                            one action, state by state
+//! download  env                      the download step; what a step works with (Env, ActionIo, Next)
 //! fetch_blocks  health  link  consent   what a step uses: blocks, health checks, MQTT, consent
 //! fetch   adaptive                   the streaming fetcher and channel types; local blocks
 //! held                               verified downloads served to peers, and how many are kept
@@ -41,6 +42,9 @@
 //!
 //! - [`agent`]: ties them together: [`run`].
 //! - [`machine`]: the persisted update state machine ([`machine::drive`], [`machine::step`]).
+//! - [`download`](mod@download): the download step of an action, artifact by artifact.
+//! - [`env`]: what the machine works with: [`env::Env`] (config, store, trust state, link,
+//!   targets), the channels of one running action ([`env::ActionIo`]), a step's outcome.
 //! - [`fetch_blocks`]: the block-verified, multi-source fetcher (local copies, peers, the
 //!   coordinator) for artifacts whose manifest signs a block list.
 //! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
@@ -119,6 +123,8 @@ pub mod adaptive;
 pub mod agent;
 pub mod config;
 pub mod consent;
+pub mod download;
+pub mod env;
 pub mod error;
 pub mod fault;
 pub mod fetch;
