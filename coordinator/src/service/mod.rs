@@ -31,6 +31,7 @@
 //!   of the service loop, which gets every event in the order it arrived.
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
+//! - [`metrics_http`]: the bounded HTTP/1.1 responder that serves it.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests, artifacts and their block lists on disk.
@@ -49,6 +50,7 @@ pub mod grants;
 pub mod keys;
 pub mod loading;
 pub mod metrics;
+pub mod metrics_http;
 pub mod mqtt;
 pub mod operators;
 pub mod page;
