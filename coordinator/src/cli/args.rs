@@ -301,6 +301,7 @@ settings one by one:
   --broker HOST:PORT    FLOTILLA_BROKER                 broker.host, broker.port
   --topic-root ROOT     FLOTILLA_TOPIC_ROOT             broker.topic_root
   --embedded-broker     (no variable)                   broker.embedded
+  --insecure-embedded-broker (no variable)              broker.insecure_embedded
   --username            FLOTILLA_BROKER_USERNAME        broker.username
   --password-file       FLOTILLA_BROKER_PASSWORD_FILE   broker.password_file (or password_env)
   --tls                 FLOTILLA_BROKER_TLS             [broker.tls] (on)
@@ -312,6 +313,8 @@ Paths given as flags or variables are relative to the working directory, paths i
 file to the config file's directory. With an embedded broker the coordinator connects to it
 over plain loopback TCP: a broker address, login or TLS setting given on the command line or
 in the environment is refused then (an address naming the embedded broker itself is fine).
+The embedded broker has no login, TLS or ACL: an address other than loopback is refused unless
+--insecure-embedded-broker (or broker.insecure_embedded = true) says to run it there anyway.
 --operator-key signs requests to a coordinator; `serve` refuses it on its command line and
 ignores FLOTILLA_OPERATOR_KEY.";
 
@@ -324,6 +327,10 @@ pub struct ServeArgs {
     /// Run an embedded broker on this address (overrides broker.embedded in the config).
     #[arg(long, value_name = "IP:PORT")]
     pub embedded_broker: Option<String>,
+    /// Let the embedded broker listen on an address other than loopback, although it has no
+    /// login, TLS or ACL (broker.insecure_embedded in the config).
+    #[arg(long)]
+    pub insecure_embedded_broker: bool,
     /// Print the commented default config and exit.
     #[arg(long)]
     pub print_default_config: bool,

@@ -64,6 +64,9 @@ pub struct BrokerOverrides {
     pub addr: Option<Given<(String, u16)>>,
     pub topic_root: Option<Given<String>>,
     pub embedded: Option<Given<SocketAddr>>,
+    /// Lets the embedded broker listen on an address other than loopback
+    /// (`--insecure-embedded-broker`, or broker.insecure_embedded in the config file).
+    pub insecure_embedded: Option<Given<()>>,
     pub username: Option<Given<String>>,
     /// Replaces both password_file and password_env.
     pub password_file: Option<Given<PathBuf>>,
@@ -107,6 +110,11 @@ fn names_embedded(host: &str, port: u16, embedded: SocketAddr) -> bool {
         .parse::<std::net::IpAddr>()
         .is_ok_and(|ip| ip == embedded.ip());
     same_ip || (loopback && (embedded.ip().is_loopback() || embedded.ip().is_unspecified()))
+}
+
+/// Whether `addr` is reachable from this host only.
+fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
 }
 
 /// The validated configuration.
@@ -283,6 +291,7 @@ struct RawBroker {
     port: u16,
     topic_root: String,
     embedded: Option<String>,
+    insecure_embedded: bool,
     client_id: String,
     username: Option<String>,
     password_file: Option<PathBuf>,
@@ -297,6 +306,7 @@ impl Default for RawBroker {
             port: 1883,
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
             embedded: None,
+            insecure_embedded: false,
             client_id: DEFAULT_CLIENT_ID.into(),
             username: None,
             password_file: None,
@@ -406,6 +416,27 @@ impl TryFrom<Located<'_>> for Config {
                 Some(g) => format!("{} {addr}", g.from),
                 None => format!("broker.embedded = \"{addr}\" in the config file"),
             };
+            let insecure = overrides.insecure_embedded.is_some() || raw.broker.insecure_embedded;
+            if !is_loopback(addr) && !insecure {
+                let reason = format!(
+                    "the embedded broker has no login, no TLS and no ACL: on {} anyone who reaches \
+                     it can read every device's state, clear retained messages and take over the \
+                     coordinator's client id. Listen on loopback (127.0.0.1:{port}) and use an \
+                     external broker for devices on other hosts (deploy/mosquitto), or, on a \
+                     network you trust, pass --insecure-embedded-broker (broker.insecure_embedded \
+                     = true) to run it there anyway",
+                    addr.ip(),
+                    port = addr.port()
+                );
+                return Err(match &overrides.embedded {
+                    Some(g) => ConfigError::Given {
+                        setting: g.from,
+                        value: addr.to_string(),
+                        reason,
+                    },
+                    None => field("broker.embedded", &addr.to_string(), &reason),
+                });
+            }
             if let Some(g) = &overrides.addr {
                 let (host, port) = &g.value;
                 if !names_embedded(host, *port, addr) {
@@ -1007,6 +1038,10 @@ mod tests {
         };
         let same = BrokerOverrides {
             embedded: embedded("0.0.0.0:18830"),
+            insecure_embedded: Some(Given {
+                value: (),
+                from: "--insecure-embedded-broker",
+            }),
             addr: Some(Given {
                 value: ("localhost".to_owned(), 18830),
                 from: "FLOTILLA_BROKER",
@@ -1028,6 +1063,58 @@ mod tests {
                 && err.contains("--embedded-broker 0.0.0.0:18830"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_embedded_broker_beyond_loopback_needs_the_insecure_setting() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let head = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\n";
+        let load = |text: &str, o: &BrokerOverrides| {
+            Config::from_toml_with(text, dir.path(), &dir.path().join("c.toml"), o)
+        };
+        for addr in ["127.0.0.1:18830", "[::1]:18830", "127.0.0.2:18830"] {
+            load(&format!("{head}embedded = \"{addr}\"\n"), &BrokerOverrides::default())
+                .unwrap_or_else(|e| panic!("{addr} is loopback: {e}"));
+        }
+        for addr in ["0.0.0.0:18830", "[::]:18830", "192.168.1.5:18830"] {
+            let text = format!("{head}embedded = \"{addr}\"\n");
+            let err = load(&text, &BrokerOverrides::default())
+                .expect_err("beyond loopback")
+                .to_string();
+            assert!(
+                err.starts_with(&format!("config field broker.embedded = \"{addr}\" is invalid"))
+                    && err.contains("no login, no TLS and no ACL")
+                    && err.contains("broker.insecure_embedded = true"),
+                "{err}"
+            );
+            load(
+                &format!("{text}insecure_embedded = true\n"),
+                &BrokerOverrides::default(),
+            )
+            .expect("insisted on in the config file");
+        }
+        let flag = BrokerOverrides {
+            embedded: Some(Given {
+                value: "0.0.0.0:18830".parse().expect("addr"),
+                from: "--embedded-broker",
+            }),
+            ..BrokerOverrides::default()
+        };
+        let err = load(head, &flag).expect_err("beyond loopback").to_string();
+        assert!(
+            err.starts_with("--embedded-broker \"0.0.0.0:18830\" is invalid")
+                && err.contains("--insecure-embedded-broker"),
+            "{err}"
+        );
+        let insisted = BrokerOverrides {
+            insecure_embedded: Some(Given {
+                value: (),
+                from: "--insecure-embedded-broker",
+            }),
+            ..flag
+        };
+        let config = load(head, &insisted).expect("insisted on with the flag");
+        assert_eq!(config.broker.embedded, Some("0.0.0.0:18830".parse().expect("addr")));
     }
 
     #[test]
