@@ -131,6 +131,8 @@ pub struct Config {
     pub operators: Vec<OperatorConfig>,
     /// How far a signed control request's `at` may be from the coordinator's clock, in seconds.
     pub clock_window: u64,
+    /// How many control requests a second each operator key, and each role, may send.
+    pub control_limits: ControlLimits,
     /// Which devices are accepted without an operator.
     pub enrollment: EnrollmentConfig,
     /// Where `GET /metrics` is served (`[metrics] listen`); `None`, the default, serves none.
@@ -158,6 +160,53 @@ pub struct OperatorConfig {
     pub key: VerifyingKey,
 }
 
+/// Control requests a second, by the role of the operator sending them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoleRates {
+    pub viewer: u32,
+    pub operator: u32,
+    pub admin: u32,
+}
+
+impl RoleRates {
+    pub fn of(&self, role: Role) -> u32 {
+        match role {
+            Role::Viewer => self.viewer,
+            Role::Operator => self.operator,
+            Role::Admin => self.admin,
+        }
+    }
+}
+
+/// The rate limits of the operator gate (`[control] key_rate` and `role_rate`): each key may
+/// send `key` requests a second, all keys of one role together `role`; each with a burst of
+/// [`CONTROL_BURST_SECONDS`] seconds' worth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlLimits {
+    pub key: RoleRates,
+    pub role: RoleRates,
+}
+
+/// How many seconds' worth of requests a key or a role may send at once.
+pub const CONTROL_BURST_SECONDS: u64 = 10;
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        ControlLimits {
+            key: RoleRates {
+                viewer: 10,
+                operator: 20,
+                admin: 50,
+            },
+            role: RoleRates {
+                viewer: 20,
+                operator: 50,
+                admin: 100,
+            },
+        }
+    }
+}
+
 /// Device enrollment: what is accepted without an operator (`[enrollment]`).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct EnrollmentConfig {
@@ -169,7 +218,19 @@ pub struct EnrollmentConfig {
     /// How many devices may wait for an operator at once; states of further unknown devices are
     /// ignored (and counted) so a flood of made-up devices cannot fill the store.
     pub max_pending: usize,
+    /// Enrollment attempts (states carrying a token's proof) checked a second, all devices
+    /// together (`attempts_per_second`); a burst of ten seconds' worth.
+    pub attempts_per_second: u32,
+    /// Enrollment attempts checked a minute for one device id (`device_attempts_per_minute`);
+    /// a burst of [`DEVICE_ATTEMPT_BURST`].
+    pub device_attempts_per_minute: u32,
 }
+
+/// How many enrollment attempts one device id may make at once.
+pub const DEVICE_ATTEMPT_BURST: u32 = 3;
+
+/// The fewest bits of entropy an enrollment token may have.
+pub const TOKEN_MIN_BITS: f64 = 128.0;
 
 /// Where the MQTT broker is, how to log in, and whether to run one in-process.
 #[derive(Debug, Clone, PartialEq)]
@@ -243,15 +304,51 @@ struct RawMetrics {
 #[serde(deny_unknown_fields, default)]
 struct RawControl {
     clock_window: String,
+    key_rate: RawRoleRates,
+    role_rate: RawRoleRates,
 }
 
 impl Default for RawControl {
     fn default() -> Self {
         Self {
             clock_window: "60s".into(),
+            key_rate: RawRoleRates::default(),
+            role_rate: RawRoleRates::default(),
         }
     }
 }
+
+/// A table of requests a second by role; a role left out keeps its default.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawRoleRates {
+    viewer: Option<u32>,
+    operator: Option<u32>,
+    admin: Option<u32>,
+}
+
+impl RawRoleRates {
+    /// The rates with `defaults` for the roles left out; `field` names the table in errors.
+    fn validate(&self, defaults: RoleRates, field: &'static str) -> Result<RoleRates, ConfigError> {
+        let one = |given: Option<u32>, default: u32, role: &str| match given {
+            None => Ok(default),
+            Some(n @ 1..=MAX_CONTROL_RATE) => Ok(n),
+            Some(n) => Err(ConfigError::Field {
+                field,
+                value: format!("{role} = {n}"),
+                reason: format!("requests a second must be between 1 and {MAX_CONTROL_RATE}"),
+            }),
+        };
+        Ok(RoleRates {
+            viewer: one(self.viewer, defaults.viewer, "viewer")?,
+            operator: one(self.operator, defaults.operator, "operator")?,
+            admin: one(self.admin, defaults.admin, "admin")?,
+        })
+    }
+}
+
+/// The most control requests a second a key or role may be allowed.
+pub const MAX_CONTROL_RATE: u32 = 100_000;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -272,6 +369,8 @@ struct RawEnrollment {
     authorized_keys: Option<String>,
     tokens: Vec<String>,
     max_pending: usize,
+    attempts_per_second: u32,
+    device_attempts_per_minute: u32,
 }
 
 impl Default for RawEnrollment {
@@ -280,6 +379,8 @@ impl Default for RawEnrollment {
             authorized_keys: None,
             tokens: Vec::new(),
             max_pending: 1000,
+            attempts_per_second: 20,
+            device_attempts_per_minute: 6,
         }
     }
 }
@@ -517,19 +618,41 @@ impl TryFrom<Located<'_>> for Config {
                 ));
             }
         }
-        for token in &raw.enrollment.tokens {
-            if token.trim().len() < 8 {
-                // Do not echo a secret back in full, even a short one.
+        for (n, token) in raw.enrollment.tokens.iter().enumerate() {
+            if let Err(weak) = token_strength(token) {
+                // Do not echo a secret back, even a weak one: name its place in the list.
                 return Err(field(
                     "enrollment.tokens",
-                    "(a token)",
-                    "every token must be at least 8 characters long",
+                    &format!("(token {} of {})", n + 1, raw.enrollment.tokens.len()),
+                    &format!(
+                        "{weak}; a token must carry at least {TOKEN_MIN_BITS} bits of entropy: \
+                         make one with `flotilla enrollment token` (32 random bytes in hex)"
+                    ),
                 ));
             }
         }
         if raw.enrollment.max_pending == 0 {
             return Err(field("enrollment.max_pending", "0", "must be at least 1"));
         }
+        if raw.enrollment.attempts_per_second == 0 {
+            return Err(field(
+                "enrollment.attempts_per_second",
+                "0",
+                "must be at least 1",
+            ));
+        }
+        if raw.enrollment.device_attempts_per_minute == 0 {
+            return Err(field(
+                "enrollment.device_attempts_per_minute",
+                "0",
+                "must be at least 1",
+            ));
+        }
+        let defaults = ControlLimits::default();
+        let control_limits = ControlLimits {
+            key: raw.control.key_rate.validate(defaults.key, "control.key_rate")?,
+            role: raw.control.role_rate.validate(defaults.role, "control.role_rate")?,
+        };
         let metrics = match &raw.metrics.listen {
             None => None,
             Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
@@ -566,6 +689,8 @@ impl TryFrom<Located<'_>> for Config {
             authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
             tokens: raw.enrollment.tokens,
             max_pending: raw.enrollment.max_pending,
+            attempts_per_second: raw.enrollment.attempts_per_second,
+            device_attempts_per_minute: raw.enrollment.device_attempts_per_minute,
         };
         Ok(Config {
             metrics,
@@ -573,6 +698,7 @@ impl TryFrom<Located<'_>> for Config {
             marker_timeout,
             operators,
             clock_window,
+            control_limits,
             enrollment,
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
@@ -588,6 +714,54 @@ impl TryFrom<Located<'_>> for Config {
             action_validity,
         })
     }
+}
+
+/// Why a token is too weak, if it is: an estimate of its entropy from its length and the
+/// kinds of characters in it (hex digits count 4 bits each; otherwise the classes used: digits,
+/// lower and upper case letters, other printable characters), and a refusal of the obviously
+/// non-random (one character for half of it, a pattern repeated). The estimate is an upper
+/// bound for a token a person made up; `flotilla enrollment token` makes 256 random bits.
+pub fn token_strength(token: &str) -> Result<f64, String> {
+    let len = token.chars().count();
+    if token.trim() != token || token.chars().any(|c| c.is_control()) {
+        return Err("it has spaces at its ends or control characters".into());
+    }
+    let hex = token.chars().all(|c| c.is_ascii_hexdigit());
+    let alphabet: u32 = if hex {
+        16
+    } else {
+        let classes: [(fn(&char) -> bool, u32); 4] = [
+            (char::is_ascii_digit, 10),
+            (char::is_ascii_lowercase, 26),
+            (char::is_ascii_uppercase, 26),
+            (|c: &char| !c.is_ascii_alphanumeric(), 33),
+        ];
+        classes
+            .iter()
+            .filter(|(is, _)| token.chars().any(|c| is(&c)))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    let bits = len as f64 * f64::from(alphabet.max(2)).log2();
+    let chars: Vec<char> = token.chars().collect();
+    let most = chars
+        .iter()
+        .map(|c| chars.iter().filter(|d| *d == c).count())
+        .max()
+        .unwrap_or(0);
+    if len > 0 && most * 2 > len {
+        return Err("one character makes up more than half of it".into());
+    }
+    if let Some(period) = (1..=len / 2).find(|p| chars.iter().skip(*p).zip(&chars).all(|(a, b)| a == b)) {
+        return Err(format!("it repeats a pattern of {period} characters"));
+    }
+    if bits < TOKEN_MIN_BITS {
+        return Err(format!(
+            "it has {len} characters of {alphabet} kinds, about {} bits",
+            bits.floor()
+        ));
+    }
+    Ok(bits)
 }
 
 /// Validates the `[[operators]]` entries: names follow the id rules and are unique, the role is
@@ -898,24 +1072,86 @@ mod tests {
 
     #[test]
     fn enrollment_section_is_validated() {
-        let config = parse(
-            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"0123456789abcdef\"]\n",
-        )
+        let token = "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5";
+        let config = parse(&format!(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"{token}\"]\n"
+        ))
         .expect("valid");
         assert_eq!(
             config.enrollment.authorized_keys,
             Some(PathBuf::from("/etc/flotilla/devices.keys"))
         );
-        assert_eq!(config.enrollment.tokens, vec!["0123456789abcdef"]);
+        assert_eq!(config.enrollment.tokens, vec![token]);
+        assert_eq!(config.enrollment.attempts_per_second, 20);
+        assert_eq!(config.enrollment.device_attempts_per_minute, 6);
         let err = parse(
-            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"short\"]\n",
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nattempts_per_second = 0\n",
         )
-        .expect_err("short token")
+        .expect_err("no attempts")
+        .to_string();
+        assert!(err.contains("enrollment.attempts_per_second"), "{err}");
+    }
+
+    #[test]
+    fn control_rate_limits_default_and_are_validated() {
+        let config = parse("data_dir = \"d\"\ncoordinator_key = \"k\"\n").expect("valid");
+        assert_eq!(config.control_limits, ControlLimits::default());
+        let config = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[control]\nkey_rate = { viewer = 2 }\nrole_rate = { viewer = 3, admin = 7 }\n",
+        )
+        .expect("valid");
+        assert_eq!(config.control_limits.key.viewer, 2);
+        assert_eq!(config.control_limits.key.admin, ControlLimits::default().key.admin);
+        assert_eq!(
+            (config.control_limits.role.viewer, config.control_limits.role.admin),
+            (3, 7)
+        );
+        let err = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[control]\nkey_rate = { operator = 0 }\n",
+        )
+        .expect_err("zero")
         .to_string();
         assert!(
-            err.contains("enrollment.tokens") && !err.contains("short"),
+            err.starts_with("config field control.key_rate = \"operator = 0\" is invalid"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn tokens_under_128_bits_are_refused_naming_the_field_and_how_to_make_one() {
+        for weak in [
+            "short",
+            "abcdefgh",
+            "0123456789abcdef",
+            "service-test-token",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "abababababababababababababababababababab",
+            "0123456789abcdef0123456789abcdef",
+            " 3f9c2a7e1b5d48c06a9e7f21d4c3b8a5",
+        ] {
+            let err = parse(&format!(
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"{}\", \"{weak}\"]\n",
+                "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5"
+            ))
+            .expect_err(weak)
+            .to_string();
+            assert!(
+                err.starts_with("config field enrollment.tokens = \"(token 2 of 2)\" is invalid")
+                    && err.contains("128 bits")
+                    && err.contains("flotilla enrollment token")
+                    && !err.contains(weak.trim()),
+                "{weak}: {err}"
+            );
+        }
+        // What the usual tools make passes: 16 random bytes in hex or base64, a UUID's 32 hex
+        // digits, and what `flotilla enrollment token` makes.
+        for strong in [
+            "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5",
+            "q3Vb1y0kQ0mC2w8dXr5nRg==",
+            "4e6b0d2c8f1a4b3e9d7c5a1f0e2b6d8c4a9f3e1d7b5c0a2e8f6d4b1c3a5e7f90",
+        ] {
+            token_strength(strong).unwrap_or_else(|e| panic!("{strong}: {e}"));
+        }
     }
 
     #[test]

@@ -182,7 +182,8 @@ impl Malformed {
 
 /// The kinds of refusal the operator gate names first in its reason (`operators.rs`,
 /// `Refusal::reason`), as label values; anything else counts as `other`.
-const REFUSALS: [(&str, &str); 8] = [
+const REFUSALS: [(&str, &str); 9] = [
+    ("rate limited", "rate_limited"),
     ("unsigned request", "unsigned"),
     ("malformed request", "malformed"),
     ("unknown key", "unknown_key"),

@@ -39,7 +39,8 @@
 //! - [`keys`]: the coordinator's and the release key files.
 //! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
 //! - [`operators`]: who sent a control request and whether they may (signature, clock window,
-//!   replay, role).
+//!   replay, rate limits, role).
+//! - [`rate`]: token buckets over whole seconds, for the gate's and enrollment's rate limits.
 
 pub mod artifacts;
 pub mod backup;
@@ -54,6 +55,7 @@ pub mod metrics_http;
 pub mod mqtt;
 pub mod operators;
 pub mod page;
+pub mod rate;
 pub mod releases;
 pub mod seal;
 pub mod sequence;
