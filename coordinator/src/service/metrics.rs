@@ -44,7 +44,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::service::enrollment::Ignored;
 pub use crate::service::metrics_http::ListenError;
+use crate::service::enrollment::AttemptCounts;
 use crate::service::metrics_http::{self, Render};
+use crate::service::metrics_limits::LimitCounts;
+use crate::service::operators::GateCounts;
 use crate::service::mqtt::InboxStats;
 
 /// How long a scrape waits for the service loop's fresh snapshot before it answers with the
@@ -219,6 +222,8 @@ pub struct Metrics {
     disconnects: Counter,
     decisions: Family<[(&'static str, &'static str); 1], Histogram>,
     transitions: Histogram,
+    /// What the operator gate's and enrollment's rate limits refused (`metrics_limits.rs`).
+    limits: LimitCounts,
     /// When the input being handled was taken up, and when it published its first desired
     /// action: a group started by this input took from one to the other.
     input_started: Option<Instant>,
@@ -393,6 +398,8 @@ impl Metrics {
         registry.register_collector(Box::new(SnapshotCollector {
             shared: shared.clone(),
         }));
+        let limits = LimitCounts::default();
+        registry.register_collector(limits.collector());
         let each = |family: &Family<[(&'static str, &'static str); 1], Counter>,
                     label: &'static str,
                     values: &mut dyn Iterator<Item = &'static str>| {
@@ -426,6 +433,7 @@ impl Metrics {
             disconnects,
             decisions,
             transitions,
+            limits,
             input_started: None,
             first_desired: None,
         }
@@ -449,6 +457,11 @@ impl Metrics {
             .inbox
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(inbox);
+    }
+
+    /// Scrapes show what the operator gate and the enrollment attempt limits refused.
+    pub fn watch_limits(&self, gate: Arc<GateCounts>, attempts: Arc<AttemptCounts>) {
+        self.limits.watch(gate, attempts);
     }
 
     /// A message arrived on `topic`: counts it and measures the input until the returned timer

@@ -32,6 +32,7 @@
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
 //! - [`metrics_http`]: the bounded HTTP/1.1 responder that serves it.
+//! - [`metrics_limits`]: what the rate limits refused, read at scrape time.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests, artifacts and their block lists on disk.
@@ -52,6 +53,7 @@ pub mod keys;
 pub mod loading;
 pub mod metrics;
 pub mod metrics_http;
+pub mod metrics_limits;
 pub mod mqtt;
 pub mod operators;
 pub mod page;
