@@ -146,12 +146,28 @@ pub enum OperatorCmd {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum EnrollmentCmd {
+    /// Print fresh one-time enrollment tokens, one a line: 32 random bytes each, in hex.
+    ///
+    /// List each in the coordinator's `[enrollment] tokens` and put it in one agent's
+    /// `enrollment_token`; the agent is accepted on its first state and the token is used up.
+    Token {
+        /// How many tokens to print.
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+        count: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Generate ed25519 key pairs (release and coordinator keys).
     Keygen(KeygenArgs),
     /// Operator keys, which sign control requests.
     #[command(subcommand)]
     Operator(OperatorCmd),
+    /// One-time enrollment tokens, which let a device enroll without an operator.
+    #[command(subcommand)]
+    Enrollment(EnrollmentCmd),
     /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
     #[command(subcommand)]
     Keys(KeysCmd),

@@ -212,6 +212,16 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         origin: Origins(cli.from_env.clone()),
     };
     match cli.command {
+        Cmd::Enrollment(crate::cli::args::EnrollmentCmd::Token { count }) => {
+            for _ in 0..count {
+                println!("{}", crate::service::enrollment::new_token());
+            }
+            eprintln!(
+                "list each token in the coordinator's [enrollment] tokens and give it to one \
+                 agent as enrollment_token; it enrolls one device, once"
+            );
+            Ok(0)
+        }
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
             let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
             for w in &written {

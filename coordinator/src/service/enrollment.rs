@@ -341,6 +341,12 @@ pub const ATTEMPTS_PER_SECOND: u32 = 20;
 /// Enrollment attempts checked a minute for one device id, unless configured.
 pub const DEVICE_ATTEMPTS_PER_MINUTE: u32 = 6;
 
+/// A fresh one-time enrollment token: 32 bytes from the operating system's random source (an
+/// ed25519 seed is exactly that), in hex: 256 bits, where the config asks for 128.
+pub fn new_token() -> String {
+    hex::encode(flotilla_protocol::signing::generate_key().as_bytes())
+}
+
 fn token_digest(token: &str) -> String {
     hex::encode(&flotilla_protocol::sha256(token.as_bytes()))
 }
