@@ -285,6 +285,14 @@ impl Attempts {
         self.global(now).ready(&rate, now)
     }
 
+    /// Whether a held-back attempt may be checked now: only while more than half a second's
+    /// worth is left, so fresh attempts (a device that just came up) keep the other half
+    /// however many wait.
+    fn has_spare(&mut self, now: u64) -> bool {
+        let rate = self.global_rate;
+        self.global(now).tokens(&rate, now) > rate.count / 2
+    }
+
     fn device_ready(&mut self, device: &str, now: u64) -> bool {
         let rate = self.device_rate;
         self.devices
@@ -399,12 +407,13 @@ impl Registry {
     }
 
     /// Checks the token proofs the attempt limits held back, in device id order, while the
-    /// limits allow: the verdicts of those devices' waiting states, as if they arrived now.
+    /// limits allow and leave half a second's worth for fresh attempts: the verdicts of those
+    /// devices' waiting states, as if they arrived now.
     pub fn retry_deferred(&mut self, now: u64) -> Vec<(String, Verdict)> {
         let mut out = Vec::new();
         let waiting: Vec<String> = self.deferred.iter().cloned().collect();
         for device in waiting {
-            if !self.attempts.has_room(now) {
+            if !self.attempts.has_spare(now) {
                 break;
             }
             if !self.attempts.device_ready(&device, now) {
@@ -1209,8 +1218,9 @@ mod tests {
         let v = reg.observe("dev-real", "device state", &state("dev-real", &key(1), Some(token)), now);
         assert_eq!(v.ignored, Some(Ignored::AttemptLimited));
         assert_eq!(reg.get("dev-real").map(|r| r.status), Some(Status::Pending));
-        // A second later there is room for twenty, taken in id order: dev-real enrolls (dev-x
-        // waits for its own limit, the ghosts for what is left).
+        // A second later there is room for twenty, half of it for held-back attempts, taken in
+        // id order: dev-real enrolls (dev-x waits for its own limit, the ghosts for what is
+        // left). Fresh attempts still find the other half.
         let mut enrolled = None;
         for t in 1..=20 {
             for (device, v) in reg.retry_deferred(now + t) {
@@ -1227,6 +1237,10 @@ mod tests {
         assert_eq!(used, Some(token_digest(token)));
         assert!(reg.is_accepted("dev-real"));
         assert_eq!(counts.get()[0], ("accepted", 1));
+        let now = now + 30;
+        reg.retry_deferred(now);
+        let fresh = reg.observe("dev-new", "device state", &state("dev-new", &key(7), Some(token)), now);
+        assert_eq!(fresh.ignored, Some(Ignored::WrongToken), "checked at once (the token is used up)");
     }
 
     #[test]

@@ -81,6 +81,12 @@ impl Bucket {
         true
     }
 
+    /// The whole tokens there are at `now`.
+    pub fn tokens(&mut self, rate: &Rate, now: u64) -> u64 {
+        self.refill(rate, now);
+        self.scaled / rate.per
+    }
+
     /// Whether the bucket is full again at `now`: it remembers nothing a new one would not.
     pub fn is_full(&mut self, rate: &Rate, now: u64) -> bool {
         self.refill(rate, now);
