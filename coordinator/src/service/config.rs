@@ -15,6 +15,8 @@ use flotilla_protocol::operator::Role;
 use flotilla_protocol::VerifyingKey;
 use serde::Deserialize;
 
+use crate::service::tokens::{token_strength, TOKEN_MIN_BITS};
+
 /// The commented default configuration.
 pub const DEFAULT_CONFIG: &str = include_str!("../../default-config.toml");
 
@@ -222,15 +224,10 @@ pub struct EnrollmentConfig {
     /// together (`attempts_per_second`); a burst of ten seconds' worth.
     pub attempts_per_second: u32,
     /// Enrollment attempts checked a minute for one device id (`device_attempts_per_minute`);
-    /// a burst of [`DEVICE_ATTEMPT_BURST`].
+    /// a burst of three.
     pub device_attempts_per_minute: u32,
 }
 
-/// How many enrollment attempts one device id may make at once.
-pub const DEVICE_ATTEMPT_BURST: u32 = 3;
-
-/// The fewest bits of entropy an enrollment token may have.
-pub const TOKEN_MIN_BITS: f64 = 128.0;
 
 /// Where the MQTT broker is, how to log in, and whether to run one in-process.
 #[derive(Debug, Clone, PartialEq)]
@@ -714,54 +711,6 @@ impl TryFrom<Located<'_>> for Config {
             action_validity,
         })
     }
-}
-
-/// Why a token is too weak, if it is: an estimate of its entropy from its length and the
-/// kinds of characters in it (hex digits count 4 bits each; otherwise the classes used: digits,
-/// lower and upper case letters, other printable characters), and a refusal of the obviously
-/// non-random (one character for half of it, a pattern repeated). The estimate is an upper
-/// bound for a token a person made up; `flotilla enrollment token` makes 256 random bits.
-pub fn token_strength(token: &str) -> Result<f64, String> {
-    let len = token.chars().count();
-    if token.trim() != token || token.chars().any(|c| c.is_control()) {
-        return Err("it has spaces at its ends or control characters".into());
-    }
-    let hex = token.chars().all(|c| c.is_ascii_hexdigit());
-    let alphabet: u32 = if hex {
-        16
-    } else {
-        let classes: [(fn(&char) -> bool, u32); 4] = [
-            (char::is_ascii_digit, 10),
-            (char::is_ascii_lowercase, 26),
-            (char::is_ascii_uppercase, 26),
-            (|c: &char| !c.is_ascii_alphanumeric(), 33),
-        ];
-        classes
-            .iter()
-            .filter(|(is, _)| token.chars().any(|c| is(&c)))
-            .map(|(_, n)| n)
-            .sum()
-    };
-    let bits = len as f64 * f64::from(alphabet.max(2)).log2();
-    let chars: Vec<char> = token.chars().collect();
-    let most = chars
-        .iter()
-        .map(|c| chars.iter().filter(|d| *d == c).count())
-        .max()
-        .unwrap_or(0);
-    if len > 0 && most * 2 > len {
-        return Err("one character makes up more than half of it".into());
-    }
-    if let Some(period) = (1..=len / 2).find(|p| chars.iter().skip(*p).zip(&chars).all(|(a, b)| a == b)) {
-        return Err(format!("it repeats a pattern of {period} characters"));
-    }
-    if bits < TOKEN_MIN_BITS {
-        return Err(format!(
-            "it has {len} characters of {alphabet} kinds, about {} bits",
-            bits.floor()
-        ));
-    }
-    Ok(bits)
 }
 
 /// Validates the `[[operators]]` entries: names follow the id rules and are unique, the role is

@@ -27,11 +27,12 @@
 //! messages or guessed tokens cannot flood the log and is still named.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::service::rate::{Bucket, Rate};
+pub use crate::service::tokens::new_token;
+use crate::service::tokens::{AttemptCounts, Attempts, ATTEMPTS_PER_SECOND, DEVICE_ATTEMPTS_PER_MINUTE};
 
 use flotilla_protocol::control::EnrollmentInfo;
 use flotilla_protocol::{device, hex, DeviceMessage, DeviceState, SignedBlob, VerifyingKey};
@@ -228,100 +229,6 @@ impl Auto {
     }
 }
 
-/// Enrollment attempts by result, for `/metrics` (`flotilla_enrollment_attempts_total`).
-#[derive(Debug, Default)]
-pub struct AttemptCounts {
-    /// The proof matched an unused token.
-    pub accepted: AtomicU64,
-    /// The proof matched no unused token.
-    pub failed: AtomicU64,
-    /// Not checked (yet): over the attempt limits.
-    pub limited: AtomicU64,
-}
-
-impl AttemptCounts {
-    pub fn get(&self) -> [(&'static str, u64); 3] {
-        [
-            ("accepted", self.accepted.load(Ordering::Relaxed)),
-            ("failed", self.failed.load(Ordering::Relaxed)),
-            ("limited", self.limited.load(Ordering::Relaxed)),
-        ]
-    }
-}
-
-/// The enrollment attempt limits: all devices together, and each device id.
-#[derive(Debug)]
-struct Attempts {
-    global_rate: Rate,
-    device_rate: Rate,
-    global: Option<Bucket>,
-    /// Only devices that attempted lately: a bucket that is full again is forgotten.
-    devices: HashMap<String, Bucket>,
-    counts: Arc<AttemptCounts>,
-}
-
-impl Attempts {
-    fn new(per_second: u32, device_per_minute: u32) -> Attempts {
-        Attempts {
-            global_rate: Rate::per_second(per_second, 10),
-            device_rate: Rate::per_minute(
-                device_per_minute,
-                crate::service::config::DEVICE_ATTEMPT_BURST,
-            ),
-            global: None,
-            devices: HashMap::new(),
-            counts: Arc::default(),
-        }
-    }
-
-    fn global(&mut self, now: u64) -> &mut Bucket {
-        let rate = self.global_rate;
-        self.global.get_or_insert_with(|| Bucket::full(&rate, now))
-    }
-
-    /// Whether an attempt of any device could be checked now.
-    fn has_room(&mut self, now: u64) -> bool {
-        let rate = self.global_rate;
-        self.global(now).ready(&rate, now)
-    }
-
-    /// Whether a held-back attempt may be checked now: only while more than half a second's
-    /// worth is left, so fresh attempts (a device that just came up) keep the other half
-    /// however many wait.
-    fn has_spare(&mut self, now: u64) -> bool {
-        let rate = self.global_rate;
-        self.global(now).tokens(&rate, now) > rate.count / 2
-    }
-
-    fn device_ready(&mut self, device: &str, now: u64) -> bool {
-        let rate = self.device_rate;
-        self.devices
-            .get_mut(device)
-            .is_none_or(|b| b.ready(&rate, now))
-    }
-
-    /// Takes an attempt for `device` if both limits allow it; counts it as limited if not.
-    fn admit(&mut self, device: &str, now: u64) -> bool {
-        if !self.device_ready(device, now) || !self.has_room(now) {
-            self.counts.limited.fetch_add(1, Ordering::Relaxed);
-            return false;
-        }
-        let (global_rate, device_rate) = (self.global_rate, self.device_rate);
-        self.global(now).take(&global_rate, now);
-        // Live buckets are bounded by the global rate times a device bucket's refill time;
-        // forget the full ones before the map grows past twice that.
-        let live = global_rate.burst + global_rate.count * device_rate.refill_seconds();
-        if self.devices.len() as u64 >= 2 * live {
-            self.devices.retain(|_, b| !b.is_full(&device_rate, now));
-        }
-        self.devices
-            .entry(device.to_owned())
-            .or_insert_with(|| Bucket::full(&device_rate, now))
-            .take(&device_rate, now);
-        true
-    }
-}
-
 /// The enrollments and what is accepted without an operator.
 #[derive(Debug)]
 pub struct Registry {
@@ -344,16 +251,6 @@ impl Default for Registry {
     }
 }
 
-/// Enrollment attempts checked a second, all devices together, unless configured.
-pub const ATTEMPTS_PER_SECOND: u32 = 20;
-/// Enrollment attempts checked a minute for one device id, unless configured.
-pub const DEVICE_ATTEMPTS_PER_MINUTE: u32 = 6;
-
-/// A fresh one-time enrollment token: 32 bytes from the operating system's random source (an
-/// ed25519 seed is exactly that), in hex: 256 bits, where the config asks for 128.
-pub fn new_token() -> String {
-    hex::encode(flotilla_protocol::signing::generate_key().as_bytes())
-}
 
 fn token_digest(token: &str) -> String {
     hex::encode(&flotilla_protocol::sha256(token.as_bytes()))

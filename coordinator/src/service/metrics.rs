@@ -44,10 +44,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::service::enrollment::Ignored;
 pub use crate::service::metrics_http::ListenError;
-use crate::service::enrollment::AttemptCounts;
 use crate::service::metrics_http::{self, Render};
 use crate::service::metrics_limits::LimitCounts;
 use crate::service::operators::GateCounts;
+use crate::service::tokens::AttemptCounts;
 use crate::service::mqtt::InboxStats;
 
 /// How long a scrape waits for the service loop's fresh snapshot before it answers with the

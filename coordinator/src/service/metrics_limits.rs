@@ -9,7 +9,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 
-use crate::service::enrollment::AttemptCounts;
+use crate::service::tokens::AttemptCounts;
 use crate::service::operators::{GateCounts, Limit};
 
 #[derive(Debug, Default)]

@@ -43,6 +43,7 @@
 //! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
 //! - [`operators`]: who sent a control request and whether they may (signature, clock window,
 //!   replay, rate limits, role).
+//! - [`tokens`]: enrollment tokens: how strong, how made, how many attempts are checked.
 //! - [`rate`]: token buckets over whole seconds, for the gate's and enrollment's rate limits.
 
 pub mod artifacts;
@@ -72,6 +73,7 @@ pub mod serve;
 mod state;
 pub mod store;
 pub mod store_health;
+pub mod tokens;
 pub mod verify;
 
 pub use error::ServiceError;
