@@ -159,11 +159,17 @@ async fn guessed_tokens_are_limited_counted_and_named_in_the_log() {
     let mut payloads = Vec::new();
     for i in 0..ONE_ID {
         let id = "target-1";
-        payloads.push((topics.state(&DeviceId::new(id).expect("id")), guess(&rogue, id, &format!("{i:032x}"))));
+        payloads.push((
+            topics.state(&DeviceId::new(id).expect("id")),
+            guess(&rogue, id, &format!("{i:032x}")),
+        ));
     }
     for i in 0..MANY_IDS {
         let id = format!("ghost-{i:04}");
-        payloads.push((topics.state(&DeviceId::new(id.as_str()).expect("id")), guess(&rogue, &id, &format!("{i:032x}"))));
+        payloads.push((
+            topics.state(&DeviceId::new(id.as_str()).expect("id")),
+            guess(&rogue, &id, &format!("{i:032x}")),
+        ));
     }
     let mut options = MqttOptions::new("raw-guesser", "127.0.0.1", site.port);
     options.set_max_packet_size(1 << 20, 1 << 20);
@@ -196,7 +202,8 @@ async fn guessed_tokens_are_limited_counted_and_named_in_the_log() {
     let deadline = Instant::now() + WAIT;
     let (failed, limited) = loop {
         let text = scrape(metrics_port).await;
-        let failed = attempts(&text, "failed").expect("flotilla_enrollment_attempts_total in /metrics");
+        let failed =
+            attempts(&text, "failed").expect("flotilla_enrollment_attempts_total in /metrics");
         let limited = attempts(&text, "limited").unwrap_or_default();
         if failed + limited >= sent as f64 {
             break (failed, limited);
@@ -221,7 +228,10 @@ async fn guessed_tokens_are_limited_counted_and_named_in_the_log() {
             .lines()
             .find(|l| l.contains("WARN") && l.contains("failed enrollment attempts at "))
         {
-            assert!(line.contains("/s") && line.contains("guessing enrollment tokens"), "{line}");
+            assert!(
+                line.contains("/s") && line.contains("guessing enrollment tokens"),
+                "{line}"
+            );
             break;
         }
         assert!(

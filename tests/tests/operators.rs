@@ -478,7 +478,12 @@ async fn a_viewers_flood_never_holds_back_an_operators_pause_and_stop() {
     let flooder = Flooder::connect(site.port).await;
     let signing = std::time::Instant::now();
     // Stamped just inside the 60 s clock window, as the attack did.
-    let flood = signed_flood(&site.operator_key("vic"), &flooder.reply_to, now() + 55, FLOOD);
+    let flood = signed_flood(
+        &site.operator_key("vic"),
+        &flooder.reply_to,
+        now() + 55,
+        FLOOD,
+    );
     eprintln!("signed {FLOOD} viewer requests in {:?}", signing.elapsed());
     let flooding = std::time::Instant::now();
     let publisher = tokio::spawn({
@@ -509,7 +514,10 @@ async fn a_viewers_flood_never_holds_back_an_operators_pause_and_stop() {
         )
         .await
         .expect("alice's pause is answered during the flood");
-    eprintln!("pause answered {:?} after it was sent, mid-flood", asked.elapsed());
+    eprintln!(
+        "pause answered {:?} after it was sent, mid-flood",
+        asked.elapsed()
+    );
     assert_eq!(state(&site).await.state, "paused");
     // After every flood request reached the broker, and so the coordinator before alice's stop.
     publisher.await.expect("flood published");

@@ -263,7 +263,10 @@ fn an_embedded_broker_beyond_loopback_is_refused_unless_insisted_on() {
         &[],
     );
     let deadline = Instant::now() + WAIT;
-    while !insisted.log().contains("embedded MQTT broker listening beyond loopback") {
+    while !insisted
+        .log()
+        .contains("embedded MQTT broker listening beyond loopback")
+    {
         if let Ok(Some(status)) = insisted.child.try_wait() {
             panic!("the coordinator exited ({status}):\n{}", insisted.log());
         }

@@ -228,7 +228,6 @@ pub struct EnrollmentConfig {
     pub device_attempts_per_minute: u32,
 }
 
-
 /// Where the MQTT broker is, how to log in, and whether to run one in-process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BrokerConfig {
@@ -647,8 +646,14 @@ impl TryFrom<Located<'_>> for Config {
         }
         let defaults = ControlLimits::default();
         let control_limits = ControlLimits {
-            key: raw.control.key_rate.validate(defaults.key, "control.key_rate")?,
-            role: raw.control.role_rate.validate(defaults.role, "control.role_rate")?,
+            key: raw
+                .control
+                .key_rate
+                .validate(defaults.key, "control.key_rate")?,
+            role: raw
+                .control
+                .role_rate
+                .validate(defaults.role, "control.role_rate")?,
         };
         let metrics = match &raw.metrics.listen {
             None => None,
@@ -1050,9 +1055,15 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(config.control_limits.key.viewer, 2);
-        assert_eq!(config.control_limits.key.admin, ControlLimits::default().key.admin);
         assert_eq!(
-            (config.control_limits.role.viewer, config.control_limits.role.admin),
+            config.control_limits.key.admin,
+            ControlLimits::default().key.admin
+        );
+        assert_eq!(
+            (
+                config.control_limits.role.viewer,
+                config.control_limits.role.admin
+            ),
             (3, 7)
         );
         let err = parse(
@@ -1258,8 +1269,11 @@ mod tests {
             Config::from_toml_with(text, dir.path(), &dir.path().join("c.toml"), o)
         };
         for addr in ["127.0.0.1:18830", "[::1]:18830", "127.0.0.2:18830"] {
-            load(&format!("{head}embedded = \"{addr}\"\n"), &BrokerOverrides::default())
-                .unwrap_or_else(|e| panic!("{addr} is loopback: {e}"));
+            load(
+                &format!("{head}embedded = \"{addr}\"\n"),
+                &BrokerOverrides::default(),
+            )
+            .unwrap_or_else(|e| panic!("{addr} is loopback: {e}"));
         }
         for addr in ["0.0.0.0:18830", "[::]:18830", "192.168.1.5:18830"] {
             let text = format!("{head}embedded = \"{addr}\"\n");
@@ -1267,8 +1281,9 @@ mod tests {
                 .expect_err("beyond loopback")
                 .to_string();
             assert!(
-                err.starts_with(&format!("config field broker.embedded = \"{addr}\" is invalid"))
-                    && err.contains("no login, no TLS and no ACL")
+                err.starts_with(&format!(
+                    "config field broker.embedded = \"{addr}\" is invalid"
+                )) && err.contains("no login, no TLS and no ACL")
                     && err.contains("broker.insecure_embedded = true"),
                 "{err}"
             );
@@ -1299,7 +1314,10 @@ mod tests {
             ..flag
         };
         let config = load(head, &insisted).expect("insisted on with the flag");
-        assert_eq!(config.broker.embedded, Some("0.0.0.0:18830".parse().expect("addr")));
+        assert_eq!(
+            config.broker.embedded,
+            Some("0.0.0.0:18830".parse().expect("addr"))
+        );
     }
 
     #[test]

@@ -32,7 +32,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use crate::service::tokens::new_token;
-use crate::service::tokens::{AttemptCounts, Attempts, ATTEMPTS_PER_SECOND, DEVICE_ATTEMPTS_PER_MINUTE};
+use crate::service::tokens::{
+    AttemptCounts, Attempts, ATTEMPTS_PER_SECOND, DEVICE_ATTEMPTS_PER_MINUTE,
+};
 
 use flotilla_protocol::control::EnrollmentInfo;
 use flotilla_protocol::{device, hex, DeviceMessage, DeviceState, SignedBlob, VerifyingKey};
@@ -251,7 +253,6 @@ impl Default for Registry {
     }
 }
 
-
 fn token_digest(token: &str) -> String {
     hex::encode(&flotilla_protocol::sha256(token.as_bytes()))
 }
@@ -317,7 +318,10 @@ impl Registry {
                 continue;
             }
             self.deferred.remove(&device);
-            let Some(blob) = self.records.get(&device).and_then(|r| r.waiting_state.clone())
+            let Some(blob) = self
+                .records
+                .get(&device)
+                .and_then(|r| r.waiting_state.clone())
             else {
                 continue;
             };
@@ -1101,18 +1105,39 @@ mod tests {
         let now = 1_000;
         let guess = |i: u32| format!("{i:032x}");
         for i in 0..100 {
-            let v = reg.observe("dev-x", "device state", &state("dev-x", &key(9), Some(&guess(i))), now);
+            let v = reg.observe(
+                "dev-x",
+                "device state",
+                &state("dev-x", &key(9), Some(&guess(i))),
+                now,
+            );
             assert!(v.accepted.is_none());
         }
         let counts = reg.attempt_counts();
-        assert_eq!(counts.get(), [("accepted", 0), ("failed", 3), ("limited", 97)]);
+        assert_eq!(
+            counts.get(),
+            [("accepted", 0), ("failed", 3), ("limited", 97)]
+        );
         for i in 0..300 {
             let id = format!("ghost-{i}");
-            reg.observe(&id, "device state", &state(&id, &key(9), Some(&guess(i))), now);
+            reg.observe(
+                &id,
+                "device state",
+                &state(&id, &key(9), Some(&guess(i))),
+                now,
+            );
         }
-        assert_eq!(counts.get(), [("accepted", 0), ("failed", 200), ("limited", 200)]);
+        assert_eq!(
+            counts.get(),
+            [("accepted", 0), ("failed", 200), ("limited", 200)]
+        );
         // The real device, in the same second: held back, pending, its state kept.
-        let v = reg.observe("dev-real", "device state", &state("dev-real", &key(1), Some(token)), now);
+        let v = reg.observe(
+            "dev-real",
+            "device state",
+            &state("dev-real", &key(1), Some(token)),
+            now,
+        );
         assert_eq!(v.ignored, Some(Ignored::AttemptLimited));
         assert_eq!(reg.get("dev-real").map(|r| r.status), Some(Status::Pending));
         // A second later there is room for twenty, half of it for held-back attempts, taken in
@@ -1136,18 +1161,36 @@ mod tests {
         assert_eq!(counts.get()[0], ("accepted", 1));
         let now = now + 30;
         reg.retry_deferred(now);
-        let fresh = reg.observe("dev-new", "device state", &state("dev-new", &key(7), Some(token)), now);
-        assert_eq!(fresh.ignored, Some(Ignored::WrongToken), "checked at once (the token is used up)");
+        let fresh = reg.observe(
+            "dev-new",
+            "device state",
+            &state("dev-new", &key(7), Some(token)),
+            now,
+        );
+        assert_eq!(
+            fresh.ignored,
+            Some(Ignored::WrongToken),
+            "checked at once (the token is used up)"
+        );
     }
 
     #[test]
     fn failed_enrollment_attempts_are_logged_with_their_rate() {
         let mut log = IgnoredLog::new(Duration::from_secs(10));
         let t0 = Instant::now();
-        let first = log.count(Ignored::WrongToken, "t", t0).expect("the first one");
-        assert!(first.contains("someone may be guessing enrollment tokens"), "{first}");
+        let first = log
+            .count(Ignored::WrongToken, "t", t0)
+            .expect("the first one");
+        assert!(
+            first.contains("someone may be guessing enrollment tokens"),
+            "{first}"
+        );
         for i in 0..400 {
-            log.count(Ignored::AttemptLimited, "t", t0 + Duration::from_millis(i * 10));
+            log.count(
+                Ignored::AttemptLimited,
+                "t",
+                t0 + Duration::from_millis(i * 10),
+            );
         }
         for i in 0..99 {
             log.count(Ignored::WrongToken, "t", t0 + Duration::from_millis(i * 10));

@@ -46,9 +46,9 @@ use crate::service::enrollment::Ignored;
 pub use crate::service::metrics_http::ListenError;
 use crate::service::metrics_http::{self, Render};
 use crate::service::metrics_limits::LimitCounts;
+use crate::service::mqtt::InboxStats;
 use crate::service::operators::GateCounts;
 use crate::service::tokens::AttemptCounts;
-use crate::service::mqtt::InboxStats;
 
 /// How long a scrape waits for the service loop's fresh snapshot before it answers with the
 /// previous one.

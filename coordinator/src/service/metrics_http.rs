@@ -127,7 +127,9 @@ impl Slots {
 }
 
 fn lock(slots: &Mutex<Slots>) -> std::sync::MutexGuard<'_, Slots> {
-    slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    slots
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Serves `GET /metrics` on `listener` with what `render` makes, until `shutdown` is

@@ -9,8 +9,8 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 
-use crate::service::tokens::AttemptCounts;
 use crate::service::operators::{GateCounts, Limit};
+use crate::service::tokens::AttemptCounts;
 
 #[derive(Debug, Default)]
 struct Watched {
@@ -114,7 +114,10 @@ mod tests {
             prometheus_client::encoding::text::encode(&mut text, registry).expect("encode");
             text
         };
-        assert!(!text(&registry).contains("flotilla_control"), "nothing before");
+        assert!(
+            !text(&registry).contains("flotilla_control"),
+            "nothing before"
+        );
         let operators = vec![OperatorConfig {
             name: "vic".into(),
             role: Role::Viewer,

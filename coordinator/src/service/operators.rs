@@ -811,8 +811,7 @@ mod tests {
         for i in 0..(NONCES_PER_KEY as u64 + 5_000) {
             // Signing 25,000 requests is the slow part; the gate sees exactly those bytes.
             let request = ControlRequest::new("f", REPLY, stamped, format!("n{i}"), list());
-            let payload =
-                serde_json::to_vec(&SignedRequest::sign(&key, &request)).expect("json");
+            let payload = serde_json::to_vec(&SignedRequest::sign(&key, &request)).expect("json");
             if g.check(&payload, NOW).is_ok() {
                 accepted += 1;
             }
@@ -892,7 +891,10 @@ mod tests {
         let mut g = Gate::new(ops, 60, Topics::default(), NOW - 3600).with_limits(limits);
         let passed = |g: &mut Gate, seed: u8, n: usize, tag: &str| {
             (0..n)
-                .filter(|i| g.check(&signed(seed, NOW, &format!("{tag}{i}"), list()), NOW).is_ok())
+                .filter(|i| {
+                    g.check(&signed(seed, NOW, &format!("{tag}{i}"), list()), NOW)
+                        .is_ok()
+                })
                 .count()
         };
         // Each viewer key may send 20 at once; the two together only 30.
@@ -900,7 +902,8 @@ mod tests {
         assert_eq!(passed(&mut g, 3, 25, "val"), 10);
         let r = refused(&mut g, &signed(3, NOW, "val-more", list()));
         assert!(
-            r.reason.starts_with("rate limited: the viewer keys together"),
+            r.reason
+                .starts_with("rate limited: the viewer keys together"),
             "{}",
             r.reason
         );
@@ -939,7 +942,11 @@ mod tests {
                     .is_ok()
             })
             .count();
-        assert_eq!(passed, burst - 1, "the budget, less the one genuine request");
+        assert_eq!(
+            passed,
+            burst - 1,
+            "the budget, less the one genuine request"
+        );
     }
 
     #[test]
@@ -956,7 +963,10 @@ mod tests {
         let later = g.check(&unsigned, NOW + 1).expect_err("refused");
         assert!(!later.quiet, "another second, another budget");
         let late = (0..100)
-            .map(|_| g.check(&unsigned, NOW + SUMMARY_SECONDS).expect_err("refused"))
+            .map(|_| {
+                g.check(&unsigned, NOW + SUMMARY_SECONDS)
+                    .expect_err("refused")
+            })
             .find_map(|r| r.summary)
             .expect("a summary after ten seconds");
         assert!(

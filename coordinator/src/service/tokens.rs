@@ -40,29 +40,31 @@ pub fn token_strength(token: &str) -> Result<f64, String> {
     let alphabet: u32 = if hex {
         16
     } else {
-        let classes: [(fn(&char) -> bool, u32); 4] = [
-            (char::is_ascii_digit, 10),
-            (char::is_ascii_lowercase, 26),
-            (char::is_ascii_uppercase, 26),
-            (|c: &char| !c.is_ascii_alphanumeric(), 33),
-        ];
-        classes
-            .iter()
-            .filter(|(is, _)| token.chars().any(|c| is(&c)))
-            .map(|(_, n)| n)
-            .sum()
+        let has = |is: fn(&char) -> bool| token.chars().any(|c| is(&c));
+        [
+            (has(char::is_ascii_digit), 10),
+            (has(char::is_ascii_lowercase), 26),
+            (has(char::is_ascii_uppercase), 26),
+            (token.chars().any(|c| !c.is_ascii_alphanumeric()), 33),
+        ]
+        .iter()
+        .filter(|(used, _)| *used)
+        .map(|(_, n)| n)
+        .sum()
     };
     let bits = len as f64 * f64::from(alphabet.max(2)).log2();
     let chars: Vec<char> = token.chars().collect();
-    let most = chars
-        .iter()
-        .map(|c| chars.iter().filter(|d| *d == c).count())
-        .max()
-        .unwrap_or(0);
+    let mut counts: HashMap<char, usize> = HashMap::new();
+    for c in &chars {
+        *counts.entry(*c).or_default() += 1;
+    }
+    let most = counts.values().copied().max().unwrap_or(0);
     if len > 0 && most * 2 > len {
         return Err("one character makes up more than half of it".into());
     }
-    if let Some(period) = (1..=len / 2).find(|p| chars.iter().skip(*p).zip(&chars).all(|(a, b)| a == b)) {
+    if let Some(period) =
+        (1..=len / 2).find(|p| chars.iter().skip(*p).zip(&chars).all(|(a, b)| a == b))
+    {
         return Err(format!("it repeats a pattern of {period} characters"));
     }
     if bits < TOKEN_MIN_BITS {
@@ -182,9 +184,15 @@ mod tests {
         for (weak, why) in [
             ("hunter22", "about 41 bits"),
             ("0123456789abcdef", "about 64 bits"),
-            ("service-test-token", "18 characters of 59 kinds, about 105 bits"),
+            (
+                "service-test-token",
+                "18 characters of 59 kinds, about 105 bits",
+            ),
             ("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "more than half"),
-            ("0123456789abcdef0123456789abcdef", "a pattern of 16 characters"),
+            (
+                "0123456789abcdef0123456789abcdef",
+                "a pattern of 16 characters",
+            ),
         ] {
             let err = token_strength(weak).expect_err(weak);
             assert!(err.contains(why), "{weak}: {err}");
