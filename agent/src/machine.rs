@@ -97,11 +97,11 @@ impl Env {
         if let Ok(mut t) = self.trust.lock() {
             *t = state.clone();
         }
-        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
-            tracing::error!("cannot write trust file: {e}");
-        }
         if let Err(e) = self.store.set_trust(&state) {
             tracing::error!("{e}");
+        }
+        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
+            tracing::error!("cannot write trust file: {e}");
         }
     }
 
@@ -1015,7 +1015,11 @@ async fn download(
             let _ = env.store.flush();
             Next::Interrupted
         }
-        Err(FetchError::Canceled) => Next::State(State::Canceled),
+        Err(FetchError::Canceled) => {
+            // Never resumed: nothing of it stays behind (a shutdown keeps it, above).
+            fetch_blocks::discard_partial(&spec, block_index.as_ref());
+            Next::State(State::Canceled)
+        }
         Err(e) => failed(e.to_string(), false),
     }
 }
@@ -1286,6 +1290,7 @@ mod tests {
             },
             manifest: Some(manifest),
             state,
+            signed: None,
         }
     }
 
