@@ -174,6 +174,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         config.enrollment.tokens.clone(),
         store.used_tokens().map_err(load_enrollments)?,
         config.enrollment.max_pending,
+    )
+    .with_limits(
+        config.enrollment.attempts_per_second,
+        config.enrollment.device_attempts_per_minute,
     );
     let loaded_ms = opening.elapsed().as_millis();
     let (rollout_count, group_count) = (rollouts.len(), groups.len());
@@ -191,11 +195,13 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         config.clock_window,
         topics.clone(),
         now(),
-    );
+    )
+    .with_limits(config.control_limits);
     if gate.operator_count() == 0 {
         tracing::warn!("no [[operators]] configured: every control request will be refused");
     }
     let metrics = Metrics::new();
+    metrics.watch_limits(gate.counts(), registry.attempt_counts());
     if let Some(addr) = config.metrics {
         let listener = metrics::bind(addr).await?;
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
@@ -314,7 +320,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
                 let _timing = service.metrics.input("tick");
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
-                    Ok(()) => service.retry_store().await,
+                    Ok(()) => match service.retry_enrollments().await {
+                        Ok(()) => service.retry_store().await,
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 }
             }
