@@ -56,8 +56,12 @@ impl Service {
             }
             None => {}
         }
-        let wanted = self.engine.reissue_device(id.as_str());
-        let Some(owed) = wanted.last().and_then(effect_action_id) else {
+        // Only the newest action sent to the device is owed (`engine/owed.rs`): an older
+        // rollout's cancel is never published over it.
+        let Some(wanted) = self.engine.reissue_device(id.as_str()) else {
+            return Vec::new();
+        };
+        let Some(owed) = effect_action_id(&wanted) else {
             return Vec::new();
         };
         if found.as_ref().is_some_and(|a| a.action_id == owed) {
@@ -80,7 +84,7 @@ impl Service {
             repairs_total = self.desired_repairs,
             "the retained desired action is not the one this coordinator published; publishing it again"
         );
-        wanted
+        vec![wanted]
     }
 
     /// The desired action in `payload` if this coordinator signed it for `id`. Bytes identical

@@ -220,10 +220,10 @@ impl Engine {
         effects
     }
 
-    /// The action a device's retained `desired` topic should hold, if one is owed (at most one
-    /// effect): what [`Engine::reissue`] publishes for it. Used when that topic is found
-    /// holding something else.
-    pub fn reissue_device(&self, device: &str) -> Vec<Effect> {
+    /// The action a device's retained `desired` topic should hold, if one is owed: what
+    /// [`Engine::reissue`] publishes for it. Used when that topic is found holding something
+    /// else.
+    pub fn reissue_device(&self, device: &str) -> Option<Effect> {
         let mut newest: Option<(&Rollout, &Slot)> = None;
         for entry in self.rollouts.values() {
             let Some(&gi) = entry.index.get(device) else {
@@ -240,10 +240,7 @@ impl Engine {
                 newest = Some((r, slot));
             }
         }
-        newest
-            .and_then(|(r, slot)| reissue_slot(r, device, slot))
-            .into_iter()
-            .collect()
+        newest.and_then(|(r, slot)| reissue_slot(r, device, slot))
     }
 }
 

@@ -707,7 +707,7 @@ impl World {
     fn check(&mut self) {
         for d in &self.devices {
             let owed = self.engine.reissue_device(d);
-            self.check_owed(d, &owed, "a repair of that topic publishes");
+            self.check_owed(d, owed.as_slice(), "a repair of that topic publishes");
         }
         // Borrowed out of the world while it is checked (cloning every rollout's trace after
         // every step would cost more than the steps).
