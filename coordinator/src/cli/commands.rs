@@ -39,6 +39,8 @@ pub enum CliError {
     Service(#[from] ServiceError),
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error(transparent)]
+    Accept(#[from] crate::cli::accept::AcceptError),
     #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
     BrokerAddr {
         /// `--broker` or `FLOTILLA_BROKER`.
@@ -347,6 +349,8 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             let (command, what) = match cmd {
                 DevicesCmd::Pending => unreachable!("answered above"),
                 DevicesCmd::Accept { id, key } => {
+                    let key = crate::cli::accept::key_to_pin(&client, &id, key).await?;
+                    let key = Some(key);
                     (Command::AcceptDevice { device: id, key }, "accept_device")
                 }
                 DevicesCmd::Reject { id, key } => {
