@@ -424,11 +424,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         Cmd::Plan(args) => Ok(crate::cli::fleetfile::run_plan(&args)),
         Cmd::Simulate(args) => Ok(crate::cli::simulate::run_simulate(&args)),
         Cmd::Backup(args) => {
-            let info = match (&args.data_dir, &args.out) {
-                (Some(data_dir), Some(out)) => {
-                    crate::cli::store::backup_offline(data_dir, out, now())?
-                }
-                _ => {
+            let info = match crate::cli::store::backup_offline(&args, now())? {
+                Some(info) => info,
+                None => {
                     let client = connect(&target).await?;
                     let result = client.request(Command::Backup, DEFAULT_TIMEOUT).await?;
                     serde_json::from_value(result).map_err(|source| CliError::Reply {
