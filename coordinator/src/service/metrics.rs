@@ -2,7 +2,7 @@
 //! serves it on `GET /metrics` (`[metrics] listen` in the config; off by default).
 //!
 //! ```text
-//!  service loop ── hooks (one line each in serve.rs) ──> Metrics: counters, histograms
+//!  service loop ── hooks (one line each in the service) ──> Metrics: counters, histograms
 //!       │                                                   │ (prometheus-client registry)
 //!       └─ between inputs, if a scrape asked: Snapshot ──> Shared <── scrape task: encode,
 //!          (rollouts, devices by phase, totals)                    answer, close

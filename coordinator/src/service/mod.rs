@@ -20,9 +20,11 @@
 //!
 //! ## Modules
 //!
-//! - [`serve`](mod@serve): the service loop. One task owns the rollout engine
-//!   ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign and
-//!   publish.
+//! - [`serve`](mod@serve): starts the service and runs its loop. One task owns the rollout
+//!   engine ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign
+//!   and publish. The loop's `Service` is split by concern: `state` (its fields and
+//!   bookkeeping), `inbound` (what arrives from the link), `dispatch` (control commands),
+//!   `lists` (paged lists), `effects` (persist, sign, publish), `error` (`ServiceError`).
 //! - [`config`]: the coordinator's TOML configuration, validated.
 //! - [`enrollment`]: device keys and enrollment; which signed device messages pass.
 //! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
@@ -44,9 +46,14 @@ pub mod artifacts;
 pub mod backup;
 pub mod broker;
 pub mod config;
+mod dispatch;
+mod effects;
 pub mod enrollment;
+mod error;
 pub mod grants;
+mod inbound;
 pub mod keys;
+mod lists;
 pub mod loading;
 pub mod metrics;
 pub mod mqtt;
@@ -56,8 +63,10 @@ pub mod releases;
 pub mod seal;
 pub mod sequence;
 pub mod serve;
+mod state;
 pub mod store;
 pub mod store_health;
 pub mod verify;
 
-pub use serve::{serve, ServiceError};
+pub use error::ServiceError;
+pub use serve::serve;

@@ -1,0 +1,446 @@
+//! What arrives from the link: device messages, retained desired actions read back, control requests and the marker.
+
+use flotilla_protocol::control::{ControlReply, ControlRequest};
+use flotilla_protocol::manifest::Manifest;
+use flotilla_protocol::operator::Role;
+use flotilla_protocol::{
+    envelope, ActionBody, BlockReply, DesiredAction, DeviceId, DeviceMessage, Digest, Message,
+};
+use flotilla_protocol::{Topic, BROKER_PACKET_LIMIT};
+
+use crate::service::effects::effect_action_id;
+use crate::service::error::ServiceError;
+use crate::service::state::{now, Held, Service};
+
+use crate::service::enrollment::Ignored;
+use crate::service::loading::MarkerSeen;
+use crate::service::metrics::Malformed;
+use crate::service::mqtt::LinkEvent;
+use crate::service::releases::{self};
+use crate::service::store::{self};
+use crate::service::verify::{self, Arrival, Checked};
+use flotilla_rollout::engine::Effect;
+
+/// How often a device's retained `desired` topic is repaired at most (see `Service::on_desired`).
+pub(super) const REPAIR_INTERVAL: u64 = 5;
+
+impl Service {
+    /// Records which digests `device` may fetch under the desired action `body`: the artifacts
+    /// and block lists of an install (with or without peers), none for anything else (nothing,
+    /// cancel, rollback to a kept release).
+    pub(super) fn hold(&mut self, device: &str, body: &ActionBody) {
+        let digests = body
+            .install()
+            .and_then(|install| Manifest::decode(&install.manifest.payload).ok())
+            .map(|m| releases::fetchable_digests(&m))
+            .unwrap_or_default();
+        if digests.is_empty() {
+            self.holdings.remove(device);
+        } else {
+            self.holdings.insert(device.to_owned(), digests);
+        }
+    }
+
+    /// A retained desired action read back from the broker: only one signed with this
+    /// coordinator's key, for the device of its topic, counts.
+    /// A device's retained `desired` topic changed (or was read back). Keeps the device's
+    /// holdings for block requests, and when the topic holds something other than the action the
+    /// engine owes the device (cleared, overwritten, or an older action replayed) returns the
+    /// effects that publish it again, at most once per [`REPAIR_INTERVAL`] per device.
+    pub(super) fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) -> Vec<Effect> {
+        let found = self.our_desired_action(id, payload);
+        match &found {
+            Some(action) => self.hold(id.as_str(), &action.body),
+            None if payload.is_empty() => {
+                self.holdings.remove(id.as_str());
+            }
+            None => {}
+        }
+        let wanted = self.engine.reissue_device(id.as_str());
+        let Some(owed) = wanted.last().and_then(effect_action_id) else {
+            return Vec::new();
+        };
+        if found.as_ref().is_some_and(|a| a.action_id == owed) {
+            return Vec::new();
+        }
+        let now = now();
+        if self
+            .repaired
+            .get(id.as_str())
+            .is_some_and(|&at| now < at.saturating_add(REPAIR_INTERVAL))
+        {
+            return Vec::new();
+        }
+        self.repaired.insert(id.as_str().to_owned(), now);
+        self.desired_repairs += 1;
+        tracing::warn!(
+            device = %id,
+            owed,
+            found = found.as_ref().map_or("something else", |a| a.action_id.as_str()),
+            repairs_total = self.desired_repairs,
+            "the retained desired action is not the one this coordinator published; publishing it again"
+        );
+        wanted
+    }
+
+    /// The desired action in `payload` if this coordinator signed it for `id`. Bytes identical
+    /// to the last ones published for the device (the echo of every publish, and after a
+    /// restart the retained actions of a whole fleet) are known to be ours without a signature
+    /// check; anything else is checked.
+    pub(super) fn our_desired_action(
+        &mut self,
+        id: &DeviceId,
+        payload: &[u8],
+    ) -> Option<DesiredAction> {
+        let Ok(Message::Desired(blob)) = envelope::decode(payload) else {
+            return None;
+        };
+        let ours = self.store.published(id.as_str())
+            == Some(store::published_digest(&self.verifying_key, payload));
+        let bytes = if ours {
+            self.desired_known += 1;
+            blob.payload.as_slice()
+        } else {
+            blob.verify("desired action", &[self.verifying_key]).ok()?
+        };
+        let action = envelope::from_bytes::<DesiredAction>("desired action", bytes).ok()?;
+        (action.device_id == id.as_str()).then_some(action)
+    }
+
+    /// Whether `device` holds an action for a release with this artifact: its retained desired
+    /// action installs it, or it has a live slot in an active rollout of such a release.
+    pub(super) fn may_fetch(&mut self, device: &str, sha256: &Digest) -> bool {
+        if self
+            .holdings
+            .get(device)
+            .is_some_and(|held| held.contains(sha256))
+        {
+            return true;
+        }
+        let releases: Vec<String> = self
+            .engine
+            .device_releases(device)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        for release in releases {
+            if self
+                .release_digests(&release)
+                .is_some_and(|d| d.contains(sha256))
+            {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Every digest of a release a device may fetch (artifacts and block lists), cached.
+    /// Release names are never reused, so the cache cannot go stale.
+    pub(super) fn release_digests(&mut self, release: &str) -> Option<&[Digest]> {
+        if !self.release_digests.contains_key(release) {
+            match self.releases.load_manifest(release) {
+                Ok((_, manifest)) => {
+                    let digests = releases::fetchable_digests(&manifest);
+                    self.release_digests.insert(release.to_owned(), digests);
+                }
+                Err(e) => {
+                    tracing::error!(%release, error = %e, "release unreadable");
+                    return None;
+                }
+            }
+        }
+        self.release_digests.get(release).map(Vec::as_slice)
+    }
+
+    pub(super) async fn on_link_event(&mut self, arrival: Arrival) -> Result<(), ServiceError> {
+        let Arrival { event, checked } = arrival;
+        match event {
+            LinkEvent::Connected => {
+                self.loading.connected();
+                self.lane_open
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                let _timing = self.metrics.connected();
+                // Retained desired actions may have been lost with a broker that restarted
+                // without persistence; re-publishing them is idempotent.
+                let effects = self.engine.reissue(now());
+                self.apply(effects).await
+            }
+            LinkEvent::Disconnected { .. } => {
+                self.metrics.disconnected();
+                Ok(())
+            }
+            LinkEvent::Subscribed => {
+                // Queued by the broker behind every retained message it delivers on subscribe.
+                let nonce = self.loading.subscribed(tokio::time::Instant::now());
+                self.publish(self.topics.marker(), false, nonce.into_bytes())
+                    .await
+            }
+            LinkEvent::Publish { topic, payload } => {
+                self.on_publish(&topic, &payload, checked).await
+            }
+        }
+    }
+
+    /// One publish from the link. `checked` is what a signature worker made of a device topic's
+    /// payload (`verify.rs`); without it the payload is checked here.
+    pub(super) async fn on_publish(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        checked: Option<Checked>,
+    ) -> Result<(), ServiceError> {
+        let _timing = self.metrics.received(&self.topics, topic);
+        if payload.len() > BROKER_PACKET_LIMIT {
+            let reason = format!(
+                "{} bytes, more than the {BROKER_PACKET_LIMIT} bytes a message may have",
+                payload.len()
+            );
+            self.reject(topic, Malformed::TooLarge, &reason);
+            return Ok(());
+        }
+        let Some(parsed) = self.topics.parse(topic) else {
+            self.reject(topic, Malformed::UnknownTopic, "not a flotilla topic");
+            return Ok(());
+        };
+        let id = match &parsed {
+            Topic::ControlRequest => return self.on_control(topic, payload).await,
+            Topic::Marker => return self.on_marker(topic, payload).await,
+            Topic::State(id) | Topic::Report(id) | Topic::Fetch(id) => id.clone(),
+            Topic::Desired(id) => {
+                let id = id.clone();
+                let repair = self.on_desired(&id, payload);
+                return self.apply(repair).await;
+            }
+            // Not subscribed to; a broker that forwards it anyway is not worth an error.
+            _ => return Ok(()),
+        };
+        // An empty retained payload is how a device's state gets cleared: not malformed.
+        if payload.is_empty() && matches!(parsed, Topic::State(_)) {
+            return Ok(());
+        }
+        let checked = checked.unwrap_or_else(|| verify::check(payload, None));
+        let (blob, opened) = match checked {
+            Checked::Signed { blob, verified } => {
+                let opened = verify::decode_verified(&blob, verified);
+                (blob, opened)
+            }
+            Checked::Undecodable(reason) => {
+                self.reject(topic, Malformed::Undecodable, &reason);
+                return Ok(());
+            }
+            Checked::Unsigned => {
+                self.ignore(topic, Ignored::Unsigned);
+                return Ok(());
+            }
+            Checked::WrongKind(name) => {
+                let reason = format!("unexpected {name} on this topic");
+                self.reject(topic, Malformed::WrongKind, &reason);
+                return Ok(());
+            }
+        };
+        let expected = match parsed {
+            Topic::State(_) => "device state",
+            Topic::Report(_) => "report",
+            _ => "block request",
+        };
+        let now = now();
+        let verdict = self
+            .registry
+            .observe_checked(id.as_str(), expected, &blob, opened, now);
+        if let Some(token) = &verdict.used_token {
+            if let Err(e) = self.store.use_token(token, now) {
+                self.store_failed(&e);
+            }
+        }
+        if verdict.changed {
+            // A failure is logged and retried by the store's recovery; nobody to answer here.
+            let _ = self.save_enrollment(id.as_str());
+        }
+        if let Some(note) = &verdict.note {
+            tracing::info!(device = %id, "{note}");
+        }
+        if let Some(why) = verdict.ignored {
+            self.ignore(topic, why);
+        }
+        let Some(message) = verdict.accepted else {
+            return Ok(());
+        };
+        // Only now, signed by the device's accepted key, does anything reach the engine: a
+        // forged report's seq never counts.
+        match message {
+            DeviceMessage::State { state, .. } => {
+                let effects = self.engine.observe_state(state, now);
+                self.apply(effects).await
+            }
+            DeviceMessage::Report(report) => {
+                let effects = self.engine.observe_report(report, now);
+                self.apply(effects).await
+            }
+            DeviceMessage::ReportWithBytes {
+                report,
+                bytes,
+                bypassed,
+            } => {
+                // The bytes first, so the status the report publishes counts them.
+                let mut effects =
+                    self.observe_bytes(id.as_str(), &report.action_id, &bytes, &bypassed, now);
+                effects.extend(self.engine.observe_report(report, now));
+                self.apply(effects).await
+            }
+            DeviceMessage::Fetch { request, .. } => {
+                let reply = if self.may_fetch(id.as_str(), &request.sha256) {
+                    self.blocks.serve(&request)
+                } else {
+                    self.ignore(topic, Ignored::NoAction);
+                    BlockReply::Unavailable {
+                        sha256: request.sha256,
+                        offset: request.offset,
+                        reason: format!(
+                            "device {id} holds no action for artifact {}",
+                            flotilla_protocol::hex::encode(&request.sha256)
+                        ),
+                    }
+                };
+                self.metrics.block(&reply);
+                let bytes = envelope::encode(&Message::Block(reply));
+                self.publish(self.topics.block(&id), false, bytes).await
+            }
+        }
+    }
+
+    pub(super) async fn on_control(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+    ) -> Result<(), ServiceError> {
+        let authorized = match self.gate.check(payload, now()) {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.refused += 1;
+                self.metrics.refused(&refusal.reason);
+                tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
+                    refused_total = self.refused, "refusing control request");
+                // Only a reply_to that passed the checks (a plain reply topic under the root)
+                // is ever published on; otherwise the refusal is logged and counted only.
+                let Some(reply_to) = refusal.reply_to else {
+                    return Ok(());
+                };
+                let reply = ControlReply {
+                    id: refusal.id.unwrap_or_default(),
+                    ok: false,
+                    error: Some(refusal.reason),
+                    result: serde_json::Value::Null,
+                    loading: false,
+                };
+                return self.reply(reply_to, reply).await;
+            }
+        };
+        let request = authorized.request;
+        let operator = authorized.operator;
+        tracing::info!(%operator, role = %authorized.role, command = request.command.name(),
+            id = %request.id, "control request");
+        // A command that changes anything may depend on the whole registry (a rollout plans
+        // over every device): it waits until the retained states are read. Reads answer now,
+        // marked as loading.
+        if self.loading.is_loading() && request.command.required_role() != Role::Viewer {
+            let held = self.loading.held();
+            return match self.loading.hold(Held { request, operator }) {
+                Ok(()) => {
+                    tracing::info!(
+                        held = held + 1,
+                        "control request held until every retained device state is read"
+                    );
+                    Ok(())
+                }
+                Err(Held { request, .. }) => {
+                    let reply = ControlReply {
+                        id: request.id,
+                        ok: false,
+                        error: Some(format!(
+                            "the coordinator is still reading the fleet's retained states and \
+                             already holds {held} commands until it has; try again shortly"
+                        )),
+                        result: serde_json::Value::Null,
+                        loading: true,
+                    };
+                    self.reply(request.reply_to, reply).await
+                }
+            };
+        }
+        self.run(request, &operator).await
+    }
+
+    /// Runs an accepted control request and replies.
+    pub(super) async fn run(
+        &mut self,
+        request: ControlRequest,
+        operator: &str,
+    ) -> Result<(), ServiceError> {
+        let loading = self.loading.is_loading();
+        let reply = match self.command(request.command, operator).await? {
+            Ok(result) => ControlReply {
+                id: request.id,
+                ok: true,
+                error: None,
+                result,
+                loading,
+            },
+            Err(error) => ControlReply {
+                id: request.id,
+                ok: false,
+                error: Some(error),
+                result: serde_json::Value::Null,
+                loading,
+            },
+        };
+        self.reply(request.reply_to, reply).await
+    }
+
+    /// A publish on the marker topic: this connection's marker ends the loading state.
+    pub(super) async fn on_marker(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+    ) -> Result<(), ServiceError> {
+        match self.loading.marker(payload) {
+            MarkerSeen::Complete => {
+                tracing::info!(
+                    devices = self.engine.device_count(),
+                    held = self.loading.held(),
+                    "every retained device state is read"
+                );
+                self.release_held().await
+            }
+            MarkerSeen::Foreign => {
+                self.reject(topic, Malformed::BadMarker, "not this connection's marker");
+                Ok(())
+            }
+        }
+    }
+
+    /// The marker did not come back in time: the registry is taken as complete.
+    pub(super) async fn marker_overdue(&mut self) -> Result<(), ServiceError> {
+        if !self.loading.expire(tokio::time::Instant::now()) {
+            return Ok(());
+        }
+        tracing::warn!(
+            timeout = ?self.loading.timeout(),
+            devices = self.engine.device_count(),
+            held = self.loading.held(),
+            "the end-of-retained marker did not come back (an ACL refusing the marker topic?); \
+             taking the registry as complete, it may miss devices whose states were not read yet"
+        );
+        self.release_held().await
+    }
+
+    /// Loading ended: control requests from now on come in arrival order with device traffic,
+    /// and the commands held while loading run, in the order they arrived.
+    pub(super) async fn release_held(&mut self) -> Result<(), ServiceError> {
+        self.lane_open
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        while let Some(Held { request, operator }) = self.loading.release() {
+            self.run(request, &operator).await?;
+        }
+        Ok(())
+    }
+}
