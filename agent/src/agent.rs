@@ -5,7 +5,8 @@
 //! action task at a time (the state machine), routes block replies to it, and removes reports
 //! from the outbox when the broker acknowledges them. On every (re)connect it subscribes,
 //! publishes the retained device state and re-sends the outbox; the retained desired action
-//! then arrives and is reconciled (a known action id only re-reports its phase).
+//! then arrives and is reconciled (a known action id only re-reports its phase). An action
+//! found unfinished in the store goes on only once it verifies again ([`crate::resume`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,14 +19,17 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, TargetKind};
+use crate::consent;
+use crate::env::{self, ActionIo, Env};
 use crate::error::AgentError;
 use crate::fetch::{FetchInput, FetchRequest};
 use crate::held::{self, Held};
 use crate::identity;
 use crate::link::{self, LinkEvent, Outgoing};
-use crate::machine::{self, ActionIo, Env};
+use crate::machine;
 use crate::peer_serve;
 use crate::record::{ActionRecord, State};
+use crate::resume;
 use crate::trust::{self, Refusal};
 
 /// Builds the configured update targets, by name. The configuration was validated, so this
@@ -90,6 +94,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         peers.as_ref().map(|(inbox, _)| inbox.clone()),
         link_shutdown.clone(),
     );
+    // Once stopping, nothing waits for room in the link: a broker that takes nothing must not
+    // hold up the stop (what is not sent is in the outbox, or sent afresh after the restart).
+    let link = link.stop_waiting_on(shutdown.clone());
     let env = Arc::new(Env {
         targets,
         config: Arc::new(config),
@@ -101,7 +108,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     if let Some((_, requests)) = peers {
         let server = peer_serve::PeerServer::new(
             env.config.device_id.clone(),
-            Held::new(machine::downloads_dir(&env.config)),
+            Held::new(env::downloads_dir(&env.config)),
             env.clone(),
         );
         serving = Some(peer_serve::start(
@@ -122,38 +129,19 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     // A damaged database was moved aside: the first action reconciled from the retained desired
     // action carries the note to the coordinator.
     let mut recovered = note;
-    // Resume an action interrupted by a crash or restart.
-    if let Some(record) = env.store.current()? {
-        if !record.state.is_terminal() {
-            // Only unclean stops count (a clean shutdown clears the count), and waiting for
-            // consent or a time window over many reboots is no crash loop.
-            let restarts = if matches!(record.state, State::Waiting { .. }) {
-                0
-            } else {
-                env.store.count_restart(&record)?
-            };
-            if restarts >= env.config.store.max_restarts {
-                let record = machine::give_up(&env, record, restarts).await;
-                if !record.state.is_terminal() {
-                    // Rolled back, and the old content is live only after a reboot: drive that.
-                    running = Some(spawn(
-                        env.clone(),
-                        record,
-                        false,
-                        shutdown.clone(),
-                        done_tx.clone(),
-                    ));
-                }
-            } else {
-                tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
-                running = Some(spawn(
-                    env.clone(),
-                    record,
-                    true,
-                    shutdown.clone(),
-                    done_tx.clone(),
-                ));
+    // Resume an action interrupted by a crash or restart, once it verifies again.
+    match env.store.current() {
+        Ok(Some(record)) if !record.state.is_terminal() => {
+            running = resume(&env, record, &shutdown, &done_tx).await?;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            let note = format!("{e}; the action it describes was not resumed");
+            tracing::error!("{note}");
+            if let Err(e) = env.store.set_last_error(&note) {
+                tracing::warn!("{e}");
             }
+            recovered.get_or_insert(note);
         }
     }
 
@@ -247,6 +235,56 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         let _ = serving.await;
     }
     Ok(())
+}
+
+/// Resumes a stored, unfinished action once it verifies again (`resume.rs`). One that does not
+/// is ended as Failed with the reason and reported, and no target is touched: its record may be
+/// older than what the device runs.
+async fn resume(
+    env: &Arc<Env>,
+    mut record: ActionRecord,
+    shutdown: &CancellationToken,
+    done: &mpsc::Sender<ActionRecord>,
+) -> Result<Option<Running>, AgentError> {
+    let checked = resume::check_stored(
+        &record,
+        &env.config,
+        &env.trust_state(),
+        trust::system_now(),
+    );
+    if let Err(Refusal(reason)) = checked {
+        tracing::error!(action = record.action_id, "{reason}");
+        record.state = State::Failed {
+            reason,
+            rolled_back: false,
+        };
+        // Reported even when it cannot be recorded (a full disk): the coordinator learns why.
+        let _ = env.persist(&record);
+        env.report(&record).await;
+        consent::clear(&env.config.data_dir, &record.action_id);
+        return Ok(None);
+    }
+    // Only unclean stops count (a clean shutdown clears the count), and waiting for consent or
+    // a time window over many reboots is no crash loop.
+    let restarts = if matches!(record.state, State::Waiting { .. }) {
+        0
+    } else {
+        env.store.count_restart(&record)?
+    };
+    if restarts >= env.config.store.max_restarts {
+        let record = machine::give_up(env, record, restarts).await;
+        // Rolled back, and the old content is live only after a reboot: drive that.
+        return Ok((!record.state.is_terminal())
+            .then(|| spawn(env.clone(), record, false, shutdown.clone(), done.clone())));
+    }
+    tracing::info!(action = record.action_id, state = ?record.state, restarts, "resuming");
+    Ok(Some(spawn(
+        env.clone(),
+        record,
+        true,
+        shutdown.clone(),
+        done.clone(),
+    )))
 }
 
 fn spawn(
@@ -356,10 +394,17 @@ async fn handle_desired(
         }
     };
 
-    // A known action id is never applied again; only its phase is re-reported.
-    match env.store.action(&action.action_id) {
+    // A known action id is never applied again; only its phase is re-reported. An unfinished
+    // one that is not running (its record and the current action's were not written together)
+    // goes on once it verifies again, as at start.
+    let damaged = match env.store.action(&action.action_id) {
         Ok(Some(record)) => {
-            if running
+            if running.is_none() && !record.state.is_terminal() {
+                match resume(env, record, shutdown, done).await {
+                    Ok(resumed) => *running = resumed,
+                    Err(e) => tracing::error!("{e}"),
+                }
+            } else if running
                 .as_ref()
                 .is_none_or(|r| r.action_id != record.action_id)
             {
@@ -367,9 +412,13 @@ async fn handle_desired(
             }
             return;
         }
-        Ok(None) => {}
-        Err(e) => tracing::warn!("{e}"),
-    }
+        Ok(None) => None,
+        // Treated as a record lost with a damaged database: see `recovered` below.
+        Err(e) => {
+            tracing::error!("{e}");
+            Some(format!("{e}"))
+        }
+    };
 
     // "Nothing to do" and cancels are never stored, but they count in the per-device order: once
     // accepted, every action issued before them is a replay (a captured install re-published
@@ -406,7 +455,7 @@ async fn handle_desired(
 
     let system = trust::system_now();
     let mut record = match trust::check_all(&blob, config, &env.trust_state(), system) {
-        Err(Refusal(reason)) => refused_record(action, reason),
+        Err(Refusal(reason)) => refused_record(action, &blob, reason),
         Ok((action, manifest)) => {
             env.advance_trusted_time(action.issued_at);
             ActionRecord {
@@ -415,13 +464,15 @@ async fn handle_desired(
                 state: State::Accepted,
                 manifest,
                 action,
+                signed: Some(blob.clone()),
             }
         }
     };
-    if let Some(note) = recovered.take() {
-        // The records of this action went with the damaged database. If it cannot be applied
-        // now (typically: its release is already installed, says the trust file), say why in
-        // a failure the coordinator sees; otherwise it starts again from the beginning.
+    if let Some(note) = damaged.or_else(|| recovered.take()) {
+        // The records of this action went with a damaged database, or its own is damaged. If
+        // it cannot be applied now (typically: its release is already installed, says the
+        // trust file), say why in a failure the coordinator sees; otherwise it starts again
+        // from the beginning.
         if let State::Refused { reason } = &record.state {
             record.state = State::Failed {
                 reason: format!("{note}; this action cannot be resumed: {reason}"),
@@ -475,7 +526,7 @@ async fn handle_desired(
 /// Bounds the verified downloads kept (to serve to peers and to copy blocks from) once no
 /// action uses them.
 fn keep_downloads(config: &Config) {
-    let pruned = held::prune(&machine::downloads_dir(config), config.peers.keep_bytes);
+    let pruned = held::prune(&env::downloads_dir(config), config.peers.keep_bytes);
     if !pruned.artifacts.is_empty() {
         tracing::info!(
             artifacts = pruned.artifacts.len(),
@@ -486,13 +537,14 @@ fn keep_downloads(config: &Config) {
     }
 }
 
-fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
+fn refused_record(action: DesiredAction, blob: &SignedBlob, reason: String) -> ActionRecord {
     ActionRecord {
         action_id: action.action_id.clone(),
         rollout_id: action.rollout_id.clone(),
         state: State::Refused { reason },
         manifest: None,
         action,
+        signed: Some(blob.clone()),
     }
 }
 
@@ -500,4 +552,292 @@ fn refused_record(action: DesiredAction, reason: String) -> ActionRecord {
 /// tools).
 pub fn last_will_payload(config: &Config, key: SigningKey) -> Vec<u8> {
     link::Signer::new(config, key).state(link::offline_state(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+
+    use flotilla_protocol::{
+        envelope, ActionKind, Artifact, Message, Phase, ReleaseManifest, Topics,
+    };
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::store::{Store, StoreError};
+    use crate::trust::tests::key;
+
+    /// Just enough of an MQTT broker for one agent: it accepts the connection, answers
+    /// subscriptions and pings, delivers `desired` on the agent's desired topic, counts the
+    /// reports published to it and acknowledges them if `acks`; and it goes away, connection
+    /// and listener, when `gone` is cancelled.
+    struct FakeBroker {
+        port: u16,
+        reports: Arc<AtomicUsize>,
+        heard: Arc<tokio::sync::Notify>,
+        gone: CancellationToken,
+    }
+
+    impl FakeBroker {
+        async fn start(desired: Vec<u8>, desired_topic: String, acks: bool) -> FakeBroker {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen");
+            let broker = FakeBroker {
+                port: listener.local_addr().expect("address").port(),
+                reports: Arc::new(AtomicUsize::new(0)),
+                heard: Arc::new(tokio::sync::Notify::new()),
+                gone: CancellationToken::new(),
+            };
+            let (reports, heard, gone) = (
+                broker.reports.clone(),
+                broker.heard.clone(),
+                broker.gone.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    let socket = tokio::select! {
+                        _ = gone.cancelled() => return,
+                        accepted = listener.accept() => match accepted {
+                            Ok((socket, _)) => socket,
+                            Err(_) => return,
+                        },
+                    };
+                    let serve = serve(
+                        socket,
+                        desired.clone(),
+                        desired_topic.clone(),
+                        acks,
+                        reports.clone(),
+                        heard.clone(),
+                    );
+                    let gone = gone.clone();
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            _ = gone.cancelled() => {}
+                            _ = serve => {}
+                        }
+                    });
+                }
+            });
+            broker
+        }
+
+        /// Waits until the agent published `n` reports in all.
+        async fn wait_for_reports(&self, n: usize) {
+            tokio::time::timeout(Duration::from_secs(60), async {
+                while self.reports.load(Ordering::SeqCst) < n {
+                    self.heard.notified().await;
+                }
+            })
+            .await
+            .expect("the agent's reports reach the broker");
+        }
+    }
+
+    /// An MQTT packet: fixed header byte and remaining length, then `body`.
+    fn packet(kind: u8, body: &[u8]) -> Vec<u8> {
+        let mut out = vec![kind];
+        let mut len = body.len();
+        loop {
+            let byte = (len % 128) as u8;
+            len /= 128;
+            out.push(if len > 0 { byte | 0x80 } else { byte });
+            if len == 0 {
+                break;
+            }
+        }
+        out.extend_from_slice(body);
+        out
+    }
+
+    async fn serve(
+        mut socket: TcpStream,
+        desired: Vec<u8>,
+        desired_topic: String,
+        acks: bool,
+        reports: Arc<AtomicUsize>,
+        heard: Arc<tokio::sync::Notify>,
+    ) {
+        loop {
+            let Ok(kind) = socket.read_u8().await else {
+                return;
+            };
+            let mut len = 0usize;
+            for shift in [0, 7, 14, 21] {
+                let Ok(b) = socket.read_u8().await else {
+                    return;
+                };
+                len |= usize::from(b & 0x7f) << shift;
+                if b & 0x80 == 0 {
+                    break;
+                }
+            }
+            let mut body = vec![0; len];
+            if socket.read_exact(&mut body).await.is_err() {
+                return;
+            }
+            let mut answer = Vec::new();
+            match kind >> 4 {
+                // CONNECT: accepted.
+                1 => answer = packet(0x20, &[0, 0]),
+                // PUBLISH (QoS 1 from the agent): a report counts; acknowledged if `acks`.
+                3 if len >= 2 => {
+                    let topic_len = usize::from(u16::from_be_bytes([body[0], body[1]]));
+                    let topic = body.get(2..2 + topic_len).unwrap_or_default();
+                    if topic.ends_with(b"/report") {
+                        reports.fetch_add(1, Ordering::SeqCst);
+                        heard.notify_waiters();
+                    }
+                    if let (true, Some(pkid)) = (acks, body.get(2 + topic_len..4 + topic_len)) {
+                        answer = packet(0x40, pkid);
+                    }
+                }
+                // SUBSCRIBE: granted; the desired action follows its own topic's subscription,
+                // as a retained message would.
+                8 if len >= 2 => {
+                    answer = packet(0x90, &[body[0], body[1], 1]);
+                    let filter_len = usize::from(u16::from_be_bytes([
+                        body.get(2).copied().unwrap_or(0),
+                        body.get(3).copied().unwrap_or(0),
+                    ]));
+                    if body.get(4..4 + filter_len) == Some(desired_topic.as_bytes()) {
+                        let mut publish = (desired_topic.len() as u16).to_be_bytes().to_vec();
+                        publish.extend_from_slice(desired_topic.as_bytes());
+                        publish.extend_from_slice(&desired);
+                        answer.extend(packet(0x31, &publish));
+                    }
+                }
+                // PINGREQ.
+                12 => answer = packet(0xd0, &[]),
+                _ => {}
+            }
+            if socket.write_all(&answer).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// An agent config for the broker at `port` on 127.0.0.1, keeping its data in `dir`, and
+    /// the retained desired message that broker delivers: a soft install of 1 MiB, which waits
+    /// for local consent.
+    fn agent_and_action(dir: &std::path::Path) -> (Config, Vec<u8>, String) {
+        let mut config = crate::trust::tests::config();
+        config.data_dir = dir.join("data");
+        config.targets[0].kind = TargetKind::File {
+            path: dir.join("app.bin"),
+        };
+        config.broker.host = "127.0.0.1".into();
+        let bytes = vec![7u8; 1 << 20];
+        let now = trust::system_now();
+        let manifest = ReleaseManifest {
+            name: "app-2".into(),
+            version: "2.0".into(),
+            counter: 2,
+            hardware: vec!["pi4".into()],
+            artifacts: vec![Artifact {
+                name: "app.bin".into(),
+                target: "app".into(),
+                size: bytes.len() as u64,
+                sha256: flotilla_protocol::sha256(&bytes),
+            }],
+            created_at: now,
+            expires_at: now + 86_400,
+        };
+        let action = DesiredAction {
+            action_id: "act-1".into(),
+            device_id: config.device_id.to_string(),
+            rollout_id: "r1".into(),
+            issued_at: now,
+            expires_at: now + 86_400,
+            body: ActionBody::Install {
+                manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+                kind: ActionKind::Soft,
+                window: None,
+            },
+        };
+        let blob = SignedBlob::sign(&key(2), envelope::to_bytes(&action));
+        let topic = Topics::new(&config.broker.topic_root).desired(&config.device_id);
+        (config, envelope::encode(&Message::Desired(blob)), topic)
+    }
+
+    /// Opens the agent's store once the stopped agent's background threads let go of it.
+    fn reopen(config: &Config) -> Store {
+        for _ in 0..500 {
+            match Store::open(&config.data_dir, 1 << 20, 0) {
+                Ok((store, _)) => return store,
+                Err(StoreError::Locked { .. }) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("the store stayed locked after the agent stopped");
+    }
+
+    /// Runs the agent until the broker has its two reports (accepted, waiting), calls `then`,
+    /// runs it for an hour more, gives consent (the download starts at 0 bytes), runs it for
+    /// five hours more, then stops it: it must stop within 5 s, keep the report it could not
+    /// send for later, and leave the download to resume.
+    async fn six_hours_then_stop(config: Config, broker: &FakeBroker, then: impl FnOnce()) {
+        let shutdown = CancellationToken::new();
+        let agent = tokio::spawn(run(config.clone(), shutdown.clone()));
+        broker.wait_for_reports(2).await;
+        then();
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        crate::consent::give(&config.data_dir, "act-1", trust::system_now()).expect("consent");
+        tokio::time::sleep(Duration::from_secs(5 * 3600)).await;
+        shutdown.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(5), agent)
+            .await
+            .expect("the agent did not stop within 5 s of shutdown");
+        stopped.expect("the agent task").expect("a clean stop");
+
+        let store = reopen(&config);
+        let current = store.current().expect("read").expect("the action");
+        assert!(
+            matches!(
+                current.state,
+                State::Downloading {
+                    artifact: 0,
+                    done: 0
+                }
+            ),
+            "resumes the download after the restart: {:?}",
+            current.state
+        );
+        let outbox = store.outbox();
+        assert!(
+            outbox
+                .iter()
+                .any(|r| r.action_id == "act-1"
+                    && matches!(r.phase, Phase::Downloading { done: 0, .. })),
+            "the report that could not go out is kept for later: {outbox:#?}"
+        );
+    }
+
+    /// issue 19, item 11, in virtual time: an agent mid-download whose broker has been gone
+    /// for hours stops within seconds. It used to hang: its block requests, asked again every
+    /// 10 s, filled the link's queues within minutes (the MQTT client takes none while it is
+    /// not connected), and shutdown waited on the fetcher, which waited for room.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_ends_the_agent_however_long_its_broker_has_been_gone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut config, desired, topic) = agent_and_action(dir.path());
+        let broker = FakeBroker::start(desired, topic, true).await;
+        config.broker.port = broker.port;
+        let gone = broker.gone.clone();
+        six_hours_then_stop(config, &broker, || gone.cancel()).await;
+    }
+
+    /// The same with a broker that stays connected and acknowledges nothing: the client's
+    /// in-flight window fills, then the link's queues behind it.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_ends_the_agent_on_a_broker_that_acknowledges_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut config, desired, topic) = agent_and_action(dir.path());
+        let broker = FakeBroker::start(desired, topic, false).await;
+        config.broker.port = broker.port;
+        six_hours_then_stop(config, &broker, || {}).await;
+    }
 }

@@ -323,7 +323,7 @@ async fn fetch_once(
         // Keep the pipeline full.
         while outstanding.len() < spec.in_flight && next_request < spec.size {
             let length = (spec.size - next_request).min(u64::from(spec.block_size)) as u32;
-            send(requests, request(next_request, length), &artifact).await?;
+            send(requests, request(next_request, length), &artifact, cancel).await?;
             outstanding.insert(next_request, length);
             next_request += u64::from(length);
         }
@@ -346,7 +346,7 @@ async fn fetch_once(
                 for (offset, length) in retries.take_due() {
                     // The real reply may have come in while this block waited.
                     if outstanding.contains_key(&offset) {
-                        send(requests, request(offset, length), &artifact).await?;
+                        send(requests, request(offset, length), &artifact, cancel).await?;
                     }
                 }
                 continue;
@@ -359,7 +359,7 @@ async fn fetch_once(
                 );
                 retries.asking_all_again();
                 for (&offset, &length) in &outstanding {
-                    send(requests, request(offset, length), &artifact).await?;
+                    send(requests, request(offset, length), &artifact, cancel).await?;
                 }
                 continue;
             }
@@ -410,7 +410,7 @@ async fn fetch_once(
             // A short block: ask for the rest of it separately.
             let rest = offset + data.len() as u64;
             let length = requested - data.len() as u32;
-            send(requests, request(rest, length), &artifact).await?;
+            send(requests, request(rest, length), &artifact, cancel).await?;
             outstanding.insert(rest, length);
         }
         buffered.insert(offset, data);
@@ -456,17 +456,37 @@ async fn fetch_once(
     Ok(final_path)
 }
 
-pub(crate) async fn send(
+async fn send(
     requests: &mpsc::Sender<FetchRequest>,
     request: BlockRequest,
     artifact: &str,
+    cancel: &CancellationToken,
 ) -> Result<(), FetchError> {
-    requests
-        .send(FetchRequest::Coordinator(request))
-        .await
-        .map_err(|_| FetchError::Closed {
+    ask(
+        requests,
+        FetchRequest::Coordinator(request),
+        artifact,
+        cancel,
+    )
+    .await
+}
+
+/// Queues `request` for the link, waiting while the queue is full, but never past `cancel`: a
+/// link that does not drain (no broker, or one that accepts nothing) must not keep a cancel or
+/// a shutdown waiting.
+pub(crate) async fn ask(
+    requests: &mpsc::Sender<FetchRequest>,
+    request: FetchRequest,
+    artifact: &str,
+    cancel: &CancellationToken,
+) -> Result<(), FetchError> {
+    tokio::select! {
+        biased;
+        _ = cancel.cancelled() => Err(FetchError::Canceled),
+        sent = requests.send(request) => sent.map_err(|_| FetchError::Closed {
             artifact: artifact.to_owned(),
-        })
+        }),
+    }
 }
 
 /// Opens the part file for appending after `done` bytes, re-hashing that prefix. If the file
@@ -666,6 +686,40 @@ pub(crate) mod tests {
 
     fn data(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    /// issue 19, item 11: a link that takes no requests (no broker, or one that acknowledges
+    /// nothing) fills the request queue; a cancel or a shutdown still stops the fetcher, which
+    /// used to wait for room without looking at its stop token.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_request_queue_does_not_hold_up_a_cancel() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = data(1050);
+        let spec = spec(dir.path(), &bytes);
+        // Room for one request, and nobody takes it: the second waits.
+        let (tx, _nobody_reads) = mpsc::channel(1);
+        let (_replies, mut rx) = mpsc::channel(1);
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            stop.cancel();
+        });
+        let fetched = tokio::time::timeout(
+            Duration::from_secs(3605),
+            fetch(
+                &spec,
+                0,
+                &mut ByteCounts::default(),
+                &tx,
+                &mut rx,
+                &mut |_, _| {},
+                &cancel,
+            ),
+        )
+        .await
+        .expect("the fetcher did not stop within 5 s of the cancel");
+        assert!(matches!(fetched, Err(FetchError::Canceled)), "{fetched:?}");
     }
 
     #[tokio::test]

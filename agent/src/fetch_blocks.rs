@@ -105,6 +105,26 @@ pub fn list_path(spec: &FetchSpec) -> PathBuf {
         .join(format!("{}.blocks", hex::encode(&spec.sha256)))
 }
 
+/// Removes the partial files a download of `spec` keeps to resume from: the artifact's `.part`
+/// and, for a block-indexed artifact, its block list's. For a download that will not be
+/// resumed (its action was canceled); the verified list, `<sha256>.blocks`, stays.
+pub fn discard_partial(spec: &FetchSpec, index: Option<&BlockIndexRef>) {
+    let list_part = index.map(|index| {
+        FetchSpec {
+            sha256: index.sha256,
+            ..spec.clone()
+        }
+        .part_path()
+    });
+    for part in std::iter::once(spec.part_path()).chain(list_part) {
+        if let Err(e) = std::fs::remove_file(&part) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!("cannot remove the partial download {}: {e}", part.display());
+            }
+        }
+    }
+}
+
 /// Returns the verified block list of `spec`'s artifact: the stored one if it still checks,
 /// or one fetched from the coordinator by its digest (through the streaming fetcher, which
 /// checks the digest), checked against `index`, then stored as `<sha256>.blocks`.
@@ -468,6 +488,7 @@ impl<'a> Download<'a> {
         block: u64,
         source: Source,
         requests: &mpsc::Sender<FetchRequest>,
+        cancel: &CancellationToken,
     ) -> Result<(), FetchError> {
         let request = self.request(block);
         let message = match (source, &self.sources.grant) {
@@ -483,12 +504,7 @@ impl<'a> Download<'a> {
             }
             _ => FetchRequest::Coordinator(request),
         };
-        requests
-            .send(message)
-            .await
-            .map_err(|_| FetchError::Closed {
-                artifact: self.spec.name.clone(),
-            })?;
+        fetch::ask(requests, message, &self.spec.name, cancel).await?;
         self.asked.insert(
             block,
             Asked {
@@ -604,7 +620,7 @@ impl<'a> Download<'a> {
                     continue;
                 }
                 match self.source_for(block) {
-                    Choice::Ask(source) => self.ask(block, source, requests).await?,
+                    Choice::Ask(source) => self.ask(block, source, requests, cancel).await?,
                     Choice::Later => {
                         self.tried.remove(&block);
                         self.peer_retries.push((Instant::now() + PEER_RETRY, block));
@@ -622,7 +638,7 @@ impl<'a> Download<'a> {
             };
             let (source, reply) = match input {
                 Err(_) => {
-                    self.on_timeout(requests).await?;
+                    self.on_timeout(requests, cancel).await?;
                     continue;
                 }
                 Ok(None) => return Err(FetchError::Closed { artifact }),
@@ -632,7 +648,7 @@ impl<'a> Download<'a> {
                     let outstanding: Vec<(u64, Source)> =
                         self.asked.iter().map(|(b, a)| (*b, a.source)).collect();
                     for (block, source) in outstanding {
-                        self.ask(block, source, requests).await?;
+                        self.ask(block, source, requests, cancel).await?;
                     }
                     self.coordinator_heard = Instant::now();
                     continue;
@@ -691,6 +707,7 @@ impl<'a> Download<'a> {
     async fn on_timeout(
         &mut self,
         requests: &mpsc::Sender<FetchRequest>,
+        cancel: &CancellationToken,
     ) -> Result<(), FetchError> {
         let now = Instant::now();
         let late: Vec<(u64, usize)> = self
@@ -724,7 +741,8 @@ impl<'a> Download<'a> {
                 .get(&block)
                 .is_some_and(|a| a.source == Source::Coordinator)
             {
-                self.ask(block, Source::Coordinator, requests).await?;
+                self.ask(block, Source::Coordinator, requests, cancel)
+                    .await?;
             }
         }
         if self.coordinator_heard + REPLY_TIMEOUT <= now {
@@ -743,7 +761,8 @@ impl<'a> Download<'a> {
                 self.retries.asking_all_again();
             }
             for block in owed {
-                self.ask(block, Source::Coordinator, requests).await?;
+                self.ask(block, Source::Coordinator, requests, cancel)
+                    .await?;
             }
             self.coordinator_heard = now;
         }

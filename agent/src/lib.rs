@@ -28,9 +28,11 @@
 //! agent                              the daemon: the agent loop, one action task at a time
 //! peer_serve                         answering peers' block requests
 //! machine                            one action, state by state
+//! download  env                      the download step; what a step works with (Env, ActionIo, Next)
 //! fetch_blocks  health  link  consent   what a step uses: blocks, health checks, MQTT, consent
 //! fetch   adaptive                   the streaming fetcher and channel types; local blocks
 //! held                               verified downloads served to peers, and how many are kept
+//! resume                             whether a stored action may go on, verified again
 //! trust   status   error             trust checks, keys install; status view; AgentError
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
@@ -40,6 +42,9 @@
 //!
 //! - [`agent`]: ties them together: [`run`].
 //! - [`machine`]: the persisted update state machine ([`machine::drive`], [`machine::step`]).
+//! - [`download`](mod@download): the download step of an action, artifact by artifact.
+//! - [`env`]: what the machine works with: [`env::Env`] (config, store, trust state, link,
+//!   targets), the channels of one running action ([`env::ActionIo`]), a step's outcome.
 //! - [`fetch_blocks`]: the block-verified, multi-source fetcher (local copies, peers, the
 //!   coordinator) for artifacts whose manifest signs a block list.
 //! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
@@ -50,13 +55,16 @@
 //! - [`health`]: health checks over the soak time.
 //! - [`link`]: the MQTT link (owns the rumqttc event loop).
 //! - [`consent`](mod@consent): local consent files for soft and time-forced actions.
+//! - [`resume`]: a stored action found unfinished is verified again (signatures, counter against
+//!   the trust file, expiry) before it goes on.
 //! - [`trust`]: signature, device, expiry, hardware, replay and counter checks; keys install.
 //! - [`status`](mod@status): the local status view and the status file a running agent keeps.
 //! - [`error`]: [`AgentError`], what stops the daemon. Other errors live where they arise:
 //!   [`ConfigError`], [`store::StoreError`], [`trust::InstallKeysError`], [`StatusError`],
 //!   [`ConsentError`].
-//! - [`store`]: sled: action records, installed release, rollback point, report sequence,
-//!   outbox, trust mirror; [`store::open_data_dir`] opens it with the trust state.
+//! - [`store`]: sled, every value with its sha256: action records, installed release, rollback
+//!   point, report sequence, outbox, trust mirror; [`store::open_data_dir`] opens it with the
+//!   trust state and notices a database behind the trust file.
 //! - [`record`]: the persisted records of an action: its state, action record, rollback point.
 //! - `trust_state` (private, re-exported by [`trust`]): the trust state and the trust file.
 //! - [`identity`]: the device's own key (`<data_dir>/device.key`), which signs what it sends.
@@ -115,6 +123,8 @@ pub mod adaptive;
 pub mod agent;
 pub mod config;
 pub mod consent;
+pub mod download;
+pub mod env;
 pub mod error;
 pub mod fault;
 pub mod fetch;
@@ -127,6 +137,7 @@ pub mod log_filter;
 pub mod machine;
 pub mod peer_serve;
 pub mod record;
+pub mod resume;
 pub mod status;
 pub mod store;
 pub mod trust;

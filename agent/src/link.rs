@@ -11,6 +11,16 @@
 //! messages from the domain code and hands them to the client. rumqttc reconnects when polled
 //! after an error; the poll task sleeps 1s, 2s, ... up to 10s between failed attempts.
 //!
+//! Without a connection nothing is queued (decision 0037). rumqttc reads its request channel
+//! only while connected, so requests queued meanwhile would fill it, the writer would wait for
+//! room, the link's channel would fill behind it, and everything sending through the link would
+//! wait with it; a fetcher asking for its blocks again every 10 s did that within minutes, and
+//! shutdown then waited forever. So the writer drops what it is given while no connection is up
+//! (the agent publishes its state and its outbox again on [`LinkEvent::Connected`], the fetcher
+//! asks again for what it lacks), and a connection error empties the client's channel too, so
+//! nothing stale goes out on the next connection. Against a broker that is connected but takes
+//! nothing, [`LinkHandle::stop_waiting_on`] makes senders give up once the agent stops.
+//!
 //! Peer requests (`peer-fetch`) skip the agent loop: the poll task hands each to the peer
 //! server's bounded [`PeerInbox`] without waiting, and a full inbox drops (and counts) it, so a
 //! flood of them never delays the device's own messages. Replies to peers go out as
@@ -24,7 +34,7 @@
 //! is re-sent; the coordinator ignores duplicate `seq`s.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -134,14 +144,33 @@ impl PeerInbox {
 pub struct LinkHandle {
     tx: mpsc::Sender<Outgoing>,
     malformed: Arc<AtomicU64>,
+    /// Once cancelled, [`send`](Self::send) no longer waits for room.
+    stop: CancellationToken,
 }
 
 impl LinkHandle {
-    /// Queues a message; waits only while the queue is full. Errors only after shutdown.
+    /// Queues a message; waits only while the queue is full, and not at all once the token
+    /// given to [`stop_waiting_on`](Self::stop_waiting_on) is cancelled (the message is then
+    /// dropped if it does not fit). Errors only after shutdown.
     pub async fn send(&self, message: Outgoing) {
-        if self.tx.send(message).await.is_err() {
-            tracing::debug!("link is shut down; message dropped");
+        tokio::select! {
+            biased;
+            sent = self.tx.send(message) => if sent.is_err() {
+                tracing::debug!("link is shut down; message dropped");
+            },
+            _ = self.stop.cancelled() => {
+                tracing::debug!("stopping, and the link queue is full; message dropped");
+            }
         }
+    }
+
+    /// Makes [`send`](Self::send) stop waiting for room in the queue once `stop` is cancelled,
+    /// in this handle and the clones made from it afterwards: whatever stops the agent must not
+    /// wait on a broker that takes nothing. A report dropped then stays in the outbox, and
+    /// everything else is sent afresh after the next start.
+    pub fn stop_waiting_on(mut self, stop: CancellationToken) -> Self {
+        self.stop = stop;
+        self
     }
 
     /// Queues a message without waiting; dropped (and logged) if the queue is full. For
@@ -157,6 +186,7 @@ impl LinkHandle {
         Self {
             tx,
             malformed: Arc::new(AtomicU64::new(0)),
+            stop: CancellationToken::new(),
         }
     }
 
@@ -258,7 +288,7 @@ pub fn start_with(
     let (out_tx, out_rx) = mpsc::channel(64);
     let (event_tx, event_rx) = mpsc::channel(256);
     let malformed = Arc::new(AtomicU64::new(0));
-    let tags = Arc::new(Mutex::new(VecDeque::new()));
+    let session = Session::default();
 
     tokio::spawn(writer(
         client.clone(),
@@ -266,7 +296,7 @@ pub fn start_with(
         topics.clone(),
         id.clone(),
         out_rx,
-        tags.clone(),
+        session.clone(),
         shutdown.clone(),
     ));
     tokio::spawn(poll(
@@ -274,7 +304,7 @@ pub fn start_with(
         topics,
         id,
         event_tx,
-        tags,
+        session,
         malformed.clone(),
         peers,
         shutdown,
@@ -283,33 +313,91 @@ pub fn start_with(
         LinkHandle {
             tx: out_tx,
             malformed,
+            stop: CancellationToken::new(),
         },
         event_rx,
     )
 }
 
-/// Which queued publish was which report, in queue order.
-type Tags = Arc<Mutex<VecDeque<Option<u64>>>>;
+/// What the writer and the poll task share about the current connection.
+#[derive(Debug, Clone, Default)]
+struct Session {
+    /// A connection is up: set on every ConnAck, cleared on every connection error.
+    connected: Arc<AtomicBool>,
+    /// Which queued publish was which report (`Some(seq)`), in queue order.
+    tags: Arc<Mutex<VecDeque<Option<u64>>>>,
+}
 
-#[allow(clippy::too_many_arguments)]
+impl Session {
+    fn is_up(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    fn tag(&self, tag: Option<u64>) {
+        if let Ok(mut t) = self.tags.lock() {
+            t.push_back(tag);
+        }
+    }
+
+    fn next_tag(&self) -> Option<u64> {
+        self.tags
+            .lock()
+            .ok()
+            .and_then(|mut t| t.pop_front())
+            .flatten()
+    }
+
+    fn up(&self) {
+        self.connected.store(true, Ordering::Release);
+    }
+
+    fn down(&self) {
+        self.connected.store(false, Ordering::Release);
+        if let Ok(mut t) = self.tags.lock() {
+            t.clear();
+        }
+    }
+}
+
+/// Takes what the agent sends and queues it in the MQTT client, signed. Without a connection
+/// nothing is queued: the client reads its request queue only while connected, so it would fill
+/// up (the fetcher asks for its blocks again every 10 s), this task would wait for room, and so
+/// would everything that sends through the link, shutdown included. Nothing dropped here is
+/// lost: after the next `Connected` the agent publishes its state and its outbox again, the
+/// fetcher asks again for every block it lacks, and a peer asks again for a block it did not get.
 async fn writer(
     client: AsyncClient,
     signer: Signer,
     topics: Topics,
     id: DeviceId,
     mut rx: mpsc::Receiver<Outgoing>,
-    tags: Tags,
+    session: Session,
     shutdown: CancellationToken,
 ) {
+    let mut dropped = 0u64;
     loop {
         let message = tokio::select! {
             _ = shutdown.cancelled() => break,
             m = rx.recv() => match m { Some(m) => m, None => break },
         };
-        let (topic, retain, tag, payload) = match message {
+        if !session.is_up() {
+            dropped += 1;
+            if dropped.is_power_of_two() {
+                tracing::debug!(
+                    dropped_total = dropped,
+                    "no connection to the broker: not queued, sent afresh after the reconnect"
+                );
+            }
+            continue;
+        }
+        let (topic, retain, tag, payload, what) = match message {
             Outgoing::Subscribe => {
                 for filter in topics.agent_filters(&id) {
-                    if let Err(e) = client.subscribe(filter, QoS::AtLeastOnce).await {
+                    let subscribed = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        s = client.subscribe(filter, QoS::AtLeastOnce) => s,
+                    };
+                    if let Err(e) = subscribed {
                         tracing::warn!("cannot subscribe: {e}");
                     }
                 }
@@ -319,7 +407,8 @@ async fn writer(
                 topics.report(&id),
                 false,
                 Some(r.seq),
-                DeviceMessage::Report(r),
+                signer.encode(&DeviceMessage::Report(r)),
+                "a report".to_owned(),
             ),
             Outgoing::ReportWithBytes {
                 report,
@@ -329,70 +418,55 @@ async fn writer(
                 topics.report(&id),
                 false,
                 Some(report.seq),
-                DeviceMessage::ReportWithBytes {
+                signer.encode(&DeviceMessage::ReportWithBytes {
                     report,
                     bytes,
                     bypassed,
-                },
+                }),
+                "a report".to_owned(),
             ),
-            Outgoing::PeerFetch { peer, fetch } => {
-                if let Ok(mut t) = tags.lock() {
-                    t.push_back(None);
-                }
-                let payload = envelope::encode(&Message::PeerFetch(fetch));
-                if let Err(e) = client
-                    .publish(topics.peer_fetch(&peer), QoS::AtLeastOnce, false, payload)
-                    .await
-                {
-                    tracing::warn!("cannot queue a block request to peer {peer}: {e}");
-                }
-                continue;
-            }
+            Outgoing::PeerFetch { peer, fetch } => (
+                topics.peer_fetch(&peer),
+                false,
+                None,
+                envelope::encode(&Message::PeerFetch(fetch)),
+                format!("a block request to peer {peer}"),
+            ),
             Outgoing::State(state) => (
                 topics.state(&id),
                 true,
                 None,
-                DeviceMessage::State {
+                signer.encode(&DeviceMessage::State {
                     state,
                     enrollment: signer.enrollment,
-                },
+                }),
+                "the device state".to_owned(),
             ),
-            Outgoing::PeerBlock { to, reply } => {
-                if let Ok(mut t) = tags.lock() {
-                    t.push_back(None);
-                }
-                let payload = envelope::encode(&Message::Block(reply));
-                if let Err(e) = client
-                    .publish(
-                        topics.peer_block(&to, &id),
-                        QoS::AtLeastOnce,
-                        false,
-                        payload,
-                    )
-                    .await
-                {
-                    tracing::warn!("cannot queue a block for peer {to}: {e}");
-                }
-                continue;
-            }
+            Outgoing::PeerBlock { to, reply } => (
+                topics.peer_block(&to, &id),
+                false,
+                None,
+                envelope::encode(&Message::Block(reply)),
+                format!("a block for peer {to}"),
+            ),
             Outgoing::Fetch(request) => (
                 topics.fetch(&id),
                 false,
                 None,
-                DeviceMessage::Fetch {
+                signer.encode(&DeviceMessage::Fetch {
                     device_id: id.to_string(),
                     request,
-                },
+                }),
+                "a block request".to_owned(),
             ),
         };
-        if let Ok(mut t) = tags.lock() {
-            t.push_back(tag);
-        }
-        if let Err(e) = client
-            .publish(topic, QoS::AtLeastOnce, retain, signer.encode(&payload))
-            .await
-        {
-            tracing::warn!("cannot queue {}: {e}", payload.name());
+        session.tag(tag);
+        let queued = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            q = client.publish(topic, QoS::AtLeastOnce, retain, payload) => q,
+        };
+        if let Err(e) = queued {
+            tracing::warn!("cannot queue {what}: {e}");
         }
     }
     // Leave cleanly so the broker does not publish the last will for an orderly stop: the
@@ -406,7 +480,7 @@ async fn poll(
     topics: Topics,
     id: DeviceId,
     events: mpsc::Sender<LinkEvent>,
-    tags: Tags,
+    session: Session,
     malformed: Arc<AtomicU64>,
     peers: Option<PeerInbox>,
     shutdown: CancellationToken,
@@ -432,6 +506,7 @@ async fn poll(
                 tracing::info!(code = ?ack.code, "connected to broker");
                 backoff = Duration::from_secs(1);
                 pending.clear();
+                session.up();
                 Some(LinkEvent::Connected)
             }
             Ok(Event::Incoming(Packet::Publish(p)))
@@ -456,7 +531,7 @@ async fn poll(
                 pending.remove(&ack.pkid).map(LinkEvent::ReportAcked)
             }
             Ok(Event::Outgoing(rumqttc::Outgoing::Publish(pkid))) => {
-                if let Some(Some(seq)) = tags.lock().ok().and_then(|mut t| t.pop_front()) {
+                if let Some(seq) = session.next_tag() {
                     pending.insert(pkid, seq);
                 }
                 None
@@ -464,12 +539,14 @@ async fn poll(
             Ok(_) => None,
             Err(e) => {
                 tracing::warn!("broker connection: {e}; retrying in {backoff:?}");
-                // Everything queued is dropped with the session; the outbox is re-sent on
-                // the next ConnAck.
+                // Everything queued is dropped with the session (the clean session drops it
+                // on the broker's side anyway): what the writer queued before it saw the
+                // connection gone goes too, so nothing stale waits for the next connection.
+                // The outbox is re-sent on the next ConnAck.
+                session.down();
+                eventloop.clean();
+                eventloop.pending.clear();
                 pending.clear();
-                if let Ok(mut t) = tags.lock() {
-                    t.clear();
-                }
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(backoff) => {}

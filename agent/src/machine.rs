@@ -31,261 +31,19 @@
 //! `Reverting` works the same way for a rollback whose old content is live only after a reboot:
 //! the next start repeats the (repeatable) rollback, which then answers that the old content runs.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_protocol::{
-    ActionBody, ActionKind, BypassedPeer, ByteCounts, CurrentAction, DesiredAction, DeviceState,
-    InstalledRelease, ReleaseManifest, Report, UnixTime,
-};
+use flotilla_protocol::{ActionBody, ActionKind, DesiredAction, ReleaseManifest, UnixTime};
 use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
-use tokio::sync::{mpsc, Notify};
-use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
 use crate::consent;
-use crate::fetch::{self, FetchError, FetchInput, FetchRequest, FetchSpec};
-use crate::fetch_blocks::{self, BlockFetch, Sources};
 use crate::health::{self, Soak};
-use crate::link::{LinkHandle, Outgoing};
-use crate::record::{ActionRecord, RollbackPoint, State};
-use crate::store::{Store, StoreError};
-use crate::trust::{self, TrustState};
+use crate::record::{ActionRecord, State};
 
-/// What the machine needs from the rest of the agent; shared by the agent loop and the action
-/// task.
-pub struct Env {
-    pub config: Arc<Config>,
-    pub store: Store,
-    pub targets: HashMap<String, Arc<dyn UpdateTarget>>,
-    pub link: LinkHandle,
-    pub trust: Mutex<TrustState>,
-}
-
-impl std::fmt::Debug for Env {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Env")
-            .field("device_id", &self.config.device_id)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Env {
-    /// `max(system time, last trusted time)`.
-    pub fn now(&self) -> UnixTime {
-        self.trust_state()
-            .now(trust::system_now(), self.config.trust.max_clock_skew)
-    }
-
-    pub fn trust_state(&self) -> TrustState {
-        self.trust.lock().map(|t| t.clone()).unwrap_or_default()
-    }
-
-    /// Records a verified action's issue time as trusted (and as the last accepted action's,
-    /// see [`trust::check_issued`]), in sled and the trust file.
-    pub fn advance_trusted_time(&self, at: UnixTime) {
-        let mut state = self.trust_state();
-        if state.accept_action_at(at) {
-            self.save_trust(state);
-        }
-    }
-
-    fn save_trust(&self, state: TrustState) {
-        if let Ok(mut t) = self.trust.lock() {
-            *t = state.clone();
-        }
-        if let Err(e) = trust::write_trust_file(&self.config.data_dir, &state) {
-            tracing::error!("cannot write trust file: {e}");
-        }
-        if let Err(e) = self.store.set_trust(&state) {
-            tracing::error!("{e}");
-        }
-    }
-
-    /// Persists a new state of an action (flushed). On an error the state's side effects must
-    /// not run: "persist, then act" must never quietly become "act" (see [`drive`]).
-    pub fn persist(&self, record: &ActionRecord) -> Result<(), StoreError> {
-        self.store.save_action(record).inspect_err(|e| {
-            tracing::error!(action = record.action_id, "{e}");
-        })?;
-        crate::fault::point(&format!("after-{}", record.state.name()));
-        Ok(())
-    }
-
-    /// [`persist`](Self::persist), tried again after 1 and 2 seconds (a full disk may have
-    /// room again once a partial download was removed); the last error if all three fail.
-    async fn persist_retrying(
-        &self,
-        record: &ActionRecord,
-        shutdown: &CancellationToken,
-    ) -> Result<(), StoreError> {
-        let mut wait = Duration::from_secs(1);
-        loop {
-            let result = self.persist(record);
-            if result.is_ok() || wait > Duration::from_secs(2) {
-                return result;
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return result,
-                _ = tokio::time::sleep(wait) => {}
-            }
-            wait *= 2;
-        }
-    }
-
-    /// Publishes a report for `record`'s current phase (kept in the outbox until acknowledged),
-    /// then the retained device state.
-    pub async fn report(&self, record: &ActionRecord) {
-        if let Some(report) = self.make_report(record) {
-            self.link.send(self.outgoing_report(report)).await;
-        }
-        self.link
-            .send(Outgoing::State(self.device_state(true)))
-            .await;
-        self.write_status_file();
-    }
-
-    /// Refreshes `<data_dir>/status`, the view `flotilla-agent status` and `consent` read while
-    /// the agent holds the database.
-    pub fn write_status_file(&self) {
-        crate::status::write_status_file(&self.config.data_dir, &self.store, &self.trust_state());
-    }
-
-    /// How a report goes out: a final report of an action that downloaded something carries
-    /// its bytes by source (also when the outbox sends it again).
-    pub fn outgoing_report(&self, report: Report) -> Outgoing {
-        if report.phase.is_terminal() {
-            if let Ok(Some(bytes)) = self.store.action_bytes(&report.action_id) {
-                let bypassed = self
-                    .store
-                    .action_bypassed(&report.action_id)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|(peer, reason)| BypassedPeer { peer, reason })
-                    .collect();
-                return Outgoing::ReportWithBytes {
-                    report,
-                    bytes,
-                    bypassed,
-                };
-            }
-        }
-        Outgoing::Report(report)
-    }
-
-    /// Like [`report`](Self::report) but never waits; for download progress.
-    fn report_progress(&self, record: &ActionRecord) {
-        if let Some(report) = self.make_report(record) {
-            self.link.try_send(Outgoing::Report(report));
-        }
-    }
-
-    fn make_report(&self, record: &ActionRecord) -> Option<Report> {
-        let seq = match self.store.next_seq() {
-            Ok(seq) => seq,
-            Err(e) => {
-                tracing::error!("cannot report: {e}");
-                return None;
-            }
-        };
-        let report = Report {
-            device_id: self.config.device_id.to_string(),
-            seq,
-            action_id: record.action_id.clone(),
-            rollout_id: record.rollout_id.clone(),
-            phase: record.phase(),
-            at: self.now(),
-        };
-        tracing::info!(action = record.action_id, seq, phase = ?report.phase, "report");
-        if let Err(e) = self.store.outbox_put(&report) {
-            tracing::error!("{e}");
-        }
-        Some(report)
-    }
-
-    /// This device's self-description.
-    pub fn device_state(&self, online: bool) -> DeviceState {
-        let current = self.store.current().ok().flatten().map(|r| CurrentAction {
-            phase: r.phase(),
-            action_id: r.action_id,
-            rollout_id: r.rollout_id,
-        });
-        DeviceState {
-            device_id: self.config.device_id.to_string(),
-            hardware_id: self.config.hardware_id.clone(),
-            labels: self.config.labels.clone(),
-            installed: self.store.installed().ok().flatten(),
-            current,
-            online,
-            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-            at: self.now(),
-        }
-    }
-
-    /// Records `manifest` as installed by `action_id`, first remembering what it replaces so a
-    /// signed rollback can return to it.
-    fn set_installed(&self, action_id: &str, manifest: &ReleaseManifest) -> Result<(), StoreError> {
-        let release = InstalledRelease {
-            name: manifest.name.clone(),
-            version: manifest.version.clone(),
-            counter: manifest.counter,
-        };
-        let mut state = self.trust_state();
-        // After a crash between these writes the step runs again; the point recorded the first
-        // time already holds the true previous release, so it is not overwritten.
-        let recorded = self.store.rollback_point()?;
-        if recorded.as_ref().is_none_or(|p| p.action_id != action_id) {
-            self.store.set_rollback_point(Some(&RollbackPoint {
-                action_id: action_id.to_owned(),
-                release: release.clone(),
-                previous: self.store.installed()?,
-                previous_counter: state.installed_counter,
-                artifacts: manifest
-                    .artifacts
-                    .iter()
-                    .map(|a| (a.name.clone(), a.target.clone()))
-                    .collect(),
-            }))?;
-        }
-        self.store.set_installed(&release)?;
-        state.installed_counter = state.installed_counter.max(manifest.counter);
-        self.save_trust(state);
-        Ok(())
-    }
-
-    /// Returns the records to what `point` says was installed before: the only place the
-    /// installed counter goes down.
-    fn restore_installed(&self, point: &RollbackPoint) -> Result<(), StoreError> {
-        self.store.replace_installed(point.previous.as_ref())?;
-        let mut state = self.trust_state();
-        state.installed_counter = point.previous_counter;
-        self.save_trust(state);
-        // One step back only: targets keep one previous version.
-        self.store.set_rollback_point(None)
-    }
-}
-
-/// The channels and tokens one running action uses.
-#[derive(Debug)]
-pub struct ActionIo {
-    pub fetch_requests: mpsc::Sender<FetchRequest>,
-    pub fetch_inputs: mpsc::Receiver<FetchInput>,
-    /// A signed cancel for this action.
-    pub cancel: CancellationToken,
-    /// The agent is stopping: leave the state as it is, it resumes after the restart.
-    pub shutdown: CancellationToken,
-}
-
-/// What a step produced.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Next {
-    State(State),
-    /// Shutdown: stop without changing the persisted state.
-    Interrupted,
-}
+use crate::download::download;
+use crate::env::failed;
+use crate::env::{downloads_dir, ActionIo, Env, Next};
 
 /// Runs an action until it reaches a final phase or the agent shuts down. `resumed` says the
 /// persisted state was found at startup rather than reached in this process.
@@ -699,13 +457,6 @@ pub async fn abandon(env: &Env, mut record: ActionRecord, reason: String) -> Act
     record
 }
 
-fn failed(reason: String, rolled_back: bool) -> Next {
-    Next::State(State::Failed {
-        reason,
-        rolled_back,
-    })
-}
-
 fn context(record: &ActionRecord, artifact: &str) -> ActionContext {
     ActionContext::new(record.action_id.clone(), record.release_name(), artifact)
 }
@@ -718,11 +469,6 @@ fn artifact_target(
     let a = manifest.artifacts.get(index as usize)?.clone();
     let target = env.targets.get(&a.target)?.clone();
     Some((a, target))
-}
-
-/// Where downloads live.
-pub fn downloads_dir(config: &Config) -> PathBuf {
-    config.data_dir.join("downloads")
 }
 
 /// Runs a target step on the blocking pool; the error is the target's message.
@@ -846,233 +592,30 @@ pub fn wait_reason(
     }
 }
 
-/// Downloads artifact `index` from `done`, persisting progress and reporting it at most about
-/// once a second and at every completed 10%. An artifact whose manifest signs a block list goes
-/// through the block fetcher (local copies, the grant's peers, the coordinator; every block
-/// checked), one without through the streaming fetcher. Bytes by source are kept per action.
-async fn download(
-    env: &Env,
-    record: &ActionRecord,
-    manifest: &ReleaseManifest,
-    index: u32,
-    done: u64,
-    io: &mut ActionIo,
-) -> Next {
-    let Some(a) = manifest.artifacts.get(index as usize) else {
-        return failed(format!("artifact #{index} is not in the manifest"), false);
-    };
-    let spec = FetchSpec {
-        name: a.name.clone(),
-        sha256: a.sha256,
-        size: a.size,
-        dir: downloads_dir(&env.config),
-        block_size: env.config.download.block_size,
-        in_flight: env.config.download.in_flight,
-        max_bytes_per_sec: env.config.download.max_bytes_per_sec,
-    };
-    let block_index = record
-        .action
-        .body
-        .install()
-        .and_then(|install| trust::manifest_blocks(install.manifest))
-        .and_then(|m| m.block_index(index as usize).copied());
-    let sources = match block_index {
-        Some(_) => block_sources(env, record, manifest).await,
-        None => Sources::default(),
-    };
-    let total: u64 = manifest
-        .artifacts
-        .iter()
-        .map(|a| a.size)
-        .sum::<u64>()
-        .max(1);
-    let before: u64 = manifest
-        .artifacts
-        .iter()
-        .take(index as usize)
-        .map(|a| a.size)
-        .sum();
-    let latest = Arc::new(AtomicU64::new(done));
-    let decile = Arc::new(Notify::new());
-    let mut last_flush = done;
-    let mut progress_record = record.clone();
-    let mut on_progress = {
-        let latest = latest.clone();
-        let decile = decile.clone();
-        let store = env.store.clone();
-        move |d: u64, counts: &ByteCounts| {
-            let old = latest.swap(d, Ordering::Relaxed);
-            progress_record.state = State::Downloading {
-                artifact: index,
-                done: d,
-            };
-            // A cheap insert per block; a flush per MiB bounds what a power cut can lose.
-            let _ = store.save_action_unflushed(&progress_record);
-            let _ = store.set_action_bytes(&progress_record.action_id, counts);
-            // Same boundary at which the fetcher syncs the part file, just after it.
-            if d >> 20 != last_flush >> 20 {
-                let _ = store.flush();
-                last_flush = d;
-            }
-            if (before + old) * 10 / total != (before + d) * 10 / total {
-                decile.notify_one();
-            }
-        }
-    };
-    let mut counts = env
-        .store
-        .action_bytes(&record.action_id)
-        .ok()
-        .flatten()
-        .unwrap_or_default();
-    // Peers this action stopped asking, kept from one artifact (and one restart) to the next.
-    let mut bypassed = env
-        .store
-        .action_bypassed(&record.action_id)
-        .unwrap_or_default();
-    // Both a signed cancel and shutdown stop the download.
-    let stop = CancellationToken::new();
-    let result = {
-        let counts = &mut counts;
-        let requests = &io.fetch_requests;
-        let inputs = &mut io.fetch_inputs;
-        let bypassed = &mut bypassed;
-        let stop = &stop;
-        let spec = &spec;
-        let sources = &sources;
-        let fetch_fut = async move {
-            match block_index {
-                Some(block_index) => {
-                    let list = fetch_blocks::fetch_block_list(
-                        spec,
-                        &block_index,
-                        counts,
-                        requests,
-                        inputs,
-                        stop,
-                    )
-                    .await?;
-                    let job = BlockFetch {
-                        spec,
-                        list: &list,
-                        sources,
-                        bypassed,
-                    };
-                    fetch_blocks::fetch_blocks(
-                        job,
-                        counts,
-                        requests,
-                        inputs,
-                        &mut on_progress,
-                        stop,
-                    )
-                    .await
-                }
-                None => {
-                    fetch::fetch(spec, done, counts, requests, inputs, &mut on_progress, stop).await
-                }
-            }
-        };
-        tokio::pin!(fetch_fut);
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut reported = done;
-        loop {
-            tokio::select! {
-                r = &mut fetch_fut => break r,
-                _ = io.shutdown.cancelled(), if !stop.is_cancelled() => stop.cancel(),
-                _ = io.cancel.cancelled(), if !stop.is_cancelled() => stop.cancel(),
-                _ = tick.tick() => {}
-                _ = decile.notified() => {}
-            }
-            let now_done = latest.load(Ordering::Relaxed);
-            if now_done != reported {
-                reported = now_done;
-                let mut r = record.clone();
-                r.state = State::Downloading {
-                    artifact: index,
-                    done: now_done,
-                };
-                env.report_progress(&r);
-            }
-        }
-    };
-    if let Err(e) = env.store.set_action_bytes(&record.action_id, &counts) {
-        tracing::warn!("{e}");
-    }
-    if let Err(e) = env.store.set_action_bypassed(&record.action_id, &bypassed) {
-        tracing::warn!("{e}");
-    }
-    match result {
-        Ok(_) if (index as usize) + 1 < manifest.artifacts.len() => {
-            Next::State(State::Downloading {
-                artifact: index + 1,
-                done: 0,
-            })
-        }
-        Ok(_) => Next::State(State::Verified),
-        Err(FetchError::Canceled) if io.shutdown.is_cancelled() => {
-            let _ = env.store.flush();
-            Next::Interrupted
-        }
-        Err(FetchError::Canceled) => Next::State(State::Canceled),
-        Err(e) => failed(e.to_string(), false),
-    }
-}
-
-/// Where the blocks of a block-indexed artifact may come from: the peers of the action's grant
-/// (when it has one that still verifies) and what the targets hold.
-async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest) -> Sources {
-    let me = env.config.device_id.as_str();
-    let grant = record.action.body.install().and_then(|i| i.grant).cloned();
-    let peers = match &grant {
-        Some(blob) => {
-            let keys = env.trust_state().ring(&env.config.trust).coordinator_keys;
-            match trust::check_grant(blob, &keys, me, &record.action_id) {
-                Ok(grant) => grant.sources.into_iter().filter(|p| p != me).collect(),
-                Err(refusal) => {
-                    tracing::warn!(
-                        action = record.action_id,
-                        "not asking peers: {refusal}; fetching from the coordinator"
-                    );
-                    Vec::new()
-                }
-            }
-        }
-        None => Vec::new(),
-    };
-    let targets: Vec<Arc<dyn UpdateTarget>> = manifest
-        .artifacts
-        .iter()
-        .filter_map(|a| env.targets.get(&a.target).cloned())
-        .collect();
-    let local = tokio::task::spawn_blocking(move || {
-        let mut paths: Vec<PathBuf> = Vec::new();
-        for target in targets {
-            for path in target.block_sources() {
-                if !paths.contains(&path) {
-                    paths.push(path);
-                }
-            }
-        }
-        paths
-    })
-    .await
-    .unwrap_or_default();
-    Sources {
-        grant: if peers.is_empty() { None } else { grant },
-        peers,
-        peer_timeout: env.config.download.peer_timeout,
-        slow_block: env.config.download.peer_slow_block,
-        fallback_after: env.config.download.peer_fallback_after,
-        local,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
+
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use flotilla_protocol::{
+        ActionBody, ActionKind, ByteCounts, DesiredAction, InstalledRelease, ReleaseManifest,
+    };
+    use flotilla_targets::{ActionContext, Activation, TargetError, UpdateTarget};
+    use tokio::sync::mpsc;
+    use tokio_util::sync::CancellationToken;
+
+    use crate::consent;
+    use crate::fetch::{FetchInput, FetchRequest};
+
     use crate::config::HealthCheck;
+    use crate::link::{LinkHandle, Outgoing};
+    use crate::record::{ActionRecord, State};
+    use crate::store::Store;
+    use crate::trust::{self, TrustState};
     use flotilla_protocol::{Artifact, BlockReply, Phase};
     use std::sync::atomic::AtomicUsize;
 
@@ -1286,6 +829,7 @@ mod tests {
             },
             manifest: Some(manifest),
             state,
+            signed: None,
         }
     }
 

@@ -72,6 +72,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let (filter, warning) = log_filter::parse(std::env::var("RUST_LOG").ok().as_deref());
     tracing_subscriber::fmt()
+        // The builder's own level (INFO by default) would hide what `RUST_LOG` enables below
+        // it: the filter decides alone.
+        .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
         .with_writer(std::io::stderr)
         // Colour codes only for a person at a terminal, not in journald or log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

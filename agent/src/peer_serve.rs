@@ -36,9 +36,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::PeersConfig;
+use crate::env::Env;
 use crate::held::Held;
 use crate::link::{LinkHandle, Outgoing, PeerInbox};
-use crate::machine::Env;
 
 /// What the server needs to check a grant: the coordinator keys trusted now and the trusted
 /// clock. The agent's [`Env`] provides both.

@@ -6,9 +6,10 @@
 //! ([`crate::machine`]) moves an action from one state to the next, so both depend on this
 //! module and neither on the other. Values are postcard in sled, which is not
 //! self-describing: a record written by one build is read by the next, so new variants go at
-//! the end.
+//! the end, and a struct that gains a field keeps its old shape for reading
+//! ([`LegacyActionRecord`]).
 
-use flotilla_protocol::{DesiredAction, InstalledRelease, Phase, ReleaseManifest};
+use flotilla_protocol::{DesiredAction, InstalledRelease, Phase, ReleaseManifest, SignedBlob};
 use serde::{Deserialize, Serialize};
 
 /// The persisted state of one action. `Idle` is the absence of a running action.
@@ -73,6 +74,22 @@ impl State {
                 | State::Canceled
                 | State::Downloaded
                 | State::Applied
+        )
+    }
+
+    /// The action may have changed a target: staged, switched or rolled back something. Before
+    /// this an action has only downloaded, so it can end anywhere without touching a target.
+    pub fn may_have_touched_targets(&self) -> bool {
+        matches!(
+            self,
+            State::Staging { .. }
+                | State::Staged
+                | State::Activating { .. }
+                | State::Activated
+                | State::Confirming
+                | State::AwaitingReboot { .. }
+                | State::Reverting { .. }
+                | State::RollingBack { .. }
         )
     }
 
@@ -168,6 +185,35 @@ pub struct ActionRecord {
     /// The verified release manifest, for installs.
     pub manifest: Option<ReleaseManifest>,
     pub state: State,
+    /// The desired action exactly as it was received, signature included (its manifest is in
+    /// it, signed as received too): a stored action is verified again from these bytes before
+    /// it is resumed (`resume.rs`). `None` in records written before it was kept
+    /// ([`LegacyActionRecord`]), whose manifest alone can be verified again.
+    pub signed: Option<SignedBlob>,
+}
+
+/// An [`ActionRecord`] as builds before decision 0036 wrote it, without the signed action, so
+/// an agent updated in the middle of an action can still finish it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LegacyActionRecord {
+    pub action_id: String,
+    pub rollout_id: String,
+    pub action: DesiredAction,
+    pub manifest: Option<ReleaseManifest>,
+    pub state: State,
+}
+
+impl From<LegacyActionRecord> for ActionRecord {
+    fn from(old: LegacyActionRecord) -> Self {
+        ActionRecord {
+            action_id: old.action_id,
+            rollout_id: old.rollout_id,
+            action: old.action,
+            manifest: old.manifest,
+            state: old.state,
+            signed: None,
+        }
+    }
 }
 
 impl ActionRecord {

@@ -6,6 +6,14 @@
 //! promise ("persisted before every side effect") is only as good as the flush. Values are
 //! postcard; they never leave the device, but postcard keeps them small on small flash.
 //!
+//! Every value is written framed with its sha256, and a value whose checksum does
+//! not match is reported as damaged ([`StoreError::Decode`]) rather than decoded. Values
+//! written before the frame existed (no frame tag) are still read, as long as they decode
+//! exactly. sled's own checksums make a damaged log go back in time instead (its recovery stops
+//! at the first bad entry, so later writes are lost while older ones read fine):
+//! [`open_data_dir`] notices that from the trust file, and the agent verifies every stored
+//! action again before resuming it (`resume.rs`, decision 0036).
+//!
 //! If the database cannot be opened because it is damaged, it is moved aside to
 //! `<data_dir>/db.corrupt-<unix time>` and the agent starts empty: the retained desired action
 //! brings it back to what the coordinator wants, and the trust file still guards the release
@@ -20,7 +28,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::record::{ActionRecord, RollbackPoint};
+use crate::record::{ActionRecord, LegacyActionRecord, RollbackPoint};
 use crate::trust_state::{self, TrustState};
 
 /// Why a store operation failed.
@@ -83,14 +91,17 @@ pub fn db_path(data_dir: &Path) -> PathBuf {
 
 /// Opens the agent's state in `config.data_dir` (creating the directory): the store, and the
 /// trust state as the trust file and its mirror in the store, merged. The third value says that
-/// a damaged database was moved aside (see [`Store::open`]). Used by the daemon, `status` and
-/// `keys install`, so all three see the same state.
+/// a damaged database was moved aside (see [`Store::open`]) or is behind the trust file
+/// ([`behind_trust_file`]). Used by the daemon, `status` and `keys install`, so all three see
+/// the same state.
 pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<String>), StoreError> {
     std::fs::create_dir_all(&config.data_dir).map_err(|source| StoreError::CreateDataDir {
         path: config.data_dir.clone(),
         source,
     })?;
     let file = trust_state::read_trust_file(&config.data_dir);
+    // A database removed by hand is not one that lost writes: sled starts a new one.
+    let existed = db_path(&config.data_dir).exists();
     let (store, note) = Store::open(
         &config.data_dir,
         config.store.cache_bytes,
@@ -98,12 +109,66 @@ pub fn open_data_dir(config: &Config) -> Result<(Store, TrustState, Option<Strin
     )?;
     // A mirror this build cannot read (written before the trust file gained fields) is
     // ignored: the trust file is the authority and the two are merged for safety only.
-    let mirror = store.trust().unwrap_or_else(|e| {
-        tracing::warn!("{e}; using the trust file alone");
-        None
+    let (mirror, readable) = match store.trust() {
+        Ok(mirror) => (mirror, true),
+        Err(e) => {
+            tracing::warn!("{e}; using the trust file alone");
+            (None, false)
+        }
+    };
+    // A database that was moved aside is empty, and says so already.
+    let note = note.or_else(|| {
+        let behind = (existed && readable).then(|| behind_trust_file(&file, mirror.as_ref()));
+        behind.flatten().map(|why| {
+            format!(
+                "database {} {why}: it lost writes, so what it holds about recent actions may be old",
+                db_path(&config.data_dir).display()
+            )
+        })
     });
     let trust = file.merge(mirror.unwrap_or_default());
+    if note.is_some() {
+        // The report sequence went back with the rest, and the coordinator drops a number it
+        // has seen. Continue above any number this device can have used.
+        let floor = trust
+            .now(trust_state::system_now(), config.trust.max_clock_skew)
+            .saturating_mul(SEQ_PER_SECOND);
+        store.continue_seq_above(floor)?;
+    }
     Ok((store, trust, note))
+}
+
+/// Where the report sequence continues after its database lost writes: the trusted time times
+/// this. A device reports far less often than this many times a second, so the numbers it
+/// used before (counted from 1, or from an earlier such floor) are all below it.
+const SEQ_PER_SECOND: u64 = 1_000;
+
+/// How the database's copy of the trust state is behind the trust file, if it is. The agent
+/// writes the copy first and the file second (`Env::save_trust`), so a copy behind the file
+/// means the database lost writes it had flushed: sled's recovery stops at the first damaged
+/// entry of its log, and what came after is gone.
+pub fn behind_trust_file(file: &TrustState, mirror: Option<&TrustState>) -> Option<String> {
+    let Some(mirror) = mirror else {
+        return (file.installed_counter > 0 || file.last_action_issued_at > 0).then(|| {
+            format!(
+                "holds no trust state, while the trust file holds installed counter {} and \
+                 last action issued at {}",
+                file.installed_counter, file.last_action_issued_at
+            )
+        });
+    };
+    (mirror.installed_counter < file.installed_counter
+        || mirror.last_action_issued_at < file.last_action_issued_at)
+        .then(|| {
+            format!(
+                "is behind the trust file (installed counter {} against {}, last action issued \
+                 at {} against {})",
+                mirror.installed_counter,
+                file.installed_counter,
+                mirror.last_action_issued_at,
+                file.last_action_issued_at
+            )
+        })
 }
 
 impl Store {
@@ -173,7 +238,7 @@ impl Store {
         what: &str,
         value: &T,
     ) -> Result<(), StoreError> {
-        let bytes = flotilla_protocol::envelope::to_bytes(value);
+        let bytes = seal(&flotilla_protocol::envelope::to_bytes(value));
         tree.insert(key, bytes)
             .map(|_| ())
             .map_err(|source| StoreError::Write {
@@ -195,21 +260,35 @@ impl Store {
         else {
             return Ok(None);
         };
-        postcard::from_bytes(&bytes)
-            .map(Some)
-            .map_err(|e| StoreError::Decode {
-                what: what.to_owned(),
-                reason: e.to_string(),
-            })
+        decode(&bytes, what).map(Some)
     }
 
-    /// The record of one action, if it was ever seen.
+    /// The record of one action, if it was ever seen. A record written before records kept
+    /// the signed action ([`LegacyActionRecord`]) comes back without it.
     pub fn action(&self, action_id: &str) -> Result<Option<ActionRecord>, StoreError> {
-        self.get(
-            &self.actions,
-            action_id.as_bytes(),
-            &format!("action {action_id}"),
-        )
+        let what = format!("action {action_id}");
+        let Some(bytes) =
+            self.actions
+                .get(action_id.as_bytes())
+                .map_err(|source| StoreError::Read {
+                    what: what.clone(),
+                    source,
+                })?
+        else {
+            return Ok(None);
+        };
+        let record = match unseal(&bytes) {
+            Unsealed::Body(body) => exact::<ActionRecord>(body, &what)?,
+            Unsealed::Legacy(raw) => exact::<LegacyActionRecord>(raw, &what)?.into(),
+            Unsealed::Damaged(reason) => return Err(StoreError::Decode { what, reason }),
+        };
+        if record.action_id != action_id {
+            return Err(StoreError::Decode {
+                what,
+                reason: format!("it holds action {}", record.action_id),
+            });
+        }
+        Ok(Some(record))
     }
 
     /// Saves an action record and makes it the current one, durably.
@@ -239,7 +318,7 @@ impl Store {
         }
         self.put(&self.actions, record.action_id.as_bytes(), &what, record)?;
         self.meta
-            .insert(CURRENT, record.action_id.as_bytes())
+            .insert(CURRENT, seal(record.action_id.as_bytes()))
             .map(|_| ())
             .map_err(|source| StoreError::Write {
                 what: "current action".into(),
@@ -298,14 +377,37 @@ impl Store {
             what: "current action".into(),
             source,
         })?;
-        match id {
-            Some(id) => self.action(&String::from_utf8_lossy(&id)),
-            None => Ok(None),
-        }
+        let Some(id) = id else {
+            return Ok(None);
+        };
+        let id = match unseal(&id) {
+            Unsealed::Body(id) | Unsealed::Legacy(id) => {
+                std::str::from_utf8(id).map_err(|_| StoreError::Decode {
+                    what: "current action".into(),
+                    reason: "its id is not UTF-8".into(),
+                })?
+            }
+            Unsealed::Damaged(reason) => {
+                return Err(StoreError::Decode {
+                    what: "current action".into(),
+                    reason,
+                })
+            }
+        };
+        self.action(id)
     }
 
+    /// The installed release as recorded here. A damaged entry is logged and read as nothing
+    /// recorded: it only describes the release (the trust file holds its counter), and an
+    /// error here would stop every later install from recording itself.
     pub fn installed(&self) -> Result<Option<InstalledRelease>, StoreError> {
-        self.get(&self.meta, INSTALLED, "installed release")
+        match self.get(&self.meta, INSTALLED, "installed release") {
+            Err(e @ StoreError::Decode { .. }) => {
+                tracing::warn!("{e}; taken as nothing recorded");
+                Ok(None)
+            }
+            other => other,
+        }
     }
 
     pub fn set_installed(&self, release: &InstalledRelease) -> Result<(), StoreError> {
@@ -355,8 +457,15 @@ impl Store {
     /// new state) starts the count again at 1.
     pub fn count_restart(&self, record: &ActionRecord) -> Result<u32, StoreError> {
         let state = flotilla_protocol::envelope::to_bytes(&record.state);
+        // A damaged count starts again: it only decides when to give up.
         let last: Option<(String, Vec<u8>, u32)> =
-            self.get(&self.meta, RESTARTS, "restart count")?;
+            match self.get(&self.meta, RESTARTS, "restart count") {
+                Err(e @ StoreError::Decode { .. }) => {
+                    tracing::warn!("{e}; counting from 1");
+                    None
+                }
+                other => other?,
+            };
         let count = match last {
             Some((id, s, n)) if id == record.action_id && s == state => n.saturating_add(1),
             _ => 1,
@@ -405,12 +514,31 @@ impl Store {
     /// Takes the next report sequence number (1, 2, ...), durably, so numbers keep growing
     /// across restarts.
     pub fn next_seq(&self) -> Result<u64, StoreError> {
-        let seq = self
-            .get::<u64>(&self.meta, SEQ, "report sequence")?
-            .unwrap_or(0)
-            + 1;
+        let last = match self.get::<u64>(&self.meta, SEQ, "report sequence") {
+            // Reports must go on: continue after the newest one not yet acknowledged.
+            Err(e @ StoreError::Decode { .. }) => {
+                tracing::warn!("{e}; continuing after the outbox");
+                self.outbox().last().map(|r| r.seq)
+            }
+            other => other?,
+        };
+        let seq = last.unwrap_or(0) + 1;
         self.put(&self.meta, SEQ, "report sequence", &seq)?;
         Ok(seq)
+    }
+
+    /// Makes the next report sequence number higher than `floor`, durably.
+    pub fn continue_seq_above(&self, floor: u64) -> Result<(), StoreError> {
+        let last = match self.get::<u64>(&self.meta, SEQ, "report sequence") {
+            Ok(last) => last.unwrap_or(0),
+            Err(StoreError::Decode { .. }) => 0,
+            Err(e) => return Err(e),
+        };
+        if last < floor {
+            self.put(&self.meta, SEQ, "report sequence", &floor)?;
+            self.flush()?;
+        }
+        Ok(())
     }
 
     /// Keeps a report until the broker acknowledges it, durably.
@@ -441,9 +569,9 @@ impl Store {
         let mut out = Vec::new();
         for entry in self.outbox.iter() {
             match entry {
-                Ok((_, bytes)) => match postcard::from_bytes::<Report>(&bytes) {
+                Ok((_, bytes)) => match decode::<Report>(&bytes, "outbox entry") {
                     Ok(r) => out.push(r),
-                    Err(e) => tracing::warn!("skipping damaged outbox entry: {e}"),
+                    Err(e) => tracing::warn!("skipping it: {e}"),
                 },
                 Err(e) => tracing::warn!("cannot read outbox: {e}"),
             }
@@ -452,12 +580,82 @@ impl Store {
     }
 }
 
-/// sled reports a held lock as an `Other` I/O error; its message is the only way to tell.
 /// Where an action's bypassed peers are kept, beside its bytes in the same tree.
 fn bypassed_key(action_id: &str) -> String {
     format!("bypassed/{action_id}")
 }
 
+/// The start of every value written since values carry a checksum. No value written before
+/// can start with it: every one of them starts with a postcard varint (a length, a number, an
+/// enum tag) or is an action id, and four bytes of `0xff` would be a varint of over 2^28.
+const FRAME_TAG: [u8; 4] = [0xff, 0xff, 0xff, 0xf1];
+const DIGEST_LEN: usize = 32;
+
+/// A value as the store writes it: [`FRAME_TAG`], the sha256 of `body`, `body`.
+fn seal(body: &[u8]) -> Vec<u8> {
+    use sha2::Digest as _;
+    let mut out = Vec::with_capacity(FRAME_TAG.len() + DIGEST_LEN + body.len());
+    out.extend_from_slice(&FRAME_TAG);
+    out.extend_from_slice(&sha2::Sha256::digest(body));
+    out.extend_from_slice(body);
+    out
+}
+
+/// What a stored value turned out to be.
+#[derive(Debug, PartialEq, Eq)]
+enum Unsealed<'a> {
+    /// Framed, and its checksum matches: the body.
+    Body(&'a [u8]),
+    /// Not framed: written by a build before the frame existed (or damaged where the tag was).
+    Legacy(&'a [u8]),
+    /// Framed, and the checksum does not match (or the frame is cut short): why.
+    Damaged(String),
+}
+
+fn unseal(bytes: &[u8]) -> Unsealed<'_> {
+    use sha2::Digest as _;
+    let Some(rest) = bytes.strip_prefix(&FRAME_TAG) else {
+        return Unsealed::Legacy(bytes);
+    };
+    if rest.len() < DIGEST_LEN {
+        return Unsealed::Damaged(format!("cut short at {} bytes", bytes.len()));
+    }
+    let (digest, body) = rest.split_at(DIGEST_LEN);
+    if sha2::Sha256::digest(body).as_slice() == digest {
+        Unsealed::Body(body)
+    } else {
+        Unsealed::Damaged("its checksum does not match its contents".into())
+    }
+}
+
+/// Decodes a stored value of one type, framed or written before frames existed.
+fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, StoreError> {
+    match unseal(bytes) {
+        Unsealed::Body(body) | Unsealed::Legacy(body) => exact(body, what),
+        Unsealed::Damaged(reason) => Err(StoreError::Decode {
+            what: what.to_owned(),
+            reason,
+        }),
+    }
+}
+
+/// postcard, refusing trailing bytes: a damaged frame tag must not pass for an older value
+/// that happens to decode from its first bytes.
+fn exact<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, StoreError> {
+    match postcard::take_from_bytes(bytes) {
+        Ok((value, [])) => Ok(value),
+        Ok((_, rest)) => Err(StoreError::Decode {
+            what: what.to_owned(),
+            reason: format!("{} bytes after its end", rest.len()),
+        }),
+        Err(e) => Err(StoreError::Decode {
+            what: what.to_owned(),
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// sled reports a held lock as an `Other` I/O error; its message is the only way to tell.
 fn is_lock(e: &sled::Error) -> bool {
     matches!(e, sled::Error::Io(io) if io.to_string().contains("could not acquire lock"))
 }
@@ -518,6 +716,7 @@ mod tests {
             },
             manifest: None,
             state,
+            signed: None,
         }
     }
 
@@ -634,5 +833,208 @@ mod tests {
         assert!(note.contains("db.corrupt-1234"), "{note}");
         assert!(dir.path().join("db.corrupt-1234").exists());
         assert!(store.current().expect("read").is_none(), "starts empty");
+    }
+
+    /// An install record as the agent keeps it: the signed action (with its signed manifest)
+    /// beside what was decoded from it.
+    fn signed_record(id: &str, state: State) -> ActionRecord {
+        use flotilla_protocol::{envelope, ActionKind, Artifact, ReleaseManifest, SignedBlob};
+        let key = |seed: u8| flotilla_protocol::SigningKey::from_bytes(&[seed; 32]);
+        let manifest = ReleaseManifest {
+            name: "app-5".into(),
+            version: "5.0".into(),
+            counter: 5,
+            hardware: vec!["pi4".into()],
+            artifacts: vec![Artifact {
+                name: "app.bin".into(),
+                target: "app".into(),
+                size: 3,
+                sha256: flotilla_protocol::sha256(b"abc"),
+            }],
+            created_at: 10,
+            expires_at: 1_000,
+        };
+        let action = DesiredAction {
+            action_id: id.into(),
+            device_id: "dev-1".into(),
+            rollout_id: "r1".into(),
+            issued_at: 10,
+            expires_at: 500,
+            body: ActionBody::Install {
+                manifest: SignedBlob::sign(&key(1), envelope::to_bytes(&manifest)),
+                kind: ActionKind::Forced,
+                window: None,
+            },
+        };
+        ActionRecord {
+            action_id: id.into(),
+            rollout_id: "r1".into(),
+            signed: Some(SignedBlob::sign(&key(2), envelope::to_bytes(&action))),
+            action,
+            manifest: Some(manifest),
+            state,
+        }
+    }
+
+    /// Every single bit flipped anywhere in a stored record (and in the current action's id)
+    /// is reported as damage naming the entry; none reads back as another record.
+    #[test]
+    fn a_flipped_bit_anywhere_in_a_record_is_reported_as_damage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        let record = signed_record("act-1", State::Staged);
+        store.save_action(&record).expect("save");
+        let good = store.actions.get("act-1").expect("read").expect("kept");
+        for bit in 0..good.len() * 8 {
+            let mut bad = good.to_vec();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            store.actions.insert("act-1", bad).expect("write");
+            match store.action("act-1") {
+                Err(StoreError::Decode { what, .. }) => assert_eq!(what, "action act-1"),
+                other => panic!("bit {bit}: {other:?}"),
+            }
+        }
+        store.actions.insert("act-1", good).expect("write");
+        assert_eq!(store.current().expect("read"), Some(record.clone()));
+        let id = store.meta.get(CURRENT).expect("read").expect("kept");
+        for bit in 0..id.len() * 8 {
+            let mut bad = id.to_vec();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            store.meta.insert(CURRENT, bad).expect("write");
+            let read = store.current();
+            assert!(
+                matches!(&read, Err(StoreError::Decode { .. })),
+                "bit {bit}: {read:?}"
+            );
+        }
+    }
+
+    /// Values written by builds before values carried a checksum are read as they were: an
+    /// agent updated in the middle of an action finishes it.
+    #[test]
+    fn records_written_before_checksums_are_still_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        let record = signed_record("act-1", State::Confirming);
+        let legacy = crate::record::LegacyActionRecord {
+            action_id: record.action_id.clone(),
+            rollout_id: record.rollout_id.clone(),
+            action: record.action.clone(),
+            manifest: record.manifest.clone(),
+            state: record.state.clone(),
+        };
+        use flotilla_protocol::envelope::to_bytes;
+        store
+            .actions
+            .insert("act-1", to_bytes(&legacy))
+            .expect("write");
+        store.meta.insert(CURRENT, "act-1").expect("write");
+        store.meta.insert(SEQ, to_bytes(&41u64)).expect("write");
+        let current = store.current().expect("read").expect("kept");
+        assert_eq!(
+            current,
+            ActionRecord {
+                signed: None,
+                ..record
+            }
+        );
+        assert_eq!(store.next_seq().expect("seq"), 42);
+        // A legacy value with bytes after its end is damage, not a shorter value.
+        let mut long = to_bytes(&legacy);
+        long.push(0);
+        store.actions.insert("act-1", long).expect("write");
+        assert!(matches!(
+            store.action("act-1"),
+            Err(StoreError::Decode { .. })
+        ));
+    }
+
+    /// A damaged report sequence or restart count does not stop reports or starts.
+    #[test]
+    fn a_damaged_sequence_or_restart_count_starts_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("open");
+        let report = Report {
+            device_id: "dev-1".into(),
+            seq: store.next_seq().expect("seq"),
+            action_id: "a1".into(),
+            rollout_id: "r1".into(),
+            phase: Phase::Accepted,
+            at: 5,
+        };
+        store.outbox_put(&report).expect("outbox");
+        let staged = record("a1", State::Staged);
+        assert_eq!(store.count_restart(&staged).expect("count"), 1);
+        for key in [SEQ, RESTARTS] {
+            let mut bad = store.meta.get(key).expect("read").expect("kept").to_vec();
+            let last = bad.len() - 1;
+            bad[last] ^= 0x10;
+            store.meta.insert(key, bad).expect("write");
+        }
+        assert_eq!(store.next_seq().expect("seq"), 2, "after the outbox");
+        assert_eq!(store.count_restart(&staged).expect("count"), 1);
+    }
+
+    fn config_in(dir: &Path) -> Config {
+        let mut config =
+            Config::from_toml(crate::config::DEFAULT_CONFIG).expect("the default config");
+        config.data_dir = dir.to_owned();
+        config
+    }
+
+    /// sled's recovery drops what followed a damaged entry of its log: the database's copy of
+    /// the trust state then lags the trust file, and opening it says so.
+    #[test]
+    fn a_database_behind_its_trust_file_is_noted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = config_in(dir.path());
+        let old = TrustState {
+            installed_counter: 2,
+            last_action_issued_at: 20,
+            ..TrustState::default()
+        };
+        let new = TrustState {
+            installed_counter: 12,
+            last_action_issued_at: 120,
+            ..TrustState::default()
+        };
+        {
+            let (store, _, note) = open_data_dir(&config).expect("open");
+            assert_eq!(note, None, "a new device");
+            store.set_trust(&old).expect("mirror");
+        }
+        trust_state::write_trust_file(dir.path(), &new).expect("trust file");
+        let (store, trust, note) = open_data_dir(&config).expect("open");
+        assert_eq!(trust.installed_counter, 12, "the higher counter wins");
+        assert!(
+            store.next_seq().expect("seq") > trust_state::system_now() * 1000,
+            "reports continue above any number used before"
+        );
+        let note = note.expect("noted");
+        assert!(
+            note.ends_with(
+                "db is behind the trust file (installed counter 2 against 12, last action \
+                 issued at 20 against 120): it lost writes, so what it holds about recent \
+                 actions may be old"
+            ),
+            "{note}"
+        );
+        store.set_trust(&new).expect("mirror");
+        drop(store);
+        let (_, _, note) = open_data_dir(&config).expect("open");
+        assert_eq!(note, None, "in step again");
+        // A database that lost everything while the trust file stayed.
+        {
+            let (store, _, _) = open_data_dir(&config).expect("open");
+            store.meta.remove(TRUST).expect("remove");
+        }
+        let (_, _, note) = open_data_dir(&config).expect("open");
+        assert!(note.is_some_and(
+            |n| n.contains("holds no trust state, while the trust file holds installed counter 12")
+        ));
+        // One removed by hand is simply new: the trust file keeps the counter (decision 0006).
+        std::fs::remove_dir_all(db_path(dir.path())).expect("remove");
+        let (_, trust, note) = open_data_dir(&config).expect("open");
+        assert_eq!((note, trust.installed_counter), (None, 12));
     }
 }

@@ -87,31 +87,57 @@ pub struct DeviceFacts<'a> {
 /// a configured target for every artifact) and returns it decoded, with its block indexes when
 /// it has them.
 pub fn check_manifest(blob: &SignedBlob, facts: &DeviceFacts<'_>) -> Result<Manifest, Refusal> {
-    let bytes = blob
-        .verify("release manifest", facts.release_keys)
-        .map_err(|e| Refusal(e.to_string()))?;
-    let decoded = Manifest::decode(bytes).map_err(|e| Refusal(e.to_string()))?;
+    let decoded = verify_manifest(blob, facts.release_keys)?;
     let manifest = &decoded.release;
-    if manifest.expires_at <= facts.now {
-        return Err(Refusal(format!(
-            "release {} expired at {}",
-            manifest.name, manifest.expires_at
-        )));
-    }
-    if !manifest.hardware.is_empty() && !manifest.hardware.iter().any(|h| h == facts.hardware_id) {
-        return Err(Refusal(format!(
-            "release {} is for hardware {}, this is {}",
-            manifest.name,
-            manifest.hardware.join(", "),
-            facts.hardware_id
-        )));
-    }
+    check_release_expiry(manifest, facts.now)?;
+    check_hardware(manifest, facts.hardware_id)?;
     if manifest.counter <= facts.installed_counter {
         return Err(Refusal(format!(
             "release counter {} is not higher than installed {}",
             manifest.counter, facts.installed_counter
         )));
     }
+    check_targets(manifest, facts.config)?;
+    Ok(decoded)
+}
+
+/// Verifies a release manifest's signature by one of `release_keys`, over the exact bytes, and
+/// decodes it.
+pub fn verify_manifest(
+    blob: &SignedBlob,
+    release_keys: &[VerifyingKey],
+) -> Result<Manifest, Refusal> {
+    let bytes = blob
+        .verify("release manifest", release_keys)
+        .map_err(|e| Refusal(e.to_string()))?;
+    Manifest::decode(bytes).map_err(|e| Refusal(e.to_string()))
+}
+
+/// Refuses a release that expired at or before `now`.
+pub fn check_release_expiry(manifest: &ReleaseManifest, now: UnixTime) -> Result<(), Refusal> {
+    if manifest.expires_at <= now {
+        return Err(Refusal(format!(
+            "release {} expired at {}",
+            manifest.name, manifest.expires_at
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a release that names hardware ids, none of them this device's.
+pub fn check_hardware(manifest: &ReleaseManifest, hardware_id: &str) -> Result<(), Refusal> {
+    if !manifest.hardware.is_empty() && !manifest.hardware.iter().any(|h| h == hardware_id) {
+        return Err(Refusal(format!(
+            "release {} is for hardware {}, this is {hardware_id}",
+            manifest.name,
+            manifest.hardware.join(", "),
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a release without artifacts, or with one for a target this device does not have.
+pub fn check_targets(manifest: &ReleaseManifest, config: &Config) -> Result<(), Refusal> {
     if manifest.artifacts.is_empty() {
         return Err(Refusal(format!(
             "release {} has no artifacts",
@@ -119,14 +145,14 @@ pub fn check_manifest(blob: &SignedBlob, facts: &DeviceFacts<'_>) -> Result<Mani
         )));
     }
     for a in &manifest.artifacts {
-        if facts.config.target(&a.target).is_none() {
+        if config.target(&a.target).is_none() {
             return Err(Refusal(format!(
                 "artifact {}: no target named {:?} is configured on this device",
                 a.name, a.target
             )));
         }
     }
-    Ok(decoded)
+    Ok(())
 }
 
 /// The block indexes of a manifest that was checked when its action was accepted (the record

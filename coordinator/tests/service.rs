@@ -25,7 +25,9 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(20);
 
 /// The one-time enrollment token the fake device enrolls with.
-const TOKEN: &str = "service-test-token";
+/// 32 random bytes in hex, as `flotilla enrollment token` makes them: the config refuses
+/// tokens under 128 bits.
+const TOKEN: &str = "9d1c6f0a3e7b52c48f2a6d0e91b7c35a4e8f2d6b0c9a1e7f3d5b8c2a6e0f4d19";
 
 /// The fake device's own key.
 fn device_key() -> flotilla_protocol::SigningKey {
@@ -101,10 +103,13 @@ fn harness() -> Harness {
             key: operator().verifying_key(),
         }],
         clock_window: 60,
+        control_limits: Default::default(),
         enrollment: EnrollmentConfig {
             authorized_keys: None,
             tokens: vec![TOKEN.into()],
             max_pending: 10,
+            attempts_per_second: 20,
+            device_attempts_per_minute: 6,
         },
         metrics: None,
         verify_threads: 2,

@@ -207,11 +207,7 @@ impl Site {
             agent_options: BTreeMap::new(),
             operators: Vec::new(),
             tokens: (0..TOKENS)
-                .map(|_| {
-                    flotilla_protocol::hex::encode(
-                        flotilla_protocol::signing::generate_key().as_bytes(),
-                    )
-                })
+                .map(|_| flotilla_coordinator::service::enrollment::new_token())
                 .collect(),
             agent_tokens: BTreeMap::new(),
             metrics_port: None,

@@ -273,3 +273,30 @@ async fn a_metrics_address_in_use_stops_the_start_with_the_setting_named() {
     );
     drop(taken);
 }
+
+/// Idle connections in every slot of a real coordinator's metrics port, more of them than it
+/// serves at once: a scrape that comes after them is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_never_keep_a_scrape_out() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    let port = site.enable_metrics();
+    site.start_coordinator();
+    let deadline = Instant::now() + WAIT;
+    while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        assert!(Instant::now() < deadline, "the metrics port never opened");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut idle = Vec::new();
+    for _ in 0..64 {
+        idle.push(
+            TcpStream::connect(("127.0.0.1", port))
+                .await
+                .expect("connect an idle client"),
+        );
+    }
+    let text = scrape(port).await;
+    assert!(
+        text.contains("flotilla_messages_received_total"),
+        "the scrape got the metrics:\n{text}"
+    );
+}

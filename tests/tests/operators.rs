@@ -324,3 +324,267 @@ async fn refusals_on(kind: BrokerKind) {
         status.trace
     );
 }
+
+/// How many viewer requests the flood sends: more than the 100,000 nonces the whole coordinator
+/// once remembered, so the old shared cache would have filled and refused everyone.
+const FLOOD: usize = 110_000;
+
+/// A raw client that publishes a flood (QoS 1) and counts the broker's acknowledgements and the
+/// replies on its own reply topic.
+struct Flooder {
+    client: AsyncClient,
+    reply_to: String,
+    acked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    replies: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl Flooder {
+    async fn connect(port: u16) -> Flooder {
+        use std::sync::atomic::Ordering;
+        let reply_to = Topics::default().control_reply("raw-flooder");
+        let mut options = MqttOptions::new("raw-flooder", "127.0.0.1", port);
+        options.set_max_packet_size(1 << 20, 1 << 20);
+        options.set_inflight(1000);
+        let (client, mut eventloop) = AsyncClient::new(options, 10_000);
+        client
+            .subscribe(reply_to.clone(), QoS::AtLeastOnce)
+            .await
+            .expect("queue subscribe");
+        let acked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let replies = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn({
+            let (acked, replies) = (acked.clone(), replies.clone());
+            async move {
+                let mut subscribed_tx = Some(subscribed_tx);
+                loop {
+                    match eventloop.poll().await {
+                        Ok(Event::Incoming(Packet::SubAck(_))) => {
+                            if let Some(tx) = subscribed_tx.take() {
+                                let _ = tx.send(());
+                            }
+                        }
+                        Ok(Event::Incoming(Packet::PubAck(_))) => {
+                            acked.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(Event::Incoming(Packet::Publish(_))) => {
+                            replies.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(_) => {}
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(10), subscribed)
+            .await
+            .expect("subscribed")
+            .expect("task alive");
+        Flooder {
+            client,
+            reply_to,
+            acked,
+            replies,
+            _task: task,
+        }
+    }
+
+    /// Waits until the broker acknowledged `n` publishes.
+    async fn wait_acked(&self, n: usize) {
+        let deadline = std::time::Instant::now() + WAIT * 3;
+        while self.acked.load(std::sync::atomic::Ordering::Relaxed) < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the broker acknowledged {} of {n} publishes",
+                self.acked.load(std::sync::atomic::Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Requests of `key`, signed ahead (on every core), each with its own nonce, all made at `at`.
+fn signed_flood(key: &SigningKey, reply_to: &str, at: u64, n: usize) -> Vec<Vec<u8>> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let chunk = n.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || {
+                    (t * chunk..((t + 1) * chunk).min(n))
+                        .map(|i| {
+                            let request = ControlRequest::new(
+                                format!("flood-{i}"),
+                                reply_to,
+                                at,
+                                format!("flood-nonce-{i}"),
+                                Command::ListDevices {
+                                    page: Default::default(),
+                                },
+                            );
+                            signed(key, &request)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("signing thread"))
+            .collect()
+    })
+}
+
+/// The attack of issue 19, against a real coordinator over a broker: a viewer key floods
+/// validly signed requests stamped just inside the clock window, more than the coordinator
+/// once remembered in all. An operator pauses the rollout in the middle of the flood and stops
+/// it right after: both are answered and acted on. The viewer's flood costs the viewer: it is
+/// rate limited (counted per operator in /metrics) and mostly unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewers_flood_never_holds_back_an_operators_pause_and_stop() {
+    use std::sync::atomic::Ordering;
+    let mut site = Site::new(BrokerKind::Embedded);
+    let metrics_port = site.enable_metrics();
+    site.add_operator("alice", Role::Operator);
+    site.add_operator("vic", Role::Viewer);
+    site.release("fw-2", 2, b"firmware 2\n");
+    site.start_coordinator();
+    site.add_agent("lab-1", &[("env", "lab")], AgentOptions::default());
+    site.wait_devices(1).await;
+    let strategy = site.path("gated.toml");
+    fs::write(&strategy, STRATEGY).expect("write strategy");
+    site.flotilla(&[
+        "strategy",
+        "create",
+        "gated",
+        "--file",
+        &strategy.to_string_lossy(),
+    ]);
+    let alice = site.client_as("alice").await;
+    alice
+        .request(
+            Command::CreateRollout { spec: RUN.into() },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("alice creates r1");
+    alice
+        .request(start(), Duration::from_secs(10))
+        .await
+        .expect("alice starts r1");
+    assert_eq!(state(&site).await.state, "running");
+
+    let flooder = Flooder::connect(site.port).await;
+    let signing = std::time::Instant::now();
+    // Stamped just inside the 60 s clock window, as the attack did.
+    let flood = signed_flood(
+        &site.operator_key("vic"),
+        &flooder.reply_to,
+        now() + 55,
+        FLOOD,
+    );
+    eprintln!("signed {FLOOD} viewer requests in {:?}", signing.elapsed());
+    let flooding = std::time::Instant::now();
+    let publisher = tokio::spawn({
+        let client = flooder.client.clone();
+        async move {
+            for payload in flood {
+                client
+                    .publish(
+                        Topics::default().control_request(),
+                        QoS::AtLeastOnce,
+                        false,
+                        payload,
+                    )
+                    .await
+                    .expect("queue a flood publish");
+            }
+        }
+    });
+    // In the middle of the flood: alice pauses the rollout.
+    flooder.wait_acked(FLOOD / 2).await;
+    let asked = std::time::Instant::now();
+    alice
+        .request(
+            Command::PauseRollout {
+                rollout: "r1".into(),
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("alice's pause is answered during the flood");
+    eprintln!(
+        "pause answered {:?} after it was sent, mid-flood",
+        asked.elapsed()
+    );
+    assert_eq!(state(&site).await.state, "paused");
+    // After every flood request reached the broker, and so the coordinator before alice's stop.
+    publisher.await.expect("flood published");
+    flooder.wait_acked(FLOOD).await;
+    eprintln!("the broker took the flood in {:?}", flooding.elapsed());
+    let asked = std::time::Instant::now();
+    alice
+        .request(
+            Command::StopRollout {
+                rollout: "r1".into(),
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("alice's stop is answered after the flood");
+    eprintln!("stop answered {:?} after it was sent", asked.elapsed());
+    let status = state(&site).await;
+    assert_eq!(status.state, "stopped");
+    assert!(
+        status
+            .trace
+            .iter()
+            .any(|t| t.message.contains("stopped by alice")),
+        "{:#?}",
+        status.trace
+    );
+    // The flood was refused by the viewer's own limit, and almost none of it was answered.
+    let text = metrics_text(metrics_port).await;
+    let limited = metric(
+        &text,
+        "flotilla_control_requests_rate_limited_total{operator=\"vic\",role=\"viewer\",limit=\"key\"}",
+    );
+    assert!(limited >= (FLOOD - 10_000) as f64, "{limited}:\n{text}");
+    let alice_limited = metric(
+        &text,
+        "flotilla_control_requests_rate_limited_total{operator=\"alice\",role=\"operator\",limit=\"key\"}",
+    );
+    assert_eq!(alice_limited, 0.0, "{text}");
+    let replies = flooder.replies.load(Ordering::Relaxed);
+    eprintln!("{replies} replies to {FLOOD} flood requests; {limited} rate limited");
+    assert!(
+        replies < FLOOD / 20,
+        "{replies} replies to {FLOOD} requests: refusals must not flood the broker"
+    );
+}
+
+/// One scrape of the coordinator's metrics port.
+async fn metrics_text(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\n\r\n")
+        .await
+        .expect("send");
+    let mut answer = String::new();
+    tokio::time::timeout(WAIT, stream.read_to_string(&mut answer))
+        .await
+        .expect("answered")
+        .expect("read");
+    answer
+}
+
+/// The value of the sample written exactly as `series` (name and labels).
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}

@@ -221,3 +221,62 @@ fn settings_that_cannot_apply_are_refused_naming_where_they_came_from() {
         "{text}"
     );
 }
+
+/// The embedded broker has no login, TLS or ACL: `serve` refuses to run it on an address other
+/// than loopback, saying why, unless the operator insists; then it runs there with a warning.
+#[test]
+fn an_embedded_broker_beyond_loopback_is_refused_unless_insisted_on() {
+    let site = Site::new(BrokerKind::Embedded);
+    let config = config_with_a_dead_broker(&site);
+    let port = free_port();
+    let anywhere = format!("0.0.0.0:{port}");
+    let mut refused = serve(&site, &config, &["--embedded-broker", &anywhere], &[]);
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = refused.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve --embedded-broker {anywhere} kept running:\n{}",
+            refused.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let text = refused.log();
+    assert!(
+        text.contains(&format!("--embedded-broker \"{anywhere}\" is invalid"))
+            && text.contains("no login, no TLS and no ACL")
+            && text.contains("--insecure-embedded-broker"),
+        "{text}"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "nothing listens on {anywhere}"
+    );
+
+    let mut insisted = serve(
+        &site,
+        &config,
+        &["--embedded-broker", &anywhere, "--insecure-embedded-broker"],
+        &[],
+    );
+    let deadline = Instant::now() + WAIT;
+    while !insisted
+        .log()
+        .contains("embedded MQTT broker listening beyond loopback")
+    {
+        if let Ok(Some(status)) = insisted.child.try_wait() {
+            panic!("the coordinator exited ({status}):\n{}", insisted.log());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no warning about the open broker:\n{}",
+            insisted.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(insisted.log().contains("WARN"), "{}", insisted.log());
+    std::net::TcpStream::connect(("127.0.0.1", port)).expect("the broker listens");
+}

@@ -51,11 +51,41 @@ pub fn free_port() -> u16 {
 }
 
 pub struct Broker {
-    _child: tokio::process::Child,
+    child: tokio::process::Child,
     pub port: u16,
 }
 
+impl Broker {
+    /// Kills the broker (SIGKILL) and waits for it to exit: its clients lose their connections
+    /// at once, and its port is free again.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
 pub async fn start_broker(dir: &Path) -> Option<Broker> {
+    let bin = mosquitto_or_notice()?;
+    // Another test may take the probed port before mosquitto binds it; then try another.
+    for _ in 0..5 {
+        if let Some(broker) = spawn_broker(&bin, dir, free_port()).await {
+            return Some(broker);
+        }
+    }
+    panic!("mosquitto could not bind a free port in five tries");
+}
+
+/// Starts mosquitto again on `port` (after [`Broker::kill`]): a broker that comes back, with no
+/// retained messages and no sessions.
+pub async fn restart_broker(dir: &Path, port: u16) -> Broker {
+    let bin = find_mosquitto().expect("mosquitto ran before");
+    spawn_broker(&bin, dir, port)
+        .await
+        .unwrap_or_else(|| panic!("mosquitto could not bind port {port} again"))
+}
+
+/// The mosquitto binary, or `None` with a notice when it is not installed (a failure where CI
+/// asks for every tool).
+fn mosquitto_or_notice() -> Option<PathBuf> {
     let Some(bin) = find_mosquitto() else {
         let notice = "SKIPPED: mosquitto not found on PATH or in /usr/sbin";
         // CI installs Mosquitto: there a missing one is a failure.
@@ -67,48 +97,43 @@ pub async fn start_broker(dir: &Path) -> Option<Broker> {
         let _ = writeln!(std::io::stderr().lock(), "\n!!!! {notice}");
         return None;
     };
-    // Another test may take the probed port before mosquitto binds it; then try another.
-    for _ in 0..5 {
-        let port = free_port();
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-        )
-        .expect("write conf");
-        let mut child = tokio::process::Command::new(&bin)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start mosquitto");
-        let listening = tokio::time::timeout(TIMEOUT, async {
-            loop {
-                if matches!(child.try_wait(), Ok(Some(_))) {
-                    return false;
-                }
-                if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-                {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    return matches!(child.try_wait(), Ok(None));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+    Some(bin)
+}
+
+/// Runs mosquitto on `port`; `None` if it exited instead of listening (the port was taken).
+async fn spawn_broker(bin: &Path, dir: &Path, port: u16) -> Option<Broker> {
+    let conf = dir.join("mosquitto.conf");
+    std::fs::write(
+        &conf,
+        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+    )
+    .expect("write conf");
+    let mut child = tokio::process::Command::new(bin)
+        .arg("-c")
+        .arg(&conf)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start mosquitto");
+    let listening = tokio::time::timeout(TIMEOUT, async {
+        loop {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return false;
             }
-        })
-        .await
-        .expect("mosquitto did not start listening within 30s");
-        if listening {
-            return Some(Broker {
-                _child: child,
-                port,
-            });
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return matches!(child.try_wait(), Ok(None));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-    panic!("mosquitto could not bind a free port in five tries");
+    })
+    .await
+    .expect("mosquitto did not start listening within 30s");
+    listening.then_some(Broker { child, port })
 }
 
 /// The text of an agent config for `device` on the broker at `port`, keeping its data in
@@ -357,9 +382,13 @@ async fn stand_in(
 ) -> mpsc::Receiver<Report> {
     let topics = Topics::default();
     let id = DeviceId::new(device).expect("device id");
+    // A client id of its own per stand-in: one started after a broker restart must not take
+    // turns with the first, which reconnects under its id.
+    static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (client, mut eventloop) = client(
         port,
-        &format!("test-coordinator-{device}"),
+        &format!("test-coordinator-{device}-{n}"),
         [topics.report(&id), topics.fetch(&id), topics.state(&id)],
     )
     .await;

@@ -146,12 +146,28 @@ pub enum OperatorCmd {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum EnrollmentCmd {
+    /// Print fresh one-time enrollment tokens, one a line: 32 random bytes each, in hex.
+    ///
+    /// List each in the coordinator's `[enrollment] tokens` and put it in one agent's
+    /// `enrollment_token`; the agent is accepted on its first state and the token is used up.
+    Token {
+        /// How many tokens to print.
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+        count: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Generate ed25519 key pairs (release and coordinator keys).
     Keygen(KeygenArgs),
     /// Operator keys, which sign control requests.
     #[command(subcommand)]
     Operator(OperatorCmd),
+    /// One-time enrollment tokens, which let a device enroll without an operator.
+    #[command(subcommand)]
+    Enrollment(EnrollmentCmd),
     /// Rotate the keys devices trust: build and co-sign keys documents with the root keys.
     #[command(subcommand)]
     Keys(KeysCmd),
@@ -301,6 +317,7 @@ settings one by one:
   --broker HOST:PORT    FLOTILLA_BROKER                 broker.host, broker.port
   --topic-root ROOT     FLOTILLA_TOPIC_ROOT             broker.topic_root
   --embedded-broker     (no variable)                   broker.embedded
+  --insecure-embedded-broker (no variable)              broker.insecure_embedded
   --username            FLOTILLA_BROKER_USERNAME        broker.username
   --password-file       FLOTILLA_BROKER_PASSWORD_FILE   broker.password_file (or password_env)
   --tls                 FLOTILLA_BROKER_TLS             [broker.tls] (on)
@@ -312,6 +329,8 @@ Paths given as flags or variables are relative to the working directory, paths i
 file to the config file's directory. With an embedded broker the coordinator connects to it
 over plain loopback TCP: a broker address, login or TLS setting given on the command line or
 in the environment is refused then (an address naming the embedded broker itself is fine).
+The embedded broker has no login, TLS or ACL: an address other than loopback is refused unless
+--insecure-embedded-broker (or broker.insecure_embedded = true) says to run it there anyway.
 --operator-key signs requests to a coordinator; `serve` refuses it on its command line and
 ignores FLOTILLA_OPERATOR_KEY.";
 
@@ -324,6 +343,10 @@ pub struct ServeArgs {
     /// Run an embedded broker on this address (overrides broker.embedded in the config).
     #[arg(long, value_name = "IP:PORT")]
     pub embedded_broker: Option<String>,
+    /// Let the embedded broker listen on an address other than loopback, although it has no
+    /// login, TLS or ACL (broker.insecure_embedded in the config).
+    #[arg(long)]
+    pub insecure_embedded_broker: bool,
     /// Print the commented default config and exit.
     #[arg(long)]
     pub print_default_config: bool,

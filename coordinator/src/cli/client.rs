@@ -33,6 +33,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// to its default `[service] marker_timeout` of 30 s.
 pub const CHANGE_TIMEOUT: Duration = Duration::from_secs(45);
 
+/// How long a request refused as rate limited waits before it is sent again.
+const RATE_LIMITED_RETRY: Duration = Duration::from_secs(1);
+
 /// Why a control request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -153,7 +156,8 @@ impl ControlClient {
     /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
     /// [`ClientError::Refused`] carrying the coordinator's message. A reply given while the
     /// coordinator is still reading the retained device states (`loading`) prints a note on
-    /// stderr, once per client: a list may miss devices.
+    /// stderr, once per client: a list may miss devices. A request refused because its key is
+    /// over its rate limit is sent again (a new request) a second later, within `timeout`.
     pub async fn request(
         &self,
         command: Command,
@@ -164,7 +168,20 @@ impl ControlClient {
         } else {
             timeout.max(CHANGE_TIMEOUT)
         };
-        let reply = self.request_reply(command, timeout).await?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let reply = loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let reply = self.request_reply(command.clone(), left).await?;
+            let limited = !reply.ok
+                && reply
+                    .error
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("rate limited"));
+            if !limited || left <= RATE_LIMITED_RETRY {
+                break reply;
+            }
+            tokio::time::sleep(RATE_LIMITED_RETRY).await;
+        };
         if reply.loading
             && !self
                 .loading_noted

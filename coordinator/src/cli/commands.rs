@@ -214,6 +214,16 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         origin: Origins(cli.from_env.clone()),
     };
     match cli.command {
+        Cmd::Enrollment(crate::cli::args::EnrollmentCmd::Token { count }) => {
+            for _ in 0..count {
+                println!("{}", crate::service::enrollment::new_token());
+            }
+            eprintln!(
+                "list each token in the coordinator's [enrollment] tokens and give it to one \
+                 agent as enrollment_token; it enrolls one device, once"
+            );
+            Ok(0)
+        }
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
             let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
             for w in &written {
@@ -291,7 +301,11 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     flag: "--operator-key",
                 });
             }
-            let overrides = serve_overrides(&target, args.embedded_broker.as_deref())?;
+            let mut overrides = serve_overrides(&target, args.embedded_broker.as_deref())?;
+            overrides.insecure_embedded = args.insecure_embedded_broker.then_some(Given {
+                value: (),
+                from: "--insecure-embedded-broker",
+            });
             let config = Config::load_with(path, &overrides)?;
             tracing::info!(
                 config = %path.display(),
@@ -472,6 +486,7 @@ fn serve_overrides(
         addr: origin.given("broker", addr),
         topic_root: origin.given("topic_root", target.topic_root.clone()),
         embedded,
+        insecure_embedded: None,
         username: origin.given("username", auth.username),
         password_file: origin.given("password_file", auth.password_file),
         tls: origin.given("tls", auth.tls.then_some(())),

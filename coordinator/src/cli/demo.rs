@@ -317,9 +317,7 @@ async fn run_in(
     // Each demo device enrolls itself with a one-time token the coordinator lists, so the demo
     // needs no operator to accept devices (`flotilla devices pending` shows how that looks).
     let tokens: Vec<String> = (1..=args.devices)
-        .map(|_| {
-            flotilla_protocol::hex::encode(flotilla_protocol::signing::generate_key().as_bytes())
-        })
+        .map(|_| crate::service::enrollment::new_token())
         .collect();
     // The coordinator runs from a config file like any other, so the file a kept demo leaves
     // is the one that ran.

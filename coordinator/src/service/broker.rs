@@ -70,7 +70,14 @@ impl EmbeddedBroker {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        tracing::info!(%addr, "embedded MQTT broker listening");
+        if addr.ip().to_canonical().is_loopback() {
+            tracing::info!(%addr, "embedded MQTT broker listening");
+        } else {
+            // The config refuses this address unless the operator insisted (broker.insecure_embedded).
+            tracing::warn!(%addr, "embedded MQTT broker listening beyond loopback, with no login, \
+                TLS or ACL: anyone who reaches {addr} can read every device's state, clear retained \
+                messages and take over the coordinator's client id");
+        }
         Ok(EmbeddedBroker { addr })
     }
 

@@ -15,6 +15,8 @@ use flotilla_protocol::operator::Role;
 use flotilla_protocol::VerifyingKey;
 use serde::Deserialize;
 
+use crate::service::tokens::{token_strength, TOKEN_MIN_BITS};
+
 /// The commented default configuration.
 pub const DEFAULT_CONFIG: &str = include_str!("../../default-config.toml");
 
@@ -64,6 +66,9 @@ pub struct BrokerOverrides {
     pub addr: Option<Given<(String, u16)>>,
     pub topic_root: Option<Given<String>>,
     pub embedded: Option<Given<SocketAddr>>,
+    /// Lets the embedded broker listen on an address other than loopback
+    /// (`--insecure-embedded-broker`, or broker.insecure_embedded in the config file).
+    pub insecure_embedded: Option<Given<()>>,
     pub username: Option<Given<String>>,
     /// Replaces both password_file and password_env.
     pub password_file: Option<Given<PathBuf>>,
@@ -109,6 +114,11 @@ fn names_embedded(host: &str, port: u16, embedded: SocketAddr) -> bool {
     same_ip || (loopback && (embedded.ip().is_loopback() || embedded.ip().is_unspecified()))
 }
 
+/// Whether `addr` is reachable from this host only.
+fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -123,6 +133,8 @@ pub struct Config {
     pub operators: Vec<OperatorConfig>,
     /// How far a signed control request's `at` may be from the coordinator's clock, in seconds.
     pub clock_window: u64,
+    /// How many control requests a second each operator key, and each role, may send.
+    pub control_limits: ControlLimits,
     /// Which devices are accepted without an operator.
     pub enrollment: EnrollmentConfig,
     /// Where `GET /metrics` is served (`[metrics] listen`); `None`, the default, serves none.
@@ -153,6 +165,53 @@ pub struct OperatorConfig {
     pub key: VerifyingKey,
 }
 
+/// Control requests a second, by the role of the operator sending them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoleRates {
+    pub viewer: u32,
+    pub operator: u32,
+    pub admin: u32,
+}
+
+impl RoleRates {
+    pub fn of(&self, role: Role) -> u32 {
+        match role {
+            Role::Viewer => self.viewer,
+            Role::Operator => self.operator,
+            Role::Admin => self.admin,
+        }
+    }
+}
+
+/// The rate limits of the operator gate (`[control] key_rate` and `role_rate`): each key may
+/// send `key` requests a second, all keys of one role together `role`; each with a burst of
+/// [`CONTROL_BURST_SECONDS`] seconds' worth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlLimits {
+    pub key: RoleRates,
+    pub role: RoleRates,
+}
+
+/// How many seconds' worth of requests a key or a role may send at once.
+pub const CONTROL_BURST_SECONDS: u64 = 10;
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        ControlLimits {
+            key: RoleRates {
+                viewer: 10,
+                operator: 20,
+                admin: 50,
+            },
+            role: RoleRates {
+                viewer: 20,
+                operator: 50,
+                admin: 100,
+            },
+        }
+    }
+}
+
 /// Device enrollment: what is accepted without an operator (`[enrollment]`).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct EnrollmentConfig {
@@ -164,6 +223,12 @@ pub struct EnrollmentConfig {
     /// How many devices may wait for an operator at once; states of further unknown devices are
     /// ignored (and counted) so a flood of made-up devices cannot fill the store.
     pub max_pending: usize,
+    /// Enrollment attempts (states carrying a token's proof) checked a second, all devices
+    /// together (`attempts_per_second`); a burst of ten seconds' worth.
+    pub attempts_per_second: u32,
+    /// Enrollment attempts checked a minute for one device id (`device_attempts_per_minute`);
+    /// a burst of three.
+    pub device_attempts_per_minute: u32,
 }
 
 /// Where the MQTT broker is, how to log in, and whether to run one in-process.
@@ -239,15 +304,51 @@ struct RawMetrics {
 #[serde(deny_unknown_fields, default)]
 struct RawControl {
     clock_window: String,
+    key_rate: RawRoleRates,
+    role_rate: RawRoleRates,
 }
 
 impl Default for RawControl {
     fn default() -> Self {
         Self {
             clock_window: "60s".into(),
+            key_rate: RawRoleRates::default(),
+            role_rate: RawRoleRates::default(),
         }
     }
 }
+
+/// A table of requests a second by role; a role left out keeps its default.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawRoleRates {
+    viewer: Option<u32>,
+    operator: Option<u32>,
+    admin: Option<u32>,
+}
+
+impl RawRoleRates {
+    /// The rates with `defaults` for the roles left out; `field` names the table in errors.
+    fn validate(&self, defaults: RoleRates, field: &'static str) -> Result<RoleRates, ConfigError> {
+        let one = |given: Option<u32>, default: u32, role: &str| match given {
+            None => Ok(default),
+            Some(n @ 1..=MAX_CONTROL_RATE) => Ok(n),
+            Some(n) => Err(ConfigError::Field {
+                field,
+                value: format!("{role} = {n}"),
+                reason: format!("requests a second must be between 1 and {MAX_CONTROL_RATE}"),
+            }),
+        };
+        Ok(RoleRates {
+            viewer: one(self.viewer, defaults.viewer, "viewer")?,
+            operator: one(self.operator, defaults.operator, "operator")?,
+            admin: one(self.admin, defaults.admin, "admin")?,
+        })
+    }
+}
+
+/// The most control requests a second a key or role may be allowed.
+pub const MAX_CONTROL_RATE: u32 = 100_000;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -268,6 +369,8 @@ struct RawEnrollment {
     authorized_keys: Option<String>,
     tokens: Vec<String>,
     max_pending: usize,
+    attempts_per_second: u32,
+    device_attempts_per_minute: u32,
 }
 
 impl Default for RawEnrollment {
@@ -276,6 +379,8 @@ impl Default for RawEnrollment {
             authorized_keys: None,
             tokens: Vec::new(),
             max_pending: 1000,
+            attempts_per_second: 20,
+            device_attempts_per_minute: 6,
         }
     }
 }
@@ -287,6 +392,7 @@ struct RawBroker {
     port: u16,
     topic_root: String,
     embedded: Option<String>,
+    insecure_embedded: bool,
     client_id: String,
     username: Option<String>,
     password_file: Option<PathBuf>,
@@ -301,6 +407,7 @@ impl Default for RawBroker {
             port: 1883,
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
             embedded: None,
+            insecure_embedded: false,
             client_id: DEFAULT_CLIENT_ID.into(),
             username: None,
             password_file: None,
@@ -410,6 +517,27 @@ impl TryFrom<Located<'_>> for Config {
                 Some(g) => format!("{} {addr}", g.from),
                 None => format!("broker.embedded = \"{addr}\" in the config file"),
             };
+            let insecure = overrides.insecure_embedded.is_some() || raw.broker.insecure_embedded;
+            if !is_loopback(addr) && !insecure {
+                let reason = format!(
+                    "the embedded broker has no login, no TLS and no ACL: on {} anyone who reaches \
+                     it can read every device's state, clear retained messages and take over the \
+                     coordinator's client id. Listen on loopback (127.0.0.1:{port}) and use an \
+                     external broker for devices on other hosts (deploy/mosquitto), or, on a \
+                     network you trust, pass --insecure-embedded-broker (broker.insecure_embedded \
+                     = true) to run it there anyway",
+                    addr.ip(),
+                    port = addr.port()
+                );
+                return Err(match &overrides.embedded {
+                    Some(g) => ConfigError::Given {
+                        setting: g.from,
+                        value: addr.to_string(),
+                        reason,
+                    },
+                    None => field("broker.embedded", &addr.to_string(), &reason),
+                });
+            }
             if let Some(g) = &overrides.addr {
                 let (host, port) = &g.value;
                 if !names_embedded(host, *port, addr) {
@@ -490,19 +618,47 @@ impl TryFrom<Located<'_>> for Config {
                 ));
             }
         }
-        for token in &raw.enrollment.tokens {
-            if token.trim().len() < 8 {
-                // Do not echo a secret back in full, even a short one.
+        for (n, token) in raw.enrollment.tokens.iter().enumerate() {
+            if let Err(weak) = token_strength(token) {
+                // Do not echo a secret back, even a weak one: name its place in the list.
                 return Err(field(
                     "enrollment.tokens",
-                    "(a token)",
-                    "every token must be at least 8 characters long",
+                    &format!("(token {} of {})", n + 1, raw.enrollment.tokens.len()),
+                    &format!(
+                        "{weak}; a token must carry at least {TOKEN_MIN_BITS} bits of entropy: \
+                         make one with `flotilla enrollment token` (32 random bytes in hex)"
+                    ),
                 ));
             }
         }
         if raw.enrollment.max_pending == 0 {
             return Err(field("enrollment.max_pending", "0", "must be at least 1"));
         }
+        if raw.enrollment.attempts_per_second == 0 {
+            return Err(field(
+                "enrollment.attempts_per_second",
+                "0",
+                "must be at least 1",
+            ));
+        }
+        if raw.enrollment.device_attempts_per_minute == 0 {
+            return Err(field(
+                "enrollment.device_attempts_per_minute",
+                "0",
+                "must be at least 1",
+            ));
+        }
+        let defaults = ControlLimits::default();
+        let control_limits = ControlLimits {
+            key: raw
+                .control
+                .key_rate
+                .validate(defaults.key, "control.key_rate")?,
+            role: raw
+                .control
+                .role_rate
+                .validate(defaults.role, "control.role_rate")?,
+        };
         let metrics = match &raw.metrics.listen {
             None => None,
             Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|e| {
@@ -539,6 +695,8 @@ impl TryFrom<Located<'_>> for Config {
             authorized_keys: raw.enrollment.authorized_keys.map(|p| base.join(p)),
             tokens: raw.enrollment.tokens,
             max_pending: raw.enrollment.max_pending,
+            attempts_per_second: raw.enrollment.attempts_per_second,
+            device_attempts_per_minute: raw.enrollment.device_attempts_per_minute,
         };
         Ok(Config {
             metrics,
@@ -547,6 +705,7 @@ impl TryFrom<Located<'_>> for Config {
             watch_sys_dropped: raw.service.watch_sys_dropped,
             operators,
             clock_window,
+            control_limits,
             enrollment,
             data_dir: base.join(&raw.data_dir),
             coordinator_key: base.join(&raw.coordinator_key),
@@ -884,24 +1043,92 @@ mod tests {
 
     #[test]
     fn enrollment_section_is_validated() {
-        let config = parse(
-            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"0123456789abcdef\"]\n",
-        )
+        let token = "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5";
+        let config = parse(&format!(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nauthorized_keys = \"devices.keys\"\ntokens = [\"{token}\"]\n"
+        ))
         .expect("valid");
         assert_eq!(
             config.enrollment.authorized_keys,
             Some(PathBuf::from("/etc/flotilla/devices.keys"))
         );
-        assert_eq!(config.enrollment.tokens, vec!["0123456789abcdef"]);
+        assert_eq!(config.enrollment.tokens, vec![token]);
+        assert_eq!(config.enrollment.attempts_per_second, 20);
+        assert_eq!(config.enrollment.device_attempts_per_minute, 6);
         let err = parse(
-            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"short\"]\n",
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\nattempts_per_second = 0\n",
         )
-        .expect_err("short token")
+        .expect_err("no attempts")
+        .to_string();
+        assert!(err.contains("enrollment.attempts_per_second"), "{err}");
+    }
+
+    #[test]
+    fn control_rate_limits_default_and_are_validated() {
+        let config = parse("data_dir = \"d\"\ncoordinator_key = \"k\"\n").expect("valid");
+        assert_eq!(config.control_limits, ControlLimits::default());
+        let config = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[control]\nkey_rate = { viewer = 2 }\nrole_rate = { viewer = 3, admin = 7 }\n",
+        )
+        .expect("valid");
+        assert_eq!(config.control_limits.key.viewer, 2);
+        assert_eq!(
+            config.control_limits.key.admin,
+            ControlLimits::default().key.admin
+        );
+        assert_eq!(
+            (
+                config.control_limits.role.viewer,
+                config.control_limits.role.admin
+            ),
+            (3, 7)
+        );
+        let err = parse(
+            "data_dir = \"d\"\ncoordinator_key = \"k\"\n[control]\nkey_rate = { operator = 0 }\n",
+        )
+        .expect_err("zero")
         .to_string();
         assert!(
-            err.contains("enrollment.tokens") && !err.contains("short"),
+            err.starts_with("config field control.key_rate = \"operator = 0\" is invalid"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn tokens_under_128_bits_are_refused_naming_the_field_and_how_to_make_one() {
+        for weak in [
+            "short",
+            "abcdefgh",
+            "0123456789abcdef",
+            "service-test-token",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "abababababababababababababababababababab",
+            "0123456789abcdef0123456789abcdef",
+            " 3f9c2a7e1b5d48c06a9e7f21d4c3b8a5",
+        ] {
+            let err = parse(&format!(
+                "data_dir = \"d\"\ncoordinator_key = \"k\"\n[enrollment]\ntokens = [\"{}\", \"{weak}\"]\n",
+                "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5"
+            ))
+            .expect_err(weak)
+            .to_string();
+            assert!(
+                err.starts_with("config field enrollment.tokens = \"(token 2 of 2)\" is invalid")
+                    && err.contains("128 bits")
+                    && err.contains("flotilla enrollment token")
+                    && !err.contains(weak.trim()),
+                "{weak}: {err}"
+            );
+        }
+        // What the usual tools make passes: 16 random bytes in hex or base64, a UUID's 32 hex
+        // digits, and what `flotilla enrollment token` makes.
+        for strong in [
+            "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5",
+            "q3Vb1y0kQ0mC2w8dXr5nRg==",
+            "4e6b0d2c8f1a4b3e9d7c5a1f0e2b6d8c4a9f3e1d7b5c0a2e8f6d4b1c3a5e7f90",
+        ] {
+            token_strength(strong).unwrap_or_else(|e| panic!("{strong}: {e}"));
+        }
     }
 
     #[test]
@@ -1024,6 +1251,10 @@ mod tests {
         };
         let same = BrokerOverrides {
             embedded: embedded("0.0.0.0:18830"),
+            insecure_embedded: Some(Given {
+                value: (),
+                from: "--insecure-embedded-broker",
+            }),
             addr: Some(Given {
                 value: ("localhost".to_owned(), 18830),
                 from: "FLOTILLA_BROKER",
@@ -1044,6 +1275,65 @@ mod tests {
             err.starts_with("FLOTILLA_BROKER \"localhost:1883\"")
                 && err.contains("--embedded-broker 0.0.0.0:18830"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn an_embedded_broker_beyond_loopback_needs_the_insecure_setting() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let head = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\n";
+        let load = |text: &str, o: &BrokerOverrides| {
+            Config::from_toml_with(text, dir.path(), &dir.path().join("c.toml"), o)
+        };
+        for addr in ["127.0.0.1:18830", "[::1]:18830", "127.0.0.2:18830"] {
+            load(
+                &format!("{head}embedded = \"{addr}\"\n"),
+                &BrokerOverrides::default(),
+            )
+            .unwrap_or_else(|e| panic!("{addr} is loopback: {e}"));
+        }
+        for addr in ["0.0.0.0:18830", "[::]:18830", "192.168.1.5:18830"] {
+            let text = format!("{head}embedded = \"{addr}\"\n");
+            let err = load(&text, &BrokerOverrides::default())
+                .expect_err("beyond loopback")
+                .to_string();
+            assert!(
+                err.starts_with(&format!(
+                    "config field broker.embedded = \"{addr}\" is invalid"
+                )) && err.contains("no login, no TLS and no ACL")
+                    && err.contains("broker.insecure_embedded = true"),
+                "{err}"
+            );
+            load(
+                &format!("{text}insecure_embedded = true\n"),
+                &BrokerOverrides::default(),
+            )
+            .expect("insisted on in the config file");
+        }
+        let flag = BrokerOverrides {
+            embedded: Some(Given {
+                value: "0.0.0.0:18830".parse().expect("addr"),
+                from: "--embedded-broker",
+            }),
+            ..BrokerOverrides::default()
+        };
+        let err = load(head, &flag).expect_err("beyond loopback").to_string();
+        assert!(
+            err.starts_with("--embedded-broker \"0.0.0.0:18830\" is invalid")
+                && err.contains("--insecure-embedded-broker"),
+            "{err}"
+        );
+        let insisted = BrokerOverrides {
+            insecure_embedded: Some(Given {
+                value: (),
+                from: "--insecure-embedded-broker",
+            }),
+            ..flag
+        };
+        let config = load(head, &insisted).expect("insisted on with the flag");
+        assert_eq!(
+            config.broker.embedded,
+            Some("0.0.0.0:18830".parse().expect("addr"))
         );
     }
 

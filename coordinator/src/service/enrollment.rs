@@ -17,11 +17,24 @@
 //!   device over nor knock it off the fleet. A key change is never accepted silently.
 //! - Rejected keys and revoked devices are ignored from then on.
 //!
+//! - A token's proof is checked only within the enrollment attempt limits (`[enrollment]
+//!   attempts_per_second`, `device_attempts_per_minute`), so tokens cannot be guessed online at
+//!   any speed. An attempt beyond them is not lost: its device waits as pending with the state
+//!   that carried it, and [`Registry::retry_deferred`] checks it when there is room again.
+//!
 //! Everything ignored is counted by reason ([`Ignored`]), and [`IgnoredLog`] turns the counts
-//! into at most one log line per interval, so a flood of forged messages cannot flood the log.
+//! into at most one log line per interval, with the rate of each reason, so a flood of forged
+//! messages or guessed tokens cannot flood the log and is still named.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+pub use crate::service::tokens::new_token;
+use crate::service::tokens::{
+    AttemptCounts, Attempts, ATTEMPTS_PER_SECOND, DEVICE_ATTEMPTS_PER_MINUTE,
+};
 
 use flotilla_protocol::control::EnrollmentInfo;
 use flotilla_protocol::{device, hex, DeviceMessage, DeviceState, SignedBlob, VerifyingKey};
@@ -93,6 +106,10 @@ pub enum Ignored {
     TooManyPending,
     /// A block request for an artifact of no action the device holds.
     NoAction,
+    /// A state whose enrollment token proof matches no unused token (the device is pending).
+    WrongToken,
+    /// A state whose enrollment token proof waits: the attempt limits were reached.
+    AttemptLimited,
 }
 
 impl Ignored {
@@ -108,6 +125,8 @@ impl Ignored {
             Ignored::OtherKey => "signed by another key",
             Ignored::TooManyPending => "too many pending devices",
             Ignored::NoAction => "no action for this artifact",
+            Ignored::WrongToken => "wrong enrollment token",
+            Ignored::AttemptLimited => "enrollment attempt over the limit",
         }
     }
 }
@@ -177,8 +196,43 @@ pub fn parse_authorized_keys(text: &str) -> Result<Vec<AuthorizedKey>, String> {
     Ok(keys)
 }
 
+/// How a state that arrived would be accepted without an operator.
+#[derive(Debug, PartialEq, Eq)]
+enum Auto {
+    /// Not at all: no authorized key, no token proof.
+    No,
+    AuthorizedKey,
+    /// An unused token (its sha256, hex) matched the proof.
+    Token(String),
+    /// The proof matched no unused token.
+    WrongToken,
+    /// The proof was not checked: the attempt limits were reached.
+    Limited,
+}
+
+impl Auto {
+    /// How it accepts (the via name and the token used up), if it does.
+    fn accepts(&self) -> Option<(&'static str, Option<String>)> {
+        match self {
+            Auto::AuthorizedKey => Some(("authorized_key", None)),
+            Auto::Token(digest) => Some(("token", Some(digest.clone()))),
+            _ => None,
+        }
+    }
+
+    /// Why the message is ignored when it does not accept: `otherwise`, or what the token
+    /// attempt came to.
+    fn ignored(&self, otherwise: Ignored) -> Ignored {
+        match self {
+            Auto::WrongToken => Ignored::WrongToken,
+            Auto::Limited => Ignored::AttemptLimited,
+            _ => otherwise,
+        }
+    }
+}
+
 /// The enrollments and what is accepted without an operator.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Registry {
     records: BTreeMap<String, Enrollment>,
     /// Pre-authorized keys, each with the device ids it may enroll (`None`: any). A map, because
@@ -188,6 +242,15 @@ pub struct Registry {
     /// sha256 (hex) of used-up tokens.
     used: BTreeSet<String>,
     max_pending: usize,
+    attempts: Attempts,
+    /// Devices whose waiting state carries a token proof the attempt limits held back.
+    deferred: BTreeSet<String>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::new(Vec::new(), Vec::new(), Vec::new(), Vec::new(), 1000)
+    }
 }
 
 fn token_digest(token: &str) -> String {
@@ -232,7 +295,55 @@ impl Registry {
             tokens,
             used: used.into_iter().collect(),
             max_pending: max_pending.max(1),
+            attempts: Attempts::new(ATTEMPTS_PER_SECOND, DEVICE_ATTEMPTS_PER_MINUTE),
+            deferred: BTreeSet::new(),
         }
+    }
+
+    /// The same registry with these enrollment attempt limits (`[enrollment]
+    /// attempts_per_second`, `device_attempts_per_minute`).
+    pub fn with_limits(mut self, per_second: u32, device_per_minute: u32) -> Registry {
+        let counts = self.attempts.counts.clone();
+        self.attempts = Attempts::new(per_second, device_per_minute);
+        self.attempts.counts = counts;
+        self
+    }
+
+    /// Enrollment attempts by result, for the metrics endpoint.
+    pub fn attempt_counts(&self) -> Arc<AttemptCounts> {
+        self.attempts.counts.clone()
+    }
+
+    /// How many devices wait for their token proof to be checked.
+    pub fn deferred_count(&self) -> usize {
+        self.deferred.len()
+    }
+
+    /// Checks the token proofs the attempt limits held back, in device id order, while the
+    /// limits allow and leave half a second's worth for fresh attempts: the verdicts of those
+    /// devices' waiting states, as if they arrived now.
+    pub fn retry_deferred(&mut self, now: u64) -> Vec<(String, Verdict)> {
+        let mut out = Vec::new();
+        let waiting: Vec<String> = self.deferred.iter().cloned().collect();
+        for device in waiting {
+            if !self.attempts.has_spare(now) {
+                break;
+            }
+            if !self.attempts.device_ready(&device, now) {
+                continue;
+            }
+            self.deferred.remove(&device);
+            let Some(blob) = self
+                .records
+                .get(&device)
+                .and_then(|r| r.waiting_state.clone())
+            else {
+                continue;
+            };
+            let verdict = self.observe(&device, "device state", &blob, now);
+            out.push((device, verdict));
+        }
+        out
     }
 
     /// The record of `device`, if it ever sent a signed state.
@@ -257,33 +368,52 @@ impl Registry {
         self.used.iter()
     }
 
-    /// How pre-authorization would accept `key` for `device`: the via name and the token used.
+    /// How pre-authorization would accept `key` for `device`: an authorized key, or a token
+    /// proof checked within the attempt limits.
     fn preauthorized(
-        &self,
+        &mut self,
         device: &str,
         key: &VerifyingKey,
         message: &DeviceMessage,
-    ) -> Option<(&'static str, Option<String>)> {
+        now: u64,
+    ) -> Auto {
         if self.authorized.get(&key.to_bytes()).is_some_and(|devices| {
             devices
                 .iter()
                 .any(|d| d.as_deref().is_none_or(|d| d == device))
         }) {
-            return Some(("authorized_key", None));
+            return Auto::AuthorizedKey;
         }
         let DeviceMessage::State {
             enrollment: Some(proof),
             ..
         } = message
         else {
-            return None;
+            return Auto::No;
         };
-        self.tokens
+        if !self.attempts.admit(device, now) {
+            self.deferred.insert(device.to_owned());
+            return Auto::Limited;
+        }
+        self.deferred.remove(device);
+        let matched = self
+            .tokens
             .iter()
             .map(|t| (t, token_digest(t)))
             .filter(|(_, digest)| !self.used.contains(digest))
             .find(|(t, _)| device::enrollment_proof(t, device, key) == *proof)
-            .map(|(_, digest)| ("token", Some(digest)))
+            .map(|(_, digest)| digest);
+        let counts = &self.attempts.counts;
+        match matched {
+            Some(digest) => {
+                counts.accepted.fetch_add(1, Ordering::Relaxed);
+                Auto::Token(digest)
+            }
+            None => {
+                counts.failed.fetch_add(1, Ordering::Relaxed);
+                Auto::WrongToken
+            }
+        }
     }
 
     fn pending_count(&self) -> usize {
@@ -325,10 +455,17 @@ impl Registry {
         }
         let key_hex = hex::encode(key.as_bytes());
         let is_state = matches!(message, DeviceMessage::State { .. });
-        let auto = if is_state {
-            self.preauthorized(topic_device, &key, &message)
+        // Pre-authorization is looked at only where it could accept something: a new device,
+        // a pending one, or a new key of a known one (a token check is an attempt, limited).
+        let could_accept = is_state
+            && self.records.get(topic_device).is_none_or(|r| {
+                !r.rejected_keys.contains(&key_hex)
+                    && (r.key != key_hex || r.status == Status::Pending)
+            });
+        let auto = if could_accept {
+            self.preauthorized(topic_device, &key, &message, now)
         } else {
-            None
+            Auto::No
         };
         let accept = |record: &mut Enrollment, via: &str| {
             record.key = key_hex.clone();
@@ -357,7 +494,7 @@ impl Registry {
                 changed: true,
                 ..Verdict::default()
             };
-            if let Some((via, token)) = auto {
+            if let Some((via, token)) = auto.accepts() {
                 accept(&mut record, via);
                 verdict.note = Some(format!(
                     "device {topic_device} enrolled by {} with key {}",
@@ -368,13 +505,14 @@ impl Registry {
                 verdict.accepted = Some(message);
             } else {
                 if self.pending_count() >= self.max_pending {
+                    self.deferred.remove(topic_device);
                     return Verdict::ignored(Ignored::TooManyPending);
                 }
                 let fingerprint = device::fingerprint(&key.to_bytes());
                 verdict.note = Some(format!(
                     "device {topic_device} is pending enrollment with key {fingerprint}; compare it with what `flotilla-agent identity` prints on the device and accept it with `flotilla devices accept {topic_device} --key {fingerprint}`"
                 ));
-                verdict.ignored = Some(Ignored::Pending);
+                verdict.ignored = Some(auto.ignored(Ignored::Pending));
             }
             self.records.insert(topic_device.to_owned(), record);
             if let Some(t) = &verdict.used_token {
@@ -392,8 +530,8 @@ impl Registry {
                     accepted: Some(message),
                     ..Verdict::default()
                 },
-                Status::Pending if auto.is_some() => {
-                    let (via, token) = auto.unwrap_or(("operator", None));
+                Status::Pending if auto.accepts().is_some() => {
+                    let (via, token) = auto.accepts().unwrap_or(("operator", None));
                     accept(record, via);
                     if let Some(t) = &token {
                         self.used.insert(t.clone());
@@ -415,7 +553,7 @@ impl Registry {
                     if is_state {
                         record.waiting_state = Some(blob.clone());
                     }
-                    Verdict::ignored(Ignored::Pending)
+                    Verdict::ignored(auto.ignored(Ignored::Pending))
                 }
                 Status::Rejected => Verdict::ignored(Ignored::Rejected),
                 Status::Revoked => Verdict::ignored(Ignored::Revoked),
@@ -426,7 +564,7 @@ impl Registry {
         if !is_state {
             return Verdict::ignored(Ignored::OtherKey);
         }
-        if let Some((via, token)) = auto {
+        if let Some((via, token)) = auto.accepts() {
             // An operator pre-authorized exactly this key (or handed out the token): not silent.
             let old = record.key.clone();
             accept(record, via);
@@ -449,7 +587,7 @@ impl Registry {
         // The latest claimant waits (the operator pins the key to accept with --key). Only the
         // first new key is stored and logged: keys that keep changing stay in memory, so
         // alternating made-up keys cannot turn into store flushes and log lines.
-        let mut verdict = Verdict::ignored(Ignored::OtherKey);
+        let mut verdict = Verdict::ignored(auto.ignored(Ignored::OtherKey));
         record.waiting_state = Some(blob.clone());
         if record.status == Status::Pending {
             record.key = key_hex;
@@ -480,6 +618,7 @@ impl Registry {
         key: Option<&str>,
         now: u64,
     ) -> Result<Option<DeviceState>, String> {
+        self.deferred.remove(device);
         let record = self
             .records
             .get_mut(device)
@@ -534,6 +673,7 @@ impl Registry {
     /// The operator rejects `device`'s new key (the device stays accepted with its old key) or,
     /// when it has none, the pending device.
     pub fn reject(&mut self, device: &str, key: Option<&str>, now: u64) -> Result<(), String> {
+        self.deferred.remove(device);
         let record = self
             .records
             .get_mut(device)
@@ -571,6 +711,7 @@ impl Registry {
 
     /// The operator revokes an accepted device.
     pub fn revoke(&mut self, device: &str, now: u64) -> Result<(), String> {
+        self.deferred.remove(device);
         let record = self
             .records
             .get_mut(device)
@@ -692,13 +833,41 @@ impl IgnoredLog {
         if !due {
             return None;
         }
+        // Rates over the time since the last line; the first line has no span to speak of.
+        let span = self
+            .last_log
+            .map(|last| at.duration_since(last).as_secs_f64());
         self.last_log = Some(at);
-        let counts: Vec<String> = std::mem::take(&mut self.recent)
-            .into_iter()
-            .map(|(why, n)| format!("{n} {}", why.name()))
+        let recent = std::mem::take(&mut self.recent);
+        let counts: Vec<String> = recent
+            .iter()
+            .map(|(why, n)| match span {
+                Some(secs) => format!("{n} {} ({:.1}/s)", why.name(), *n as f64 / secs),
+                None => format!("{n} {}", why.name()),
+            })
             .collect();
+        let since = match span {
+            Some(secs) => format!("in the last {secs:.0} s"),
+            None => "since the start".to_owned(),
+        };
+        let failed: u64 = [Ignored::WrongToken, Ignored::AttemptLimited]
+            .iter()
+            .filter_map(|why| recent.get(why))
+            .sum();
+        let guessing = match span {
+            Some(secs) if failed > 0 => format!(
+                "; failed enrollment attempts at {:.1}/s: someone may be guessing enrollment \
+                 tokens (docs/security.md, \"Device identity and enrollment\")",
+                failed as f64 / secs
+            ),
+            None if failed > 0 => format!(
+                "; {failed} failed enrollment attempts: someone may be guessing enrollment tokens \
+                 (docs/security.md, \"Device identity and enrollment\")"
+            ),
+            _ => String::new(),
+        };
         Some(format!(
-            "ignored device messages since the last report: {} (latest: {})",
+            "ignored device messages {since}: {} (latest: {}){guessing}",
             counts.join(", "),
             self.example.take().unwrap_or_default()
         ))
@@ -924,7 +1093,8 @@ mod tests {
             &state("dev-2", &key(2), Some("token-123456")),
             6,
         );
-        assert_eq!(v.ignored, Some(Ignored::Pending));
+        assert_eq!(v.ignored, Some(Ignored::WrongToken));
+        assert_eq!(reg.get("dev-2").map(|r| r.status), Some(Status::Pending));
         // A wrong token is no token.
         let v = reg.observe(
             "dev-4",
@@ -932,7 +1102,7 @@ mod tests {
             &state("dev-4", &key(4), Some("guessed-token")),
             6,
         );
-        assert_eq!(v.ignored, Some(Ignored::Pending));
+        assert_eq!(v.ignored, Some(Ignored::WrongToken));
         // An authorized key, bound to its device.
         assert!(reg
             .observe("dev-3", "device state", &state("dev-3", &key(3), None), 7)
@@ -1004,6 +1174,119 @@ mod tests {
         assert!(err.contains("line 1"), "{err}");
         let err = parse_authorized_keys(&format!("{k} dev-1 extra\n")).expect_err("bad");
         assert!(err.contains("extra"), "{err}");
+    }
+
+    /// The attack of issue 19: guesses of a token as fast as the broker delivers them. Only
+    /// three a minute are checked for one device id and two hundred at once (then twenty a
+    /// second) for all of them; the rest wait or are counted. A real device caught in the flood
+    /// is not lost: it waits as pending and enrolls once there is room.
+    #[test]
+    fn token_guesses_are_limited_per_device_and_in_all() {
+        let token = "3f9c2a7e1b5d48c06a9e7f21d4c3b8a5";
+        let mut reg = Registry::new(Vec::new(), Vec::new(), vec![token.into()], Vec::new(), 5000);
+        let now = 1_000;
+        let guess = |i: u32| format!("{i:032x}");
+        for i in 0..100 {
+            let v = reg.observe(
+                "dev-x",
+                "device state",
+                &state("dev-x", &key(9), Some(&guess(i))),
+                now,
+            );
+            assert!(v.accepted.is_none());
+        }
+        let counts = reg.attempt_counts();
+        assert_eq!(
+            counts.get(),
+            [("accepted", 0), ("failed", 3), ("limited", 97)]
+        );
+        for i in 0..300 {
+            let id = format!("ghost-{i}");
+            reg.observe(
+                &id,
+                "device state",
+                &state(&id, &key(9), Some(&guess(i))),
+                now,
+            );
+        }
+        assert_eq!(
+            counts.get(),
+            [("accepted", 0), ("failed", 200), ("limited", 200)]
+        );
+        // The real device, in the same second: held back, pending, its state kept.
+        let v = reg.observe(
+            "dev-real",
+            "device state",
+            &state("dev-real", &key(1), Some(token)),
+            now,
+        );
+        assert_eq!(v.ignored, Some(Ignored::AttemptLimited));
+        assert_eq!(reg.get("dev-real").map(|r| r.status), Some(Status::Pending));
+        // A second later there is room for twenty, half of it for held-back attempts, taken in
+        // id order: dev-real enrolls (dev-x waits for its own limit, the ghosts for what is
+        // left). Fresh attempts still find the other half.
+        let mut enrolled = None;
+        for t in 1..=20 {
+            for (device, v) in reg.retry_deferred(now + t) {
+                if v.accepted.is_some() {
+                    enrolled = Some((device, v.used_token, t));
+                }
+            }
+            if enrolled.is_some() {
+                break;
+            }
+        }
+        let (device, used, _) = enrolled.expect("the real device enrolls once there is room");
+        assert_eq!(device, "dev-real");
+        assert_eq!(used, Some(token_digest(token)));
+        assert!(reg.is_accepted("dev-real"));
+        assert_eq!(counts.get()[0], ("accepted", 1));
+        let now = now + 30;
+        reg.retry_deferred(now);
+        let fresh = reg.observe(
+            "dev-new",
+            "device state",
+            &state("dev-new", &key(7), Some(token)),
+            now,
+        );
+        assert_eq!(
+            fresh.ignored,
+            Some(Ignored::WrongToken),
+            "checked at once (the token is used up)"
+        );
+    }
+
+    #[test]
+    fn failed_enrollment_attempts_are_logged_with_their_rate() {
+        let mut log = IgnoredLog::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let first = log
+            .count(Ignored::WrongToken, "t", t0)
+            .expect("the first one");
+        assert!(
+            first.contains("someone may be guessing enrollment tokens"),
+            "{first}"
+        );
+        for i in 0..400 {
+            log.count(
+                Ignored::AttemptLimited,
+                "t",
+                t0 + Duration::from_millis(i * 10),
+            );
+        }
+        for i in 0..99 {
+            log.count(Ignored::WrongToken, "t", t0 + Duration::from_millis(i * 10));
+        }
+        let line = log
+            .count(Ignored::WrongToken, "t", t0 + Duration::from_secs(10))
+            .expect("due");
+        assert!(
+            line.starts_with("ignored device messages in the last 10 s:")
+                && line.contains("100 wrong enrollment token (10.0/s)")
+                && line.contains("400 enrollment attempt over the limit (40.0/s)")
+                && line.contains("failed enrollment attempts at 50.0/s"),
+            "{line}"
+        );
     }
 
     #[test]

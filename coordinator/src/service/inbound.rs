@@ -13,7 +13,7 @@ use crate::service::error::ServiceError;
 use crate::service::state::{now, Held, Service};
 
 use crate::service::coverage::{self, LoadEnd};
-use crate::service::enrollment::Ignored;
+use crate::service::enrollment::{Ignored, Verdict};
 use crate::service::loading::MarkerSeen;
 use crate::service::metrics::Malformed;
 use crate::service::mqtt::LinkEvent;
@@ -259,22 +259,7 @@ impl Service {
         let verdict = self
             .registry
             .observe_checked(id.as_str(), expected, &blob, opened, now);
-        if let Some(token) = &verdict.used_token {
-            if let Err(e) = self.store.use_token(token, now) {
-                self.store_failed(&e);
-            }
-        }
-        if verdict.changed {
-            // A failure is logged and retried by the store's recovery; nobody to answer here.
-            let _ = self.save_enrollment(id.as_str());
-        }
-        if let Some(note) = &verdict.note {
-            tracing::info!(device = %id, "{note}");
-        }
-        if let Some(why) = verdict.ignored {
-            self.ignore(topic, why);
-        }
-        let Some(message) = verdict.accepted else {
+        let Some(message) = self.settle(topic, &id, verdict, now) else {
             return Ok(());
         };
         // Only now, signed by the device's accepted key, does anything reach the engine: a
@@ -320,6 +305,51 @@ impl Service {
         }
     }
 
+    /// Stores and logs what the registry decided about a device message; the message, if it
+    /// may go on.
+    fn settle(
+        &mut self,
+        topic: &str,
+        id: &DeviceId,
+        verdict: Verdict,
+        now: u64,
+    ) -> Option<DeviceMessage> {
+        if let Some(token) = &verdict.used_token {
+            if let Err(e) = self.store.use_token(token, now) {
+                self.store_failed(&e);
+            }
+        }
+        if verdict.changed {
+            // A failure is logged and retried by the store's recovery; nobody to answer here.
+            let _ = self.save_enrollment(id.as_str());
+        }
+        if let Some(note) = &verdict.note {
+            tracing::info!(device = %id, "{note}");
+        }
+        if let Some(why) = verdict.ignored {
+            self.ignore(topic, why);
+        }
+        verdict.accepted
+    }
+
+    /// Token proofs the enrollment attempt limits held back, checked now there is room: a
+    /// device that enrolls joins the engine as if its state had just arrived.
+    pub(super) async fn retry_enrollments(&mut self) -> Result<(), ServiceError> {
+        let now = now();
+        for (device, verdict) in self.registry.retry_deferred(now) {
+            let Ok(id) = DeviceId::new(device) else {
+                continue;
+            };
+            let topic = self.topics.state(&id);
+            if let Some(DeviceMessage::State { state, .. }) = self.settle(&topic, &id, verdict, now)
+            {
+                let effects = self.engine.observe_state(state, now);
+                self.apply(effects).await?;
+            }
+        }
+        Ok(())
+    }
+
     pub(super) async fn on_control(
         &mut self,
         topic: &str,
@@ -330,8 +360,14 @@ impl Service {
             Err(refusal) => {
                 self.refused += 1;
                 self.metrics.refused(&refusal.reason);
-                tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
-                    refused_total = self.refused, "refusing control request");
+                // One of a flood is only counted; the gate sums those up now and then.
+                if !refusal.quiet {
+                    tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
+                        refused_total = self.refused, "refusing control request");
+                }
+                if let Some(summary) = &refusal.summary {
+                    tracing::warn!(refused_total = self.refused, "{summary}");
+                }
                 // Only a reply_to that passed the checks (a plain reply topic under the root)
                 // is ever published on; otherwise the refusal is logged and counted only.
                 let Some(reply_to) = refusal.reply_to else {

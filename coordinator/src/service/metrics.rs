@@ -1,5 +1,5 @@
-//! The coordinator's Prometheus endpoint: what it counts, and the small HTTP/1.1 responder that
-//! serves it on `GET /metrics` (`[metrics] listen` in the config; off by default).
+//! The coordinator's Prometheus endpoint: what it counts, served on `GET /metrics` by the
+//! HTTP/1.1 responder of `metrics_http.rs` (`[metrics] listen` in the config; off by default).
 //!
 //! ```text
 //!  service loop ── hooks (one line each in the service) ──> Metrics: counters, histograms
@@ -19,10 +19,8 @@
 //! 100k-device rollout (release build), once per scrape. Nothing the HTTP side does ever waits on, or
 //! blocks, the service loop; the loop only swaps an `Arc` under a lock nobody holds for long.
 //!
-//! The responder answers one request per connection and closes it. A request head is read
-//! within [`READ_TIMEOUT`] and [`MAX_REQUEST_BYTES`]; at most [`MAX_CONNECTIONS`] connections
-//! are served at once and any further one is answered `503` and closed without reading it.
-//! Every metric is documented in docs/operations.md ("Metrics").
+//! How connections are bounded (timeouts, a cap, idle connections making room for a scrape) is
+//! the responder's business (`metrics_http.rs`). Every metric is documented in docs/operations.md ("Metrics").
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -40,28 +38,21 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::service::enrollment::Ignored;
+pub use crate::service::metrics_http::ListenError;
+use crate::service::metrics_http::{self, Render};
+use crate::service::metrics_limits::LimitCounts;
 use crate::service::mqtt::InboxStats;
+use crate::service::operators::GateCounts;
+use crate::service::tokens::AttemptCounts;
 
-/// The largest request head read; a longer one is answered `431` and closed.
-pub const MAX_REQUEST_BYTES: usize = 8 * 1024;
-/// How long a client may take to send its request head.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a client may take to read the answer.
-pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once; more are answered `503` straight away.
-pub const MAX_CONNECTIONS: usize = 8;
 /// How long a scrape waits for the service loop's fresh snapshot before it answers with the
 /// previous one.
 pub const FRESH_WAIT: Duration = Duration::from_secs(2);
-
-/// The content type of the OpenMetrics text format, which Prometheus reads.
-const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Seconds: 100 µs to 10 s, for how long one input takes the service loop.
 const DECISION_BUCKETS: [f64; 15] = [
@@ -71,14 +62,6 @@ const DECISION_BUCKETS: [f64; 15] = [
 
 fn decision_histogram() -> Histogram {
     Histogram::new(DECISION_BUCKETS)
-}
-
-/// Why the endpoint could not start.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot listen for metrics scrapes on {addr} (metrics.listen): {source}")]
-pub struct ListenError {
-    pub addr: SocketAddr,
-    pub source: std::io::Error,
 }
 
 /// The kind of a topic, the `topic` label of the message counters. Worked out from the topic
@@ -202,7 +185,8 @@ impl Malformed {
 
 /// The kinds of refusal the operator gate names first in its reason (`operators.rs`,
 /// `Refusal::reason`), as label values; anything else counts as `other`.
-const REFUSALS: [(&str, &str); 8] = [
+const REFUSALS: [(&str, &str); 9] = [
+    ("rate limited", "rate_limited"),
     ("unsigned request", "unsigned"),
     ("malformed request", "malformed"),
     ("unknown key", "unknown_key"),
@@ -238,6 +222,8 @@ pub struct Metrics {
     disconnects: Counter,
     decisions: Family<[(&'static str, &'static str); 1], Histogram>,
     transitions: Histogram,
+    /// What the operator gate's and enrollment's rate limits refused (`metrics_limits.rs`).
+    limits: LimitCounts,
     /// When the input being handled was taken up, and when it published its first desired
     /// action: a group started by this input took from one to the other.
     input_started: Option<Instant>,
@@ -412,6 +398,8 @@ impl Metrics {
         registry.register_collector(Box::new(SnapshotCollector {
             shared: shared.clone(),
         }));
+        let limits = LimitCounts::default();
+        registry.register_collector(limits.collector());
         let each = |family: &Family<[(&'static str, &'static str); 1], Counter>,
                     label: &'static str,
                     values: &mut dyn Iterator<Item = &'static str>| {
@@ -445,6 +433,7 @@ impl Metrics {
             disconnects,
             decisions,
             transitions,
+            limits,
             input_started: None,
             first_desired: None,
         }
@@ -476,6 +465,11 @@ impl Metrics {
             .inbox
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(inbox);
+    }
+
+    /// Scrapes show what the operator gate and the enrollment attempt limits refused.
+    pub fn watch_limits(&self, gate: Arc<GateCounts>, attempts: Arc<AttemptCounts>) {
+        self.limits.watch(gate, attempts);
     }
 
     /// A message arrived on `topic`: counts it and measures the input until the returned timer
@@ -814,192 +808,27 @@ impl Endpoint {
     }
 }
 
+impl Render for Endpoint {
+    async fn render(&self) -> String {
+        Endpoint::render(self).await
+    }
+}
+
 /// Binds the metrics listener; the service refuses to start when it cannot.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ListenError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ListenError { addr, source })
+    metrics_http::bind(addr).await
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` is cancelled.
+/// Serves `GET /metrics` on `listener` until `shutdown` is cancelled (`metrics_http.rs`).
 pub async fn run(listener: TcpListener, endpoint: Endpoint, shutdown: CancellationToken) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let accepted = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of file descriptors, most likely: wait rather than spin.
-                tracing::warn!(error = %e, "metrics endpoint: cannot accept a connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        match slots.clone().try_acquire_owned() {
-            Ok(slot) => {
-                let endpoint = endpoint.clone();
-                let shutdown = shutdown.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        _ = answer(stream, &endpoint) => {}
-                    }
-                    drop(slot);
-                });
-            }
-            Err(_) => {
-                // Busy: say so without reading the request or waiting on the client.
-                let _ = stream.try_write(&response(503, "too many connections\n", None).bytes);
-            }
-        }
-    }
-}
-
-/// Reads one request head, answers it and closes the connection.
-async fn answer(mut stream: TcpStream, endpoint: &Endpoint) {
-    let reply = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
-        Err(_) => response(408, "the request took too long\n", None),
-        Ok(Err(Head::Closed)) => return,
-        Ok(Err(Head::TooLarge)) => response(
-            431,
-            &format!("the request head is larger than {MAX_REQUEST_BYTES} bytes\n"),
-            None,
-        ),
-        Ok(Ok(head)) => match route(&head) {
-            Ok(Route::Metrics { head_only }) => {
-                let text = endpoint.render().await;
-                let mut reply = response(200, &text, Some(CONTENT_TYPE));
-                if head_only {
-                    reply.bytes.truncate(reply.head_len);
-                }
-                reply
-            }
-            Err(refusal) => refusal,
-        },
-    };
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, async {
-        stream.write_all(&reply.bytes).await?;
-        stream.shutdown().await
-    })
-    .await;
-}
-
-/// Why no request head could be read.
-#[derive(Debug, PartialEq, Eq)]
-enum Head {
-    /// The client closed before sending a whole head.
-    Closed,
-    TooLarge,
-}
-
-/// Reads up to the blank line that ends the request head, at most [`MAX_REQUEST_BYTES`].
-async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, Head> {
-    let mut head = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    loop {
-        let n = stream.read(&mut chunk).await.map_err(|_| Head::Closed)?;
-        if n == 0 {
-            return Err(Head::Closed);
-        }
-        head.extend_from_slice(&chunk[..n]);
-        if let Some(end) = head_end(&head) {
-            head.truncate(end);
-            return Ok(head);
-        }
-        if head.len() >= MAX_REQUEST_BYTES {
-            return Err(Head::TooLarge);
-        }
-    }
-}
-
-/// Where the head ends (after `\r\n\r\n`, or a bare `\n\n`), if it does within the limit.
-fn head_end(bytes: &[u8]) -> Option<usize> {
-    let limit = bytes.len().min(MAX_REQUEST_BYTES);
-    let bytes = &bytes[..limit];
-    let crlf = bytes
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|p| p + 4);
-    let lf = bytes.windows(2).position(|w| w == b"\n\n").map(|p| p + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// What a well-formed request asks for.
-#[derive(Debug, PartialEq, Eq)]
-enum Route {
-    Metrics { head_only: bool },
-}
-
-/// Checks the request line: `GET` or `HEAD`, the path `/metrics` (any query ignored),
-/// HTTP/1.x. Anything else is the error answer to send.
-fn route(head: &[u8]) -> Result<Route, Reply> {
-    let bad = |why: &str| response(400, &format!("bad request: {why}\n"), None);
-    let line_end = head.iter().position(|b| *b == b'\n').unwrap_or(head.len());
-    let line = std::str::from_utf8(&head[..line_end])
-        .map_err(|_| bad("the request line is not text"))?
-        .trim_end_matches('\r');
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(bad("expected METHOD PATH HTTP/1.1"));
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Err(bad("only HTTP/1.x is spoken here"));
-    }
-    let path = target.split('?').next().unwrap_or_default();
-    if path != "/metrics" {
-        return Err(response(404, "not found: only /metrics is served\n", None));
-    }
-    match method {
-        "GET" => Ok(Route::Metrics { head_only: false }),
-        "HEAD" => Ok(Route::Metrics { head_only: true }),
-        _ => Err(response(
-            405,
-            "method not allowed: use GET\n",
-            Some("text/plain; charset=utf-8\r\nAllow: GET, HEAD"),
-        )),
-    }
-}
-
-/// A whole HTTP answer, and where its head ends (for `HEAD`).
-#[derive(Debug)]
-struct Reply {
-    bytes: Vec<u8>,
-    head_len: usize,
-}
-
-/// An answer that closes the connection. `content_type` may carry further header lines.
-fn response(status: u16, body: &str, content_type: Option<&str>) -> Reply {
-    let reason = match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        _ => "Service Unavailable",
-    };
-    let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        content_type.unwrap_or("text/plain; charset=utf-8"),
-        body.len()
-    );
-    let head_len = head.len();
-    let mut bytes = head.into_bytes();
-    bytes.extend_from_slice(body.as_bytes());
-    Reply { bytes, head_len }
+    metrics_http::serve(listener, endpoint, shutdown).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
 
     /// A listener on a free loopback port, serving `metrics` until the token is cancelled.
     async fn serving(metrics: &Metrics) -> (SocketAddr, CancellationToken) {
@@ -1064,98 +893,6 @@ mod tests {
         let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
         assert!(head.starts_with("HTTP/1.1 200 OK"), "{answer}");
         assert!(body.is_empty(), "{answer}");
-        token.cancel();
-    }
-
-    #[tokio::test]
-    async fn junk_wrong_paths_and_methods_get_an_error_answer() {
-        let metrics = Metrics::new();
-        let (addr, token) = serving(&metrics).await;
-        let cases: [(&[u8], &str); 6] = [
-            (b"\x00\xff\xfe junk\r\n\r\n", "HTTP/1.1 400 Bad Request"),
-            (b"hello\r\n\r\n", "HTTP/1.1 400 Bad Request"),
-            (b"GET /metrics SPDY/3\r\n\r\n", "HTTP/1.1 400 Bad Request"),
-            (
-                b"GET /../etc/passwd HTTP/1.1\r\n\r\n",
-                "HTTP/1.1 404 Not Found",
-            ),
-            (
-                b"POST /metrics HTTP/1.1\r\n\r\n",
-                "HTTP/1.1 405 Method Not Allowed",
-            ),
-            (b"GET /metrics?x=1 HTTP/1.0\n\n", "HTTP/1.1 200 OK"),
-        ];
-        for (request, expected) in cases {
-            let answer = exchange(addr, request).await;
-            assert_eq!(status_line(&answer), expected, "{request:?}: {answer}");
-        }
-        token.cancel();
-    }
-
-    #[tokio::test]
-    async fn an_oversized_request_is_refused_and_closed() {
-        let metrics = Metrics::new();
-        let (addr, token) = serving(&metrics).await;
-        // A head that does not end within the limit: every byte is read, then refused.
-        let mut request = b"GET /metrics HTTP/1.1\r\nX-Junk: ".to_vec();
-        request.resize(MAX_REQUEST_BYTES, b'a');
-        let answer = exchange(addr, &request).await;
-        assert_eq!(
-            status_line(&answer),
-            "HTTP/1.1 431 Request Header Fields Too Large",
-            "{answer}"
-        );
-        assert!(!answer.contains("flotilla_"), "no metrics: {answer}");
-        // Far more than the limit: the connection is closed (with the refusal, or reset for
-        // the unread rest) and nothing else is read or answered.
-        request.extend(std::iter::repeat_n(b'a', MAX_REQUEST_BYTES * 64));
-        let answer = exchange(addr, &request).await;
-        assert!(!answer.contains("flotilla_"), "no metrics: {answer}");
-        token.cancel();
-    }
-
-    /// Silent clients hold at most [`MAX_CONNECTIONS`] slots, for [`READ_TIMEOUT`] each; one
-    /// more is turned away at once, and the endpoint answers again once they time out.
-    #[tokio::test]
-    async fn silent_clients_time_out_and_cannot_take_more_than_the_cap() {
-        let metrics = Metrics::new();
-        let (addr, token) = serving(&metrics).await;
-        let mut silent = Vec::new();
-        for _ in 0..MAX_CONNECTIONS {
-            silent.push(TcpStream::connect(addr).await.expect("connect"));
-        }
-        // Give the server a moment to take each one up (no timing is asserted).
-        let mut turned_away = String::new();
-        for _ in 0..50 {
-            turned_away = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
-            if status_line(&turned_away).contains("503") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(
-            status_line(&turned_away),
-            "HTTP/1.1 503 Service Unavailable",
-            "{turned_away}"
-        );
-        for stream in &mut silent {
-            let answer = read_all(stream).await;
-            assert_eq!(
-                status_line(&answer),
-                "HTTP/1.1 408 Request Timeout",
-                "{answer}"
-            );
-        }
-        drop(silent);
-        let mut again = String::new();
-        for _ in 0..50 {
-            again = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
-            if status_line(&again) == "HTTP/1.1 200 OK" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(status_line(&again), "HTTP/1.1 200 OK", "{again}");
         token.cancel();
     }
 

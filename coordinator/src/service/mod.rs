@@ -35,6 +35,8 @@
 //!   of the service loop, which gets every event in the order it arrived.
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
+//! - [`metrics_http`]: the bounded HTTP/1.1 responder that serves it.
+//! - [`metrics_limits`]: what the rate limits refused, read at scrape time.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
 //! - [`releases`]: signed release manifests, artifacts and their block lists on disk.
@@ -42,7 +44,9 @@
 //! - [`keys`]: the coordinator's and the release key files.
 //! - [`sequence`]: the per-device order of desired actions (`issued_at` only grows).
 //! - [`operators`]: who sent a control request and whether they may (signature, clock window,
-//!   replay, role).
+//!   replay, rate limits, role).
+//! - [`tokens`]: enrollment tokens: how strong, how made, how many attempts are checked.
+//! - [`rate`]: token buckets over whole seconds, for the gate's and enrollment's rate limits.
 
 pub mod artifacts;
 pub mod backup;
@@ -59,9 +63,12 @@ pub mod keys;
 mod lists;
 pub mod loading;
 pub mod metrics;
+pub mod metrics_http;
+pub mod metrics_limits;
 pub mod mqtt;
 pub mod operators;
 pub mod page;
+pub mod rate;
 pub mod releases;
 pub mod seal;
 pub mod sequence;
@@ -69,6 +76,7 @@ pub mod serve;
 mod state;
 pub mod store;
 pub mod store_health;
+pub mod tokens;
 pub mod verify;
 
 pub use error::ServiceError;

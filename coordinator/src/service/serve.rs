@@ -175,6 +175,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         config.enrollment.tokens.clone(),
         store.used_tokens().map_err(load_enrollments)?,
         config.enrollment.max_pending,
+    )
+    .with_limits(
+        config.enrollment.attempts_per_second,
+        config.enrollment.device_attempts_per_minute,
     );
     let loaded_ms = opening.elapsed().as_millis();
     let (rollout_count, group_count) = (rollouts.len(), groups.len());
@@ -192,11 +196,13 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         config.clock_window,
         topics.clone(),
         now(),
-    );
+    )
+    .with_limits(config.control_limits);
     if gate.operator_count() == 0 {
         tracing::warn!("no [[operators]] configured: every control request will be refused");
     }
     let mut metrics = Metrics::new();
+    metrics.watch_limits(gate.counts(), registry.attempt_counts());
     let coverage = Coverage::new();
     metrics.register_collector(coverage.collector());
     if let Some(addr) = config.metrics {
@@ -328,7 +334,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
                 let _timing = service.metrics.input("tick");
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
-                    Ok(()) => service.retry_store().await,
+                    Ok(()) => match service.retry_enrollments().await {
+                        Ok(()) => service.retry_store().await,
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 }
             }
