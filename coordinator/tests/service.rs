@@ -114,6 +114,7 @@ fn harness() -> Harness {
         metrics: None,
         verify_threads: 2,
         marker_timeout: Duration::from_secs(30),
+        watch_sys_dropped: false,
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {

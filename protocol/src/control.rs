@@ -296,6 +296,10 @@ pub struct BackupInfo {
     /// The store's generation (commits) the backup holds.
     pub generation: u64,
     pub created_at: u64,
+    /// The coordinator key (hex) that signed the backup. Added later: absent from older
+    /// coordinators, whose backups are unsigned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_by: Option<String>,
 }
 
 /// A device's enrollment: which key the coordinator knows for it and whether it is accepted.

@@ -604,3 +604,137 @@ async fn a_new_key_for_a_known_device_waits_for_an_operator() {
     })
     .await;
 }
+
+/// `flotilla devices accept` in a pseudo-terminal (util-linux `script`), answering `answer` to
+/// its question; returns everything the terminal showed.
+fn accept_on_a_terminal(site: &Site, device: &str, answer: &str) -> (bool, String) {
+    use std::io::Write as _;
+    let command = format!(
+        "{} --broker 127.0.0.1:{} devices accept {device}",
+        flotilla_tests::bin("flotilla").display(),
+        site.port
+    );
+    let mut child = std::process::Command::new("script")
+        .args(["--quiet", "--return", "--command", &command, "/dev/null"])
+        .env_remove("FLOTILLA_BROKER")
+        .env(
+            "FLOTILLA_OPERATOR_KEY",
+            site.operator_key_file(flotilla_tests::ADMIN),
+        )
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run script (util-linux)");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(answer.as_bytes())
+        .expect("answer");
+    let out = child.wait_with_output().expect("script ends");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Issue 19, item 6: `devices accept` accepts only the key the operator saw. A broker client
+/// that signs a state for a pending device with its own key becomes the waiting key; accepting
+/// without a key, or with the key the operator had listed, is refused by the coordinator naming
+/// both keys, and the device stays pending. On a terminal the CLI shows the waiting key and pins
+/// the one the operator confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_pins_the_key_the_operator_saw() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_coordinator();
+    let manual = AgentOptions {
+        enroll: false,
+        ..AgentOptions::default()
+    };
+    site.add_agent("dev-pin", &[("env", "test")], manual);
+    // Polls until the coordinator answers: it may not listen yet.
+    site.wait_for_enrollment("dev-pin", "pending").await;
+    let real = site.device_key("dev-pin").expect("the agent's key");
+    let listed = site.flotilla(&["devices", "pending"]);
+    assert!(listed.contains(&real), "{listed}");
+
+    // After the operator looked, another client signs a state for the device with its own key.
+    let rogue = generate_key();
+    let rogue_hex = flotilla_protocol::hex::encode(rogue.verifying_key().as_bytes());
+    site.publish(
+        &Topics::default().state(&id("dev-pin")),
+        signed(
+            &rogue,
+            &DeviceMessage::State {
+                state: state("dev-pin", &[("env", "test")]),
+                enrollment: None,
+            },
+        ),
+        true,
+    )
+    .await;
+    let deadline = Instant::now() + WAIT;
+    while !site.flotilla(&["devices", "pending"]).contains(&rogue_hex) {
+        assert!(Instant::now() < deadline, "the rogue key never waited");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Without --key (and not on a terminal) the CLI refuses to guess.
+    let bare = site.flotilla_output(&["devices", "accept", "dev-pin"]);
+    let stderr = String::from_utf8_lossy(&bare.stderr).into_owned();
+    assert!(!bare.status.success(), "accepted without a key: {stderr}");
+    assert!(stderr.contains("--key"), "{stderr}");
+    // With the key the operator listed, the coordinator refuses: the waiting key changed.
+    let pinned = site.flotilla_output(&["devices", "accept", "dev-pin", "--key", &real[..16]]);
+    let stderr = String::from_utf8_lossy(&pinned.stderr).into_owned();
+    assert!(!pinned.status.success(), "accepted another key: {stderr}");
+    assert!(
+        stderr.contains(&rogue_hex) && stderr.contains(&real[..16]) && stderr.contains("changed"),
+        "{stderr}"
+    );
+    // A request in the older shape, without a key, is refused by the coordinator itself.
+    let err = site
+        .client()
+        .await
+        .request(
+            Command::AcceptDevice {
+                device: "dev-pin".into(),
+                key: None,
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect_err("no key, no acceptance");
+    assert!(err.to_string().contains("add \"key\""), "{err}");
+    let summary = wait_enrollment(&site, "dev-pin", "pending").await;
+    assert_eq!(summary.enrollment.as_deref(), Some("pending"));
+
+    // The operator rejects the stranger's key; the device shows its own again, and accepting
+    // on a terminal shows that key, asks, and pins it.
+    site.flotilla(&["devices", "reject", "dev-pin", "--key", &rogue_hex]);
+    site.kill_agent("dev-pin");
+    site.start_agent("dev-pin");
+    wait_enrollment(&site, "dev-pin", "rejected, new key pending").await;
+    let (ok, shown) = accept_on_a_terminal(&site, "dev-pin", "n\n");
+    assert!(
+        !ok && shown.contains(&real) && shown.contains("[y/N]"),
+        "{shown}"
+    );
+    assert!(shown.contains("nothing was accepted"), "{shown}");
+    let (ok, shown) = accept_on_a_terminal(&site, "dev-pin", "y\n");
+    assert!(
+        ok && shown.contains(&format!("dev-pin is accepted (key {real})")),
+        "{shown}"
+    );
+    wait_enrollment(&site, "dev-pin", "accepted").await;
+    let status = site.create_and_start(&one_group("pinned", "fw-2")).await;
+    assert_eq!(status.groups[0].total, 1, "{status:#?}");
+    site.wait_status("pinned", "the accepted device's install", WAIT, |s| {
+        s.state == "finished" && s.groups[0].ready == 1
+    })
+    .await;
+}

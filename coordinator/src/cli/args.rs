@@ -446,7 +446,9 @@ pub enum DevicesCmd {
     /// Accept a pending device (or a known device's new key).
     ///
     /// Compare the key with the one the device prints (`flotilla-agent identity`) and pass it
-    /// with --key, so that a different key that shows up meanwhile is not accepted instead.
+    /// with --key: the coordinator accepts that key only, and refuses when the waiting key is
+    /// another (one that showed up after you looked). Without --key, on a terminal, the waiting
+    /// key is shown and you are asked; elsewhere --key is required.
     Accept {
         id: String,
         /// The key to accept: full hex, or at least its first 16 hex digits.

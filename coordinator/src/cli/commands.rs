@@ -39,6 +39,8 @@ pub enum CliError {
     Service(#[from] ServiceError),
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error(transparent)]
+    Accept(#[from] crate::cli::accept::AcceptError),
     #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
     BrokerAddr {
         /// `--broker` or `FLOTILLA_BROKER`.
@@ -361,6 +363,8 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             let (command, what) = match cmd {
                 DevicesCmd::Pending => unreachable!("answered above"),
                 DevicesCmd::Accept { id, key } => {
+                    let key = crate::cli::accept::key_to_pin(&client, &id, key).await?;
+                    let key = Some(key);
                     (Command::AcceptDevice { device: id, key }, "accept_device")
                 }
                 DevicesCmd::Reject { id, key } => {
@@ -434,11 +438,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         Cmd::Plan(args) => Ok(crate::cli::fleetfile::run_plan(&args)),
         Cmd::Simulate(args) => Ok(crate::cli::simulate::run_simulate(&args)),
         Cmd::Backup(args) => {
-            let info = match (&args.data_dir, &args.out) {
-                (Some(data_dir), Some(out)) => {
-                    crate::cli::store::backup_offline(data_dir, out, now())?
-                }
-                _ => {
+            let info = match crate::cli::store::backup_offline(&args, now())? {
+                Some(info) => info,
+                None => {
                     let client = connect(&target).await?;
                     let result = client.request(Command::Backup, DEFAULT_TIMEOUT).await?;
                     serde_json::from_value(result).map_err(|source| CliError::Reply {

@@ -2,6 +2,7 @@
 //! operator's side of the broker.
 //!
 //! - [`args`]: clap definitions of every subcommand and flag.
+//! - [`accept`]: `flotilla devices accept`: the key it pins, given or confirmed on a terminal.
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
 //! - [`view`]: tables and progress bars for rollouts, devices and approvals.
@@ -12,6 +13,7 @@
 //! `plan` and `simulate` use the rollout crate alone; the other commands talk to a coordinator
 //! through [`client`], or start one (`serve`, `demo`) from [`crate::service`].
 
+pub mod accept;
 pub mod args;
 pub mod client;
 pub mod commands;

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 use flotilla_protocol::control::BackupInfo;
 
-use crate::service::backup::{self, BackupError};
+use crate::service::backup::{self, BackupError, Trust};
+use crate::service::keys::{self, KeysError};
 use crate::service::seal::SealCheck;
 use crate::service::store::{Store, StoreError};
 
@@ -18,11 +19,15 @@ use crate::service::store::{Store, StoreError};
 pub struct BackupArgs {
     /// Read the store of a stopped coordinator in this data directory instead of asking a
     /// running one.
-    #[arg(long, requires = "out")]
+    #[arg(long, requires = "out", requires = "coordinator_key")]
     pub data_dir: Option<PathBuf>,
     /// Where to write the backup (with --data-dir).
     #[arg(long, requires = "data_dir")]
     pub out: Option<PathBuf>,
+    /// The coordinator's secret key file (its config's `coordinator_key`), which signs the
+    /// backup (with --data-dir; a running coordinator signs with its own).
+    #[arg(long, requires = "data_dir")]
+    pub coordinator_key: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }
@@ -38,6 +43,18 @@ pub struct RestoreArgs {
     /// Move a store that holds records aside (to `db.before-restore-TIME`) instead of refusing.
     #[arg(long)]
     pub force: bool,
+    /// The coordinator's secret key file (its config's `coordinator_key`): the backup must be
+    /// signed by its key, or by one given with --trust-key.
+    #[arg(long, required_unless_present = "trust_key")]
+    pub coordinator_key: Option<PathBuf>,
+    /// The public key file (`.pub`) of another coordinator key the backup may be signed by,
+    /// such as the coordinator's key before a rotation. Repeat for several.
+    #[arg(long, value_name = "FILE")]
+    pub trust_key: Vec<PathBuf>,
+    /// Restore a version 1 backup, which carries no signature (made before backups were
+    /// signed): only one kept where nobody else could write it.
+    #[arg(long)]
+    pub allow_unsigned: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -63,6 +80,8 @@ pub enum StoreCmdError {
     Open { source: StoreError },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Keys(#[from] KeysError),
 }
 
 fn open(data_dir: &std::path::Path) -> Result<Store, StoreCmdError> {
@@ -71,31 +90,67 @@ fn open(data_dir: &std::path::Path) -> Result<Store, StoreCmdError> {
 
 /// What a backup says to the operator.
 pub fn describe_backup(info: &BackupInfo) -> String {
+    let signed = match &info.signed_by {
+        Some(key) => format!(", signed by coordinator key {key}"),
+        None => ", unsigned".to_owned(),
+    };
     format!(
-        "backup written to {}: {} records, {} bytes, store generation {}, sha256 {}\n",
+        "backup written to {}: {} records, {} bytes, store generation {}, sha256 {}{signed}\n",
         info.path, info.records, info.bytes, info.generation, info.sha256
     )
 }
 
-/// `flotilla backup --data-dir D --out F`: backs up a stopped coordinator's store.
-pub fn backup_offline(
-    data_dir: &std::path::Path,
-    out: &std::path::Path,
-    now: u64,
-) -> Result<BackupInfo, StoreCmdError> {
+/// `flotilla backup --data-dir D --out F --coordinator-key K`: backs up a stopped
+/// coordinator's store, signed with its key.
+pub fn backup_offline(args: &BackupArgs, now: u64) -> Result<Option<BackupInfo>, StoreCmdError> {
+    let (Some(data_dir), Some(out), Some(key)) = (&args.data_dir, &args.out, &args.coordinator_key)
+    else {
+        return Ok(None);
+    };
+    let key = keys::load_secret_key(key)?;
     let store = open(data_dir)?;
-    Ok(backup::write_backup(&store, out, now)?)
+    Ok(Some(backup::write_backup(&store, out, now, &key)?))
+}
+
+/// The coordinator keys a restore believes: `--coordinator-key`'s and every `--trust-key`.
+fn trusted_keys(args: &RestoreArgs) -> Result<Vec<flotilla_protocol::VerifyingKey>, KeysError> {
+    let mut trusted = Vec::new();
+    if let Some(path) = &args.coordinator_key {
+        trusted.push(keys::load_secret_key(path)?.verifying_key());
+    }
+    for path in &args.trust_key {
+        trusted.push(keys::load_public_key(path)?);
+    }
+    Ok(trusted)
 }
 
 /// `flotilla restore`.
 pub fn restore(args: &RestoreArgs, now: u64) -> Result<i32, StoreCmdError> {
-    let restored = backup::restore(&args.data_dir.join("db"), &args.from, args.force, now)
-        .map_err(|e| match e {
-            BackupError::Store(source) => StoreCmdError::Open { source },
-            other => StoreCmdError::Backup(other),
-        })?;
+    let keys = trusted_keys(args)?;
+    let trust = Trust {
+        keys: &keys,
+        allow_unsigned: args.allow_unsigned,
+    };
+    let restored = backup::restore(
+        &args.data_dir.join("db"),
+        &args.from,
+        args.force,
+        now,
+        trust,
+    )
+    .map_err(|e| match e {
+        BackupError::Store(source) => StoreCmdError::Open { source },
+        other => StoreCmdError::Backup(other),
+    })?;
     if let Some(aside) = &restored.moved_aside {
         println!("the previous store was moved to {}", aside.display());
+    }
+    match &restored.signer {
+        Some(key) => println!(
+            "the backup's signature verifies: coordinator key {}",
+            flotilla_protocol::hex::encode(key.as_bytes())
+        ),
+        None => println!("the backup is unsigned (version 1), restored as --allow-unsigned asked"),
     }
     println!(
         "restored {} records into {}; the store is at generation {} and sealed",

@@ -145,6 +145,9 @@ pub struct Config {
     /// How long the end-of-retained marker may take to come back after a (re)connect before the
     /// registry is taken as complete (`[service] marker_timeout`, seconds; default 30).
     pub marker_timeout: std::time::Duration,
+    /// Subscribe to the count of messages the broker dropped, where Mosquitto publishes it
+    /// (`[service] watch_sys_dropped`; default off; `coverage.rs`).
+    pub watch_sys_dropped: bool,
 }
 
 /// The most `[service] marker_timeout` may ask for, in seconds.
@@ -288,6 +291,7 @@ struct RawConfig {
 struct RawService {
     verify_threads: Option<usize>,
     marker_timeout: Option<u64>,
+    watch_sys_dropped: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -698,6 +702,7 @@ impl TryFrom<Located<'_>> for Config {
             metrics,
             verify_threads,
             marker_timeout,
+            watch_sys_dropped: raw.service.watch_sys_dropped,
             operators,
             clock_window,
             control_limits,
@@ -979,6 +984,18 @@ mod tests {
                 .to_string();
             assert!(err.contains("marker_timeout"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn watch_sys_dropped_is_off_unless_set() {
+        let base = "data_dir = \"d\"\ncoordinator_key = \"k\"\n";
+        assert!(!parse(base).expect("valid").watch_sys_dropped);
+        let config = parse(&format!("{base}[service]\nwatch_sys_dropped = true\n")).expect("valid");
+        assert!(config.watch_sys_dropped);
+        let err = parse(&format!("{base}[service]\nwatch_sys_dropped = \"yes\"\n"))
+            .expect_err("not a bool")
+            .to_string();
+        assert!(err.contains("watch_sys_dropped"), "{err}");
     }
 
     #[test]

@@ -249,8 +249,8 @@ impl Service {
                     .data_dir
                     .join("backups")
                     .join(format!("flotilla-backup-{now}.jsonl"));
-                let info =
-                    backup::write_backup(&self.store, &path, now).map_err(|e| e.to_string())?;
+                let info = backup::write_backup(&self.store, &path, now, &self.key)
+                    .map_err(|e| e.to_string())?;
                 tracing::info!(%by, path = %info.path, records = info.records, "store backed up");
                 value(json(&info))
             }

@@ -257,10 +257,25 @@ fn token_digest(token: &str) -> String {
     hex::encode(&flotilla_protocol::sha256(token.as_bytes()))
 }
 
-/// Matches an operator's `--key` (full hex or at least its first 16 digits) against a key.
-fn key_matches(given: &str, key: &str) -> bool {
+/// The fewest hex digits of a key an operator may give to pin it: 64 bits, so nobody can make a
+/// key that shares them with the device's.
+pub const MIN_KEY_PREFIX: usize = 16;
+
+/// Checks an operator's key (full hex or at least its first [`MIN_KEY_PREFIX`] hex digits) and
+/// returns it in lower case.
+fn given_key(given: &str) -> Result<String, String> {
     let given = given.trim().to_ascii_lowercase();
-    given.len() >= 16 && key.starts_with(&given)
+    if given.len() < MIN_KEY_PREFIX || given.len() > 64 {
+        return Err(format!(
+            "key {given:?} is {} hex digits: give the full key (64) or at least its first \
+             {MIN_KEY_PREFIX}",
+            given.len()
+        ));
+    }
+    if let Some(bad) = given.chars().find(|c| !c.is_ascii_hexdigit()) {
+        return Err(format!("key {given:?} is not hex ({bad:?})"));
+    }
+    Ok(given)
 }
 
 impl Registry {
@@ -493,9 +508,9 @@ impl Registry {
                     self.deferred.remove(topic_device);
                     return Verdict::ignored(Ignored::TooManyPending);
                 }
+                let fingerprint = device::fingerprint(&key.to_bytes());
                 verdict.note = Some(format!(
-                    "device {topic_device} is pending enrollment with key {}; accept it with `flotilla devices accept {topic_device}`",
-                    device::fingerprint(&key.to_bytes())
+                    "device {topic_device} is pending enrollment with key {fingerprint}; compare it with what `flotilla-agent identity` prints on the device and accept it with `flotilla devices accept {topic_device} --key {fingerprint}`"
                 ));
                 verdict.ignored = Some(auto.ignored(Ignored::Pending));
             }
@@ -593,7 +608,10 @@ impl Registry {
     }
 
     /// The operator accepts `device`'s waiting key (its new key, or its pending, rejected or
-    /// revoked one). Returns the waiting state, verified, for the engine.
+    /// revoked one). `key` is the key the operator compared with the device's own (full hex or
+    /// its first 16 hex digits): required, and refused when the waiting key is another one, so
+    /// a key that some broker client showed after the operator looked is never accepted.
+    /// Returns the waiting state, verified, for the engine.
     pub fn accept(
         &mut self,
         device: &str,
@@ -614,12 +632,25 @@ impl Registry {
             }
             (None, _) => record.key.clone(),
         };
-        if let Some(given) = key {
-            if !key_matches(given, &candidate) {
-                return Err(format!(
-                    "device {device}'s waiting key is {candidate}, not {given:?}"
-                ));
-            }
+        let Some(given) = key else {
+            return Err(format!(
+                "accepting device {device} needs the key you compared with the one the device \
+                 prints (`flotilla-agent identity`): add \"key\" to the request, the full hex or \
+                 its first {MIN_KEY_PREFIX} hex digits (`flotilla devices accept {device} --key \
+                 KEY`); the key waiting now is {candidate}; nothing was accepted"
+            ));
+        };
+        let given = given_key(given)?;
+        if !candidate.starts_with(&given) {
+            return Err(format!(
+                "device {device}'s waiting key is now {candidate}, not the {given} you gave: it \
+                 changed since you listed it, or you compared another key; nothing was \
+                 accepted. Compare again with `flotilla-agent identity` on the device and \
+                 `flotilla devices pending`; if {given} is the device's key, reject the other \
+                 (`flotilla devices reject {device} --key {}`) and accept {given} once the \
+                 device shows it again",
+                candidate.get(..MIN_KEY_PREFIX).unwrap_or(&candidate)
+            ));
         }
         let state = record.waiting_state.take().and_then(|blob| {
             let key = VerifyingKey::from_bytes(&blob.signer).ok()?;
@@ -658,9 +689,11 @@ impl Registry {
             (None, status) => return Err(format!("device {device} is already {}", status.name())),
         };
         if let Some(given) = key {
-            if !key_matches(given, &candidate) {
+            let given = given_key(given)?;
+            if !candidate.starts_with(&given) {
                 return Err(format!(
-                    "device {device}'s waiting key is {candidate}, not {given:?}"
+                    "device {device}'s waiting key is {candidate}, not the {given} you gave; \
+                     nothing was rejected"
                 ));
             }
         }
@@ -884,6 +917,10 @@ mod tests {
         )
     }
 
+    fn hex_key(seed: u8) -> String {
+        hex::encode(key(seed).verifying_key().as_bytes())
+    }
+
     fn registry() -> Registry {
         Registry::new(Vec::new(), Vec::new(), Vec::new(), Vec::new(), 10)
     }
@@ -900,7 +937,7 @@ mod tests {
             Some(Ignored::Pending)
         );
         assert_eq!(reg.pending().len(), 1);
-        let state = reg.accept("dev-1", None, 7).expect("accepted");
+        let state = reg.accept("dev-1", Some(&hex_key(1)), 7).expect("accepted");
         assert_eq!(
             state.map(|s| s.labels),
             Some(vec![("env".into(), "prod".into())])
@@ -914,7 +951,7 @@ mod tests {
     fn other_keys_and_topics_are_ignored() {
         let mut reg = registry();
         reg.observe("dev-1", "device state", &state("dev-1", &key(1), None), 5);
-        reg.accept("dev-1", None, 6).expect("accepted");
+        reg.accept("dev-1", Some(&hex_key(1)), 6).expect("accepted");
         assert_eq!(
             reg.observe("dev-1", "report", &report("dev-1", &key(2)), 7)
                 .ignored,
@@ -962,10 +999,55 @@ mod tests {
     }
 
     #[test]
+    fn accept_needs_the_key_the_operator_saw_and_refuses_one_that_changed() {
+        let mut reg = registry();
+        reg.observe("dev-1", "device state", &state("dev-1", &key(1), None), 5);
+        // The operator lists the device and sees key 1; then another client signs a state for
+        // the same device with key 2, which is now the one waiting.
+        let seen = hex_key(1);
+        reg.observe("dev-1", "device state", &state("dev-1", &key(2), None), 6);
+
+        let err = reg.accept("dev-1", None, 7).expect_err("no key given");
+        assert!(
+            err.contains("add \"key\"") && err.contains("--key") && err.contains(&hex_key(2)),
+            "{err}"
+        );
+        let err = reg
+            .accept("dev-1", Some(&seen[..16]), 7)
+            .expect_err("the key changed since it was listed");
+        assert!(
+            err.contains(&hex_key(2)) && err.contains(&seen[..16]) && err.contains("changed"),
+            "{err}"
+        );
+        assert_eq!(reg.get("dev-1").map(|r| r.status), Some(Status::Pending));
+        for bad in ["1a2b", "zz2b3c4d5e6f7a8b9c"] {
+            let err = reg.accept("dev-1", Some(bad), 7).expect_err("not a key");
+            assert!(err.contains(bad), "{err}");
+        }
+        assert!(!reg.is_accepted("dev-1"));
+
+        // Rejecting the stranger's key and waiting for the device's own state again works.
+        reg.reject("dev-1", Some(&hex_key(2)[..16]), 8)
+            .expect("rejected");
+        reg.observe("dev-1", "device state", &state("dev-1", &key(1), None), 9);
+        reg.accept("dev-1", Some(&seen.to_uppercase()), 10)
+            .expect("the key the operator saw");
+        assert!(reg
+            .observe("dev-1", "report", &report("dev-1", &key(1)), 11)
+            .accepted
+            .is_some());
+        assert_eq!(
+            reg.observe("dev-1", "report", &report("dev-1", &key(2)), 11)
+                .ignored,
+            Some(Ignored::Rejected)
+        );
+    }
+
+    #[test]
     fn accepting_a_new_key_replaces_the_old_one() {
         let mut reg = registry();
         reg.observe("dev-1", "device state", &state("dev-1", &key(1), None), 5);
-        reg.accept("dev-1", None, 6).expect("accepted");
+        reg.accept("dev-1", Some(&hex_key(1)), 6).expect("accepted");
         reg.observe("dev-1", "device state", &state("dev-1", &key(2), None), 7);
         let k2 = hex::encode(key(2).verifying_key().as_bytes());
         assert!(reg
@@ -1052,7 +1134,7 @@ mod tests {
             reg.revoke("dev-2", 6).is_err(),
             "only accepted devices are revoked"
         );
-        reg.accept("dev-2", None, 6).expect("accepted");
+        reg.accept("dev-2", Some(&hex_key(2)), 6).expect("accepted");
         reg.revoke("dev-2", 7).expect("revoked");
         assert_eq!(
             reg.observe("dev-2", "report", &report("dev-2", &key(2)), 8)

@@ -12,6 +12,7 @@ use crate::service::effects::effect_action_id;
 use crate::service::error::ServiceError;
 use crate::service::state::{now, Held, Service};
 
+use crate::service::coverage::{self, LoadEnd};
 use crate::service::enrollment::{Ignored, Verdict};
 use crate::service::loading::MarkerSeen;
 use crate::service::metrics::Malformed;
@@ -200,6 +201,17 @@ impl Service {
                 payload.len()
             );
             self.reject(topic, Malformed::TooLarge, &reason);
+            return Ok(());
+        }
+        if topic == coverage::SYS_DROPPED {
+            match self
+                .coverage
+                .broker_dropped(payload, std::time::Instant::now())
+            {
+                Ok(Some(warning)) => tracing::warn!("{warning}"),
+                Ok(None) => {}
+                Err(reason) => self.reject(topic, Malformed::Undecodable, &reason),
+            }
             return Ok(());
         }
         let Some(parsed) = self.topics.parse(topic) else {
@@ -449,6 +461,7 @@ impl Service {
                     held = self.loading.held(),
                     "every retained device state is read"
                 );
+                self.check_coverage(LoadEnd::Marker);
                 self.release_held().await
             }
             MarkerSeen::Foreign => {
@@ -467,10 +480,21 @@ impl Service {
             timeout = ?self.loading.timeout(),
             devices = self.engine.device_count(),
             held = self.loading.held(),
-            "the end-of-retained marker did not come back (an ACL refusing the marker topic?); \
-             taking the registry as complete, it may miss devices whose states were not read yet"
+            "the end-of-retained marker did not come back (an ACL refusing the marker topic, or \
+             a broker queue limit that dropped it?); taking the registry as complete, it may \
+             miss devices whose states were not read yet"
         );
+        self.check_coverage(LoadEnd::Timeout);
         self.release_held().await
+    }
+
+    /// The retained states are read: warns when they are far fewer than the accepted devices
+    /// (`coverage.rs`).
+    fn check_coverage(&mut self, end: LoadEnd) {
+        let (accepted, with_state) = self.coverage_counts();
+        if let Some(warning) = self.coverage.check(accepted, with_state, end) {
+            tracing::warn!(accepted, with_state, "{warning}");
+        }
     }
 
     /// Loading ended: control requests from now on come in arrival order with device traffic,

@@ -2,12 +2,29 @@
 
 use flotilla_protocol::control::{DeviceSummary, PageQuery, RolloutPage};
 
+use crate::service::enrollment::Status;
 use crate::service::state::Service;
 
 use crate::service::page::Pager;
 use flotilla_rollout::selector::Selector;
 
+/// What `flotilla devices` adds to the enrollment of an accepted device the engine holds no
+/// state of: its retained state was not read since the coordinator started (a broker that
+/// dropped it, a cleared topic, a device that never sent one since).
+pub(super) const NO_STATE: &str = "no state since restart";
+
 impl Service {
+    /// Accepted devices, and how many of them the engine holds a state of (`coverage.rs`).
+    pub(super) fn coverage_counts(&self) -> (usize, usize) {
+        self.registry
+            .all()
+            .filter(|r| r.status == Status::Accepted)
+            .fold((0, 0), |(accepted, with_state), r| {
+                let known = self.engine.device_labels(&r.device).is_some();
+                (accepted + 1, with_state + usize::from(known))
+            })
+    }
+
     /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
     /// operator, each with its enrollment status. Devices that are not accepted show what their
     /// last state claims, never online.
@@ -42,7 +59,7 @@ impl Service {
                 }
                 _ => {
                     // A record the engine has no state for: waiting for, or refused by, an
-                    // operator (or accepted and never heard from since).
+                    // operator, or accepted and not heard from since the coordinator started.
                     let record = records.next()?;
                     if self.engine.device_labels(&record.device).is_some() {
                         continue;
@@ -59,7 +76,13 @@ impl Service {
                         rollout: None,
                         phase: None,
                         reason: None,
-                        enrollment: self.registry.status_text(&record.device),
+                        enrollment: self.registry.status_text(&record.device).map(|status| {
+                            if record.status == Status::Accepted {
+                                format!("{status}, {NO_STATE}")
+                            } else {
+                                status
+                            }
+                        }),
                     });
                 }
             }

@@ -439,6 +439,14 @@ impl Metrics {
         }
     }
 
+    /// Adds another part's collector (`coverage.rs`) to what scrapes show; before the
+    /// [`Metrics::endpoint`] is taken, or it is not added.
+    pub fn register_collector(&mut self, collector: Box<dyn Collector>) {
+        if let Some(registry) = Arc::get_mut(&mut self.registry) {
+            registry.register_collector(collector);
+        }
+    }
+
     /// The scrape side: what `GET /metrics` answers with.
     pub fn endpoint(&self) -> Endpoint {
         Endpoint {

@@ -26,6 +26,8 @@
 //!   bookkeeping), `inbound` (what arrives from the link), `dispatch` (control commands),
 //!   `lists` (paged lists), `effects` (persist, sign, publish), `error` (`ServiceError`).
 //! - [`config`]: the coordinator's TOML configuration, validated.
+//! - [`coverage`]: whether the broker delivered every accepted device's state after a
+//!   (re)connect; a shortfall, or drops the broker reports in `$SYS`, is a warning.
 //! - [`enrollment`]: device keys and enrollment; which signed device messages pass.
 //! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
 //! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
@@ -50,6 +52,7 @@ pub mod artifacts;
 pub mod backup;
 pub mod broker;
 pub mod config;
+pub mod coverage;
 mod dispatch;
 mod effects;
 pub mod enrollment;

@@ -58,6 +58,7 @@ use crate::service::state::{now, Service};
 use crate::service::artifacts::BlockServer;
 use crate::service::broker::EmbeddedBroker;
 use crate::service::config::Config;
+use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::keys::{self};
 use crate::service::loading::{self, Loading};
@@ -200,8 +201,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     if gate.operator_count() == 0 {
         tracing::warn!("no [[operators]] configured: every control request will be refused");
     }
-    let metrics = Metrics::new();
+    let mut metrics = Metrics::new();
     metrics.watch_limits(gate.counts(), registry.attempt_counts());
+    let coverage = Coverage::new();
+    metrics.register_collector(coverage.collector());
     if let Some(addr) = config.metrics {
         let listener = metrics::bind(addr).await?;
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
@@ -215,6 +218,16 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     filters.push(topics.desired_filter());
     // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
     filters.push(topics.marker());
+    // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
+    // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
+    if config.watch_sys_dropped && config.broker.embedded.is_none() {
+        filters.push(coverage::SYS_DROPPED.to_owned());
+    } else if config.watch_sys_dropped {
+        tracing::warn!(
+            "[service] watch_sys_dropped is ignored with the embedded broker: rumqttd closes the \
+             connection of a client that subscribes to $SYS"
+        );
+    }
     let options = LinkOptions::with_connection(
         config.connection(),
         config.broker.client_id.clone(),
@@ -279,6 +292,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         data_dir: config.data_dir.clone(),
         metrics,
         loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+        coverage,
         lane_open,
     };
 
@@ -526,6 +540,7 @@ mod tests {
             data_dir: dir.path().to_owned(),
             metrics: Metrics::new(),
             loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+            coverage: Coverage::new(),
             lane_open: link.lane_open.clone(),
         };
         service

@@ -13,6 +13,7 @@ use rumqttc::AsyncClient;
 use crate::service::error::ServiceError;
 
 use crate::service::artifacts::BlockServer;
+use crate::service::coverage::Coverage;
 use crate::service::enrollment::{Ignored, IgnoredLog, Registry};
 use crate::service::loading::Loading;
 use crate::service::metrics::{Malformed, Metrics, Totals};
@@ -82,6 +83,8 @@ pub(super) struct Service {
     pub(super) metrics: Metrics,
     /// Whether every retained state is read yet, and the commands waiting for it.
     pub(super) loading: Loading<Held>,
+    /// Whether the retained states cover the accepted devices (`coverage.rs`).
+    pub(super) coverage: Coverage,
     /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
     /// loading. Afterwards they are read in arrival order with everything else.
     pub(super) lane_open: Arc<std::sync::atomic::AtomicBool>,
@@ -124,6 +127,8 @@ impl Service {
             };
             self.metrics
                 .refresh(&self.engine, &self.ignored.total, totals);
+            let (accepted, with_state) = self.coverage_counts();
+            self.coverage.set_without_state(accepted - with_state);
         }
     }
 
