@@ -387,7 +387,25 @@ pub struct RolloutStatus {
     /// How many sites the rollout has, listed or not.
     #[serde(default, skip_serializing_if = "no_sites")]
     pub site_count: usize,
+    /// Devices left out when the rollout was created, with why (hardware the release does not
+    /// support; accepted devices the coordinator had read no state of): at most
+    /// [`SUMMARY_EXCLUDED`] of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded: Vec<ExcludedDevice>,
+    /// How many devices were left out, listed or not.
+    #[serde(default, skip_serializing_if = "no_sites")]
+    pub excluded_count: usize,
 }
+
+/// A device a rollout left out when it was created, and why.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExcludedDevice {
+    pub device: String,
+    pub reason: String,
+}
+
+/// Most excluded devices a rollout's summary lists.
+pub const SUMMARY_EXCLUDED: usize = 20;
 
 fn no_sites(n: &usize) -> bool {
     *n == 0
@@ -718,6 +736,9 @@ pub enum TraceKind {
     DeviceDeleted,
     /// Another rollout took the device over; its action here was canceled.
     DeviceTakenOver,
+    /// A device was left out when the rollout was created (`device` names it, the message says
+    /// why: an accepted device the coordinator had read no state of).
+    DeviceExcluded,
     /// A newer rollout canceled this one's actions that were never sent.
     ActionsCanceled,
     /// The group's success condition held (`compared` has the numbers).

@@ -23,6 +23,7 @@ fn all_kinds() -> Vec<TraceKind> {
         DeviceJoined,
         DeviceDeleted,
         DeviceTakenOver,
+        DeviceExcluded,
         ActionsCanceled,
         GroupSucceeded,
         GroupFinished,
@@ -44,10 +45,10 @@ fn all_kinds() -> Vec<TraceKind> {
         match k {
             Created | Started | StartTimeReached | Paused | Resumed | Stopped | GroupStarted
             | DevicesStarted | DeviceStarted | DeviceSkipped | DeviceRetrying | DeviceTimedOut
-            | DeviceJoined | DeviceDeleted | DeviceTakenOver | ActionsCanceled | GroupSucceeded
-            | GroupFinished | GroupFailed | SuccessPaused | ErrorPaused | ErrorStopped
-            | ErrorRolledBack | ApprovalRequested | Approved | WaitElapsed | Waiting
-            | NextTriggered | RetryCreated | Finished | Note => {}
+            | DeviceJoined | DeviceDeleted | DeviceTakenOver | DeviceExcluded | ActionsCanceled
+            | GroupSucceeded | GroupFinished | GroupFailed | SuccessPaused | ErrorPaused
+            | ErrorStopped | ErrorRolledBack | ApprovalRequested | Approved | WaitElapsed
+            | Waiting | NextTriggered | RetryCreated | Finished | Note => {}
         }
     }
     all

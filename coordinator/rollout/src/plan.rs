@@ -275,6 +275,31 @@ pub struct Policies {
     /// Per-site limits and peer sharing; devices without the site label form no site.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sites: Option<SitePolicy>,
+    /// Accepted devices the coordinator holds no state of when the rollout is created: left out
+    /// and named, or a reason not to create it.
+    #[serde(default, skip_serializing_if = "UnknownDevices::is_exclude")]
+    pub unknown_devices: UnknownDevices,
+}
+
+/// What creating a rollout does about accepted devices the coordinator has read no state of
+/// since it started (a retained state cleared, dropped by the broker, or never sent): their
+/// labels and hardware are unknown, so no selector can tell whether they belong.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownDevices {
+    /// Create the rollout without them, each listed as excluded with the reason (in the reply,
+    /// the status and the trace). A dynamic rollout takes them when their state arrives.
+    #[default]
+    Exclude,
+    /// Refuse to create the rollout while there are any, naming them: create it again once
+    /// they have sent a state.
+    Refuse,
+}
+
+impl UnknownDevices {
+    pub fn is_exclude(&self) -> bool {
+        *self == UnknownDevices::Exclude
+    }
 }
 
 impl Default for Policies {
@@ -293,6 +318,7 @@ impl Default for Policies {
             max_unavailable_groups: Budget::Count(0),
             dynamic: false,
             sites: None,
+            unknown_devices: UnknownDevices::Exclude,
         }
     }
 }

@@ -94,6 +94,71 @@ pub enum PlanError {
         label: String,
         value: String,
     },
+    #[error(
+        "unknown_devices = \"refuse\": {count} accepted devices have sent no state since the coordinator started, so whether the rollout selects them is unknown ({}); create the rollout again once they have (`flotilla devices` lists them as \"{NO_STATE}\"), or leave them out with unknown_devices = \"exclude\"",
+        named(devices, *count)
+    )]
+    UnknownDevices { count: usize, devices: Vec<String> },
+}
+
+/// What `flotilla devices` says of an accepted device the coordinator has read no state of since
+/// it started, and what a plan says of it.
+pub const NO_STATE: &str = "no state since restart";
+
+/// How many devices without a state an error, a status or a trace names; the rest are counted.
+pub const UNKNOWN_NAMED: usize = 20;
+
+/// The reason an accepted device without a state is not planned.
+pub fn unknown_reason(dynamic: bool) -> String {
+    let then = if dynamic {
+        "it joins the dynamic group when its state arrives, if it matches"
+    } else {
+        "it is not in this rollout"
+    };
+    format!(
+        "accepted, {NO_STATE}: its labels and hardware are unknown (its retained state topic is \
+         empty: cleared, dropped by the broker, or never sent); {then}"
+    )
+}
+
+/// Whether a plan left this device out for want of a state ([`exclude_unknown`]).
+pub fn is_unknown(e: &Excluded) -> bool {
+    e.reason
+        .strip_prefix("accepted, ")
+        .is_some_and(|r| r.starts_with(NO_STATE))
+}
+
+/// The first few of `devices`, and how many more there are.
+fn named(devices: &[String], count: usize) -> String {
+    let mut text = devices.join(", ");
+    if count > devices.len() {
+        text.push_str(&format!(" and {} more", count - devices.len()));
+    }
+    text
+}
+
+/// Adds the accepted devices the coordinator holds no state of (`unknown`, in id order) to a
+/// plan as excluded, naming why, or refuses the plan under `unknown_devices = "refuse"`.
+pub fn exclude_unknown(
+    spec: &RolloutSpec,
+    plan: &mut Plan,
+    unknown: &[String],
+) -> Result<(), PlanError> {
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    if spec.policies.unknown_devices == crate::plan::UnknownDevices::Refuse {
+        return Err(PlanError::UnknownDevices {
+            count: unknown.len(),
+            devices: unknown.iter().take(UNKNOWN_NAMED).cloned().collect(),
+        });
+    }
+    let reason = unknown_reason(spec.policies.dynamic);
+    plan.excluded.extend(unknown.iter().map(|device| Excluded {
+        device: device.clone(),
+        reason: reason.clone(),
+    }));
+    Ok(())
 }
 
 /// Splits the fleet into the spec's groups. `release_hardware` is the release's list of

@@ -39,8 +39,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::duration::parse_duration;
 use crate::plan::{
-    ActionType, FailureClasses, Gate, OfflinePolicy, RateLimit, Retry, SitePolicy, WindowSpec,
-    DEFAULT_SEED_WAIT, DEFAULT_WEIGHT,
+    ActionType, FailureClasses, Gate, OfflinePolicy, RateLimit, Retry, SitePolicy, UnknownDevices,
+    WindowSpec, DEFAULT_SEED_WAIT, DEFAULT_WEIGHT,
 };
 use crate::selector::{Selector, SelectorError};
 use crate::window::Window;
@@ -403,6 +403,7 @@ struct RawSpec {
     rate: Option<RawRate>,
     soak: Option<toml::Value>,
     unavailable_period: Option<toml::Value>,
+    unknown_devices: Option<String>,
     #[serde(default)]
     window: Vec<RawWindow>,
     groups: Option<RawGroups>,
@@ -1132,6 +1133,17 @@ impl RawSpec {
         }
         if let Some(u) = &self.unavailable_period {
             p.unavailable_period = duration("unavailable_period", u)?;
+        }
+        if let Some(u) = &self.unknown_devices {
+            p.unknown_devices = enumerated(
+                "unknown_devices".into(),
+                u,
+                &[
+                    ("exclude", UnknownDevices::Exclude),
+                    ("refuse", UnknownDevices::Refuse),
+                ],
+                "\"exclude\", \"refuse\"",
+            )?;
         }
         for (i, w) in self.window.iter().enumerate() {
             p.windows.push(w.validate(&format!("window[{i}]"), zones)?);
@@ -1923,6 +1935,9 @@ dynamic = true
         assert_eq!((rate.factor, rate.every, rate.max), (2.0, 10, None));
         assert_eq!(p.unavailable_period, 0, "0 outside [rolling]");
         assert!(!p.dynamic);
+        assert_eq!(p.unknown_devices, UnknownDevices::Exclude);
+        let spec = with("unknown_devices = \"refuse\"\n[groups]\ncount = 1\n");
+        assert_eq!(spec.policies.unknown_devices, UnknownDevices::Refuse);
         let spec = with("action = \"download_only\"\noffline = \"wait\"\n[groups]\ncount = 1\n");
         assert_eq!(spec.policies.action, ActionType::DownloadOnly);
         assert_eq!(spec.policies.offline, OfflinePolicy::Wait);
@@ -2224,6 +2239,7 @@ after = { approval = true, wait = "1h" }
             ("retry = { attempts = -1 }\n[rolling]\n", "retry.attempts: -1 is not from 0 to 100"),
             ("retry = { attempts = 1, backoff = \"x\" }\n[rolling]\n", "retry.backoff: \"x\" is not a duration"),
             ("offline = \"later\"\n[rolling]\n", "offline: \"later\" is not one of \"wait\", \"skip\""),
+            ("unknown_devices = \"wait\"\n[rolling]\n", "unknown_devices: \"wait\" is not one of \"exclude\", \"refuse\""),
             ("offline = { grace = \"1m\" }\n[rolling]\n", "offline: { grace = \"1m\" } is not \"wait\", \"skip\" or { fail_after = \"10m\" }"),
             ("offline = { fail_after = \"soon\" }\n[rolling]\n", "offline.fail_after: \"soon\" is not a duration"),
             ("rate = { base = 0 }\n[rolling]\n", "rate.base: 0 is not a number of devices per minute above 0"),

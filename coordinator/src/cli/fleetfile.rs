@@ -17,6 +17,9 @@
 //! The output of `flotilla devices --json` is a fleet file as it stands: its other fields
 //! (`online`, `installed`, `rollout`, `phase`, `reason`) are read past, and a device whose
 //! `enrollment` is not accepted is left out, as the coordinator plans accepted devices only.
+//! An accepted device listed as `accepted, no state since restart` is excluded from the plan
+//! with the coordinator's reason (or refuses it under `unknown_devices = "refuse"`), as a
+//! rollout created on the coordinator would be.
 //! A staged spec that names a stored strategy is planned with that strategy's stages from
 //! `--strategy-file` (`flotilla strategy show NAME` prints them), so `plan` stays offline
 //! (docs/decisions/0018-cli-settings-and-offline-plan.md).
@@ -312,6 +315,13 @@ fn is_accepted(enrollment: &str) -> bool {
     enrollment == "accepted" || enrollment.starts_with("accepted,")
 }
 
+/// Whether an accepted device's `enrollment` text says the coordinator holds no state of it
+/// (`accepted, no state since restart`): listed with no labels, it cannot be planned, and a
+/// plan says so as the coordinator does.
+fn without_state(enrollment: &str) -> bool {
+    is_accepted(enrollment) && enrollment.ends_with(planner::NO_STATE)
+}
+
 /// Parses a fleet file's text: the devices to plan over (those left out are dropped).
 pub fn parse_fleet(text: &str) -> Result<Vec<FleetDevice>, FleetError> {
     Ok(parse_fleet_file(text.as_bytes())?.to_fleet_devices())
@@ -554,7 +564,7 @@ impl ParseState {
                 first,
             });
         }
-        if let Some(enrollment) = enrollment.filter(|e| !is_accepted(e)) {
+        if let Some(enrollment) = enrollment.filter(|e| !is_accepted(e) || without_state(e)) {
             let place = Place::LeftOut(self.fleet.left_out.len());
             self.fleet.left_out.push(LeftOut {
                 id: id.to_owned(),
@@ -1010,8 +1020,15 @@ pub fn plan_files(args: &PlanArgs) -> Result<(Plan, Vec<LeftOut>), FleetError> {
         None => Vec::new(),
     };
     fleet.sort_by_id();
-    let plan = planner::plan(&spec, &fleet.devices(), &[], &groups)?;
-    Ok((plan, fleet.left_out))
+    let mut plan = planner::plan(&spec, &fleet.devices(), &[], &groups)?;
+    let (unknown, left_out): (Vec<LeftOut>, Vec<LeftOut>) = fleet
+        .left_out
+        .into_iter()
+        .partition(|d| without_state(&d.enrollment));
+    let mut unknown: Vec<String> = unknown.into_iter().map(|d| d.id).collect();
+    unknown.sort();
+    planner::exclude_unknown(&spec, &mut plan, &unknown)?;
+    Ok((plan, left_out))
 }
 
 /// Runs `flotilla plan`: prints the plan and returns the exit code (1 on error, with the error
@@ -1261,6 +1278,52 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "fleet[0].online: expected a boolean, found a string"
+        );
+    }
+
+    #[test]
+    fn a_plan_names_accepted_devices_without_a_state_as_the_coordinator_does() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let fleet = dir.path().join("fleet.json");
+        std::fs::write(
+            &fleet,
+            r#"[{"id": "a", "hardware_id": "pi4", "labels": {"env": "prod"},
+                 "enrollment": "accepted"},
+                {"id": "b", "hardware_id": "", "labels": {}, "online": false,
+                 "enrollment": "accepted, no state since restart"},
+                {"id": "c", "hardware_id": "", "labels": {}, "enrollment": "pending"}]"#,
+        )
+        .expect("write fleet");
+        let plan_with = |extra: &str| {
+            let spec = dir.path().join("spec.toml");
+            let text = format!(
+                "name = \"r\"\nrelease = \"fw-2\"\nselect = \"env=prod\"\n{extra}[groups]\ncount = 1\n"
+            );
+            std::fs::write(&spec, text).expect("write spec");
+            plan_files(&PlanArgs {
+                spec,
+                fleet: fleet.clone(),
+                groups: None,
+                strategy_file: None,
+                json: false,
+            })
+        };
+        let (plan, left_out) = plan_with("").expect("plans");
+        assert_eq!(plan.groups[0].devices, ["a"]);
+        assert_eq!(plan.excluded.len(), 1);
+        assert_eq!(plan.excluded[0].device, "b");
+        assert_eq!(plan.excluded[0].reason, planner::unknown_reason(false));
+        assert!(plan_table(&plan).contains("excluded b: accepted, no state since restart: "));
+        assert_eq!(
+            left_out.iter().map(|l| l.id.as_str()).collect::<Vec<_>>(),
+            ["c"]
+        );
+        let err = plan_with("unknown_devices = \"refuse\"\n").expect_err("refused");
+        assert!(
+            err.to_string().starts_with(
+                "unknown_devices = \"refuse\": 1 accepted devices have sent no state since the coordinator started, so whether the rollout selects them is unknown (b)"
+            ),
+            "{err}"
         );
     }
 

@@ -89,6 +89,7 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         out.push('\n');
     }
     out.push_str(&sites_and_bytes(status));
+    out.push_str(&excluded(status));
     if let Some(stage) = &status.deletion_stage {
         let when = match stage.ended_at {
             Some(at) => format!(" at {}", clock(at)),
@@ -119,6 +120,22 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
     }
     for entry in &status.trace[skip..] {
         out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
+    }
+    out
+}
+
+/// The devices a rollout left out when it was created, one line each, and how many more.
+pub fn excluded(status: &RolloutStatus) -> String {
+    let mut out = String::new();
+    for e in &status.excluded {
+        out.push_str(&format!("  excluded {}: {}\n", e.device, e.reason));
+    }
+    let more = status.excluded_count.saturating_sub(status.excluded.len());
+    if more > 0 {
+        out.push_str(&format!(
+            "  … {more} more excluded (the first {} are listed; `flotilla devices` shows those without a state)\n",
+            status.excluded.len()
+        ));
     }
     out
 }

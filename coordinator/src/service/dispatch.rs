@@ -105,7 +105,10 @@ impl Service {
                     hardware: manifest.hardware,
                 };
                 let name = spec.name.clone();
-                let r = self.engine.create_rollout_by(spec, release, by, now);
+                let unknown = self.devices_without_state();
+                let r = self
+                    .engine
+                    .create_rollout_knowing(spec, release, by, &unknown, now);
                 status(name, r)
             }
             Command::StartRollout { rollout } => {

@@ -10,8 +10,9 @@ use flotilla_rollout::selector::Selector;
 
 /// What `flotilla devices` adds to the enrollment of an accepted device the engine holds no
 /// state of: its retained state was not read since the coordinator started (a broker that
-/// dropped it, a cleared topic, a device that never sent one since).
-pub(super) const NO_STATE: &str = "no state since restart";
+/// dropped it, a cleared topic, a device that never sent one since). A plan says the same of
+/// it (`flotilla plan` reads it back from a fleet file).
+pub(crate) const NO_STATE: &str = flotilla_rollout::planner::NO_STATE;
 
 impl Service {
     /// Accepted devices, and how many of them the engine holds a state of (`coverage.rs`).
@@ -23,6 +24,17 @@ impl Service {
                 let known = self.engine.device_labels(&r.device).is_some();
                 (accepted + 1, with_state + usize::from(known))
             })
+    }
+
+    /// Accepted devices the engine holds no state of, in id order: a rollout created now cannot
+    /// plan them, and says so (`planner::exclude_unknown`).
+    pub(super) fn devices_without_state(&self) -> Vec<String> {
+        self.registry
+            .all()
+            .filter(|r| r.status == Status::Accepted)
+            .filter(|r| self.engine.device_labels(&r.device).is_none())
+            .map(|r| r.device.clone())
+            .collect()
     }
 
     /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an

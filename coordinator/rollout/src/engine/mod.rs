@@ -26,6 +26,7 @@
 //! once.
 
 mod advance;
+mod excluded;
 pub mod model;
 mod names;
 mod owed;
@@ -40,8 +41,8 @@ use std::ops::Bound;
 use std::sync::Arc;
 
 use flotilla_protocol::control::{
-    ApprovalStatus, DeviceDetail, DeviceSummary, GroupStatus, RolloutDevice, RolloutStatus,
-    SourceBytes, TraceKind, SUMMARY_SITES,
+    ApprovalStatus, DeviceDetail, DeviceSummary, ExcludedDevice, GroupStatus, RolloutDevice,
+    RolloutStatus, SourceBytes, TraceKind, SUMMARY_EXCLUDED, SUMMARY_SITES,
 };
 use flotilla_protocol::{DeviceState, Phase, Report, TimeWindow};
 
@@ -787,7 +788,7 @@ impl Engine {
         release: ReleaseRef,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
-        self.create(spec, release, None, now)
+        self.create(spec, release, None, &[], now)
     }
 
     /// [`Engine::create_rollout`] on behalf of an operator, whom the trace names.
@@ -798,7 +799,21 @@ impl Engine {
         by: &str,
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
-        self.create(spec, release, Some(by), now)
+        self.create(spec, release, Some(by), &[], now)
+    }
+
+    /// [`Engine::create_rollout_by`] knowing `unknown`: the accepted devices (in id order) the
+    /// engine holds no state of. They are listed as excluded, in the reply and the trace, or
+    /// the rollout is refused under `unknown_devices = "refuse"` (`planner::exclude_unknown`).
+    pub fn create_rollout_knowing(
+        &mut self,
+        spec: RolloutSpec,
+        release: ReleaseRef,
+        by: &str,
+        unknown: &[String],
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        self.create(spec, release, Some(by), unknown, now)
     }
 
     fn create(
@@ -806,6 +821,7 @@ impl Engine {
         spec: RolloutSpec,
         release: ReleaseRef,
         by: Option<&str>,
+        unknown: &[String],
         now: u64,
     ) -> Result<Vec<Effect>, EngineError> {
         let name = spec.name.clone();
@@ -819,7 +835,8 @@ impl Engine {
                 release: release.name,
             });
         }
-        let plan = planner::plan(&spec, &self.fleet(), &release.hardware, &self.device_groups)?;
+        let mut plan = planner::plan(&spec, &self.fleet(), &release.hardware, &self.device_groups)?;
+        planner::exclude_unknown(&spec, &mut plan, unknown)?;
         self.create_planned(spec, release, plan, by, now)
     }
 
@@ -845,12 +862,23 @@ impl Engine {
                 self.devices.len(),
                 spec.select.to_string()
             );
-            if !plan.excluded.is_empty() {
+            let unknown = plan
+                .excluded
+                .iter()
+                .filter(|e| planner::is_unknown(e))
+                .count();
+            let by_hardware = plan.excluded.len() - unknown;
+            if by_hardware > 0 {
                 reason.push_str(&format!(
-                    ", {} excluded because release {} supports only hardware [{}]",
-                    plan.excluded.len(),
+                    ", {by_hardware} excluded because release {} supports only hardware [{}]",
                     release.name,
                     release.hardware.join(", ")
+                ));
+            }
+            if unknown > 0 {
+                reason.push_str(&format!(
+                    ", {unknown} accepted devices not planned: {}",
+                    planner::NO_STATE
                 ));
             }
             if !plan.unassigned.is_empty() {
@@ -916,10 +944,19 @@ impl Engine {
             rollout.release.name,
             rollout.groups.len()
         );
-        if !rollout.excluded.is_empty() {
+        let unknown = rollout
+            .excluded
+            .iter()
+            .filter(|e| planner::is_unknown(e))
+            .count();
+        let by_hardware = rollout.excluded.len() - unknown;
+        if by_hardware > 0 {
+            message.push_str(&format!("; {by_hardware} excluded by hardware"));
+        }
+        if unknown > 0 {
             message.push_str(&format!(
-                "; {} excluded by hardware or not in the fleet",
-                rollout.excluded.len()
+                "; {unknown} accepted devices not planned: {}",
+                planner::NO_STATE
             ));
         }
         if !rollout.unassigned.is_empty() {
@@ -933,6 +970,7 @@ impl Engine {
             decision = decision.by(by);
         }
         rollout.record(now, decision, &mut out);
+        rollout.trace_unknown(now, &mut out);
         // hawkBit shows `creating` while the groups are filled: published before `ready`.
         out.snapshots.push(rollout.summary());
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);
@@ -1996,6 +2034,16 @@ impl Rollout {
             bytes: self.bytes_total(),
             sites: self.site_statuses(Some(SUMMARY_SITES)),
             site_count: self.site_names().len(),
+            excluded: self
+                .excluded
+                .iter()
+                .take(SUMMARY_EXCLUDED)
+                .map(|e| ExcludedDevice {
+                    device: e.device.clone(),
+                    reason: e.reason.clone(),
+                })
+                .collect(),
+            excluded_count: self.excluded.len(),
         }
     }
 
@@ -2028,6 +2076,8 @@ fn deleted_cancel(rollout: &str, created_at: u64, device: &str, slot: &Slot) -> 
 mod tests;
 #[cfg(test)]
 mod tests_commands;
+#[cfg(test)]
+mod tests_excluded;
 #[cfg(test)]
 mod tests_features;
 #[cfg(test)]
