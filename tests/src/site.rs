@@ -13,7 +13,7 @@ use flotilla_protocol::control::{Command as Control, DeviceSummary, PageQuery, R
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
-use crate::secure::{SecureBroker, COORDINATOR, OPERATOR};
+use crate::secure::{SecureBroker, COORDINATOR, MONITOR, OPERATOR};
 use crate::{bin, free_port, mosquitto_binary, Watcher, WAIT};
 
 /// The operator every site has, with role admin; [`Site::client`] and [`Site::flotilla`] sign
@@ -274,6 +274,11 @@ impl Site {
     /// Runs the `flotilla` CLI and returns whatever happened. On a [`BrokerKind::Secure`]
     /// site it logs in as the operator over TLS.
     pub fn flotilla_output(&self, args: &[&str]) -> std::process::Output {
+        self.flotilla_command(args).output().expect("run flotilla")
+    }
+
+    /// The `flotilla` CLI command of [`Site::flotilla_output`], not started yet.
+    pub fn flotilla_command(&self, args: &[&str]) -> Command {
         let mut command = Command::new(bin("flotilla"));
         command.args(["--broker", &format!("127.0.0.1:{}", self.port)]);
         if let Some(secure) = &self.secure {
@@ -286,9 +291,8 @@ impl Site {
         command
             .args(args)
             .env_remove("FLOTILLA_BROKER")
-            .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN))
-            .output()
-            .expect("run flotilla")
+            .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN));
+        command
     }
 
     /// The secure broker of a [`BrokerKind::Secure`] site.
@@ -296,7 +300,9 @@ impl Site {
         self.secure.as_ref().expect("a BrokerKind::Secure site")
     }
 
-    /// How the site's trusted side (the coordinator's login) reaches the broker.
+    /// How the site's trusted side (the coordinator's login) reaches the broker. On a secure
+    /// site the broker keeps one connection per login: a client with this login while the
+    /// coordinator runs takes the coordinator's place.
     pub fn connection(&self) -> flotilla_mqtt::Connection {
         match &self.secure {
             Some(secure) => secure.login(COORDINATOR),
@@ -304,9 +310,14 @@ impl Site {
         }
     }
 
-    /// A watcher on the site's broker that sees what the coordinator may see.
+    /// A watcher on the site's broker that sees what the coordinator may see (on a secure site
+    /// as the read-only monitor, beside the coordinator).
     pub async fn watcher(&self, filters: &[String]) -> Watcher {
-        Watcher::connect(self.connection(), filters).await
+        let connection = match &self.secure {
+            Some(secure) => secure.login(MONITOR),
+            None => plain(self.port),
+        };
+        Watcher::connect(connection, filters).await
     }
 
     /// The hex text of a public key file of the site.

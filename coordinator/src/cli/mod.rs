@@ -4,6 +4,7 @@
 //! - [`args`]: clap definitions of every subcommand and flag.
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
+//! - [`login_lock`]: one connection per broker login from this machine at a time.
 //! - [`view`]: tables and progress bars for rollouts, devices and approvals.
 //! - [`fleetfile`]: `flotilla plan` and the fleet files it reads.
 //! - [`simulate`]: `flotilla simulate`, the engine in virtual time.
@@ -17,6 +18,7 @@ pub mod client;
 pub mod commands;
 pub mod demo;
 pub mod fleetfile;
+pub mod login_lock;
 pub mod simulate;
 pub mod store;
 pub mod view;
