@@ -27,6 +27,12 @@
 //! let (_client, _eventloop) = flotilla_mqtt::client(options, 10);
 //! ```
 
+mod guard;
+mod oversize;
+
+pub use guard::{Guard, GuardError, Link, LinkSetup, DIAL_TIMEOUT};
+pub use oversize::{dropped, Dropped, DROPPED_TOPIC};
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -416,6 +422,13 @@ impl Connection {
         common_name(leaf)
     }
 
+    /// A link to the broker under `client_id` through the size guard ([`guard`]): adjust
+    /// `options` of the returned [`LinkSetup`] (keep alive, packet sizes, last will), then
+    /// start it. flotilla's own links (coordinator, agent, CLI, fleet simulator) are made here.
+    pub fn link(&self, client_id: impl Into<String>) -> LinkSetup {
+        LinkSetup::new(self, client_id.into())
+    }
+
     /// rumqttc options for this connection under `client_id`; the caller adds keep alive,
     /// session, packet sizes and last will.
     pub fn options(&self, client_id: impl Into<String>) -> MqttOptions {
@@ -514,9 +527,10 @@ pub fn network_options() -> NetworkOptions {
     network
 }
 
-/// The rumqttc client and event loop for `options`, with [`network_options`]. Every link
-/// (coordinator, agent, CLI, tests) is made here rather than with `AsyncClient::new`, whose
-/// sockets keep Nagle's algorithm on.
+/// The rumqttc client and event loop for `options`, with [`network_options`], connected
+/// straight to the broker (no size guard): for tests and tools that play a bare client. Every
+/// client is made here rather than with `AsyncClient::new`, whose sockets keep Nagle's algorithm
+/// on; flotilla's own links go through [`Connection::link`].
 pub fn client(options: MqttOptions, capacity: usize) -> (AsyncClient, EventLoop) {
     let (client, mut eventloop) = AsyncClient::new(options, capacity);
     eventloop.set_network_options(network_options());

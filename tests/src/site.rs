@@ -34,6 +34,12 @@ pub enum BrokerKind {
     /// CLI and [`Site::client`] as `flotilla-operator`, agents with a client certificate whose
     /// common name is their device id.
     Secure,
+    /// Mosquitto as Debian installs it, without a packet-size limit: any client may leave a
+    /// message of any size (retained) for the others.
+    Unlimited,
+    /// NATS's MQTT listener (MQTT 3.1.1 only), with a message size limit of
+    /// [`crate::nats::MAX_PAYLOAD`] ([`crate::nats::start`]).
+    Nats,
 }
 
 /// How an agent of the site behaves.
@@ -190,8 +196,12 @@ impl Site {
                 embedded = Some(EmbeddedBroker::start(addr).expect("start embedded broker"));
             }
             BrokerKind::Mosquitto => {
-                broker = Some(start_mosquitto(dir.path(), port, broker_config))
+                broker = Some(start_mosquitto(dir.path(), port, broker_config, true))
             }
+            BrokerKind::Unlimited => {
+                broker = Some(start_mosquitto(dir.path(), port, broker_config, false))
+            }
+            BrokerKind::Nats => broker = Some(crate::nats::start(dir.path(), port)),
             BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
         }
         let port = secure.as_ref().map_or(port, |s| s.tls_port);
@@ -800,16 +810,23 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
 pub const SHIPPED_BROKER_TUNING: &str = "set_tcp_nodelay true\nmax_queued_messages 200000\n\
      max_queued_bytes 0\nmax_inflight_messages 1000\n";
 
-fn start_mosquitto(dir: &Path, port: u16, extra: &str) -> Process {
+/// A plain Mosquitto on `port`, with the shipped packet-size limit when `limited`, then `extra`.
+fn start_mosquitto(dir: &Path, port: u16, extra: &str, limited: bool) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
+    let limit = if limited {
+        format!(
+            "max_packet_size {}\n",
+            flotilla_protocol::BROKER_PACKET_LIMIT
+        )
+    } else {
+        String::new()
+    };
     fs::write(
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n{}{extra}\n",
-            flotilla_protocol::BROKER_PACKET_LIMIT,
-            SHIPPED_BROKER_TUNING
+             {limit}{SHIPPED_BROKER_TUNING}{extra}\n"
         ),
     )
     .expect("write mosquitto config");

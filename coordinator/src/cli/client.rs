@@ -183,6 +183,11 @@ impl ControlClient {
         })
     }
 
+    /// The topic this client's replies come on.
+    pub fn reply_topic(&self) -> &str {
+        &self.reply_topic
+    }
+
     /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
     /// [`ClientError::Refused`] carrying the coordinator's message. A reply given while the
     /// coordinator is still reading the retained device states (`loading`) prints a note on
