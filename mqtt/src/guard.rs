@@ -343,16 +343,19 @@ async fn downstream(
     limit: usize,
 ) -> Result<(), String> {
     let mut filter = Filter::new(limit);
-    let mut buf = vec![0u8; BUFFER];
+    // Neither buffer is zeroed: pages are touched as bytes arrive, so an idle link (an agent's)
+    // costs little memory.
+    let mut buf = Vec::with_capacity(BUFFER);
     let mut out = Vec::with_capacity(BUFFER);
     loop {
-        let n = match broker.read(&mut buf).await {
+        buf.clear();
+        match broker.read_buf(&mut buf).await {
             Ok(0) | Err(_) => return Ok(()),
-            Ok(n) => n,
-        };
+            Ok(_) => {}
+        }
         out.clear();
         filter
-            .feed(&buf[..n], &mut out)
+            .feed(&buf, &mut out)
             .map_err(|e| format!("the broker sent what is not MQTT: {e}"))?;
         if !out.is_empty() && client.write_all(&out).await.is_err() {
             return Ok(());
