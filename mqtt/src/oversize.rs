@@ -47,11 +47,11 @@ pub fn dropped(publish: &rumqttc::Publish) -> Option<Dropped> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FilterError {
     #[error("a packet's remaining length takes more than 4 bytes")]
-    BadLength,
+    RemainingLength,
     #[error("a PUBLISH of {remaining} bytes has QoS 3")]
-    BadQos { remaining: usize },
+    Qos3 { remaining: usize },
     #[error("a PUBLISH of {remaining} bytes has a topic or packet id longer than itself")]
-    BadPublish { remaining: usize },
+    HeaderBeyondPacket { remaining: usize },
 }
 
 /// Where the filter is in the byte stream.
@@ -160,7 +160,7 @@ impl Filter {
                     }
                     if bytes[*len - 1] & 0x80 != 0 {
                         if *len == 5 {
-                            return Err(FilterError::BadLength);
+                            return Err(FilterError::RemainingLength);
                         }
                         continue;
                     }
@@ -171,7 +171,7 @@ impl Filter {
                     let first = bytes[0];
                     if first >> 4 == PUBLISH && remaining > self.limit {
                         if (first >> 1) & 0b11 == 3 {
-                            return Err(FilterError::BadQos { remaining });
+                            return Err(FilterError::Qos3 { remaining });
                         }
                         self.state = State::Head(Head {
                             first,
@@ -206,7 +206,7 @@ impl Filter {
                         _ => head.pkid[at - 2 - head.topic_len] = byte,
                     }
                     if head.needed() > head.remaining {
-                        return Err(FilterError::BadPublish {
+                        return Err(FilterError::HeaderBeyondPacket {
                             remaining: head.remaining,
                         });
                     }
@@ -384,17 +384,17 @@ mod tests {
         let mut filter = Filter::new(10);
         assert_eq!(
             filter.feed(&[0x30, 0xff, 0xff, 0xff, 0xff, 0x01], &mut Vec::new()),
-            Err(FilterError::BadLength)
+            Err(FilterError::RemainingLength)
         );
         let mut filter = Filter::new(10);
         assert!(matches!(
             filter.feed(&[0x36, 100, 0, 1], &mut Vec::new()),
-            Err(FilterError::BadQos { .. })
+            Err(FilterError::Qos3 { .. })
         ));
         let mut filter = Filter::new(10);
         assert!(matches!(
             filter.feed(&[0x32, 20, 0, 30], &mut Vec::new()),
-            Err(FilterError::BadPublish { .. })
+            Err(FilterError::HeaderBeyondPacket { .. })
         ));
         assert_eq!(
             dropped(&rumqttc::Publish::new("a/b", QoS::AtMostOnce, vec![0; 9])),
