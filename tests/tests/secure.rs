@@ -339,6 +339,63 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
     );
 }
 
+/// issue 19, item 2, as it was found: a device holds the coordinator's id (and another
+/// device's) while a rollout runs. The coordinator and the agent never lose their connection,
+/// and the rollout finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_finishes_while_a_device_claims_the_coordinators_id() {
+    const ID: &str = "tls-victim";
+    let mut site = Site::new(BrokerKind::Secure);
+    site.release("fw-3", 3, b"firmware three\n");
+    site.start_coordinator();
+    site.add_agent(ID, &[("env", "claimed")], AgentOptions::default());
+    site.wait_devices(1).await;
+    // A device of the fleet (a certificate from the CA) that claims other clients' ids.
+    let impostor = site.secure().cert_login("impostor-dev");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let claiming = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut attempts = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                for victim in [COORDINATOR, ID] {
+                    let (_, probe) = Probe::connect(&impostor, victim).await;
+                    drop(probe);
+                    attempts += 1;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            attempts
+        }
+    });
+    site.create_and_start(
+        "name = \"claimed\"\nrelease = \"fw-3\"\nselect = \"env=claimed\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let status = site.wait_ended("claimed").await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let attempts = claiming.await.expect("impostor task");
+    assert!(
+        attempts >= 4,
+        "the impostor kept trying: {attempts} attempts"
+    );
+    assert_eq!(status.state, "finished", "{status:#?}");
+    assert_eq!(
+        fs::read(site.target_file(ID)).expect("target file"),
+        b"firmware three\n"
+    );
+    let coordinator_log = fs::read_to_string(site.path("coordinator.log")).expect("log");
+    assert!(
+        !coordinator_log.contains("MQTT connection lost"),
+        "the coordinator's connection never dropped:\n{coordinator_log}"
+    );
+    let agent_log = fs::read_to_string(site.path(&format!("agents/{ID}/agent.log"))).expect("log");
+    assert!(
+        !agent_log.contains("broker connection:"),
+        "the agent's connection never dropped:\n{agent_log}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollout_over_tls_with_credentials_reaches_the_devices() {
     const FIRMWARE: &[u8] = b"firmware 2.0 over TLS\n";
