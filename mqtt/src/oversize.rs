@@ -366,6 +366,69 @@ mod tests {
         }
     }
 
+    /// Random streams of publishes of random sizes around the limit, cut at random points,
+    /// and random junk: the valid streams come out as the same packets with exactly the
+    /// oversized ones replaced; junk never panics.
+    #[test]
+    fn random_streams_and_random_junk() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n.max(1)
+        };
+        let limit = 5_000;
+        for _ in 0..200 {
+            let mut stream = Vec::new();
+            let mut expected = Vec::new();
+            for i in 0..(1 + next(8)) {
+                let size = next(10_000) as usize;
+                let qos = if next(2) == 0 {
+                    QoS::AtMostOnce
+                } else {
+                    QoS::AtLeastOnce
+                };
+                let pkid = if qos == QoS::AtMostOnce {
+                    0
+                } else {
+                    1 + i as u16
+                };
+                let topic = format!("t/{i}");
+                let packet = publish(&topic, qos, next(2) == 0, pkid, size);
+                let bytes = encode(packet.clone());
+                expected.push((
+                    topic,
+                    bytes.len() - 1 - length_bytes(bytes.len()) > limit,
+                    packet,
+                ));
+                stream.extend(bytes);
+            }
+            let mut filter = Filter::new(limit);
+            let mut out = Vec::new();
+            let mut rest = &stream[..];
+            while !rest.is_empty() {
+                let n = (1 + next(3_000) as usize).min(rest.len());
+                filter.feed(&rest[..n], &mut out).expect("a valid stream");
+                rest = &rest[n..];
+            }
+            let got = decode_all(&out);
+            assert_eq!(got.len(), expected.len());
+            for (packet, (topic, oversized, original)) in got.iter().zip(&expected) {
+                match (packet, oversized) {
+                    (Packet::Publish(p), true) => {
+                        assert_eq!(dropped(p).map(|d| d.topic), Some(topic.clone()))
+                    }
+                    (p, false) => assert_eq!(p, original),
+                    (p, true) => panic!("{p:?} is not a stand-in"),
+                }
+            }
+
+            let junk: Vec<u8> = (0..next(2_000)).map(|_| next(256) as u8).collect();
+            let _ = Filter::new(next(3_000) as usize).feed(&junk, &mut Vec::new());
+        }
+    }
+
     #[test]
     fn a_long_topic_is_cut_in_the_stand_in_and_junk_ends_the_stream() {
         let topic = "t".repeat(60_000);
