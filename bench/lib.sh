@@ -56,7 +56,7 @@ wait_port() {
 # and persistence location.
 broker_conf() {
   local port="$1"
-  grep -vE '^\s*(#|$|listener|cafile|certfile|keyfile|tls_version|require_certificate|use_identity_as_username|password_file|acl_file|allow_anonymous|persistence|persistence_location|per_listener_settings)' \
+  grep -vE '^\s*(#|$|listener|cafile|certfile|keyfile|tls_version|require_certificate|use_identity_as_username|use_username_as_clientid|password_file|acl_file|allow_anonymous|persistence|persistence_location|per_listener_settings)' \
     deploy/mosquitto/mosquitto.conf || true
   echo "per_listener_settings false"
   echo "allow_anonymous true"

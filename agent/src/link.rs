@@ -273,8 +273,15 @@ pub fn start_with(
     let id = config.device_id.clone();
     // The client id is the device id, so a broker ACL can tie the client to its own topics
     // (`%c`); address, credentials and TLS come from flotilla-mqtt.
-    let mut options = config.broker.connection().options(id.to_string());
-    options
+    // Through flotilla-mqtt's size guard: a message larger than the link reads arrives as a
+    // stand-in, counted as malformed and dropped, so no message on the broker can keep the
+    // device disconnected.
+    let mut setup = config.broker.connection().link(id.to_string());
+    if let Some(e) = setup.guard_error() {
+        tracing::warn!(error = %e, "the MQTT link connects without its size guard");
+    }
+    setup
+        .options
         .set_clean_session(true)
         .set_keep_alive(config.broker.keep_alive)
         .set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT)
@@ -284,7 +291,11 @@ pub fn start_with(
             QoS::AtLeastOnce,
             true,
         ));
-    let (client, eventloop) = flotilla_mqtt::client(options, 64);
+    let flotilla_mqtt::Link {
+        client,
+        eventloop,
+        guard,
+    } = setup.start(64);
     let (out_tx, out_rx) = mpsc::channel(64);
     let (event_tx, event_rx) = mpsc::channel(256);
     let malformed = Arc::new(AtomicU64::new(0));
@@ -300,7 +311,7 @@ pub fn start_with(
         shutdown.clone(),
     ));
     tokio::spawn(poll(
-        eventloop,
+        (eventloop, guard),
         topics,
         id,
         event_tx,
@@ -476,7 +487,7 @@ async fn writer(
 
 #[allow(clippy::too_many_arguments)]
 async fn poll(
-    mut eventloop: rumqttc::EventLoop,
+    (mut eventloop, guard): (rumqttc::EventLoop, flotilla_mqtt::Guard),
     topics: Topics,
     id: DeviceId,
     events: mpsc::Sender<LinkEvent>,
@@ -509,6 +520,17 @@ async fn poll(
                 session.up();
                 Some(LinkEvent::Connected)
             }
+            Ok(Event::Incoming(Packet::Publish(p))) if p.topic == flotilla_mqtt::DROPPED_TOPIC => {
+                if let Some(d) = flotilla_mqtt::dropped(&p) {
+                    let reason = format!(
+                        "{} bytes, more than the {CLIENT_PACKET_LIMIT} bytes the link reads; \
+                         dropped unread",
+                        d.bytes
+                    );
+                    malformed_payload(&d.topic, &reason, &malformed);
+                }
+                None
+            }
             Ok(Event::Incoming(Packet::Publish(p)))
                 if matches!(topics.parse(&p.topic), Some(Topic::PeerFetch(_))) =>
             {
@@ -538,6 +560,7 @@ async fn poll(
             }
             Ok(_) => None,
             Err(e) => {
+                let e = guard.explain(&e);
                 tracing::warn!("broker connection: {e}; retrying in {backoff:?}");
                 // Everything queued is dropped with the session (the clean session drops it
                 // on the broker's side anyway): what the writer queued before it saw the
@@ -563,6 +586,9 @@ async fn poll(
             backlog.notify_one();
         }
     }
+    // What the client already wrote (the offline state, a DISCONNECT) reaches the broker.
+    drop(eventloop);
+    guard.finish(Duration::from_secs(1)).await;
 }
 
 /// Hands the events that found the agent's channel full to the agent loop, in the background, so

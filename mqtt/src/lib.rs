@@ -27,6 +27,12 @@
 //! let (_client, _eventloop) = flotilla_mqtt::client(options, 10);
 //! ```
 
+mod guard;
+mod oversize;
+
+pub use guard::{Guard, GuardError, Link, LinkSetup, DIAL_TIMEOUT};
+pub use oversize::{dropped, Dropped, DROPPED_TOPIC};
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -123,6 +129,9 @@ fn field_error(
 pub struct Tls {
     pub ca_file: Option<PathBuf>,
     pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// The first certificate of `client_cert` (DER), whose common name a broker that logs
+    /// clients in by certificate takes as the user name.
+    client_leaf: Option<CertificateDer<'static>>,
     config: Arc<ClientConfig>,
 }
 
@@ -316,10 +325,11 @@ fn tls(raw: RawTls, base: &Path) -> Result<Tls, FieldError> {
         .with_safe_default_protocol_versions()
         .map_err(|e| field_error("tls", "", format!("no usable TLS version: {e}")))?
         .with_root_certificates(roots);
-    let (config, client_cert) = match pair {
-        None => (builder.with_no_client_auth(), None),
+    let (config, client_cert, client_leaf) = match pair {
+        None => (builder.with_no_client_auth(), None, None),
         Some((cert, key)) => {
             let chain = read_certs("tls.client_cert", &cert)?;
+            let leaf = chain.first().cloned();
             let secret = PrivateKeyDer::from_pem_file(&key).map_err(|e| {
                 field_error(
                     "tls.client_key",
@@ -334,12 +344,13 @@ fn tls(raw: RawTls, base: &Path) -> Result<Tls, FieldError> {
                     format!("does not fit client_cert {}: {e}", cert.display()),
                 )
             })?;
-            (config, Some((cert, key)))
+            (config, Some((cert, key)), leaf)
         }
     };
     Ok(Tls {
         ca_file,
         client_cert,
+        client_leaf,
         config: Arc::new(config),
     })
 }
@@ -400,6 +411,24 @@ impl Connection {
         text
     }
 
+    /// The name the broker knows this login by: the user name, or without one the common name
+    /// of the client certificate (what Mosquitto's `use_identity_as_username` takes). `None`
+    /// for an anonymous connection, or a certificate without a readable common name.
+    pub fn login_name(&self) -> Option<String> {
+        if let Some(c) = &self.credentials {
+            return Some(c.username.clone());
+        }
+        let leaf = self.tls.as_ref()?.client_leaf.as_ref()?;
+        common_name(leaf)
+    }
+
+    /// A link to the broker under `client_id` through the size guard ([`guard`]): adjust
+    /// `options` of the returned [`LinkSetup`] (keep alive, packet sizes, last will), then
+    /// start it. flotilla's own links (coordinator, agent, CLI, fleet simulator) are made here.
+    pub fn link(&self, client_id: impl Into<String>) -> LinkSetup {
+        LinkSetup::new(self, client_id.into())
+    }
+
     /// rumqttc options for this connection under `client_id`; the caller adds keep alive,
     /// session, packet sizes and last will.
     pub fn options(&self, client_id: impl Into<String>) -> MqttOptions {
@@ -416,6 +445,78 @@ impl Connection {
     }
 }
 
+/// The first common name (OID 2.5.4.3) of a DER certificate's subject, if it is a UTF-8,
+/// printable or IA5 string. Reads only the outer structure; the certificate was parsed and
+/// checked against its key by rustls already.
+fn common_name(cert: &[u8]) -> Option<String> {
+    const SEQUENCE: u8 = 0x30;
+    const SET: u8 = 0x31;
+    const OID: u8 = 0x06;
+    const COMMON_NAME: [u8; 3] = [0x55, 0x04, 0x03];
+    let (tag, certificate, _) = der_next(cert)?;
+    let (tag2, tbs, _) = der_next(certificate)?;
+    if tag != SEQUENCE || tag2 != SEQUENCE {
+        return None;
+    }
+    let mut rest = tbs;
+    // version: [0] EXPLICIT, absent in v1 certificates.
+    if rest.first() == Some(&0xA0) {
+        rest = der_next(rest)?.2;
+    }
+    // serialNumber, signature, issuer, validity.
+    for _ in 0..4 {
+        rest = der_next(rest)?.2;
+    }
+    let (tag, mut names, _) = der_next(rest)?;
+    if tag != SEQUENCE {
+        return None;
+    }
+    while !names.is_empty() {
+        let (tag, mut set, after) = der_next(names)?;
+        names = after;
+        if tag != SET {
+            return None;
+        }
+        while !set.is_empty() {
+            let (tag, pair, after) = der_next(set)?;
+            set = after;
+            let (oid_tag, oid, value) = der_next(pair)?;
+            if tag != SEQUENCE || oid_tag != OID || oid != COMMON_NAME {
+                continue;
+            }
+            let (kind, text, _) = der_next(value)?;
+            // UTF8String, PrintableString, IA5String.
+            return match kind {
+                0x0C | 0x13 | 0x16 => String::from_utf8(text.to_vec()).ok(),
+                _ => None,
+            };
+        }
+    }
+    None
+}
+
+/// One DER element at the start of `input`: its tag, its contents and what follows it.
+fn der_next(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let count = usize::from(first & 0x7f);
+        if count == 0 || count > 4 || rest.len() < count {
+            return None;
+        }
+        let (bytes, rest) = rest.split_at(count);
+        let len = bytes.iter().fold(0usize, |n, b| (n << 8) | usize::from(*b));
+        (len, rest)
+    };
+    if rest.len() < len {
+        return None;
+    }
+    let (contents, after) = rest.split_at(len);
+    Some((tag, contents, after))
+}
+
 /// The socket settings of every flotilla connection: TCP_NODELAY on, so a small packet (a
 /// control request, a PubAck, a block request) goes out at once instead of waiting up to the
 /// peer's delayed-ACK timeout for more bytes to join it. rumqttc applies them to the socket
@@ -426,9 +527,10 @@ pub fn network_options() -> NetworkOptions {
     network
 }
 
-/// The rumqttc client and event loop for `options`, with [`network_options`]. Every link
-/// (coordinator, agent, CLI, tests) is made here rather than with `AsyncClient::new`, whose
-/// sockets keep Nagle's algorithm on.
+/// The rumqttc client and event loop for `options`, with [`network_options`], connected
+/// straight to the broker (no size guard): for tests and tools that play a bare client. Every
+/// client is made here rather than with `AsyncClient::new`, whose sockets keep Nagle's algorithm
+/// on; flotilla's own links go through [`Connection::link`].
 pub fn client(options: MqttOptions, capacity: usize) -> (AsyncClient, EventLoop) {
     let (client, mut eventloop) = AsyncClient::new(options, capacity);
     eventloop.set_network_options(network_options());

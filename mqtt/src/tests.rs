@@ -159,6 +159,33 @@ fn tls_with_a_ca_file_and_a_client_certificate() {
     assert!(c.describe().ends_with("with a client certificate"));
 }
 
+/// The name a broker knows a login by: the user name, else the certificate's common name (what
+/// Mosquitto takes with `use_identity_as_username`), else none.
+#[test]
+fn the_login_name_is_the_user_name_or_the_certificates_common_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pki(dir.path());
+    let cert = tls_spec(Some("ca.crt"), Some("dev-1.crt"), Some("dev-1.key"))
+        .validate(dir.path(), &no_env)
+        .expect("mutual TLS");
+    assert_eq!(cert.login_name().as_deref(), Some("dev-1"));
+    std::fs::write(dir.path().join("pw"), "pw").expect("write");
+    let both = ConnectionSpec {
+        username: Some("op".into()),
+        password_file: Some("pw".into()),
+        ..tls_spec(Some("ca.crt"), Some("other.crt"), Some("other.key"))
+    }
+    .validate(dir.path(), &no_env)
+    .expect("password and certificate");
+    assert_eq!(both.login_name().as_deref(), Some("op"));
+    let anonymous = tls_spec(Some("ca.crt"), None, None)
+        .validate(dir.path(), &no_env)
+        .expect("server-only TLS");
+    assert_eq!(anonymous.login_name(), None);
+    assert_eq!(common_name(b"\x30\x03\x30\x01"), None, "junk is no name");
+    assert_eq!(common_name(&[]), None);
+}
+
 #[test]
 fn tls_errors_name_the_setting() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -138,7 +138,8 @@ pub fn login(port: u16, user: &str, password_file: &Path) -> flotilla_mqtt::Conn
 }
 
 /// A central broker as `deploy/mosquitto/` ships its access rules: no anonymous logins, the
-/// shipped ACL, a password for each of `users` (plain TCP on loopback instead of TLS).
+/// shipped ACL, a password for each of `users`, client ids replaced by user names (plain TCP on
+/// loopback instead of TLS).
 pub struct CentralBroker {
     pub port: u16,
     pub dir: PathBuf,
@@ -161,9 +162,18 @@ impl CentralBroker {
             .join("acl")
             .canonicalize()
             .expect("the shipped ACL");
+        // The shipped listeners' client-id rule, read from the shipped file: what it says about
+        // client ids is what this broker does.
+        let shipped = fs::read_to_string(deploy_dir().join("mosquitto.conf"))
+            .expect("read the shipped mosquitto.conf");
+        let client_ids = shipped
+            .lines()
+            .find(|l| l.starts_with("use_username_as_clientid "))
+            .expect("the shipped mosquitto.conf sets use_username_as_clientid");
         let config = format!(
-            "listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {}\nacl_file {}\n\
-             persistence false\nlog_dest stderr\nmax_packet_size {}\n{SHIPPED_BROKER_TUNING}",
+            "listener {port} 127.0.0.1\n{client_ids}\nallow_anonymous false\npassword_file {}\n\
+             acl_file {}\npersistence false\nlog_dest stderr\nmax_packet_size {}\n\
+             {SHIPPED_BROKER_TUNING}",
             dir.join("mosquitto.passwd").display(),
             acl.display(),
             flotilla_protocol::BROKER_PACKET_LIMIT,

@@ -25,6 +25,7 @@
 pub mod bridge;
 pub mod disk;
 pub mod mqtt;
+pub mod nats;
 pub mod secure;
 pub mod site;
 

@@ -18,10 +18,13 @@ use rumqttc::{AsyncClient, ConnectReturnCode, Event, Packet, QoS, SubscribeReaso
 use crate::site::Process;
 use crate::{free_port, mosquitto_binary};
 
-/// The broker's user names for the three roles of the shipped ACL.
+/// The broker's user names for the roles of the shipped ACL.
 pub const COORDINATOR: &str = "flotilla-coordinator";
 pub const OPERATOR: &str = "flotilla-operator";
 pub const OBSERVER: &str = "flotilla-observer";
+/// Reads every flotilla topic, writes nothing: what tests watch with, since the broker keeps
+/// one connection per login and a second coordinator login would knock the coordinator off.
+pub const MONITOR: &str = "flotilla-monitor";
 
 /// The repository's `deploy/mosquitto` directory.
 pub fn deploy_dir() -> PathBuf {
@@ -66,7 +69,7 @@ impl Drop for SecureBroker {
 }
 
 impl SecureBroker {
-    /// Starts a broker in `dir`, with passwords for the three roles and for `devices`.
+    /// Starts a broker in `dir`, with passwords for the roles and for `devices`.
     pub fn start(dir: &Path, devices: &[&str]) -> SecureBroker {
         let binary = mosquitto_binary()
             .expect("mosquitto is not installed; .ci/run installs it (apt-get install mosquitto)");
@@ -92,7 +95,10 @@ impl SecureBroker {
         fs::write(&passwords, "").expect("password file");
         let secrets = dir.join("secrets");
         fs::create_dir_all(&secrets).expect("secrets directory");
-        for user in [COORDINATOR, OPERATOR, OBSERVER].iter().chain(devices) {
+        for user in [COORDINATOR, OPERATOR, OBSERVER, MONITOR]
+            .iter()
+            .chain(devices)
+        {
             let password = format!("pw-{user}-{}", free_port());
             fs::write(secrets.join(format!("{user}.password")), &password).expect("password");
             run(
@@ -267,6 +273,8 @@ pub struct Probe {
     client: AsyncClient,
     task: tokio::task::JoinHandle<()>,
     events: tokio::sync::mpsc::UnboundedReceiver<Packet>,
+    /// Connections lost since the broker accepted this one (the probe reconnects after each).
+    losses: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Drop for Probe {
@@ -310,6 +318,8 @@ impl Probe {
             return (first, None);
         }
         let (tx, events) = tokio::sync::mpsc::unbounded_channel();
+        let losses = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let lost = losses.clone();
         let task = tokio::spawn(async move {
             loop {
                 match eventloop.poll().await {
@@ -319,7 +329,10 @@ impl Probe {
                         }
                     }
                     Ok(_) => {}
-                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    Err(_) => {
+                        lost.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(100)).await
+                    }
                 }
             }
         });
@@ -329,8 +342,16 @@ impl Probe {
                 client,
                 task,
                 events,
+                losses,
             }),
         )
+    }
+
+    /// How often the connection dropped since the broker accepted it. A broker drops a client
+    /// when another connects with the same client id, so a probe that was knocked off says so
+    /// here; read it after a round trip through the probe, which comes after any earlier drop.
+    pub fn losses(&self) -> usize {
+        self.losses.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     async fn next(&mut self, what: &str) -> Packet {

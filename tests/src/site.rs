@@ -13,7 +13,7 @@ use flotilla_protocol::control::{Command as Control, DeviceSummary, PageQuery, R
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
-use crate::secure::{SecureBroker, COORDINATOR, OPERATOR};
+use crate::secure::{SecureBroker, COORDINATOR, MONITOR, OPERATOR};
 use crate::{bin, free_port, mosquitto_binary, Watcher, WAIT};
 
 /// The operator every site has, with role admin; [`Site::client`] and [`Site::flotilla`] sign
@@ -34,6 +34,12 @@ pub enum BrokerKind {
     /// CLI and [`Site::client`] as `flotilla-operator`, agents with a client certificate whose
     /// common name is their device id.
     Secure,
+    /// Mosquitto as Debian installs it, without a packet-size limit: any client may leave a
+    /// message of any size (retained) for the others.
+    Unlimited,
+    /// NATS's MQTT listener (MQTT 3.1.1 only), with a message size limit of
+    /// [`crate::nats::MAX_PAYLOAD`] ([`crate::nats::start`]).
+    Nats,
 }
 
 /// How an agent of the site behaves.
@@ -190,8 +196,12 @@ impl Site {
                 embedded = Some(EmbeddedBroker::start(addr).expect("start embedded broker"));
             }
             BrokerKind::Mosquitto => {
-                broker = Some(start_mosquitto(dir.path(), port, broker_config))
+                broker = Some(start_mosquitto(dir.path(), port, broker_config, true))
             }
+            BrokerKind::Unlimited => {
+                broker = Some(start_mosquitto(dir.path(), port, broker_config, false))
+            }
+            BrokerKind::Nats => broker = Some(crate::nats::start(dir.path(), port)),
             BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
         }
         let port = secure.as_ref().map_or(port, |s| s.tls_port);
@@ -270,6 +280,11 @@ impl Site {
     /// Runs the `flotilla` CLI and returns whatever happened. On a [`BrokerKind::Secure`]
     /// site it logs in as the operator over TLS.
     pub fn flotilla_output(&self, args: &[&str]) -> std::process::Output {
+        self.flotilla_command(args).output().expect("run flotilla")
+    }
+
+    /// The `flotilla` CLI command of [`Site::flotilla_output`], not started yet.
+    pub fn flotilla_command(&self, args: &[&str]) -> Command {
         let mut command = Command::new(bin("flotilla"));
         command.args(["--broker", &format!("127.0.0.1:{}", self.port)]);
         if let Some(secure) = &self.secure {
@@ -282,9 +297,8 @@ impl Site {
         command
             .args(args)
             .env_remove("FLOTILLA_BROKER")
-            .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN))
-            .output()
-            .expect("run flotilla")
+            .env("FLOTILLA_OPERATOR_KEY", self.operator_key_file(ADMIN));
+        command
     }
 
     /// The secure broker of a [`BrokerKind::Secure`] site.
@@ -292,7 +306,9 @@ impl Site {
         self.secure.as_ref().expect("a BrokerKind::Secure site")
     }
 
-    /// How the site's trusted side (the coordinator's login) reaches the broker.
+    /// How the site's trusted side (the coordinator's login) reaches the broker. On a secure
+    /// site the broker keeps one connection per login: a client with this login while the
+    /// coordinator runs takes the coordinator's place.
     pub fn connection(&self) -> flotilla_mqtt::Connection {
         match &self.secure {
             Some(secure) => secure.login(COORDINATOR),
@@ -300,9 +316,14 @@ impl Site {
         }
     }
 
-    /// A watcher on the site's broker that sees what the coordinator may see.
+    /// A watcher on the site's broker that sees what the coordinator may see (on a secure site
+    /// as the read-only monitor, beside the coordinator).
     pub async fn watcher(&self, filters: &[String]) -> Watcher {
-        Watcher::connect(self.connection(), filters).await
+        let connection = match &self.secure {
+            Some(secure) => secure.login(MONITOR),
+            None => plain(self.port),
+        };
+        Watcher::connect(connection, filters).await
     }
 
     /// The hex text of a public key file of the site.
@@ -785,16 +806,23 @@ pub fn plain(port: u16) -> flotilla_mqtt::Connection {
 pub const SHIPPED_BROKER_TUNING: &str = "set_tcp_nodelay true\nmax_queued_messages 200000\n\
      max_queued_bytes 0\nmax_inflight_messages 1000\n";
 
-fn start_mosquitto(dir: &Path, port: u16, extra: &str) -> Process {
+/// A plain Mosquitto on `port`, with the shipped packet-size limit when `limited`, then `extra`.
+fn start_mosquitto(dir: &Path, port: u16, extra: &str, limited: bool) -> Process {
     let binary = mosquitto_binary().expect("mosquitto binary");
     let config = dir.join("mosquitto.conf");
+    let limit = if limited {
+        format!(
+            "max_packet_size {}\n",
+            flotilla_protocol::BROKER_PACKET_LIMIT
+        )
+    } else {
+        String::new()
+    };
     fs::write(
         &config,
         format!(
             "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n\
-             max_packet_size {}\n{}{extra}\n",
-            flotilla_protocol::BROKER_PACKET_LIMIT,
-            SHIPPED_BROKER_TUNING
+             {limit}{SHIPPED_BROKER_TUNING}{extra}\n"
         ),
     )
     .expect("write mosquitto config");

@@ -23,6 +23,8 @@ use flotilla_tests::{
 };
 
 const COORDINATOR: &str = "flotilla-coordinator";
+/// The central broker's read-only monitor.
+const CENTRAL_MONITOR: &str = flotilla_tests::secure::MONITOR;
 
 /// An artifact whose every 64 KiB block differs from the others.
 fn artifact(size: usize) -> Vec<u8> {
@@ -153,6 +155,87 @@ async fn the_shipped_bridge_carries_device_topics_and_keeps_peer_topics_on_the_s
     assert!(
         seen.iter().all(|(t, _)| !t.contains("/control/")),
         "the bridge user published a control request: {seen:?}"
+    );
+}
+
+/// issue 19, item 2, on the site broker and the bridge: a device of the site connected under
+/// another device's id and the site broker dropped that device; a device with a central login
+/// could do the same to the coordinator or to a whole site's bridge. The shipped site listener
+/// and the central broker's rule replace client ids with user names, so nobody is knocked off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_device_takes_over_another_clients_id_on_the_site_or_the_central_broker() {
+    if !require_mosquitto(module_path!()) {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let central = CentralBroker::start(
+        &dir.path().join("central"),
+        &[COORDINATOR, BRIDGE_USER, CENTRAL_MONITOR, "central-dev"],
+    );
+    let devices = vec!["harbour-1".to_owned(), "harbour-2".to_owned()];
+    let site = SiteBroker::start(
+        &dir.path().join("site"),
+        central.port,
+        &central.password(BRIDGE_USER),
+        &devices,
+    );
+    site.wait_bridged(central.login(CENTRAL_MONITOR)).await;
+    // The bridge's link state from now on (the retained "1" first).
+    let links = Watcher::connect(
+        central.login(CENTRAL_MONITOR),
+        &[BRIDGE_STATE_TOPIC.to_owned()],
+    )
+    .await;
+
+    let topics = Topics::default();
+    let one = DeviceId::new("harbour-1").expect("id");
+    let mut coordinator = probe(central.login(COORDINATOR), COORDINATOR).await;
+    assert!(coordinator.subscribe(&topics.state(&one)).await);
+    let mut dev1 = probe(site.login("harbour-1"), "harbour-1").await;
+    assert!(dev1.subscribe(&topics.desired(&one)).await);
+
+    // harbour-2 claims harbour-1's id on the site broker; a device with a central login claims
+    // the coordinator's and the bridge's ids on the central broker; over and over.
+    for _ in 0..5 {
+        let (_, impostor) = Probe::connect(&site.login("harbour-2"), "harbour-1").await;
+        drop(impostor);
+        for victim in [COORDINATOR, BRIDGE_USER] {
+            let (_, impostor) = Probe::connect(&central.login("central-dev"), victim).await;
+            drop(impostor);
+        }
+    }
+
+    // Through the bridge both ways: the coordinator's desired action reaches harbour-1 on the
+    // site, harbour-1's state reaches the coordinator.
+    coordinator
+        .publish(&topics.desired(&one), b"desired for harbour-1", false)
+        .await;
+    assert_eq!(
+        dev1.next_publish(WAIT).await,
+        Some((topics.desired(&one), b"desired for harbour-1".to_vec())),
+        "harbour-1 still gets its desired action over the bridge"
+    );
+    dev1.publish(&topics.state(&one), b"state of harbour-1", false)
+        .await;
+    coordinator.until(&topics.state(&one)).await;
+    assert_eq!(
+        dev1.losses(),
+        0,
+        "harbour-1 was never knocked off the site broker"
+    );
+    assert_eq!(
+        coordinator.losses(),
+        0,
+        "the coordinator was never knocked off the central broker"
+    );
+    let dropped: Vec<WatchedMessage> = links
+        .messages()
+        .into_iter()
+        .filter(|m| m.topic == BRIDGE_STATE_TOPIC && m.payload == b"0")
+        .collect();
+    assert!(
+        dropped.is_empty(),
+        "the site's bridge was never knocked off the central broker: {dropped:?}"
     );
 }
 

@@ -10,7 +10,7 @@
 use std::fs;
 
 use flotilla_protocol::Phase;
-use flotilla_tests::secure::{COORDINATOR, OBSERVER, OPERATOR};
+use flotilla_tests::secure::{COORDINATOR, MONITOR, OBSERVER, OPERATOR};
 use flotilla_tests::{AgentOptions, BrokerKind, Connected, Probe, SecureBroker, Site, WAIT};
 use rumqttc::ConnectReturnCode;
 
@@ -23,9 +23,11 @@ async fn accepted(connection: &flotilla_mqtt::Connection, client_id: &str) -> Pr
     }
 }
 
-/// The coordinator's login, subscribed to every flotilla topic.
+/// The read-only monitor's login, subscribed to every flotilla topic: it sees what the
+/// coordinator would (whose own login the tests use for writing; the broker keeps one
+/// connection per login).
 async fn everything(broker: &SecureBroker) -> Probe {
-    let mut all = accepted(&broker.login(COORDINATOR), COORDINATOR).await;
+    let mut all = accepted(&broker.login(MONITOR), MONITOR).await;
     assert!(all.subscribe(&format!("{ROOT}/#")).await);
     all
 }
@@ -185,6 +187,79 @@ async fn a_device_writes_and_reads_only_its_own_topics() {
     );
 }
 
+/// issue 19, item 2: any login could connect under another client's id (another device's, the
+/// coordinator's) and Mosquitto dropped the real client; held during a rollout, that knocked the
+/// coordinator off 71 times in 25 s. The shipped listeners replace the client id with the
+/// login's user name: an impostor only ever replaces its own connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_login_takes_over_another_clients_id() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = SecureBroker::start(dir.path(), &["dev-a", "dev-b"]);
+    // The real clients: the coordinator, dev-b with its password, dev-c with its certificate.
+    let mut coordinator = accepted(&broker.login(COORDINATOR), COORDINATOR).await;
+    assert!(
+        coordinator
+            .subscribe(&format!("{ROOT}/devices/+/report"))
+            .await
+    );
+    let mut dev_b = accepted(&broker.login("dev-b"), "dev-b").await;
+    assert!(
+        dev_b
+            .subscribe(&format!("{ROOT}/devices/dev-b/desired"))
+            .await
+    );
+    let mut dev_c = accepted(&broker.cert_login("dev-c"), "dev-c").await;
+    assert!(
+        dev_c
+            .subscribe(&format!("{ROOT}/devices/dev-c/desired"))
+            .await
+    );
+
+    // dev-a, with its password and with its certificate, claims each of their ids, over and
+    // over. Each attempt is let in (as dev-a) or refused, and does what an impostor would.
+    for _ in 0..5 {
+        for login in [broker.login("dev-a"), broker.cert_login("dev-a")] {
+            for victim in [COORDINATOR, "dev-b", "dev-c"] {
+                if let (Connected::Accepted, Some(mut impostor)) =
+                    Probe::connect(&login, victim).await
+                {
+                    impostor
+                        .publish(&format!("{ROOT}/devices/dev-a/report"), b"dev-a", false)
+                        .await;
+                }
+            }
+        }
+    }
+
+    // Every real client still has its first connection, and it works both ways.
+    for (device, probe) in [("dev-b", &mut dev_b), ("dev-c", &mut dev_c)] {
+        let topic = format!("{ROOT}/devices/{device}/desired");
+        coordinator.publish(&topic, b"yours", false).await;
+        assert_eq!(
+            probe.next_publish(WAIT).await,
+            Some((topic, b"yours".to_vec())),
+            "{device} still receives its desired action"
+        );
+        let report = format!("{ROOT}/devices/{device}/report");
+        probe.publish(&report, b"mine", false).await;
+        let seen = coordinator.until(&report).await;
+        assert!(
+            seen.iter().all(|(t, _)| t.ends_with("/dev-a/report")),
+            "only the impostor's own reports came before: {seen:?}"
+        );
+        assert_eq!(
+            probe.losses(),
+            0,
+            "{device} was never knocked off the broker"
+        );
+    }
+    assert_eq!(
+        coordinator.losses(),
+        0,
+        "the coordinator was never knocked off the broker"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_reads_events_only_and_an_operator_controls() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -224,8 +299,8 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
          coordinator's marker"
     );
 
-    // Reading: both get events; device topics and other clients' replies reach neither; the
-    // operator gets the reply to its own client id.
+    // Reading: both get events; device topics and other logins' replies reach neither; the
+    // operator gets the replies to its own login (its client id is its user name).
     assert!(observer.subscribe(&format!("{ROOT}/#")).await);
     assert!(operator.subscribe(&format!("{ROOT}/#")).await);
     for (topic, payload) in [
@@ -234,7 +309,11 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
         (format!("{ROOT}/control/reply/someone-else"), "theirs"),
         (format!("{ROOT}/control/request"), "request"),
         (format!("{ROOT}/events/rollouts/fw-2"), "rollout event"),
-        (format!("{ROOT}/control/reply/{operator_id}"), "yours"),
+        (
+            format!("{ROOT}/control/reply/{operator_id}"),
+            "by client id",
+        ),
+        (format!("{ROOT}/control/reply/{OPERATOR}"), "yours"),
         (
             format!("{ROOT}/coordinator/marker"),
             "the coordinator's marker",
@@ -253,9 +332,67 @@ async fn an_observer_reads_events_only_and_an_operator_controls() {
         topics(&operator.until(&marker).await),
         vec![
             format!("{ROOT}/events/rollouts/fw-2"),
-            format!("{ROOT}/control/reply/{operator_id}")
+            format!("{ROOT}/control/reply/{OPERATOR}")
         ],
-        "the operator sees the events and its own replies"
+        "the operator sees the events and its own login's replies, not a reply topic named \
+         after the client id it asked for"
+    );
+}
+
+/// issue 19, item 2, as it was found: a device holds the coordinator's id (and another
+/// device's) while a rollout runs. The coordinator and the agent never lose their connection,
+/// and the rollout finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_finishes_while_a_device_claims_the_coordinators_id() {
+    const ID: &str = "tls-victim";
+    let mut site = Site::new(BrokerKind::Secure);
+    site.release("fw-3", 3, b"firmware three\n");
+    site.start_coordinator();
+    site.add_agent(ID, &[("env", "claimed")], AgentOptions::default());
+    site.wait_devices(1).await;
+    // A device of the fleet (a certificate from the CA) that claims other clients' ids.
+    let impostor = site.secure().cert_login("impostor-dev");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let claiming = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut attempts = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                for victim in [COORDINATOR, ID] {
+                    let (_, probe) = Probe::connect(&impostor, victim).await;
+                    drop(probe);
+                    attempts += 1;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            attempts
+        }
+    });
+    site.create_and_start(
+        "name = \"claimed\"\nrelease = \"fw-3\"\nselect = \"env=claimed\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let status = site.wait_ended("claimed").await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let attempts = claiming.await.expect("impostor task");
+    assert!(
+        attempts >= 4,
+        "the impostor kept trying: {attempts} attempts"
+    );
+    assert_eq!(status.state, "finished", "{status:#?}");
+    assert_eq!(
+        fs::read(site.target_file(ID)).expect("target file"),
+        b"firmware three\n"
+    );
+    let coordinator_log = fs::read_to_string(site.path("coordinator.log")).expect("log");
+    assert!(
+        !coordinator_log.contains("MQTT connection lost"),
+        "the coordinator's connection never dropped:\n{coordinator_log}"
+    );
+    let agent_log = fs::read_to_string(site.path(&format!("agents/{ID}/agent.log"))).expect("log");
+    assert!(
+        !agent_log.contains("broker connection:"),
+        "the agent's connection never dropped:\n{agent_log}"
     );
 }
 
@@ -316,5 +453,36 @@ success = { threshold = "100%", action = "next" }
         );
         let report = watcher.final_report(id, WAIT).await;
         assert_eq!(report.phase, Phase::Ready, "{id}: {report:?}");
+    }
+}
+
+/// issue 19, item 2: the shipped broker keeps one connection per login (it replaces every client
+/// id with the user name), so `flotilla` commands run at once under one login knocked each other
+/// off the broker, and the one knocked off lost its reply. Commands under one login on one
+/// machine now take turns, and every one gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_run_at_once_under_one_login_all_get_their_answers() {
+    const AT_ONCE: usize = 8;
+    let mut site = Site::new(BrokerKind::Secure);
+    site.start_coordinator();
+    site.add_agent("tls-dev-1", &[("env", "tls")], AgentOptions::default());
+    site.wait_devices(1).await;
+    let started: Vec<_> = (0..AT_ONCE)
+        .map(|_| {
+            site.flotilla_command(&["devices"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start flotilla")
+        })
+        .collect();
+    for child in started {
+        let out = child.wait_with_output().expect("flotilla ran");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("tls-dev-1"),
+            "every command lists the device: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

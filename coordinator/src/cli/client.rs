@@ -5,11 +5,19 @@
 //! with the current time and a fresh nonce inside, so the coordinator can name who sent it and
 //! refuse stale or replayed copies.
 //!
-//! Each client has a unique id (`flotilla-cli-…`, one per invocation) and its own reply topic
-//! `control/reply/{client}`; the shipped Mosquitto ACL lets an operator read exactly the reply
-//! topic of its own client id (deploy/mosquitto/acl). It subscribes
-//! to that topic and waits for the SubAck before publishing anything: with clean sessions and
-//! no retained replies, a reply that arrives before the subscription is lost for good.
+//! Each client has a unique id (`flotilla-cli-…`, one per invocation). Its replies come on
+//! `control/reply/{login}`, named after the broker login (the user name, or the client
+//! certificate's common name), which the shipped Mosquitto ACL lets that login read and nobody
+//! else (deploy/mosquitto/acl); without a login (the embedded broker) on
+//! `control/reply/{client id}`. Replies to other commands under the same login are told apart
+//! by the request id. It subscribes to that topic and waits for the SubAck before publishing
+//! anything: with clean sessions and no retained replies, a reply that arrives before the
+//! subscription is lost for good.
+//!
+//! The shipped broker keeps one connection per login (it replaces the client id with the user
+//! name), so a client that logs in holds this machine's lock for that login while it is
+//! connected ([`super::login_lock`]): a second command under the same login waits instead of
+//! knocking the first off the broker.
 
 use std::time::Duration;
 
@@ -23,6 +31,7 @@ use flotilla_protocol::{SigningKey, Topics};
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
 
+use super::login_lock::{self, LoginLock};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions, MqttLink};
 
 /// The default time to wait for a reply.
@@ -55,6 +64,11 @@ pub enum ClientError {
     Refused { message: String },
     #[error("lost the connection to the broker at {addr} while waiting for the reply: {reason}")]
     Lost { addr: String, reason: String },
+    #[error(
+        "the broker login {login:?} cannot name a reply topic (control/reply/<login>): it must \
+         not be empty or contain '/', '+', '#' or U+0000"
+    )]
+    LoginName { login: String },
     #[error("the coordinator's reply to {what} is not what this client expects: {source}")]
     BadReply {
         what: &'static str,
@@ -74,6 +88,10 @@ pub struct ControlClient {
     key: SigningKey,
     /// A reply said the coordinator was still loading, and the note was printed.
     loading_noted: std::sync::atomic::AtomicBool,
+    /// The broker login, if any: named in the error when the connection is lost.
+    login: Option<String>,
+    /// This machine's lock on the login, held while connected.
+    _login_lock: Option<LoginLock>,
 }
 
 impl Drop for ControlClient {
@@ -116,7 +134,20 @@ impl ControlClient {
         let topics = Topics::new(topic_root);
         let addr = connection.addr();
         let client_id = mqtt::unique_client_id("flotilla-cli");
-        let reply_topic = topics.control_reply(&client_id);
+        let login = connection.login_name();
+        let reply_topic = match &login {
+            Some(name) if name.is_empty() || name.contains(['/', '+', '#', '\0']) => {
+                return Err(ClientError::LoginName {
+                    login: name.clone(),
+                })
+            }
+            Some(name) => topics.control_reply(name),
+            None => topics.control_reply(&client_id),
+        };
+        let login_lock = match &login {
+            Some(name) => Some(login_lock::acquire(&addr, name, login_lock::WAIT).await),
+            None => None,
+        };
         let mut options =
             LinkOptions::with_connection(connection, client_id, vec![reply_topic.clone()]);
         options.keep_alive = Duration::from_secs(10);
@@ -150,7 +181,14 @@ impl ControlClient {
             shutdown,
             key,
             loading_noted: Default::default(),
+            login,
+            _login_lock: login_lock,
         })
+    }
+
+    /// The topic this client's replies come on.
+    pub fn reply_topic(&self) -> &str {
+        &self.reply_topic
     }
 
     /// Sends `command` and returns the reply's `result`. A reply with `ok: false` becomes
@@ -251,7 +289,7 @@ impl ControlClient {
                     LinkEvent::Disconnected { reason } => {
                         return Err(ClientError::Lost {
                             addr: self.addr.clone(),
-                            reason,
+                            reason: self.lost_reason(reason),
                         })
                     }
                     _ => {}
@@ -268,6 +306,21 @@ impl ControlClient {
             secs: timeout.as_secs(),
         })??;
         Ok(reply)
+    }
+}
+
+impl ControlClient {
+    /// Why the connection was lost, with what a login adds: a broker that ties client ids to
+    /// logins drops a connection when the same login connects again.
+    fn lost_reason(&self, reason: String) -> String {
+        match &self.login {
+            Some(login) => format!(
+                "{reason} (if another client logged in as {login} meanwhile, the broker let it \
+                 take this connection's place: it keeps one connection per login; give each \
+                 person and tool its own login)"
+            ),
+            None => reason,
+        }
     }
 }
 

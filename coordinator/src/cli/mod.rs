@@ -5,6 +5,7 @@
 //! - [`accept`]: `flotilla devices accept`: the key it pins, given or confirmed on a terminal.
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
+//! - [`login_lock`]: one connection per broker login from this machine at a time.
 //! - [`view`]: tables and progress bars for rollouts, devices and approvals.
 //! - [`fleetfile`]: `flotilla plan` and the fleet files it reads.
 //! - [`simulate`]: `flotilla simulate`, the engine in virtual time.
@@ -19,6 +20,7 @@ pub mod client;
 pub mod commands;
 pub mod demo;
 pub mod fleetfile;
+pub mod login_lock;
 pub mod simulate;
 pub mod store;
 pub mod view;

@@ -768,6 +768,12 @@ impl Collector for SnapshotCollector {
                 "Incoming messages dropped because the coordinator was behind (its inbox full)",
                 inbox.dropped(),
             )?;
+            Self::counter(
+                &mut encoder,
+                "flotilla_link_incoming_oversized",
+                "Incoming messages dropped unread because they were larger than a message may be",
+                inbox.oversized(),
+            )?;
             let queued = ConstGauge::new(i64::try_from(inbox.queued_bytes()).unwrap_or(i64::MAX));
             let metric = encoder.encode_descriptor(
                 "flotilla_link_inbox_bytes",

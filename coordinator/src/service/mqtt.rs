@@ -23,11 +23,14 @@
 //! order is the order of arrival.
 //!
 //! How to reach the broker (address, credentials, TLS) is a [`flotilla_mqtt::Connection`],
-//! shared with the agent; this module only adds what the coordinator's side needs.
+//! shared with the agent; this module only adds what the coordinator's side needs. The link
+//! goes through flotilla-mqtt's size guard: a message larger than the link reads
+//! ([`CLIENT_PACKET_LIMIT`]) arrives as a stand-in, which is counted
+//! ([`InboxStats::oversized`]), logged at most once a minute and dropped, on any broker.
 
 use std::time::Duration;
 
-use flotilla_mqtt::Connection;
+use flotilla_mqtt::{Connection, Guard, Link};
 use flotilla_protocol::{BROKER_PACKET_LIMIT, CLIENT_PACKET_LIMIT};
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS, SubscribeFilter};
 use std::collections::VecDeque;
@@ -144,14 +147,24 @@ pub fn unique_client_id(prefix: &str) -> String {
 /// Starts the link on the current tokio runtime. It stops when `shutdown` is cancelled or the
 /// receiver is dropped.
 pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
-    let mut mqtt = options.connection.options(options.client_id.clone());
+    let mut setup = options.connection.link(options.client_id.clone());
+    let mqtt = &mut setup.options;
     mqtt.set_clean_session(true);
     mqtt.set_keep_alive(options.keep_alive);
-    // Read anything a limited broker can deliver (an oversized packet would drop the link), send
-    // nothing it would refuse.
+    // Read anything a limited broker can deliver, send nothing it would refuse; anything larger
+    // the size guard replaces with a stand-in.
     mqtt.set_max_packet_size(CLIENT_PACKET_LIMIT, BROKER_PACKET_LIMIT);
     mqtt.set_request_channel_capacity(REQUEST_CAPACITY);
-    let (client, eventloop) = flotilla_mqtt::client(mqtt, REQUEST_CAPACITY);
+    if let Some(e) = setup.guard_error() {
+        tracing::warn!(error = %e, "the MQTT link connects without its size guard: one message \
+            larger than {CLIENT_PACKET_LIMIT} bytes on a broker without a packet-size limit \
+            would disconnect it");
+    }
+    let Link {
+        client,
+        eventloop,
+        guard,
+    } = setup.start(REQUEST_CAPACITY);
     let tx = Inbox::new(INBOX_BYTES);
     let events = Events { inbox: tx.clone() };
     let lane_tx = Inbox::new(LANE_BYTES);
@@ -163,7 +176,7 @@ pub fn start(options: LinkOptions, shutdown: CancellationToken) -> MqttLink {
     let task = tokio::spawn(run(
         options,
         client.clone(),
-        eventloop,
+        (eventloop, guard),
         Inboxes {
             main: tx,
             lane: lane_tx,
@@ -191,7 +204,7 @@ struct Inboxes {
 async fn run(
     options: LinkOptions,
     client: AsyncClient,
-    mut eventloop: EventLoop,
+    (mut eventloop, guard): (EventLoop, Guard),
     inboxes: Inboxes,
     shutdown: CancellationToken,
 ) {
@@ -217,16 +230,20 @@ async fn run(
                 Some(LinkEvent::Connected)
             }
             Ok(Event::Incoming(Packet::SubAck(_))) => Some(LinkEvent::Subscribed),
-            Ok(Event::Incoming(Packet::Publish(p))) => {
+            Ok(Event::Incoming(Packet::Publish(p))) => match flotilla_mqtt::dropped(&p) {
+                Some(dropped) => {
+                    tx.oversized(&dropped);
+                    None
+                }
                 // Topics are UTF-8 by the MQTT spec; rumqttc has already checked.
-                Some(LinkEvent::Publish {
+                None => Some(LinkEvent::Publish {
                     topic: p.topic,
                     payload: p.payload.to_vec(),
-                })
-            }
+                }),
+            },
             Ok(_) => None,
             Err(e) => {
-                let reason = e.to_string();
+                let reason = guard.explain(&e);
                 tracing::warn!(broker = %addr, error = %reason, retry_in = ?backoff, "MQTT connection lost");
                 if tx.push(LinkEvent::Disconnected { reason }).is_err() {
                     break;
@@ -254,6 +271,8 @@ async fn run(
     // Best effort: tell the broker we are leaving so it does not wait out the keep alive.
     let _ = client.try_disconnect();
     let _ = tokio::time::timeout(Duration::from_millis(500), eventloop.poll()).await;
+    drop(eventloop);
+    guard.finish(Duration::from_millis(500)).await;
 }
 
 /// The link's side of the owner's queue: shared, bounded by payload bytes, and never waited on
@@ -276,6 +295,9 @@ struct InboxState {
     bytes: usize,
     dropped: u64,
     dropped_logged: Option<std::time::Instant>,
+    /// Messages the size guard dropped unread, larger than the link reads.
+    oversized: u64,
+    oversized_logged: Option<std::time::Instant>,
     /// The poll loop has stopped; nothing more will come.
     closed: bool,
     /// The owner is gone; the poll loop should stop.
@@ -360,6 +382,29 @@ impl Inbox {
         self.lock().dropped
     }
 
+    /// Counts a message the size guard dropped unread, and logs it (at most one line a minute,
+    /// naming the latest topic and size and the count).
+    pub fn oversized(&self, dropped: &flotilla_mqtt::Dropped) {
+        let mut state = self.lock();
+        state.oversized += 1;
+        let now = std::time::Instant::now();
+        if state
+            .oversized_logged
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60))
+        {
+            state.oversized_logged = Some(now);
+            let topic: String = dropped.topic.chars().take(200).collect();
+            tracing::warn!(
+                topic,
+                bytes = dropped.bytes,
+                oversized_total = state.oversized,
+                limit_bytes = CLIENT_PACKET_LIMIT,
+                "incoming message dropped unread: larger than a message may be (next such line in \
+                 a minute at the earliest)"
+            );
+        }
+    }
+
     fn close(&self) {
         self.lock().closed = true;
         self.shared.ready.notify_one();
@@ -412,6 +457,11 @@ impl InboxStats {
     /// Publishes dropped because the inbox was full, so far.
     pub fn dropped(&self) -> u64 {
         self.inbox.dropped()
+    }
+
+    /// Messages dropped unread because they were larger than the link reads, so far.
+    pub fn oversized(&self) -> u64 {
+        self.inbox.lock().oversized
     }
 
     /// Bytes of publishes waiting to be taken.
