@@ -362,6 +362,9 @@ async fn run_in(
             .args(["run", "--config"])
             .arg(&config)
             .env("RUST_LOG", "info")
+            // The link's size guard keeps its socket directory under TMPDIR; the demo's agents
+            // are killed at the end, so theirs goes inside the demo's directory, which is removed.
+            .env("TMPDIR", config.parent().unwrap_or(&root))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
