@@ -491,6 +491,20 @@ mod tests {
         format!("{body}{trailer}\n")
     }
 
+    /// A backup of [`store_with_records`] signed with [`coordinator`], in a fresh directory.
+    fn signed_backup() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("b.jsonl");
+        write_backup(
+            &store_with_records(&dir.path().join("db")),
+            &file,
+            1,
+            &coordinator(),
+        )
+        .expect("backup");
+        (dir, file)
+    }
+
     fn store_with_records(db: &Path) -> Store {
         let store = Store::open(db).expect("opens");
         for name in ["a", "b"] {
@@ -532,15 +546,7 @@ mod tests {
 
     #[test]
     fn a_changed_or_truncated_backup_is_refused_naming_why() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = dir.path().join("b.jsonl");
-        write_backup(
-            &store_with_records(&dir.path().join("db")),
-            &file,
-            1,
-            &coordinator(),
-        )
-        .expect("backup");
+        let (_dir, file) = signed_backup();
         let text = std::fs::read_to_string(&file).expect("read");
 
         std::fs::write(&file, text.replacen("\"a\"", "\"z\"", 1)).expect("write");
@@ -565,15 +571,7 @@ mod tests {
 
     #[test]
     fn an_edited_backup_with_its_sha256_recomputed_is_refused_by_its_signature() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = dir.path().join("b.jsonl");
-        write_backup(
-            &store_with_records(&dir.path().join("db")),
-            &file,
-            1,
-            &coordinator(),
-        )
-        .expect("backup");
+        let (_dir, file) = signed_backup();
         let text = std::fs::read_to_string(&file).expect("read");
         assert_eq!(
             read_backup(&file, trust(&trusted()))
@@ -671,15 +669,7 @@ mod tests {
 
     #[test]
     fn an_unsigned_version_1_backup_is_restored_only_when_allowed() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = dir.path().join("b.jsonl");
-        write_backup(
-            &store_with_records(&dir.path().join("db")),
-            &file,
-            1,
-            &coordinator(),
-        )
-        .expect("backup");
+        let (_dir, file) = signed_backup();
         // What an older flotilla wrote: no signer, no signature, version 1.
         let text = std::fs::read_to_string(&file).expect("read");
         let mut lines = text.lines();
@@ -718,15 +708,7 @@ mod tests {
 
     #[test]
     fn mutated_backups_never_panic_and_never_restore_altered_records() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = dir.path().join("b.jsonl");
-        write_backup(
-            &store_with_records(&dir.path().join("db")),
-            &file,
-            1,
-            &coordinator(),
-        )
-        .expect("backup");
+        let (dir, file) = signed_backup();
         let original = std::fs::read(&file).expect("read");
         let good = read_backup(&file, trust(&trusted())).expect("valid");
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
