@@ -115,23 +115,6 @@ fn guess(key: &SigningKey, device_id: &str, token: &str) -> Vec<u8> {
     )))
 }
 
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect to the metrics port");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\n\r\n")
-        .await
-        .expect("send");
-    let mut answer = String::new();
-    tokio::time::timeout(WAIT, stream.read_to_string(&mut answer))
-        .await
-        .expect("answered")
-        .expect("read");
-    answer
-}
-
 fn attempts(text: &str, result: &str) -> Option<f64> {
     let series = format!("flotilla_enrollment_attempts_total{{result=\"{result}\"}}");
     text.lines()
@@ -201,7 +184,7 @@ async fn guessed_tokens_are_limited_counted_and_named_in_the_log() {
     // Every guess reaches the coordinator and is counted, as checked or as limited.
     let deadline = Instant::now() + WAIT;
     let (failed, limited) = loop {
-        let text = scrape(metrics_port).await;
+        let text = flotilla_tests::scrape_metrics(metrics_port).await;
         let failed =
             attempts(&text, "failed").expect("flotilla_enrollment_attempts_total in /metrics");
         let limited = attempts(&text, "limited").unwrap_or_default();

@@ -545,7 +545,7 @@ async fn a_viewers_flood_never_holds_back_an_operators_pause_and_stop() {
         status.trace
     );
     // The flood was refused by the viewer's own limit, and almost none of it was answered.
-    let text = metrics_text(metrics_port).await;
+    let text = flotilla_tests::scrape_metrics(metrics_port).await;
     let limited = metric(
         &text,
         "flotilla_control_requests_rate_limited_total{operator=\"vic\",role=\"viewer\",limit=\"key\"}",
@@ -562,24 +562,6 @@ async fn a_viewers_flood_never_holds_back_an_operators_pause_and_stop() {
         replies < FLOOD / 20,
         "{replies} replies to {FLOOD} requests: refusals must not flood the broker"
     );
-}
-
-/// One scrape of the coordinator's metrics port.
-async fn metrics_text(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect to the metrics port");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\n\r\n")
-        .await
-        .expect("send");
-    let mut answer = String::new();
-    tokio::time::timeout(WAIT, stream.read_to_string(&mut answer))
-        .await
-        .expect("answered")
-        .expect("read");
-    answer
 }
 
 /// The value of the sample written exactly as `series` (name and labels).
