@@ -40,8 +40,36 @@ use std::time::Duration;
 /// A generous bound for anything a test waits for; tests fail with a message when it passes.
 pub const WAIT: Duration = Duration::from_secs(60);
 
-/// A free TCP port on the loopback interface.
+/// A free TCP port on the loopback interface, for a broker or server a test starts.
+///
+/// The port is free when this returns, but the listener that proves it is closed again, so
+/// something else could take it before the test's server binds. Two things make that unlikely:
+/// ports come from below the kernel's ephemeral range (32768 and up), where no outgoing
+/// connection of a concurrent test is given its local port, and no port is handed out twice in
+/// one test process (the tests of one binary run in parallel threads).
 pub fn free_port() -> u16 {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    const FIRST: u32 = 20_000;
+    const COUNT: u32 = 12_000;
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let handed_out = handed_out.get_or_insert_with(HashSet::new);
+    // A different walk per process, so parallel test binaries do not try the same ports in turn.
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().wrapping_mul(2_654_435_761);
+    for i in 0..COUNT {
+        let port = (FIRST + (seed.wrapping_add(i.wrapping_mul(7_919))) % COUNT) as u16;
+        if handed_out.contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return port;
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("local address").port()
 }
