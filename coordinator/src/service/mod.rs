@@ -60,6 +60,7 @@ mod error;
 pub mod grants;
 mod inbound;
 pub mod keys;
+pub mod leadership;
 mod lists;
 pub mod loading;
 pub mod metrics;

@@ -45,6 +45,8 @@ use flotilla_rollout::planner::DeviceGroup;
 use crate::service::enrollment::Enrollment;
 use crate::service::seal::{Seal, SealCheck};
 
+pub mod backend;
+
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
 
