@@ -37,7 +37,7 @@ impl Service {
     ) -> Result<Result<serde_json::Value, String>, ServiceError> {
         let writes = command.required_role() != Role::Viewer && !matches!(command, Command::Backup);
         if writes {
-            if let Some(refusal) = self.health.refusal(self.store.path()) {
+            if let Some(refusal) = self.health.refusal(&self.store.describe()) {
                 return Ok(Err(refusal));
             }
         }

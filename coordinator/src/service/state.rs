@@ -190,7 +190,7 @@ impl Service {
     /// A store write failed: from now on nothing that needs it goes out (`store_health.rs`).
     pub(super) fn store_failed(&mut self, error: &StoreError) {
         if self.health.fail(error.to_string(), now()) {
-            tracing::error!(store = %self.store.path().display(), %error,
+            tracing::error!(store = %self.store.describe(), %error,
                 "the store cannot be written: refusing changes and holding back device actions until it can");
         }
     }
@@ -214,7 +214,7 @@ impl Service {
         }
         let since = self.health.recovered().unwrap_or_default();
         store_health::ensure_reserve(&self.data_dir);
-        tracing::info!(store = %self.store.path().display(), failed_for_s = now().saturating_sub(since),
+        tracing::info!(store = %self.store.describe(), failed_for_s = now().saturating_sub(since),
             device_actions_held_back = self.health.held_back,
             "the store can be written again; every rollout and enrollment is saved, reissuing what each device is owed");
         let effects = self.engine.reissue(now());

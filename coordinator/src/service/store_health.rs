@@ -72,12 +72,12 @@ impl StoreHealth {
     }
 
     /// The answer to a command that would write while the store is failing.
-    pub fn refusal(&self, store: &Path) -> Option<String> {
+    pub fn refusal(&self, store: &str) -> Option<String> {
         self.failing.as_ref().map(|f| {
             format!(
                 "the coordinator cannot write its store at {} since {} ({}); it refuses changes \
                  until it can and retries every {} s; commands that only read still work",
-                store.display(),
+                store,
                 flotilla_rollout::window::utc_text(f.since),
                 f.reason,
                 RETRY_INTERVAL.as_secs()
@@ -165,13 +165,13 @@ mod tests {
         let mut health = StoreHealth::default();
         let start = Instant::now();
         assert!(!health.attempt_due(start), "nothing to retry");
-        assert!(health.refusal(Path::new("/data/db")).is_none());
+        assert!(health.refusal("/data/db").is_none());
         assert!(health.fail("No space left on device".into(), 1_790_000_000));
         assert!(
             !health.fail("still full".into(), 1_790_000_001),
             "logged once"
         );
-        let refusal = health.refusal(Path::new("/data/db")).expect("refused");
+        let refusal = health.refusal("/data/db").expect("refused");
         assert!(
             refusal.contains("/data/db") && refusal.contains("still full"),
             "{refusal}"

@@ -89,6 +89,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// it.
     fn write(&self, ops: Vec<Op>) -> Result<(), BackendError>;
 
+    /// Stores `value` under `key` without making it durable yet: the next [`Backend::write`]
+    /// commits it with its own operations, and reads see it at once. Only for records whose
+    /// loss in a crash is harmless or repaired: the per-device action sequence (read back from
+    /// the broker's retained actions) and the digests of published actions (a cache).
+    fn put_lazily(&self, tree: &str, key: &[u8], value: &[u8]) -> Result<(), BackendError> {
+        self.write(vec![Op::put(tree, key, value)])
+    }
+
     /// Whether no tree holds anything.
     fn is_empty(&self) -> Result<bool, BackendError>;
 

@@ -1,4 +1,5 @@
-//! Persistence in sled, so a restarted coordinator continues where it stopped.
+//! Persistence, so a restarted coordinator (or the one that takes over) continues where the
+//! last one stopped.
 //!
 //! Trees keyed by name, most with the JSON of one record as the value:
 //!
@@ -9,22 +10,23 @@
 //! enrollments    device id     -> Enrollment       (device keys and whether they are accepted)
 //! used_tokens    sha256 hex    -> unix time        (enrollment tokens already used up)
 //! issued         device id     -> u64 big-endian   (`issued_at` of the last desired action)
-//! meta           "generation"  -> u64 big-endian   (commits so far, see below)
+//! meta           "generation"  -> u64 big-endian   (commits so far, sled's seal)
 //! published      device id     -> 32 bytes         (digest of the last desired action published)
 //! ```
+//!
+//! The trees live in a [`Backend`] (`backend.rs`): sled in the data directory (`sled_kv.rs`,
+//! the default) or PostgreSQL shared by several coordinators (`postgres/`). [`Store`] is the
+//! only way the service reaches either: it encodes and decodes records and names what failed.
 //!
 //! `published` is a cache, not a record: it lets a restarted coordinator recognise its own
 //! retained desired actions by their bytes instead of checking each signature again
 //! ([`published_digest`]). It is not in backups; without it the signatures are checked.
 //!
-//! Every flushed write is a commit: it bumps the generation in the same flush and then writes
-//! it to the seal file beside the database (`seal.rs`), so a store that comes back from a
-//! damaged log with fewer commits than were acknowledged is reported at start
-//! ([`Store::check_seal`]). [`Store::export`] and [`Store::import`] copy every tree for
-//! `flotilla backup` and `flotilla restore` (`backup.rs`).
+//! [`Store::export`] and [`Store::import`] copy every tree for `flotilla backup` and `flotilla
+//! restore` (`backup.rs`), and from one backend into the other (`flotilla store migrate`).
 //!
 //! JSON rather than postcard because it is self-describing: a record written by an older version
-//! still decodes when fields with defaults were added since. Every write is flushed before it
+//! still decodes when fields with defaults were added since. Every write is durable before it
 //! returns, because the engine's contract is that a rollout is persisted before the desired
 //! actions it justifies are published (docs/decisions/0003-coordinator-engine.md), and an operator
 //! who was told "stored" must find the strategy or group after a restart.
@@ -33,8 +35,7 @@
 //! the coordinator from starting; it stays in the database for an operator to inspect.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -43,24 +44,24 @@ use flotilla_rollout::engine::Rollout;
 use flotilla_rollout::planner::DeviceGroup;
 
 use crate::service::enrollment::Enrollment;
-use crate::service::seal::{Seal, SealCheck};
+use crate::service::seal::SealCheck;
 
 pub mod backend;
+pub mod sled_kv;
 
-/// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
-const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
+use backend::{Backend, BackendError, Op};
+use sled_kv::SledKv;
 
 const ROLLOUTS: &str = "rollouts";
 const STRATEGIES: &str = "strategies";
 const DEVICE_GROUPS: &str = "device_groups";
-/// Device id -> `issued_at` of the last desired action signed for it (big-endian u64).
+/// Device id -> `issued_at` (u64, big-endian) of the last desired action signed for it.
 const ISSUED: &str = "issued";
 const ENROLLMENTS: &str = "enrollments";
 const USED_TOKENS: &str = "used_tokens";
-const META: &str = "meta";
 /// Device id -> [`published_digest`] of the last desired action published for it.
 const PUBLISHED: &str = "published";
-const GENERATION: &[u8] = b"generation";
+
 /// What [`Store::save_published`] keeps of a retained desired action: sha256 over the signing
 /// key's public half and the payload as published. Retained bytes with the digest stored for
 /// their device are exactly what this coordinator, with this key, published last; any other
@@ -74,19 +75,6 @@ pub fn published_digest(key: &flotilla_protocol::VerifyingKey, payload: &[u8]) -
     hash.finalize().into()
 }
 
-/// Hands this thread's deferred frees to sled's garbage collector.
-///
-/// sled frees a superseded page (the old value of a rewritten rollout among them) through
-/// crossbeam-epoch, which keeps what a thread defers in that thread's own bag until 64 items have
-/// gathered. The service task moves between tokio's worker threads and a running rollout is saved
-/// about once a second, so a few dozen superseded copies of a rollout record (4 MB at 100,000
-/// devices) could wait in a bag for good: that was most of the memory a 100k rollout left behind
-/// (decision 0034). Flushing after each commit lets the collector free them once no thread can
-/// still be reading them. It costs one pin and a queue push per commit.
-fn release_deferred_frees() {
-    crossbeam_epoch::pin().flush();
-}
-
 /// One exported record: its tree, key and value.
 pub type Record = (&'static str, Vec<u8>, Vec<u8>);
 
@@ -98,7 +86,7 @@ pub const TREES: [&str; 7] = [
     ISSUED,
     ENROLLMENTS,
     USED_TOKENS,
-    META,
+    sled_kv::META,
 ];
 
 /// A staged update strategy as the operator wrote it: the TOML text (`[[stage]]` entries) under
@@ -112,134 +100,116 @@ pub struct StoredStrategy {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("cannot open the rollout store at {}: {source}", path.display())]
-    Open { path: PathBuf, source: sled::Error },
-    #[error("cannot encode rollout {rollout}: {source}")]
-    Encode {
-        rollout: String,
-        source: serde_json::Error,
-    },
-    #[error("cannot write rollout {rollout}: {source}")]
-    Write {
-        rollout: String,
-        source: sled::Error,
-    },
-    #[error("cannot delete rollout {rollout}: {source}")]
-    Delete {
-        rollout: String,
-        source: sled::Error,
-    },
-    #[error("cannot read the rollout store: {source}")]
-    Read { source: sled::Error },
-    #[error("cannot record the last action issued to device {device}: {source}")]
-    WriteIssued { device: String, source: sled::Error },
+    #[error("{source}")]
+    Open { source: BackendError },
     #[error("cannot encode {kind} {name}: {source}")]
-    EncodeRecord {
+    Encode {
         kind: &'static str,
         name: String,
         source: serde_json::Error,
     },
     #[error("cannot write {kind} {name}: {source}")]
-    WriteRecord {
+    Write {
         kind: &'static str,
         name: String,
-        source: sled::Error,
+        source: BackendError,
     },
     #[error("cannot delete {kind} {name}: {source}")]
-    DeleteRecord {
+    Delete {
         kind: &'static str,
         name: String,
-        source: sled::Error,
+        source: BackendError,
     },
     #[error("cannot read {kind} {name}: {source}")]
     ReadRecord {
         kind: &'static str,
         name: String,
-        source: sled::Error,
+        source: BackendError,
+    },
+    #[error("cannot read the store's {tree}: {source}")]
+    Read {
+        tree: &'static str,
+        source: BackendError,
     },
     #[error("stored {kind} {name} does not decode: {source}")]
-    DecodeRecord {
+    Decode {
         kind: &'static str,
         name: String,
         source: serde_json::Error,
     },
+    #[error("cannot record the last action issued to device {device}: {source}")]
+    WriteIssued {
+        device: String,
+        source: BackendError,
+    },
     #[error("{}: {reason}", path.display())]
-    Seal { path: PathBuf, reason: String },
+    Seal {
+        path: std::path::PathBuf,
+        reason: String,
+    },
     #[error("cannot import into the store: {source}")]
-    Import { source: sled::Error },
+    Import { source: BackendError },
+    #[error("cannot reopen the store: {source}")]
+    Reopen { source: BackendError },
 }
 
-/// The coordinator's sled database.
-///
-/// After a failed write sled refuses every later write of that instance, even once space
-/// returns; [`Store::reopen`] closes it and opens the files again.
-pub struct Store {
-    path: PathBuf,
-    seal: Seal,
-    /// Commits so far; mirrors `meta/generation`.
-    generation: AtomicU64,
-    /// `None` only when a reopen failed: every call then fails naming why.
-    trees: Option<Trees>,
-}
-
-/// The open database and its trees.
-struct Trees {
-    db: sled::Db,
-    meta: sled::Tree,
-    rollouts: sled::Tree,
-    strategies: sled::Tree,
-    device_groups: sled::Tree,
-    issued: sled::Tree,
-    published: sled::Tree,
-    enrollments: sled::Tree,
-    used_tokens: sled::Tree,
-}
-
-impl std::fmt::Debug for Store {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store")
-            .field("path", &self.path)
-            .field("generation", &self.generation())
-            .field("open", &self.trees.is_some())
-            .finish()
+impl StoreError {
+    /// Whether the write failed because this coordinator no longer leads.
+    pub fn is_fenced(&self) -> bool {
+        match self {
+            StoreError::Write { source, .. }
+            | StoreError::Delete { source, .. }
+            | StoreError::WriteIssued { source, .. }
+            | StoreError::Import { source } => source.is_fenced(),
+            _ => false,
+        }
     }
+}
+
+/// The coordinator's store: typed records over a [`Backend`].
+#[derive(Debug)]
+pub struct Store {
+    kind: Kind,
+}
+
+/// The backend, by kind: sled has a seal and a directory that the others do not.
+#[derive(Debug)]
+enum Kind {
+    Sled(SledKv),
+    Other(Box<dyn Backend>),
 }
 
 /// One tree of named JSON records, and what to call a record in messages.
 struct Records<'a> {
     store: &'a Store,
-    tree: fn(&Trees) -> &sled::Tree,
+    tree: &'static str,
     kind: &'static str,
 }
 
 impl Records<'_> {
-    fn tree(&self) -> Result<&sled::Tree, sled::Error> {
-        Ok((self.tree)(self.store.t()?))
-    }
-
     fn save<T: Serialize>(&self, name: &str, record: &T) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(record).map_err(|source| StoreError::EncodeRecord {
+        let bytes = serde_json::to_vec(record).map_err(|source| StoreError::Encode {
             kind: self.kind,
             name: name.to_owned(),
             source,
         })?;
-        let write_error = |source| StoreError::WriteRecord {
-            kind: self.kind,
-            name: name.to_owned(),
-            source,
-        };
-        self.tree()
-            .and_then(|tree| tree.insert(name.as_bytes(), bytes))
-            .map_err(write_error)?;
-        self.store.commit().map_err(write_error)
+        self.store
+            .backend()
+            .write(vec![Op::put(self.tree, name, bytes)])
+            .map_err(|source| StoreError::Write {
+                kind: self.kind,
+                name: name.to_owned(),
+                source,
+            })
     }
 
     /// The record named `name`, `None` when there is none. A record that does not decode is an
     /// error here (the caller asked for this one), unlike in [`Records::list`].
     fn load<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, StoreError> {
         let bytes = self
-            .tree()
-            .and_then(|tree| tree.get(name.as_bytes()))
+            .store
+            .backend()
+            .get(self.tree, name.as_bytes())
             .map_err(|source| StoreError::ReadRecord {
                 kind: self.kind,
                 name: name.to_owned(),
@@ -247,7 +217,7 @@ impl Records<'_> {
             })?;
         bytes
             .map(|b| {
-                serde_json::from_slice(&b).map_err(|source| StoreError::DecodeRecord {
+                serde_json::from_slice(&b).map_err(|source| StoreError::Decode {
                     kind: self.kind,
                     name: name.to_owned(),
                     source,
@@ -259,9 +229,15 @@ impl Records<'_> {
     /// Every record that decodes, in name order; the others are logged and skipped.
     fn list<T: DeserializeOwned>(&self) -> Result<Vec<T>, StoreError> {
         let mut records = Vec::new();
-        let tree = self.tree().map_err(|source| StoreError::Read { source })?;
-        for item in tree.iter() {
-            let (key, value) = item.map_err(|source| StoreError::Read { source })?;
+        let entries = self
+            .store
+            .backend()
+            .scan(self.tree)
+            .map_err(|source| StoreError::Read {
+                tree: self.tree,
+                source,
+            })?;
+        for (key, value) in entries {
             let name = String::from_utf8_lossy(&key);
             match serde_json::from_slice::<T>(&value) {
                 Ok(record) => records.push(record),
@@ -279,417 +255,298 @@ impl Records<'_> {
 
     /// Removes a record; returns whether it existed.
     fn delete(&self, name: &str) -> Result<bool, StoreError> {
-        let delete_error = |source| StoreError::DeleteRecord {
-            kind: self.kind,
-            name: name.to_owned(),
-            source,
-        };
-        let old = self
-            .tree()
-            .and_then(|tree| tree.remove(name.as_bytes()))
-            .map_err(delete_error)?;
-        self.store.commit().map_err(delete_error)?;
-        Ok(old.is_some())
+        let existed = self
+            .store
+            .backend()
+            .get(self.tree, name.as_bytes())
+            .map_err(|source| StoreError::ReadRecord {
+                kind: self.kind,
+                name: name.to_owned(),
+                source,
+            })?
+            .is_some();
+        self.store
+            .backend()
+            .write(vec![Op::remove(self.tree, name)])
+            .map_err(|source| StoreError::Delete {
+                kind: self.kind,
+                name: name.to_owned(),
+                source,
+            })?;
+        Ok(existed)
     }
 }
 
 impl Store {
-    /// Opens (or creates) the database directory at `path`.
+    /// Opens (or creates) the sled database directory at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Store, StoreError> {
-        let path = path.as_ref();
-        let trees = Trees::open(path)?;
-        let generation = read_generation(&trees.meta).map_err(|source| StoreError::Open {
-            path: path.to_owned(),
-            source,
-        })?;
+        let kv = SledKv::open(path).map_err(|source| StoreError::Open { source })?;
         Ok(Store {
-            path: path.to_owned(),
-            seal: Seal::for_store(path),
-            generation: AtomicU64::new(generation),
-            trees: Some(trees),
+            kind: Kind::Sled(kv),
         })
     }
 
-    /// Closes the database and opens it again: the way back to a writable store after a write
-    /// failed (a full disk). Closing first, because sled locks its files.
+    /// A store on any other backend (PostgreSQL).
+    pub fn on(backend: Box<dyn Backend>) -> Store {
+        Store {
+            kind: Kind::Other(backend),
+        }
+    }
+
+    fn backend(&self) -> &dyn Backend {
+        match &self.kind {
+            Kind::Sled(kv) => kv,
+            Kind::Other(b) => b.as_ref(),
+        }
+    }
+
+    /// Back to a usable state after a failed write (sled opens its files again; a database
+    /// backend connects again), or after another coordinator led (caches are read again).
     pub fn reopen(&mut self) -> Result<(), StoreError> {
-        self.trees = None;
-        let trees = Trees::open(&self.path)?;
-        let generation = read_generation(&trees.meta).map_err(|source| StoreError::Open {
-            path: self.path.clone(),
-            source,
-        })?;
-        self.generation.store(generation, Ordering::Relaxed);
-        self.trees = Some(trees);
-        Ok(())
+        let result = match &mut self.kind {
+            Kind::Sled(kv) => kv.reopen(),
+            Kind::Other(b) => b.reopen(),
+        };
+        result.map_err(|source| StoreError::Reopen { source })
     }
 
-    /// Gives up the database without closing it. sled's close can wait forever on a disk that
-    /// is still full; a process leaving after a failed write calls this instead of dropping.
-    pub fn abandon(mut self) {
-        if let Some(trees) = self.trees.take() {
-            std::mem::forget(trees);
+    /// Gives up the store without closing it. sled's close can wait forever on a disk that is
+    /// still full; a process leaving after a failed write calls this instead of dropping.
+    pub fn abandon(self) {
+        match self.kind {
+            Kind::Sled(kv) => kv.abandon(),
+            Kind::Other(b) => drop(b),
         }
     }
 
-    /// The database directory.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Where the store is, for messages: a directory, or a database address.
+    pub fn describe(&self) -> String {
+        self.backend().describe()
     }
 
-    fn t(&self) -> Result<&Trees, sled::Error> {
-        self.trees.as_ref().ok_or_else(|| {
-            sled::Error::Io(std::io::Error::other(format!(
-                "the store at {} is closed: reopening it after a failed write did not succeed",
-                self.path.display()
-            )))
-        })
+    /// The sled directory, when the store is sled.
+    pub fn sled_path(&self) -> Option<&Path> {
+        match &self.kind {
+            Kind::Sled(kv) => Some(kv.path()),
+            Kind::Other(_) => None,
+        }
     }
 
-    fn strategies(&self) -> Records<'_> {
+    fn records(&self, tree: &'static str, kind: &'static str) -> Records<'_> {
         Records {
             store: self,
-            tree: |t| &t.strategies,
-            kind: "strategy",
+            tree,
+            kind,
         }
     }
 
-    fn groups(&self) -> Records<'_> {
-        Records {
-            store: self,
-            tree: |t| &t.device_groups,
-            kind: "device group",
-        }
-    }
-
-    fn enrollment_records(&self) -> Records<'_> {
-        Records {
-            store: self,
-            tree: |t| &t.enrollments,
-            kind: "device enrollment",
-        }
-    }
-
-    fn token_records(&self) -> Records<'_> {
-        Records {
-            store: self,
-            tree: |t| &t.used_tokens,
-            kind: "used enrollment token",
-        }
-    }
-
-    /// Stores (or replaces) a device's enrollment, flushed before returning.
+    /// Stores (or replaces) a device's enrollment, durable before returning.
     pub fn save_enrollment(&self, enrollment: &Enrollment) -> Result<(), StoreError> {
-        self.enrollment_records()
+        self.records(ENROLLMENTS, "device enrollment")
             .save(&enrollment.device, enrollment)
     }
 
     /// Every stored enrollment that decodes, in device order.
     pub fn list_enrollments(&self) -> Result<Vec<Enrollment>, StoreError> {
-        self.enrollment_records().list()
+        self.records(ENROLLMENTS, "device enrollment").list()
     }
 
     /// Records that the enrollment token with this sha256 (hex) is used up, at `at`.
     pub fn use_token(&self, digest: &str, at: u64) -> Result<(), StoreError> {
-        self.token_records().save(digest, &at)
+        self.records(USED_TOKENS, "used enrollment token")
+            .save(digest, &at)
     }
 
     /// The sha256 (hex) of every used-up enrollment token.
     pub fn used_tokens(&self) -> Result<Vec<String>, StoreError> {
-        let mut out = Vec::new();
-        let tree = &self
-            .t()
-            .map_err(|source| StoreError::Read { source })?
-            .used_tokens;
-        for item in tree.iter() {
-            let (key, _) = item.map_err(|source| StoreError::Read { source })?;
-            out.push(String::from_utf8_lossy(&key).into_owned());
-        }
-        Ok(out)
+        let entries = self
+            .backend()
+            .scan(USED_TOKENS)
+            .map_err(|source| StoreError::Read {
+                tree: USED_TOKENS,
+                source,
+            })?;
+        Ok(entries
+            .into_iter()
+            .map(|(key, _)| String::from_utf8_lossy(&key).into_owned())
+            .collect())
     }
 
-    /// Stores (or replaces) a staged strategy, flushed before returning.
+    /// Stores (or replaces) a staged strategy, durable before returning.
     pub fn save_strategy(&self, strategy: &StoredStrategy) -> Result<(), StoreError> {
-        self.strategies().save(&strategy.name, strategy)
+        self.records(STRATEGIES, "strategy")
+            .save(&strategy.name, strategy)
     }
 
     /// The stored strategy named `name`, if any.
     pub fn load_strategy(&self, name: &str) -> Result<Option<StoredStrategy>, StoreError> {
-        self.strategies().load(name)
+        self.records(STRATEGIES, "strategy").load(name)
     }
 
     /// Every stored strategy that decodes, in name order.
     pub fn list_strategies(&self) -> Result<Vec<StoredStrategy>, StoreError> {
-        self.strategies().list()
+        self.records(STRATEGIES, "strategy").list()
     }
 
     /// Removes a strategy; returns whether it was stored. Rollouts already created from it keep
     /// their resolved copy (KubeFleet's strategy snapshot).
     pub fn delete_strategy(&self, name: &str) -> Result<bool, StoreError> {
-        self.strategies().delete(name)
+        self.records(STRATEGIES, "strategy").delete(name)
     }
 
-    /// Stores (or replaces) a device group, flushed before returning.
+    /// Stores (or replaces) a device group, durable before returning.
     pub fn save_group(&self, group: &DeviceGroup) -> Result<(), StoreError> {
-        self.groups().save(&group.name, group)
+        self.records(DEVICE_GROUPS, "device group")
+            .save(&group.name, group)
     }
 
     /// The device group named `name`, if any.
     pub fn load_group(&self, name: &str) -> Result<Option<DeviceGroup>, StoreError> {
-        self.groups().load(name)
+        self.records(DEVICE_GROUPS, "device group").load(name)
     }
 
     /// Every stored device group that decodes, in name order.
     pub fn list_groups(&self) -> Result<Vec<DeviceGroup>, StoreError> {
-        self.groups().list()
+        self.records(DEVICE_GROUPS, "device group").list()
     }
 
     /// Removes a device group; returns whether it was stored.
     pub fn delete_group(&self, name: &str) -> Result<bool, StoreError> {
-        self.groups().delete(name)
+        self.records(DEVICE_GROUPS, "device group").delete(name)
     }
 
-    /// Writes a rollout and flushes it to disk before returning.
+    /// Writes a rollout, durable before returning.
     pub fn save_rollout(&self, rollout: &Rollout) -> Result<(), StoreError> {
-        let bytes = serde_json::to_vec(rollout).map_err(|source| StoreError::Encode {
-            rollout: rollout.name.clone(),
-            source,
-        })?;
-        let write_error = |source| StoreError::Write {
-            rollout: rollout.name.clone(),
-            source,
-        };
-        self.t()
-            .and_then(|t| t.rollouts.insert(rollout.name.as_bytes(), bytes))
-            .map_err(write_error)?;
-        self.commit().map_err(write_error)
+        self.records(ROLLOUTS, "rollout")
+            .save(&rollout.name, rollout)
     }
 
     /// Every stored rollout that decodes, in name order. Records that do not decode are logged
     /// and skipped.
     pub fn load_rollouts(&self) -> Result<Vec<Rollout>, StoreError> {
-        let mut rollouts = Vec::new();
-        let tree = &self
-            .t()
-            .map_err(|source| StoreError::Read { source })?
-            .rollouts;
-        for item in tree.iter() {
-            let (key, value) = item.map_err(|source| StoreError::Read { source })?;
-            let name = String::from_utf8_lossy(&key);
-            match serde_json::from_slice::<Rollout>(&value) {
-                Ok(rollout) => rollouts.push(rollout),
-                Err(error) => tracing::warn!(
-                    rollout = %name,
-                    %error,
-                    "skipping stored rollout {name:?}: it does not decode ({error}); it stays in the store"
-                ),
-            }
-        }
-        Ok(rollouts)
+        self.records(ROLLOUTS, "rollout").list()
+    }
+
+    /// Removes a rollout; removing one that is not stored is not an error.
+    pub fn delete_rollout(&self, name: &str) -> Result<(), StoreError> {
+        self.backend()
+            .write(vec![Op::remove(ROLLOUTS, name)])
+            .map_err(|source| StoreError::Delete {
+                kind: "rollout",
+                name: name.to_owned(),
+                source,
+            })
     }
 
     /// The `issued_at` of the last desired action signed for each device. Entries that do not
     /// decode are skipped: the sequence then restarts from the clock for that device.
     pub fn load_issued(&self) -> Result<HashMap<String, u64>, StoreError> {
-        let mut issued = HashMap::new();
-        let tree = &self
-            .t()
-            .map_err(|source| StoreError::Read { source })?
-            .issued;
-        for item in tree.iter() {
-            let (key, value) = item.map_err(|source| StoreError::Read { source })?;
-            if let (Ok(device), Ok(at)) = (
-                String::from_utf8(key.to_vec()),
-                <[u8; 8]>::try_from(value.as_ref()),
-            ) {
-                issued.insert(device, u64::from_be_bytes(at));
-            }
-        }
-        Ok(issued)
+        let entries = self
+            .backend()
+            .scan(ISSUED)
+            .map_err(|source| StoreError::Read {
+                tree: ISSUED,
+                source,
+            })?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|(key, value)| {
+                Some((
+                    String::from_utf8(key).ok()?,
+                    u64::from_be_bytes(<[u8; 8]>::try_from(value.as_slice()).ok()?),
+                ))
+            })
+            .collect())
     }
 
     /// The [`published_digest`] of the last desired action published for `device`, if known.
     pub fn published(&self, device: &str) -> Option<[u8; 32]> {
-        let value = self.t().ok()?.published.get(device.as_bytes()).ok()??;
-        <[u8; 32]>::try_from(value.as_ref()).ok()
+        let value = self.backend().get(PUBLISHED, device.as_bytes()).ok()??;
+        <[u8; 32]>::try_from(value.as_slice()).ok()
     }
 
     /// Records the [`published_digest`] of the desired action just published for `device`. Not
-    /// flushed here (the rollout save before every publish flushes); a digest that is lost or
+    /// durable here (the rollout save before every publish commits); a digest that is lost or
     /// stale only means a signature check.
-    pub fn save_published(&self, device: &str, digest: &[u8; 32]) -> Result<(), sled::Error> {
-        self.t()?
-            .published
-            .insert(device.as_bytes(), digest.as_slice())?;
-        Ok(())
+    pub fn save_published(&self, device: &str, digest: &[u8; 32]) -> Result<(), BackendError> {
+        self.backend()
+            .put_lazily(PUBLISHED, device.as_bytes(), digest.as_slice())
     }
 
-    /// Records the `issued_at` of the desired action just signed for `device`. Not flushed
-    /// here: the rollout save that precedes every publish flushes the database.
+    /// Records the `issued_at` of the desired action just signed for `device`. Not durable
+    /// here: the next commit takes it along, and a coordinator that starts (or takes over) also
+    /// reads the sequence back from the retained desired actions.
     pub fn save_issued(&self, device: &str, at: u64) -> Result<(), StoreError> {
-        self.t()
-            .and_then(|t| t.issued.insert(device.as_bytes(), &at.to_be_bytes()))
+        self.backend()
+            .put_lazily(ISSUED, device.as_bytes(), &at.to_be_bytes())
             .map_err(|source| StoreError::WriteIssued {
                 device: device.to_owned(),
                 source,
-            })?;
-        Ok(())
-    }
-
-    /// Removes a rollout; removing one that is not stored is not an error.
-    pub fn delete_rollout(&self, name: &str) -> Result<(), StoreError> {
-        let delete_error = |source| StoreError::Delete {
-            rollout: name.to_owned(),
-            source,
-        };
-        self.t()
-            .and_then(|t| t.rollouts.remove(name.as_bytes()))
-            .map_err(delete_error)?;
-        self.commit().map_err(delete_error)
-    }
-
-    /// Makes everything written so far durable as one commit: bumps the generation in the same
-    /// flush, then seals it. A seal that cannot be written fails the commit like a flush would
-    /// (it is the same disk).
-    fn commit(&self) -> Result<(), sled::Error> {
-        let next = self.generation.load(Ordering::Relaxed) + 1;
-        let t = self.t()?;
-        t.meta.insert(GENERATION, &next.to_be_bytes())?;
-        t.db.flush()?;
-        release_deferred_frees();
-        self.generation.store(next, Ordering::Relaxed);
-        self.seal.write(next).map_err(|e| {
-            sled::Error::Io(std::io::Error::new(
-                e.kind(),
-                format!(
-                    "cannot write the store seal {}: {e}",
-                    self.seal.path().display()
-                ),
-            ))
-        })
-    }
-
-    /// Commits so far.
-    pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Relaxed)
-    }
-
-    /// Whether the store holds every commit its seal remembers (see `seal.rs`).
-    pub fn check_seal(&self) -> Result<SealCheck, StoreError> {
-        self.seal
-            .check(self.generation())
-            .map_err(|reason| StoreError::Seal {
-                path: self.seal.path().to_owned(),
-                reason,
             })
+    }
+
+    /// Commits so far (sled; 0 on other backends).
+    pub fn generation(&self) -> u64 {
+        match &self.kind {
+            Kind::Sled(kv) => kv.generation(),
+            Kind::Other(_) => 0,
+        }
+    }
+
+    /// Whether the store holds every commit its seal remembers (see `seal.rs`). Only sled has
+    /// a seal: a database keeps its own write-ahead log.
+    pub fn check_seal(&self) -> Result<SealCheck, StoreError> {
+        match &self.kind {
+            Kind::Sled(kv) => kv.check_seal().map_err(|reason| StoreError::Seal {
+                path: kv.seal_path().to_owned(),
+                reason,
+            }),
+            Kind::Other(_) => Ok(SealCheck::Intact),
+        }
     }
 
     /// Seals the store at its current generation: after an operator accepted a loss, or after
     /// a restore.
     pub fn reseal(&self) -> Result<(), StoreError> {
-        self.seal
-            .write(self.generation())
-            .map_err(|e| StoreError::Seal {
-                path: self.seal.path().to_owned(),
-                reason: e.to_string(),
-            })
+        match &self.kind {
+            Kind::Sled(kv) => kv.reseal().map_err(|reason| StoreError::Seal {
+                path: kv.seal_path().to_owned(),
+                reason,
+            }),
+            Kind::Other(_) => Ok(()),
+        }
     }
 
     /// Every record of every tree, tree by tree in [`TREES`] order, keys in order.
     pub fn export(&self) -> Result<Vec<Record>, StoreError> {
         let mut out = Vec::new();
-        for name in TREES {
-            let tree = self
-                .t()
-                .and_then(|t| t.db.open_tree(name))
-                .map_err(|source| StoreError::Read { source })?;
-            for item in tree.iter() {
-                let (key, value) = item.map_err(|source| StoreError::Read { source })?;
-                out.push((name, key.to_vec(), value.to_vec()));
-            }
+        for tree in TREES {
+            let entries = self
+                .backend()
+                .scan(tree)
+                .map_err(|source| StoreError::Read { tree, source })?;
+            out.extend(entries.into_iter().map(|(k, v)| (tree, k, v)));
         }
         Ok(out)
     }
 
     /// Whether the store holds no records at all.
     pub fn is_empty(&self) -> bool {
-        TREES
-            .iter()
-            .filter_map(|name| self.t().ok()?.db.open_tree(name).ok())
-            .all(|tree| tree.is_empty())
+        self.backend().is_empty().unwrap_or(false)
     }
 
-    /// Writes exported records (see [`Store::export`]) and commits them; trees not in
-    /// [`TREES`] are refused by the caller. The generation becomes the imported one plus this
+    /// Writes exported records (see [`Store::export`]) as one commit; trees not in [`TREES`]
+    /// are refused by the caller. On sled the generation becomes the imported one plus this
     /// commit.
     pub fn import(&self, records: &[(String, Vec<u8>, Vec<u8>)]) -> Result<(), StoreError> {
-        for (tree, key, value) in records {
-            let tree = self
-                .t()
-                .and_then(|t| t.db.open_tree(tree))
-                .map_err(|source| StoreError::Import { source })?;
-            tree.insert(key.as_slice(), value.as_slice())
-                .map_err(|source| StoreError::Import { source })?;
-        }
-        let imported = self
-            .t()
-            .and_then(|t| read_generation(&t.meta))
-            .map_err(|source| StoreError::Import { source })?;
-        self.generation.store(imported, Ordering::Relaxed);
-        self.commit()
+        let ops = records
+            .iter()
+            .map(|(tree, key, value)| Op::put(tree, key.clone(), value.clone()))
+            .collect();
+        self.backend()
+            .write(ops)
             .map_err(|source| StoreError::Import { source })
     }
-}
-
-impl Trees {
-    fn open(path: &Path) -> Result<Trees, StoreError> {
-        let open_error = |source| StoreError::Open {
-            path: path.to_owned(),
-            source,
-        };
-        remove_empty_snapshots(path);
-        let db = sled::Config::new()
-            .path(path)
-            .cache_capacity(CACHE_CAPACITY)
-            .open()
-            .map_err(open_error)?;
-        Ok(Trees {
-            meta: db.open_tree(META).map_err(open_error)?,
-            rollouts: db.open_tree(ROLLOUTS).map_err(open_error)?,
-            strategies: db.open_tree(STRATEGIES).map_err(open_error)?,
-            device_groups: db.open_tree(DEVICE_GROUPS).map_err(open_error)?,
-            issued: db.open_tree(ISSUED).map_err(open_error)?,
-            published: db.open_tree(PUBLISHED).map_err(open_error)?,
-            enrollments: db.open_tree(ENROLLMENTS).map_err(open_error)?,
-            used_tokens: db.open_tree(USED_TOKENS).map_err(open_error)?,
-            db,
-        })
-    }
-}
-
-/// An open that ran out of space leaves an empty snapshot file behind, and sled then refuses
-/// the database as corrupt even once there is room. An empty snapshot holds nothing: removing it
-/// makes sled rebuild the snapshot from its log, which holds the data.
-fn remove_empty_snapshots(db: &Path) {
-    let Ok(entries) = std::fs::read_dir(db) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let empty = entry.metadata().is_ok_and(|m| m.is_file() && m.len() == 0);
-        if empty && name.to_string_lossy().starts_with("snap.") {
-            tracing::warn!(file = %entry.path().display(), "removing an empty store snapshot left by an earlier start that ran out of space");
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
-
-/// The generation stored in `meta` (0 for a store without one).
-fn read_generation(meta: &sled::Tree) -> Result<u64, sled::Error> {
-    Ok(meta
-        .get(GENERATION)?
-        .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
-        .map_or(0, u64::from_be_bytes))
 }
 
 #[cfg(test)]
@@ -800,10 +657,8 @@ mod tests {
         let store = Store::open(dir.path().join("db")).expect("opens");
         store.save_rollout(&rollout("good")).expect("saved");
         store
-            .t()
-            .expect("open")
-            .rollouts
-            .insert("broken", &b"{\"name\": 3"[..])
+            .backend()
+            .write(vec![Op::put(ROLLOUTS, "broken", &b"{\"name\": 3"[..])])
             .expect("raw insert");
         let loaded = store
             .load_rollouts()
@@ -814,11 +669,10 @@ mod tests {
         );
         assert!(
             store
-                .t()
-                .expect("open")
-                .rollouts
-                .contains_key("broken")
-                .expect("reads"),
+                .backend()
+                .get(ROLLOUTS, b"broken")
+                .expect("reads")
+                .is_some(),
             "the bad record is kept for inspection"
         );
     }
@@ -923,13 +777,12 @@ mod tests {
             .save_group(&group("good", "env=prod", &[]))
             .expect("saved");
         store
-            .t()
-            .expect("open")
-            .device_groups
-            .insert(
+            .backend()
+            .write(vec![Op::put(
+                DEVICE_GROUPS,
                 "broken",
                 &br#"{"name":"broken","select":"env in ()","labels":{}}"#[..],
-            )
+            )])
             .expect("raw insert");
         let names: Vec<String> = store
             .list_groups()
