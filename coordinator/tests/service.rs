@@ -115,6 +115,7 @@ fn harness() -> Harness {
         verify_threads: 2,
         marker_timeout: Duration::from_secs(30),
         watch_sys_dropped: false,
+        store: Default::default(),
     };
     let coordinator_pub = keys::load_public_key(&keys_dir.join("coordinator.pub")).expect("pub");
     Harness {

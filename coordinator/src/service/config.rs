@@ -15,6 +15,7 @@ use flotilla_protocol::operator::Role;
 use flotilla_protocol::VerifyingKey;
 use serde::Deserialize;
 
+use crate::service::config_store::{RawStore, StoreConfig};
 use crate::service::tokens::{token_strength, TOKEN_MIN_BITS};
 
 /// The commented default configuration.
@@ -148,6 +149,8 @@ pub struct Config {
     /// Subscribe to the count of messages the broker dropped, where Mosquitto publishes it
     /// (`[service] watch_sys_dropped`; default off; `coverage.rs`).
     pub watch_sys_dropped: bool,
+    /// Where the state is kept (`[store]`): sled in `data_dir` (the default) or PostgreSQL.
+    pub store: StoreConfig,
 }
 
 /// The most `[service] marker_timeout` may ask for, in seconds.
@@ -284,6 +287,8 @@ struct RawConfig {
     metrics: RawMetrics,
     #[serde(default)]
     service: RawService,
+    #[serde(default)]
+    store: RawStore,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -698,7 +703,16 @@ impl TryFrom<Located<'_>> for Config {
             attempts_per_second: raw.enrollment.attempts_per_second,
             device_attempts_per_minute: raw.enrollment.device_attempts_per_minute,
         };
+        let store = raw
+            .store
+            .validate(&base, &|name| std::env::var(name).ok())
+            .map_err(|e| ConfigError::Field {
+                field: e.field,
+                value: e.value,
+                reason: e.reason,
+            })?;
         Ok(Config {
+            store,
             metrics,
             verify_threads,
             marker_timeout,

@@ -52,6 +52,7 @@ pub mod artifacts;
 pub mod backup;
 pub mod broker;
 pub mod config;
+pub mod config_store;
 pub mod coverage;
 mod dispatch;
 mod effects;
