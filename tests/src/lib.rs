@@ -23,6 +23,7 @@
 //! test panics, the harness prints the tail of every process's log.
 
 pub mod bridge;
+pub mod coordinators;
 pub mod disk;
 pub mod mqtt;
 pub mod nats;

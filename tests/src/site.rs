@@ -99,6 +99,10 @@ impl Process {
         Process { child, log }
     }
 
+    pub(crate) fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -131,6 +135,8 @@ pub struct Site {
     broker: Option<Process>,
     secure: Option<SecureBroker>,
     coordinator: Option<Process>,
+    /// Coordinators started by name, beside or instead of `coordinator` (`coordinators.rs`).
+    pub(crate) named: BTreeMap<String, Process>,
     agents: BTreeMap<String, Process>,
     agent_options: BTreeMap<String, AgentOptions>,
     /// Operators in the coordinator's config: name and role. `admin` (role admin) always.
@@ -166,6 +172,9 @@ impl Drop for Site {
             p.kill();
         }
         if let Some(p) = self.coordinator.as_mut() {
+            p.kill();
+        }
+        for p in self.named.values_mut() {
             p.kill();
         }
         if let Some(p) = self.broker.as_mut() {
@@ -213,6 +222,7 @@ impl Site {
             broker,
             secure,
             coordinator: None,
+            named: BTreeMap::new(),
             agents: BTreeMap::new(),
             agent_options: BTreeMap::new(),
             operators: Vec::new(),
@@ -418,9 +428,8 @@ impl Site {
         *self.metrics_port.get_or_insert_with(free_port)
     }
 
-    /// Starts (or restarts) `flotilla serve`.
-    pub fn start_coordinator(&mut self) {
-        let config = self.path("coordinator.toml");
+    /// The coordinator config the site writes (followed by [`Site::coordinator_config`]).
+    pub(crate) fn base_coordinator_config(&self) -> String {
         let mut text = format!(
             "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
             self.path("coordinator"),
@@ -448,19 +457,31 @@ impl Site {
         if let Some(port) = self.metrics_port {
             text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
         }
-        text.push_str(&self.coordinator_config);
-        fs::write(&config, text).expect("write coordinator config");
+        text
+    }
+
+    /// `flotilla serve --config {config}`, logging at info, without the environment's broker
+    /// settings (`serve` takes those over its config file; the site's config is what counts).
+    pub(crate) fn serve_command(config: &Path) -> Command {
         let mut command = Command::new(bin("flotilla"));
         command
             .args(["serve", "--config"])
-            .arg(&config)
+            .arg(config)
             .env("RUST_LOG", "info");
-        // `serve` takes these over its config file; the site's config is what must count.
         for (name, _) in std::env::vars() {
             if name.starts_with("FLOTILLA_BROKER") || name == "FLOTILLA_TOPIC_ROOT" {
                 command.env_remove(name);
             }
         }
+        command
+    }
+
+    /// Starts (or restarts) `flotilla serve`.
+    pub fn start_coordinator(&mut self) {
+        let config = self.path("coordinator.toml");
+        let text = self.base_coordinator_config() + &self.coordinator_config;
+        fs::write(&config, text).expect("write coordinator config");
+        let command = Self::serve_command(&config);
         self.coordinator = Some(Process::spawn(command, self.path("coordinator.log")));
     }
 
@@ -784,6 +805,7 @@ max_bytes_per_sec = {rate}
         let mut logs: Vec<&Path> = self.agents.values().map(|p| p.log.as_path()).collect();
         let coordinator_log = self.path("coordinator.log");
         logs.push(&coordinator_log);
+        logs.extend(self.named.values().map(|p| p.log.as_path()));
         for log in logs {
             if let Ok(text) = fs::read_to_string(log) {
                 let tail: Vec<&str> = text.lines().rev().take(40).collect();

@@ -221,6 +221,14 @@ impl Service {
         retain: bool,
         payload: Vec<u8>,
     ) -> Result<(), ServiceError> {
+        // The last moment to find out that another coordinator may lead by now: a deposed
+        // leader (stopped, or cut off from the database) publishes nothing after it wakes.
+        if self.fenced {
+            return Err(self.deposed("a store write was fenced off by a newer lease"));
+        }
+        if !self.leadership.leads() {
+            return Err(self.deposed("the lease may have expired"));
+        }
         if let Err(why) = publishable(&topic, payload.len()) {
             self.unpublishable += 1;
             tracing::warn!(

@@ -21,12 +21,12 @@ pub enum ServiceError {
     /// The store's own error already names the path.
     #[error("{source}")]
     OpenStore { path: PathBuf, source: StoreError },
-    #[error("cannot load rollouts from {path}: {source}")]
-    LoadRollouts { path: PathBuf, source: StoreError },
-    #[error("cannot load device groups from {path}: {source}")]
-    LoadGroups { path: PathBuf, source: StoreError },
-    #[error("cannot load the per-device action sequence from {path}: {source}")]
-    LoadSequence { path: PathBuf, source: StoreError },
+    #[error("cannot load rollouts from {store}: {source}")]
+    LoadRollouts { store: String, source: StoreError },
+    #[error("cannot load device groups from {store}: {source}")]
+    LoadGroups { store: String, source: StoreError },
+    #[error("cannot load the per-device action sequence from {store}: {source}")]
+    LoadSequence { store: String, source: StoreError },
     #[error(
         "the store at {} holds {stored} commits but {sealed} were acknowledged (its seal {}): \
          {} acknowledged writes are missing, the newest rollouts or device records may be lost. \
@@ -52,8 +52,15 @@ pub enum ServiceError {
     LinkClosed { addr: String },
     #[error("cannot read the authorized device keys {path}: {reason}")]
     AuthorizedKeys { path: PathBuf, reason: String },
-    #[error("cannot load device enrollments from {path}: {source}")]
-    LoadEnrollments { path: PathBuf, source: StoreError },
+    #[error("cannot load device enrollments from {store}: {source}")]
+    LoadEnrollments { store: String, source: StoreError },
     #[error(transparent)]
     Metrics(#[from] metrics::ListenError),
+    /// This coordinator no longer holds the lease of a shared store: it stops publishing and
+    /// writing at once and goes back to being a standby (`shared.rs`).
+    #[error("this coordinator stopped leading (its lease epoch was {epoch}): {reason}")]
+    Deposed { epoch: u64, reason: String },
+    /// The shared store could not be reached or used at start.
+    #[error("{reason}")]
+    SharedStore { reason: String },
 }

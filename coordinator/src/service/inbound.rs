@@ -51,7 +51,10 @@ impl Service {
     pub(super) fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) -> Vec<Effect> {
         let found = self.our_desired_action(id, payload);
         match &found {
-            Some(action) => self.hold(id.as_str(), &action.body),
+            Some(action) => {
+                self.sequence.observe(id.as_str(), action.issued_at);
+                self.hold(id.as_str(), &action.body)
+            }
             None if payload.is_empty() => {
                 self.holdings.remove(id.as_str());
             }

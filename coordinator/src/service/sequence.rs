@@ -33,6 +33,20 @@ impl ActionSequence {
         Self { last }
     }
 
+    /// An action signed for `device` with this key and this `issued_at` is out there (read
+    /// back from the broker's retained `desired` topic): the next one must be newer. This is
+    /// how a coordinator that takes over a shared store continues above the last leader's
+    /// sequence even where the last leader could not store it before it died.
+    pub fn observe(&mut self, device: &str, issued_at: u64) {
+        match self.last.get_mut(device) {
+            Some(last) if *last >= issued_at => {}
+            Some(last) => *last = issued_at,
+            None => {
+                self.last.insert(device.to_owned(), issued_at);
+            }
+        }
+    }
+
     /// The `issued_at` for the next action to `device`: `now`, or one more than the last one
     /// when the clock has not moved past it.
     pub fn next(&mut self, device: &str, now: u64) -> u64 {
@@ -86,6 +100,16 @@ mod tests {
     fn a_restart_continues_above_the_stored_value_even_when_the_clock_went_back() {
         let mut seq = ActionSequence::new(HashMap::from([("dev-1".to_owned(), 500)]));
         assert_eq!(seq.next("dev-1", 400), 501);
+    }
+
+    #[test]
+    fn an_action_read_back_from_the_broker_moves_the_sequence_past_it() {
+        let mut seq = ActionSequence::new(HashMap::from([("dev-1".to_owned(), 500)]));
+        seq.observe("dev-1", 520);
+        seq.observe("dev-1", 510);
+        seq.observe("dev-2", 530);
+        assert_eq!(seq.next("dev-1", 400), 521, "above what the last leader published");
+        assert_eq!(seq.next("dev-2", 400), 531, "a device the store did not know yet");
     }
 
     /// issue 10, case 5: a month issued ahead while the clock was wrong does not keep every

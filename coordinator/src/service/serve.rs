@@ -49,7 +49,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_protocol::Topics;
+use flotilla_protocol::{SigningKey, Topics};
 use tokio_util::sync::CancellationToken;
 
 use crate::service::error::ServiceError;
@@ -68,6 +68,9 @@ use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
+use crate::service::config_store::StoreConfig;
+use crate::service::leadership::{Leadership, Role, Sole};
+use crate::service::shared;
 use crate::service::store::Store;
 use crate::service::store_health::{self, StoreHealth};
 use crate::service::verify::{self, KeyCache};
@@ -96,6 +99,20 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         None => None,
     };
     let key = keys::load_secret_key(&config.coordinator_key)?;
+    match &config.store {
+        StoreConfig::Sled => {
+            let opening = std::time::Instant::now();
+            let store = open_sled(&config)?;
+            let me = Arc::new(Sole::new(config.broker.client_id.clone()));
+            lead(&config, key, store, me, opening, shutdown).await
+        }
+        StoreConfig::Postgres(pg) => shared::serve_shared(&config, pg, key, shutdown).await,
+    }
+}
+
+/// Opens the sled store in the data directory, releasing the disk reserve when the disk is
+/// full, and refuses a store that lost acknowledged commits (its seal says so).
+fn open_sled(config: &Config) -> Result<Store, ServiceError> {
     let db = config.data_dir.join("db");
     // sled writes while it opens; an open that runs out of space can leave the store unreadable.
     // Errors other than a full disk (a missing or unwritable directory) are left to the store's
@@ -115,7 +132,6 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         }
         _ => {}
     }
-    let opening = std::time::Instant::now();
     let store = Store::open(&db).map_err(|source| ServiceError::OpenStore {
         path: db.clone(),
         source,
@@ -135,24 +151,39 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         }
         SealCheck::Unsealed | SealCheck::Intact => {}
     }
+    Ok(store)
+}
+
+/// Leads: loads everything from `store`, connects, and runs the service loop until `shutdown`
+/// is cancelled or, on a shared store, the lease is lost ([`ServiceError::Deposed`]).
+pub(super) async fn lead(
+    config: &Config,
+    key: SigningKey,
+    store: Store,
+    leadership: Arc<dyn Leadership>,
+    opening: std::time::Instant,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    let db = store.describe();
+    let store_is_sled = store.sled_path().is_some();
     let opened_ms = opening.elapsed().as_millis();
     let rollouts = store
         .load_rollouts()
         .map_err(|source| ServiceError::LoadRollouts {
-            path: db.clone(),
+            store: db.clone(),
             source,
         })?;
     let rollouts_ms = opening.elapsed().as_millis() - opened_ms;
     let groups = store
         .list_groups()
         .map_err(|source| ServiceError::LoadGroups {
-            path: db.clone(),
+            store: db.clone(),
             source,
         })?;
     let issued = store
         .load_issued()
         .map_err(|source| ServiceError::LoadSequence {
-            path: db.clone(),
+            store: db.clone(),
             source,
         })?;
     let authorized = match &config.enrollment.authorized_keys {
@@ -166,7 +197,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             })?,
     };
     let load_enrollments = |source| ServiceError::LoadEnrollments {
-        path: db.clone(),
+        store: db.clone(),
         source,
     };
     let registry = Registry::new(
@@ -186,7 +217,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
     engine.set_device_groups(groups);
     // Where a restart's time goes before the coordinator connects (docs/performance.md).
     tracing::info!(rollouts = rollout_count, device_groups = group_count, enrollments = registry.all().count(),
-        data_dir = %config.data_dir.display(), store_open_ms = opened_ms, rollouts_ms,
+        store = %db, epoch = leadership.epoch(), store_open_ms = opened_ms, rollouts_ms,
         other_records_ms = loaded_ms - opened_ms - rollouts_ms, engine_ms = opening.elapsed().as_millis() - loaded_ms,
         "coordinator starting");
 
@@ -294,7 +325,10 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
         coverage,
         lane_open,
+        leadership: leadership.clone(),
+        fenced: false,
     };
+    let mut role = leadership.watch();
 
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -329,6 +363,11 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             _ = tokio::time::sleep_until(marker_wait), if marker_due.is_some() => {
                 service.marker_overdue().await
             }
+            // A shared store's lease lost: stop at once, before anything else is published.
+            _ = role.changed() => match &*role.borrow_and_update() {
+                Role::Leader { .. } => Ok(()),
+                Role::Standby { .. } => Err(service.deposed("the lease was not renewed in time")),
+            },
             _ = ticker.tick() => {
                 lane_streak = 0;
                 let _timing = service.metrics.input("tick");
@@ -347,14 +386,14 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
         }
         service.refresh_metrics();
     };
-    if result.is_ok() {
+    if result.is_ok() && leadership.leads() {
         // Persist whatever per-device progress the last tick has not saved yet.
         let effects = service.engine.tick(now());
         service.apply(effects).await?;
     }
     link_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
-    if service.health.is_failing() {
+    if service.health.is_failing() && store_is_sled {
         // Closing a sled instance after a failed write can wait forever on a full disk; what
         // it acknowledged is on disk already.
         service.store.abandon();

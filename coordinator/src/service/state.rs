@@ -15,6 +15,7 @@ use crate::service::error::ServiceError;
 use crate::service::artifacts::BlockServer;
 use crate::service::coverage::Coverage;
 use crate::service::enrollment::{Ignored, IgnoredLog, Registry};
+use crate::service::leadership::Leadership;
 use crate::service::loading::Loading;
 use crate::service::metrics::{Malformed, Metrics, Totals};
 use crate::service::operators::Gate;
@@ -88,6 +89,10 @@ pub(super) struct Service {
     /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
     /// loading. Afterwards they are read in arrival order with everything else.
     pub(super) lane_open: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether this coordinator leads (always, on sled; by the lease, on a shared store).
+    pub(super) leadership: Arc<dyn Leadership>,
+    /// A write was refused because another coordinator leads now: nothing more goes out.
+    pub(super) fenced: bool,
 }
 
 /// A control request that passed the gate and waits for the registry to be complete.
@@ -187,8 +192,25 @@ impl Service {
         error.to_string()
     }
 
+    /// Why this coordinator stops leading, for the log and the error it stops with.
+    pub(super) fn deposed(&self, reason: &str) -> ServiceError {
+        ServiceError::Deposed {
+            epoch: self.leadership.epoch(),
+            reason: reason.to_owned(),
+        }
+    }
+
     /// A store write failed: from now on nothing that needs it goes out (`store_health.rs`).
+    /// A write fenced off because another coordinator leads stops everything instead.
     pub(super) fn store_failed(&mut self, error: &StoreError) {
+        if error.is_fenced() {
+            if !self.fenced {
+                tracing::warn!(store = %self.store.describe(), %error,
+                    "another coordinator leads now: this one publishes nothing more and steps down");
+            }
+            self.fenced = true;
+            return;
+        }
         if self.health.fail(error.to_string(), now()) {
             tracing::error!(store = %self.store.describe(), %error,
                 "the store cannot be written: refusing changes and holding back device actions until it can");

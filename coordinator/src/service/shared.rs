@@ -1,0 +1,214 @@
+//! Coordinators that share one PostgreSQL store: one leads, the others stand by.
+//!
+//! Each `flotilla serve` with a `[store] url` starts the lease (`store/postgres/lease.rs`) and
+//! stands by until it holds it. A standby stays connected to the broker for one thing: a
+//! client must get exactly one answer per control request, the leader's. So while the lease
+//! is live a standby says nothing; when no coordinator holds it, a standby answers every
+//! request with who led last and since when, so the CLI does not wait out its timeout in
+//! silence.
+//!
+//! Once it holds the lease, the coordinator connects its store with every write fenced by the
+//! lease's epoch and runs the service exactly as a coordinator on sled does (`serve.rs`), from
+//! what the last leader stored. Losing the lease ends that run at once
+//! ([`ServiceError::Deposed`]): nothing more is published or written, and the coordinator
+//! stands by again. Decision 0044 has the argument why devices never act on a deposed leader.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_protocol::control::ControlReply;
+use flotilla_protocol::{SigningKey, Topics};
+use rumqttc::QoS;
+use tokio_util::sync::CancellationToken;
+
+use crate::service::config::Config;
+use crate::service::config_store::PostgresConfig;
+use crate::service::error::ServiceError;
+use crate::service::leadership::{Leadership, LeaseView, Role};
+use crate::service::mqtt::{self, LinkEvent, LinkOptions};
+use crate::service::operators::Gate;
+use crate::service::serve::lead;
+use crate::service::state::now;
+use crate::service::store::postgres::{Fence, Lease, PgBackend, PgSettings};
+use crate::service::store::Store;
+
+/// Runs a coordinator on a shared store until `shutdown` is cancelled: standing by, leading
+/// when it holds the lease, standing by again when it loses it.
+pub(crate) async fn serve_shared(
+    config: &Config,
+    pg: &PostgresConfig,
+    key: SigningKey,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    let settings = PgSettings::from_config(pg);
+    // Two coordinators with one client id would take each other's broker connection.
+    let mut config = config.clone();
+    config.broker.client_id = format!("{}-{}", config.broker.client_id, pg.coordinator_id);
+    let lease = {
+        let (settings, me, client, timing) = (
+            settings.clone(),
+            pg.coordinator_id.clone(),
+            config.broker.client_id.clone(),
+            pg.lease,
+        );
+        tokio::task::spawn_blocking(move || Lease::start(&settings, me, client, timing))
+            .await
+            .map_err(|e| ServiceError::SharedStore {
+                reason: format!("the lease task failed: {e}"),
+            })?
+            .map_err(|e| ServiceError::SharedStore {
+                reason: e.to_string(),
+            })?
+    };
+    tracing::info!(coordinator = %pg.coordinator_id, store = %pg.url, client = %config.broker.client_id,
+        lease_ttl_s = pg.lease.ttl.as_secs(), lease_renew_s = pg.lease.renew_every.as_secs(),
+        "sharing the store with other coordinators: standing by until this one holds the lease");
+    let result = loop {
+        match standby(&config, pg, &lease, &shutdown).await {
+            Ok(true) => {}
+            Ok(false) => break Ok(()),
+            Err(e) => break Err(e),
+        }
+        let opening = std::time::Instant::now();
+        let connect = {
+            let (settings, fence) = (settings.clone(), Fence::Lease(lease.clone()));
+            tokio::task::spawn_blocking(move || PgBackend::connect(&settings, fence)).await
+        };
+        let backend = match connect {
+            Ok(Ok(backend)) => backend,
+            Ok(Err(e)) => break Err(ServiceError::SharedStore {
+                reason: e.to_string(),
+            }),
+            Err(e) => break Err(ServiceError::SharedStore {
+                reason: format!("the store task failed: {e}"),
+            }),
+        };
+        tracing::info!(coordinator = %pg.coordinator_id, epoch = lease.epoch(), "this coordinator leads now");
+        let store = Store::on(Box::new(backend));
+        let leadership: Arc<dyn Leadership> = lease.clone();
+        match lead(&config, key.clone(), store, leadership, opening, shutdown.clone()).await {
+            Err(ServiceError::Deposed { epoch, reason }) => {
+                tracing::warn!(coordinator = %pg.coordinator_id, epoch, %reason,
+                    "stopped leading: nothing more is published or written; standing by again");
+            }
+            other => break other,
+        }
+    };
+    // A clean stop hands the lease over at once instead of after its time-to-live.
+    let leaving = lease.clone();
+    let _ = tokio::task::spawn_blocking(move || leaving.step_down()).await;
+    result
+}
+
+/// Stands by until this coordinator leads (`true`) or `shutdown` is cancelled (`false`),
+/// answering control requests only while no coordinator leads.
+async fn standby(
+    config: &Config,
+    pg: &PostgresConfig,
+    lease: &Arc<Lease>,
+    shutdown: &CancellationToken,
+) -> Result<bool, ServiceError> {
+    let (me, renew_every) = (pg.coordinator_id.as_str(), pg.lease.renew_every);
+    let mut role = lease.watch();
+    if lease.leads() {
+        return Ok(true);
+    }
+    let topics = Topics::new(&config.broker.topic_root);
+    let mut gate = Gate::new(
+        config.operators.clone(),
+        config.clock_window,
+        topics.clone(),
+        now(),
+    )
+    .with_limits(config.control_limits);
+    let link_token = CancellationToken::new();
+    let options = LinkOptions::with_connection(
+        config.connection(),
+        config.broker.client_id.clone(),
+        vec![topics.control_request()],
+    );
+    let mut link = mqtt::start(options, link_token.clone());
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break Ok(false),
+            changed = role.changed() => {
+                if changed.is_err() {
+                    break Err(ServiceError::SharedStore {
+                        reason: "the lease task stopped".to_owned(),
+                    });
+                }
+                if matches!(*role.borrow_and_update(), Role::Leader { .. }) {
+                    break Ok(true);
+                }
+            }
+            event = link.events.recv() => match event {
+                Some(LinkEvent::Publish { topic, payload }) if topic == topics.control_request() => {
+                    let view = lease.status().lease;
+                    if view.as_ref().is_some_and(LeaseView::is_live) {
+                        continue; // the leader answers
+                    }
+                    let (reply_to, reply) = match gate.check(&payload, now()) {
+                        Ok(authorized) => (
+                            authorized.request.reply_to,
+                            ControlReply {
+                                id: authorized.request.id,
+                                ok: false,
+                                error: Some(leaderless(view.as_ref(), me, renew_every)),
+                                result: serde_json::Value::Null,
+                                loading: false,
+                            },
+                        ),
+                        Err(refusal) => match refusal.reply_to {
+                            Some(reply_to) => (
+                                reply_to,
+                                ControlReply {
+                                    id: refusal.id.unwrap_or_default(),
+                                    ok: false,
+                                    error: Some(refusal.reason),
+                                    result: serde_json::Value::Null,
+                                    loading: false,
+                                },
+                            ),
+                            None => continue,
+                        },
+                    };
+                    let bytes = serde_json::to_vec(&reply).unwrap_or_default();
+                    let _ = link.client.publish(reply_to, QoS::AtLeastOnce, false, bytes).await;
+                }
+                Some(_) => {}
+                None => {
+                    // The link ended (it reconnects by itself otherwise); start it again.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let options = LinkOptions::with_connection(
+                        config.connection(),
+                        config.broker.client_id.clone(),
+                        vec![topics.control_request()],
+                    );
+                    link = mqtt::start(options, link_token.clone());
+                }
+            },
+        }
+    };
+    link_token.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), link.task).await;
+    outcome
+}
+
+/// What a standby answers while no coordinator leads.
+fn leaderless(view: Option<&LeaseView>, me: &str, renew_every: Duration) -> String {
+    match view {
+        Some(v) if v.epoch > 0 => format!(
+            "no coordinator leads since {}; the last leader was {} (lease epoch {}); {me} \
+             stands by and takes over within {} s",
+            flotilla_rollout::window::utc_text(v.expires_at),
+            v.holder,
+            v.epoch,
+            renew_every.as_secs()
+        ),
+        _ => format!(
+            "no coordinator leads this store yet; {me} stands by and takes over within {} s",
+            renew_every.as_secs()
+        ),
+    }
+}
