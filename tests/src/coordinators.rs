@@ -90,7 +90,13 @@ impl Site {
 
     /// The first of `names` whose log holds `needle` at least `count` times, waiting up to
     /// `within`.
-    pub fn first_to_log(&self, names: &[&str], needle: &str, count: usize, within: Duration) -> String {
+    pub fn first_to_log(
+        &self,
+        names: &[&str],
+        needle: &str,
+        count: usize,
+        within: Duration,
+    ) -> String {
         let deadline = Instant::now() + within;
         loop {
             if let Some(name) = names

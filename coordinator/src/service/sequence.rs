@@ -108,8 +108,16 @@ mod tests {
         seq.observe("dev-1", 520);
         seq.observe("dev-1", 510);
         seq.observe("dev-2", 530);
-        assert_eq!(seq.next("dev-1", 400), 521, "above what the last leader published");
-        assert_eq!(seq.next("dev-2", 400), 531, "a device the store did not know yet");
+        assert_eq!(
+            seq.next("dev-1", 400),
+            521,
+            "above what the last leader published"
+        );
+        assert_eq!(
+            seq.next("dev-2", 400),
+            531,
+            "a device the store did not know yet"
+        );
     }
 
     /// issue 10, case 5: a month issued ahead while the clock was wrong does not keep every

@@ -58,18 +58,19 @@ use crate::service::state::{now, Service};
 use crate::service::artifacts::BlockServer;
 use crate::service::broker::EmbeddedBroker;
 use crate::service::config::Config;
+use crate::service::config_store::StoreConfig;
 use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::keys::{self};
+use crate::service::leadership::{Leadership, Role, Sole};
 use crate::service::loading::{self, Loading};
 use crate::service::metrics::{self, Metrics};
+use crate::service::metrics_leader::LeaderCollector;
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
 use crate::service::seal::{Seal, SealCheck};
 use crate::service::sequence::ActionSequence;
-use crate::service::config_store::StoreConfig;
-use crate::service::leadership::{Leadership, Role, Sole};
 use crate::service::shared;
 use crate::service::store::Store;
 use crate::service::store_health::{self, StoreHealth};
@@ -236,6 +237,7 @@ pub(super) async fn lead(
     metrics.watch_limits(gate.counts(), registry.attempt_counts());
     let coverage = Coverage::new();
     metrics.register_collector(coverage.collector());
+    metrics.register_collector(LeaderCollector::boxed(leadership.clone()));
     if let Some(addr) = config.metrics {
         let listener = metrics::bind(addr).await?;
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
@@ -581,6 +583,8 @@ mod tests {
             loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
             coverage: Coverage::new(),
             lane_open: link.lane_open.clone(),
+            leadership: Arc::new(Sole::new("test")),
+            fenced: false,
         };
         service
             .apply(vec![Effect::Forget {

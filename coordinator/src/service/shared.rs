@@ -76,17 +76,30 @@ pub(crate) async fn serve_shared(
         };
         let backend = match connect {
             Ok(Ok(backend)) => backend,
-            Ok(Err(e)) => break Err(ServiceError::SharedStore {
-                reason: e.to_string(),
-            }),
-            Err(e) => break Err(ServiceError::SharedStore {
-                reason: format!("the store task failed: {e}"),
-            }),
+            Ok(Err(e)) => {
+                break Err(ServiceError::SharedStore {
+                    reason: e.to_string(),
+                })
+            }
+            Err(e) => {
+                break Err(ServiceError::SharedStore {
+                    reason: format!("the store task failed: {e}"),
+                })
+            }
         };
         tracing::info!(coordinator = %pg.coordinator_id, epoch = lease.epoch(), "this coordinator leads now");
         let store = Store::on(Box::new(backend));
         let leadership: Arc<dyn Leadership> = lease.clone();
-        match lead(&config, key.clone(), store, leadership, opening, shutdown.clone()).await {
+        match lead(
+            &config,
+            key.clone(),
+            store,
+            leadership,
+            opening,
+            shutdown.clone(),
+        )
+        .await
+        {
             Err(ServiceError::Deposed { epoch, reason }) => {
                 tracing::warn!(coordinator = %pg.coordinator_id, epoch, %reason,
                     "stopped leading: nothing more is published or written; standing by again");

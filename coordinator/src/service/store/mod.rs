@@ -47,6 +47,7 @@ use crate::service::enrollment::Enrollment;
 use crate::service::seal::SealCheck;
 
 pub mod backend;
+pub mod postgres;
 pub mod sled_kv;
 
 use backend::{Backend, BackendError, Op};
