@@ -20,6 +20,7 @@ use flotilla_protocol::control::ControlReply;
 use flotilla_protocol::{SigningKey, Topics};
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::service::config::Config;
 use crate::service::config_store::PostgresConfig;
@@ -90,16 +91,18 @@ pub(crate) async fn serve_shared(
         tracing::info!(coordinator = %pg.coordinator_id, epoch = lease.epoch(), "this coordinator leads now");
         let store = Store::on(Box::new(backend));
         let leadership: Arc<dyn Leadership> = lease.clone();
-        match lead(
+        // Every line the leader logs names it and its epoch: the log says who decided what.
+        let span =
+            tracing::info_span!("lead", coordinator = %pg.coordinator_id, epoch = lease.epoch());
+        let run = lead(
             &config,
             key.clone(),
             store,
             leadership,
             opening,
             shutdown.clone(),
-        )
-        .await
-        {
+        );
+        match run.instrument(span).await {
             Err(ServiceError::Deposed { epoch, reason }) => {
                 tracing::warn!(coordinator = %pg.coordinator_id, epoch, %reason,
                     "stopped leading: nothing more is published or written; standing by again");

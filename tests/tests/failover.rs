@@ -1,0 +1,375 @@
+//! Two coordinators on one PostgreSQL store, against real processes: the leader is killed,
+//! stopped, cut off from the database, or the database itself crashes, and the rollout still
+//! ends with every device installed exactly once, no group started twice and no report lost.
+//!
+//! Each test starts its own PostgreSQL (`flotilla_tests::postgres`), its own Mosquitto and its
+//! own processes. Lease timings are short (ttl 3 s, renewed every second, a leader stops 1 s
+//! early) so a failover takes seconds; each test prints its failover time: from the moment
+//! the leader was lost to the first desired action the new leader published.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::time::{Duration, Instant};
+
+use flotilla_protocol::control::RolloutStatus;
+use flotilla_protocol::Topics;
+use flotilla_tests::postgres::Postgres;
+use flotilla_tests::tcp_proxy::Proxy;
+use flotilla_tests::{AgentOptions, BrokerKind, Site, Watcher, WAIT};
+
+const FIRMWARE: &[u8] = b"firmware 2.0\n";
+const LEADS: &str = "this coordinator leads now";
+const STANDING_BY: &str = "standing by until this one holds the lease";
+const STEPPED_DOWN: &str = "stopped leading";
+
+/// The `[store]` section of coordinator `id` on the database at `url`.
+fn store(url: &str, id: &str) -> String {
+    format!(
+        "[store]\nurl = {url:?}\ncoordinator_id = {id:?}\nlease_ttl = 3\nlease_renew = 1\nlease_margin = 1\n"
+    )
+}
+
+/// Three stages of two devices each; `approval` puts an approval after the first.
+fn spec(name: &str, approval: bool) -> String {
+    let after = if approval {
+        "after = { approval = true }\n"
+    } else {
+        ""
+    };
+    format!(
+        r#"
+name = "{name}"
+release = "fw-2"
+[[staged.stage]]
+name = "a"
+select = "stage=a"
+{after}[[staged.stage]]
+name = "b"
+select = "stage=b"
+[[staged.stage]]
+name = "c"
+select = "stage=c"
+"#
+    )
+}
+
+const DEVICES: [(&str, &str); 6] = [
+    ("dev-1", "a"),
+    ("dev-2", "a"),
+    ("dev-3", "b"),
+    ("dev-4", "b"),
+    ("dev-5", "c"),
+    ("dev-6", "c"),
+];
+
+/// A site with coordinator `a` leading and `b` standing by on `pg`, six agents enrolled.
+async fn pair(pg: &Postgres, a_url: &str) -> Site {
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_named_coordinator("a", &store(a_url, "a"));
+    site.wait_named_log("a", LEADS, 1, WAIT);
+    site.start_named_coordinator("b", &store(&pg.url(), "b"));
+    site.wait_named_log("b", STANDING_BY, 1, WAIT);
+    for (id, stage) in DEVICES {
+        let options = AgentOptions {
+            soak: "2s",
+            ..AgentOptions::default()
+        };
+        site.add_agent(id, &[("stage", stage)], options);
+    }
+    site.wait_devices(DEVICES.len()).await;
+    site
+}
+
+async fn desired_watcher(site: &Site) -> Watcher {
+    site.watcher(&[Topics::default().desired_filter()]).await
+}
+
+/// Waits for the first desired action published after `since` (the watcher was cleared
+/// then), and prints the failover time.
+async fn failover_time(watcher: &Watcher, since: Instant, case: &str) -> Duration {
+    watcher
+        .wait_until("the new leader's first desired action", WAIT, |w| {
+            (!w.messages().is_empty()).then_some(())
+        })
+        .await;
+    let took = since.elapsed();
+    println!(
+        "failover ({case}): {:.1} s from losing the leader to the new leader's first desired action",
+        took.as_secs_f64()
+    );
+    took
+}
+
+/// What every case must end with: finished, each stage started once, every device ready and
+/// installed once, its report counted.
+fn assert_clean_finish(site: &Site, status: &RolloutStatus) {
+    assert_eq!(status.state, "finished", "{status:#?}");
+    for group in &status.groups {
+        assert_eq!(group.ready, group.total, "no report lost: {status:#?}");
+        let starts = status
+            .trace
+            .iter()
+            .filter(|t| {
+                t.group.as_deref() == Some(group.name.as_str())
+                    && t.message
+                        .starts_with(&format!("group {} started", group.name))
+            })
+            .count();
+        assert!(
+            starts <= 1,
+            "group {} started {starts} times: {status:#?}",
+            group.name
+        );
+    }
+    for (id, _) in DEVICES {
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("target file"),
+            FIRMWARE,
+            "{id} runs the new firmware"
+        );
+        let log =
+            fs::read_to_string(site.path(&format!("agents/{id}/agent.log"))).unwrap_or_default();
+        let finished = log
+            .lines()
+            .filter(|l| l.contains("action finished"))
+            .count();
+        assert_eq!(finished, 1, "{id} installed exactly once; its log:\n{log}");
+    }
+}
+
+/// When the leader is killed.
+#[derive(Debug, Clone, Copy)]
+enum Moment {
+    /// The second stage has started and is not done.
+    MidGroup,
+    /// The first stage has just finished.
+    GroupBoundary,
+    /// The rollout waits for an approval after the first stage.
+    ApprovalWait,
+    /// Right after a desired action went out (the first one of the rollout).
+    AfterDesired,
+}
+
+async fn kill_leader_at(moment: Moment) {
+    let Some(pg) = Postgres::start() else { return };
+    let mut site = pair(&pg, &pg.url()).await;
+    let desired = desired_watcher(&site).await;
+    let name = "fo";
+    site.create_and_start(&spec(name, matches!(moment, Moment::ApprovalWait)))
+        .await;
+    match moment {
+        Moment::MidGroup => {
+            site.wait_status(name, "stage b to be under way", WAIT, |s| {
+                s.groups[1].state == "running" && s.groups[1].ready < s.groups[1].total
+            })
+            .await;
+        }
+        Moment::GroupBoundary => {
+            site.wait_status(name, "stage a to finish", WAIT, |s| {
+                s.groups[0].state == "finished"
+            })
+            .await;
+        }
+        Moment::ApprovalWait => {
+            site.wait_status(name, "the approval after stage a", WAIT, |s| {
+                s.groups[0].state == "waiting"
+            })
+            .await;
+        }
+        Moment::AfterDesired => {
+            desired
+                .wait_until("the first desired action", WAIT, |w| {
+                    (!w.messages().is_empty()).then_some(())
+                })
+                .await;
+        }
+    }
+    desired.clear();
+    let lost = Instant::now();
+    site.kill_named_coordinator("a");
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    if matches!(moment, Moment::ApprovalWait) {
+        site.wait_status(name, "the new leader to show the approval", WAIT, |s| {
+            s.groups[0].state == "waiting"
+        })
+        .await;
+        site.flotilla(&["approve", &format!("{name}-a")]);
+    }
+    let took = failover_time(&desired, lost, &format!("kill -9 {moment:?}")).await;
+    assert!(took < WAIT);
+    let status = site
+        .wait_status(
+            name,
+            "the rollout to finish under the new leader",
+            WAIT * 2,
+            |s| s.state == "finished",
+        )
+        .await;
+    assert_clean_finish(&site, &status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_mid_group() {
+    kill_leader_at(Moment::MidGroup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_at_a_group_boundary() {
+    kill_leader_at(Moment::GroupBoundary).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_keeps_the_approval_wait_when_the_leader_is_killed_during_it() {
+    kill_leader_at(Moment::ApprovalWait).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_right_after_publishing() {
+    kill_leader_at(Moment::AfterDesired).await;
+}
+
+/// A leader stopped for twice the lease's time-to-live publishes nothing after it wakes, and
+/// comes back as a standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothing() {
+    let Some(pg) = Postgres::start() else { return };
+    let mut site = pair(&pg, &pg.url()).await;
+    let name = "stopped";
+    site.create_and_start(&spec(name, false)).await;
+    site.wait_status(name, "stage a to be under way", WAIT, |s| {
+        s.groups[0].state == "running"
+    })
+    .await;
+    let desired = desired_watcher(&site).await;
+    let lost = Instant::now();
+    site.signal_named_coordinator("a", "STOP");
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    failover_time(&desired, lost, "SIGSTOP").await;
+    // Twice the time-to-live in all, then the old leader wakes up.
+    let ttl = Duration::from_secs(3);
+    if let Some(rest) = (ttl * 2).checked_sub(lost.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
+    let before = site.named_log("a").len();
+    site.signal_named_coordinator("a", "CONT");
+    site.wait_named_log("a", STEPPED_DOWN, 1, WAIT);
+    site.wait_named_log("a", STANDING_BY, 2, WAIT);
+    let status = site
+        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_clean_finish(&site, &status);
+    // Nothing of a's after it woke: every desired action went out signed by the lease b
+    // holds, and a logged no decision.
+    let woke = &site.named_log("a")[before..];
+    assert!(
+        !woke.contains("group") || !woke.contains("started with"),
+        "the woken coordinator decided nothing: {woke}"
+    );
+    assert_eq!(site.named_log_count("a", LEADS), 1, "a did not lead again");
+}
+
+/// The database crashes mid-rollout: the leader cannot renew, steps down, and once the
+/// database is back a coordinator leads again and the rollout finishes; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restart_mid_rollout_pauses_publishing_and_loses_nothing() {
+    let Some(mut pg) = Postgres::start() else {
+        return;
+    };
+    let site = pair(&pg, &pg.url()).await;
+    let name = "dbcrash";
+    site.create_and_start(&spec(name, false)).await;
+    site.wait_status(name, "stage a to be under way", WAIT, |s| {
+        s.groups[0].state == "running"
+    })
+    .await;
+    pg.crash();
+    site.wait_named_log("a", STEPPED_DOWN, 1, WAIT);
+    let desired = desired_watcher(&site).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        desired.messages().is_empty(),
+        "nothing is published while no coordinator can write the store"
+    );
+    let back = Instant::now();
+    pg.start_again();
+    let leader = site.first_to_log(&["a", "b"], LEADS, 1, WAIT);
+    println!("after the database came back, {leader} leads");
+    failover_time(&desired, back, "database restart").await;
+    let status = site
+        .wait_status(name, "the rollout to finish", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_clean_finish(&site, &status);
+}
+
+/// The leader loses the database but not the broker: it steps down within the lease's
+/// time-to-live, and the standby leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_database_steps_down_and_the_standby_leads() {
+    let Some(pg) = Postgres::start() else { return };
+    let proxy = Proxy::start(pg.port());
+    let proxied = pg
+        .url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let site = pair(&pg, &proxied).await;
+    let name = "cut";
+    site.create_and_start(&spec(name, false)).await;
+    site.wait_status(name, "stage a to be under way", WAIT, |s| {
+        s.groups[0].state == "running"
+    })
+    .await;
+    let desired = desired_watcher(&site).await;
+    let lost = Instant::now();
+    proxy.cut();
+    site.wait_named_log("a", STEPPED_DOWN, 1, WAIT);
+    let stepped_down = lost.elapsed();
+    println!(
+        "the cut-off leader stepped down after {:.1} s",
+        stepped_down.as_secs_f64()
+    );
+    assert!(
+        stepped_down < Duration::from_secs(3) + Duration::from_secs(2),
+        "within the lease's time-to-live (and a little): {stepped_down:?}"
+    );
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    failover_time(&desired, lost, "leader cut off from the database").await;
+    let status = site
+        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_clean_finish(&site, &status);
+}
+
+/// Two coordinators started at the same instant, again and again: exactly one leads each
+/// time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_coordinators_started_at_once_agree_on_one_leader_every_time() {
+    let Some(pg) = Postgres::start() else { return };
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    let mut leaders = BTreeMap::new();
+    for round in 0..20 {
+        let (a, b) = (format!("a{round}"), format!("b{round}"));
+        site.start_named_coordinator(&a, &store(&pg.url(), &a));
+        site.start_named_coordinator(&b, &store(&pg.url(), &b));
+        let leader = site.first_to_log(&[&a, &b], LEADS, 1, WAIT);
+        // Long enough for the other to take the lease too, were the lease to let it.
+        std::thread::sleep(Duration::from_secs(2));
+        let both = [&a, &b]
+            .iter()
+            .filter(|n| site.named_log_count(n, LEADS) > 0)
+            .count();
+        assert_eq!(both, 1, "round {round}: exactly one of {a} and {b} leads");
+        *leaders
+            .entry(leader.chars().next().unwrap_or('?'))
+            .or_insert(0) += 1;
+        // A clean stop hands the lease over at once, so the next round starts free.
+        assert!(site.terminate_named_coordinator(&a, Duration::from_secs(10)));
+        assert!(site.terminate_named_coordinator(&b, Duration::from_secs(10)));
+    }
+    println!("leaders over 20 rounds: {leaders:?}");
+}
