@@ -21,6 +21,7 @@ pub mod commands;
 pub mod demo;
 pub mod fleetfile;
 pub mod login_lock;
+pub mod migrate;
 pub mod simulate;
 pub mod store;
 pub mod view;

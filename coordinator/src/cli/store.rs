@@ -70,6 +70,17 @@ pub enum StoreCmd {
         #[arg(long)]
         data_dir: PathBuf,
     },
+    /// Copy a stopped coordinator's sled store into the PostgreSQL store its config names
+    /// (`[store] url`), so several coordinators can share it. Refuses a database that holds
+    /// records or that a coordinator leads.
+    Migrate {
+        /// The data directory of the stopped coordinator whose store is copied.
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// The coordinator config whose `[store]` section names the database.
+        #[arg(long)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +93,8 @@ pub enum StoreCmdError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Keys(#[from] KeysError),
+    #[error(transparent)]
+    Migrate(#[from] crate::cli::migrate::MigrateError),
 }
 
 fn open(data_dir: &std::path::Path) -> Result<Store, StoreCmdError> {
@@ -190,6 +203,16 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
                     Ok(1)
                 }
             }
+        }
+        StoreCmd::Migrate { data_dir, config } => {
+            let done = crate::cli::migrate::migrate(data_dir, config)?;
+            println!(
+                "copied {} records from {} into {}; start the coordinators with this config",
+                done.records,
+                data_dir.join("db").display(),
+                done.into
+            );
+            Ok(0)
         }
         StoreCmd::Reseal { data_dir } => {
             let store = open(data_dir)?;
