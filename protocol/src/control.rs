@@ -193,6 +193,10 @@ pub enum Command {
     /// Write a backup of the coordinator's store into `{data_dir}/backups/` on the
     /// coordinator's machine (the coordinator picks the file name). Result: the [`BackupInfo`].
     Backup,
+    /// Which coordinators share the store, which leads, and its lease. Result:
+    /// [`CoordinatorsInfo`]. Answered by the leader; on a shared store that nobody leads, by
+    /// every standby (which answer every other command with who led last).
+    Coordinators,
 }
 
 /// Paging and filters of a list command; every field is optional, and a request with none of
@@ -300,6 +304,45 @@ pub struct BackupInfo {
     /// coordinators, whose backups are unsigned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signed_by: Option<String>,
+}
+
+/// The coordinators of a store and who leads (`flotilla status`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CoordinatorsInfo {
+    /// The coordinator that answered (its `coordinator_id`, or its client id on sled).
+    pub answered_by: String,
+    /// Where the store is: a sled directory or a database address (never a password).
+    pub store: String,
+    /// The lease of a shared store; absent on sled, where the one coordinator always leads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseInfo>,
+    /// Every coordinator the shared store saw lately.
+    #[serde(default)]
+    pub members: Vec<CoordinatorMember>,
+    /// Times the answering coordinator took the lease over.
+    #[serde(default)]
+    pub failovers: u64,
+}
+
+/// A shared store's lease, with the database's times (unix seconds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseInfo {
+    pub holder: String,
+    pub epoch: u64,
+    pub acquired_at: u64,
+    pub renewed_at: u64,
+    pub expires_at: u64,
+    /// The database's clock when the lease was read.
+    pub read_at: u64,
+}
+
+/// A coordinator a shared store knows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordinatorMember {
+    pub id: String,
+    pub client_id: String,
+    /// Unix seconds, the database's clock.
+    pub last_seen: u64,
 }
 
 /// A device's enrollment: which key the coordinator knows for it and whether it is accepted.

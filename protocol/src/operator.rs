@@ -176,6 +176,7 @@ impl Command {
             Command::RejectDevice { .. } => "reject_device",
             Command::RevokeDevice { .. } => "revoke_device",
             Command::Backup => "backup",
+            Command::Coordinators => "coordinators",
         }
     }
 
@@ -189,7 +190,8 @@ impl Command {
             | Command::ListStrategies { .. }
             | Command::ShowStrategy { .. }
             | Command::ListGroups { .. }
-            | Command::PendingDevices { .. } => Role::Viewer,
+            | Command::PendingDevices { .. }
+            | Command::Coordinators => Role::Viewer,
             Command::CreateRollout { .. }
             | Command::StartRollout { .. }
             | Command::PauseRollout { .. }

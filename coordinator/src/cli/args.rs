@@ -202,6 +202,11 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Show the coordinators, which one leads, its lease epoch and the lease's age.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
     /// Store, list and show staged update strategies that staged rollouts refer to.
     #[command(subcommand)]
     Strategy(StrategyCmd),

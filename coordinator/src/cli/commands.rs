@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, RawTls, PASSWORD_ENV};
 use flotilla_protocol::control::{
-    ApprovalStatus, Command, DeviceGroupInfo, EnrollmentInfo, ReleaseSummary, RolloutStatus,
-    StrategyInfo,
+    ApprovalStatus, Command, CoordinatorsInfo, DeviceGroupInfo, EnrollmentInfo, ReleaseSummary,
+    RolloutStatus, StrategyInfo,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -426,6 +426,23 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 println!("{}", to_json(&approvals));
             } else {
                 print!("{}", view::approvals_table(&approvals));
+            }
+            Ok(0)
+        }
+        Cmd::Status { json } => {
+            let client = connect(&target).await?;
+            let result = client
+                .request(Command::Coordinators, DEFAULT_TIMEOUT)
+                .await?;
+            let info: CoordinatorsInfo =
+                serde_json::from_value(result).map_err(|source| CliError::Reply {
+                    what: "coordinators",
+                    source,
+                })?;
+            if json {
+                println!("{}", to_json(&info));
+            } else {
+                print!("{}", view::coordinators(&info));
             }
             Ok(0)
         }

@@ -4,8 +4,8 @@
 //! asserted on.
 
 use flotilla_protocol::control::{
-    ApprovalStatus, Condition, DeviceGroupInfo, DeviceSummary, EnrollmentInfo, GroupStatus,
-    RolloutStatus, StageTask, StrategyInfo, StrategySnapshot,
+    ApprovalStatus, Condition, CoordinatorsInfo, DeviceGroupInfo, DeviceSummary, EnrollmentInfo,
+    GroupStatus, RolloutStatus, StageTask, StrategyInfo, StrategySnapshot,
 };
 
 /// Width of the progress bar between the brackets.
@@ -416,6 +416,80 @@ pub fn enrollments_table(pending: &[EnrollmentInfo]) -> String {
     out
 }
 
+/// `flotilla status`: where the store is, who leads, and every coordinator of a shared store.
+/// Ages are taken on the database's clock (the lease's `read_at`), not this machine's.
+pub fn coordinators(info: &CoordinatorsInfo) -> String {
+    let mut out = String::new();
+    let Some(lease) = &info.lease else {
+        out.push_str(&format!("store     {} (sled)\n", info.store));
+        out.push_str(&format!(
+            "leader    {}: the only coordinator of a sled store, it always leads\n",
+            info.answered_by
+        ));
+        return out;
+    };
+    let secs = |s: u64| format!("{s} s");
+    out.push_str(&format!("store     {} (shared)\n", info.store));
+    if lease.expires_at > lease.read_at {
+        out.push_str(&format!(
+            "leader    {}, lease epoch {}, leading for {}, renewed {} ago, runs out in {} unless renewed\n",
+            lease.holder,
+            lease.epoch,
+            secs(lease.read_at.saturating_sub(lease.acquired_at)),
+            secs(lease.read_at.saturating_sub(lease.renewed_at)),
+            secs(lease.expires_at - lease.read_at),
+        ));
+    } else if lease.epoch == 0 {
+        out.push_str("leader    none: no coordinator has led this store yet\n");
+    } else {
+        out.push_str(&format!(
+            "leader    none for {}: the last was {} (lease epoch {}), whose lease ran out at {}\n",
+            secs(lease.read_at.saturating_sub(lease.expires_at)),
+            lease.holder,
+            lease.epoch,
+            flotilla_rollout::window::utc_text(lease.expires_at),
+        ));
+    }
+    out.push_str(&format!(
+        "answered  by {} ({} takeover{} by it)\n",
+        info.answered_by,
+        info.failovers,
+        if info.failovers == 1 { "" } else { "s" }
+    ));
+    if info.members.is_empty() {
+        return out;
+    }
+    let id_width = info
+        .members
+        .iter()
+        .map(|m| m.id.len())
+        .max()
+        .unwrap_or(0)
+        .max(11);
+    let client_width = info
+        .members
+        .iter()
+        .map(|m| m.client_id.len())
+        .max()
+        .unwrap_or(0)
+        .max(9);
+    out.push_str(&format!(
+        "\n{:id_width$}  {:7}  {:client_width$}  LAST SEEN\n",
+        "COORDINATOR", "ROLE", "CLIENT ID"
+    ));
+    for m in &info.members {
+        let leads = m.id == lease.holder && lease.expires_at > lease.read_at;
+        out.push_str(&format!(
+            "{:id_width$}  {:7}  {:client_width$}  {} ago\n",
+            m.id,
+            if leads { "leader" } else { "standby" },
+            m.client_id,
+            secs(lease.read_at.saturating_sub(m.last_seen)),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -783,5 +857,55 @@ mod tests {
         );
         assert!(lines[2].ends_with("failed  health check failed"), "{text}");
         assert_eq!(devices_table(&[]), "no devices have reported yet\n");
+    }
+
+    #[test]
+    fn status_names_the_leader_its_epoch_and_each_coordinator_by_the_database_clock() {
+        use flotilla_protocol::control::{CoordinatorMember, LeaseInfo};
+        let member = |id: &str, seen| CoordinatorMember {
+            id: id.into(),
+            client_id: format!("flotilla-coordinator-{id}"),
+            last_seen: seen,
+        };
+        let mut info = CoordinatorsInfo {
+            answered_by: "coord-a".into(),
+            store: "postgresql://flotilla@db:5432/flotilla".into(),
+            lease: Some(LeaseInfo {
+                holder: "coord-a".into(),
+                epoch: 4,
+                acquired_at: 1_000,
+                renewed_at: 1_098,
+                expires_at: 1_113,
+                read_at: 1_100,
+            }),
+            members: vec![member("coord-a", 1_098), member("coord-b", 1_099)],
+            failovers: 1,
+        };
+        let text = coordinators(&info);
+        assert!(text.contains("leader    coord-a, lease epoch 4, leading for 100 s, renewed 2 s ago, runs out in 13 s"), "{text}");
+        assert!(text.contains("(1 takeover by it)"), "{text}");
+        let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("coord-")).collect();
+        assert!(
+            rows[0].contains("leader") && rows[0].ends_with("2 s ago"),
+            "{text}"
+        );
+        assert!(
+            rows[1].contains("standby") && rows[1].ends_with("1 s ago"),
+            "{text}"
+        );
+
+        info.lease.as_mut().expect("lease").read_at = 1_120;
+        let text = coordinators(&info);
+        assert!(
+            text.contains("leader    none for 7 s: the last was coord-a (lease epoch 4)"),
+            "{text}"
+        );
+        assert!(
+            !text.contains(" leader "),
+            "nobody is shown leading: {text}"
+        );
+
+        info.lease = None;
+        assert!(coordinators(&info).contains("the only coordinator of a sled store"));
     }
 }

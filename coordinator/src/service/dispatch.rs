@@ -8,6 +8,7 @@ use flotilla_protocol::operator::Role;
 use flotilla_protocol::{validate_id, DeviceId};
 
 use crate::service::error::ServiceError;
+use crate::service::leadership;
 use crate::service::lists::{json, named_list, refuse_filters, selector};
 use crate::service::state::{now, Service};
 
@@ -246,6 +247,10 @@ impl Service {
             Command::ListApprovals { page } => {
                 let all = self.engine.approvals();
                 value(named_list(all, &page, "approvals", |a| a.name.clone())?)
+            }
+            Command::Coordinators => {
+                let info = leadership::info(self.leadership.status(), self.store.describe());
+                value(json(&info))
             }
             Command::Backup => {
                 let path = self

@@ -16,6 +16,8 @@
 
 use std::time::Duration;
 
+use flotilla_protocol::control::{CoordinatorMember, CoordinatorsInfo, LeaseInfo};
+
 /// Lease timing. The defaults trade a failover of about `ttl + renew_every` against how long a
 /// database or network hiccup may last before a healthy leader steps down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +94,32 @@ pub struct LeadershipStatus {
     pub members: Vec<Member>,
     /// Times this coordinator took the lease over from another (or from nobody after expiry).
     pub takeovers: u64,
+}
+
+/// What the `coordinators` control command answers (`flotilla status`).
+pub fn info(status: LeadershipStatus, store: String) -> CoordinatorsInfo {
+    CoordinatorsInfo {
+        answered_by: status.me,
+        store,
+        lease: status.lease.map(|l| LeaseInfo {
+            holder: l.holder,
+            epoch: l.epoch,
+            acquired_at: l.acquired_at,
+            renewed_at: l.renewed_at,
+            expires_at: l.expires_at,
+            read_at: l.read_at,
+        }),
+        members: status
+            .members
+            .into_iter()
+            .map(|m| CoordinatorMember {
+                id: m.id,
+                client_id: m.client_id,
+                last_seen: m.last_seen,
+            })
+            .collect(),
+        failovers: status.takeovers,
+    }
 }
 
 /// The service's view of leadership.

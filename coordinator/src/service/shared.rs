@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_protocol::control::ControlReply;
+use flotilla_protocol::control::{Command, ControlReply};
 use flotilla_protocol::{SigningKey, Topics};
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
@@ -25,7 +25,7 @@ use tracing::Instrument;
 use crate::service::config::Config;
 use crate::service::config_store::PostgresConfig;
 use crate::service::error::ServiceError;
-use crate::service::leadership::{Leadership, LeaseView, Role};
+use crate::service::leadership::{self, Leadership, LeaseView, Role};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::serve::lead;
@@ -165,6 +165,20 @@ async fn standby(
                         continue; // the leader answers
                     }
                     let (reply_to, reply) = match gate.check(&payload, now()) {
+                        // `flotilla status` still shows the coordinators and the lease.
+                        Ok(authorized) if authorized.request.command == Command::Coordinators => {
+                            let info = leadership::info(lease.status(), pg.url.clone());
+                            (
+                                authorized.request.reply_to,
+                                ControlReply {
+                                    id: authorized.request.id,
+                                    ok: true,
+                                    error: None,
+                                    result: serde_json::to_value(info).unwrap_or_default(),
+                                    loading: false,
+                                },
+                            )
+                        }
                         Ok(authorized) => (
                             authorized.request.reply_to,
                             ControlReply {
