@@ -46,6 +46,7 @@ use crate::service::enrollment::Enrollment;
 use crate::service::seal::{Seal, SealCheck};
 
 pub mod backend;
+pub mod postgres;
 
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
