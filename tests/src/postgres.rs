@@ -24,6 +24,8 @@ pub struct Postgres {
     dir: tempfile::TempDir,
     port: u16,
     as_postgres: bool,
+    /// The CA file, when the server speaks TLS.
+    ca_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Postgres {
@@ -70,6 +72,17 @@ impl Postgres {
     /// A fresh cluster, started and taking connections. `None` (after a loud `SKIPPED` line)
     /// when PostgreSQL is not installed, unless `FLOTILLA_REQUIRE_TOOLS=1`.
     pub fn start() -> Option<Postgres> {
+        Postgres::start_with(false)
+    }
+
+    /// Like [`Postgres::start`], with TLS on (`ssl=on`): a private CA and a server certificate
+    /// for 127.0.0.1 from `deploy/mosquitto/make-certs.sh`; [`Postgres::ca_file`] names the CA.
+    /// Plain connections are still accepted.
+    pub fn start_tls() -> Option<Postgres> {
+        Postgres::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Option<Postgres> {
         let Some(bin) = bin_dir() else {
             let notice = "SKIPPED: PostgreSQL is not installed (no initdb on PATH or in \
                           /usr/lib/postgresql/*/bin; apt-get install postgresql)";
@@ -84,6 +97,18 @@ impl Postgres {
             .tempdir()
             .expect("temporary directory for PostgreSQL");
         let as_postgres = is_root();
+        let ca_file = tls.then(|| {
+            let certs = dir.path().join("tls");
+            let script = crate::secure::deploy_dir().join("make-certs.sh");
+            run(Command::new("sh").arg(&script).arg(&certs).arg("ca"));
+            run(Command::new("sh").arg(&script).arg(&certs).args([
+                "server",
+                "server",
+                "IP:127.0.0.1",
+                "DNS:localhost",
+            ]));
+            certs.join("ca.crt")
+        });
         if as_postgres {
             run(Command::new("chown")
                 .arg("-R")
@@ -95,6 +120,7 @@ impl Postgres {
             dir,
             port: free_port(),
             as_postgres,
+            ca_file,
         };
         run(pg.tool("initdb").arg("-D").arg(pg.data()).args([
             "--auth=trust",
@@ -117,6 +143,11 @@ impl Postgres {
         self.port
     }
 
+    /// The CA the server's certificate chains to (servers from [`Postgres::start_tls`]).
+    pub fn ca_file(&self) -> Option<PathBuf> {
+        self.ca_file.clone()
+    }
+
     /// Stops the server the way a crash does (`pg_ctl -m immediate stop`): no checkpoint, every
     /// connection dropped.
     pub fn crash(&self) {
@@ -129,11 +160,19 @@ impl Postgres {
 
     /// Starts the server (again), on the same port, and waits until it takes connections.
     pub fn start_again(&self) {
-        let options = format!(
+        let mut options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             self.port,
             self.dir.path().display()
         );
+        if self.ca_file.is_some() {
+            let certs = self.dir.path().join("tls");
+            options.push_str(&format!(
+                " -c ssl=on -c ssl_cert_file={} -c ssl_key_file={}",
+                certs.join("server.crt").display(),
+                certs.join("server.key").display()
+            ));
+        }
         run(self
             .tool("pg_ctl")
             .arg("-D")

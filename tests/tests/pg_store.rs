@@ -463,3 +463,49 @@ fn writes_fail_while_the_database_is_down_and_work_again_after_reopen() {
     });
     rt.block_on(task).expect("the test's task");
 }
+
+#[test]
+fn tls_with_the_servers_ca_connects_and_a_wrong_ca_is_refused() {
+    let Some(pg) = Postgres::start_tls() else {
+        return;
+    };
+    let tls = PgSettings {
+        tls: true,
+        ca_file: pg.ca_file(),
+        ..settings(pg.url())
+    };
+    let store = PgBackend::connect(&tls, Fence::NoLiveLease).expect("connect over TLS");
+    store
+        .write(vec![Op::put("meta", b"k".to_vec(), b"v".to_vec())])
+        .expect("write over TLS");
+    let lease = Lease::start(&tls, "a".into(), "ca".into(), FAST).expect("lease over TLS");
+    assert!(lease.leads());
+    assert_eq!(
+        pg.sql(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE s.ssl AND a.application_name = 'flotilla'"
+        ),
+        "2",
+        "the store's and the lease's connections are encrypted"
+    );
+
+    // A CA that did not sign the server's certificate: refused, naming the database.
+    let other = tempfile::tempdir().expect("temp dir");
+    let script = flotilla_tests::secure::deploy_dir().join("make-certs.sh");
+    let made = std::process::Command::new("sh")
+        .arg(&script)
+        .arg(other.path())
+        .arg("ca")
+        .output()
+        .expect("make another CA");
+    assert!(made.status.success());
+    let wrong = PgSettings {
+        ca_file: Some(other.path().join("ca.crt")),
+        ..tls.clone()
+    };
+    let err = PgBackend::connect(&wrong, Fence::NoLiveLease)
+        .expect_err("the server's certificate does not chain to this CA")
+        .to_string();
+    assert!(err.contains("cannot connect"), "{err}");
+    assert!(err.contains(&format!("127.0.0.1:{}", pg.port())), "{err}");
+}

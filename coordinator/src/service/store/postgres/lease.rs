@@ -428,11 +428,13 @@ async fn tick(shared: &Shared, client: &mut Option<Client>) {
                 })
                 .await;
             match taken {
-                Ok(Some(row)) => {
-                    let epoch = u64::try_from(row.get::<_, i64>(0)).unwrap_or(0);
-                    shared.gain(epoch, shared.deadline_from(t0));
-                    Ok(())
-                }
+                Ok(Some(row)) => match row.try_get::<_, i64>(0) {
+                    Ok(epoch) => {
+                        shared.gain(u64::try_from(epoch).unwrap_or(0), shared.deadline_from(t0));
+                        Ok(())
+                    }
+                    Err(e) => Err(shared.target.error("read the lease's new epoch", &e)),
+                },
                 Ok(None) => Ok(()),
                 Err(e) => Err(e),
             }
@@ -491,14 +493,17 @@ async fn read_status(
         )
         .await
         .map_err(|e| target.error("read the lease", &e))?;
-    let secs = |i: usize| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+    let read = |e: tokio_postgres::Error| target.error("read the lease", &e);
+    let secs = |i: usize| -> Result<u64, BackendError> {
+        Ok(u64::try_from(row.try_get::<_, i64>(i).map_err(read)?).unwrap_or(0))
+    };
     let view = LeaseView {
-        holder: row.get(0),
-        epoch: secs(1),
-        acquired_at: secs(2),
-        renewed_at: secs(3),
-        expires_at: secs(4),
-        read_at: secs(5),
+        holder: row.try_get(0).map_err(read)?,
+        epoch: secs(1)?,
+        acquired_at: secs(2)?,
+        renewed_at: secs(3)?,
+        expires_at: secs(4)?,
+        read_at: secs(5)?,
     };
     let window = (shared.timing.ttl * MEMBER_TTLS).as_secs_f64();
     let rows = c
@@ -512,11 +517,14 @@ async fn read_status(
         .map_err(|e| target.error("read the coordinators", &e))?;
     let members = rows
         .into_iter()
-        .map(|r| Member {
-            id: r.get(0),
-            client_id: r.get(1),
-            last_seen: u64::try_from(r.get::<_, i64>(2)).unwrap_or(0),
+        .map(|r| {
+            Ok(Member {
+                id: r.try_get(0)?,
+                client_id: r.try_get(1)?,
+                last_seen: u64::try_from(r.try_get::<_, i64>(2)?).unwrap_or(0),
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>, tokio_postgres::Error>>()
+        .map_err(|e| target.error("read the coordinators", &e))?;
     Ok((view, members))
 }

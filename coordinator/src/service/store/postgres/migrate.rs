@@ -50,7 +50,9 @@ pub(crate) async fn migrate(
         .query_one("SELECT coalesce(max(version), 0) FROM migrations", &[])
         .await
         .map_err(|e| fail("read the applied version", e))?;
-    let applied: i32 = row.get(0);
+    let applied: i32 = row
+        .try_get(0)
+        .map_err(|e| fail("read the applied version", e))?;
     let known = newest_known();
     if applied > known {
         return Err(BackendError::failed(

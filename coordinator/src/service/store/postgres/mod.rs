@@ -335,9 +335,9 @@ async fn run(target: &Target, client: &mut Client, job: Job) -> Result<Answer, F
                 )
                 .await
                 .map_err(|e| failure(target, "load the published digests", e))?;
-            Ok(Answer::Connected(
-                rows.into_iter().map(|r| (r.get(0), r.get(1))).collect(),
-            ))
+            let entries =
+                pairs(rows).map_err(|e| failure(target, "load the published digests", e))?;
+            Ok(Answer::Connected(entries.into_iter().collect()))
         }
         Job::Get { tree, key } => {
             let row = client
@@ -347,7 +347,10 @@ async fn run(target: &Target, client: &mut Client, job: Job) -> Result<Answer, F
                 )
                 .await
                 .map_err(|e| failure(target, &format!("read from {tree}"), e))?;
-            Ok(Answer::Value(row.map(|r| r.get(0))))
+            let value = row.map(|r| r.try_get(0)).transpose();
+            Ok(Answer::Value(value.map_err(|e| {
+                failure(target, &format!("read from {tree}"), e)
+            })?))
         }
         Job::Scan { tree } => {
             let rows = client
@@ -357,22 +360,31 @@ async fn run(target: &Target, client: &mut Client, job: Job) -> Result<Answer, F
                 )
                 .await
                 .map_err(|e| failure(target, &format!("read {tree}"), e))?;
-            Ok(Answer::Entries(
-                rows.into_iter().map(|r| (r.get(0), r.get(1))).collect(),
-            ))
+            let entries = pairs(rows).map_err(|e| failure(target, &format!("read {tree}"), e))?;
+            Ok(Answer::Entries(entries))
         }
         Job::IsEmpty => {
             let row = client
                 .query_one("SELECT NOT EXISTS (SELECT 1 FROM records)", &[])
                 .await
                 .map_err(|e| failure(target, "count the records", e))?;
-            Ok(Answer::Empty(row.get(0)))
+            let empty = row
+                .try_get(0)
+                .map_err(|e| failure(target, "count the records", e))?;
+            Ok(Answer::Empty(empty))
         }
         Job::Write { ops, check } => {
             write(target, client, ops, check).await?;
             Ok(Answer::Written)
         }
     }
+}
+
+/// Rows of (key, value).
+fn pairs(rows: Vec<tokio_postgres::Row>) -> Result<Vec<(Vec<u8>, Vec<u8>)>, tokio_postgres::Error> {
+    rows.into_iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect()
 }
 
 /// `ops` in one transaction, after the lease check, many rows per statement.
@@ -398,10 +410,11 @@ async fn write(
         )
         .await
         .map_err(|e| failure(target, "check the lease", e))?;
-    let holder: String = lease.get(0);
-    let epoch = u64::try_from(lease.get::<_, i64>(1)).unwrap_or(0);
-    let live: bool = lease.get(2);
-    let left: i64 = lease.get(3);
+    let read = |e| failure(target, "check the lease", e);
+    let holder: String = lease.try_get(0).map_err(read)?;
+    let epoch = u64::try_from(lease.try_get::<_, i64>(1).map_err(read)?).unwrap_or(0);
+    let live: bool = lease.try_get(2).map_err(read)?;
+    let left: i64 = lease.try_get(3).map_err(read)?;
     match check {
         Check::Holder { me, epoch: mine } => {
             if !(live && holder == me && epoch == mine) {
