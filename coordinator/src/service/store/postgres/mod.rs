@@ -73,10 +73,13 @@ enum Job {
 enum Answer {
     Connected(BTreeMap<Vec<u8>, Vec<u8>>),
     Value(Option<Vec<u8>>),
-    Entries(Vec<(Vec<u8>, Vec<u8>)>),
+    Entries(Entries),
     Empty(bool),
     Written,
 }
+
+/// Keys and values of one tree, in key order.
+type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
 type Reply = std::sync::mpsc::Sender<Result<Answer, BackendError>>;
 
@@ -381,7 +384,7 @@ async fn run(target: &Target, client: &mut Client, job: Job) -> Result<Answer, F
 }
 
 /// Rows of (key, value).
-fn pairs(rows: Vec<tokio_postgres::Row>) -> Result<Vec<(Vec<u8>, Vec<u8>)>, tokio_postgres::Error> {
+fn pairs(rows: Vec<tokio_postgres::Row>) -> Result<Entries, tokio_postgres::Error> {
     rows.into_iter()
         .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .collect()
