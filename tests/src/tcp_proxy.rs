@@ -1,9 +1,9 @@
-//! A TCP forwarder on a free loopback port, for partitions: [`TcpProxy::cut`] stops forwarding
+//! A TCP forwarder on a free loopback port, for partitions: [`Proxy::cut`] stops forwarding
 //! bytes both ways while every socket stays open (what a client sees when a network path goes
-//! silent, not a reset), and [`TcpProxy::restore`] lets them flow again, the held bytes first.
+//! silent, not a reset), and [`Proxy::restore`] lets them flow again, the held bytes first.
 //!
 //! ```no_run
-//! let proxy = flotilla_tests::tcp_proxy::TcpProxy::start(5432);
+//! let proxy = flotilla_tests::tcp_proxy::Proxy::start(5432);
 //! // connect to 127.0.0.1:{proxy.port()} instead of 5432
 //! proxy.cut();
 //! proxy.restore();
@@ -22,14 +22,14 @@ const POLL: Duration = Duration::from_millis(20);
 
 /// Forwards connections on `port()` to a target port on 127.0.0.1; stops (closing every
 /// socket) on drop.
-pub struct TcpProxy {
+pub struct Proxy {
     port: u16,
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for TcpProxy {
+impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpProxy")
+        f.debug_struct("Proxy")
             .field("port", &self.port)
             .field("cut", &self.shared.cut.load(Ordering::SeqCst))
             .finish()
@@ -43,9 +43,9 @@ struct Shared {
     sockets: Mutex<Vec<TcpStream>>,
 }
 
-impl TcpProxy {
+impl Proxy {
     /// Listens on a free port and forwards each connection to `127.0.0.1:target`.
-    pub fn start(target: u16) -> TcpProxy {
+    pub fn start(target: u16) -> Proxy {
         let port = free_port();
         let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind the proxy's port");
         listener
@@ -58,7 +58,7 @@ impl TcpProxy {
         });
         let accept_shared = shared.clone();
         std::thread::spawn(move || accept(listener, target, accept_shared));
-        TcpProxy { port, shared }
+        Proxy { port, shared }
     }
 
     pub fn port(&self) -> u16 {
@@ -76,7 +76,7 @@ impl TcpProxy {
     }
 }
 
-impl Drop for TcpProxy {
+impl Drop for Proxy {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         let sockets = std::mem::take(
@@ -176,7 +176,7 @@ mod tests {
                 });
             }
         });
-        let proxy = TcpProxy::start(echo_port);
+        let proxy = Proxy::start(echo_port);
         let mut client = TcpStream::connect(("127.0.0.1", proxy.port())).expect("connect");
         client
             .set_read_timeout(Some(Duration::from_millis(500)))

@@ -10,7 +10,7 @@ use flotilla_coordinator::service::leadership::{Leadership, LeaseSettings, Role}
 use flotilla_coordinator::service::store::backend::{Backend, BackendError, Op};
 use flotilla_coordinator::service::store::postgres::{Fence, Lease, PgBackend, PgSettings};
 use flotilla_tests::postgres::Postgres;
-use flotilla_tests::tcp_proxy::TcpProxy;
+use flotilla_tests::tcp_proxy::Proxy;
 
 /// Small timings, so takeovers happen within seconds.
 const FAST: LeaseSettings = LeaseSettings {
@@ -350,7 +350,7 @@ fn of_two_coordinators_starting_at_the_same_instant_exactly_one_leads() {
 #[test]
 fn a_leader_cut_off_from_the_database_stops_leading_and_the_standby_takes_over() {
     let Some(pg) = Postgres::start() else { return };
-    let proxy = TcpProxy::start(pg.port());
+    let proxy = Proxy::start(pg.port());
     let behind = format!("postgres://flotilla@127.0.0.1:{}/postgres", proxy.port());
     let a = lease(behind.clone(), "a", FAST);
     let store_a = PgBackend::connect(&settings(behind), Fence::Lease(a.clone())).expect("a");
