@@ -27,8 +27,10 @@ pub mod coordinators;
 pub mod disk;
 pub mod mqtt;
 pub mod nats;
+pub mod postgres;
 pub mod secure;
 pub mod site;
+pub mod tcp_proxy;
 
 pub use disk::Tmpfs;
 pub use mqtt::{WatchedMessage, Watcher};

@@ -234,7 +234,7 @@ async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_right_after_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothing() {
     let Some(pg) = Postgres::start() else { return };
-    let mut site = pair(&pg, &pg.url()).await;
+    let site = pair(&pg, &pg.url()).await;
     let name = "stopped";
     site.create_and_start(&spec(name, false)).await;
     site.wait_status(name, "stage a to be under way", WAIT, |s| {
@@ -275,7 +275,7 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
 /// database is back a coordinator leads again and the rollout finishes; nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_mid_rollout_pauses_publishing_and_loses_nothing() {
-    let Some(mut pg) = Postgres::start() else {
+    let Some(pg) = Postgres::start() else {
         return;
     };
     let site = pair(&pg, &pg.url()).await;

@@ -11,7 +11,8 @@ use std::path::Path;
 
 use crate::service::config::Config;
 use crate::service::config_store::StoreConfig;
-use crate::service::store::postgres::{Fence, PgBackend, PgSettings};
+use crate::service::shared::pg_settings;
+use crate::service::store::postgres::{Fence, PgBackend};
 use crate::service::store::{Store, StoreError};
 
 /// Why a migration did not happen.
@@ -54,7 +55,7 @@ pub fn migrate(data_dir: &Path, config: &Path) -> Result<Migrated, MigrateError>
     let from =
         Store::open(data_dir.join("db")).map_err(|source| MigrateError::OpenSled { source })?;
     let records = from.export()?;
-    let backend = PgBackend::connect(&PgSettings::from_config(pg), Fence::NoLiveLease)
+    let backend = PgBackend::connect(&pg_settings(pg), Fence::NoLiveLease)
         .map_err(|e| MigrateError::Connect(e.to_string()))?;
     let into = Store::on(Box::new(backend));
     if !into.is_empty() {

@@ -41,7 +41,7 @@ pub(crate) async fn serve_shared(
     key: SigningKey,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
-    let settings = PgSettings::from_config(pg);
+    let settings = pg_settings(pg);
     // Two coordinators with one client id would take each other's broker connection.
     let mut config = config.clone();
     config.broker.client_id = format!("{}-{}", config.broker.client_id, pg.coordinator_id);
@@ -114,6 +114,17 @@ pub(crate) async fn serve_shared(
     let leaving = lease.clone();
     let _ = tokio::task::spawn_blocking(move || leaving.step_down()).await;
     result
+}
+
+/// The database connection a `[store]` section names.
+pub(crate) fn pg_settings(pg: &PostgresConfig) -> PgSettings {
+    PgSettings {
+        url: pg.url.clone(),
+        password: pg.password.clone(),
+        ca_file: pg.ca_file.clone(),
+        tls: pg.ca_file.is_some(),
+        ..PgSettings::default()
+    }
 }
 
 /// Stands by until this coordinator leads (`true`) or `shutdown` is cancelled (`false`),
