@@ -78,6 +78,9 @@ enum Answer {
     Written,
 }
 
+/// Puts waiting for the next write, by tree and key.
+type Lazy = BTreeMap<(String, Vec<u8>), Vec<u8>>;
+
 /// Keys and values of one tree, in key order.
 type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
@@ -93,7 +96,7 @@ pub struct PgBackend {
     jobs: mpsc::UnboundedSender<(Job, Reply)>,
     published: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
     /// Puts not yet committed ([`PgBackend::put_lazily`]): the next write takes them along.
-    lazy: Mutex<BTreeMap<(String, Vec<u8>), Vec<u8>>>,
+    lazy: Mutex<Lazy>,
     fence: Fence,
 }
 
@@ -187,7 +190,7 @@ impl PgBackend {
         Ok(())
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, Vec<u8>), Vec<u8>>> {
+    fn pending(&self) -> std::sync::MutexGuard<'_, Lazy> {
         self.lazy.lock().unwrap_or_else(|e| e.into_inner())
     }
 
