@@ -150,6 +150,25 @@ fn records_round_trip_and_survive_a_reconnect() {
     assert_eq!(store.get("rollouts", b"r2").expect("get"), None);
     assert_eq!(store.get("published", b"dev-2").expect("get"), None);
     store.write(Vec::new()).expect("an empty write commits");
+
+    // A lazy put is seen at once here, and committed by the next write.
+    store
+        .put_lazily("issued", b"dev-1", &5u64.to_be_bytes())
+        .expect("put lazily");
+    assert_eq!(
+        store.get("issued", b"dev-1").expect("get"),
+        Some(5u64.to_be_bytes().to_vec())
+    );
+    assert_eq!(store.scan("issued").expect("scan").len(), 1);
+    assert_eq!(
+        pg.sql("SELECT count(*) FROM records WHERE tree = 'issued'"),
+        "0"
+    );
+    store.write(Vec::new()).expect("commit");
+    assert_eq!(
+        pg.sql("SELECT count(*) FROM records WHERE tree = 'issued'"),
+        "1"
+    );
     drop(store);
 
     // Another connection (as after a restart) finds everything, `published` included.
@@ -166,7 +185,7 @@ fn records_round_trip_and_survive_a_reconnect() {
         store.scan("published").expect("scan"),
         vec![(b"dev-1".to_vec(), vec![7; 32])]
     );
-    assert_eq!(pg.sql("SELECT count(*) FROM records"), "4");
+    assert_eq!(pg.sql("SELECT count(*) FROM records"), "5");
 }
 
 #[test]
@@ -353,7 +372,12 @@ fn a_leader_cut_off_from_the_database_stops_leading_and_the_standby_takes_over()
     let proxy = Proxy::start(pg.port());
     let behind = format!("postgres://flotilla@127.0.0.1:{}/postgres", proxy.port());
     let a = lease(behind.clone(), "a", FAST);
-    let store_a = PgBackend::connect(&settings(behind), Fence::Lease(a.clone())).expect("a");
+    // A patient store: its own timeouts would keep a write waiting well past the lease.
+    let patient = PgSettings {
+        statement_timeout: Duration::from_secs(20),
+        ..settings(behind)
+    };
+    let store_a = PgBackend::connect(&patient, Fence::Lease(a.clone())).expect("a");
     let b = lease(pg.url(), "b", FAST);
     assert!(a.leads() && !b.leads());
     store_a
@@ -363,6 +387,20 @@ fn a_leader_cut_off_from_the_database_stops_leading_and_the_standby_takes_over()
 
     proxy.cut();
     let cut_at = Instant::now();
+    // A write sent into the partition waits no longer than a may act, then says it is fenced.
+    let err = store_a
+        .write(vec![Op::put(
+            "rollouts",
+            b"r".to_vec(),
+            b"into the void".to_vec(),
+        )])
+        .expect_err("no answer from the database");
+    assert!(err.is_fenced(), "{err}");
+    assert!(
+        cut_at.elapsed() < FAST.ttl,
+        "the write gave up with the lease, not after the store's 20 s: {:?}",
+        cut_at.elapsed()
+    );
     wait_until("a stops leading", BOUND, || !a.leads());
     assert!(
         cut_at.elapsed() <= FAST.ttl + FAST.renew_every,

@@ -106,7 +106,7 @@ impl Target {
         config.tcp_user_timeout(statement_timeout.max(Duration::from_secs(1)));
         config.application_name("flotilla");
         config.options(format!(
-            "-c statement_timeout={} -c lock_timeout={}",
+            "-c client_min_messages=warning -c statement_timeout={} -c lock_timeout={}",
             statement_timeout.as_millis(),
             statement_timeout.as_millis()
         ));
@@ -283,13 +283,40 @@ fn tls_connector(
 
 /// Waits for `rx`'s answer from a connection thread without stalling a multi-thread runtime.
 pub(crate) fn wait<T>(rx: std::sync::mpsc::Receiver<T>) -> Option<T> {
+    wait_until(rx, None).ok()
+}
+
+/// Why [`wait_until`] returned without an answer.
+pub(crate) enum NoAnswer {
+    /// The connection thread is gone.
+    Gone,
+    /// `until` passed first.
+    TimedOut,
+}
+
+/// Like [`wait`], giving up at `until`.
+pub(crate) fn wait_until<T>(
+    rx: std::sync::mpsc::Receiver<T>,
+    until: Option<std::time::Instant>,
+) -> Result<T, NoAnswer> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let receive = move || match until {
+        None => rx.recv().map_err(|_| NoAnswer::Gone),
+        Some(until) => {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            rx.recv_timeout(left).map_err(|e| match e {
+                RecvTimeoutError::Timeout => NoAnswer::TimedOut,
+                RecvTimeoutError::Disconnected => NoAnswer::Gone,
+            })
+        }
+    };
     let on_multi_thread = tokio::runtime::Handle::try_current()
         .map(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
         .unwrap_or(false);
     if on_multi_thread {
-        tokio::task::block_in_place(|| rx.recv().ok())
+        tokio::task::block_in_place(receive)
     } else {
-        rx.recv().ok()
+        receive()
     }
 }
 

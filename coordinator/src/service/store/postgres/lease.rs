@@ -148,6 +148,15 @@ impl Lease {
             .map(|h| h.epoch)
     }
 
+    /// The epoch this coordinator may write at now, and until when (by its monotonic clock).
+    pub(crate) fn leading(&self) -> Option<(u64, Instant)> {
+        let state = self.shared.state();
+        state
+            .held
+            .filter(|h| Instant::now() < h.deadline)
+            .map(|h| (h.epoch, h.deadline))
+    }
+
     /// The epoch it holds or last held (0 before it ever led).
     pub fn last_epoch(&self) -> u64 {
         self.shared.state().last_epoch

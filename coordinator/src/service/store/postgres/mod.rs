@@ -40,7 +40,7 @@ pub use connect::PgSettings;
 pub use lease::Lease;
 pub use migrate::{newest_known as newest_schema_version, MIGRATIONS};
 
-use connect::{wait, Target};
+use connect::{wait_until, NoAnswer, Target};
 
 /// The tree answered from memory (see [`PgBackend`]).
 const PUBLISHED: &str = "published";
@@ -78,6 +78,9 @@ enum Answer {
     Written,
 }
 
+/// Puts waiting for the next write, by tree and key.
+type Lazy = BTreeMap<(String, Vec<u8>), Vec<u8>>;
+
 /// Keys and values of one tree, in key order.
 type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
@@ -92,6 +95,8 @@ pub struct PgBackend {
     describe: String,
     jobs: mpsc::UnboundedSender<(Job, Reply)>,
     published: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+    /// Puts not yet committed ([`PgBackend::put_lazily`]): the next write takes them along.
+    lazy: Mutex<Lazy>,
     fence: Fence,
 }
 
@@ -133,6 +138,7 @@ impl PgBackend {
             describe,
             jobs,
             published: Mutex::new(BTreeMap::new()),
+            lazy: Mutex::new(BTreeMap::new()),
             fence,
         };
         backend.load()?;
@@ -151,10 +157,41 @@ impl PgBackend {
     }
 
     fn call(&self, job: Job) -> Result<Answer, BackendError> {
+        self.call_until(job, None)
+            .map_err(|e| e.unwrap_or_else(|| self.unexpected()))
+    }
+
+    /// The job's answer, or `Err(None)` when `until` passed first.
+    fn call_until(
+        &self,
+        job: Job,
+        until: Option<std::time::Instant>,
+    ) -> Result<Answer, Option<BackendError>> {
         let (tx, rx) = std::sync::mpsc::channel();
         let gone = || BackendError::failed(&self.describe, "its connection thread has stopped");
-        self.jobs.send((job, tx)).map_err(|_| gone())?;
-        wait(rx).ok_or_else(gone)?
+        self.jobs.send((job, tx)).map_err(|_| Some(gone()))?;
+        match wait_until(rx, until) {
+            Ok(answer) => answer.map_err(Some),
+            Err(NoAnswer::Gone) => Err(Some(gone())),
+            Err(NoAnswer::TimedOut) => Err(None),
+        }
+    }
+
+    /// Stores `value` under `key` without a transaction of its own: reads through this backend
+    /// see it at once, and the next [`Backend::write`] commits it, fenced like the rest of that
+    /// write. For records whose loss in a crash is harmless (the per-device action sequence, the
+    /// published digests), written once per device and so too many for a transaction each.
+    pub fn put_lazily(&self, tree: &str, key: &[u8], value: &[u8]) -> Result<(), BackendError> {
+        if tree == PUBLISHED {
+            self.cache().insert(key.to_vec(), value.to_vec());
+        }
+        self.pending()
+            .insert((tree.to_owned(), key.to_vec()), value.to_vec());
+        Ok(())
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Lazy> {
+        self.lazy.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, BTreeMap<Vec<u8>, Vec<u8>>> {
@@ -175,6 +212,9 @@ impl Backend for PgBackend {
         if tree == PUBLISHED {
             return Ok(self.cache().get(key).cloned());
         }
+        if let Some(value) = self.pending().get(&(tree.to_owned(), key.to_vec())) {
+            return Ok(Some(value.clone()));
+        }
         match self.call(Job::Get {
             tree: tree.to_owned(),
             key: key.to_vec(),
@@ -189,22 +229,34 @@ impl Backend for PgBackend {
             let cache = self.cache();
             return Ok(cache.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
         }
-        match self.call(Job::Scan {
+        let entries = match self.call(Job::Scan {
             tree: tree.to_owned(),
         })? {
-            Answer::Entries(entries) => Ok(entries),
-            _ => Err(self.unexpected()),
+            Answer::Entries(entries) => entries,
+            _ => return Err(self.unexpected()),
+        };
+        let pending = self.pending();
+        if !pending.keys().any(|(t, _)| t == tree) {
+            return Ok(entries);
         }
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = entries.into_iter().collect();
+        for ((_, key), value) in pending.iter().filter(|((t, _), _)| t == tree) {
+            merged.insert(key.clone(), value.clone());
+        }
+        Ok(merged.into_iter().collect())
     }
 
     fn write(&self, ops: Vec<Op>) -> Result<(), BackendError> {
-        let check = match &self.fence {
-            Fence::NoLiveLease => Check::NoLiveLease,
-            Fence::Lease(lease) => match lease.leading_epoch() {
-                Some(epoch) => Check::Holder {
-                    me: lease.me().to_owned(),
-                    epoch,
-                },
+        let (check, until) = match &self.fence {
+            Fence::NoLiveLease => (Check::NoLiveLease, None),
+            Fence::Lease(lease) => match lease.leading() {
+                Some((epoch, deadline)) => (
+                    Check::Holder {
+                        me: lease.me().to_owned(),
+                        epoch,
+                    },
+                    Some(deadline),
+                ),
                 None => {
                     return Err(BackendError::Fenced {
                         epoch: lease.last_epoch(),
@@ -227,9 +279,39 @@ impl Backend for PgBackend {
                 _ => None,
             })
             .collect();
-        match self.call(Job::Write { ops, check })? {
-            Answer::Written => {}
-            _ => return Err(self.unexpected()),
+        // Lazy puts go first: the write's own operations come after them, as they were made.
+        let lazy = std::mem::take(&mut *self.pending());
+        let mut all: Vec<Op> = lazy
+            .iter()
+            .map(|((tree, key), value)| Op::put(tree, key.clone(), value.clone()))
+            .collect();
+        all.extend(ops);
+        let epoch = match &check {
+            Check::Holder { epoch, .. } => *epoch,
+            Check::NoLiveLease => 0,
+        };
+        // A leader waits for its write no longer than it may act: past its deadline the
+        // answer no longer matters to it, and it must step down without delay.
+        let written = match self.call_until(Job::Write { ops: all, check }, until) {
+            Ok(Answer::Written) => Ok(()),
+            Ok(_) => Err(self.unexpected()),
+            Err(Some(e)) => Err(e),
+            Err(None) => Err(BackendError::Fenced {
+                epoch,
+                reason: format!(
+                    "{}: the lease ran out here while this write waited for the database; if \
+                     the database applied it, it did so before any other coordinator took over",
+                    self.describe
+                ),
+            }),
+        };
+        if let Err(e) = written {
+            // Not committed: keep them for the next write, unless put again meanwhile.
+            let mut pending = self.pending();
+            for (id, value) in lazy {
+                pending.entry(id).or_insert(value);
+            }
+            return Err(e);
         }
         let mut cache = self.cache();
         for (key, value) in published {
@@ -242,6 +324,9 @@ impl Backend for PgBackend {
     }
 
     fn is_empty(&self) -> Result<bool, BackendError> {
+        if !self.pending().is_empty() {
+            return Ok(false);
+        }
         match self.call(Job::IsEmpty)? {
             Answer::Empty(empty) => Ok(empty),
             _ => Err(self.unexpected()),
