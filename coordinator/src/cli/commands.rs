@@ -36,7 +36,7 @@ pub enum CliError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
-    Service(#[from] ServiceError),
+    Service(#[from] Box<ServiceError>),
     #[error(transparent)]
     Client(#[from] ClientError),
     #[error(transparent)]
@@ -314,7 +314,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 embedded = config.broker.embedded.is_some(),
                 "broker settings (command line > environment > config file)"
             );
-            service::serve(config, shutdown).await?;
+            service::serve(config, shutdown).await.map_err(Box::new)?;
             Ok(0)
         }
         Cmd::Rollout(cmd) => {

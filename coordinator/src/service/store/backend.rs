@@ -16,6 +16,9 @@
 //! - Every method may be called from inside a tokio task; a backend that waits on the network
 //!   must not stall the runtime's other tasks for longer than its own timeouts.
 
+/// A tree's entries, key and value, in key order.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// One change to the store, applied with others in one [`Backend::write`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
@@ -82,7 +85,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn get(&self, tree: &str, key: &[u8]) -> Result<Option<Vec<u8>>, BackendError>;
 
     /// Every entry of `tree`, in key order.
-    fn scan(&self, tree: &str) -> Result<Vec<(Vec<u8>, Vec<u8>)>, BackendError>;
+    fn scan(&self, tree: &str) -> Result<Entries, BackendError>;
 
     /// Applies `ops` in order, atomically and durably (see the module's contract). An empty
     /// list still commits: it makes earlier writes durable and, where there is a lease, checks

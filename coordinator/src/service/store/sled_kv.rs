@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::service::seal::{Seal, SealCheck};
-use crate::service::store::backend::{Backend, BackendError, Op};
+use crate::service::store::backend::{Backend, BackendError, Entries, Op};
 
 /// sled's page cache; rollouts are read once at startup and then written, so a small cache is enough.
 const CACHE_CAPACITY: u64 = 8 * 1024 * 1024;
@@ -156,7 +156,7 @@ impl Backend for SledKv {
             .map_err(|e| BackendError::failed(self.describe(), e))
     }
 
-    fn scan(&self, tree: &str) -> Result<Vec<(Vec<u8>, Vec<u8>)>, BackendError> {
+    fn scan(&self, tree: &str) -> Result<Entries, BackendError> {
         self.tree(tree)?
             .iter()
             .map(|item| {

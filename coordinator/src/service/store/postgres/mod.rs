@@ -208,6 +208,10 @@ impl Backend for PgBackend {
         self.describe.clone()
     }
 
+    fn put_lazily(&self, tree: &str, key: &[u8], value: &[u8]) -> Result<(), BackendError> {
+        PgBackend::put_lazily(self, tree, key, value)
+    }
+
     fn get(&self, tree: &str, key: &[u8]) -> Result<Option<Vec<u8>>, BackendError> {
         if tree == PUBLISHED {
             return Ok(self.cache().get(key).cloned());
@@ -224,7 +228,7 @@ impl Backend for PgBackend {
         }
     }
 
-    fn scan(&self, tree: &str) -> Result<Vec<(Vec<u8>, Vec<u8>)>, BackendError> {
+    fn scan(&self, tree: &str) -> Result<Entries, BackendError> {
         if tree == PUBLISHED {
             let cache = self.cache();
             return Ok(cache.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
