@@ -105,10 +105,14 @@ impl Target {
         config.keepalives_idle(Duration::from_secs(10));
         config.tcp_user_timeout(statement_timeout.max(Duration::from_secs(1)));
         config.application_name("flotilla");
+        // A transaction whose client went silent (killed, or partitioned away while the server
+        // still sees its socket) holds the lease row's share lock until the server gives up on
+        // it: without the last setting, that is TCP keepalive's hours, and no standby could
+        // take over meanwhile.
         config.options(format!(
-            "-c client_min_messages=warning -c statement_timeout={} -c lock_timeout={}",
+            "-c client_min_messages=warning -c statement_timeout={0} -c lock_timeout={0} \
+             -c idle_in_transaction_session_timeout={0}",
             statement_timeout.as_millis(),
-            statement_timeout.as_millis()
         ));
         let tls = if settings.tls {
             config.ssl_mode(SslMode::Require);
