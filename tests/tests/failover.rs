@@ -64,12 +64,13 @@ const DEVICES: [(&str, &str); 6] = [
 
 /// A site with coordinator `a` leading and `b` standing by on `pg`, six agents enrolled.
 async fn pair(pg: &Postgres, a_url: &str) -> Site {
-    pair_on(Site::new(BrokerKind::Mosquitto), pg, a_url).await
+    pair_on(Site::new(BrokerKind::Mosquitto), pg, a_url, "").await
 }
 
-async fn pair_on(mut site: Site, pg: &Postgres, a_url: &str) -> Site {
+/// [`pair`] on `site`, with `a_extra` added to a's config.
+async fn pair_on(mut site: Site, pg: &Postgres, a_url: &str, a_extra: &str) -> Site {
     site.release("fw-2", 2, FIRMWARE);
-    site.start_named_coordinator("a", &store(a_url, "a"));
+    site.start_named_coordinator("a", &(store(a_url, "a") + a_extra));
     site.wait_named_log("a", LEADS, 1, WAIT);
     site.start_named_coordinator("b", &store(&pg.url(), "b"));
     site.wait_named_log("b", STANDING_BY, 1, WAIT);
@@ -249,7 +250,14 @@ fn publishes_from_a(site: &Site, from: usize) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothing() {
     let Some(pg) = Postgres::start() else { return };
-    let site = pair_on(Site::mosquitto_with("log_type all\n"), &pg, &pg.url()).await;
+    let a_metrics = flotilla_tests::free_port();
+    let mut site = pair_on(
+        Site::mosquitto_with("log_type all\n"),
+        &pg,
+        &pg.url(),
+        &format!("[metrics]\nlisten = \"127.0.0.1:{a_metrics}\"\n"),
+    )
+    .await;
     let name = "stopped";
     site.create_and_start(&spec(name, false)).await;
     site.wait_status(name, "stage a to be under way", WAIT, |s| {
@@ -286,6 +294,15 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
         "the broker log names b's publishes"
     );
     assert_eq!(site.named_log_count("a", LEADS), 1, "a did not lead again");
+
+    // a stands by for real: when b dies, a leads again, at a new epoch, and its metrics
+    // endpoint (closed when it stepped down) opens again and says so.
+    site.kill_named_coordinator("b");
+    site.wait_named_log("a", LEADS, 2, WAIT);
+    let port = a_metrics;
+    let metrics = flotilla_tests::scrape_metrics(port).await;
+    assert!(metrics.contains("flotilla_leader 1"), "{metrics}");
+    assert!(metrics.contains("flotilla_lease_epoch 3"), "{metrics}");
 }
 
 /// The database crashes mid-rollout: the leader cannot renew, steps down, and once the
@@ -392,4 +409,37 @@ async fn two_coordinators_started_at_once_agree_on_one_leader_every_time() {
         assert!(site.terminate_named_coordinator(&b, Duration::from_secs(10)));
     }
     println!("leaders over 20 rounds: {leaders:?}");
+}
+
+/// The leader is killed while its database connection hangs (whatever it had in flight, a
+/// write or a renewal, never completes, and the database still sees the connection open): the
+/// database ends what it left open, and the standby takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_takes_over_from_a_leader_killed_while_its_database_connection_hangs() {
+    let Some(pg) = Postgres::start() else { return };
+    let proxy = Proxy::start(pg.port());
+    let proxied = pg
+        .url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let mut site = pair(&pg, &proxied).await;
+    let name = "hung";
+    site.create_and_start(&spec(name, false)).await;
+    site.wait_status(name, "stage a to be under way", WAIT, |s| {
+        s.groups[0].state == "running"
+    })
+    .await;
+    let desired = desired_watcher(&site).await;
+    proxy.cut();
+    let lost = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    site.kill_named_coordinator("a");
+    desired.clear();
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    failover_time(&desired, lost, "kill -9 with its database connection hung").await;
+    let status = site
+        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_clean_finish(&site, &status);
 }

@@ -238,10 +238,18 @@ pub(super) async fn lead(
     let coverage = Coverage::new();
     metrics.register_collector(coverage.collector());
     metrics.register_collector(LeaderCollector::boxed(leadership.clone()));
+    let metrics_token = shutdown.child_token();
+    let _metrics_stop = metrics_token.clone().drop_guard();
     if let Some(addr) = config.metrics {
         let listener = metrics::bind(addr).await?;
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
-        tokio::spawn(metrics::run(listener, metrics.endpoint(), shutdown.clone()));
+        // Its own token: a leader that steps down closes the endpoint, so the port is free
+        // when it leads again.
+        tokio::spawn(metrics::run(
+            listener,
+            metrics.endpoint(),
+            metrics_token.clone(),
+        ));
     }
     // The link gets its own token: on shutdown the final effects must still be published.
     let link_token = CancellationToken::new();
