@@ -20,7 +20,10 @@
 //!
 //! ## Modules
 //!
-//! - [`serve`](mod@serve): starts the service and runs its loop. One task owns the rollout
+//! - [`serve`](mod@serve): starts the service: on sled it leads from start to stop; on a
+//!   shared PostgreSQL store ([`shared`]) it stands by and leads while it holds the lease
+//!   ([`leadership`], [`store`]).
+//! - [`lead`]: the service while it leads, and its loop. One task owns the rollout
 //!   engine ([`flotilla_rollout::engine`]) and applies its effects in order: persist, then sign
 //!   and publish. The loop's `Service` is split by concern: `state` (its fields and
 //!   bookkeeping), `inbound` (what arrives from the link), `dispatch` (control commands),
@@ -61,6 +64,7 @@ mod error;
 pub mod grants;
 mod inbound;
 pub mod keys;
+pub mod lead;
 pub mod leadership;
 mod lists;
 pub mod loading;

@@ -8,7 +8,7 @@
 //! silence.
 //!
 //! Once it holds the lease, the coordinator connects its store with every write fenced by the
-//! lease's epoch and runs the service exactly as a coordinator on sled does (`serve.rs`), from
+//! lease's epoch and runs the service exactly as a coordinator on sled does (`lead.rs`), from
 //! what the last leader stored. Losing the lease ends that run at once
 //! ([`ServiceError::Deposed`]): nothing more is published or written, and the coordinator
 //! stands by again. Decision 0044 has the argument why devices never act on a deposed leader.
@@ -25,10 +25,10 @@ use tracing::Instrument;
 use crate::service::config::Config;
 use crate::service::config_store::PostgresConfig;
 use crate::service::error::ServiceError;
+use crate::service::lead::lead;
 use crate::service::leadership::{self, Leadership, LeaseView, Role};
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
-use crate::service::serve::lead;
 use crate::service::state::now;
 use crate::service::store::postgres::{Fence, Lease, PgBackend, PgSettings};
 use crate::service::store::Store;

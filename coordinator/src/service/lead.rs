@@ -1,0 +1,574 @@
+//! The coordinator service around the sans-I/O engine, as it runs while it leads (always, on
+//! sled; while it holds the lease, on a shared store: `shared.rs`). `serve.rs` starts it.
+//!
+//! One task owns the [`Engine`] and feeds it everything: device states and reports from MQTT,
+//! control requests, a one-second tick, and a reissue after every (re)connect. It applies the
+//! engine's effects strictly in order, and persistence comes first: a `Save` is written and
+//! made durable in the store before any desired action it justifies is published, so after a crash the
+//! store never claims less than what devices were told (ADR 0003). A failed save stops the
+//! service rather than publish past what is stored.
+//!
+//! Everything else is plumbing: the optional embedded broker, the MQTT link (`mqtt.rs`), the
+//! artifact block server, and signing desired actions with the coordinator key. A malformed
+//! payload is logged with its topic and reason, counted, and skipped; it never stops the loop.
+//!
+//! Control requests pass the operator gate (`operators.rs`) first: signed by a configured
+//! operator key, inside the clock window, not a replay, within the operator's role. A refusal
+//! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
+//! command into the engine, whose trace says who did what.
+//!
+//! After every (re)connect the service is *loading* until its end-of-retained marker comes back
+//! (`loading.rs`, decision 0033): control requests are then read ahead of the retained burst
+//! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
+//! other command is held, in order and bounded, until every retained state is read.
+//!
+//! Nothing a device sends reaches the engine unverified: states, reports and block requests are
+//! signed device messages, checked against the device's enrolled key by the enrollment
+//! [`Registry`] (`enrollment.rs`) before the engine or the block server sees them; everything
+//! else is ignored and counted, with at most one log line per interval. Blocks go only to
+//! devices that hold an action for the artifact or block list.
+//!
+//! An install the engine names peers for goes out as `InstallWithPeers` with a peer grant signed
+//! by the coordinator key (`grants.rs`, docs/peers.md). A final report that says where its bytes
+//! came from (`ReportWithBytes`) is handled as its report, and its bytes are counted by source
+//! once per device and action (`observe_bytes` in `state.rs`, `/metrics`).
+//!
+//! Day-2 operations (docs/operations.md) are control commands too: approvals, a manual start of
+//! the next group, retrying failed devices, deleting a device, and the two kinds of named objects
+//! the service keeps in its own store rather than in the engine: staged update strategies (TOML
+//! text that staged rollout specs refer to by name) and device groups (named selectors). The
+//! engine gets the full list of device groups at startup and after every change.
+//!
+//! The service is split by concern, each file an `impl Service` block over the state in
+//! `state.rs`: this file starts the service and runs its loop; `inbound.rs` takes what arrives
+//! (device messages, retained desired actions read back, control requests, the marker);
+//! `dispatch.rs` runs control commands; `lists.rs` answers the paged lists; `effects.rs` applies
+//! the engine's effects (persist, sign, publish); `error.rs` says why the service stopped.
+
+use flotilla_rollout::zoneinfo::SystemZones;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_protocol::{SigningKey, Topics};
+use tokio_util::sync::CancellationToken;
+
+use crate::service::error::ServiceError;
+use crate::service::state::{now, Service};
+
+use crate::service::artifacts::BlockServer;
+use crate::service::config::Config;
+use crate::service::coverage::{self, Coverage};
+use crate::service::enrollment::{self, IgnoredLog, Registry};
+use crate::service::leadership::{Leadership, Role};
+use crate::service::loading::{self, Loading};
+use crate::service::metrics::{self, Metrics};
+use crate::service::metrics_leader::LeaderCollector;
+use crate::service::mqtt::{self, LinkEvent, LinkOptions};
+use crate::service::operators::Gate;
+use crate::service::releases::ReleaseStore;
+use crate::service::sequence::ActionSequence;
+use crate::service::store::Store;
+use crate::service::store_health::StoreHealth;
+use crate::service::verify::{self, KeyCache};
+use flotilla_rollout::engine::Engine;
+
+/// How often the engine's timers are evaluated.
+const TICK: Duration = Duration::from_secs(1);
+
+/// Control requests read from the lane in a row before a device message (or a tick) gets a turn.
+const LANE_STREAK: u32 = 64;
+
+/// At most one log line per this interval about ignored device messages.
+const IGNORED_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Leads: loads everything from `store`, connects, and runs the service loop until `shutdown`
+/// is cancelled or, on a shared store, the lease is lost ([`ServiceError::Deposed`]).
+pub(super) async fn lead(
+    config: &Config,
+    key: SigningKey,
+    store: Store,
+    leadership: Arc<dyn Leadership>,
+    opening: std::time::Instant,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    let db = store.describe();
+    let store_is_sled = store.sled_path().is_some();
+    let opened_ms = opening.elapsed().as_millis();
+    let rollouts = store
+        .load_rollouts()
+        .map_err(|source| ServiceError::LoadRollouts {
+            store: db.clone(),
+            source,
+        })?;
+    let rollouts_ms = opening.elapsed().as_millis() - opened_ms;
+    let groups = store
+        .list_groups()
+        .map_err(|source| ServiceError::LoadGroups {
+            store: db.clone(),
+            source,
+        })?;
+    let issued = store
+        .load_issued()
+        .map_err(|source| ServiceError::LoadSequence {
+            store: db.clone(),
+            source,
+        })?;
+    let authorized = match &config.enrollment.authorized_keys {
+        None => Vec::new(),
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| enrollment::parse_authorized_keys(&text))
+            .map_err(|reason| ServiceError::AuthorizedKeys {
+                path: path.clone(),
+                reason,
+            })?,
+    };
+    let load_enrollments = |source| ServiceError::LoadEnrollments {
+        store: db.clone(),
+        source,
+    };
+    let registry = Registry::new(
+        store.list_enrollments().map_err(load_enrollments)?,
+        authorized,
+        config.enrollment.tokens.clone(),
+        store.used_tokens().map_err(load_enrollments)?,
+        config.enrollment.max_pending,
+    )
+    .with_limits(
+        config.enrollment.attempts_per_second,
+        config.enrollment.device_attempts_per_minute,
+    );
+    let loaded_ms = opening.elapsed().as_millis();
+    let (rollout_count, group_count) = (rollouts.len(), groups.len());
+    let mut engine = Engine::restore(rollouts, SystemZones);
+    engine.set_device_groups(groups);
+    // Where a restart's time goes before the coordinator connects (docs/performance.md).
+    tracing::info!(rollouts = rollout_count, device_groups = group_count, enrollments = registry.all().count(),
+        store = %db, epoch = leadership.epoch(), store_open_ms = opened_ms, rollouts_ms,
+        other_records_ms = loaded_ms - opened_ms - rollouts_ms, engine_ms = opening.elapsed().as_millis() - loaded_ms,
+        "coordinator starting");
+
+    let topics = Topics::new(&config.broker.topic_root);
+    let gate = Gate::new(
+        config.operators.clone(),
+        config.clock_window,
+        topics.clone(),
+        now(),
+    )
+    .with_limits(config.control_limits);
+    if gate.operator_count() == 0 {
+        tracing::warn!("no [[operators]] configured: every control request will be refused");
+    }
+    let mut metrics = Metrics::new();
+    metrics.watch_limits(gate.counts(), registry.attempt_counts());
+    let coverage = Coverage::new();
+    metrics.register_collector(coverage.collector());
+    metrics.register_collector(LeaderCollector::boxed(leadership.clone()));
+    let metrics_token = shutdown.child_token();
+    let _metrics_stop = metrics_token.clone().drop_guard();
+    if let Some(addr) = config.metrics {
+        let listener = metrics::bind(addr).await?;
+        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+        // Its own token: a leader that steps down closes the endpoint, so the port is free
+        // when it leads again.
+        tokio::spawn(metrics::run(
+            listener,
+            metrics.endpoint(),
+            metrics_token.clone(),
+        ));
+    }
+    // The link gets its own token: on shutdown the final effects must still be published.
+    let link_token = CancellationToken::new();
+    // A stable client id, so the broker's ACL can name the coordinator (and a second
+    // coordinator started by mistake takes the connection over instead of running beside it).
+    let mut filters = topics.coordinator_filters();
+    filters.push(topics.desired_filter());
+    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
+    filters.push(topics.marker());
+    // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
+    // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
+    if config.watch_sys_dropped && config.broker.embedded.is_none() {
+        filters.push(coverage::SYS_DROPPED.to_owned());
+    } else if config.watch_sys_dropped {
+        tracing::warn!(
+            "[service] watch_sys_dropped is ignored with the embedded broker: rumqttd closes the \
+             connection of a client that subscribes to $SYS"
+        );
+    }
+    let options = LinkOptions::with_connection(
+        config.connection(),
+        config.broker.client_id.clone(),
+        filters,
+    )
+    .with_lane(topics.control_request());
+    tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
+    let link = mqtt::start(options, link_token.clone());
+    let inbox = link.events.stats();
+    metrics.attach(inbox.clone());
+    let mqtt::MqttLink {
+        client: link_client,
+        events,
+        lane: mut control,
+        lane_open,
+        task: link_task,
+        ..
+    } = link;
+    let mut control_open = true;
+    let mut lane_streak = 0u32;
+    // Device signatures are checked on worker threads; the loop gets the events in order.
+    let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
+    let mut incoming =
+        verify::start(events, topics.clone(), config.verify_threads, keys).map_err(|e| {
+            ServiceError::VerifyThreads {
+                threads: config.verify_threads,
+                reason: e.to_string(),
+            }
+        })?;
+    tracing::info!(
+        threads = config.verify_threads,
+        "checking device signatures ahead of the service loop"
+    );
+    let releases = ReleaseStore::new(&config.data_dir);
+    let mut service = Service {
+        engine,
+        store,
+        verifying_key: key.verifying_key(),
+        desired_known: 0,
+        key,
+        blocks: BlockServer::new(releases.artifacts_dir()),
+        releases,
+        manifests: HashMap::new(),
+        sequence: ActionSequence::new(issued),
+        topics,
+        client: link_client,
+        validity: config.action_validity,
+        addr: config.broker_addr(),
+        malformed: 0,
+        malformed_logged: None,
+        unpublishable: 0,
+        repaired: HashMap::new(),
+        desired_repairs: 0,
+        gate,
+        refused: 0,
+        registry,
+        ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+        release_digests: HashMap::new(),
+        holdings: HashMap::new(),
+        bytes_counted: HashMap::new(),
+        health: StoreHealth::default(),
+        data_dir: config.data_dir.clone(),
+        metrics,
+        loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+        coverage,
+        lane_open,
+        leadership: leadership.clone(),
+        fenced: false,
+    };
+    let mut role = leadership.watch();
+
+    let mut ticker = tokio::time::interval(TICK);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let result = loop {
+        // Far enough never to fire when no marker is awaited (the branch is disabled then).
+        let marker_due = service.loading.deadline();
+        let marker_wait = marker_due.unwrap_or_else(|| tokio::time::Instant::now() + TICK * 3600);
+        let step = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break Ok(()),
+            // Control requests first: they must not wait behind a burst of device traffic. At
+            // most LANE_STREAK in a row, so a flood of them cannot stall the device messages
+            // (and the marker) behind them.
+            request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
+                Some(LinkEvent::Publish { topic, payload }) => {
+                    lane_streak += 1;
+                    service.on_publish(&topic, &payload, None).await
+                }
+                Some(_) => Ok(()),
+                None => {
+                    control_open = false;
+                    Ok(())
+                }
+            },
+            event = incoming.recv() => match event {
+                Some(event) => {
+                    lane_streak = 0;
+                    service.on_link_event(event).await
+                }
+                None => Err(ServiceError::LinkClosed { addr: service.addr.clone() }),
+            },
+            _ = tokio::time::sleep_until(marker_wait), if marker_due.is_some() => {
+                service.marker_overdue().await
+            }
+            // A shared store's lease lost: stop at once, before anything else is published.
+            _ = role.changed() => match &*role.borrow_and_update() {
+                Role::Leader { .. } => Ok(()),
+                Role::Standby { .. } => Err(service.deposed("the lease was not renewed in time")),
+            },
+            _ = ticker.tick() => {
+                lane_streak = 0;
+                let _timing = service.metrics.input("tick");
+                let effects = service.engine.tick(now());
+                match service.apply(effects).await {
+                    Ok(()) => match service.retry_enrollments().await {
+                        Ok(()) => service.retry_store().await,
+                        Err(e) => Err(e),
+                    },
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        if let Err(e) = step {
+            break Err(e);
+        }
+        service.refresh_metrics();
+    };
+    if result.is_ok() && leadership.leads() {
+        // Persist whatever per-device progress the last tick has not saved yet.
+        let effects = service.engine.tick(now());
+        service.apply(effects).await?;
+    }
+    link_token.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
+    if service.health.is_failing() && store_is_sled {
+        // Closing a sled instance after a failed write can wait forever on a full disk; what
+        // it acknowledged is on disk already.
+        service.store.abandon();
+    }
+    tracing::info!(
+        incoming_dropped = inbox.dropped(),
+        store_write_failures = service.health.failures,
+        device_actions_held_back = service.health.held_back,
+        malformed_payloads = service.malformed,
+        unpublishable = service.unpublishable,
+        desired_repairs = service.desired_repairs,
+        desired_recognised_unchecked = service.desired_known,
+        refused_control_requests = service.refused,
+        ignored_device_messages = service.ignored.total(),
+        "coordinator stopped"
+    );
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::broker::EmbeddedBroker;
+    use crate::service::leadership::Sole;
+    use flotilla_protocol::{envelope, ActionBody, DesiredAction, DeviceId, Message, SigningKey};
+    use flotilla_rollout::engine::Effect;
+    use rumqttc::{AsyncClient, QoS};
+
+    use flotilla_protocol::DeviceState;
+    use rumqttc::{Event, EventLoop, MqttOptions, Packet};
+    use std::collections::BTreeMap;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn free_addr() -> std::net::SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+    }
+
+    fn device_client(port: u16) -> (AsyncClient, EventLoop) {
+        let mut o = MqttOptions::new(mqtt::unique_client_id("fake-device"), "127.0.0.1", port);
+        o.set_max_packet_size(1 << 20, 1 << 20);
+        AsyncClient::new(o, 100)
+    }
+
+    /// The retained messages under `devices/{id}/`, by topic: a fresh subscription gets every
+    /// retained message of its filter before anything published after it, so a probe message
+    /// published once subscribed marks the end of them.
+    async fn retained_under_device(port: u16, id: &DeviceId) -> BTreeMap<String, Vec<u8>> {
+        let topics = Topics::default();
+        let filter = format!("{}/devices/{id}/+", topics.prefix());
+        let probe = format!("{}/devices/{id}/probe", topics.prefix());
+        let (client, mut el) = device_client(port);
+        client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .await
+            .expect("queue");
+        let mut retained = BTreeMap::new();
+        tokio::time::timeout(WAIT, async {
+            loop {
+                match el.poll().await.expect("connection") {
+                    Event::Incoming(Packet::SubAck(_)) => client
+                        .publish(probe.clone(), QoS::AtLeastOnce, false, b"probe".to_vec())
+                        .await
+                        .expect("queue"),
+                    Event::Incoming(Packet::Publish(p)) if p.topic == probe => return,
+                    Event::Incoming(Packet::Publish(p)) => {
+                        retained.insert(p.topic.clone(), p.payload.to_vec());
+                    }
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("probe came back");
+        retained
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn forget_clears_the_retained_desired_and_state_topics() {
+        let addr = free_addr();
+        let _broker = tokio::task::spawn_blocking(move || EmbeddedBroker::start(addr))
+            .await
+            .expect("task")
+            .expect("broker");
+        let port = addr.port();
+        let topics = Topics::default();
+        let id = DeviceId::new("dev-9").expect("id");
+
+        // The device has a retained state and a retained desired action.
+        let (device, mut device_el) = device_client(port);
+        let state = DeviceState {
+            device_id: "dev-9".into(),
+            hardware_id: "pi4".into(),
+            labels: vec![],
+            installed: None,
+            current: None,
+            online: true,
+            agent_version: "test".into(),
+            at: now(),
+        };
+        for (topic, payload) in [
+            (topics.state(&id), envelope::encode(&Message::State(state))),
+            (
+                topics.desired(&id),
+                b"stand-in for a signed action".to_vec(),
+            ),
+        ] {
+            device
+                .publish(topic, QoS::AtLeastOnce, true, payload)
+                .await
+                .expect("queue");
+        }
+        let mut acks = 0;
+        tokio::time::timeout(WAIT, async {
+            while acks < 2 {
+                if let Event::Incoming(Packet::PubAck(_)) = device_el.poll().await.expect("poll") {
+                    acks += 1;
+                }
+            }
+        })
+        .await
+        .expect("retained messages stored");
+        let before = retained_under_device(port, &id).await;
+        assert_eq!(
+            before.keys().cloned().collect::<Vec<_>>(),
+            vec![topics.desired(&id), topics.state(&id)],
+            "both retained before the device is forgotten"
+        );
+
+        // A watcher sees the clearing happen live, so the broker has processed it.
+        let (watcher, mut watcher_el) = device_client(port);
+        watcher
+            .subscribe(
+                format!("{}/devices/dev-9/+", topics.prefix()),
+                QoS::AtLeastOnce,
+            )
+            .await
+            .expect("queue");
+        tokio::time::timeout(WAIT, async {
+            while !matches!(
+                watcher_el.poll().await.expect("poll"),
+                Event::Incoming(Packet::SubAck(_))
+            ) {}
+        })
+        .await
+        .expect("watcher subscribed");
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let link_token = CancellationToken::new();
+        let link = mqtt::start(
+            LinkOptions::new("127.0.0.1", port, "forget-test", Vec::new()),
+            link_token.clone(),
+        );
+        let releases = ReleaseStore::new(dir.path());
+        let mut service = Service {
+            engine: Engine::new(SystemZones),
+            store: Store::open(dir.path().join("db")).expect("store"),
+            key: SigningKey::from_bytes(&[7; 32]),
+            verifying_key: SigningKey::from_bytes(&[7; 32]).verifying_key(),
+            desired_known: 0,
+            blocks: BlockServer::new(releases.artifacts_dir()),
+            releases,
+            manifests: HashMap::new(),
+            sequence: ActionSequence::default(),
+            topics: topics.clone(),
+            client: link.client.clone(),
+            validity: 60,
+            addr: format!("127.0.0.1:{port}"),
+            malformed: 0,
+            malformed_logged: None,
+            unpublishable: 0,
+            repaired: HashMap::new(),
+            desired_repairs: 0,
+            gate: Gate::new(Vec::new(), 60, topics.clone(), now()),
+            refused: 0,
+            registry: Registry::default(),
+            ignored: IgnoredLog::new(IGNORED_LOG_INTERVAL),
+            release_digests: HashMap::new(),
+            holdings: HashMap::new(),
+            bytes_counted: HashMap::new(),
+            health: StoreHealth::default(),
+            data_dir: dir.path().to_owned(),
+            metrics: Metrics::new(),
+            loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+            coverage: Coverage::new(),
+            lane_open: link.lane_open.clone(),
+            leadership: Arc::new(Sole::new("test")),
+            fenced: false,
+        };
+        service
+            .apply(vec![Effect::Forget {
+                device: "dev-9".into(),
+            }])
+            .await
+            .expect("applied");
+        // Until the state is deleted and the desired topic holds a signed action (the watcher
+        // first gets the retained messages from before).
+        let (mut state_deleted, mut desired_replaced) = (false, false);
+        tokio::time::timeout(WAIT, async {
+            while !(state_deleted && desired_replaced) {
+                if let Event::Incoming(Packet::Publish(p)) = watcher_el.poll().await.expect("poll")
+                {
+                    if p.topic == topics.state(&id) && p.payload.is_empty() {
+                        state_deleted = true;
+                    }
+                    if p.topic == topics.desired(&id)
+                        && matches!(envelope::decode(&p.payload), Ok(Message::Desired(_)))
+                    {
+                        desired_replaced = true;
+                    }
+                }
+            }
+        })
+        .await
+        .expect("the state deleted and the desired action replaced");
+
+        // The desired action is not deleted but replaced by a signed "nothing to do", so a
+        // replayed older action stays older than what the device was last told.
+        let after = retained_under_device(port, &id).await;
+        assert_eq!(
+            after.keys().cloned().collect::<Vec<_>>(),
+            vec![topics.desired(&id)],
+            "only the desired topic stays retained: {after:?}"
+        );
+        let Ok(Message::Desired(blob)) = envelope::decode(&after[&topics.desired(&id)]) else {
+            panic!("the retained desired topic holds a desired action");
+        };
+        let coordinator = SigningKey::from_bytes(&[7; 32]).verifying_key();
+        let bytes = blob
+            .verify("desired action", &[coordinator])
+            .expect("signed by the coordinator");
+        let action: DesiredAction =
+            envelope::from_bytes("desired action", bytes).expect("a desired action");
+        assert_eq!(action.body, ActionBody::Nothing);
+        assert_eq!(action.device_id, "dev-9");
+        link_token.cancel();
+    }
+}
