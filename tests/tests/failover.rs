@@ -142,6 +142,31 @@ fn assert_clean_finish(site: &Site, status: &RolloutStatus) {
     }
 }
 
+/// Creates and starts rollout `name` and waits until its first stage is under way.
+async fn start_rollout(site: &Site, name: &str) {
+    site.create_and_start(&spec(name, false)).await;
+    site.wait_status(name, "stage a to be under way", WAIT, |s| {
+        s.groups[0].state == "running"
+    })
+    .await;
+}
+
+/// Waits for rollout `name` to finish and checks it finished cleanly ([`assert_clean_finish`]).
+async fn finishes_cleanly(site: &Site, name: &str) {
+    let status = site
+        .wait_status(name, "the rollout to finish", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_clean_finish(site, &status);
+}
+
+/// The URL of `pg` through `proxy`.
+fn through(pg: &Postgres, proxy: &Proxy) -> String {
+    pg.url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()))
+}
+
 /// When the leader is killed.
 #[derive(Debug, Clone, Copy)]
 enum Moment {
@@ -202,15 +227,7 @@ async fn kill_leader_at(moment: Moment) {
     }
     let took = failover_time(&desired, lost, &format!("kill -9 {moment:?}")).await;
     assert!(took < WAIT);
-    let status = site
-        .wait_status(
-            name,
-            "the rollout to finish under the new leader",
-            WAIT * 2,
-            |s| s.state == "finished",
-        )
-        .await;
-    assert_clean_finish(&site, &status);
+    finishes_cleanly(&site, name).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,11 +276,7 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
     )
     .await;
     let name = "stopped";
-    site.create_and_start(&spec(name, false)).await;
-    site.wait_status(name, "stage a to be under way", WAIT, |s| {
-        s.groups[0].state == "running"
-    })
-    .await;
+    start_rollout(&site, name).await;
     let desired = desired_watcher(&site).await;
     let lost = Instant::now();
     site.signal_named_coordinator("a", "STOP");
@@ -278,12 +291,7 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
         fs::metadata(site.path("mosquitto.log")).map_or(0, |m| m.len() as usize);
     site.signal_named_coordinator("a", "CONT");
     site.wait_named_log("a", STEPPED_DOWN, 1, WAIT);
-    let status = site
-        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
-            s.state == "finished"
-        })
-        .await;
-    assert_clean_finish(&site, &status);
+    finishes_cleanly(&site, name).await;
     // Counted at the broker, by client id: the woken coordinator published nothing, while
     // the broker log does show what b published (the count is not blind).
     let from_a = publishes_from_a(&site, broker_log_at_wake);
@@ -314,11 +322,7 @@ async fn a_database_restart_mid_rollout_pauses_publishing_and_loses_nothing() {
     };
     let site = pair(&pg, &pg.url()).await;
     let name = "dbcrash";
-    site.create_and_start(&spec(name, false)).await;
-    site.wait_status(name, "stage a to be under way", WAIT, |s| {
-        s.groups[0].state == "running"
-    })
-    .await;
+    start_rollout(&site, name).await;
     // Subscribed before the crash; what it gets on subscribing (the retained actions) is
     // forgotten once the leader stepped down.
     let desired = desired_watcher(&site).await;
@@ -335,12 +339,7 @@ async fn a_database_restart_mid_rollout_pauses_publishing_and_loses_nothing() {
     let leader = site.first_to_log(&["a", "b"], LEADS, 1, WAIT);
     println!("after the database came back, {leader} leads");
     failover_time(&desired, back, "database restart").await;
-    let status = site
-        .wait_status(name, "the rollout to finish", WAIT * 2, |s| {
-            s.state == "finished"
-        })
-        .await;
-    assert_clean_finish(&site, &status);
+    finishes_cleanly(&site, name).await;
 }
 
 /// The leader loses the database but not the broker: it steps down within the lease's
@@ -349,16 +348,10 @@ async fn a_database_restart_mid_rollout_pauses_publishing_and_loses_nothing() {
 async fn a_leader_cut_off_from_the_database_steps_down_and_the_standby_leads() {
     let Some(pg) = Postgres::start() else { return };
     let proxy = Proxy::start(pg.port());
-    let proxied = pg
-        .url()
-        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let proxied = through(&pg, &proxy);
     let site = pair(&pg, &proxied).await;
     let name = "cut";
-    site.create_and_start(&spec(name, false)).await;
-    site.wait_status(name, "stage a to be under way", WAIT, |s| {
-        s.groups[0].state == "running"
-    })
-    .await;
+    start_rollout(&site, name).await;
     let desired = desired_watcher(&site).await;
     let lost = Instant::now();
     proxy.cut();
@@ -374,12 +367,7 @@ async fn a_leader_cut_off_from_the_database_steps_down_and_the_standby_leads() {
     );
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "leader cut off from the database").await;
-    let status = site
-        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
-            s.state == "finished"
-        })
-        .await;
-    assert_clean_finish(&site, &status);
+    finishes_cleanly(&site, name).await;
 }
 
 /// Two coordinators started at the same instant, again and again: exactly one leads each
@@ -418,16 +406,10 @@ async fn two_coordinators_started_at_once_agree_on_one_leader_every_time() {
 async fn the_standby_takes_over_from_a_leader_killed_while_its_database_connection_hangs() {
     let Some(pg) = Postgres::start() else { return };
     let proxy = Proxy::start(pg.port());
-    let proxied = pg
-        .url()
-        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port()));
+    let proxied = through(&pg, &proxy);
     let mut site = pair(&pg, &proxied).await;
     let name = "hung";
-    site.create_and_start(&spec(name, false)).await;
-    site.wait_status(name, "stage a to be under way", WAIT, |s| {
-        s.groups[0].state == "running"
-    })
-    .await;
+    start_rollout(&site, name).await;
     let desired = desired_watcher(&site).await;
     proxy.cut();
     let lost = Instant::now();
@@ -436,10 +418,5 @@ async fn the_standby_takes_over_from_a_leader_killed_while_its_database_connecti
     desired.clear();
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with its database connection hung").await;
-    let status = site
-        .wait_status(name, "the rollout to finish under b", WAIT * 2, |s| {
-            s.state == "finished"
-        })
-        .await;
-    assert_clean_finish(&site, &status);
+    finishes_cleanly(&site, name).await;
 }
