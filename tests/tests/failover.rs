@@ -389,6 +389,24 @@ async fn two_coordinators_started_at_once_agree_on_one_leader_every_time() {
             .filter(|n| site.named_log_count(n, LEADS) > 0)
             .count();
         assert_eq!(both, 1, "round {round}: exactly one of {a} and {b} leads");
+        if round == 0 {
+            // What an operator sees: the leader, its epoch, and both coordinators.
+            let shown = site.flotilla(&["status"]);
+            assert!(
+                shown.contains(&format!("leader    {leader}, lease epoch 1,")),
+                "{shown}"
+            );
+            let standby = if leader == a { &b } else { &a };
+            assert!(
+                shown
+                    .lines()
+                    .any(|l| l.starts_with(&leader) && l.contains(" leader "))
+                    && shown
+                        .lines()
+                        .any(|l| l.starts_with(standby.as_str()) && l.contains(" standby ")),
+                "{shown}"
+            );
+        }
         *leaders
             .entry(leader.chars().next().unwrap_or('?'))
             .or_insert(0) += 1;
