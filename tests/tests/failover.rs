@@ -262,6 +262,42 @@ fn publishes_from_a(site: &Site, from: usize) -> Vec<String> {
         .collect()
 }
 
+/// `GET /metrics` on `port`, or `None` while nothing answers there.
+async fn try_scrape(port: u16) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: coordinator\r\n\r\n")
+            .await
+            .ok()?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.ok()?;
+        String::from_utf8(answer).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .ok()?
+}
+
+/// Scrapes `/metrics` on `port` until it holds `line` (an endpoint may be changing hands).
+async fn scrape_when(port: u16, line: &str) -> String {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let metrics = try_scrape(port).await.unwrap_or_default();
+        if metrics.lines().any(|l| l == line) {
+            return metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {line:?} on /metrics: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A leader stopped for twice the lease's time-to-live publishes nothing after it wakes, and
 /// comes back as a standby.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -291,6 +327,9 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
         fs::metadata(site.path("mosquitto.log")).map_or(0, |m| m.len() as usize);
     site.signal_named_coordinator("a", "CONT");
     site.wait_named_log("a", STEPPED_DOWN, 1, WAIT);
+    // Standing by, its metrics say so (the endpoint moves from the leader's to the standby's).
+    let metrics = scrape_when(a_metrics, "flotilla_leader 0").await;
+    assert!(metrics.contains("flotilla_lease_epoch 1"), "{metrics}");
     finishes_cleanly(&site, name).await;
     // Counted at the broker, by client id: the woken coordinator published nothing, while
     // the broker log does show what b published (the count is not blind).
@@ -307,9 +346,7 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
     // endpoint (closed when it stepped down) opens again and says so.
     site.kill_named_coordinator("b");
     site.wait_named_log("a", LEADS, 2, WAIT);
-    let port = a_metrics;
-    let metrics = flotilla_tests::scrape_metrics(port).await;
-    assert!(metrics.contains("flotilla_leader 1"), "{metrics}");
+    let metrics = scrape_when(a_metrics, "flotilla_leader 1").await;
     assert!(metrics.contains("flotilla_lease_epoch 3"), "{metrics}");
 }
 

@@ -168,7 +168,7 @@ pub(super) async fn lead(
     let metrics_token = shutdown.child_token();
     let _metrics_stop = metrics_token.clone().drop_guard();
     if let Some(addr) = config.metrics {
-        let listener = metrics::bind(addr).await?;
+        let listener = metrics::bind_retrying(addr).await?;
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
         // Its own token: a leader that steps down closes the endpoint, so the port is free
         // when it leads again.

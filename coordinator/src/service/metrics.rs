@@ -825,6 +825,20 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ListenError> {
     metrics_http::bind(addr).await
 }
 
+/// [`bind`], trying again for up to three seconds: a coordinator that changes role (leading,
+/// standing by) closes one endpoint and opens the next on the same address, and the closing
+/// one may not have let go of it yet.
+pub async fn bind_retrying(addr: SocketAddr) -> Result<TcpListener, ListenError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        match bind(addr).await {
+            Ok(listener) => return Ok(listener),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 /// Serves `GET /metrics` on `listener` until `shutdown` is cancelled (`metrics_http.rs`).
 pub async fn run(listener: TcpListener, endpoint: Endpoint, shutdown: CancellationToken) {
     metrics_http::serve(listener, endpoint, shutdown).await

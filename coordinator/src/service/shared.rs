@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use flotilla_protocol::control::{Command, ControlReply};
 use flotilla_protocol::{SigningKey, Topics};
+use flotilla_rollout::engine::Engine;
+use flotilla_rollout::zoneinfo::SystemZones;
 use rumqttc::QoS;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -27,6 +29,8 @@ use crate::service::config_store::PostgresConfig;
 use crate::service::error::ServiceError;
 use crate::service::lead::lead;
 use crate::service::leadership::{self, Leadership, LeaseView, Role};
+use crate::service::metrics::{self, Metrics};
+use crate::service::metrics_leader::LeaderCollector;
 use crate::service::mqtt::{self, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::state::now;
@@ -140,6 +144,29 @@ async fn standby(
     if lease.leads() {
         return Ok(true);
     }
+    // A standby's `/metrics` says it stands by (`flotilla_leader 0`), and its epoch; the
+    // endpoint closes when it leads (the leader opens its own) or stops.
+    let metrics_token = shutdown.child_token();
+    let _metrics_stop = metrics_token.clone().drop_guard();
+    let mut metrics = Metrics::new();
+    let leadership: Arc<dyn Leadership> = lease.clone();
+    metrics.register_collector(LeaderCollector::boxed(leadership));
+    // A scrape waits for a snapshot of the engine; a standby has none to give, so it answers
+    // with an empty one at once.
+    let nothing = Engine::new(SystemZones);
+    let mut scrapes = tokio::time::interval(Duration::from_millis(100));
+    if let Some(addr) = config.metrics {
+        match metrics::bind_retrying(addr).await {
+            Ok(listener) => {
+                tokio::spawn(metrics::run(
+                    listener,
+                    metrics.endpoint(),
+                    metrics_token.clone(),
+                ));
+            }
+            Err(e) => tracing::warn!(error = %e, "a standby serves no metrics"),
+        }
+    }
     let topics = Topics::new(&config.broker.topic_root);
     let mut gate = Gate::new(
         config.operators.clone(),
@@ -159,6 +186,11 @@ async fn standby(
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(false),
+            _ = scrapes.tick() => {
+                if metrics.wanted() {
+                    metrics.refresh(&nothing, &Default::default(), Default::default());
+                }
+            }
             changed = role.changed() => {
                 if changed.is_err() {
                     break Err(ServiceError::SharedStore {
