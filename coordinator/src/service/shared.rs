@@ -81,10 +81,13 @@ pub(crate) async fn serve_shared(
         };
         let backend = match connect {
             Ok(Ok(backend)) => backend,
+            // The database went away between the lease and the store: try again shortly (the
+            // lease runs out meanwhile if it stays away, and another coordinator may lead).
             Ok(Err(e)) => {
-                break Err(ServiceError::SharedStore {
-                    reason: e.to_string(),
-                })
+                tracing::warn!(coordinator = %pg.coordinator_id, error = %e,
+                    "holds the lease but cannot open the store; trying again");
+                tokio::time::sleep(pg.lease.renew_every).await;
+                continue;
             }
             Err(e) => {
                 break Err(ServiceError::SharedStore {
@@ -110,6 +113,18 @@ pub(crate) async fn serve_shared(
             Err(ServiceError::Deposed { epoch, reason }) => {
                 tracing::warn!(coordinator = %pg.coordinator_id, epoch, %reason,
                     "stopped leading: nothing more is published or written; standing by again");
+            }
+            // Reading the store at the start of a run failed (the database went away): like
+            // a lost lease, not a reason to stop the process.
+            Err(
+                e @ (ServiceError::LoadRollouts { .. }
+                | ServiceError::LoadGroups { .. }
+                | ServiceError::LoadSequence { .. }
+                | ServiceError::LoadEnrollments { .. }),
+            ) => {
+                tracing::warn!(coordinator = %pg.coordinator_id, error = %e,
+                    "stopped leading: the store could not be read; standing by again");
+                tokio::time::sleep(pg.lease.renew_every).await;
             }
             other => break other,
         }
