@@ -86,6 +86,11 @@ done
 . "$repo/bench/lib.sh"
 # shellcheck source=bench/pg.sh
 . "$repo/bench/pg.sh"
+case " $stores " in
+  *" postgres "*)
+    pg_bin=$(pg_bin_dir)
+    command -v mosquitto_sub >/dev/null || die "mosquitto_sub not found (apt-get install mosquitto-clients)" ;;
+esac
 build_bins -p flotilla-coordinator
 flotilla="$bin/flotilla"
 make_work fleet
@@ -440,7 +445,7 @@ for n in $sizes; do
 
   fig=()
   for store in $stores; do run_store "$store" "$n"; done
-  case " $stores " in *" sled "*" postgres "*|*" postgres "*" sled "*) side_by_side "$n" ;; esac
+  case " $stores " in *" sled "*) case " $stores " in *" postgres "*) side_by_side "$n" ;; esac ;; esac
   case " $stores " in
     *" postgres "*) [ -n "$failover" ] && [ "$n" = "$largest" ] && run_failover "$n" ;;
   esac

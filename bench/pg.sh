@@ -87,7 +87,9 @@ pg_store_conf() {
 
 # The database's size on disk (pg_size_pretty), tables, indexes and TOAST.
 pg_db_size() {
-  "$pg_bin/psql" -X -A -t -h 127.0.0.1 -p "$pg_port" -U flotilla -d postgres \
+  local psql="$pg_bin/psql"
+  [ -x "$psql" ] || psql=psql
+  "$psql" -X -A -t -h 127.0.0.1 -p "$pg_port" -U flotilla -d postgres \
     -c "SELECT pg_size_pretty(pg_database_size('postgres'))" 2>/dev/null || echo "?"
 }
 
