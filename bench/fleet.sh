@@ -9,8 +9,9 @@
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
 #              default agent), TIMEOUT (per run, default 20m), MALLOC_STATS=1 (glibc's
-#              per-arena figures after the rollout, via gdb: <results>.<n>.malloc.txt), HEAPTRACK=1
-#              (the coordinator's heap profile until the restart: <results>.<n>.heaptrack.txt).
+#              per-arena figures after the rollout, via gdb: <results>.<n>.<store>.malloc.txt),
+#              HEAPTRACK=1 (the heap profile of the coordinator on sled until the restart:
+#              <results>.<n>.heaptrack.txt).
 #
 # --stores "sled postgres" (default: sled) runs each size once per store, one after the other
 # against the same broker settings and the same baseline, and prints the stores side by side.
@@ -61,7 +62,7 @@ while [ $# -gt 0 ]; do
     --debug) profile=debug; shift ;;
     --stores) stores="$2"; shift 2 ;;
     --no-failover) failover=""; shift ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -240,7 +241,7 @@ run_store() {
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
   if [ -n "${PERF:-}" ]; then
-    # A profile of the coordinator during the rollout (PERF=1): bench/results/fleet-<n>.perf.txt.
+    # A profile of the coordinator during the rollout (PERF=1): <results>.<n>.<store>.perf.txt.
     perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
@@ -258,7 +259,7 @@ run_store() {
   fi
   if [ -n "${MALLOC_STATS:-}" ]; then
     # glibc's per-arena figures after the rollout (MALLOC_STATS=1, needs gdb):
-    # bench/results/fleet-<n>.malloc.txt.
+    # <results>.<n>.<store>.malloc.txt.
     gdb -p "$coordinator_pid" -batch -ex 'call (void) malloc_stats()' >/dev/null 2>&1 || true
     sleep 1
     { grep -A3 '^Arena\|^Total' "$dir/coordinator.log"; grep -E 'Rss|Anon' "/proc/$coordinator_pid/smaps_rollup"; } \
