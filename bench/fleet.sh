@@ -2,14 +2,27 @@
 # Fleet scale of one coordinator, measured beside a broker-only baseline in the same run.
 #
 # Usage (from anywhere): bench/fleet.sh [--sizes "1000 10000"] [--with-100k] [--debug]
+#                                       [--stores "sled postgres"] [--no-failover]
 # Environment: COORDINATOR_PROFILE (release, as shipped, or fleetsim: opt-level 3), PERF=1 (profile
 #              the coordinator with perf; implies the fleetsim profile), KEEP=1 (keep the work
 #              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
 #              default agent), TIMEOUT (per run, default 20m), MALLOC_STATS=1 (glibc's
-#              per-arena figures after the rollout, via gdb: <results>.<n>.malloc.txt), HEAPTRACK=1
-#              (the coordinator's heap profile until the restart: <results>.<n>.heaptrack.txt).
+#              per-arena figures after the rollout, via gdb: <results>.<n>.<store>.malloc.txt),
+#              HEAPTRACK=1 (the heap profile of the coordinator on sled until the restart:
+#              <results>.<n>.heaptrack.txt).
+#
+# --stores "sled postgres" (default: sled) runs each size once per store, one after the other
+# against the same broker settings and the same baseline, and prints the stores side by side.
+# PostgreSQL is a private cluster the script starts (bench/pg.sh: initdb in the work directory,
+# a free loopback port, fsync on), the coordinator on it with the default lease timings. With
+# postgres among the stores, the largest size also runs a failover (unless --no-failover): a
+# leader and a standby coordinator on one fresh database, the leader killed (SIGKILL) when
+# group 3 of the rollout starts; it prints the time from the kill to the standby taking the
+# lease, to the first desired action it publishes (as a subscriber on every device's `desired`
+# topic sees it), and to its first answered control request, and whether the rollout finished
+# with no desired action sent twice.
 #
 # Starts its own Mosquitto (deploy/mosquitto/mosquitto.conf with its TLS listeners, passwords and
 # ACL replaced by one plain loopback listener), a coordinator (release build unless --debug) and
@@ -40,12 +53,16 @@ export CARGO_TERM_COLOR=never
 export PATH="$PATH:/usr/sbin"
 sizes="1000 10000"
 profile=release
+stores=sled
+failover=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --sizes) sizes="$2"; shift 2 ;;
     --with-100k) sizes="$sizes 100000"; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --stores) stores="$2"; shift 2 ;;
+    --no-failover) failover=""; shift ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -63,8 +80,18 @@ bench=fleet.sh
 if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
   profile=fleetsim
 fi
+for s in $stores; do
+  case "$s" in sled|postgres) ;; *) echo "fleet.sh: unknown store $s (sled or postgres)" >&2; exit 2 ;; esac
+done
 # shellcheck source=bench/lib.sh
 . "$repo/bench/lib.sh"
+# shellcheck source=bench/pg.sh
+. "$repo/bench/pg.sh"
+case " $stores " in
+  *" postgres "*)
+    pg_bin=$(pg_bin_dir)
+    command -v mosquitto_sub >/dev/null || die "mosquitto_sub not found (apt-get install mosquitto-clients)" ;;
+esac
 build_bins -p flotilla-coordinator
 flotilla="$bin/flotilla"
 make_work fleet
@@ -173,25 +200,28 @@ until_answer() {
     --timeout 5m 2>/dev/null | awk '{print $2}'
 }
 
-say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1)"
+say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1), stores: $stores"
 say "$(mosquitto -h 2>/dev/null | head -1)"
+case " $stores " in *" postgres "*) say "$(pg_tool postgres --version) (private cluster, fsync on, default lease ttl 15 s, renew 5 s, margin 3 s)" ;; esac
 say ""
 
-for n in $sizes; do
-  say "== $n devices (load $(cut -d' ' -f1-3 /proc/loadavg))"
-  # The broker-only baseline: the same messages through a fresh broker of the same settings.
-  dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
-  start_broker "$dir" "$port"
-  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
-    --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
-    || die "baseline run failed: $(tail -3 "$dir/fleetsim.log")"
-  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
-  base="$dir/summary.txt"
+# The figures of each store at the current size, for the side-by-side table: fig[store.name].
+declare -A fig
 
-  # The coordinator.
-  dir="$work/site-$n"; mkdir -p "$dir"; port=$(free_port)
+# One rollout of N devices on STORE (sled or postgres), through a fresh broker, with its restart.
+run_store() {
+  local store="$1" n="$2"
+  local empty_rss registered_s registered_rss registered_cpu after_rss after_cpu hwm sim drops
+  local pg_after_pss="" pg_after_rss=""
+  say "-- $store"
+  if [ "$store" = sled ]; then dir="$work/site-$n"; else dir="$work/pg-$n"; fi
+  mkdir -p "$dir"; port=$(free_port)
   start_broker "$dir" "$port"
   make_site "$dir" "$port" "$n"
+  if [ "$store" = postgres ]; then
+    start_pg "$dir"
+    pg_store_conf bench-a >>"$dir/coordinator.toml"
+  fi
   start_coordinator "$dir"
   until_answer >/dev/null
   empty_rss=$(kb VmRSS "$coordinator_pid")
@@ -211,26 +241,29 @@ for n in $sizes; do
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
   if [ -n "${PERF:-}" ]; then
-    # A profile of the coordinator during the rollout (PERF=1): bench/results/fleet-<n>.perf.txt.
+    # A profile of the coordinator during the rollout (PERF=1): <results>.<n>.<store>.perf.txt.
     perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
   cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
   cli rollout start fleet >"$dir/start.out" 2>&1 || true
-  wait "$sim_pid" || die "simulator failed at $n devices: $(tail -3 "$dir/fleetsim.log")"
+  wait "$sim_pid" || die "simulator failed at $n devices on $store: $(tail -3 "$dir/fleetsim.log")"
   if [ -n "${PERF:-}" ]; then
     kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
     perf report -i "$dir/perf.data" --no-children --percent-limit 2 --stdio 2>/dev/null \
-      | grep -v '^$' | head -80 >"$results.$n.perf.txt" || true
+      | grep -v '^$' | head -80 >"$results.$n.$store.perf.txt" || true
   fi
   after_rss=$(kb VmRSS "$coordinator_pid")
+  if [ "$store" = postgres ]; then
+    pg_after_pss=$(pg_pss_kb); pg_after_rss=$(pg_rss_kb)
+  fi
   if [ -n "${MALLOC_STATS:-}" ]; then
     # glibc's per-arena figures after the rollout (MALLOC_STATS=1, needs gdb):
-    # bench/results/fleet-<n>.malloc.txt.
+    # <results>.<n>.<store>.malloc.txt.
     gdb -p "$coordinator_pid" -batch -ex 'call (void) malloc_stats()' >/dev/null 2>&1 || true
     sleep 1
     { grep -A3 '^Arena\|^Total' "$dir/coordinator.log"; grep -E 'Rss|Anon' "/proc/$coordinator_pid/smaps_rollup"; } \
-      >"$results.$n.malloc.txt" 2>/dev/null || true
+      >"$results.$n.$store.malloc.txt" 2>/dev/null || true
   fi
   after_cpu=$(cpu_s "$coordinator_pid")
   hwm=$(kb VmHWM "$coordinator_pid")
@@ -243,15 +276,29 @@ for n in $sizes; do
   say "desired actions/s:        $(field desired_per_s "$sim")   (broker-only $(field desired_per_s "$base"))"
   say "coordinator RSS:          empty $((empty_rss / 1024)) MiB, registered $((registered_rss / 1024)) MiB, after the rollout $((after_rss / 1024)) MiB (peak $((hwm / 1024)) MiB)"
   say "  per managed device:     $(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB after the rollout, $(awk -v a="$registered_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB registered"
+  if [ "$store" = postgres ]; then
+    say "PostgreSQL memory:        $((pg_after_pss / 1024)) MiB PSS (every server process, shared buffers once), $((pg_after_rss / 1024)) MiB RSS summed, after the rollout; database $(pg_db_size)"
+  fi
   say "coordinator CPU:          $(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.2f", a - r}') s user+sys from registration to the end of the rollout, $after_cpu s in all; load now $(cut -d' ' -f1-3 /proc/loadavg)"
+  if [ "$store" = postgres ]; then
+    say "PostgreSQL CPU:           $(pg_cpu_s) s user+sys, every server process still running, since the cluster started"
+  fi
   say "control round trip p50/p99: idle $(field probe_idle_p50_ms "$sim") / $(field probe_idle_p99_ms "$sim") ms ($(field probe_idle "$sim")), during the rollout $(field probe_rollout_p50_ms "$sim") / $(field probe_rollout_p99_ms "$sim") ms ($(field probe_rollout "$sim")), unanswered $(field probe_unanswered "$sim")"
   say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice $(field desired_duplicates "$sim"), refused $(field refused "$sim")"
   say "link drops:               coordinator $drops, simulator $(field connections_lost "$sim")"
   say "create/start replies:     $(head -c 120 "$dir/create.out" | tr '\n' ' ') / $(head -c 120 "$dir/start.out" | tr '\n' ' ')"
+  fig[$store.rollout]=$(field rollout_s "$sim")
+  fig[$store.per_s]=$(field desired_per_s "$sim")
+  fig[$store.p99]=$(field transition_p99_ms "$sim")
+  fig[$store.kib]=$(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) / n}')
+  fig[$store.cpu]=$(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.1f", a - r}')
+  fig[$store.twice]=$(field desired_duplicates "$sim")
+  fig[$store.pg_mib]=$([ -n "$pg_after_pss" ] && echo "$((pg_after_pss / 1024))" || echo "-")
 
-  # Restart with every state retained (the largest size is the one that matters).
+  # Restart with every state retained (the largest size is the one that matters). A coordinator
+  # on PostgreSQL steps down as it stops (SIGTERM) and takes the lease again at its first try.
   stop_coordinator
-  if [ -n "${HEAPTRACK:-}" ]; then
+  if [ -n "${HEAPTRACK:-}" ] && [ "$store" = sled ]; then
     for _ in $(seq 600); do [ -e "$results.$n.heaptrack.zst" ] && break; sleep 0.1; done
     sleep 2
     heaptrack_print -f "$results.$n.heaptrack.zst" --print-peaks --peak-limit 25 --print-allocators 0 \
@@ -272,10 +319,136 @@ for n in $sizes; do
   # Where the restart's time went before the coordinator connected (its start-up log line).
   say "restart before connecting: $(grep 'coordinator starting' "$dir/coordinator.log" | tail -1 |
     grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
+  fig[$store.first]=$first
+  fig[$store.registry]=$(cat "$dir/registry.out")
   stop_coordinator
   restarted=""
+  [ "$store" = postgres ] && stop_pg
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
-  cp "$sim" "$results.$n.fleetsim.txt"; cp "$base" "$results.$n.baseline.txt"
+  cp "$sim" "$results.$n.$store.fleetsim.txt"
   say ""
+}
+
+# The stores side by side (postgres over sled: above 1 is slower or larger).
+side_by_side() {
+  local n="$1"
+  ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (a == "" || b == "" || b + 0 == 0) print "-"; else printf "%.2fx", a / b}'; }
+  row() { say "$(printf '%-34s %14s %14s %8s' "$1" "$2" "$3" "$4")"; }
+  say "-- $n devices side by side (load $(cut -d' ' -f1-3 /proc/loadavg))"
+  row "" sled postgres ratio
+  row "rollout wall time (s)" "${fig[sled.rollout]}" "${fig[postgres.rollout]}" "$(ratio "${fig[postgres.rollout]}" "${fig[sled.rollout]}")"
+  row "desired actions/s" "${fig[sled.per_s]}" "${fig[postgres.per_s]}" "$(ratio "${fig[postgres.per_s]}" "${fig[sled.per_s]}")"
+  row "group transition p99 (ms)" "${fig[sled.p99]}" "${fig[postgres.p99]}" "$(ratio "${fig[postgres.p99]}" "${fig[sled.p99]}")"
+  row "coordinator KiB/device after" "${fig[sled.kib]}" "${fig[postgres.kib]}" "$(ratio "${fig[postgres.kib]}" "${fig[sled.kib]}")"
+  row "PostgreSQL server PSS (MiB)" "-" "${fig[postgres.pg_mib]}" ""
+  row "coordinator CPU, rollout (s)" "${fig[sled.cpu]}" "${fig[postgres.cpu]}" "$(ratio "${fig[postgres.cpu]}" "${fig[sled.cpu]}")"
+  row "restart: first answer (s)" "${fig[sled.first]}" "${fig[postgres.first]}" "$(ratio "${fig[postgres.first]}" "${fig[sled.first]}")"
+  row "restart: registry complete (s)" "${fig[sled.registry]}" "${fig[postgres.registry]}" "$(ratio "${fig[postgres.registry]}" "${fig[sled.registry]}")"
+  row "desired actions sent twice" "${fig[sled.twice]}" "${fig[postgres.twice]}" ""
+  say ""
+}
+
+# Failover at N devices: a leader (bench-a) and a standby (bench-b) on one fresh database, the
+# same broker and the same coordinator key; the leader is killed (SIGKILL) when group 3 starts.
+run_failover() {
+  local n="$1" standby standby_pid sub_pid kill_at took_lease first_desired answer groups_before
+  say "-- failover at $n devices (postgres; load $(cut -d' ' -f1-3 /proc/loadavg))"
+  dir="$work/failover-$n"; mkdir -p "$dir"; port=$(free_port)
+  start_broker "$dir" "$port"
+  make_site "$dir" "$port" "$n"
+  start_pg "$dir"
+  pg_store_conf bench-a >>"$dir/coordinator.toml"
+  # The standby: its own data directory with the leader's releases and artifacts, its own
+  # metrics port, the same key, broker and database.
+  standby="$dir/standby"
+  mkdir -p "$standby"
+  cp -r "$dir/coordinator/releases" "$dir/coordinator/artifacts" "$standby/" 2>/dev/null || true
+  sed -e "s|^data_dir = .*|data_dir = \"$standby\"|" \
+    -e "s|^listen = .*|listen = \"127.0.0.1:$(free_port)\"|" \
+    -e 's|^coordinator_id = .*|coordinator_id = "bench-b"|' \
+    "$dir/coordinator.toml" >"$dir/standby.toml"
+  start_coordinator "$dir"
+  until_answer >/dev/null
+  RUST_LOG=info "$flotilla" serve --config "$dir/standby.toml" >>"$dir/standby.log" 2>&1 &
+  standby_pid=$!
+  pids+=("$standby_pid")
+  # Every live (not retained) desired action, timestamped as the subscriber receives it.
+  mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -R -t 'flotilla/v1/devices/+/desired' -F '%U' >"$dir/desired.times" 2>/dev/null &
+  sub_pid=$!
+  pids+=("$sub_pid")
+  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
+    --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" \
+    --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
+    >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
+  sim_pid=$!
+  pids+=("$sim_pid")
+  for _ in $(seq 6000); do
+    grep -q "every device's state is queued" "$dir/fleetsim.log" && break
+    sleep 0.05
+  done
+  until_registry "$(date +%s.%N)" "$n" >/dev/null
+  cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
+  cli rollout start fleet >"$dir/start.out" 2>&1 || true
+  # Group 3 of FLEET_GROUPS starts when more than 2/FLEET_GROUPS of the devices had theirs.
+  groups_before=$((n * 2 / FLEET_GROUPS))
+  for _ in $(seq 24000); do
+    [ "$(wc -l <"$dir/desired.times")" -gt "$groups_before" ] && break
+    kill -0 "$sim_pid" 2>/dev/null || break
+    sleep 0.025
+  done
+  kill -KILL "$coordinator_pid"
+  kill_at=$(date +%s.%N)
+  local sent_before
+  sent_before=$(wc -l <"$dir/desired.times")
+  # Time to the new leader's first answered control request, from the kill.
+  answer=$(until_answer)
+  wait "$sim_pid" || say "simulator failed after the failover: $(tail -3 "$dir/fleetsim.log")"
+  kill "$sub_pid" 2>/dev/null || true
+  sim="$dir/summary.txt"
+  # The standby's "leads now" line, by its log's UTC timestamp.
+  took_lease=$(grep -m1 'this coordinator leads now' "$dir/standby.log" | grep -oE '^[0-9T:.-]+Z' || true)
+  took_lease=$([ -n "$took_lease" ] && awk -v a="$kill_at" -v b="$(date -d "$took_lease" +%s.%N)" 'BEGIN {printf "%.3f", b - a}' || echo "never")
+  # The new leader's first desired action: the first one received more than a second after the
+  # kill (what the dead leader had already handed the broker arrives within milliseconds; the
+  # standby cannot lead before the dead leader's lease ran out, seconds later).
+  first_desired=$(awk -v k="$kill_at" '$1 > k + 1 {printf "%.3f", $1 - k; exit}' "$dir/desired.times")
+  say "killed the leader:        after $sent_before desired actions of $n (group 3 of $FLEET_GROUPS starting)"
+  say "standby took the lease:   $took_lease s after the kill"
+  say "first desired action:     ${first_desired:-none} s after the kill (the new leader's, as a subscriber sees it)"
+  say "first answered request:   $answer s after the kill"
+  say "rollout wall time:        $(field rollout_s "$sim") s with the failover; desired actions/s $(field desired_per_s "$sim")"
+  say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice (same action id) $(field desired_duplicates "$sim"), refused $(field refused "$sim"); live desired messages seen $(wc -l <"$dir/desired.times")"
+  say "new leader's start:       $(grep 'coordinator starting' "$dir/standby.log" | tail -1 |
+    grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
+  fig[failover.lease]=$took_lease
+  fig[failover.desired]=${first_desired:-none}
+  fig[failover.answer]=$answer
+  kill "$standby_pid" 2>/dev/null || true; wait "$standby_pid" 2>/dev/null || true
+  stop_pg
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  cp "$sim" "$results.$n.failover.fleetsim.txt"
+  cp "$dir/standby.log" "$results.$n.failover.standby.log" 2>/dev/null || true
+  say ""
+}
+
+largest=$(echo "$sizes" | tr ' ' '\n' | sort -n | tail -1)
+for n in $sizes; do
+  say "== $n devices (load $(cut -d' ' -f1-3 /proc/loadavg))"
+  # The broker-only baseline: the same messages through a fresh broker of the same settings.
+  dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
+  start_broker "$dir" "$port"
+  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
+    --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
+    || die "baseline run failed: $(tail -3 "$dir/fleetsim.log")"
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  base="$dir/summary.txt"
+  cp "$base" "$results.$n.baseline.txt"
+
+  fig=()
+  for store in $stores; do run_store "$store" "$n"; done
+  case " $stores " in *" sled "*) case " $stores " in *" postgres "*) side_by_side "$n" ;; esac ;; esac
+  case " $stores " in
+    *" postgres "*) [ -n "$failover" ] && [ "$n" = "$largest" ] && run_failover "$n" ;;
+  esac
 done
 say "results: $results"

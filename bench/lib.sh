@@ -38,6 +38,8 @@ make_work() {
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  # PostgreSQL clusters started by bench/pg.sh are not this shell's children.
+  if declare -F pg_cleanup >/dev/null; then pg_cleanup; fi
   [ -n "${KEEP:-}" ] && echo "kept $work" >&2 || rm -rf "$work"
 }
 
