@@ -18,7 +18,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{watch, Notify};
 use tokio_postgres::Client;
@@ -283,6 +283,22 @@ impl Shared {
         }
     }
 
+    /// When a standby tries next: just after the live lease it last read runs out (by the
+    /// database's clock, read in whole seconds, so a quarter second after the second it
+    /// names), rather than up to `renew_every` later. A leader, or a standby that saw no
+    /// live lease, keeps the usual period.
+    fn expiry_try(&self) -> Instant {
+        let state = self.state();
+        let far = Instant::now() + self.timing.renew_every;
+        match (&state.held, &state.view) {
+            (None, Some(view)) if view.is_live() => {
+                let left = Duration::from_secs(view.expires_at - view.read_at);
+                far.min(Instant::now() + left + Duration::from_millis(250))
+            }
+            _ => far,
+        }
+    }
+
     fn deadline_from(&self, t0: Instant) -> Instant {
         t0 + self.timing.ttl - self.timing.margin
     }
@@ -330,6 +346,7 @@ async fn run(shared: Arc<Shared>, ready: std::sync::mpsc::Sender<Result<(), Back
             }
         }
         tick(&shared, &mut client).await;
+        next = next.min(shared.expiry_try());
     }
     if shared.step_down.load(Ordering::SeqCst) {
         let epoch = shared.state().last_epoch;
