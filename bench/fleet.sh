@@ -148,6 +148,23 @@ start_coordinator() {
   pids+=("$coordinator_pid")
 }
 
+# Starts flotilla-fleetsim with N devices for the site in DIR (more arguments are passed on),
+# sets sim_pid, and waits until the broker has taken every device's state.
+start_fleet() {
+  local dir="$1" n="$2"
+  shift 2
+  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
+    --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" "$@" \
+    --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
+    >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
+  sim_pid=$!
+  pids+=("$sim_pid")
+  for _ in $(seq 6000); do
+    grep -q "every device's state is queued" "$dir/fleetsim.log" && break
+    sleep 0.05
+  done
+}
+
 # Stops the coordinator and waits until it is gone (under heaptrack it is not this shell's child).
 stop_coordinator() {
   kill -TERM "$coordinator_pid" 2>/dev/null || true
@@ -225,18 +242,9 @@ run_store() {
   start_coordinator "$dir"
   until_answer >/dev/null
   empty_rss=$(kb VmRSS "$coordinator_pid")
-  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
-    --coordinator-key "$dir/keys/coordinator.pub" --probe-key "$dir/keys/admin.key" --groups "$FLEET_GROUPS" \
-    --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
-    >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
-  sim_pid=$!
-  pids+=("$sim_pid")
   # Registration: wait until the broker has taken every state and the coordinator has read
   # them all (create plans over the registered fleet; a partial registry is a partial rollout).
-  for _ in $(seq 6000); do
-    grep -q "every device's state is queued" "$dir/fleetsim.log" && break
-    sleep 0.05
-  done
+  start_fleet "$dir" "$n" --probe-key "$dir/keys/admin.key"
   registered_s=$(until_registry "$(date +%s.%N)" "$n")
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
@@ -376,16 +384,7 @@ run_failover() {
   mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -R -t 'flotilla/v1/devices/+/desired' -F '%U' >"$dir/desired.times" 2>/dev/null &
   sub_pid=$!
   pids+=("$sub_pid")
-  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
-    --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" \
-    --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
-    >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
-  sim_pid=$!
-  pids+=("$sim_pid")
-  for _ in $(seq 6000); do
-    grep -q "every device's state is queued" "$dir/fleetsim.log" && break
-    sleep 0.05
-  done
+  start_fleet "$dir" "$n"
   until_registry "$(date +%s.%N)" "$n" >/dev/null
   cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
   cli rollout start fleet >"$dir/start.out" 2>&1 || true

@@ -62,22 +62,16 @@ pg_cleanup() {
 # The server's memory in KiB: the proportional set size (shared buffers counted once, not once
 # per process) of the postmaster and every process it started (backends, checkpointer, WAL
 # writer...), and the plain RSS sum beside it (which counts shared memory in each process).
-pg_pss_kb() {
-  local p total=0 v
+pg_sum_kb() {
+  local file="$1" field="$2" p total=0 v
   for p in "$pg_pid" $(pgrep -P "$pg_pid"); do
-    v=$(awk '$1 == "Pss:" {print $2}' "/proc/$p/smaps_rollup" 2>/dev/null || echo 0)
+    v=$(awk -v f="$field" '$1 == f {print $2}' "/proc/$p/$file" 2>/dev/null || echo 0)
     total=$((total + ${v:-0}))
   done
   echo "$total"
 }
-pg_rss_kb() {
-  local p total=0 v
-  for p in "$pg_pid" $(pgrep -P "$pg_pid"); do
-    v=$(awk '$1 == "VmRSS:" {print $2}' "/proc/$p/status" 2>/dev/null || echo 0)
-    total=$((total + ${v:-0}))
-  done
-  echo "$total"
-}
+pg_pss_kb() { pg_sum_kb smaps_rollup "Pss:"; }
+pg_rss_kb() { pg_sum_kb status "VmRSS:"; }
 
 # The `[store]` section of coordinator ID on the running cluster (default lease timings:
 # ttl 15, renew 5, margin 3).
