@@ -336,6 +336,13 @@ pub struct LeaseInfo {
     pub read_at: u64,
 }
 
+impl LeaseInfo {
+    /// Whether someone held the lease when it was read.
+    pub fn is_live(&self) -> bool {
+        self.expires_at > self.read_at
+    }
+}
+
 /// A coordinator a shared store knows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoordinatorMember {

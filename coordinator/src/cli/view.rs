@@ -430,7 +430,7 @@ pub fn coordinators(info: &CoordinatorsInfo) -> String {
     };
     let secs = |s: u64| format!("{s} s");
     out.push_str(&format!("store     {} (shared)\n", info.store));
-    if lease.expires_at > lease.read_at {
+    if lease.is_live() {
         out.push_str(&format!(
             "leader    {}, lease epoch {}, leading for {}, renewed {} ago, runs out in {} unless renewed\n",
             lease.holder,
@@ -478,7 +478,7 @@ pub fn coordinators(info: &CoordinatorsInfo) -> String {
         "COORDINATOR", "ROLE", "CLIENT ID"
     ));
     for m in &info.members {
-        let leads = m.id == lease.holder && lease.expires_at > lease.read_at;
+        let leads = m.id == lease.holder && lease.is_live();
         out.push_str(&format!(
             "{:id_width$}  {:7}  {:client_width$}  {} ago\n",
             m.id,

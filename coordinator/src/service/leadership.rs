@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use flotilla_protocol::control::{CoordinatorMember, CoordinatorsInfo, LeaseInfo};
+use flotilla_protocol::control::CoordinatorsInfo;
 
 /// Lease timing. The defaults trade a failover of about `ttl + renew_every` against how long a
 /// database or network hiccup may last before a healthy leader steps down.
@@ -49,40 +49,9 @@ pub enum Role {
     Standby { lease: Option<LeaseView> },
 }
 
-/// The lease row as read from the database (times are the database's, unix seconds).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseView {
-    /// The coordinator that holds or last held the lease.
-    pub holder: String,
-    pub epoch: u64,
-    /// When the holder took the lease.
-    pub acquired_at: u64,
-    /// When it was last renewed.
-    pub renewed_at: u64,
-    /// When it runs out unless renewed.
-    pub expires_at: u64,
-    /// The database's clock when this was read.
-    pub read_at: u64,
-}
-
-impl LeaseView {
-    /// Whether someone holds the lease now.
-    pub fn is_live(&self) -> bool {
-        self.expires_at > self.read_at
-    }
-}
-
-/// A coordinator known to the database: every coordinator on a shared store says it is there
-/// each time it renews or tries to take the lease.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Member {
-    pub id: String,
-    /// Its MQTT client id: two coordinators with the same one would take each other's
-    /// connection at the broker.
-    pub client_id: String,
-    /// Unix seconds, the database's clock.
-    pub last_seen: u64,
-}
+/// The lease row as read from the database, and a coordinator the database knows: the
+/// protocol's shapes, which `flotilla status` shows as they are.
+pub use flotilla_protocol::control::{CoordinatorMember as Member, LeaseInfo as LeaseView};
 
 /// What `flotilla status` shows about leadership.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -101,23 +70,8 @@ pub fn info(status: LeadershipStatus, store: String) -> CoordinatorsInfo {
     CoordinatorsInfo {
         answered_by: status.me,
         store,
-        lease: status.lease.map(|l| LeaseInfo {
-            holder: l.holder,
-            epoch: l.epoch,
-            acquired_at: l.acquired_at,
-            renewed_at: l.renewed_at,
-            expires_at: l.expires_at,
-            read_at: l.read_at,
-        }),
-        members: status
-            .members
-            .into_iter()
-            .map(|m| CoordinatorMember {
-                id: m.id,
-                client_id: m.client_id,
-                last_seen: m.last_seen,
-            })
-            .collect(),
+        lease: status.lease,
+        members: status.members,
         failovers: status.takeovers,
     }
 }
