@@ -108,6 +108,26 @@ async fn failover_time(watcher: &Watcher, since: Instant, case: &str) -> Duratio
 /// What every case must end with: finished, each stage started once, every device ready and
 /// installed once, its report counted.
 fn assert_clean_finish(site: &Site, status: &RolloutStatus) {
+    assert_groups_finished_once(status);
+    for (id, _) in DEVICES {
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("target file"),
+            FIRMWARE,
+            "{id} runs the new firmware"
+        );
+        let log =
+            fs::read_to_string(site.path(&format!("agents/{id}/agent.log"))).unwrap_or_default();
+        let finished = log
+            .lines()
+            .filter(|l| l.contains("action finished"))
+            .count();
+        assert_eq!(finished, 1, "{id} installed exactly once; its log:\n{log}");
+    }
+}
+
+/// Finished, every group's devices ready (no report lost), and no group started twice (by
+/// the status's decision trace).
+fn assert_groups_finished_once(status: &RolloutStatus) {
     assert_eq!(status.state, "finished", "{status:#?}");
     for group in &status.groups {
         assert_eq!(group.ready, group.total, "no report lost: {status:#?}");
@@ -125,20 +145,6 @@ fn assert_clean_finish(site: &Site, status: &RolloutStatus) {
             "group {} started {starts} times: {status:#?}",
             group.name
         );
-    }
-    for (id, _) in DEVICES {
-        assert_eq!(
-            fs::read(site.target_file(id)).expect("target file"),
-            FIRMWARE,
-            "{id} runs the new firmware"
-        );
-        let log =
-            fs::read_to_string(site.path(&format!("agents/{id}/agent.log"))).unwrap_or_default();
-        let finished = log
-            .lines()
-            .filter(|l| l.contains("action finished"))
-            .count();
-        assert_eq!(finished, 1, "{id} installed exactly once; its log:\n{log}");
     }
 }
 
@@ -471,5 +477,55 @@ async fn the_standby_takes_over_from_a_leader_killed_while_its_database_connecti
     desired.clear();
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with its database connection hung").await;
+    finishes_cleanly(&site, name).await;
+}
+
+/// The leader is killed while one of its store writes is open at the database: the write's
+/// statements ran, and its COMMIT is held in the proxy, so it never arrives. The database
+/// rolls the write back when the killed leader's connection ends, and the standby takes over
+/// and finishes the rollout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_before_its_write_commits() {
+    let Some(pg) = Postgres::start() else { return };
+    let proxy = Proxy::start(pg.port());
+    let mut site = pair(&pg, &through(&pg, &proxy)).await;
+    let name = "midwrite";
+    start_rollout(&site, name).await;
+    let desired = desired_watcher(&site).await;
+    // Only a store write takes the lease row `FOR SHARE` (the lease itself runs on its own
+    // connection, renewing with single UPDATEs): the first COMMIT after that and a statement on
+    // the records, on the same connection, ends a write that wrote something. The lease goes
+    // on renewing while it is held.
+    proxy.hold_when(&[b"FOR SHARE", b"records", b"COMMIT"]);
+    let held = proxy.wait_held(WAIT);
+    assert!(
+        held.windows(6).any(|w| w == b"COMMIT"),
+        "the held bytes are the COMMIT: {:?}",
+        String::from_utf8_lossy(&held)
+    );
+    // At the database the write is open, its records written, its commit not yet asked for.
+    let open = pg.sql(
+        "SELECT query FROM pg_stat_activity \
+         WHERE state = 'idle in transaction' AND query LIKE '%records%'",
+    );
+    assert!(
+        !open.is_empty(),
+        "no store write open at the database while its COMMIT is held: {}",
+        pg.sql("SELECT state, query FROM pg_stat_activity")
+    );
+    println!(
+        "killing the leader with its write open at the database, its last statement: {}",
+        open.lines().next().unwrap_or_default().trim()
+    );
+    desired.clear();
+    let lost = Instant::now();
+    site.kill_named_coordinator("a");
+    // The kill ended the connection with the COMMIT still held: it never reached the database.
+    let discarded = proxy.wait_discarded(WAIT);
+    assert!(discarded.windows(6).any(|w| w == b"COMMIT"));
+    // b's takeover updates the lease row, which the open write holds FOR SHARE: b leads only
+    // once the database has ended that write.
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    failover_time(&desired, lost, "kill -9 with a store write open").await;
     finishes_cleanly(&site, name).await;
 }
