@@ -5,10 +5,12 @@
 //! Each test starts its own PostgreSQL (`flotilla_tests::postgres`), its own Mosquitto and its
 //! own processes. Lease timings are short (ttl 3 s, renewed every second, a leader stops 1 s
 //! early) so a failover takes seconds; each test prints its failover time: from the moment
-//! the leader was lost to the first desired action the new leader published.
+//! the leader was lost to the first desired action the new leader published. The larger case
+//! plays a few hundred devices with `flotilla-fleetsim` instead of agent processes.
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use flotilla_protocol::control::RolloutStatus;
@@ -528,4 +530,130 @@ async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_before_its_w
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with a store write open").await;
     finishes_cleanly(&site, name).await;
+}
+
+/// Simulated devices of the fleet failover test.
+const SIM_DEVICES: u64 = 300;
+/// Groups of its rollout; the leader is killed while the middle one runs.
+const SIM_GROUPS: usize = 5;
+
+/// A fleet of [`SIM_DEVICES`] simulated devices (`flotilla-fleetsim`) and two coordinators on
+/// one database: the leader is killed mid-rollout, in the middle group, and the standby
+/// finishes it: every device ready, no group started twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_finishes_a_rollout_over_hundreds_of_simulated_devices_when_the_leader_is_killed(
+) {
+    let Some(pg) = Postgres::start() else { return };
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    let n = SIM_DEVICES;
+    let sim = flotilla_tests::bin("flotilla-fleetsim");
+    let status = Command::new(&sim)
+        .args(["--count", &n.to_string(), "--write-authorized-keys"])
+        .arg(site.authorized_keys_file())
+        .stdout(Stdio::null())
+        .status()
+        .expect("run flotilla-fleetsim");
+    assert!(status.success(), "writing the authorized keys failed");
+    site.flotilla(&[
+        "release",
+        "create",
+        "--data-dir",
+        &site.path("coordinator").to_string_lossy(),
+        "--key",
+        &site.path("keys/release.key").to_string_lossy(),
+        "--name",
+        "fw-2",
+        "--version",
+        "2.0.0",
+        "--counter",
+        "2",
+        "--hardware",
+        "sim-board",
+        "--artifact",
+        &format!("app={}", site.path("keys/release.pub").display()),
+    ]);
+    site.start_named_coordinator("a", &store(&pg.url(), "a"));
+    site.wait_named_log("a", LEADS, 1, WAIT);
+    site.start_named_coordinator("b", &store(&pg.url(), "b"));
+    site.wait_named_log("b", STANDING_BY, 1, WAIT);
+
+    let summary = site.path("fleetsim.json");
+    let log = fs::File::create(site.path("fleetsim.log")).expect("fleetsim log");
+    let child = Command::new(&sim)
+        .args(["--broker", &format!("127.0.0.1:{}", site.port)])
+        .args(["--count", &n.to_string()])
+        .arg("--coordinator-key")
+        .arg(site.path("keys/coordinator.pub"))
+        // Long enough that a group is still running when the leader is killed.
+        .args(["--install-time", "3s", "--timeout", "5m"])
+        .arg("--summary")
+        .arg(&summary)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start flotilla-fleetsim");
+    let mut simulator = Simulator(child);
+    site.wait_devices(n as usize).await;
+
+    let name = "fleet";
+    let desired = desired_watcher(&site).await;
+    site.create_and_start(&format!(
+        "name = {name:?}\nrelease = \"fw-2\"\n[groups]\ncount = {SIM_GROUPS}\n\
+         success = {{ threshold = \"100%\", action = \"next\" }}\n"
+    ))
+    .await;
+    let middle = SIM_GROUPS / 2;
+    site.wait_status(name, "the middle group to be under way", WAIT, |s| {
+        s.groups[middle].state == "running" && s.groups[middle].ready < s.groups[middle].total
+    })
+    .await;
+    desired.clear();
+    let lost = Instant::now();
+    site.kill_named_coordinator("a");
+    site.wait_named_log("b", LEADS, 1, WAIT);
+    failover_time(&desired, lost, "kill -9 mid-rollout, simulated fleet").await;
+    let status = site
+        .wait_status(name, "the rollout to finish", WAIT * 2, |s| {
+            s.state == "finished"
+        })
+        .await;
+    assert_groups_finished_once(&status);
+    assert_eq!(status.groups.len(), SIM_GROUPS);
+    let devices: usize = status.groups.iter().map(|g| g.total).sum();
+    assert_eq!(devices as u64, n, "the rollout covered the whole fleet");
+
+    let figures = simulator.stop(&summary);
+    assert_eq!(figures["ready"], n, "every device ready: {figures:#}");
+    assert_eq!(figures["desired"], n, "one install per device: {figures:#}");
+    assert_eq!(figures["failed"], 0, "{figures:#}");
+    assert_eq!(
+        figures["refused"], 0,
+        "a desired action failed its checks: {figures:#}"
+    );
+    println!(
+        "simulated fleet: {} desired actions taken up, {} sent again after the takeover",
+        figures["desired"], figures["desired_duplicates"]
+    );
+}
+
+/// A running `flotilla-fleetsim`, killed on drop.
+struct Simulator(std::process::Child);
+
+impl Simulator {
+    /// Stops it with SIGTERM and returns its figures (`--summary`'s JSON).
+    fn stop(&mut self, summary: &std::path::Path) -> serde_json::Value {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let exit = self.0.wait().expect("wait for flotilla-fleetsim");
+        assert!(exit.success(), "flotilla-fleetsim exited with {exit}");
+        serde_json::from_slice(&fs::read(summary).expect("fleetsim summary")).expect("summary JSON")
+    }
+}
+
+impl Drop for Simulator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
