@@ -236,6 +236,8 @@ async fn kill_leader_at(moment: Moment) {
     let took = failover_time(&desired, lost, &format!("kill -9 {moment:?}")).await;
     assert!(took < WAIT);
     finishes_cleanly(&site, name).await;
+    std::fs::write(format!("/tmp/fo-{moment:?}-b.log"), site.named_log("b")).ok();
+    std::fs::write(format!("/tmp/fo-{moment:?}-a.log"), site.named_log("a")).ok();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -201,6 +201,7 @@ impl Service {
             body: body(expires_at),
         };
         self.hold(device, &action.body);
+        self.confirm(device, &action.action_id, expires_at);
         let blob = SignedBlob::sign(&self.key, envelope::to_bytes(&action));
         let bytes = envelope::encode(&Message::Desired(blob));
         let digest = store::published_digest(&self.verifying_key, &bytes);
@@ -280,6 +281,16 @@ pub(super) fn effect_action_id(effect: &Effect) -> Option<String> {
             Some(action_id.clone())
         }
         Effect::Cancel { action_id, .. } => Some(cancel_action_id(action_id)),
+        _ => None,
+    }
+}
+
+/// The device an effect publishes a desired action for.
+pub(super) fn effect_device(effect: &Effect) -> Option<&str> {
+    match effect {
+        Effect::Desired { device, .. }
+        | Effect::Rollback { device, .. }
+        | Effect::Cancel { device, .. } => Some(device),
         _ => None,
     }
 }

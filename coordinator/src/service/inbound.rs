@@ -1,5 +1,7 @@
 //! What arrives from the link: device messages, retained desired actions read back, control requests and the marker.
 
+use std::collections::HashMap;
+
 use flotilla_protocol::control::{ControlReply, ControlRequest};
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::Role;
@@ -8,7 +10,7 @@ use flotilla_protocol::{
 };
 use flotilla_protocol::{Topic, BROKER_PACKET_LIMIT};
 
-use crate::service::effects::effect_action_id;
+use crate::service::effects::{effect_action_id, effect_device};
 use crate::service::error::ServiceError;
 use crate::service::state::{now, Held, Service};
 
@@ -20,6 +22,7 @@ use crate::service::mqtt::LinkEvent;
 use crate::service::releases::{self};
 use crate::service::store::{self};
 use crate::service::verify::{self, Arrival, Checked};
+use crate::service::warm::RetainedDesired;
 use flotilla_rollout::engine::Effect;
 
 /// How often a device's retained `desired` topic is repaired at most (see `Service::on_desired`).
@@ -35,6 +38,10 @@ impl Service {
             .and_then(|install| Manifest::decode(&install.manifest.payload).ok())
             .map(|m| releases::fetchable_digests(&m))
             .unwrap_or_default();
+        self.hold_digests(device, digests);
+    }
+
+    fn hold_digests(&mut self, device: &str, digests: Vec<Digest>) {
         if digests.is_empty() {
             self.holdings.remove(device);
         } else {
@@ -42,27 +49,45 @@ impl Service {
         }
     }
 
-    /// A retained desired action read back from the broker: only one signed with this
-    /// coordinator's key, for the device of its topic, counts.
-    /// A device's retained `desired` topic changed (or was read back). Keeps the device's
-    /// holdings for block requests, and when the topic holds something other than the action the
-    /// engine owes the device (cleared, overwritten, or an older action replayed) returns the
-    /// effects that publish it again, at most once per [`REPAIR_INTERVAL`] per device.
+    /// A device's retained `desired` topic changed (or was read back): only an action signed
+    /// with this coordinator's key, for the device of its topic, counts ([`Self::read_desired`]).
     pub(super) fn on_desired(&mut self, id: &DeviceId, payload: &[u8]) -> Vec<Effect> {
-        let found = self.our_desired_action(id, payload);
+        let found = self
+            .our_desired_action(id, payload)
+            .map(|action| RetainedDesired::of(&action));
+        self.read_desired(id.as_str(), found, payload.is_empty())
+    }
+
+    /// What a device's retained `desired` topic holds: `found` when it is an action of this
+    /// coordinator's for the device, `cleared` when it is empty ([`Self::note_desired`]). Once
+    /// loading has ended, when the topic holds something other than the action the engine owes
+    /// the device (cleared, overwritten, or an older action replayed) returns the effects that
+    /// publish it again, at most once per [`REPAIR_INTERVAL`] per device; while loading, the
+    /// reissue at its end does that ([`Self::reissue_unconfirmed`]).
+    pub(super) fn read_desired(
+        &mut self,
+        device: &str,
+        found: Option<RetainedDesired>,
+        cleared: bool,
+    ) -> Vec<Effect> {
         match &found {
-            Some(action) => {
-                self.sequence.observe(id.as_str(), action.issued_at);
-                self.hold(id.as_str(), &action.body)
+            Some(action) => self.note_desired(device, action),
+            None => {
+                if cleared {
+                    self.holdings.remove(device);
+                }
+                if let Some(confirmed) = &mut self.confirmed {
+                    confirmed.remove(device);
+                }
             }
-            None if payload.is_empty() => {
-                self.holdings.remove(id.as_str());
-            }
-            None => {}
+        }
+        if self.confirmed.is_some() {
+            // The reissue when loading ends publishes whatever is owed and not read back.
+            return Vec::new();
         }
         // Only the newest action sent to the device is owed (`engine/owed.rs`): an older
         // rollout's cancel is never published over it.
-        let Some(wanted) = self.engine.reissue_device(id.as_str()) else {
+        let Some(wanted) = self.engine.reissue_device(device) else {
             return Vec::new();
         };
         let Some(owed) = effect_action_id(&wanted) else {
@@ -74,21 +99,68 @@ impl Service {
         let now = now();
         if self
             .repaired
-            .get(id.as_str())
+            .get(device)
             .is_some_and(|&at| now < at.saturating_add(REPAIR_INTERVAL))
         {
             return Vec::new();
         }
-        self.repaired.insert(id.as_str().to_owned(), now);
+        self.repaired.insert(device.to_owned(), now);
         self.desired_repairs += 1;
         tracing::warn!(
-            device = %id,
+            %device,
             owed,
             found = found.as_ref().map_or("something else", |a| a.action_id.as_str()),
             repairs_total = self.desired_repairs,
             "the retained desired action is not the one this coordinator published; publishing it again"
         );
         vec![wanted]
+    }
+
+    /// Keeps what a device's retained desired action says: its holdings for block requests, its
+    /// action sequence above what it was told, and, while a reissue is pending, that this
+    /// action is there already.
+    pub(super) fn note_desired(&mut self, device: &str, action: &RetainedDesired) {
+        self.sequence.observe(device, action.issued_at);
+        self.hold_digests(device, action.fetchable.clone());
+        self.confirm(device, &action.action_id, action.expires_at);
+    }
+
+    /// While a reissue is pending: `device`'s retained `desired` topic holds `action_id`.
+    pub(super) fn confirm(&mut self, device: &str, action_id: &str, expires_at: u64) {
+        if let Some(confirmed) = &mut self.confirmed {
+            confirmed.insert(device.to_owned(), (action_id.to_owned(), expires_at));
+        }
+    }
+
+    /// Loading ended: publishes again what the engine owes each device whose retained
+    /// `desired` topic was not read back holding it (a broker that lost its retained messages,
+    /// a leader that died between storing an action and publishing it), and every approval
+    /// request. An action read back that expires within half its validity goes out again too,
+    /// with a new expiry. Actions read back as they are are not sent twice.
+    pub(super) async fn reissue_unconfirmed(&mut self) -> Result<(), ServiceError> {
+        let confirmed = self.confirmed.take().unwrap_or_default();
+        let fresh_until = now().saturating_add(self.validity / 2);
+        let effects: Vec<Effect> = self
+            .engine
+            .reissue(now())
+            .into_iter()
+            .filter(|effect| {
+                let (Some(device), Some(owed)) = (effect_device(effect), effect_action_id(effect))
+                else {
+                    return true;
+                };
+                !confirmed
+                    .get(device)
+                    .is_some_and(|(id, expires)| *id == owed && *expires > fresh_until)
+            })
+            .collect();
+        let (owed, skipped) = (effects.len(), confirmed.len());
+        tracing::info!(
+            published_again = owed,
+            read_back = skipped,
+            "publishing again what devices are owed and the broker does not hold"
+        );
+        self.apply(effects).await
     }
 
     /// The desired action in `payload` if this coordinator signed it for `id`. Bytes identical
@@ -168,10 +240,10 @@ impl Service {
                 self.lane_open
                     .store(true, std::sync::atomic::Ordering::SeqCst);
                 let _timing = self.metrics.connected();
-                // Retained desired actions may have been lost with a broker that restarted
-                // without persistence; re-publishing them is idempotent.
-                let effects = self.engine.reissue(now());
-                self.apply(effects).await
+                // What the retained `desired` topics hold is read again; what the broker lost
+                // (one restarted without persistence) goes out again once loading ends.
+                self.confirmed = Some(HashMap::new());
+                Ok(())
             }
             LinkEvent::Disconnected { .. } => {
                 self.metrics.disconnected();
@@ -465,6 +537,7 @@ impl Service {
                     "every retained device state is read"
                 );
                 self.check_coverage(LoadEnd::Marker);
+                self.reissue_unconfirmed().await?;
                 self.release_held().await
             }
             MarkerSeen::Foreign => {
@@ -488,6 +561,7 @@ impl Service {
              miss devices whose states were not read yet"
         );
         self.check_coverage(LoadEnd::Timeout);
+        self.reissue_unconfirmed().await?;
         self.release_held().await
     }
 

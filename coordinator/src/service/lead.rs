@@ -47,14 +47,17 @@
 
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_protocol::{SigningKey, Topics};
+use rumqttc::AsyncClient;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::service::error::ServiceError;
-use crate::service::state::{now, Service};
+use crate::service::state::{now, Held, Service};
 
 use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
@@ -64,13 +67,14 @@ use crate::service::leadership::{Leadership, Role};
 use crate::service::loading::{self, Loading};
 use crate::service::metrics::{self, Metrics};
 use crate::service::metrics_leader::LeaderCollector;
-use crate::service::mqtt::{self, LinkEvent, LinkOptions};
+use crate::service::mqtt::{self, Events, InboxStats, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
 use crate::service::releases::ReleaseStore;
 use crate::service::sequence::ActionSequence;
 use crate::service::store::Store;
 use crate::service::store_health::StoreHealth;
-use crate::service::verify::{self, KeyCache};
+use crate::service::verify::{self, KeyCache, Pipeline};
+use crate::service::warm::Kept;
 use flotilla_rollout::engine::Engine;
 
 /// How often the engine's timers are evaluated.
@@ -90,6 +94,7 @@ pub(super) async fn lead(
     store: Store,
     leadership: Arc<dyn Leadership>,
     opening: std::time::Instant,
+    handover: Option<Handover>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     let db = store.describe();
@@ -178,57 +183,23 @@ pub(super) async fn lead(
             metrics_token.clone(),
         ));
     }
-    // The link gets its own token: on shutdown the final effects must still be published.
-    let link_token = CancellationToken::new();
-    // A stable client id, so the broker's ACL can name the coordinator (and a second
-    // coordinator started by mistake takes the connection over instead of running beside it).
-    let mut filters = topics.coordinator_filters();
-    filters.push(topics.desired_filter());
-    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
-    filters.push(topics.marker());
-    // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
-    // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
-    if config.watch_sys_dropped && config.broker.embedded.is_none() {
-        filters.push(coverage::SYS_DROPPED.to_owned());
-    } else if config.watch_sys_dropped {
-        tracing::warn!(
-            "[service] watch_sys_dropped is ignored with the embedded broker: rumqttd closes the \
-             connection of a client that subscribes to $SYS"
-        );
-    }
-    let options = LinkOptions::with_connection(
-        config.connection(),
-        config.broker.client_id.clone(),
-        filters,
-    )
-    .with_lane(topics.control_request());
-    tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
-    let link = mqtt::start(options, link_token.clone());
-    let inbox = link.events.stats();
-    metrics.attach(inbox.clone());
-    let mqtt::MqttLink {
+    let (link, kept) = match handover {
+        Some(Handover { link, kept }) => (link, Some(kept)),
+        None => (open_link(config, &topics)?, None),
+    };
+    let LeaderLink {
         client: link_client,
-        events,
-        lane: mut control,
+        mut incoming,
+        mut control,
         lane_open,
         task: link_task,
-        ..
+        inbox,
+        token: link_token,
+        loading,
     } = link;
+    metrics.attach(inbox.clone());
     let mut control_open = true;
     let mut lane_streak = 0u32;
-    // Device signatures are checked on worker threads; the loop gets the events in order.
-    let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
-    let mut incoming =
-        verify::start(events, topics.clone(), config.verify_threads, keys).map_err(|e| {
-            ServiceError::VerifyThreads {
-                threads: config.verify_threads,
-                reason: e.to_string(),
-            }
-        })?;
-    tracing::info!(
-        threads = config.verify_threads,
-        "checking device signatures ahead of the service loop"
-    );
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
         engine,
@@ -259,12 +230,16 @@ pub(super) async fn lead(
         health: StoreHealth::default(),
         data_dir: config.data_dir.clone(),
         metrics,
-        loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+        loading,
+        confirmed: None,
         coverage,
         lane_open,
         leadership: leadership.clone(),
         fenced: false,
     };
+    if let Some(kept) = kept {
+        service.take_over(kept).await?;
+    }
     let mut role = leadership.watch();
 
     let mut ticker = tokio::time::interval(TICK);
@@ -350,6 +325,88 @@ pub(super) async fn lead(
     result
 }
 
+/// The leader's connection to the broker: the link, with device signatures checked ahead of
+/// the loop ([`verify`]), and whether the retained messages it delivered are read yet.
+pub(super) struct LeaderLink {
+    pub(super) client: AsyncClient,
+    pub(super) incoming: Pipeline,
+    /// Control requests read ahead of the retained burst while loading (`mqtt.rs`).
+    pub(super) control: Events,
+    pub(super) lane_open: Arc<AtomicBool>,
+    pub(super) task: JoinHandle<()>,
+    pub(super) inbox: InboxStats,
+    /// The link's own token: on shutdown the final effects must still be published.
+    pub(super) token: CancellationToken,
+    pub(super) loading: Loading<Held>,
+}
+
+impl LeaderLink {
+    /// Disconnects, giving the link two seconds to send what is queued.
+    pub(super) async fn close(self) {
+        self.token.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.task).await;
+    }
+}
+
+/// What a standby hands the service when it takes over (`standby.rs`): its link, subscribed
+/// to everything the leader reads, and what it kept of the fleet from it (`warm.rs`).
+pub(super) struct Handover {
+    pub(super) link: LeaderLink,
+    pub(super) kept: Kept,
+}
+
+/// Connects to the broker with everything a leader subscribes to: device messages, retained
+/// desired actions, control requests (with a lane of their own) and the marker.
+pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, ServiceError> {
+    let token = CancellationToken::new();
+    // A stable client id, so the broker's ACL can name the coordinator (and a second
+    // coordinator started by mistake takes the connection over instead of running beside it).
+    let mut filters = topics.coordinator_filters();
+    filters.push(topics.desired_filter());
+    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
+    filters.push(topics.marker());
+    // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
+    // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
+    if config.watch_sys_dropped && config.broker.embedded.is_none() {
+        filters.push(coverage::SYS_DROPPED.to_owned());
+    } else if config.watch_sys_dropped {
+        tracing::warn!(
+            "[service] watch_sys_dropped is ignored with the embedded broker: rumqttd closes the \
+             connection of a client that subscribes to $SYS"
+        );
+    }
+    let options = LinkOptions::with_connection(
+        config.connection(),
+        config.broker.client_id.clone(),
+        filters,
+    )
+    .with_lane(topics.control_request());
+    tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
+    let link = mqtt::start(options, token.clone());
+    let inbox = link.events.stats();
+    // Device signatures are checked on worker threads; the loop gets the events in order.
+    let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
+    let incoming = verify::start(link.events, topics.clone(), config.verify_threads, keys)
+        .map_err(|e| ServiceError::VerifyThreads {
+            threads: config.verify_threads,
+            reason: e.to_string(),
+        })?;
+    tracing::info!(
+        threads = config.verify_threads,
+        "checking device signatures ahead of the service loop"
+    );
+    Ok(LeaderLink {
+        client: link.client,
+        incoming,
+        control: link.lane,
+        lane_open: link.lane_open,
+        task: link.task,
+        inbox,
+        token,
+        loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,7 +414,7 @@ mod tests {
     use crate::service::leadership::Sole;
     use flotilla_protocol::{envelope, ActionBody, DesiredAction, DeviceId, Message, SigningKey};
     use flotilla_rollout::engine::Effect;
-    use rumqttc::{AsyncClient, QoS};
+    use rumqttc::QoS;
 
     use flotilla_protocol::DeviceState;
     use rumqttc::{Event, EventLoop, MqttOptions, Packet};
@@ -518,6 +575,7 @@ mod tests {
             data_dir: dir.path().to_owned(),
             metrics: Metrics::new(),
             loading: Loading::new(loading::MAX_HELD, loading::MARKER_TIMEOUT),
+            confirmed: None,
             coverage: Coverage::new(),
             lane_open: link.lane_open.clone(),
             leadership: Arc::new(Sole::new("test")),

@@ -81,11 +81,14 @@ pub mod seal;
 pub mod sequence;
 pub mod serve;
 pub mod shared;
+mod standby;
 mod state;
+mod takeover;
 pub mod store;
 pub mod store_health;
 pub mod tokens;
 pub mod verify;
+pub mod warm;
 
 pub use error::ServiceError;
 pub use serve::serve;

@@ -38,7 +38,7 @@ pub async fn serve(config: Config, shutdown: CancellationToken) -> Result<(), Se
             let opening = std::time::Instant::now();
             let store = open_sled(&config)?;
             let me = Arc::new(Sole::new(config.broker.client_id.clone()));
-            lead(&config, key, store, me, opening, shutdown).await
+            lead(&config, key, store, me, opening, None, shutdown).await
         }
         StoreConfig::Postgres(pg) => shared::serve_shared(&config, pg, key, shutdown).await,
     }

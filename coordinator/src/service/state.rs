@@ -84,6 +84,10 @@ pub(super) struct Service {
     pub(super) metrics: Metrics,
     /// Whether every retained state is read yet, and the commands waiting for it.
     pub(super) loading: Loading<Held>,
+    /// While a reissue is pending (from a (re)connect until loading ends): device id -> the
+    /// action id and expiry its retained `desired` topic holds, read back or published since,
+    /// so the reissue skips it (`inbound.rs`).
+    pub(super) confirmed: Option<HashMap<String, (String, u64)>>,
     /// Whether the retained states cover the accepted devices (`coverage.rs`).
     pub(super) coverage: Coverage,
     /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
