@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flotilla_protocol::{envelope, BlockRequest, Message, Report, Topic, Topics};
+use flotilla_protocol::{envelope, BlockRequest, DesiredAction, Message, Report, Topic, Topics};
 use rumqttc::{Event, Packet, QoS};
 
 /// One message seen on the broker.
@@ -119,6 +119,22 @@ impl Watcher {
             .filter(|m| matches!(self.topics.parse(&m.topic), Some(Topic::Report(id)) if id.as_str() == device))
             .filter_map(|m| match m.decode() {
                 Some(Message::Report(r)) => Some(r),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The desired actions seen so far, as (device, action id), in arrival order (the
+    /// signature is not checked: this is what devices were sent).
+    pub fn desired_actions(&self) -> Vec<(String, String)> {
+        self.messages()
+            .iter()
+            .filter_map(|m| match (self.topics.parse(&m.topic), envelope::decode(&m.payload)) {
+                (Some(Topic::Desired(id)), Ok(Message::Desired(blob))) => {
+                    let action: DesiredAction =
+                        envelope::from_bytes("desired action", &blob.payload).ok()?;
+                    Some((id.as_str().to_owned(), action.action_id))
+                }
                 _ => None,
             })
             .collect()

@@ -236,8 +236,35 @@ async fn kill_leader_at(moment: Moment) {
     let took = failover_time(&desired, lost, &format!("kill -9 {moment:?}")).await;
     assert!(took < WAIT);
     finishes_cleanly(&site, name).await;
-    std::fs::write(format!("/tmp/fo-{moment:?}-b.log"), site.named_log("b")).ok();
-    std::fs::write(format!("/tmp/fo-{moment:?}-a.log"), site.named_log("a")).ok();
+    took_over_warm(&site, "b");
+    no_action_sent_twice(&desired);
+}
+
+/// Coordinator `name` led on the link it stood by on, with the view of the fleet it kept: it
+/// connected to the broker once, and never read the retained messages again.
+fn took_over_warm(site: &Site, name: &str) {
+    let log = site.named_log(name);
+    let connects = log
+        .lines()
+        .filter(|l| l.contains("connecting to the MQTT broker"))
+        .count();
+    assert_eq!(connects, 1, "{name} connected once:\n{log}");
+    assert!(
+        log.contains("took over the standby's view of the fleet"),
+        "{name} took over warm:\n{log}"
+    );
+}
+
+/// No device was sent the same action twice since `watcher` was cleared (the new leader
+/// re-sends nothing the broker still holds).
+fn no_action_sent_twice(watcher: &Watcher) {
+    let mut seen = BTreeMap::new();
+    for (device, action) in watcher.desired_actions() {
+        *seen.entry((device, action)).or_insert(0) += 1;
+    }
+    let twice: Vec<_> = seen.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(twice.is_empty(), "sent more than once: {twice:?}");
+    assert!(!seen.is_empty(), "the watcher saw the new leader's actions");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,8 +35,8 @@ use flotilla_protocol::{
 
 use crate::service::enrollment::{Enrollment, Registry, Status};
 use crate::service::releases;
-use flotilla_protocol::manifest::Manifest;
 use crate::service::verify::{self, Checked};
+use flotilla_protocol::manifest::Manifest;
 
 /// States kept as received, waiting for a snapshot of the enrollments that accepts them.
 pub const MAX_UNCHECKED: usize = 20_000;
@@ -272,4 +272,145 @@ fn accepted_keys(enrollments: &[Enrollment]) -> HashMap<String, [u8; 32]> {
             Some((e.device.clone(), key))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_protocol::{device, ActionBody, SignedBlob, SigningKey};
+
+    const WINDOW: Duration = Duration::from_secs(20);
+
+    fn state(device_id: &str) -> DeviceState {
+        DeviceState {
+            device_id: device_id.into(),
+            hardware_id: "pi4".into(),
+            labels: vec![],
+            installed: None,
+            current: None,
+            online: true,
+            agent_version: "test".into(),
+            at: 1,
+        }
+    }
+
+    /// `device_id`'s state, signed with `key`, as published.
+    fn signed_state(key: &SigningKey, device_id: &str) -> Vec<u8> {
+        let message = DeviceMessage::State {
+            state: state(device_id),
+            enrollment: None,
+        };
+        envelope::encode(&Message::Device(device::sign(key, &message)))
+    }
+
+    fn accepted(device_id: &str, key: &SigningKey) -> Enrollment {
+        Enrollment {
+            device: device_id.into(),
+            key: flotilla_protocol::hex::encode(key.verifying_key().as_bytes()),
+            status: Status::Accepted,
+            via: Some("operator".into()),
+            since: 1,
+            new_key: None,
+            rejected_keys: vec![],
+            waiting_state: None,
+        }
+    }
+
+    fn desired(key: &SigningKey, device_id: &str, action_id: &str, issued_at: u64) -> Vec<u8> {
+        let action = DesiredAction {
+            action_id: action_id.into(),
+            device_id: device_id.into(),
+            rollout_id: "r".into(),
+            issued_at,
+            expires_at: issued_at + 60,
+            body: ActionBody::Nothing,
+        };
+        let blob = SignedBlob::sign(key, envelope::to_bytes(&action));
+        envelope::encode(&Message::Desired(blob))
+    }
+
+    #[test]
+    fn a_state_is_kept_checked_only_under_the_key_the_device_is_accepted_with() {
+        let (dev1, dev2) = (
+            SigningKey::from_bytes(&[1; 32]),
+            SigningKey::from_bytes(&[2; 32]),
+        );
+        let mut warm = Warm::new(&[accepted("dev-1", &dev1)], WINDOW);
+        warm.observe_state("dev-1", &signed_state(&dev1, "dev-1"), None);
+        // Signed by another key, for another device's topic, not signed at all.
+        warm.observe_state("dev-2", &signed_state(&dev2, "dev-2"), None);
+        warm.observe_state("dev-3", &signed_state(&dev1, "dev-1"), None);
+        warm.observe_state("dev-4", b"not an envelope", None);
+        assert_eq!(warm.counts(), (1, 3, 0), "one checked, three waiting");
+        let kept = warm.take(Instant::now());
+        assert_eq!(kept.states["dev-1"].state.device_id, "dev-1");
+        assert_eq!(kept.states["dev-1"].key, *dev1.verifying_key().as_bytes());
+        assert!(kept.unchecked.contains_key("dev-2"));
+    }
+
+    #[test]
+    fn a_fresh_snapshot_checks_the_waiting_states_and_an_empty_payload_clears_one() {
+        let dev2 = SigningKey::from_bytes(&[2; 32]);
+        let mut warm = Warm::new(&[], WINDOW);
+        warm.observe_state("dev-2", &signed_state(&dev2, "dev-2"), None);
+        assert!(warm.has_unchecked());
+        warm.refresh(&[accepted("dev-2", &dev2)]);
+        assert_eq!(
+            warm.counts(),
+            (1, 0, 0),
+            "checked once the device is enrolled"
+        );
+        warm.observe_state("dev-2", b"", None);
+        assert_eq!(warm.counts(), (0, 0, 0), "a cleared state is forgotten");
+    }
+
+    #[test]
+    fn too_many_states_waiting_make_the_view_incomplete() {
+        let key = SigningKey::from_bytes(&[3; 32]);
+        let mut warm = Warm::new(&[], WINDOW);
+        let payload = signed_state(&key, "dev-x");
+        for n in 0..=MAX_UNCHECKED {
+            warm.observe_state(&format!("dev-{n}"), &payload, None);
+        }
+        assert_eq!(warm.counts().1, MAX_UNCHECKED);
+        let why = warm.is_complete().expect_err("incomplete");
+        assert!(why.contains("could not be checked"), "{why}");
+    }
+
+    #[test]
+    fn only_this_coordinators_desired_action_for_the_device_is_kept() {
+        let ours = SigningKey::from_bytes(&[7; 32]);
+        let theirs = SigningKey::from_bytes(&[8; 32]);
+        let coordinator = ours.verifying_key();
+        let mut warm = Warm::new(&[], WINDOW);
+        warm.observe_desired("dev-1", &desired(&ours, "dev-1", "a-1", 10), &coordinator);
+        warm.observe_desired("dev-2", &desired(&ours, "dev-1", "a-2", 10), &coordinator);
+        warm.observe_desired("dev-3", &desired(&theirs, "dev-3", "a-3", 10), &coordinator);
+        assert_eq!(warm.counts().2, 1);
+        // Overwritten by something that is not ours: forgotten, so the leader publishes again.
+        warm.observe_desired("dev-1", b"junk", &coordinator);
+        assert_eq!(warm.counts().2, 0);
+        warm.observe_desired("dev-1", &desired(&ours, "dev-1", "a-4", 11), &coordinator);
+        let kept = warm.take(Instant::now());
+        let action = &kept.desired["dev-1"];
+        assert_eq!((action.action_id.as_str(), action.issued_at), ("a-4", 11));
+        assert_eq!(action.expires_at, 71);
+    }
+
+    #[test]
+    fn reports_and_block_requests_are_kept_for_the_window_only() {
+        let mut warm = Warm::new(&[], WINDOW);
+        let start = Instant::now();
+        warm.observe_recent("flotilla/v1/devices/dev-1/report", b"old", start);
+        warm.observe_recent("flotilla/v1/devices/dev-1/fetch", b"new", start + WINDOW);
+        let kept = warm.take(start + WINDOW + Duration::from_secs(1));
+        assert_eq!(
+            kept.recent,
+            vec![(
+                "flotilla/v1/devices/dev-1/fetch".to_owned(),
+                b"new".to_vec()
+            )],
+            "what is older than the window is not handed over"
+        );
+    }
 }
