@@ -129,14 +129,16 @@ impl Watcher {
     pub fn desired_actions(&self) -> Vec<(String, String)> {
         self.messages()
             .iter()
-            .filter_map(|m| match (self.topics.parse(&m.topic), envelope::decode(&m.payload)) {
-                (Some(Topic::Desired(id)), Ok(Message::Desired(blob))) => {
-                    let action: DesiredAction =
-                        envelope::from_bytes("desired action", &blob.payload).ok()?;
-                    Some((id.as_str().to_owned(), action.action_id))
-                }
-                _ => None,
-            })
+            .filter_map(
+                |m| match (self.topics.parse(&m.topic), envelope::decode(&m.payload)) {
+                    (Some(Topic::Desired(id)), Ok(Message::Desired(blob))) => {
+                        let action: DesiredAction =
+                            envelope::from_bytes("desired action", &blob.payload).ok()?;
+                        Some((id.as_str().to_owned(), action.action_id))
+                    }
+                    _ => None,
+                },
+            )
             .collect()
     }
 

@@ -559,6 +559,8 @@ async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_before_its_w
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with a store write open").await;
     finishes_cleanly(&site, name).await;
+    took_over_warm(&site, "b");
+    no_action_sent_twice(&desired);
 }
 
 /// Simulated devices of the fleet failover test.
@@ -663,6 +665,11 @@ async fn the_standby_finishes_a_rollout_over_hundreds_of_simulated_devices_when_
         "simulated fleet: {} desired actions taken up, {} sent again after the takeover",
         figures["desired"], figures["desired_duplicates"]
     );
+    assert_eq!(
+        figures["desired_duplicates"], 0,
+        "the new leader sent no device an action it holds already: {figures:#}"
+    );
+    took_over_warm(&site, "b");
 }
 
 /// A running `flotilla-fleetsim`, killed on drop.

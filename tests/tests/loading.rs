@@ -310,7 +310,10 @@ async fn a_broker_that_drops_retained_states_is_named_and_the_devices_it_dropped
     let metrics_port = site.enable_metrics();
     // Live states in chunks the coordinator keeps up with: every device is accepted.
     fleet_with_retained_states_in(&mut site, DEVICES, 500).await;
-    site.kill_coordinator();
+    // A clean stop: the enrollments of the last second are written before it exits (a crash
+    // would lose them, and the pre-authorized devices would enroll again from their states).
+    site.terminate_coordinator(WAIT)
+        .expect("the coordinator stops on SIGTERM");
     site.coordinator_config
         .push_str("[service]\nmarker_timeout = 5\nwatch_sys_dropped = true\n");
     site.start_coordinator();

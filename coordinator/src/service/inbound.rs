@@ -393,14 +393,12 @@ impl Service {
         verdict: Verdict,
         now: u64,
     ) -> Option<DeviceMessage> {
+        // Written with the others of this tick (`Service::save_enrollments`).
         if let Some(token) = &verdict.used_token {
-            if let Err(e) = self.store.use_token(token, now) {
-                self.store_failed(&e);
-            }
+            self.unsaved.tokens.push((token.clone(), now));
         }
         if verdict.changed {
-            // A failure is logged and retried by the store's recovery; nobody to answer here.
-            let _ = self.save_enrollment(id.as_str());
+            self.unsaved.devices.insert(id.as_str().to_owned());
         }
         if let Some(note) = &verdict.note {
             tracing::info!(device = %id, "{note}");

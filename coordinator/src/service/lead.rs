@@ -57,7 +57,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::service::error::ServiceError;
-use crate::service::state::{now, Held, Service};
+use crate::service::state::{now, Held, Service, Unsaved};
 
 use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
@@ -94,7 +94,7 @@ pub(super) async fn lead(
     store: Store,
     leadership: Arc<dyn Leadership>,
     opening: std::time::Instant,
-    handover: Option<Handover>,
+    handover: Option<Box<Handover>>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     let db = store.describe();
@@ -183,7 +183,7 @@ pub(super) async fn lead(
             metrics_token.clone(),
         ));
     }
-    let (link, kept) = match handover {
+    let (link, kept) = match handover.map(|h| *h) {
         Some(Handover { link, kept }) => (link, Some(kept)),
         None => (open_link(config, &topics)?, None),
     };
@@ -236,6 +236,7 @@ pub(super) async fn lead(
         lane_open,
         leadership: leadership.clone(),
         fenced: false,
+        unsaved: Default::default(),
     };
     if let Some(kept) = kept {
         service.take_over(kept).await?;
@@ -283,6 +284,7 @@ pub(super) async fn lead(
             _ = ticker.tick() => {
                 lane_streak = 0;
                 let _timing = service.metrics.input("tick");
+                service.save_enrollments();
                 let effects = service.engine.tick(now());
                 match service.apply(effects).await {
                     Ok(()) => match service.retry_enrollments().await {
@@ -296,10 +298,14 @@ pub(super) async fn lead(
         if let Err(e) = step {
             break Err(e);
         }
+        if service.unsaved.len() >= Unsaved::LIMIT {
+            service.save_enrollments();
+        }
         service.refresh_metrics();
     };
     if result.is_ok() && leadership.leads() {
-        // Persist whatever per-device progress the last tick has not saved yet.
+        // Persist whatever enrollments and per-device progress the last tick has not saved yet.
+        service.save_enrollments();
         let effects = service.engine.tick(now());
         service.apply(effects).await?;
     }
@@ -580,6 +586,7 @@ mod tests {
             lane_open: link.lane_open.clone(),
             leadership: Arc::new(Sole::new("test")),
             fenced: false,
+            unsaved: Default::default(),
         };
         service
             .apply(vec![Effect::Forget {

@@ -50,7 +50,7 @@ const REFRESH_EVERY: Duration = Duration::from_secs(10);
 pub(super) enum Standby {
     /// This coordinator leads now; with what the standby kept, unless it could not keep
     /// everything (then the leader reads the broker again).
-    Lead(Option<Handover>),
+    Lead(Option<Box<Handover>>),
     /// The process is stopping.
     Stop,
 }
@@ -189,10 +189,10 @@ pub(super) async fn standby(
         ));
     }
     match warm.is_complete() {
-        Ok(()) => Ok(Standby::Lead(Some(Handover {
+        Ok(()) => Ok(Standby::Lead(Some(Box::new(Handover {
             link,
             kept: warm.take(std::time::Instant::now()),
-        }))),
+        })))),
         Err(why) => {
             tracing::warn!(reason = %why,
                 "the standby's view of the fleet is incomplete: reading the broker again");

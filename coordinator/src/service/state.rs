@@ -97,6 +97,29 @@ pub(super) struct Service {
     pub(super) leadership: Arc<dyn Leadership>,
     /// A write was refused because another coordinator leads now: nothing more goes out.
     pub(super) fenced: bool,
+    /// Enrollment changes devices made by themselves (a state, a token), not written yet.
+    pub(super) unsaved: Unsaved,
+}
+
+/// Enrollment records and used tokens waiting for the next batch write: one durable write per
+/// tick (or per [`Unsaved::LIMIT`] changes) instead of one per device, which is what a fleet
+/// enrolling at once needs on a database. A crash loses at most these: a device whose
+/// enrollment was lost is pending again and, with a token or a pre-authorized key, enrolls
+/// again from its next state (its token was not recorded as used either). An operator's
+/// accept, reject or revoke is written before it is answered, never batched.
+#[derive(Debug, Default)]
+pub(super) struct Unsaved {
+    pub(super) devices: std::collections::BTreeSet<String>,
+    pub(super) tokens: Vec<(String, u64)>,
+}
+
+impl Unsaved {
+    /// Changes after which the batch is written at once, without waiting for the tick.
+    pub(super) const LIMIT: usize = 2_000;
+
+    pub(super) fn len(&self) -> usize {
+        self.devices.len() + self.tokens.len()
+    }
 }
 
 /// A control request that passed the gate and waits for the registry to be complete.
@@ -170,6 +193,23 @@ impl Service {
     pub(super) fn ignore(&mut self, topic: &str, why: Ignored) {
         if let Some(line) = self.ignored.count(why, topic, std::time::Instant::now()) {
             tracing::warn!(ignored_total = self.ignored.total(), "{line}");
+        }
+    }
+
+    /// Writes the enrollment changes devices made since the last batch ([`Unsaved`]), in one
+    /// durable write. A failure puts the service into its failing-store mode, whose recovery
+    /// writes every enrollment and used token again.
+    pub(super) fn save_enrollments(&mut self) {
+        if self.unsaved.len() == 0 {
+            return;
+        }
+        let Unsaved { devices, tokens } = std::mem::take(&mut self.unsaved);
+        let records: Vec<_> = devices
+            .iter()
+            .filter_map(|d| self.registry.get(d))
+            .collect();
+        if let Err(e) = self.store.save_enrollments(&records, &tokens) {
+            self.store_failed(&e);
         }
     }
 

@@ -347,6 +347,44 @@ impl Store {
             .save(&enrollment.device, enrollment)
     }
 
+    /// Stores these enrollments and marks these tokens (sha256 hex, when) used, in one durable
+    /// write: what devices enrolled by themselves within one tick of the service.
+    pub fn save_enrollments(
+        &self,
+        enrollments: &[&Enrollment],
+        tokens: &[(String, u64)],
+    ) -> Result<(), StoreError> {
+        let mut ops = Vec::with_capacity(enrollments.len() + tokens.len());
+        for enrollment in enrollments {
+            let bytes = serde_json::to_vec(enrollment).map_err(|source| StoreError::Encode {
+                kind: "device enrollment",
+                name: enrollment.device.clone(),
+                source,
+            })?;
+            ops.push(Op::put(ENROLLMENTS, enrollment.device.as_str(), bytes));
+        }
+        for (digest, at) in tokens {
+            let bytes = serde_json::to_vec(at).map_err(|source| StoreError::Encode {
+                kind: "used enrollment token",
+                name: digest.clone(),
+                source,
+            })?;
+            ops.push(Op::put(USED_TOKENS, digest.as_str(), bytes));
+        }
+        let name = format!(
+            "{} enrollments and {} used tokens",
+            enrollments.len(),
+            tokens.len()
+        );
+        self.backend()
+            .write(ops)
+            .map_err(|source| StoreError::Write {
+                kind: "batch of",
+                name,
+                source,
+            })
+    }
+
     /// Every stored enrollment that decodes, in device order.
     pub fn list_enrollments(&self) -> Result<Vec<Enrollment>, StoreError> {
         self.records(ENROLLMENTS, "device enrollment").list()
@@ -593,6 +631,39 @@ mod tests {
                 .all(|(tree, _, _)| *tree != PUBLISHED),
             "a cache, not in backups"
         );
+    }
+
+    #[test]
+    fn a_batch_of_enrollments_and_used_tokens_is_stored_in_one_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let enrolled = |device: &str| Enrollment {
+            device: device.into(),
+            key: "ab".repeat(32),
+            status: crate::service::enrollment::Status::Accepted,
+            via: Some("token".into()),
+            since: 7,
+            new_key: None,
+            rejected_keys: vec![],
+            waiting_state: None,
+        };
+        let (a, b) = (enrolled("dev-1"), enrolled("dev-2"));
+        {
+            let store = Store::open(dir.path().join("db")).expect("open");
+            let before = store.generation();
+            store
+                .save_enrollments(&[&a, &b], &[("cd".repeat(32), 7)])
+                .expect("saved");
+            assert_eq!(store.generation(), before + 1, "one commit for the batch");
+        }
+        let store = Store::open(dir.path().join("db")).expect("reopen");
+        let devices: Vec<_> = store
+            .list_enrollments()
+            .expect("list")
+            .into_iter()
+            .map(|e| e.device)
+            .collect();
+        assert_eq!(devices, ["dev-1", "dev-2"]);
+        assert_eq!(store.used_tokens().expect("tokens"), ["cd".repeat(32)]);
     }
 
     /// A started rollout over three devices, the way the engine builds it.
