@@ -712,6 +712,10 @@ pub struct TraceEntry {
     /// The operator who asked for it; absent for the engine's own decisions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// The coordinator that decided, where several share one store: its id and lease epoch
+    /// (`coord-b at lease epoch 2`). Absent for a coordinator that is alone (sled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coordinator: Option<String>,
     /// The numbers a success or error condition compared.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compared: Option<Compared>,

@@ -160,13 +160,37 @@ async fn start_rollout(site: &Site, name: &str) {
 }
 
 /// Waits for rollout `name` to finish and checks it finished cleanly ([`assert_clean_finish`]).
-async fn finishes_cleanly(site: &Site, name: &str) {
+async fn finishes_cleanly(site: &Site, name: &str) -> RolloutStatus {
     let status = site
         .wait_status(name, "the rollout to finish", WAIT * 2, |s| {
             s.state == "finished"
         })
         .await;
     assert_clean_finish(site, &status);
+    status
+}
+
+/// The rollout's trace names the coordinator behind every decision: `a` before it was killed,
+/// `b` after it took over.
+fn decided_by_a_then_b(status: &RolloutStatus) {
+    let by: Vec<&str> = status
+        .trace
+        .iter()
+        .map(|t| t.coordinator.as_deref().unwrap_or("nobody"))
+        .collect();
+    assert!(
+        by.iter()
+            .all(|c| *c == "a at lease epoch 1" || *c == "b at lease epoch 2"),
+        "every decision names its coordinator: {by:?}"
+    );
+    let first_b = by
+        .iter()
+        .position(|c| c.starts_with("b "))
+        .expect("b decided");
+    assert!(
+        first_b > 0 && by[first_b..].iter().all(|c| c.starts_with("b ")),
+        "a decided first, b everything after it took over: {by:?}"
+    );
 }
 
 /// The URL of `pg` through `proxy`.
@@ -235,7 +259,8 @@ async fn kill_leader_at(moment: Moment) {
     }
     let took = failover_time(&desired, lost, &format!("kill -9 {moment:?}")).await;
     assert!(took < WAIT);
-    finishes_cleanly(&site, name).await;
+    let status = finishes_cleanly(&site, name).await;
+    decided_by_a_then_b(&status);
     took_over_warm(&site, "b");
     no_action_sent_twice(&desired);
 }
@@ -558,7 +583,8 @@ async fn the_standby_finishes_the_rollout_when_the_leader_is_killed_before_its_w
     // once the database has ended that write.
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with a store write open").await;
-    finishes_cleanly(&site, name).await;
+    let status = finishes_cleanly(&site, name).await;
+    decided_by_a_then_b(&status);
     took_over_warm(&site, "b");
     no_action_sent_twice(&desired);
 }

@@ -119,7 +119,12 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         out.push_str("recent decisions:\n");
     }
     for entry in &status.trace[skip..] {
-        out.push_str(&format!("  {}  {}\n", clock(entry.at), entry.message));
+        let by = entry
+            .coordinator
+            .as_ref()
+            .map(|c| format!("  ({c})"))
+            .unwrap_or_default();
+        out.push_str(&format!("  {}  {}{by}\n", clock(entry.at), entry.message));
     }
     out
 }

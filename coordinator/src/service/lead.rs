@@ -148,6 +148,15 @@ pub(super) async fn lead(
     let (rollout_count, group_count) = (rollouts.len(), groups.len());
     let mut engine = Engine::restore(rollouts, SystemZones);
     engine.set_device_groups(groups);
+    // Where coordinators share a store, the trace names which one decided.
+    let status = leadership.status();
+    if status.lease.is_some() {
+        engine.set_decider(Some(format!(
+            "{} at lease epoch {}",
+            status.me,
+            leadership.epoch()
+        )));
+    }
     // Where a restart's time goes before the coordinator connects (docs/performance.md).
     tracing::info!(rollouts = rollout_count, device_groups = group_count, enrollments = registry.all().count(),
         store = %db, epoch = leadership.epoch(), store_open_ms = opened_ms, rollouts_ms,

@@ -154,7 +154,8 @@ impl Engine {
 
     /// The effects of one call, in the documented order, with each install, rollback and
     /// cancel stamped on the slot that sent it (in the order the service publishes them).
-    pub(super) fn emit(&mut self, out: Out) -> Vec<Effect> {
+    pub(super) fn emit(&mut self, mut out: Out) -> Vec<Effect> {
+        self.stamp_decider(&mut out);
         for e in &out.commands {
             let (device, rollout) = match e {
                 Effect::Desired {
@@ -181,6 +182,30 @@ impl Engine {
             }
         }
         out.into_effects()
+    }
+
+    /// Stamps [`Engine::set_decider`]'s coordinator on the trace entries of `out` and on the
+    /// same entries, the newest of each rollout's stored trace.
+    fn stamp_decider(&mut self, out: &mut Out) {
+        let Some(decider) = &self.decider else {
+            return;
+        };
+        let mut per_rollout: HashMap<String, usize> = HashMap::new();
+        for effect in &mut out.trace {
+            if let Effect::Trace(entry) = effect {
+                entry.coordinator = Some(decider.clone());
+                *per_rollout.entry(entry.rollout.clone()).or_default() += 1;
+            }
+        }
+        for (name, count) in per_rollout {
+            if let Some(entry) = self.rollouts.get_mut(&name) {
+                let trace = &mut entry.rollout.trace;
+                let from = trace.len().saturating_sub(count);
+                for stored in &mut trace[from..] {
+                    stored.coordinator = Some(decider.clone());
+                }
+            }
+        }
     }
 
     /// Re-publishes what a crash or a broker that lost its retained messages may have kept from

@@ -1,0 +1,283 @@
+//! What the engine shows: rollouts, their status and summaries, devices and their labels.
+
+use super::*;
+
+impl Engine {
+    pub fn rollout(&self, name: &str) -> Option<&Rollout> {
+        self.rollouts.get(name).map(|e| &e.rollout)
+    }
+
+    pub fn rollouts(&self) -> impl Iterator<Item = &Rollout> {
+        self.rollouts.values().map(|e| &e.rollout)
+    }
+
+    /// A rollout's full status: every device's phase and detail, the whole trace. It grows
+    /// with the rollout; what is published or sent in one message is [`Engine::summary`].
+    pub fn status(&self, name: &str) -> Option<RolloutStatus> {
+        self.rollout(name).map(|r| self.with_summary(r, r.status()))
+    }
+
+    pub fn statuses(&self) -> Vec<RolloutStatus> {
+        self.rollouts()
+            .map(|r| self.with_summary(r, r.status()))
+            .collect()
+    }
+
+    /// A rollout's status without per-device detail: counts, per-group summaries, conditions,
+    /// approvals and the newest [`SUMMARY_TRACE`] decisions. Its size does not depend on how
+    /// many devices the rollout has (the retained rollout event and command replies).
+    pub fn summary(&self, name: &str) -> Option<RolloutStatus> {
+        self.rollout(name)
+            .map(|r| self.with_summary(r, r.summary()))
+    }
+
+    /// [`Engine::summary`] of every rollout after `after` in name order.
+    pub fn summaries_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = RolloutStatus> + 'a {
+        let start = match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
+        self.rollouts
+            .range((start, Bound::Unbounded))
+            .map(|(_, e)| self.with_summary(&e.rollout, e.rollout.summary()))
+    }
+
+    /// The devices of rollout `name` after `after`, in id order across its groups, each with
+    /// its group and detail; `None` when there is no such rollout.
+    pub fn rollout_devices<'a>(
+        &'a self,
+        name: &str,
+        after: Option<&str>,
+    ) -> Option<impl Iterator<Item = RolloutDevice> + 'a> {
+        let rollout = self.rollout(name)?;
+        let start = || match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
+        let mut groups: Vec<_> = rollout
+            .groups
+            .iter()
+            .map(|g| (g, g.slots.range((start(), Bound::Unbounded)).peekable()))
+            .collect();
+        // A merge of the groups' sorted slots: a device is in one group of a rollout.
+        Some(std::iter::from_fn(move || {
+            let (gi, _) = groups
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, (_, slots))| slots.peek().map(|(d, _)| (i, (*d).clone())))
+                .min_by(|a, b| a.1.cmp(&b.1))?;
+            let (group, slots) = &mut groups[gi];
+            let (device, slot) = slots.next()?;
+            Some(RolloutDevice {
+                id: device.clone(),
+                group: group.name.clone(),
+                detail: rollout.device_detail(slot),
+            })
+        }))
+    }
+
+    /// The labels of a device the engine knows.
+    pub fn device_labels(&self, device: &str) -> Option<&dyn Labels> {
+        self.devices.get(device).map(|d| &d.labels as &dyn Labels)
+    }
+
+    /// A rollout's status with what only the registry knows: Fleet's per-group summary of
+    /// Pending, OutOfSync, NotReady and Ready devices.
+    pub(super) fn with_summary(&self, r: &Rollout, mut status: RolloutStatus) -> RolloutStatus {
+        for (g, gs) in r.groups.iter().zip(status.groups.iter_mut()) {
+            let mut summary = BTreeMap::new();
+            for (device, slot) in &g.slots {
+                let state = match &slot.phase {
+                    DevicePhase::Scheduled => {
+                        let installed = self
+                            .devices
+                            .get(device)
+                            .is_some_and(|d| d.installed.is_some());
+                        if installed {
+                            "OutOfSync"
+                        } else {
+                            "Pending"
+                        }
+                    }
+                    DevicePhase::Ready => "Ready",
+                    DevicePhase::Canceled | DevicePhase::Skipped(_) | DevicePhase::RolledBack => {
+                        continue
+                    }
+                    _ => "NotReady",
+                };
+                *summary.entry(state.to_owned()).or_insert(0) += 1;
+            }
+            gs.summary = summary;
+        }
+        status
+    }
+
+    /// The releases `device` was sent a desired action for that it may still act on: its live
+    /// slots in active rollouts (in progress, soaking or retrying). The artifact server serves
+    /// a device only the artifacts of these releases.
+    pub fn device_releases(&self, device: &str) -> Vec<&str> {
+        self.rollouts
+            .values()
+            .filter(|e| e.rollout.state.is_active())
+            .filter_map(|e| {
+                let gi = *e.index.get(device)?;
+                let slot = e.rollout.groups.get(gi)?.slots.get(device)?;
+                slot.phase
+                    .is_live()
+                    .then_some(e.rollout.release.name.as_str())
+            })
+            .collect()
+    }
+
+    /// How many devices are known from their retained state.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Every device known from its retained state, sorted by id.
+    pub fn devices(&self) -> Vec<DeviceSummary> {
+        self.devices_after(None).collect()
+    }
+
+    /// The devices known from their retained state after `after`, in id order.
+    pub fn devices_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = DeviceSummary> + 'a {
+        let start = match after {
+            Some(a) => Bound::Excluded(a.to_owned()),
+            None => Bound::Unbounded,
+        };
+        self.devices
+            .range((start, Bound::Unbounded))
+            .map(|(id, d)| DeviceSummary {
+                id: id.clone(),
+                hardware_id: d.hardware_id.to_string(),
+                labels: d
+                    .labels
+                    .0
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                online: d.online,
+                installed: d.installed.as_deref().map(str::to_owned),
+                rollout: d.rollout.as_deref().map(str::to_owned),
+                phase: d.phase.map(str::to_owned),
+                reason: d.reason.clone(),
+                enrollment: None,
+            })
+    }
+}
+
+impl Rollout {
+    /// The rollout as operators see it, every device and decision included.
+    pub fn status(&self) -> RolloutStatus {
+        let mut status = self.summary();
+        status.trace = self.trace.clone();
+        status.sites = self.site_statuses(None);
+        for (g, gs) in self.groups.iter().zip(status.groups.iter_mut()) {
+            gs.devices = g
+                .slots
+                .iter()
+                .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
+                .collect();
+            gs.device_details = g
+                .slots
+                .iter()
+                .map(|(d, s)| (d.clone(), self.device_detail(s)))
+                .collect();
+        }
+        status
+    }
+
+    /// One device's detail in this rollout.
+    pub(super) fn device_detail(&self, s: &Slot) -> DeviceDetail {
+        DeviceDetail {
+            phase: s.phase_name().to_owned(),
+            started_at: s.started_at,
+            ended_at: s.ended_at,
+            reason: s.phase.reason().map(str::to_owned),
+            attempt: s.earlier_attempts + s.attempt,
+            conditions: self.device_conditions(s),
+        }
+    }
+
+    /// The rollout without per-device detail and with the newest [`SUMMARY_TRACE`] decisions:
+    /// what the retained rollout event carries.
+    /// The approval requests as operators see them: one not given before the rollout ended is
+    /// withdrawn.
+    pub fn approval_views(&self) -> Vec<ApprovalStatus> {
+        let ended = self.state.is_terminal();
+        self.approvals
+            .iter()
+            .map(|a| ApprovalStatus {
+                withdrawn: ended && !a.approved,
+                ..a.clone()
+            })
+            .collect()
+    }
+
+    pub fn summary(&self) -> RolloutStatus {
+        let skip = self.trace.len().saturating_sub(SUMMARY_TRACE);
+        RolloutStatus {
+            name: self.name.clone(),
+            release: self.release.name.clone(),
+            state: self.state.to_string(),
+            groups: self
+                .groups
+                .iter()
+                .map(|g| GroupStatus {
+                    name: g.name.clone(),
+                    state: g.state.to_string(),
+                    total: g.counts.effective_total(),
+                    ready: g.counts.ready,
+                    failed: g.counts.failures(),
+                    in_progress: g.counts.in_progress + g.counts.soaking,
+                    scheduled: g.counts.scheduled,
+                    canceled: g.counts.canceled,
+                    devices: BTreeMap::new(),
+                    started_at: g.started_at,
+                    ended_at: g.ended_at,
+                    conditions: g.conditions.clone(),
+                    device_details: BTreeMap::new(),
+                    summary: BTreeMap::new(),
+                })
+                .collect(),
+            trace: self.trace[skip..].to_vec(),
+            strategy: self.spec.vocabulary().to_owned(),
+            conditions: self.conditions.clone(),
+            waiting: self.waiting.clone(),
+            approvals: self.approval_views(),
+            strategy_snapshot: self.strategy_snapshot(),
+            deletion_stage: self.deletion_stage(),
+            bytes: self.bytes_total(),
+            sites: self.site_statuses(Some(SUMMARY_SITES)),
+            site_count: self.site_names().len(),
+            excluded: self
+                .excluded
+                .iter()
+                .take(SUMMARY_EXCLUDED)
+                .map(|e| ExcludedDevice {
+                    device: e.device.clone(),
+                    reason: e.reason.clone(),
+                })
+                .collect(),
+            excluded_count: self.excluded.len(),
+        }
+    }
+
+    /// Every device of the rollout with its phase name.
+    pub fn device_phases(&self) -> BTreeMap<String, String> {
+        self.groups
+            .iter()
+            .flat_map(|g| {
+                g.slots
+                    .iter()
+                    .map(|(d, s)| (d.clone(), s.phase_name().to_owned()))
+            })
+            .collect()
+    }
+}
