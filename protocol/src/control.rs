@@ -747,6 +747,11 @@ impl TraceEntry {
         self
     }
 
+    pub fn coordinator(mut self, coordinator: impl Into<String>) -> TraceEntry {
+        self.coordinator = Some(coordinator.into());
+        self
+    }
+
     pub fn by(mut self, by: impl Into<String>) -> TraceEntry {
         self.by = Some(by.into());
         self

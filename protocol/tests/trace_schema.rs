@@ -92,6 +92,7 @@ fn documented_schema_lists_every_kind_and_field() {
     .group("canary")
     .device("dev-1")
     .by("alice")
+    .coordinator("coord-b at lease epoch 2")
     .compared(Compared {
         counted: "failed".into(),
         count: 3,
