@@ -13,7 +13,8 @@ use std::time::Duration;
 use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
 use flotilla_targets::{
-    AbConfig, AbTarget, BootControlKind, ScriptConfig, ScriptTarget, ScriptTimeouts, TargetError,
+    AbConfig, AbTarget, BootControlKind, MenderModuleConfig, MenderModuleTarget, ScriptConfig,
+    ScriptTarget, ScriptTimeouts, TargetError,
 };
 use serde::Deserialize;
 
@@ -110,6 +111,8 @@ pub enum TargetKind {
     Ab(AbConfig),
     /// `kind = "script"`: a user's executable with the fixed subcommands.
     Script(ScriptConfig),
+    /// `kind = "mender-module"`: an unchanged Mender update module.
+    MenderModule(MenderModuleConfig),
 }
 
 #[derive(Debug, Clone)]
@@ -296,6 +299,12 @@ struct RawTarget {
     timeouts: Option<RawTimeouts>,
     /// script: extra environment.
     env: Option<BTreeMap<String, String>>,
+    /// mender-module: the module, a name in /usr/share/mender/modules/v3 or an absolute path.
+    module: Option<String>,
+    /// mender-module: the artifact's file name in the tree's `files/`.
+    payload_file: Option<String>,
+    /// mender-module: more files for `files/`, name -> content.
+    files: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -788,6 +797,36 @@ fn target_kind(
         } => invalid(field(f), format!("{value:?}: {reason}")),
         other => invalid(field("kind"), other.to_string()),
     };
+    if t.kind != "mender-module" {
+        for (name, present) in [
+            ("module", t.module.is_some()),
+            ("payload_file", t.payload_file.is_some()),
+            ("files", t.files.is_some()),
+        ] {
+            only_for(name, present, "\"mender-module\"")?;
+        }
+    }
+    let timeouts = || -> Result<ScriptTimeouts, ConfigError> {
+        let mut timeouts = ScriptTimeouts::default();
+        if let Some(raw) = &t.timeouts {
+            for (name, text, slot) in [
+                ("check", &raw.check, &mut timeouts.check),
+                ("stage", &raw.stage, &mut timeouts.stage),
+                ("activate", &raw.activate, &mut timeouts.activate),
+                ("confirm", &raw.confirm, &mut timeouts.confirm),
+                ("rollback", &raw.rollback, &mut timeouts.rollback),
+            ] {
+                let Some(text) = text else { continue };
+                let name = field(&format!("timeouts.{name}"));
+                let timeout = parse_duration(&name, text)?;
+                if timeout.is_zero() {
+                    return Err(invalid(name, format!("{text:?}: must be more than 0")));
+                }
+                *slot = timeout;
+            }
+        }
+        Ok(timeouts)
+    };
     match t.kind.as_str() {
         "file" => {
             for (name, present) in [
@@ -809,7 +848,11 @@ fn target_kind(
         }
         "ab" => {
             only_for("path", t.path.is_some(), "\"file\" or \"script\"")?;
-            only_for("timeouts", t.timeouts.is_some(), "\"script\"")?;
+            only_for(
+                "timeouts",
+                t.timeouts.is_some(),
+                "\"script\" or \"mender-module\"",
+            )?;
             only_for("env", t.env.is_some(), "\"script\"")?;
             let slots = match t.slots.as_deref() {
                 Some([a, b]) => [a.clone(), b.clone()],
@@ -888,37 +931,60 @@ fn target_kind(
                 ));
             };
             absolute("path", path, "an executable")?;
-            let mut timeouts = ScriptTimeouts::default();
-            if let Some(raw) = &t.timeouts {
-                for (name, text, slot) in [
-                    ("check", &raw.check, &mut timeouts.check),
-                    ("stage", &raw.stage, &mut timeouts.stage),
-                    ("activate", &raw.activate, &mut timeouts.activate),
-                    ("confirm", &raw.confirm, &mut timeouts.confirm),
-                    ("rollback", &raw.rollback, &mut timeouts.rollback),
-                ] {
-                    let Some(text) = text else { continue };
-                    let name = field(&format!("timeouts.{name}"));
-                    let timeout = parse_duration(&name, text)?;
-                    if timeout.is_zero() {
-                        return Err(invalid(name, format!("{text:?}: must be more than 0")));
-                    }
-                    *slot = timeout;
-                }
-            }
             let config = ScriptConfig {
                 path: path.clone(),
                 state_dir: state_dir()?,
-                timeouts,
+                timeouts: timeouts()?,
                 env: t.env.clone().unwrap_or_default(),
                 reboot_command: t.reboot_command.as_ref().map(reboot_command).transpose()?,
             };
             ScriptTarget::new(config.clone()).map_err(from_target)?;
             Ok(TargetKind::Script(config))
         }
+        "mender-module" => {
+            for (name, present) in [
+                ("path", t.path.is_some()),
+                ("slots", t.slots.is_some()),
+                ("bootctl", t.bootctl.is_some()),
+                ("bootctl_path", t.bootctl_path.is_some()),
+                ("env", t.env.is_some()),
+            ] {
+                only_for(name, present, "\"file\", \"ab\" or \"script\"")?;
+            }
+            let module = match t.module.as_deref() {
+                Some(m) if m.starts_with('/') => PathBuf::from(m),
+                Some(m) if !m.is_empty() && !m.contains('/') && m != "." && m != ".." => {
+                    Path::new(flotilla_targets::mender::MODULES_DIR).join(m)
+                }
+                Some(m) => {
+                    return Err(invalid(
+                        field("module"),
+                        format!("{m:?}: name a module in {} (e.g. \"single-file\") or give its absolute path", flotilla_targets::mender::MODULES_DIR),
+                    ))
+                }
+                None => {
+                    return Err(invalid(
+                        field("module"),
+                        "is required for kind \"mender-module\": e.g. \"single-file\" or an absolute path",
+                    ))
+                }
+            };
+            let config = MenderModuleConfig {
+                module,
+                state_dir: state_dir()?,
+                payload_file: t.payload_file.clone(),
+                files: t.files.clone().unwrap_or_default(),
+                timeouts: timeouts()?,
+                reboot_command: t.reboot_command.as_ref().map(reboot_command).transpose()?,
+            };
+            MenderModuleTarget::new(config.clone()).map_err(from_target)?;
+            Ok(TargetKind::MenderModule(config))
+        }
         other => Err(invalid(
             field("kind"),
-            format!("{other:?}: supported kinds are \"file\", \"ab\" and \"script\""),
+            format!(
+                "{other:?}: supported kinds are \"file\", \"ab\", \"script\" and \"mender-module\""
+            ),
         )),
     }
 }
@@ -1262,6 +1328,53 @@ env = { COMPOSE_DIR = "/srv/app" }"#,
         assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
         let e = err(FILE_TARGET, "kind = \"script\"\npath = \"x.sh\"");
         assert!(e.starts_with("target[0].path: \"x.sh\""), "{e}");
+    }
+
+    #[test]
+    fn mender_module_target_names_its_module_and_files() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "mender-module"
+module = "single-file"
+payload_file = "app.conf"
+files = { dest_dir = "/opt/app", filename = "app.conf", permissions = "0644" }
+timeouts = { activate = "2m" }"#,
+        )
+        .expect("valid mender-module target");
+        let Some(TargetKind::MenderModule(m)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a mender-module target");
+        };
+        assert_eq!(
+            m.module,
+            PathBuf::from("/usr/share/mender/modules/v3/single-file")
+        );
+        assert_eq!(m.payload_file.as_deref(), Some("app.conf"));
+        assert_eq!(
+            m.files.get("dest_dir").map(String::as_str),
+            Some("/opt/app")
+        );
+        assert_eq!(m.timeouts.activate, Duration::from_secs(120));
+        assert!(m.state_dir.ends_with("targets/app"), "{:?}", m.state_dir);
+
+        let mender = |rest: &str| err(FILE_TARGET, &format!("kind = \"mender-module\"\n{rest}"));
+        let e = mender("");
+        assert!(e.starts_with("target[0].module: is required"), "{e}");
+        let e = mender(r#"module = "modules/single-file""#);
+        assert!(
+            e.starts_with("target[0].module: \"modules/single-file\""),
+            "{e}"
+        );
+        let e = mender("module = \"/opt/m\"\nfiles = { \"../x\" = \"y\" }");
+        assert!(e.starts_with("target[0].files: \"../x\""), "{e}");
+        let e = mender("module = \"/opt/m\"\npayload_file = \"a/b\"");
+        assert!(e.starts_with("target[0].payload_file: \"a/b\""), "{e}");
+        let e = mender("module = \"/opt/m\"\npath = \"/x\"");
+        assert!(e.starts_with("target[0].path: is not a setting"), "{e}");
+        let e = err(
+            FILE_TARGET,
+            "kind = \"file\"\npath = \"/x\"\nmodule = \"single-file\"",
+        );
+        assert!(e.starts_with("target[0].module: is not a setting"), "{e}");
     }
 
     #[test]
