@@ -77,6 +77,24 @@ pub struct MenderModuleConfig {
 }
 
 impl MenderModuleConfig {
+    /// The module an operator names: an absolute path, or the name of a module in
+    /// [`MODULES_DIR`] (`single-file`).
+    pub fn module_path(name: &str) -> Result<PathBuf, TargetError> {
+        if name.starts_with('/') {
+            Ok(PathBuf::from(name))
+        } else if plain_file_name(name) {
+            Ok(Path::new(MODULES_DIR).join(name))
+        } else {
+            Err(TargetError::InvalidConfig {
+                field: "module",
+                value: name.to_owned(),
+                reason: format!(
+                    "name a module in {MODULES_DIR} (e.g. \"single-file\") or give its absolute path"
+                ),
+            })
+        }
+    }
+
     /// A configuration with default timeouts, no extra files and no reboot command.
     pub fn new(module: PathBuf, state_dir: PathBuf) -> Self {
         Self {
