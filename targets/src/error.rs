@@ -213,4 +213,15 @@ pub enum TargetError {
         /// The script reported a temporary failure (exit code 3): trying again later may work.
         temporary: bool,
     },
+
+    /// A Mender update module failed in one of its states, or answered outside the protocol.
+    #[error("update module {module} {state} failed: {reason}")]
+    UpdateModule {
+        /// The module.
+        module: PathBuf,
+        /// The state or query it was called with (`ArtifactInstall`, `SupportsRollback`, ...).
+        state: &'static str,
+        /// What it said (the last line of stderr, else of stdout) and its exit status.
+        reason: String,
+    },
 }

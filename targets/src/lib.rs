@@ -15,6 +15,8 @@
 //!   switches the boot slot through a [`bootctl`] backend (U-Boot, GRUB or a plain file).
 //! - [`script`]: [`ScriptTarget`], which hands each step to a user's executable with a fixed
 //!   contract (subcommands, environment, JSON on stdout, exit codes); see `docs/targets.md`.
+//! - [`mender`]: [`MenderModuleTarget`], which runs an unchanged Mender update module (protocol
+//!   v3) through its states; see `docs/targets.md` for the mapping.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
 //!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
 //!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
@@ -53,6 +55,7 @@ pub mod bootctl;
 pub mod error;
 pub mod file;
 pub mod fs;
+pub mod mender;
 mod process;
 pub mod script;
 pub mod target;
@@ -61,5 +64,6 @@ pub use ab::{AbConfig, AbTarget};
 pub use bootctl::{BootControl, BootControlKind, Slot};
 pub use error::TargetError;
 pub use file::FileTarget;
+pub use mender::{MenderModuleConfig, MenderModuleTarget};
 pub use script::{ScriptConfig, ScriptTarget, ScriptTimeouts};
 pub use target::{ActionContext, Activation, UpdateTarget};

@@ -23,8 +23,8 @@ use std::process::Command;
 
 use flotilla_targets::bootctl::{BootControl, Slot};
 use flotilla_targets::{
-    AbConfig, AbTarget, ActionContext, Activation, BootControlKind, FileTarget, ScriptConfig,
-    ScriptTarget, TargetError, UpdateTarget,
+    AbConfig, AbTarget, ActionContext, Activation, BootControlKind, FileTarget, MenderModuleConfig,
+    MenderModuleTarget, ScriptConfig, ScriptTarget, TargetError, UpdateTarget,
 };
 
 /// How the suite drives and observes one kind of target on one simulated device.
@@ -47,6 +47,12 @@ trait Harness {
     /// checks can fail, and they lead straight to a rollback.
     fn break_confirm(&self) -> bool {
         false
+    }
+
+    /// Does rolling back a first install remove what it installed? Mender's `single-file`
+    /// module keeps no record of a file that was not there and leaves the new one in place.
+    fn rollback_removes_first_install(&self) -> bool {
+        true
     }
 }
 
@@ -143,7 +149,11 @@ mod scenarios {
         let target = stage_and_activate(&*h, &c, NEW);
         assert_eq!(h.installed().as_deref(), Some(NEW));
         roll_back(&*h, target, &c);
-        assert_eq!(h.installed(), None);
+        if h.rollback_removes_first_install() {
+            assert_eq!(h.installed(), None);
+        } else {
+            assert_eq!(h.installed().as_deref(), Some(NEW), "documented: kept");
+        }
     }
 
     /// The agent dies after stage; the restarted one activates with a new instance.
@@ -683,4 +693,188 @@ conformance_suite!(script, ScriptHarness::make);
 fn every_target_reports_its_kind() {
     assert_eq!(AbHarness::make(Backend::File, None).open().kind(), "ab");
     assert_eq!(ScriptHarness::make(None).open().kind(), "script");
+    assert_eq!(
+        MenderHarness::make(MenderModule::SingleFile, None)
+            .open()
+            .kind(),
+        "mender-module"
+    );
+}
+
+/// Which of Debian's Mender update modules a [`MenderHarness`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MenderModule {
+    /// `single-file`: the payload is the file; `dest_dir`, `filename`, `permissions` beside it.
+    SingleFile,
+    /// `directory`: the payload is `update.tar`, unpacked into `dest_dir`.
+    Directory,
+}
+
+/// Debian's `mender-client` puts the update modules here.
+const MENDER_MODULES: &str = "/usr/share/mender/modules/v3";
+
+/// The `mender-module` target running an unchanged module from Debian's `mender-client` on
+/// `<dir>/opt/app/app.conf`.
+struct MenderHarness {
+    dir: tempfile::TempDir,
+    module: MenderModule,
+}
+
+impl MenderHarness {
+    fn make(module: MenderModule, initial: Option<&[u8]>) -> Box<dyn Harness> {
+        Box::new(Self::new(module, initial))
+    }
+
+    fn new(module: MenderModule, initial: Option<&[u8]>) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        fs::create_dir_all(dir.path().join("downloads")).expect("downloads");
+        if let Some(content) = initial {
+            fs::create_dir_all(dir.path().join("opt/app")).expect("dest dir");
+            fs::write(dir.path().join("opt/app/app.conf"), content).expect("seed");
+        }
+        Self { dir, module }
+    }
+
+    fn dest(&self) -> PathBuf {
+        self.dir.path().join("opt/app/app.conf")
+    }
+}
+
+impl Harness for MenderHarness {
+    fn open(&self) -> Box<dyn UpdateTarget> {
+        let name = match self.module {
+            MenderModule::SingleFile => "single-file",
+            MenderModule::Directory => "directory",
+        };
+        let mut config = MenderModuleConfig::new(
+            Path::new(MENDER_MODULES).join(name),
+            self.dir.path().join("state"),
+        );
+        let dest_dir = self.dir.path().join("opt/app").display().to_string();
+        config.files.insert("dest_dir".into(), dest_dir);
+        match self.module {
+            MenderModule::SingleFile => {
+                config.payload_file = Some("app.conf".into());
+                config.files.insert("filename".into(), "app.conf".into());
+                config.files.insert("permissions".into(), "0640".into());
+            }
+            MenderModule::Directory => config.payload_file = Some("update.tar".into()),
+        }
+        Box::new(MenderModuleTarget::new(config).expect("valid mender-module config"))
+    }
+
+    fn artifact(&self, name: &str, content: &[u8]) -> PathBuf {
+        let path = self.dir.path().join("downloads").join(name);
+        match self.module {
+            MenderModule::SingleFile => fs::write(&path, content).expect("write artifact"),
+            MenderModule::Directory => {
+                let src = self.dir.path().join(format!("src-{name}"));
+                fs::create_dir_all(&src).expect("src");
+                fs::write(src.join("app.conf"), content).expect("content");
+                let status = Command::new("tar")
+                    .arg("-cf")
+                    .arg(&path)
+                    .arg("-C")
+                    .arg(&src)
+                    .arg(".")
+                    .status()
+                    .expect("tar runs");
+                assert!(status.success(), "tar of the directory payload");
+            }
+        }
+        path
+    }
+
+    fn installed(&self) -> Option<Vec<u8>> {
+        match fs::read(self.dest()) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => panic!("cannot read {}: {e}", self.dest().display()),
+        }
+    }
+
+    fn rollback_removes_first_install(&self) -> bool {
+        self.module != MenderModule::SingleFile
+    }
+}
+
+fn mender_module_installed(name: &str) -> Result<(), String> {
+    let path = Path::new(MENDER_MODULES).join(name);
+    if path.is_file() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is missing; install it with `apt-get install mender-client`",
+            path.display()
+        ))
+    }
+}
+
+conformance_suite!(
+    mender_single_file,
+    |initial| MenderHarness::make(MenderModule::SingleFile, initial),
+    requires || mender_module_installed("single-file")
+);
+conformance_suite!(
+    mender_directory,
+    |initial| MenderHarness::make(MenderModule::Directory, initial),
+    requires || mender_module_installed("directory")
+);
+
+/// A module that fails in `ArtifactInstall`: the agent rolls back, the module's own error is in
+/// the reason, and the old content is what runs.
+#[test]
+fn a_mender_module_failing_in_install_is_rolled_back_with_its_error() {
+    let h = MenderHarness::new(MenderModule::SingleFile, Some(ORIGINAL));
+    let module = h.dir.path().join("failing-module");
+    // Half-installs, then fails, like a module that ran out of space; its rollback restores.
+    let dest = h.dest();
+    fs::write(
+        &module,
+        format!(
+            r#"#!/bin/sh
+echo "$1" >> "$2/../calls"
+case "$1" in
+  SupportsRollback) echo Yes ;;
+  NeedsArtifactReboot) echo No ;;
+  ArtifactInstall) cp "{dest}" "$2/tmp/backup"; echo garbage > "{dest}"
+                   echo "cannot write {dest}: No space left on device" >&2; exit 1 ;;
+  ArtifactRollback) cp "$2/tmp/backup" "{dest}" ;;
+esac
+exit 0
+"#,
+            dest = dest.display()
+        ),
+    )
+    .expect("module");
+    fs::set_permissions(&module, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let mut config = MenderModuleConfig::new(module, h.dir.path().join("state"));
+    config.payload_file = Some("app.conf".into());
+    let open = || MenderModuleTarget::new(config.clone()).expect("config");
+    let c = ctx("failing-install");
+    let target = open();
+    target.check(&c).expect("check");
+    target.stage(&c, &h.artifact("a", NEW)).expect("stage");
+    let err = target.activate(&c).expect_err("ArtifactInstall fails");
+    assert!(matches!(err, TargetError::UpdateModule { .. }), "{err}");
+    let message = err.to_string();
+    assert!(
+        message.contains("ArtifactInstall failed: cannot write")
+            && message.contains("No space left on device"),
+        "the module's own error: {message}"
+    );
+    // The agent rolls back from a new instance (as after a restart).
+    assert_eq!(
+        open().rollback_activation(&c).expect("rollback"),
+        Activation::Done
+    );
+    assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+    let calls = fs::read_to_string(h.dir.path().join("state/calls")).expect("calls");
+    assert!(
+        calls.ends_with("ArtifactInstall\nArtifactRollback\nArtifactFailure\nCleanup\n"),
+        "{calls}"
+    );
+    let err = open().confirm(&c).expect_err("rolled back");
+    assert!(matches!(err, TargetError::RolledBack { .. }), "{err}");
 }

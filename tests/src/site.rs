@@ -63,6 +63,9 @@ pub struct AgentOptions {
     /// coordinator accepts it without an operator (the default). Without one, the device stays
     /// pending until `flotilla devices accept` or a pre-authorized key ([`Site::authorize_key`]).
     pub enroll: bool,
+    /// The `[[target]]` settings of the `app` target after its name, instead of `kind = "file"`
+    /// on [`Site::target_file`] (e.g. a `mender-module` target).
+    pub app_target: Option<String>,
 }
 
 impl Default for AgentOptions {
@@ -75,6 +78,7 @@ impl Default for AgentOptions {
             release_keys: None,
             launcher: None,
             enroll: true,
+            app_target: None,
         }
     }
 }
@@ -599,8 +603,7 @@ release_keys = {release_keys:?}
 coordinator_keys = [{coordinator:?}]
 [[target]]
 name = "app"
-kind = "file"
-path = {target:?}
+{app_target}
 [health]
 soak = "{soak}"
 interval = "200ms"
@@ -614,6 +617,10 @@ in_flight = 4
 max_bytes_per_sec = {rate}
 "#,
             coordinator = self.public_key("coordinator"),
+            app_target = options
+                .app_target
+                .clone()
+                .unwrap_or_else(|| format!("kind = \"file\"\npath = {target:?}")),
             soak = options.soak,
             block = options.block_size,
             rate = options.max_bytes_per_sec,
