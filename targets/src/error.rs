@@ -213,4 +213,13 @@ pub enum TargetError {
         /// The script reported a temporary failure (exit code 3): trying again later may work.
         temporary: bool,
     },
+
+    /// SWUpdate, or a command the swupdate target runs for a step, failed.
+    #[error("swupdate {step} failed: {reason}")]
+    Swupdate {
+        /// The step: `install`, `confirm`, `rollback` or `reboot`.
+        step: &'static str,
+        /// What failed, with SWUpdate's own error lines or the command's last line.
+        reason: String,
+    },
 }

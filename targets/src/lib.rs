@@ -15,6 +15,8 @@
 //!   switches the boot slot through a [`bootctl`] backend (U-Boot, GRUB or a plain file).
 //! - [`script`]: [`ScriptTarget`], which hands each step to a user's executable with a fixed
 //!   contract (subcommands, environment, JSON on stdout, exit codes); see `docs/targets.md`.
+//! - [`swupdate`]: [`SwupdateTarget`], which installs a `.swu` image with SWUpdate
+//!   (`swupdate -i`) and maps confirm, rollback and reboot to configured commands.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
 //!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
 //!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
@@ -55,6 +57,7 @@ pub mod file;
 pub mod fs;
 mod process;
 pub mod script;
+pub mod swupdate;
 pub mod target;
 
 pub use ab::{AbConfig, AbTarget};
@@ -62,4 +65,5 @@ pub use bootctl::{BootControl, BootControlKind, Slot};
 pub use error::TargetError;
 pub use file::FileTarget;
 pub use script::{ScriptConfig, ScriptTarget, ScriptTimeouts};
+pub use swupdate::{SwupdateConfig, SwupdateTarget};
 pub use target::{ActionContext, Activation, UpdateTarget};
