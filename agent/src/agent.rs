@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use flotilla_protocol::{ActionBody, DesiredAction, DeviceId, SignedBlob, SigningKey};
-use flotilla_targets::{AbTarget, FileTarget, ScriptTarget, TargetError, UpdateTarget};
+use flotilla_targets::{
+    AbTarget, FileTarget, ScriptTarget, SwupdateTarget, TargetError, UpdateTarget,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -48,6 +50,9 @@ pub fn build_targets(
             TargetKind::Ab(ab) => Arc::new(AbTarget::new(ab.clone()).map_err(refused)?),
             TargetKind::Script(script) => {
                 Arc::new(ScriptTarget::new(script.clone()).map_err(refused)?)
+            }
+            TargetKind::Swupdate(swu) => {
+                Arc::new(SwupdateTarget::new(swu.clone()).map_err(refused)?)
             }
         };
         targets.insert(t.name.clone(), target);

@@ -12,10 +12,11 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
-use flotilla_targets::{
-    AbConfig, AbTarget, BootControlKind, ScriptConfig, ScriptTarget, ScriptTimeouts, TargetError,
-};
+use flotilla_targets::{AbConfig, ScriptConfig, SwupdateConfig};
 use serde::Deserialize;
+
+mod targets;
+use targets::{target_kind, RawTarget};
 
 /// The commented default configuration.
 pub const DEFAULT_CONFIG: &str = include_str!("../default-config.toml");
@@ -110,6 +111,8 @@ pub enum TargetKind {
     Ab(AbConfig),
     /// `kind = "script"`: a user's executable with the fixed subcommands.
     Script(ScriptConfig),
+    /// `kind = "swupdate"`: a `.swu` image installed with `swupdate -i`.
+    Swupdate(SwupdateConfig),
 }
 
 #[derive(Debug, Clone)]
@@ -274,42 +277,6 @@ fn default_root_threshold() -> u32 {
 fn default_max_clock_skew() -> String {
     "1h".into()
 }
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTarget {
-    name: String,
-    kind: String,
-    /// file: the file replaced; script: the executable.
-    path: Option<PathBuf>,
-    /// ab, script: where the target keeps its state; default `<data_dir>/targets/<name>`.
-    state_dir: Option<PathBuf>,
-    /// ab: the two slots.
-    slots: Option<Vec<PathBuf>>,
-    /// ab: `uboot`, `grub` or `file`.
-    bootctl: Option<String>,
-    /// ab: the environment file (grub, file) or `fw_env.config` (uboot).
-    bootctl_path: Option<PathBuf>,
-    /// ab (default `["systemctl", "reboot"]`), script (optional).
-    reboot_command: Option<Vec<String>>,
-    /// script: per-subcommand timeouts.
-    timeouts: Option<RawTimeouts>,
-    /// script: extra environment.
-    env: Option<BTreeMap<String, String>>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawTimeouts {
-    check: Option<String>,
-    stage: Option<String>,
-    activate: Option<String>,
-    confirm: Option<String>,
-    rollback: Option<String>,
-}
-
-/// Where GRUB keeps its environment block unless `bootctl_path` says otherwise.
-const DEFAULT_GRUBENV: &str = "/boot/grub/grubenv";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -732,197 +699,6 @@ impl TryFrom<RawConfig> for Config {
     }
 }
 
-/// Validates one `[[target]]` table; `field` names its fields in errors (`target[1].slots`).
-fn target_kind(
-    t: &RawTarget,
-    data_dir: &Path,
-    field: &dyn Fn(&str) -> String,
-) -> Result<TargetKind, ConfigError> {
-    let only_for = |name: &str, present: bool, kinds: &str| {
-        if present {
-            Err(invalid(
-                field(name),
-                format!("is not a setting of kind {:?} (only of {kinds})", t.kind),
-            ))
-        } else {
-            Ok(())
-        }
-    };
-    let absolute = |name: &str, path: &Path, what: &str| {
-        if path.is_absolute() && path.file_name().is_some() {
-            Ok(())
-        } else {
-            Err(invalid(
-                field(name),
-                format!("{path:?}: must be an absolute path to {what}"),
-            ))
-        }
-    };
-    let state_dir = || -> Result<PathBuf, ConfigError> {
-        match &t.state_dir {
-            Some(dir) => {
-                absolute("state_dir", dir, "a directory")?;
-                Ok(dir.clone())
-            }
-            None => Ok(data_dir.join("targets").join(&t.name)),
-        }
-    };
-    let reboot_command = |cmd: &Vec<String>| {
-        if cmd.first().is_none_or(|p| p.trim().is_empty()) {
-            Err(invalid(
-                field("reboot_command"),
-                format!(
-                    "{cmd:?}: name a program and its arguments, e.g. [\"systemctl\", \"reboot\"]"
-                ),
-            ))
-        } else {
-            Ok(cmd.clone())
-        }
-    };
-    // The target's own checks name the field without the table; add it.
-    let from_target = |e: TargetError| match e {
-        TargetError::InvalidConfig {
-            field: f,
-            value,
-            reason,
-        } => invalid(field(f), format!("{value:?}: {reason}")),
-        other => invalid(field("kind"), other.to_string()),
-    };
-    match t.kind.as_str() {
-        "file" => {
-            for (name, present) in [
-                ("state_dir", t.state_dir.is_some()),
-                ("slots", t.slots.is_some()),
-                ("bootctl", t.bootctl.is_some()),
-                ("bootctl_path", t.bootctl_path.is_some()),
-                ("reboot_command", t.reboot_command.is_some()),
-                ("timeouts", t.timeouts.is_some()),
-                ("env", t.env.is_some()),
-            ] {
-                only_for(name, present, "\"ab\" or \"script\"")?;
-            }
-            let Some(path) = &t.path else {
-                return Err(invalid(field("path"), "is required for kind \"file\""));
-            };
-            absolute("path", path, "a file")?;
-            Ok(TargetKind::File { path: path.clone() })
-        }
-        "ab" => {
-            only_for("path", t.path.is_some(), "\"file\" or \"script\"")?;
-            only_for("timeouts", t.timeouts.is_some(), "\"script\"")?;
-            only_for("env", t.env.is_some(), "\"script\"")?;
-            let slots = match t.slots.as_deref() {
-                Some([a, b]) => [a.clone(), b.clone()],
-                Some(other) => {
-                    return Err(invalid(
-                        field("slots"),
-                        format!("{other:?}: needs exactly two devices or image files, slot a and slot b"),
-                    ))
-                }
-                None => {
-                    return Err(invalid(
-                        field("slots"),
-                        "is required for kind \"ab\": the two devices, e.g. [\"/dev/mmcblk0p2\", \"/dev/mmcblk0p3\"]",
-                    ))
-                }
-            };
-            for slot in &slots {
-                absolute("slots", slot, "a block device or an image file")?;
-            }
-            let bootctl = match (t.bootctl.as_deref(), &t.bootctl_path) {
-                (Some("uboot"), config) => BootControlKind::UBoot {
-                    config: config.clone(),
-                },
-                (Some("grub"), env_file) => BootControlKind::Grub {
-                    env_file: env_file
-                        .clone()
-                        .unwrap_or_else(|| PathBuf::from(DEFAULT_GRUBENV)),
-                },
-                (Some("file"), Some(path)) => BootControlKind::File { path: path.clone() },
-                (Some("file"), None) => {
-                    return Err(invalid(
-                        field("bootctl_path"),
-                        "is required with bootctl = \"file\": the file the boot script reads",
-                    ))
-                }
-                (Some(other), _) => {
-                    return Err(invalid(
-                        field("bootctl"),
-                        format!("{other:?}: supported are \"uboot\", \"grub\" and \"file\""),
-                    ))
-                }
-                (None, _) => {
-                    return Err(invalid(
-                        field("bootctl"),
-                        "is required for kind \"ab\": \"uboot\", \"grub\" or \"file\"",
-                    ))
-                }
-            };
-            if let Some(path) = &t.bootctl_path {
-                absolute("bootctl_path", path, "a file")?;
-            }
-            let config = AbConfig {
-                slots,
-                bootctl,
-                state_dir: state_dir()?,
-                reboot_command: match &t.reboot_command {
-                    Some(cmd) => reboot_command(cmd)?,
-                    None => vec!["systemctl".to_owned(), "reboot".to_owned()],
-                },
-            };
-            AbTarget::new(config.clone()).map_err(from_target)?;
-            Ok(TargetKind::Ab(config))
-        }
-        "script" => {
-            for (name, present) in [
-                ("slots", t.slots.is_some()),
-                ("bootctl", t.bootctl.is_some()),
-                ("bootctl_path", t.bootctl_path.is_some()),
-            ] {
-                only_for(name, present, "\"ab\"")?;
-            }
-            let Some(path) = &t.path else {
-                return Err(invalid(
-                    field("path"),
-                    "is required for kind \"script\": the update script",
-                ));
-            };
-            absolute("path", path, "an executable")?;
-            let mut timeouts = ScriptTimeouts::default();
-            if let Some(raw) = &t.timeouts {
-                for (name, text, slot) in [
-                    ("check", &raw.check, &mut timeouts.check),
-                    ("stage", &raw.stage, &mut timeouts.stage),
-                    ("activate", &raw.activate, &mut timeouts.activate),
-                    ("confirm", &raw.confirm, &mut timeouts.confirm),
-                    ("rollback", &raw.rollback, &mut timeouts.rollback),
-                ] {
-                    let Some(text) = text else { continue };
-                    let name = field(&format!("timeouts.{name}"));
-                    let timeout = parse_duration(&name, text)?;
-                    if timeout.is_zero() {
-                        return Err(invalid(name, format!("{text:?}: must be more than 0")));
-                    }
-                    *slot = timeout;
-                }
-            }
-            let config = ScriptConfig {
-                path: path.clone(),
-                state_dir: state_dir()?,
-                timeouts,
-                env: t.env.clone().unwrap_or_default(),
-                reboot_command: t.reboot_command.as_ref().map(reboot_command).transpose()?,
-            };
-            ScriptTarget::new(config.clone()).map_err(from_target)?;
-            Ok(TargetKind::Script(config))
-        }
-        other => Err(invalid(
-            field("kind"),
-            format!("{other:?}: supported kinds are \"file\", \"ab\" and \"script\""),
-        )),
-    }
-}
-
 fn parse_keys(field: &str, keys: &[String]) -> Result<Vec<VerifyingKey>, ConfigError> {
     if keys.is_empty() {
         return Err(invalid(field, "needs at least one key"));
@@ -961,6 +737,7 @@ pub fn parse_duration(field: &str, text: &str) -> Result<Duration, ConfigError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flotilla_targets::{BootControlKind, ScriptTimeouts};
 
     fn with(replace: &str, by: &str) -> Result<Config, ConfigError> {
         assert!(
@@ -1262,6 +1039,53 @@ env = { COMPOSE_DIR = "/srv/app" }"#,
         assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
         let e = err(FILE_TARGET, "kind = \"script\"\npath = \"x.sh\"");
         assert!(e.starts_with("target[0].path: \"x.sh\""), "{e}");
+    }
+
+    #[test]
+    fn swupdate_target_takes_its_arguments_and_commands() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "swupdate"
+args = ["-k", "/etc/swupdate/cert.pem", "-H", "board:1.0"]
+reboot = true
+rollback_command = ["fw_setenv", "boot_copy", "a"]
+timeouts = { activate = "45m" }"#,
+        )
+        .expect("valid swupdate target");
+        let Some(TargetKind::Swupdate(swu)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a swupdate target");
+        };
+        assert_eq!(swu.program, PathBuf::from("/usr/bin/swupdate"));
+        assert_eq!(swu.args[3], "board:1.0");
+        assert!(swu.reboot);
+        assert_eq!(
+            swu.reboot_command,
+            Some(vec!["systemctl".to_owned(), "reboot".to_owned()]),
+            "rebooting images get the default reboot command"
+        );
+        assert_eq!(swu.confirm_command, None);
+        assert_eq!(swu.install_timeout, Duration::from_secs(45 * 60));
+        assert_eq!(swu.state_dir, c.data_dir.join("targets").join("app"));
+
+        let swupdate = |rest: &str| err(FILE_TARGET, &format!("kind = \"swupdate\"\n{rest}"));
+        let e = swupdate(r#"args = ["-i", "/tmp/other.swu"]"#);
+        assert!(e.starts_with("target[0].args: \"-i\""), "{e}");
+        let e = swupdate(r#"path = "swupdate""#);
+        assert!(e.starts_with("target[0].path: \"swupdate\""), "{e}");
+        let e = swupdate(r#"confirm_command = []"#);
+        assert!(e.starts_with("target[0].confirm_command: []"), "{e}");
+        let e = swupdate(r#"timeouts = { stage = "1m" }"#);
+        assert!(
+            e.starts_with("target[0].timeouts.stage: kind \"swupdate\""),
+            "{e}"
+        );
+        let e = swupdate(r#"slots = ["/a", "/b"]"#);
+        assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
+        let e = err(FILE_TARGET, "kind = \"file\"\npath = \"/a\"\nreboot = true");
+        assert!(
+            e.starts_with("target[0].reboot: is not a setting of kind \"file\""),
+            "{e}"
+        );
     }
 
     #[test]

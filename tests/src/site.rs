@@ -63,6 +63,8 @@ pub struct AgentOptions {
     /// coordinator accepts it without an operator (the default). Without one, the device stays
     /// pending until `flotilla devices accept` or a pre-authorized key ([`Site::authorize_key`]).
     pub enroll: bool,
+    /// TOML appended to the agent's config, such as one more `[[target]]` table.
+    pub extra_config: Option<String>,
 }
 
 impl Default for AgentOptions {
@@ -75,6 +77,7 @@ impl Default for AgentOptions {
             release_keys: None,
             launcher: None,
             enroll: true,
+            extra_config: None,
         }
     }
 }
@@ -618,6 +621,10 @@ max_bytes_per_sec = {rate}
             block = options.block_size,
             rate = options.max_bytes_per_sec,
         ));
+        if let Some(extra) = &options.extra_config {
+            text.push_str(extra);
+            text.push('\n');
+        }
         fs::write(self.agent_config(id), text).expect("write agent config");
     }
 
