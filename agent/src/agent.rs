@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use flotilla_protocol::{ActionBody, DesiredAction, DeviceId, SignedBlob, SigningKey};
 use flotilla_targets::{
-    AbTarget, FileTarget, MenderModuleTarget, ScriptTarget, TargetError, UpdateTarget,
+    AbTarget, FileTarget, MenderModuleTarget, ScriptTarget, SwupdateTarget, TargetError,
+    UpdateTarget,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -53,6 +54,9 @@ pub fn build_targets(
             }
             TargetKind::MenderModule(module) => {
                 Arc::new(MenderModuleTarget::new(module.clone()).map_err(refused)?)
+            }
+            TargetKind::Swupdate(swu) => {
+                Arc::new(SwupdateTarget::new(swu.clone()).map_err(refused)?)
             }
         };
         targets.insert(t.name.clone(), target);

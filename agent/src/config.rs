@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
-use flotilla_targets::{AbConfig, MenderModuleConfig, ScriptConfig};
+use flotilla_targets::{AbConfig, MenderModuleConfig, ScriptConfig, SwupdateConfig};
 use serde::Deserialize;
 
 mod targets;
@@ -113,6 +113,8 @@ pub enum TargetKind {
     Script(ScriptConfig),
     /// `kind = "mender-module"`: an unchanged Mender update module.
     MenderModule(MenderModuleConfig),
+    /// `kind = "swupdate"`: a `.swu` image installed with `swupdate -i`.
+    Swupdate(SwupdateConfig),
 }
 
 #[derive(Debug, Clone)]
@@ -1086,6 +1088,53 @@ timeouts = { activate = "2m" }"#,
             "kind = \"file\"\npath = \"/x\"\nmodule = \"single-file\"",
         );
         assert!(e.starts_with("target[0].module: is not a setting"), "{e}");
+    }
+
+    #[test]
+    fn swupdate_target_takes_its_arguments_and_commands() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "swupdate"
+args = ["-k", "/etc/swupdate/cert.pem", "-H", "board:1.0"]
+reboot = true
+rollback_command = ["fw_setenv", "boot_copy", "a"]
+timeouts = { activate = "45m" }"#,
+        )
+        .expect("valid swupdate target");
+        let Some(TargetKind::Swupdate(swu)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a swupdate target");
+        };
+        assert_eq!(swu.program, PathBuf::from("/usr/bin/swupdate"));
+        assert_eq!(swu.args[3], "board:1.0");
+        assert!(swu.reboot);
+        assert_eq!(
+            swu.reboot_command,
+            Some(vec!["systemctl".to_owned(), "reboot".to_owned()]),
+            "rebooting images get the default reboot command"
+        );
+        assert_eq!(swu.confirm_command, None);
+        assert_eq!(swu.install_timeout, Duration::from_secs(45 * 60));
+        assert_eq!(swu.state_dir, c.data_dir.join("targets").join("app"));
+
+        let swupdate = |rest: &str| err(FILE_TARGET, &format!("kind = \"swupdate\"\n{rest}"));
+        let e = swupdate(r#"args = ["-i", "/tmp/other.swu"]"#);
+        assert!(e.starts_with("target[0].args: \"-i\""), "{e}");
+        let e = swupdate(r#"path = "swupdate""#);
+        assert!(e.starts_with("target[0].path: \"swupdate\""), "{e}");
+        let e = swupdate(r#"confirm_command = []"#);
+        assert!(e.starts_with("target[0].confirm_command: []"), "{e}");
+        let e = swupdate(r#"timeouts = { stage = "1m" }"#);
+        assert!(
+            e.starts_with("target[0].timeouts.stage: kind \"swupdate\""),
+            "{e}"
+        );
+        let e = swupdate(r#"slots = ["/a", "/b"]"#);
+        assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
+        let e = err(FILE_TARGET, "kind = \"file\"\npath = \"/a\"\nreboot = true");
+        assert!(
+            e.starts_with("target[0].reboot: is not a setting of kind \"file\""),
+            "{e}"
+        );
     }
 
     #[test]

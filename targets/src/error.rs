@@ -224,4 +224,13 @@ pub enum TargetError {
         /// What it said (the last line of stderr, else of stdout) and its exit status.
         reason: String,
     },
+
+    /// SWUpdate, or a command the swupdate target runs for a step, failed.
+    #[error("swupdate {step} failed: {reason}")]
+    Swupdate {
+        /// The step: `install`, `confirm`, `rollback` or `reboot`.
+        step: &'static str,
+        /// What failed, with SWUpdate's own error lines or the command's last line.
+        reason: String,
+    },
 }

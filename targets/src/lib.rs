@@ -17,6 +17,8 @@
 //!   contract (subcommands, environment, JSON on stdout, exit codes); see `docs/targets.md`.
 //! - [`mender`]: [`MenderModuleTarget`], which runs an unchanged Mender update module (protocol
 //!   v3) through its states; see `docs/targets.md` for the mapping.
+//! - [`swupdate`]: [`SwupdateTarget`], which installs a `.swu` image with SWUpdate
+//!   (`swupdate -i`) and maps confirm, rollback and reboot to configured commands.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
 //!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
 //!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
@@ -58,6 +60,7 @@ pub mod fs;
 pub mod mender;
 mod process;
 pub mod script;
+pub mod swupdate;
 pub mod target;
 
 pub use ab::{AbConfig, AbTarget};
@@ -66,4 +69,5 @@ pub use error::TargetError;
 pub use file::FileTarget;
 pub use mender::{MenderModuleConfig, MenderModuleTarget};
 pub use script::{ScriptConfig, ScriptTarget, ScriptTimeouts};
+pub use swupdate::{SwupdateConfig, SwupdateTarget};
 pub use target::{ActionContext, Activation, UpdateTarget};

@@ -56,11 +56,24 @@ impl std::fmt::Display for RunError {
     }
 }
 
+/// Called with each line a program prints, as it prints it (for progress in the agent's log).
+pub(crate) type LineSink = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// Runs `cmd` to completion or until `timeout`, feeding it `stdin` (or nothing).
 pub(crate) fn run(
     cmd: &mut Command,
     stdin: Option<&[u8]>,
     timeout: Duration,
+) -> Result<Output, RunError> {
+    run_following(cmd, stdin, timeout, None)
+}
+
+/// [`run`], also handing every line of stdout and stderr to `lines` as it arrives.
+pub(crate) fn run_following(
+    cmd: &mut Command,
+    stdin: Option<&[u8]>,
+    timeout: Duration,
+    lines: Option<LineSink>,
 ) -> Result<Output, RunError> {
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
@@ -71,8 +84,8 @@ pub(crate) fn run(
     .stderr(Stdio::piped())
     .process_group(0);
     let mut child = cmd.spawn().map_err(RunError::Spawn)?;
-    let stdout = capture(child.stdout.take());
-    let stderr = capture(child.stderr.take());
+    let stdout = capture(child.stdout.take(), lines.clone());
+    let stderr = capture(child.stderr.take(), lines);
     if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
         // A program that exits without reading is its own business; its exit status tells.
         let _ = pipe.write_all(input);
@@ -146,17 +159,32 @@ impl Capture {
     }
 }
 
-fn capture(stream: Option<impl Read + Send + 'static>) -> Capture {
+fn capture(stream: Option<impl Read + Send + 'static>, lines: Option<LineSink>) -> Capture {
     let buf = Arc::new(Mutex::new(Vec::new()));
     let (tx, done) = mpsc::channel();
     if let Some(mut stream) = stream {
         let shared = Arc::clone(&buf);
         thread::spawn(move || {
             let mut chunk = [0u8; 8192];
+            // The unfinished last line, for `lines`; capped like the buffer.
+            let mut pending = Vec::new();
             loop {
                 match stream.read(&mut chunk) {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
+                        if let Some(sink) = &lines {
+                            pending.extend_from_slice(&chunk[..n]);
+                            while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                                let line: Vec<u8> = pending.drain(..=end).collect();
+                                let text = String::from_utf8_lossy(&line);
+                                if !text.trim().is_empty() {
+                                    sink(text.trim_end());
+                                }
+                            }
+                            if pending.len() > OUTPUT_CAP {
+                                pending.clear();
+                            }
+                        }
                         let Ok(mut buf) = shared.lock() else { break };
                         buf.extend_from_slice(&chunk[..n]);
                         if buf.len() > OUTPUT_CAP {
@@ -164,6 +192,12 @@ fn capture(stream: Option<impl Read + Send + 'static>) -> Capture {
                             buf.drain(..excess);
                         }
                     }
+                }
+            }
+            if let Some(sink) = &lines {
+                let text = String::from_utf8_lossy(&pending);
+                if !text.trim().is_empty() {
+                    sink(text.trim_end());
                 }
             }
             let _ = tx.send(());
@@ -209,6 +243,26 @@ mod tests {
         assert!(err.to_string().contains("starting"), "{err}");
         thread::sleep(Duration::from_secs(2));
         assert!(!witness.exists(), "the grandchild was killed too");
+    }
+
+    #[test]
+    fn following_hands_over_every_line_of_both_streams() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink_seen = Arc::clone(&seen);
+        let sink: LineSink = Arc::new(move |line: &str| {
+            sink_seen.lock().expect("lock").push(line.to_owned());
+        });
+        let out = run_following(
+            &mut sh("echo one; echo two >&2; printf three"),
+            None,
+            Duration::from_secs(30),
+            Some(sink),
+        )
+        .expect("runs");
+        assert!(out.status.success());
+        let mut seen = seen.lock().expect("lock").clone();
+        seen.sort();
+        assert_eq!(seen, ["one", "three", "two"]);
     }
 
     #[test]

@@ -11,9 +11,12 @@
 //! boot script contract in `flotilla_targets::bootctl`) and also restarts the agent.
 //!
 //! Targets run here: `file`; `ab` with the file, U-Boot (`fw_setenv` on a file-backed
-//! environment) and GRUB (`grub-editenv`) backends; `script` with `tests/scripts/copy-target.sh`.
-//! The U-Boot and GRUB suites need libubootenv-tool and grub-common; without them each test
-//! prints a loud SKIPPED line and passes.
+//! environment) and GRUB (`grub-editenv`) backends; `script` with `tests/scripts/copy-target.sh`;
+//! `swupdate` with Debian's real `swupdate -i` on a dual-copy device in miniature (CMS-signed
+//! `.swu` images built here with the openssl and cpio CLIs).
+//! The U-Boot, GRUB and SWUpdate suites need libubootenv-tool, grub-common, and swupdate with
+//! cpio and openssl; without them each test prints a loud SKIPPED line and passes (and fails
+//! with `FLOTILLA_REQUIRE_TOOLS=1`, as in CI).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -24,7 +27,8 @@ use std::process::Command;
 use flotilla_targets::bootctl::{BootControl, Slot};
 use flotilla_targets::{
     AbConfig, AbTarget, ActionContext, Activation, BootControlKind, FileTarget, MenderModuleConfig,
-    MenderModuleTarget, ScriptConfig, ScriptTarget, TargetError, UpdateTarget,
+    MenderModuleTarget, ScriptConfig, ScriptTarget, SwupdateConfig, SwupdateTarget, TargetError,
+    UpdateTarget,
 };
 
 /// How the suite drives and observes one kind of target on one simulated device.
@@ -688,6 +692,312 @@ impl Harness for ScriptHarness {
 }
 
 conformance_suite!(script, ScriptHarness::make);
+
+/// A dual-copy device in miniature, updated by the real `swupdate -i`. The device runs copy `a`
+/// or `b` (`current`, the bootloader's answer at the last boot; `next`, its variable for the
+/// next boot). Each `.swu` holds one collection per copy, selected with `-e stable,copy-X`,
+/// with a `files` entry and a `postinst` script that sets `next` to that copy. The program the
+/// target runs is the operator's thin wrapper that picks the copy not running and remembers the
+/// running one as `previous`. So `reboot = true`, and the rollback command points `next` back
+/// at `previous`.
+struct SwupdateHarness {
+    dir: tempfile::TempDir,
+}
+
+/// The tools the SWUpdate suite drives: Debian's swupdate, with openssl and cpio to build images.
+fn swupdate_tools() -> Result<(), String> {
+    tool_runs("swupdate", "--version", "swupdate")?;
+    tool_runs("cpio", "--version", "cpio")?;
+    tool_runs("openssl", "version", "openssl")
+}
+
+/// Makes a throwaway signing certificate (keyUsage digitalSignature, extendedKeyUsage
+/// emailProtection, as SWUpdate's CMS check wants) as `cert.pem` and `key.pem` in `dir`.
+fn make_signing_cert(dir: &Path) {
+    fs::write(
+        dir.join("cert.cnf"),
+        "[req]\ndistinguished_name=dn\n[dn]\n[v3]\nkeyUsage=digitalSignature\n\
+         extendedKeyUsage=emailProtection\nbasicConstraints=CA:FALSE\n",
+    )
+    .expect("openssl config");
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes"])
+        .args(["-keyout", "key.pem", "-out", "cert.pem", "-days", "30"])
+        .args(["-subj", "/CN=flotilla test signer", "-config", "cert.cnf"])
+        .args(["-extensions", "v3"])
+        .output()
+        .expect("openssl runs");
+    assert!(out.status.success(), "openssl req: {out:?}");
+}
+
+/// Builds a `.swu` in `build` (a fresh directory): `sw-description`, its CMS signature made with
+/// `dir/cert.pem` and `dir/key.pem`, then `members`, as a `crc` cpio archive. `tamper` changes
+/// `sw-description` after it was signed.
+fn build_swu(
+    dir: &Path,
+    build: &Path,
+    sw_description: &str,
+    members: &[(&str, &[u8])],
+    tamper: bool,
+) -> PathBuf {
+    fs::create_dir_all(build).expect("build dir");
+    fs::write(build.join("sw-description"), sw_description).expect("sw-description");
+    let out = Command::new("openssl")
+        .current_dir(build)
+        .args(["cms", "-sign", "-in", "sw-description"])
+        .args(["-out", "sw-description.sig", "-signer"])
+        .arg(dir.join("cert.pem"))
+        .arg("-inkey")
+        .arg(dir.join("key.pem"))
+        .args(["-outform", "DER", "-nosmimecap", "-binary"])
+        .output()
+        .expect("openssl runs");
+    assert!(out.status.success(), "openssl cms: {out:?}");
+    if tamper {
+        let forged = sw_description.replace("version = \"", "version = \"6.6.6-");
+        fs::write(build.join("sw-description"), forged).expect("tamper");
+    }
+    let mut names = String::from("sw-description\nsw-description.sig\n");
+    for (name, bytes) in members {
+        fs::write(build.join(name), bytes).expect("member");
+        names.push_str(name);
+        names.push('\n');
+    }
+    let swu = build.with_extension("swu");
+    let mut cpio = Command::new("cpio")
+        .current_dir(build)
+        .args(["-o", "-H", "crc", "--quiet", "-O"])
+        .arg(&swu)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("cpio runs");
+    use std::io::Write as _;
+    cpio.stdin
+        .take()
+        .expect("stdin")
+        .write_all(names.as_bytes())
+        .expect("names to cpio");
+    assert!(cpio.wait().expect("cpio").success(), "cpio failed");
+    swu
+}
+
+impl SwupdateHarness {
+    fn make(initial: Option<&[u8]>) -> Box<dyn Harness> {
+        Box::new(Self::new(initial))
+    }
+
+    fn new(initial: Option<&[u8]>) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path();
+        for d in ["copy-a", "copy-b", "downloads", "builds"] {
+            fs::create_dir_all(p.join(d)).expect("device dirs");
+        }
+        if let Some(content) = initial {
+            fs::write(p.join("copy-a/app.conf"), content).expect("seed");
+        }
+        fs::write(p.join("current"), "a").expect("current");
+        make_signing_cert(p);
+        let wrapper = p.join("swupdate-dual-copy");
+        fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\nset -eu\ndev='{}'\ncurrent=$(cat \"$dev/current\")\n\
+                 case \"$current\" in a) other=b ;; *) other=a ;; esac\n\
+                 printf %s \"$current\" > \"$dev/previous\"\n\
+                 exec swupdate -e \"stable,copy-$other\" \"$@\"\n",
+                p.display()
+            ),
+        )
+        .expect("wrapper");
+        fs::set_permissions(
+            &wrapper,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
+        Self { dir }
+    }
+
+    fn config(&self) -> SwupdateConfig {
+        let p = self.dir.path();
+        let mut config = SwupdateConfig::new(p.join("swupdate-state"));
+        config.program = p.join("swupdate-dual-copy");
+        config.args = vec![
+            "-k".to_owned(),
+            p.join("cert.pem").display().to_string(),
+            "-H".to_owned(),
+            "board:1.0".to_owned(),
+        ];
+        config.reboot = true;
+        // The harness plays the reboot (Harness::reboot); the command only has to succeed.
+        config.reboot_command = Some(vec!["true".to_owned()]);
+        config.rollback_command = Some(vec![
+            "sh".to_owned(),
+            "-c".to_owned(),
+            format!("cp '{0}/previous' '{0}/next'", p.display()),
+        ]);
+        config
+    }
+
+    /// The bootloader variable the image sets for copy `c` (a `postinst` script here; on a
+    /// device SWUpdate's `bootenv` section or a script doing `fw_setenv`).
+    fn boot_script(&self, c: &str) -> String {
+        format!(
+            "#!/bin/sh\n[ \"$1\" = postinst ] && printf {c} > '{}'\nexit 0\n",
+            self.dir.path().join("next").display()
+        )
+    }
+
+    fn sw_description(&self, payload: &[u8], version: &str) -> String {
+        let sha = |bytes: &[u8]| flotilla_protocol::hex::encode(&flotilla_protocol::sha256(bytes));
+        let copy = |c: &str| {
+            format!(
+                "\t\tcopy-{c} = {{\n\t\t\tfiles: ( {{ filename = \"payload\"; path = \"{}\"; \
+                 sha256 = \"{}\"; }} );\n\t\t\tscripts: ( {{ filename = \"boot-{c}.sh\"; \
+                 type = \"shellscript\"; sha256 = \"{}\"; }} );\n\t\t}};\n",
+                self.dir.path().join(format!("copy-{c}/app.conf")).display(),
+                sha(payload),
+                sha(self.boot_script(c).as_bytes()),
+            )
+        };
+        format!(
+            "software =\n{{\n\tversion = \"{version}\";\n\
+             \thardware-compatibility: [ \"1.0\" ];\n\tstable = {{\n{}{}\t}};\n}}\n",
+            copy("a"),
+            copy("b")
+        )
+    }
+
+    fn swu(&self, name: &str, content: &[u8], tamper: bool) -> PathBuf {
+        let build = self.dir.path().join("builds").join(name);
+        let (boot_a, boot_b) = (self.boot_script("a"), self.boot_script("b"));
+        let swu = build_swu(
+            self.dir.path(),
+            &build,
+            &self.sw_description(content, "2.4.0"),
+            &[
+                ("payload", content),
+                ("boot-a.sh", boot_a.as_bytes()),
+                ("boot-b.sh", boot_b.as_bytes()),
+            ],
+            tamper,
+        );
+        let path = self.dir.path().join("downloads").join(name);
+        fs::rename(swu, &path).expect("move the image to the downloads");
+        path
+    }
+
+    fn running_copy(&self) -> String {
+        fs::read_to_string(self.dir.path().join("current")).expect("current copy")
+    }
+}
+
+impl Harness for SwupdateHarness {
+    fn open(&self) -> Box<dyn UpdateTarget> {
+        Box::new(SwupdateTarget::new(self.config()).expect("valid swupdate config"))
+    }
+
+    fn artifact(&self, name: &str, content: &[u8]) -> PathBuf {
+        self.swu(name, content, false)
+    }
+
+    /// What the copy the device booted holds.
+    fn installed(&self) -> Option<Vec<u8>> {
+        let copy = self.running_copy();
+        read_installed(&self.dir.path().join(format!("copy-{copy}/app.conf")))
+    }
+
+    /// The bootloader boots `next` if it is set.
+    fn reboot(&self) {
+        let p = self.dir.path();
+        if let Ok(next) = fs::read_to_string(p.join("next")) {
+            fs::write(p.join("current"), next).expect("boot");
+        }
+    }
+}
+
+conformance_suite!(
+    swupdate,
+    SwupdateHarness::make,
+    requires swupdate_tools
+);
+
+/// Runs `test` when the SWUpdate tools are here; otherwise skips loudly, or fails in CI.
+fn with_swupdate(test: impl FnOnce()) {
+    match swupdate_tools() {
+        Ok(()) => test(),
+        Err(why) if std::env::var("FLOTILLA_REQUIRE_TOOLS").is_ok_and(|v| v == "1") => {
+            panic!("SKIPPED swupdate test: {why} (FLOTILLA_REQUIRE_TOOLS=1)")
+        }
+        Err(why) => {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "\n!!!! SKIPPED swupdate test: {why}"
+            );
+        }
+    }
+}
+
+/// A `.swu` whose `sw-description` was changed after signing is refused by SWUpdate itself; the
+/// error carries SWUpdate's own words, and the device keeps running what it ran.
+#[test]
+fn swupdate_refuses_a_tampered_image_with_its_own_error() {
+    with_swupdate(|| {
+        let h = SwupdateHarness::new(Some(ORIGINAL));
+        let c = ctx("tampered");
+        let target = h.open();
+        assert_eq!(target.kind(), "swupdate");
+        target.check(&c).expect("check");
+        let forged = h.swu("forged", NEW, true);
+        target
+            .stage(&c, &forged)
+            .expect("it still looks like a .swu");
+        let err = target.activate(&c).expect_err("SWUpdate refuses it");
+        let message = err.to_string();
+        assert!(matches!(err, TargetError::Swupdate { .. }), "{message}");
+        assert!(
+            message.contains("Signature verification failed"),
+            "SWUpdate's own error: {message}"
+        );
+        h.reboot();
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+        assert_eq!(h.running_copy(), "a");
+        assert_eq!(read_installed(&h.dir.path().join("copy-b/app.conf")), None);
+        // The agent rolls back after a failed activation: the bootloader stays on copy a.
+        roll_back(&h, h.open(), &c);
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+    })
+}
+
+/// An image for other hardware is refused with SWUpdate's "SW not compatible with hardware"; something
+/// that is not a `.swu` at all is refused at stage, before SWUpdate runs.
+#[test]
+fn swupdate_refuses_foreign_hardware_and_non_swu_artifacts() {
+    with_swupdate(|| {
+        let h = SwupdateHarness::new(Some(ORIGINAL));
+        let mut config = h.config();
+        config.args[3] = "board:2.0".to_owned();
+        let c = ctx("other-board");
+        let target = SwupdateTarget::new(config).expect("config");
+        target.stage(&c, &h.artifact("img", NEW)).expect("stage");
+        let message = target.activate(&c).expect_err("other hardware").to_string();
+        assert!(
+            message.contains("SW not compatible with hardware"),
+            "SWUpdate's own error: {message}"
+        );
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+
+        let tarball = h.dir.path().join("downloads/app.tar");
+        fs::write(&tarball, b"ustar\0 not a cpio archive").expect("tarball");
+        let message = h
+            .open()
+            .stage(&ctx("tarball"), &tarball)
+            .expect_err("not a .swu")
+            .to_string();
+        assert!(message.contains("not a SWUpdate image"), "{message}");
+    })
+}
 
 #[test]
 fn every_target_reports_its_kind() {

@@ -30,6 +30,7 @@ pub mod nats;
 pub mod postgres;
 pub mod secure;
 pub mod site;
+pub mod swu;
 pub mod tcp_proxy;
 
 pub use disk::Tmpfs;

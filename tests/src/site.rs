@@ -66,6 +66,8 @@ pub struct AgentOptions {
     /// The `[[target]]` settings of the `app` target after its name, instead of `kind = "file"`
     /// on [`Site::target_file`] (e.g. a `mender-module` target).
     pub app_target: Option<String>,
+    /// TOML appended to the agent's config, such as one more `[[target]]` table.
+    pub extra_config: Option<String>,
 }
 
 impl Default for AgentOptions {
@@ -79,6 +81,7 @@ impl Default for AgentOptions {
             launcher: None,
             enroll: true,
             app_target: None,
+            extra_config: None,
         }
     }
 }
@@ -625,6 +628,10 @@ max_bytes_per_sec = {rate}
             block = options.block_size,
             rate = options.max_bytes_per_sec,
         ));
+        if let Some(extra) = &options.extra_config {
+            text.push_str(extra);
+            text.push('\n');
+        }
         fs::write(self.agent_config(id), text).expect("write agent config");
     }
 

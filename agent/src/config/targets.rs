@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use flotilla_targets::{
     AbConfig, AbTarget, BootControlKind, MenderModuleConfig, MenderModuleTarget, ScriptConfig,
-    ScriptTarget, ScriptTimeouts, TargetError,
+    ScriptTarget, ScriptTimeouts, SwupdateConfig, SwupdateTarget, TargetError,
 };
 use serde::Deserialize;
 
@@ -18,9 +18,10 @@ use super::{invalid, parse_duration, ConfigError, TargetKind};
 pub(super) struct RawTarget {
     pub(super) name: String,
     kind: String,
-    /// file: the file replaced; script: the executable.
+    /// file: the file replaced; script: the executable; swupdate: the swupdate program.
     path: Option<PathBuf>,
-    /// ab, script: where the target keeps its state; default `<data_dir>/targets/<name>`.
+    /// ab, script, mender-module, swupdate: where the target keeps its state; default
+    /// `<data_dir>/targets/<name>`.
     state_dir: Option<PathBuf>,
     /// ab: the two slots.
     slots: Option<Vec<PathBuf>>,
@@ -28,9 +29,10 @@ pub(super) struct RawTarget {
     bootctl: Option<String>,
     /// ab: the environment file (grub, file) or `fw_env.config` (uboot).
     bootctl_path: Option<PathBuf>,
-    /// ab (default `["systemctl", "reboot"]`), script (optional).
+    /// ab (default `["systemctl", "reboot"]`), script, mender-module (optional), swupdate (with
+    /// `reboot`).
     reboot_command: Option<Vec<String>>,
-    /// script: per-subcommand timeouts.
+    /// script, mender-module: per-subcommand timeouts; swupdate: `activate` (the install).
     timeouts: Option<RawTimeouts>,
     /// script: extra environment.
     env: Option<BTreeMap<String, String>>,
@@ -40,6 +42,14 @@ pub(super) struct RawTarget {
     payload_file: Option<String>,
     /// mender-module: more files for `files/`, name -> content.
     files: Option<BTreeMap<String, String>>,
+    /// swupdate: arguments before `-i <image>`, e.g. `["-k", "/etc/swupdate.pem"]`.
+    args: Option<Vec<String>>,
+    /// swupdate: the image only runs after a reboot (it writes a rootfs copy).
+    reboot: Option<bool>,
+    /// swupdate: runs at confirm (e.g. marks the new copy good in the bootloader).
+    confirm_command: Option<Vec<String>>,
+    /// swupdate: runs at rollback of an installed image (e.g. switches the bootloader back).
+    rollback_command: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -111,6 +121,26 @@ pub(super) fn target_kind(
         } => invalid(field(f), format!("{value:?}: {reason}")),
         other => invalid(field("kind"), other.to_string()),
     };
+    if t.kind != "swupdate" {
+        for (name, present) in [
+            ("args", t.args.is_some()),
+            ("reboot", t.reboot.is_some()),
+            ("confirm_command", t.confirm_command.is_some()),
+            ("rollback_command", t.rollback_command.is_some()),
+        ] {
+            only_for(name, present, "\"swupdate\"")?;
+        }
+    }
+    let command = |name: &str, cmd: &Vec<String>| {
+        if cmd.first().is_none_or(|p| p.trim().is_empty()) {
+            Err(invalid(
+                field(name),
+                format!("{cmd:?}: name a program and its arguments"),
+            ))
+        } else {
+            Ok(cmd.clone())
+        }
+    };
     if t.kind != "mender-module" {
         for (name, present) in [
             ("module", t.module.is_some()),
@@ -152,7 +182,7 @@ pub(super) fn target_kind(
                 ("timeouts", t.timeouts.is_some()),
                 ("env", t.env.is_some()),
             ] {
-                only_for(name, present, "\"ab\" or \"script\"")?;
+                only_for(name, present, "\"ab\", \"script\" or \"swupdate\"")?;
             }
             let Some(path) = &t.path else {
                 return Err(invalid(field("path"), "is required for kind \"file\""));
@@ -161,11 +191,15 @@ pub(super) fn target_kind(
             Ok(TargetKind::File { path: path.clone() })
         }
         "ab" => {
-            only_for("path", t.path.is_some(), "\"file\" or \"script\"")?;
+            only_for(
+                "path",
+                t.path.is_some(),
+                "\"file\", \"script\" or \"swupdate\"",
+            )?;
             only_for(
                 "timeouts",
                 t.timeouts.is_some(),
-                "\"script\" or \"mender-module\"",
+                "\"script\", \"mender-module\" or \"swupdate\"",
             )?;
             only_for("env", t.env.is_some(), "\"script\"")?;
             let slots = match t.slots.as_deref() {
@@ -282,10 +316,68 @@ pub(super) fn target_kind(
             MenderModuleTarget::new(config.clone()).map_err(from_target)?;
             Ok(TargetKind::MenderModule(config))
         }
+        "swupdate" => {
+            for (name, present) in [
+                ("slots", t.slots.is_some()),
+                ("bootctl", t.bootctl.is_some()),
+                ("bootctl_path", t.bootctl_path.is_some()),
+            ] {
+                only_for(name, present, "\"ab\"")?;
+            }
+            only_for("env", t.env.is_some(), "\"script\"")?;
+            let mut config = SwupdateConfig::new(state_dir()?);
+            if let Some(path) = &t.path {
+                absolute("path", path, "the swupdate program")?;
+                config.program = path.clone();
+            }
+            config.args = t.args.clone().unwrap_or_default();
+            if let Some(raw) = &t.timeouts {
+                for (name, text) in [
+                    ("check", &raw.check),
+                    ("stage", &raw.stage),
+                    ("confirm", &raw.confirm),
+                    ("rollback", &raw.rollback),
+                ] {
+                    if text.is_some() {
+                        return Err(invalid(
+                            field(&format!("timeouts.{name}")),
+                            "kind \"swupdate\" takes only timeouts.activate (the install)",
+                        ));
+                    }
+                }
+                if let Some(text) = &raw.activate {
+                    let name = field("timeouts.activate");
+                    let timeout = parse_duration(&name, text)?;
+                    if timeout.is_zero() {
+                        return Err(invalid(name, format!("{text:?}: must be more than 0")));
+                    }
+                    config.install_timeout = timeout;
+                }
+            }
+            config.reboot = t.reboot.unwrap_or(false);
+            config.reboot_command = match &t.reboot_command {
+                Some(cmd) => Some(reboot_command(cmd)?),
+                None if config.reboot => Some(vec!["systemctl".to_owned(), "reboot".to_owned()]),
+                None => None,
+            };
+            config.confirm_command = t
+                .confirm_command
+                .as_ref()
+                .map(|c| command("confirm_command", c))
+                .transpose()?;
+            config.rollback_command = t
+                .rollback_command
+                .as_ref()
+                .map(|c| command("rollback_command", c))
+                .transpose()?;
+            SwupdateTarget::new(config.clone()).map_err(from_target)?;
+            Ok(TargetKind::Swupdate(config))
+        }
         other => Err(invalid(
             field("kind"),
             format!(
-                "{other:?}: supported kinds are \"file\", \"ab\", \"script\" and \"mender-module\""
+                "{other:?}: supported kinds are \"file\", \"ab\", \"script\", \"mender-module\" \
+                 and \"swupdate\""
             ),
         )),
     }
