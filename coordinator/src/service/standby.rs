@@ -133,10 +133,22 @@ pub(super) async fn standby(
                 continue;
             }
             _ = refresh.tick() => {
-                if warm.has_unchecked() {
-                    if let Some(enrollments) = reader.read().await {
-                        warm.refresh(&enrollments);
-                    }
+                let behind = warm.is_complete().is_err() || link.inbox.dropped() > 0;
+                if !(behind || warm.has_unchecked()) {
+                    continue;
+                }
+                let Some(enrollments) = reader.read().await else { continue };
+                if behind {
+                    // Something was not kept (a fleet enrolling faster than the snapshots, a
+                    // full inbox): read the fleet again now, on a new link, against this
+                    // snapshot, rather than at takeover.
+                    tracing::info!(reason = warm.is_complete().err().unwrap_or("the link dropped messages"),
+                        "the standby's view of the fleet fell behind: reading the broker's retained messages again");
+                    link.close().await;
+                    warm = Warm::new(&enrollments, window);
+                    link = open_link(config, &topics)?;
+                } else {
+                    warm.refresh(&enrollments);
                 }
                 continue;
             }
