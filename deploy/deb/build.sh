@@ -52,9 +52,10 @@ out=$(cd "$out" && pwd)
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
 deb_version="$version-1"
 maintainer=${DEB_MAINTAINER:-"flotilla maintainers <flotilla@lists.flotilla.dev>"}
-# Reproducible: file times and the changelog date come from the last commit.
-SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
-export SOURCE_DATE_EPOCH
+# Reproducible: file times and the changelog date come from the last commit. Not exported to
+# cargo: the cc crate's build scripts (ring, psm) rebuild when SOURCE_DATE_EPOCH changes, and
+# .ci/run's cross builds of the agent, made without it, would be built again here.
+epoch=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
 
 # The host's triple builds into target/release (shared with plain `cargo build --release`).
 host_triple=$(rustc -vV | sed -n 's/^host: //p')
@@ -96,7 +97,7 @@ changelog() { # package directory
     echo
     echo "  * flotilla $version, packaged by deploy/deb/build.sh."
     echo
-    echo " -- $maintainer  $(date -u -R -d "@$SOURCE_DATE_EPOCH")"
+    echo " -- $maintainer  $(date -u -R -d "@$epoch")"
   } | gzip -9n > "$doc/changelog.Debian.gz"
   cp "$here/copyright" "$doc/copyright"
   mkdir -p "$2/usr/share/lintian/overrides"
@@ -131,9 +132,9 @@ finish() { # package directory description-file depends
     echo "Priority: optional"
     cat "$3"
   } > "$root/DEBIAN/control"
-  find "$root" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+  find "$root" -exec touch -h -d "@$epoch" {} +
   deb="$out/${pkg}_${deb_version}_$arch.deb"
-  dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
+  SOURCE_DATE_EPOCH=$epoch dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
   echo "$deb"
 }
 
