@@ -130,6 +130,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     }
     tracing::info!(device = %env.config.device_id, "agent started");
     env.write_status_file();
+    // systemd (Type=notify, WatchdogSec): ready once the store is open and the link started;
+    // the watchdog is pinged from the loop below, so a loop that hangs gets the agent restarted.
+    let notifier = crate::notify::Notifier::from_env();
+    let mut watchdog = crate::notify::watchdog_ticks(&notifier);
 
     let mut running: Option<Running> = None;
     // Finished action tasks send their final record here.
@@ -154,9 +158,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
         }
     }
 
+    notifier.ready();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            _ = watchdog.tick() => notifier.watchdog(),
             Some(record) = done_rx.recv() => {
                 if running.as_ref().is_some_and(|r| r.action_id == record.action_id) {
                     running = None;
@@ -203,6 +209,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     }
 
     tracing::info!("shutting down");
+    notifier.stopping();
     if let Some(r) = running.take() {
         // The action task sees the shutdown token and stops at a safe point (never inside a
         // target step, which runs to completion on the blocking pool).

@@ -37,7 +37,7 @@
 //! store                              sled, and opening the agent's state
 //! record  trust_state  identity      persisted data: action records; the trust state; device key
 //! config  fault                      used from every layer
-//! log_filter                         `RUST_LOG` (for the binary; imports nothing)
+//! log_filter  notify                 `RUST_LOG` (for the binary); systemd notifications (import nothing)
 //! ```
 //!
 //! - [`agent`]: ties them together: [`run`].
@@ -71,6 +71,8 @@
 //! - [`config`]: the TOML configuration, validated into [`Config`].
 //! - [`fault`]: `FLOTILLA_FAULT`, crash points for crash-safety tests.
 //! - [`log_filter`]: `RUST_LOG`, read without a regular-expression engine.
+//! - [`notify`]: systemd's `READY=1`, `WATCHDOG=1` and `STOPPING=1` (`Type=notify`,
+//!   `WatchdogSec`), over the `NOTIFY_SOCKET` datagram socket; the agent loop pings the watchdog.
 //!
 //! ## At run time
 //!
@@ -135,6 +137,7 @@ pub mod identity;
 pub mod link;
 pub mod log_filter;
 pub mod machine;
+pub mod notify;
 pub mod peer_serve;
 pub mod record;
 pub mod resume;

@@ -43,9 +43,41 @@ fn run(program: &str, args: &[&str], what: &str) {
     );
 }
 
+/// How the shipped configuration is put together (`deploy/mosquitto/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The drop-in alone as the whole config, persistence off: what most tests use.
+    DropInAlone,
+    /// Debian's stock main `/etc/mosquitto/mosquitto.conf` ([`DEBIAN_MAIN_CONF`]) with the
+    /// drop-in in its `include_dir`, persistence on: the README's install on a stock Debian.
+    DebianMain,
+    /// The shipped whole config `main.conf` with the drop-in in its `include_dir`.
+    ShippedMain,
+}
+
+/// `/etc/mosquitto/mosquitto.conf` as Debian's mosquitto package (2.0.11-1.2+deb12u2, the
+/// same in 2.0.11-1.2 and bullseye's 2.0.11-1) ships it, byte for byte.
+pub const DEBIAN_MAIN_CONF: &str = "\
+# Place your local configuration in /etc/mosquitto/conf.d/
+#
+# A full description of the configuration file is at
+# /usr/share/doc/mosquitto/examples/mosquitto.conf.example
+
+pid_file /run/mosquitto/mosquitto.pid
+
+persistence true
+persistence_location /var/lib/mosquitto/
+
+log_dest file /var/log/mosquitto/mosquitto.log
+
+include_dir /etc/mosquitto/conf.d
+";
+
 /// A running TLS Mosquitto with the shipped configuration.
 pub struct SecureBroker {
     dir: PathBuf,
+    /// The CA's own directory (ca.key stays here; the broker's files are in `dir/tls`).
+    ca_dir: PathBuf,
     /// TLS with user name and password.
     pub tls_port: u16,
     /// Mutual TLS: the client certificate's common name is the user name.
@@ -71,25 +103,38 @@ impl Drop for SecureBroker {
 impl SecureBroker {
     /// Starts a broker in `dir`, with passwords for the roles and for `devices`.
     pub fn start(dir: &Path, devices: &[&str]) -> SecureBroker {
+        SecureBroker::start_as(dir, devices, Layout::DropInAlone)
+    }
+
+    /// Starts a broker in `dir` with its configuration laid out as `layout` says.
+    pub fn start_as(dir: &Path, devices: &[&str], layout: Layout) -> SecureBroker {
         let binary = mosquitto_binary()
             .expect("mosquitto is not installed; .ci/run installs it (apt-get install mosquitto)");
+        let ca_dir = dir.join("ca");
         let dir = dir.join("broker");
         let tls = dir.join("tls");
         let script = deploy_dir().join("make-certs.sh");
         let script = script.to_string_lossy();
-        let tls_s = tls.to_string_lossy();
-        run("sh", &[&script, &tls_s, "ca"], "make the CA");
+        let (tls_s, ca_s) = (tls.to_string_lossy(), ca_dir.to_string_lossy());
+        run("sh", &[&script, &ca_s, "ca"], "make the CA");
+        // Signed from the CA's directory into the broker's: the broker never holds ca.key.
         run(
             "sh",
             &[
                 &script,
+                "--out",
                 &tls_s,
+                &ca_s,
                 "server",
                 "broker",
                 "DNS:localhost",
                 "IP:127.0.0.1",
             ],
             "make the broker certificate",
+        );
+        assert!(
+            tls.join("ca.crt").exists() && !tls.join("ca.key").exists(),
+            "make-certs.sh --out gives the broker the CA certificate and never its key"
         );
         let passwords = dir.join("passwords");
         fs::write(&passwords, "").expect("password file");
@@ -108,9 +153,33 @@ impl SecureBroker {
             );
         }
         let (tls_port, mtls_port) = (free_port(), free_port());
-        let config = shipped_config(&dir, tls_port, mtls_port);
         let config_path = dir.join("mosquitto.conf");
-        fs::write(&config_path, config).expect("write mosquitto.conf");
+        match layout {
+            Layout::DropInAlone => {
+                let mut config = drop_in(&dir, tls_port, mtls_port, false);
+                config.push_str(TEST_LINES);
+                fs::write(&config_path, config).expect("write mosquitto.conf");
+            }
+            Layout::DebianMain | Layout::ShippedMain => {
+                let main = match layout {
+                    Layout::DebianMain => DEBIAN_MAIN_CONF.to_owned(),
+                    _ => fs::read_to_string(deploy_dir().join("main.conf"))
+                        .expect("read the shipped main.conf"),
+                };
+                let conf_d = dir.join("conf.d");
+                let db = dir.join("db");
+                fs::create_dir_all(&conf_d).expect("conf.d");
+                fs::create_dir_all(&db).expect("persistence directory");
+                let mut main = main_with_paths(&main, &dir, &conf_d, &db);
+                main.push_str(TEST_LINES);
+                fs::write(&config_path, main).expect("write the main mosquitto.conf");
+                fs::write(
+                    conf_d.join("flotilla.conf"),
+                    drop_in(&dir, tls_port, mtls_port, true),
+                )
+                .expect("write conf.d/flotilla.conf");
+            }
+        }
         let mut command = Command::new(binary);
         command.arg("-c").arg(&config_path);
         let process = Process::spawn(command, dir.join("mosquitto.log"));
@@ -127,10 +196,21 @@ impl SecureBroker {
         }
         SecureBroker {
             dir,
+            ca_dir,
             tls_port,
             mtls_port,
             process,
         }
+    }
+
+    /// Where the broker keeps its persistence file (`mosquitto.db`) with a main file.
+    pub fn persistence_dir(&self) -> PathBuf {
+        self.dir.join("db")
+    }
+
+    /// Stops the broker with SIGTERM (it then saves its persistence file); whether it exited.
+    pub fn stop(&mut self) -> bool {
+        self.process.terminate(Duration::from_secs(10)).is_some()
     }
 
     /// The CA certificate clients check the broker against.
@@ -155,7 +235,9 @@ impl SecureBroker {
                 "sh",
                 &[
                     &script.to_string_lossy(),
+                    "--out",
                     &self.dir.join("tls").to_string_lossy(),
+                    &self.ca_dir.to_string_lossy(),
                     "client",
                     name,
                 ],
@@ -208,15 +290,25 @@ impl SecureBroker {
     }
 }
 
-/// The shipped `deploy/mosquitto/mosquitto.conf` with this broker's paths and free loopback
-/// ports, persistence off and logging to stderr. Every edit must apply, so a change to the
+/// What every test broker adds: run as whoever runs the tests (mosquitto started as root
+/// switches to the mosquitto user, who cannot read a test's temporary files), log to stderr.
+const TEST_LINES: &str =
+    "\nuser root\nlog_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n";
+
+/// The shipped drop-in `deploy/mosquitto/mosquitto.conf` with this broker's paths and free
+/// loopback ports, persistence off unless `persist`. Every edit must apply, so a change to the
 /// shipped file that the tests no longer cover fails here.
-fn shipped_config(dir: &Path, tls_port: u16, mtls_port: u16) -> String {
+fn drop_in(dir: &Path, tls_port: u16, mtls_port: u16, persist: bool) -> String {
     let shipped =
         fs::read_to_string(deploy_dir().join("mosquitto.conf")).expect("read the shipped config");
+    assert!(
+        !shipped.contains("\npersistence_location"),
+        "the drop-in must not set persistence_location: Debian's main file does, and \
+         Mosquitto 2.0.11 refuses a second one"
+    );
     let acl = deploy_dir().join("acl");
     let acl = acl.canonicalize().expect("the shipped ACL file");
-    let edits = [
+    let mut edits = vec![
         (
             "acl_file /etc/mosquitto/flotilla/acl".to_owned(),
             format!("acl_file {}", acl.display()),
@@ -224,14 +316,6 @@ fn shipped_config(dir: &Path, tls_port: u16, mtls_port: u16) -> String {
         (
             "/etc/mosquitto/flotilla/".to_owned(),
             format!("{}/", dir.display()),
-        ),
-        (
-            "persistence true".to_owned(),
-            "persistence false".to_owned(),
-        ),
-        (
-            "persistence_location /var/lib/mosquitto/".to_owned(),
-            String::new(),
         ),
         (
             "listener 8883\n".to_owned(),
@@ -242,6 +326,12 @@ fn shipped_config(dir: &Path, tls_port: u16, mtls_port: u16) -> String {
             format!("listener {mtls_port} 127.0.0.1\n"),
         ),
     ];
+    if !persist {
+        edits.push((
+            "persistence true".to_owned(),
+            "persistence false".to_owned(),
+        ));
+    }
     let mut config = shipped;
     for (from, to) in edits {
         assert!(
@@ -250,12 +340,36 @@ fn shipped_config(dir: &Path, tls_port: u16, mtls_port: u16) -> String {
         );
         config = config.replace(&from, &to);
     }
-    // Run as whoever runs the tests (mosquitto started as root switches to the mosquitto user,
-    // who cannot read a test's temporary files).
-    config.push_str(
-        "\nuser root\nlog_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n",
-    );
     config
+}
+
+/// A main file (Debian's or the shipped `main.conf`) with its host paths moved into `dir`.
+/// Every path must be there to move, so a main file that sets something else fails here.
+fn main_with_paths(main: &str, dir: &Path, conf_d: &Path, db: &Path) -> String {
+    let edits = [
+        (
+            "pid_file /run/mosquitto/mosquitto.pid",
+            format!("pid_file {}", dir.join("mosquitto.pid").display()),
+        ),
+        (
+            "persistence_location /var/lib/mosquitto/",
+            format!("persistence_location {}/", db.display()),
+        ),
+        (
+            "log_dest file /var/log/mosquitto/mosquitto.log",
+            format!("log_dest file {}", dir.join("mosquitto-file.log").display()),
+        ),
+        (
+            "include_dir /etc/mosquitto/conf.d",
+            format!("include_dir {}", conf_d.display()),
+        ),
+    ];
+    let mut main = main.to_owned();
+    for (from, to) in edits {
+        assert!(main.contains(from), "the main file has no {from:?}");
+        main = main.replace(from, &to);
+    }
+    main
 }
 
 /// What the broker said to a connection attempt.
