@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use flotilla_protocol::{ActionBody, DesiredAction, DeviceId, SignedBlob, SigningKey};
 use flotilla_targets::{
-    AbTarget, FileTarget, MenderModuleTarget, ScriptTarget, SwupdateTarget, TargetError,
-    UpdateTarget,
+    AbTarget, FileTarget, MenderModuleTarget, RaucTarget, ScriptTarget, SwupdateTarget,
+    TargetError, UpdateTarget,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -58,6 +58,7 @@ pub fn build_targets(
             TargetKind::Swupdate(swu) => {
                 Arc::new(SwupdateTarget::new(swu.clone()).map_err(refused)?)
             }
+            TargetKind::Rauc(rauc) => Arc::new(RaucTarget::new(rauc.clone()).map_err(refused)?),
         };
         targets.insert(t.name.clone(), target);
     }

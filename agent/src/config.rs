@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
-use flotilla_targets::{AbConfig, MenderModuleConfig, ScriptConfig, SwupdateConfig};
+use flotilla_targets::{AbConfig, MenderModuleConfig, RaucConfig, ScriptConfig, SwupdateConfig};
 use serde::Deserialize;
 
 mod targets;
@@ -115,6 +115,8 @@ pub enum TargetKind {
     MenderModule(MenderModuleConfig),
     /// `kind = "swupdate"`: a `.swu` image installed with `swupdate -i`.
     Swupdate(SwupdateConfig),
+    /// `kind = "rauc"`: a RAUC bundle installed through RAUC's service.
+    Rauc(RaucConfig),
 }
 
 #[derive(Debug, Clone)]
@@ -1135,6 +1137,44 @@ timeouts = { activate = "45m" }"#,
             e.starts_with("target[0].reboot: is not a setting of kind \"file\""),
             "{e}"
         );
+    }
+
+    #[test]
+    fn rauc_target_takes_its_program_reboot_command_and_install_timeout() {
+        let c = with(
+            FILE_TARGET,
+            r#"kind = "rauc"
+reboot_command = ["/sbin/reboot"]
+timeouts = { activate = "20m" }"#,
+        )
+        .expect("valid rauc target");
+        let Some(TargetKind::Rauc(rauc)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a rauc target");
+        };
+        assert_eq!(rauc.program, PathBuf::from("/usr/bin/rauc"));
+        assert_eq!(rauc.reboot_command, ["/sbin/reboot"]);
+        assert_eq!(rauc.install_timeout, Duration::from_secs(20 * 60));
+        assert_eq!(rauc.state_dir, c.data_dir.join("targets").join("app"));
+        let c = with(FILE_TARGET, "kind = \"rauc\"").expect("defaults");
+        let Some(TargetKind::Rauc(rauc)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a rauc target");
+        };
+        assert_eq!(rauc.reboot_command, ["systemctl", "reboot"]);
+
+        let rauc = |rest: &str| err(FILE_TARGET, &format!("kind = \"rauc\"\n{rest}"));
+        let e = rauc(r#"path = "rauc""#);
+        assert!(e.starts_with("target[0].path: \"rauc\""), "{e}");
+        let e = rauc(r#"reboot_command = []"#);
+        assert!(e.starts_with("target[0].reboot_command: []"), "{e}");
+        let e = rauc(r#"timeouts = { confirm = "1m" }"#);
+        assert!(
+            e.starts_with("target[0].timeouts.confirm: kind \"rauc\""),
+            "{e}"
+        );
+        let e = rauc(r#"args = ["--ignore-compatible"]"#);
+        assert!(e.starts_with("target[0].args: is not a setting"), "{e}");
+        let e = rauc(r#"bootctl = "uboot""#);
+        assert!(e.starts_with("target[0].bootctl: is not a setting"), "{e}");
     }
 
     #[test]

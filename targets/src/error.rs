@@ -233,4 +233,13 @@ pub enum TargetError {
         /// What failed, with SWUpdate's own error lines or the command's last line.
         reason: String,
     },
+
+    /// RAUC (its `rauc` client or its service), or the reboot command, failed for a step.
+    #[error("rauc {step} failed: {reason}")]
+    Rauc {
+        /// The step: `status`, `install`, `mark-good`, `rollback` or `reboot`.
+        step: &'static str,
+        /// What failed, with RAUC's own error line (`LastError: ...`) or the command's last line.
+        reason: String,
+    },
 }

@@ -19,6 +19,8 @@
 //!   v3) through its states; see `docs/targets.md` for the mapping.
 //! - [`swupdate`]: [`SwupdateTarget`], which installs a `.swu` image with SWUpdate
 //!   (`swupdate -i`) and maps confirm, rollback and reboot to configured commands.
+//! - [`rauc`]: [`RaucTarget`], which installs a RAUC bundle through RAUC's service (its `rauc`
+//!   client) and maps confirm and rollback onto RAUC's slot marks.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through
 //!   ([`atomic_write`](fs::atomic_write), [`atomic_copy`](fs::atomic_copy),
 //!   [`atomic_rename`](fs::atomic_rename), [`fsync_dir`](fs::fsync_dir)).
@@ -59,6 +61,7 @@ pub mod file;
 pub mod fs;
 pub mod mender;
 mod process;
+pub mod rauc;
 pub mod script;
 pub mod swupdate;
 pub mod target;
@@ -68,6 +71,7 @@ pub use bootctl::{BootControl, BootControlKind, Slot};
 pub use error::TargetError;
 pub use file::FileTarget;
 pub use mender::{MenderModuleConfig, MenderModuleTarget};
+pub use rauc::{RaucConfig, RaucTarget};
 pub use script::{ScriptConfig, ScriptTarget, ScriptTimeouts};
 pub use swupdate::{SwupdateConfig, SwupdateTarget};
 pub use target::{ActionContext, Activation, UpdateTarget};

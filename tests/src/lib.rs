@@ -28,6 +28,7 @@ pub mod disk;
 pub mod mqtt;
 pub mod nats;
 pub mod postgres;
+pub mod rauc;
 pub mod secure;
 pub mod site;
 pub mod swu;

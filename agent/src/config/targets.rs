@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use flotilla_targets::{
-    AbConfig, AbTarget, BootControlKind, MenderModuleConfig, MenderModuleTarget, ScriptConfig,
-    ScriptTarget, ScriptTimeouts, SwupdateConfig, SwupdateTarget, TargetError,
+    AbConfig, AbTarget, BootControlKind, MenderModuleConfig, MenderModuleTarget, RaucConfig,
+    RaucTarget, ScriptConfig, ScriptTarget, ScriptTimeouts, SwupdateConfig, SwupdateTarget,
+    TargetError,
 };
 use serde::Deserialize;
 
@@ -18,9 +19,10 @@ use super::{invalid, parse_duration, ConfigError, TargetKind};
 pub(super) struct RawTarget {
     pub(super) name: String,
     kind: String,
-    /// file: the file replaced; script: the executable; swupdate: the swupdate program.
+    /// file: the file replaced; script: the executable; swupdate: the swupdate program; rauc:
+    /// the rauc program.
     path: Option<PathBuf>,
-    /// ab, script, mender-module, swupdate: where the target keeps its state; default
+    /// ab, script, mender-module, swupdate, rauc: where the target keeps its state; default
     /// `<data_dir>/targets/<name>`.
     state_dir: Option<PathBuf>,
     /// ab: the two slots.
@@ -29,10 +31,11 @@ pub(super) struct RawTarget {
     bootctl: Option<String>,
     /// ab: the environment file (grub, file) or `fw_env.config` (uboot).
     bootctl_path: Option<PathBuf>,
-    /// ab (default `["systemctl", "reboot"]`), script, mender-module (optional), swupdate (with
+    /// ab and rauc (default `["systemctl", "reboot"]`), script, mender-module (optional), swupdate (with
     /// `reboot`).
     reboot_command: Option<Vec<String>>,
-    /// script, mender-module: per-subcommand timeouts; swupdate: `activate` (the install).
+    /// script, mender-module: per-subcommand timeouts; swupdate, rauc: `activate` (the
+    /// install).
     timeouts: Option<RawTimeouts>,
     /// script: extra environment.
     env: Option<BTreeMap<String, String>>,
@@ -170,6 +173,37 @@ pub(super) fn target_kind(
             }
         }
         Ok(timeouts)
+    };
+    // swupdate, rauc: only `timeouts.activate`, the install.
+    let install_timeout = || -> Result<Option<std::time::Duration>, ConfigError> {
+        let Some(raw) = &t.timeouts else {
+            return Ok(None);
+        };
+        for (name, text) in [
+            ("check", &raw.check),
+            ("stage", &raw.stage),
+            ("confirm", &raw.confirm),
+            ("rollback", &raw.rollback),
+        ] {
+            if text.is_some() {
+                return Err(invalid(
+                    field(&format!("timeouts.{name}")),
+                    format!(
+                        "kind {:?} takes only timeouts.activate (the install)",
+                        t.kind
+                    ),
+                ));
+            }
+        }
+        let Some(text) = &raw.activate else {
+            return Ok(None);
+        };
+        let name = field("timeouts.activate");
+        let timeout = parse_duration(&name, text)?;
+        if timeout.is_zero() {
+            return Err(invalid(name, format!("{text:?}: must be more than 0")));
+        }
+        Ok(Some(timeout))
     };
     match t.kind.as_str() {
         "file" => {
@@ -331,28 +365,8 @@ pub(super) fn target_kind(
                 config.program = path.clone();
             }
             config.args = t.args.clone().unwrap_or_default();
-            if let Some(raw) = &t.timeouts {
-                for (name, text) in [
-                    ("check", &raw.check),
-                    ("stage", &raw.stage),
-                    ("confirm", &raw.confirm),
-                    ("rollback", &raw.rollback),
-                ] {
-                    if text.is_some() {
-                        return Err(invalid(
-                            field(&format!("timeouts.{name}")),
-                            "kind \"swupdate\" takes only timeouts.activate (the install)",
-                        ));
-                    }
-                }
-                if let Some(text) = &raw.activate {
-                    let name = field("timeouts.activate");
-                    let timeout = parse_duration(&name, text)?;
-                    if timeout.is_zero() {
-                        return Err(invalid(name, format!("{text:?}: must be more than 0")));
-                    }
-                    config.install_timeout = timeout;
-                }
+            if let Some(timeout) = install_timeout()? {
+                config.install_timeout = timeout;
             }
             config.reboot = t.reboot.unwrap_or(false);
             config.reboot_command = match &t.reboot_command {
@@ -373,11 +387,34 @@ pub(super) fn target_kind(
             SwupdateTarget::new(config.clone()).map_err(from_target)?;
             Ok(TargetKind::Swupdate(config))
         }
+        "rauc" => {
+            for (name, present) in [
+                ("slots", t.slots.is_some()),
+                ("bootctl", t.bootctl.is_some()),
+                ("bootctl_path", t.bootctl_path.is_some()),
+            ] {
+                only_for(name, present, "\"ab\"; RAUC's system.conf names the slots")?;
+            }
+            only_for("env", t.env.is_some(), "\"script\"")?;
+            let mut config = RaucConfig::new(state_dir()?);
+            if let Some(path) = &t.path {
+                absolute("path", path, "the rauc program")?;
+                config.program = path.clone();
+            }
+            if let Some(timeout) = install_timeout()? {
+                config.install_timeout = timeout;
+            }
+            if let Some(cmd) = &t.reboot_command {
+                config.reboot_command = reboot_command(cmd)?;
+            }
+            RaucTarget::new(config.clone()).map_err(from_target)?;
+            Ok(TargetKind::Rauc(config))
+        }
         other => Err(invalid(
             field("kind"),
             format!(
-                "{other:?}: supported kinds are \"file\", \"ab\", \"script\", \"mender-module\" \
-                 and \"swupdate\""
+                "{other:?}: supported kinds are \"file\", \"ab\", \"script\", \"mender-module\", \
+                 \"swupdate\" and \"rauc\""
             ),
         )),
     }
