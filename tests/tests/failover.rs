@@ -464,7 +464,8 @@ async fn a_leader_cut_off_from_the_database_steps_down_and_the_standby_leads() {
     // machine delays it.
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "leader cut off from the database").await;
-    finishes_cleanly(&site, name).await;
+    let status = finishes_cleanly(&site, name).await;
+    decided_by_a_then_b(&status);
 }
 
 /// Two coordinators started at the same instant, again and again: exactly one leads each
@@ -533,7 +534,8 @@ async fn the_standby_takes_over_from_a_leader_killed_while_its_database_connecti
     desired.clear();
     site.wait_named_log("b", LEADS, 1, WAIT);
     failover_time(&desired, lost, "kill -9 with its database connection hung").await;
-    finishes_cleanly(&site, name).await;
+    let status = finishes_cleanly(&site, name).await;
+    decided_by_a_then_b(&status);
 }
 
 /// The leader is killed while one of its store writes is open at the database: the write's
