@@ -754,7 +754,7 @@ mod tests {
             };
             store.outbox_put(&report).expect("outbox");
         }
-        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("reopen");
+        let (store, _) = reopen_store(dir.path());
         let current = store.current().expect("read").expect("current action kept");
         assert_eq!(current.action_id, "a1");
         assert_eq!(
@@ -812,7 +812,7 @@ mod tests {
         let other = record("a2", State::Confirming);
         assert_eq!(store.count_restart(&other).expect("count"), 1, "per action");
         drop(store);
-        let (store, _) = Store::open(dir.path(), 1 << 20, 100).expect("reopen");
+        let (store, _) = reopen_store(dir.path());
         assert_eq!(
             store.count_restart(&other).expect("count"),
             2,
@@ -982,6 +982,36 @@ mod tests {
         config
     }
 
+    /// [`Store::open`] once the store dropped just before has let go of its lock (see
+    /// [`reopen_data_dir`]).
+    fn reopen_store(dir: &Path) -> (Store, Option<String>) {
+        for _ in 0..500 {
+            match Store::open(dir, 1 << 20, 100) {
+                Ok(opened) => return opened,
+                Err(StoreError::Locked { .. }) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => panic!("reopen: {e}"),
+            }
+        }
+        panic!("the store stayed locked after it was dropped");
+    }
+
+    /// [`open_data_dir`] once the store dropped just before has let go of its lock (sled's
+    /// background threads release it a moment after the last handle is dropped).
+    fn reopen_data_dir(config: &Config) -> (Store, TrustState, Option<String>) {
+        for _ in 0..500 {
+            match open_data_dir(config) {
+                Ok(opened) => return opened,
+                Err(StoreError::Locked { .. }) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => panic!("open: {e}"),
+            }
+        }
+        panic!("the store stayed locked after it was dropped");
+    }
+
     /// sled's recovery drops what followed a damaged entry of its log: the database's copy of
     /// the trust state then lags the trust file, and opening it says so.
     #[test]
@@ -1004,7 +1034,7 @@ mod tests {
             store.set_trust(&old).expect("mirror");
         }
         trust_state::write_trust_file(dir.path(), &new).expect("trust file");
-        let (store, trust, note) = open_data_dir(&config).expect("open");
+        let (store, trust, note) = reopen_data_dir(&config);
         assert_eq!(trust.installed_counter, 12, "the higher counter wins");
         assert!(
             store.next_seq().expect("seq") > trust_state::system_now() * 1000,
@@ -1021,20 +1051,20 @@ mod tests {
         );
         store.set_trust(&new).expect("mirror");
         drop(store);
-        let (_, _, note) = open_data_dir(&config).expect("open");
+        let (_, _, note) = reopen_data_dir(&config);
         assert_eq!(note, None, "in step again");
         // A database that lost everything while the trust file stayed.
         {
-            let (store, _, _) = open_data_dir(&config).expect("open");
+            let (store, _, _) = reopen_data_dir(&config);
             store.meta.remove(TRUST).expect("remove");
         }
-        let (_, _, note) = open_data_dir(&config).expect("open");
+        let (_, _, note) = reopen_data_dir(&config);
         assert!(note.is_some_and(
             |n| n.contains("holds no trust state, while the trust file holds installed counter 12")
         ));
         // One removed by hand is simply new: the trust file keeps the counter (decision 0006).
         std::fs::remove_dir_all(db_path(dir.path())).expect("remove");
-        let (_, trust, note) = open_data_dir(&config).expect("open");
+        let (_, trust, note) = reopen_data_dir(&config);
         assert_eq!((note, trust.installed_counter), (None, 12));
     }
 }
