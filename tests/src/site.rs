@@ -204,12 +204,26 @@ impl Site {
 
     fn build(kind: BrokerKind, broker_config: &str) -> Site {
         let dir = tempfile::tempdir().expect("temporary directory");
-        let port = free_port();
+        let mut port = free_port();
         let (mut embedded, mut broker, mut secure) = (None, None, None);
         match kind {
             BrokerKind::Embedded => {
-                let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
-                embedded = Some(EmbeddedBroker::start(addr).expect("start embedded broker"));
+                // A port free a moment ago can be taken by another process before the broker
+                // binds it: try a few.
+                for attempt in 1..=5 {
+                    let addr = format!("127.0.0.1:{port}").parse().expect("socket address");
+                    match EmbeddedBroker::start(addr) {
+                        Ok(started) => {
+                            embedded = Some(started);
+                            break;
+                        }
+                        Err(e) if attempt < 5 => {
+                            eprintln!("embedded broker on port {port}: {e}; trying another port");
+                            port = free_port();
+                        }
+                        Err(e) => panic!("start embedded broker: {e:?}"),
+                    }
+                }
             }
             BrokerKind::Mosquitto => {
                 broker = Some(start_mosquitto(dir.path(), port, broker_config, true))
