@@ -31,7 +31,6 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -41,7 +40,7 @@ use tracing::{debug, info, warn};
 use crate::error::TargetError;
 use crate::fs::{atomic_copy, atomic_rename, atomic_write, create_private_dir, fsync_dir};
 use crate::fs::{read_state_file, state_lines};
-use crate::process::{self, last_line, RunError};
+use crate::process::{self, check_executable, last_line, RunError};
 use crate::script::ScriptTimeouts;
 use crate::target::{ActionContext, Activation, UpdateTarget};
 
@@ -464,17 +463,7 @@ impl UpdateTarget for MenderModuleTarget {
 
     fn check(&self, ctx: &ActionContext) -> Result<(), TargetError> {
         ctx.validate_action_id()?;
-        let path = &self.config.module;
-        let meta = fs::metadata(path).map_err(|source| TargetError::Check {
-            path: path.clone(),
-            source,
-        })?;
-        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-            return Err(TargetError::NotUpdatable {
-                path: path.clone(),
-                reason: "the update module must be an executable file".to_owned(),
-            });
-        }
+        check_executable(&self.config.module, "the update module")?;
         create_private_dir(&self.config.state_dir).map_err(|source| TargetError::Check {
             path: self.config.state_dir.clone(),
             source,
@@ -880,6 +869,7 @@ fn one_line(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     /// A module in a temp dir whose body is `body` (a `case "$1"` in sh), logging every call.
     struct Fixture {

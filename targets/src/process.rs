@@ -206,6 +206,26 @@ fn capture(stream: Option<impl Read + Send + 'static>, lines: Option<LineSink>) 
     Capture { buf, done }
 }
 
+/// Checks that `path` is an executable file, the program a target runs; `what` names it in the
+/// refusal ("the update script").
+pub(crate) fn check_executable(
+    path: &std::path::Path,
+    what: &str,
+) -> Result<(), crate::TargetError> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|source| crate::TargetError::Check {
+        path: path.to_owned(),
+        source,
+    })?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(crate::TargetError::NotUpdatable {
+            path: path.to_owned(),
+            reason: format!("{what} must be an executable file"),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,7 +27,6 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -37,7 +36,7 @@ use tracing::{debug, info};
 
 use crate::error::TargetError;
 use crate::fs::{atomic_write, create_private_dir, read_state_file, state_lines};
-use crate::process::{self, last_line, RunError};
+use crate::process::{self, check_executable, last_line, RunError};
 use crate::target::{ActionContext, Activation, UpdateTarget};
 
 /// Name of the bookkeeping record in the state directory; scripts must not use names that
@@ -366,17 +365,7 @@ impl UpdateTarget for ScriptTarget {
 
     fn check(&self, ctx: &ActionContext) -> Result<(), TargetError> {
         ctx.validate_action_id()?;
-        let path = &self.config.path;
-        let meta = fs::metadata(path).map_err(|source| TargetError::Check {
-            path: path.clone(),
-            source,
-        })?;
-        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-            return Err(TargetError::NotUpdatable {
-                path: path.clone(),
-                reason: "the update script must be an executable file".to_owned(),
-            });
-        }
+        check_executable(&self.config.path, "the update script")?;
         self.ensure_state_dir()
             .map_err(|source| TargetError::Check {
                 path: self.config.state_dir.clone(),

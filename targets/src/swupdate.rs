@@ -39,7 +39,6 @@
 
 use std::fs::{self, File};
 use std::io::{self, Read};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -49,7 +48,7 @@ use tracing::{debug, info, warn};
 
 use crate::error::TargetError;
 use crate::fs::{atomic_copy, atomic_write, create_private_dir, read_state_file, state_lines};
-use crate::process::{self, last_line, LineSink, RunError};
+use crate::process::{self, check_executable, last_line, LineSink, RunError};
 use crate::target::{ActionContext, Activation, UpdateTarget};
 
 /// The bookkeeping record in the state directory.
@@ -371,17 +370,7 @@ impl UpdateTarget for SwupdateTarget {
 
     fn check(&self, ctx: &ActionContext) -> Result<(), TargetError> {
         ctx.validate_action_id()?;
-        let program = &self.config.program;
-        let meta = fs::metadata(program).map_err(|source| TargetError::Check {
-            path: program.clone(),
-            source,
-        })?;
-        if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-            return Err(TargetError::NotUpdatable {
-                path: program.clone(),
-                reason: "the swupdate program must be an executable file".to_owned(),
-            });
-        }
+        check_executable(&self.config.program, "the swupdate program")?;
         create_private_dir(&self.config.state_dir).map_err(|source| TargetError::Check {
             path: self.config.state_dir.clone(),
             source,
