@@ -211,14 +211,14 @@ fn capture(stream: Option<impl Read + Send + 'static>, lines: Option<LineSink>) 
 pub(crate) fn check_executable(
     path: &std::path::Path,
     what: &str,
-) -> Result<(), crate::TargetError> {
+) -> Result<(), crate::error::TargetError> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|source| crate::TargetError::Check {
+    let meta = std::fs::metadata(path).map_err(|source| crate::error::TargetError::Check {
         path: path.to_owned(),
         source,
     })?;
     if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-        return Err(crate::TargetError::NotUpdatable {
+        return Err(crate::error::TargetError::NotUpdatable {
             path: path.to_owned(),
             reason: format!("{what} must be an executable file"),
         });
