@@ -912,6 +912,7 @@ mod tests {
                     sha256: flotilla_protocol::sha256(list.as_bytes()),
                 }],
             }),
+            types: None,
         };
         let grant = flotilla_protocol::PeerGrant {
             device_id: "dev-1".into(),

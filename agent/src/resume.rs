@@ -77,19 +77,19 @@ fn why_not(
     let untouched = !record.state.may_have_touched_targets();
     match (action.body.install(), &action.body) {
         (Some(install), _) => {
-            let signed = trust::verify_manifest(install.manifest, &ring.release_keys)
-                .map_err(|r| r.0)?
-                .release;
-            if record.manifest.as_ref() != Some(&signed) {
+            let full =
+                trust::verify_manifest(install.manifest, &ring.release_keys).map_err(|r| r.0)?;
+            let signed = &full.release;
+            if record.manifest.as_ref() != Some(signed) {
                 return Err(
                     "its stored release differs from the signed manifest kept with it".into(),
                 );
             }
-            trust::check_hardware(&signed, &config.hardware_id).map_err(|r| r.0)?;
-            trust::check_targets(&signed, config).map_err(|r| r.0)?;
+            trust::check_hardware(signed, &config.hardware_id).map_err(|r| r.0)?;
+            trust::check_targets(&full, config).map_err(|r| r.0)?;
             check_counter(&record.state, signed.counter, trust.installed_counter)?;
             if untouched {
-                trust::check_release_expiry(&signed, now).map_err(|r| r.0)?;
+                trust::check_release_expiry(signed, now).map_err(|r| r.0)?;
             }
         }
         (None, ActionBody::Rollback { .. }) => {

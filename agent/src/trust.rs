@@ -25,13 +25,14 @@
 
 use std::path::{Path, PathBuf};
 
+use flotilla_protocol::artifact_type::ArtifactType;
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::{
     envelope, hex, keys, DecodeError, DesiredAction, KeyRing, KeysError, PeerGrant,
     ReleaseManifest, SignedBlob, UnixTime, VerifyingKey,
 };
 
-use crate::config::Config;
+use crate::config::{Config, TargetConfig, TargetKind};
 use crate::store::{self, StoreError};
 pub use crate::trust_state::{
     configured_ring, read_trust_file, system_now, trust_file, write_trust_file, StoredKeys,
@@ -97,7 +98,7 @@ pub fn check_manifest(blob: &SignedBlob, facts: &DeviceFacts<'_>) -> Result<Mani
             manifest.counter, facts.installed_counter
         )));
     }
-    check_targets(manifest, facts.config)?;
+    check_targets(&decoded, facts.config)?;
     Ok(decoded)
 }
 
@@ -136,23 +137,63 @@ pub fn check_hardware(manifest: &ReleaseManifest, hardware_id: &str) -> Result<(
     Ok(())
 }
 
-/// Refuses a release without artifacts, or with one for a target this device does not have.
-pub fn check_targets(manifest: &ReleaseManifest, config: &Config) -> Result<(), Refusal> {
+/// Refuses a release without artifacts, with one for a target this device does not have, or
+/// with one typed for another kind of target than the one of that name here (decision 0052).
+pub fn check_targets(full: &Manifest, config: &Config) -> Result<(), Refusal> {
+    let manifest = &full.release;
     if manifest.artifacts.is_empty() {
         return Err(Refusal(format!(
             "release {} has no artifacts",
             manifest.name
         )));
     }
-    for a in &manifest.artifacts {
-        if config.target(&a.target).is_none() {
+    for (position, a) in manifest.artifacts.iter().enumerate() {
+        let Some(target) = config.target(&a.target) else {
             return Err(Refusal(format!(
                 "artifact {}: no target named {:?} is configured on this device",
                 a.name, a.target
             )));
+        };
+        if let Some(ty) = full.artifact_type(position) {
+            check_type(&a.name, ty, target)?;
         }
     }
     Ok(())
+}
+
+/// A typed artifact goes to a target of the kind its type names: a RAUC bundle to `rauc`, a
+/// `.swu` to `swupdate`, a Mender payload to a `mender-module` target running that module. A
+/// `script` target takes every type (the script decides what it installs).
+fn check_type(artifact: &str, ty: &ArtifactType, target: &TargetConfig) -> Result<(), Refusal> {
+    let kind = match (&target.kind, ty) {
+        (TargetKind::Script(_), _)
+        | (TargetKind::Rauc(_), ArtifactType::RaucBundle)
+        | (TargetKind::Swupdate(_), ArtifactType::Swu) => return Ok(()),
+        (TargetKind::MenderModule(m), ArtifactType::MenderModule(module)) => {
+            let runs = m
+                .module
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            if runs.as_deref() == Some(module.as_str()) {
+                return Ok(());
+            }
+            return Err(Refusal(format!(
+                "artifact {artifact} is a payload for the Mender update module {module:?}, and target {:?} runs {}",
+                target.name,
+                m.module.display()
+            )));
+        }
+        (TargetKind::File { .. }, _) => "file",
+        (TargetKind::Ab(_), _) => "ab",
+        (TargetKind::MenderModule(_), _) => "mender-module",
+        (TargetKind::Swupdate(_), _) => "swupdate",
+        (TargetKind::Rauc(_), _) => "rauc",
+    };
+    Err(Refusal(format!(
+        "artifact {artifact} is of type {ty}, for a {} target; target {:?} here is of kind {kind:?}",
+        ty.target_kind(),
+        target.name
+    )))
 }
 
 /// The block indexes of a manifest that was checked when its action was accepted (the record
@@ -504,6 +545,80 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_typed_artifact_goes_only_to_a_target_of_its_kind() {
+        use flotilla_targets::{MenderModuleConfig, RaucConfig, ScriptConfig, SwupdateConfig};
+        let dir = std::path::PathBuf::from("/var/lib/flotilla-agent/targets/x");
+        let mender = |module: &str| MenderModuleConfig {
+            module: MenderModuleConfig::module_path(module).expect("module"),
+            state_dir: dir.clone(),
+            payload_file: None,
+            files: Default::default(),
+            timeouts: Default::default(),
+            reboot_command: None,
+        };
+        let target = |kind| TargetConfig {
+            name: "app".into(),
+            kind,
+        };
+        let rauc = target(TargetKind::Rauc(RaucConfig::new(dir.clone())));
+        let swu = target(TargetKind::Swupdate(SwupdateConfig::new(dir.clone())));
+        let single = target(TargetKind::MenderModule(mender("single-file")));
+        let script = target(TargetKind::Script(ScriptConfig::new(
+            "/bin/true".into(),
+            dir.clone(),
+        )));
+        let file = target(TargetKind::File {
+            path: "/opt/app".into(),
+        });
+        let module = |m: &str| ArtifactType::MenderModule(m.into());
+        for (ty, target) in [
+            (ArtifactType::RaucBundle, &rauc),
+            (ArtifactType::Swu, &swu),
+            (module("single-file"), &single),
+            (ArtifactType::RaucBundle, &script),
+            (module("deb"), &script),
+        ] {
+            assert!(check_type("x", &ty, target).is_ok(), "{ty} on {target:?}");
+        }
+        assert_eq!(
+            check_type("update.raucb", &ArtifactType::RaucBundle, &swu)
+                .expect_err("refused")
+                .0,
+            "artifact update.raucb is of type rauc-bundle, for a rauc target; target \"app\" here is of kind \"swupdate\""
+        );
+        let r = check_type("app.swu", &ArtifactType::Swu, &file).expect_err("refused");
+        assert!(r.0.contains("of kind \"file\""), "{r}");
+        let r = check_type("app.deb", &module("deb"), &single).expect_err("refused");
+        assert_eq!(
+            r.0,
+            "artifact app.deb is a payload for the Mender update module \"deb\", and target \"app\" runs /usr/share/mender/modules/v3/single-file"
+        );
+    }
+
+    #[test]
+    fn a_typed_release_for_the_wrong_kind_of_target_is_refused_before_anything_is_fetched() {
+        // The default configuration's "app" target is a file target.
+        let typed = Manifest {
+            types: Some(flotilla_protocol::manifest::ManifestTypes {
+                artifacts: vec![Some(ArtifactType::RaucBundle)],
+            }),
+            ..Manifest::plain(manifest(5))
+        };
+        let mut action = desired("dev-1", 500, &manifest(5), &key(1));
+        action.body = ActionBody::Install {
+            manifest: SignedBlob::sign(&key(1), typed.encode()),
+            kind: ActionKind::Forced,
+            window: None,
+        };
+        let r = refusal(&sign(&action, &key(2)), 0);
+        assert!(
+            r.starts_with("artifact app.bin is of type rauc-bundle"),
+            "{r}"
+        );
+        assert!(r.ends_with("of kind \"file\""), "{r}");
+    }
+
+    #[test]
     fn tampered_artifact_digest() {
         let r = check_digest(
             "app.bin",
@@ -577,6 +692,7 @@ pub(crate) mod tests {
         let signed = Manifest {
             release: manifest(5),
             blocks: Some(blocks),
+            types: None,
         };
         let action = DesiredAction {
             body: ActionBody::InstallWithPeers {

@@ -54,6 +54,7 @@ fn desired(device: &str, artifact: &[u8], list: &BlockList, peers: &[&str]) -> S
                 sha256: flotilla_protocol::sha256(list.as_bytes()),
             }],
         }),
+        types: None,
     };
     let grant = PeerGrant {
         device_id: device.into(),

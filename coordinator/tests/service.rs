@@ -83,6 +83,7 @@ fn harness() -> Harness {
         counter: 1,
         hardware: vec![],
         artifacts: vec![format!("app={}", app.display())],
+        artifact_types: vec![],
         expires_in: 86_400,
         block_size: Some(flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE),
     };

@@ -926,6 +926,10 @@ pub struct ArtifactSummary {
     /// The sha256 (hex) of that block list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_list_sha256: Option<String>,
+    /// The artifact's type (`rauc-bundle`, `swu`, `mender:<module>`), absent for plain bytes
+    /// that any target may take.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@
 //! - [`topics`]: every MQTT topic, built and parsed in one place.
 //! - [`envelope`]: the versioned postcard envelope around device-facing messages.
 //! - [`messages`]: release manifests, desired actions, reports, device states, artifact blocks.
-//! - [`manifest`]: the signed manifest bytes, with the block-index extension.
+//! - [`manifest`]: the signed manifest bytes, with their extension (block indexes, artifact types).
+//! - [`artifact_type`]: what kind of payload an artifact is (RAUC bundle, SWUpdate image, Mender).
 //! - [`blocks`]: per-block hashes: block lists and how blocks are cut.
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
 //! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
@@ -25,6 +26,7 @@
 //! assert!(matches!(envelope::decode(&bytes), Ok(Message::Fetch(_))));
 //! ```
 
+pub mod artifact_type;
 pub mod blocks;
 pub mod control;
 pub mod device;

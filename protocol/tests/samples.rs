@@ -161,6 +161,7 @@ pub fn manifest_with_blocks() -> manifest::Manifest {
                 sha256: [0xcd; 32],
             }],
         }),
+        types: None,
     }
 }
 

@@ -64,7 +64,20 @@ async fn a_rollout_installs_a_payload_through_the_single_file_module() {
     let mut site = Site::new(BrokerKind::Embedded);
     let dest = site.target_file(id);
     let dest_dir = dest.parent().expect("agent dir").display().to_string();
-    site.release("fw-2", 2, NEW_FIRMWARE);
+    // Typed as Mender types an artifact: by the module that installs it.
+    site.release_with(
+        "fw-2",
+        2,
+        NEW_FIRMWARE,
+        &["--artifact-type", "app=mender:single-file"],
+    );
+    // A payload for another module: the device refuses it before downloading.
+    site.release_with(
+        "fw-3",
+        3,
+        b"a tree",
+        &["--artifact-type", "app=mender:directory"],
+    );
     site.start_coordinator();
     let app_target = format!(
         "kind = \"mender-module\"\nmodule = \"single-file\"\npayload_file = \"app.bin\"\n\
@@ -94,6 +107,25 @@ async fn a_rollout_installs_a_payload_through_the_single_file_module() {
     // Committed and cleaned up: the files tree is gone, as Mender leaves it.
     let tree = site.path(&format!("agents/{id}/data/targets/app/tree"));
     assert!(!tree.exists(), "{} is left after Cleanup", tree.display());
+
+    site.create_and_start(
+        "name = \"for-directory\"\nrelease = \"fw-3\"\nselect = \"ring=mender\"\n[groups]\ncount = 1\n",
+    )
+    .await;
+    let status = site.wait_ended("for-directory").await;
+    assert_eq!(status.groups[0].failed, 1, "{status:#?}");
+    let detail = &status.groups[0].device_details[id];
+    let reason = detail.reason.as_deref().unwrap_or_default();
+    assert!(
+        reason.contains("payload for the Mender update module \"directory\"")
+            && reason.contains("v3/single-file"),
+        "the device names the module the payload is for and the one it runs: {detail:#?}"
+    );
+    assert_eq!(
+        fs::read(&dest).expect("kept"),
+        NEW_FIRMWARE,
+        "nothing installed"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

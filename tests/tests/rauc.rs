@@ -49,13 +49,25 @@ async fn a_rollout_installs_a_rauc_bundle_into_the_other_slot_and_a_corrupt_one_
     let good = site.path("rootfs-2.raucb");
     device.bundle(&good, "2.0", &rootfs_2);
     let artifact = format!("rootfs={}", good.display());
-    site.release_with("os-2", 2, APP_2, &["--artifact", &artifact]);
+    let typed = [
+        "--artifact",
+        &artifact,
+        "--artifact-type",
+        "rootfs=rauc-bundle",
+    ];
+    site.release_with("os-2", 2, APP_2, &typed);
 
     let bad = site.path("rootfs-3.raucb");
     device.bundle(&bad, "3.0", &image("3.0", 256 * 1024));
     corrupt(&bad, 200, 16);
     let artifact = format!("rootfs={}", bad.display());
-    site.release_with("os-3", 3, APP_3, &["--artifact", &artifact]);
+    let typed = [
+        "--artifact",
+        &artifact,
+        "--artifact-type",
+        "rootfs=rauc-bundle",
+    ];
+    site.release_with("os-3", 3, APP_3, &typed);
 
     site.start_coordinator();
     let options = AgentOptions {

@@ -298,6 +298,13 @@ pub struct ReleaseCreateArgs {
     /// TARGET=PATH (repeatable).
     #[arg(long, required = true)]
     pub artifact: Vec<String>,
+    /// TARGET=TYPE (repeatable): what kind of payload the artifact of TARGET is, so that a
+    /// device refuses it before downloading when its target of that name is of another kind.
+    /// TYPE is rauc-bundle, swu, or mender:MODULE (e.g. mender:single-file). Without one an
+    /// artifact is plain bytes that any target may take. A typed manifest is refused by agents
+    /// that predate types (decision 0052).
+    #[arg(long, value_name = "TARGET=TYPE")]
+    pub artifact_type: Vec<String>,
     /// How long the release stays installable (s, m, h, d).
     #[arg(long, default_value = "365d")]
     pub expires_in: String,

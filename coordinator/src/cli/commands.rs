@@ -23,6 +23,7 @@ use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
 use crate::cli::view;
 use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
+use crate::service::release_types;
 use crate::service::releases::{self, NewRelease, ReleaseError, ReleaseStore};
 use crate::service::{self, ServiceError};
 
@@ -645,12 +646,16 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 counter: args.counter,
                 hardware: args.hardware,
                 artifacts: args.artifact,
+                artifact_types: args.artifact_type,
                 expires_in,
                 block_size: (!args.no_blocks).then_some(args.block_size),
             };
             let manifest = store.create(&new, &key, now())?;
             for line in releases::block_list_overheads(&manifest) {
                 eprintln!("warning: {line}");
+            }
+            for line in release_types::untyped_lookalikes(&manifest, |d| store.artifact_path(d)) {
+                eprintln!("hint: {line}");
             }
             println!(
                 "created {}",

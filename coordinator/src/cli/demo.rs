@@ -301,6 +301,7 @@ async fn run_in(
             counter: 2,
             hardware: vec!["demo-board".into()],
             artifacts: vec![format!("app={}", artifact.display())],
+            artifact_types: vec![],
             expires_in: 30 * 24 * 3600,
             block_size: Some(flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE),
         },

@@ -76,6 +76,7 @@ pub mod mqtt;
 pub mod operators;
 pub mod page;
 pub mod rate;
+pub mod release_types;
 pub mod releases;
 pub mod seal;
 pub mod sequence;

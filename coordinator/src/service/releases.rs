@@ -29,12 +29,13 @@ use flotilla_protocol::blocks::{
     list_size, BlockIndexRef, BlockList, BlockListError, MAX_BLOCK_SIZE,
 };
 use flotilla_protocol::control::{ArtifactSummary, ReleaseSummary};
-use flotilla_protocol::manifest::{Manifest, ManifestBlocks, ManifestError};
+use flotilla_protocol::manifest::{Manifest, ManifestBlocks, ManifestError, ManifestTypes};
 use flotilla_protocol::{envelope, hex, Artifact, DecodeError, Digest, IdError, ReleaseManifest};
 use flotilla_protocol::{SignatureError, SignedBlob, SigningKey, UnixTime, VerifyingKey};
 use sha2::Digest as _;
 
 use crate::service::artifacts::artifact_path;
+use crate::service::release_types::{check_content, parse_types, TypeError};
 
 /// Why a release operation failed. Every variant names the file, field or artifact involved.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +52,8 @@ pub enum ReleaseError {
     },
     #[error("a release needs at least one --artifact")]
     NoArtifacts,
+    #[error(transparent)]
+    Type(#[from] TypeError),
     #[error("--expires-in {value:?} is invalid: {reason}")]
     Expiry { value: String, reason: String },
     #[error("release {name} already exists at {path}; release names are never reused")]
@@ -135,6 +138,9 @@ pub struct NewRelease {
     pub hardware: Vec<String>,
     /// `TARGET=PATH` pairs as given on the command line.
     pub artifacts: Vec<String>,
+    /// `TARGET=TYPE` pairs as given on the command line (`--artifact-type`); an artifact whose
+    /// target has none is plain bytes.
+    pub artifact_types: Vec<String>,
     /// Seconds from now until the release expires.
     pub expires_in: u64,
     /// The block size of every artifact's block list; `None` makes a manifest without block
@@ -207,6 +213,13 @@ impl ReleaseStore {
             })?;
             sources.push((target.to_owned(), PathBuf::from(path)));
         }
+        let targets: Vec<&str> = sources.iter().map(|(t, _)| t.as_str()).collect();
+        let types = parse_types(&new.artifact_types, &targets)?;
+        for (target, path) in &sources {
+            if let Some(ty) = types.get(target) {
+                check_content(target, ty, path)?;
+            }
+        }
         let release_path = self.release_path(&new.name);
         if release_path.exists() {
             return Err(ReleaseError::Exists {
@@ -227,7 +240,10 @@ impl ReleaseStore {
         }
         let mut artifacts = Vec::new();
         let mut indexes = Vec::new();
+        let mut artifact_types = Vec::new();
         for (target, path) in sources {
+            // A target named by two artifacts gets the type on both.
+            artifact_types.push(types.get(&target).cloned());
             let (size, sha256) = self.import_artifact(&path)?;
             let name = path
                 .file_name()
@@ -257,6 +273,14 @@ impl ReleaseStore {
             blocks: new
                 .block_size
                 .map(|_| ManifestBlocks { artifacts: indexes }),
+            // Only a release that types something gets the section, so a release without types
+            // stays readable by agents that predate them.
+            types: artifact_types
+                .iter()
+                .any(Option::is_some)
+                .then_some(ManifestTypes {
+                    artifacts: artifact_types,
+                }),
         };
         let blob = SignedBlob::sign(key, manifest.encode());
         // A concurrent `create` of the same name could have won since the check above; the
@@ -587,6 +611,7 @@ pub fn summary(full: &Manifest) -> ReleaseSummary {
                 sha256: hex::encode(&a.sha256),
                 block_size: block_index(i).map(|b| b.block_size),
                 block_list_sha256: block_index(i).map(|b| hex::encode(&b.sha256)),
+                artifact_type: full.artifact_type(i).map(|t| t.to_string()),
             })
             .collect(),
     }
@@ -624,13 +649,21 @@ pub fn render_manifest(full: &Manifest, signer: &[u8; 32]) -> String {
         .max()
         .unwrap_or(0)
         .max(6);
+    // "-": plain bytes, which any target may take.
+    let types: Vec<String> = (0..manifest.artifacts.len())
+        .map(|i| {
+            full.artifact_type(i)
+                .map_or("-".to_owned(), |t| t.to_string())
+        })
+        .collect();
+    let type_w = types.iter().map(String::len).max().unwrap_or(0).max(4);
     out.push_str(&format!(
-        "{:name_w$}  {:target_w$}  {:>12}  SHA256\n",
-        "ARTIFACT", "TARGET", "SIZE"
+        "{:name_w$}  {:target_w$}  {:type_w$}  {:>12}  SHA256\n",
+        "ARTIFACT", "TARGET", "TYPE", "SIZE"
     ));
-    for a in &manifest.artifacts {
+    for (a, ty) in manifest.artifacts.iter().zip(&types) {
         out.push_str(&format!(
-            "{:name_w$}  {:target_w$}  {:>12}  {}\n",
+            "{:name_w$}  {:target_w$}  {ty:type_w$}  {:>12}  {}\n",
             a.name,
             a.target,
             a.size,
@@ -785,6 +818,7 @@ mod tests {
             counter: 24,
             hardware: vec!["pi4".into()],
             artifacts: vec![format!("app={}", app.display())],
+            artifact_types: vec![],
             expires_in: 3600,
             block_size: Some(4096),
         }
@@ -833,6 +867,64 @@ mod tests {
                 .expect("verifies")
                 .release,
             made
+        );
+    }
+
+    #[test]
+    fn a_typed_artifact_is_signed_with_its_type_and_shown_by_inspect() {
+        let f = fixture();
+        let mut new = new_release("fw-typed", &f.app);
+        new.artifact_types = vec!["app=mender:single-file".into()];
+        let made = f.store.create(&new, &f.key, 0).expect("create");
+        let (blob, loaded) = f.store.load_manifest("fw-typed").expect("load");
+        assert_eq!(loaded, made);
+        assert_eq!(
+            loaded.artifact_type(0).map(|t| t.to_string()).as_deref(),
+            Some("mender:single-file")
+        );
+        let table = render_manifest(&loaded, &blob.signer);
+        assert!(
+            table.contains("TYPE") && table.contains("mender:single-file"),
+            "{table}"
+        );
+        let json = serde_json::to_value(summary(&loaded)).expect("json");
+        assert_eq!(json["artifacts"][0]["type"], "mender:single-file");
+        // Untyped: no section, "-" in the table, no "type" in the JSON.
+        let plain = f
+            .store
+            .create(&new_release("fw-plain", &f.app), &f.key, 0)
+            .expect("create");
+        assert_eq!(plain.types, None);
+        let table = render_manifest(&plain, &blob.signer);
+        let row: Vec<&str> = table
+            .lines()
+            .find(|l| l.starts_with("app.bin"))
+            .expect("a row")
+            .split_whitespace()
+            .collect();
+        assert_eq!(row[..3], ["app.bin", "app", "-"], "{table}");
+        let json = serde_json::to_value(summary(&plain)).expect("json");
+        assert!(json["artifacts"][0].get("type").is_none(), "{json}");
+
+        // A type the file cannot have is refused before anything is written.
+        let mut wrong = new_release("fw-wrong", &f.app);
+        wrong.artifact_types = vec!["app=swu".into()];
+        let err = f.store.create(&wrong, &f.key, 0).expect_err("not a swu");
+        assert!(
+            err.to_string().starts_with("--artifact-type app=swu: ")
+                && err.to_string().contains("not a SWUpdate image"),
+            "{err}"
+        );
+        assert!(!f.store.release_path("fw-wrong").exists());
+        wrong.artifact_types = vec!["boot=rauc-bundle".into()];
+        let err = f
+            .store
+            .create(&wrong, &f.key, 0)
+            .expect_err("no such target");
+        assert!(
+            err.to_string()
+                .contains("no --artifact has target \"boot\""),
+            "{err}"
         );
     }
 
