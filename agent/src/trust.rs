@@ -138,7 +138,7 @@ pub fn check_hardware(manifest: &ReleaseManifest, hardware_id: &str) -> Result<(
 }
 
 /// Refuses a release without artifacts, with one for a target this device does not have, or
-/// with one typed for another kind of target than the one of that name here (decision 0052).
+/// with one typed for another kind of target than the one of that name here (decision 0054).
 pub fn check_targets(full: &Manifest, config: &Config) -> Result<(), Refusal> {
     let manifest = &full.release;
     if manifest.artifacts.is_empty() {

@@ -4,7 +4,7 @@
 //!
 //! The type travels in the signed manifest (section 2 of its extension, see [`crate::manifest`]).
 //! An agent refuses an action whose artifact is typed for another kind of target than the one
-//! it names, before it downloads anything (decision 0052). The text form is what operators type
+//! it names, before it downloads anything (decision 0054). The text form is what operators type
 //! and what `release inspect` and the JSON documents show:
 //!
 //! ```text

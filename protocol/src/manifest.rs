@@ -16,7 +16,7 @@
 //! trailing bytes" after a section it knows) instead of misreading it, and nothing is applied; a
 //! newer agent reads manifests of every shape. A manifest writes a section only when it has
 //! something to say there, so a release without types stays readable by agents that predate
-//! them. See decisions 0024 (blocks) and 0052 (types).
+//! them. See decisions 0024 (blocks) and 0054 (types).
 
 use serde::{Deserialize, Serialize};
 

@@ -302,7 +302,7 @@ pub struct ReleaseCreateArgs {
     /// device refuses it before downloading when its target of that name is of another kind.
     /// TYPE is rauc-bundle, swu, or mender:MODULE (e.g. mender:single-file). Without one an
     /// artifact is plain bytes that any target may take. A typed manifest is refused by agents
-    /// that predate types (decision 0052).
+    /// that predate types (decision 0054).
     #[arg(long, value_name = "TARGET=TYPE")]
     pub artifact_type: Vec<String>,
     /// How long the release stays installable (s, m, h, d).

@@ -1,6 +1,6 @@
 //! Artifact types for `flotilla release create` (`--artifact-type TARGET=TYPE`): parsed, checked
 //! against each file's first and last bytes before anything is copied, and a hint for a file
-//! that looks like a RAUC bundle or a SWUpdate image but was given no type (decision 0052).
+//! that looks like a RAUC bundle or a SWUpdate image but was given no type (decision 0054).
 
 use std::collections::BTreeMap;
 use std::fs::File;
