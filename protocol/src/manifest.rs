@@ -265,7 +265,7 @@ mod tests {
         let mut expected = envelope::to_bytes(&release());
         expected.extend(envelope::to_bytes(&(
             1u16,
-            extended.blocks.clone().unwrap(),
+            extended.blocks.clone().expect("blocks"),
         )));
         assert_eq!(extended.encode(), expected);
     }

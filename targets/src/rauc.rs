@@ -50,6 +50,8 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
+use flotilla_protocol::artifact_type::{ArtifactType, Ends};
+
 use crate::error::TargetError;
 use crate::fs::{atomic_copy, atomic_write, create_private_dir, read_state_file, state_lines};
 use crate::process::{self, check_executable, last_line, LineSink, RunError};
@@ -544,39 +546,38 @@ impl UpdateTarget for RaucTarget {
     }
 }
 
-/// Refuses anything that cannot be a RAUC bundle from its last 8 bytes alone: every bundle ends
-/// with the size of its CMS signature (big-endian u64), which must be more than 0 and fit in the
-/// file. The signature itself is RAUC's to check, against its keyring.
+/// Refuses anything that cannot be a RAUC bundle from its last 8 bytes alone (the check
+/// `release create --artifact-type rootfs=rauc-bundle` makes too): every bundle ends with the
+/// size of its CMS signature (big-endian u64), which must be more than 0 and fit in the file.
+/// The signature itself is RAUC's to check, against its keyring.
 fn check_bundle_trailer(artifact: &Path) -> Result<(), TargetError> {
     let stage_err = |source| TargetError::Stage {
         path: artifact.to_path_buf(),
         source,
     };
-    let not_bundle = |why: String| {
-        stage_err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("not a RAUC bundle: {why}"),
-        ))
-    };
+    let invalid = |why: String| stage_err(io::Error::new(io::ErrorKind::InvalidData, why));
     let mut file = File::open(artifact).map_err(stage_err)?;
     let meta = file.metadata().map_err(stage_err)?;
     if !meta.is_file() {
-        return Err(not_bundle("it is not a regular file".to_owned()));
+        return Err(invalid(
+            "not a RAUC bundle: it is not a regular file".to_owned(),
+        ));
     }
-    if meta.len() < 16 {
-        return Err(not_bundle(format!("it is only {} bytes long", meta.len())));
-    }
-    let mut size = [0u8; 8];
-    file.seek(SeekFrom::End(-8)).map_err(stage_err)?;
-    file.read_exact(&mut size).map_err(stage_err)?;
-    let size = u64::from_be_bytes(size);
-    if size == 0 || size > meta.len() - 8 {
-        return Err(not_bundle(format!(
-            "its trailer gives a signature size of {size} bytes in a file of {} bytes",
-            meta.len()
-        )));
-    }
-    Ok(())
+    let tail = if meta.len() >= 8 {
+        let mut tail = [0u8; 8];
+        file.seek(SeekFrom::End(-8)).map_err(stage_err)?;
+        file.read_exact(&mut tail).map_err(stage_err)?;
+        Some(tail)
+    } else {
+        None
+    };
+    ArtifactType::RaucBundle
+        .check_content(Ends {
+            head: &[],
+            tail,
+            len: meta.len(),
+        })
+        .map_err(invalid)
 }
 
 /// RAUC's own reason for a failure: the service's `LastError` as the `rauc` client prints it,
