@@ -113,6 +113,7 @@ fn harness() -> Harness {
             device_attempts_per_minute: 6,
         },
         metrics: None,
+        http: None,
         verify_threads: 2,
         marker_timeout: Duration::from_secs(30),
         watch_sys_dropped: false,

@@ -15,6 +15,7 @@ use flotilla_protocol::operator::Role;
 use flotilla_protocol::VerifyingKey;
 use serde::Deserialize;
 
+use crate::service::config_http::{HttpConfig, RawHttp};
 use crate::service::config_store::{RawStore, StoreConfig};
 use crate::service::tokens::{token_strength, TOKEN_MIN_BITS};
 
@@ -140,6 +141,8 @@ pub struct Config {
     pub enrollment: EnrollmentConfig,
     /// Where `GET /metrics` is served (`[metrics] listen`); `None`, the default, serves none.
     pub metrics: Option<SocketAddr>,
+    /// The HTTP server for the API and `/metrics` (`[http]`); `None`, the default, serves none.
+    pub http: Option<HttpConfig>,
     /// Worker threads that check device signatures ahead of the service loop
     /// (`[service] verify_threads`; default: the cores available, at most 8).
     pub verify_threads: usize,
@@ -285,6 +288,8 @@ struct RawConfig {
     enrollment: RawEnrollment,
     #[serde(default)]
     metrics: RawMetrics,
+    #[serde(default)]
+    http: RawHttp,
     #[serde(default)]
     service: RawService,
     #[serde(default)]
@@ -711,9 +716,15 @@ impl TryFrom<Located<'_>> for Config {
                 value: e.value,
                 reason: e.reason,
             })?;
+        let http = raw.http.validate(&base).map_err(|e| ConfigError::Field {
+            field: e.field,
+            value: e.value,
+            reason: e.reason,
+        })?;
         Ok(Config {
             store,
             metrics,
+            http,
             verify_threads,
             marker_timeout,
             watch_sys_dropped: raw.service.watch_sys_dropped,

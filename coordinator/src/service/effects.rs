@@ -11,6 +11,7 @@ use crate::service::error::ServiceError;
 use crate::service::state::{now, Service};
 
 use crate::service::grants;
+use crate::service::http::control::{reply_status, HttpAnswer, Replier};
 use crate::service::store::{self};
 use flotilla_rollout::engine::{cancel_action_id, Effect};
 
@@ -251,9 +252,18 @@ impl Service {
     /// Publishes a control reply; one too large for a message becomes an error reply saying so.
     pub(super) async fn reply(
         &mut self,
-        reply_to: String,
+        to: Replier,
         reply: ControlReply,
     ) -> Result<(), ServiceError> {
+        let reply_to = match to {
+            Replier::Topic(topic) => topic,
+            // An HTTP answer has no message size limit; a client that went away is no error.
+            Replier::Http(client) => {
+                let status = reply_status(&reply);
+                let _ = client.send(HttpAnswer { status, reply });
+                return Ok(());
+            }
+        };
         // A reply is plain data; serializing it cannot fail.
         let mut bytes = serde_json::to_vec(&reply).unwrap_or_default();
         if bytes.len() > MAX_PACKET_SIZE {

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 
 use crate::service::broker::BrokerError;
 use crate::service::keys::KeysError;
-use crate::service::metrics::{self};
 use crate::service::store::StoreError;
 
 /// Why the service stopped with an error.
@@ -55,7 +54,7 @@ pub enum ServiceError {
     #[error("cannot load device enrollments from {store}: {source}")]
     LoadEnrollments { store: String, source: StoreError },
     #[error(transparent)]
-    Metrics(#[from] metrics::ListenError),
+    Http(#[from] crate::service::http::StartError),
     /// This coordinator no longer holds the lease of a shared store: it stops publishing and
     /// writing at once and goes back to being a standby (`shared.rs`).
     #[error("this coordinator stopped leading (its lease epoch was {epoch}): {reason}")]

@@ -16,6 +16,7 @@ use crate::service::state::{now, Held, Service};
 
 use crate::service::coverage::{self, LoadEnd};
 use crate::service::enrollment::{Ignored, Verdict};
+use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Replier};
 use crate::service::loading::MarkerSeen;
 use crate::service::metrics::Malformed;
 use crate::service::mqtt::LinkEvent;
@@ -24,6 +25,7 @@ use crate::service::store::{self};
 use crate::service::verify::{self, Arrival, Checked};
 use crate::service::warm::RetainedDesired;
 use flotilla_rollout::engine::Effect;
+use tokio::sync::oneshot;
 
 /// How often a device's retained `desired` topic is repaired at most (see `Service::on_desired`).
 pub(super) const REPAIR_INTERVAL: u64 = 5;
@@ -432,6 +434,24 @@ impl Service {
         topic: &str,
         payload: &[u8],
     ) -> Result<(), ServiceError> {
+        self.on_request(topic, payload, None).await
+    }
+
+    /// A control request that came over HTTP: the same gate and commands as from MQTT; the
+    /// answer goes back to the waiting client, with a status that says what happened.
+    pub(super) async fn on_http(&mut self, request: HttpControl) -> Result<(), ServiceError> {
+        self.on_request("(http)", &request.payload, Some(request.answer))
+            .await
+    }
+
+    /// Checks a signed control request and runs it, or holds it while the fleet loads. The
+    /// reply goes to the request's `reply_to` topic, or to `http` when it came over HTTP.
+    async fn on_request(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        http: Option<oneshot::Sender<HttpAnswer>>,
+    ) -> Result<(), ServiceError> {
         let authorized = match self.gate.check(payload, now()) {
             Ok(a) => a,
             Err(refusal) => {
@@ -439,17 +459,12 @@ impl Service {
                 self.metrics.refused(&refusal.reason);
                 // One of a flood is only counted; the gate sums those up now and then.
                 if !refusal.quiet {
-                    tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some(),
+                    tracing::warn!(%topic, reason = %refusal.reason, replied = refusal.reply_to.is_some() || http.is_some(),
                         refused_total = self.refused, "refusing control request");
                 }
                 if let Some(summary) = &refusal.summary {
                     tracing::warn!(refused_total = self.refused, "{summary}");
                 }
-                // Only a reply_to that passed the checks (a plain reply topic under the root)
-                // is ever published on; otherwise the refusal is logged and counted only.
-                let Some(reply_to) = refusal.reply_to else {
-                    return Ok(());
-                };
                 let reply = ControlReply {
                     id: refusal.id.unwrap_or_default(),
                     ok: false,
@@ -457,19 +472,39 @@ impl Service {
                     result: serde_json::Value::Null,
                     loading: false,
                 };
-                return self.reply(reply_to, reply).await;
+                // An HTTP client is always answered (it costs the broker nothing). Over MQTT,
+                // only a reply_to that passed the checks (a plain reply topic under the root)
+                // is ever published on; otherwise the refusal is logged and counted only.
+                if let Some(http) = http {
+                    let status = refusal_status(reply.error.as_deref().unwrap_or_default());
+                    let _ = http.send(HttpAnswer { status, reply });
+                    return Ok(());
+                }
+                let Some(reply_to) = refusal.reply_to else {
+                    return Ok(());
+                };
+                return self.reply(Replier::Topic(reply_to), reply).await;
             }
         };
         let request = authorized.request;
         let operator = authorized.operator;
+        let to = match http {
+            Some(http) => Replier::Http(http),
+            None => Replier::Topic(request.reply_to.clone()),
+        };
         tracing::info!(%operator, role = %authorized.role, command = request.command.name(),
-            id = %request.id, "control request");
+            id = %request.id, over = if matches!(to, Replier::Http(_)) { "http" } else { "mqtt" },
+            "control request");
         // A command that changes anything may depend on the whole registry (a rollout plans
         // over every device): it waits until the retained states are read. Reads answer now,
         // marked as loading.
         if self.loading.is_loading() && request.command.required_role() != Role::Viewer {
             let held = self.loading.held();
-            return match self.loading.hold(Held { request, operator }) {
+            return match self.loading.hold(Held {
+                request,
+                operator,
+                to,
+            }) {
                 Ok(()) => {
                     tracing::info!(
                         held = held + 1,
@@ -477,7 +512,7 @@ impl Service {
                     );
                     Ok(())
                 }
-                Err(Held { request, .. }) => {
+                Err(Held { request, to, .. }) => {
                     let reply = ControlReply {
                         id: request.id,
                         ok: false,
@@ -488,11 +523,11 @@ impl Service {
                         result: serde_json::Value::Null,
                         loading: true,
                     };
-                    self.reply(request.reply_to, reply).await
+                    self.reply(to, reply).await
                 }
             };
         }
-        self.run(request, &operator).await
+        self.run(request, &operator, to).await
     }
 
     /// Runs an accepted control request and replies.
@@ -500,6 +535,7 @@ impl Service {
         &mut self,
         request: ControlRequest,
         operator: &str,
+        to: Replier,
     ) -> Result<(), ServiceError> {
         let loading = self.loading.is_loading();
         let reply = match self.command(request.command, operator).await? {
@@ -518,7 +554,7 @@ impl Service {
                 loading,
             },
         };
-        self.reply(request.reply_to, reply).await
+        self.reply(to, reply).await
     }
 
     /// A publish on the marker topic: this connection's marker ends the loading state.
@@ -577,8 +613,13 @@ impl Service {
     pub(super) async fn release_held(&mut self) -> Result<(), ServiceError> {
         self.lane_open
             .store(false, std::sync::atomic::Ordering::SeqCst);
-        while let Some(Held { request, operator }) = self.loading.release() {
-            self.run(request, &operator).await?;
+        while let Some(Held {
+            request,
+            operator,
+            to,
+        }) = self.loading.release()
+        {
+            self.run(request, &operator, to).await?;
         }
         Ok(())
     }

@@ -63,9 +63,10 @@ use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
 use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
+use crate::service::http;
 use crate::service::leadership::{Leadership, Role};
 use crate::service::loading::{self, Loading};
-use crate::service::metrics::{self, Metrics};
+use crate::service::metrics::Metrics;
 use crate::service::metrics_leader::LeaderCollector;
 use crate::service::mqtt::{self, Events, InboxStats, LinkEvent, LinkOptions};
 use crate::service::operators::Gate;
@@ -181,17 +182,18 @@ pub(super) async fn lead(
     metrics.register_collector(LeaderCollector::boxed(leadership.clone()));
     let metrics_token = shutdown.child_token();
     let _metrics_stop = metrics_token.clone().drop_guard();
-    if let Some(addr) = config.metrics {
-        let listener = metrics::bind_retrying(addr).await?;
-        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
-        // Its own token: a leader that steps down closes the endpoint, so the port is free
-        // when it leads again.
-        tokio::spawn(metrics::run(
-            listener,
-            metrics.endpoint(),
-            metrics_token.clone(),
-        ));
-    }
+    // Its own token: a leader that steps down closes its servers, so the ports are free when it
+    // leads again.
+    let (http_inbox, mut http_requests) = http::control::channel();
+    http::start(
+        config,
+        &metrics.endpoint(),
+        Some(http_inbox),
+        String::new(),
+        &metrics_token,
+    )
+    .await?;
+    let mut http_open = true;
     let (link, kept) = match handover.map(|h| *h) {
         Some(Handover { link, kept }) => (link, Some(kept)),
         None => (open_link(config, &topics)?, None),
@@ -272,6 +274,17 @@ pub(super) async fn lead(
                 Some(_) => Ok(()),
                 None => {
                     control_open = false;
+                    Ok(())
+                }
+            },
+            // HTTP control requests share the control lane and its streak.
+            request = http_requests.recv(), if http_open && lane_streak < LANE_STREAK => match request {
+                Some(request) => {
+                    lane_streak += 1;
+                    service.on_http(request).await
+                }
+                None => {
+                    http_open = false;
                     Ok(())
                 }
             },

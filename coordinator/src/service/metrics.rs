@@ -23,7 +23,6 @@
 //! the responder's business (`metrics_http.rs`). Every metric is documented in docs/operations.md ("Metrics").
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,13 +37,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 use crate::service::enrollment::Ignored;
-pub use crate::service::metrics_http::ListenError;
-use crate::service::metrics_http::{self, Render};
 use crate::service::metrics_limits::LimitCounts;
 use crate::service::mqtt::InboxStats;
 use crate::service::operators::GateCounts;
@@ -787,6 +782,9 @@ impl Collector for SnapshotCollector {
     }
 }
 
+/// The content type of the OpenMetrics text format, which Prometheus reads.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// The scrape side of [`Metrics`]: cheap to clone, one per connection.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
@@ -814,50 +812,30 @@ impl Endpoint {
     }
 }
 
-impl Render for Endpoint {
-    async fn render(&self) -> String {
-        Endpoint::render(self).await
-    }
-}
-
-/// Binds the metrics listener; the service refuses to start when it cannot.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, ListenError> {
-    metrics_http::bind(addr).await
-}
-
-/// [`bind`], trying again for up to three seconds: a coordinator that changes role (leading,
-/// standing by) closes one endpoint and opens the next on the same address, and the closing
-/// one may not have let go of it yet.
-pub async fn bind_retrying(addr: SocketAddr) -> Result<TcpListener, ListenError> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        match bind(addr).await {
-            Ok(listener) => return Ok(listener),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-}
-
-/// Serves `GET /metrics` on `listener` until `shutdown` is cancelled (`metrics_http.rs`).
-pub async fn run(listener: TcpListener, endpoint: Endpoint, shutdown: CancellationToken) {
-    metrics_http::serve(listener, endpoint, shutdown).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
+    use tokio_util::sync::CancellationToken;
 
     /// A listener on a free loopback port, serving `metrics` until the token is cancelled.
     async fn serving(metrics: &Metrics) -> (SocketAddr, CancellationToken) {
-        let listener = bind("127.0.0.1:0".parse().expect("addr"))
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let token = CancellationToken::new();
-        tokio::spawn(run(listener, metrics.endpoint(), token.clone()));
+        let router =
+            crate::service::http::api::router(Some(metrics.endpoint()), false, None, String::new());
+        tokio::spawn(crate::service::http::server::serve(
+            listener,
+            None,
+            router,
+            16,
+            token.clone(),
+        ));
         (addr, token)
     }
 
@@ -889,7 +867,9 @@ mod tests {
         let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
         assert_eq!(status_line(&answer), "HTTP/1.1 200 OK", "{answer}");
         assert!(
-            answer.contains("Content-Type: application/openmetrics-text"),
+            answer
+                .to_ascii_lowercase()
+                .contains("content-type: application/openmetrics-text"),
             "{answer}"
         );
         assert!(
@@ -904,7 +884,11 @@ mod tests {
         let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
         let length: usize = head
             .lines()
-            .find_map(|l| l.strip_prefix("Content-Length: "))
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length: ")
+                    .map(str::to_owned)
+            })
             .and_then(|n| n.parse().ok())
             .expect("content length");
         assert_eq!(length, body.len());

@@ -31,9 +31,10 @@ use crate::service::config::Config;
 use crate::service::config_store::PostgresConfig;
 use crate::service::enrollment::Enrollment;
 use crate::service::error::ServiceError;
+use crate::service::http;
 use crate::service::lead::{open_link, Handover, LeaderLink};
 use crate::service::leadership::{self, Leadership, LeaseView, Role};
-use crate::service::metrics::{self, Metrics};
+use crate::service::metrics::Metrics;
 use crate::service::metrics_leader::LeaderCollector;
 use crate::service::mqtt::LinkEvent;
 use crate::service::operators::Gate;
@@ -82,17 +83,19 @@ pub(super) async fn standby(
     // with an empty one at once.
     let nothing = Engine::new(SystemZones);
     let mut scrapes = tokio::time::interval(Duration::from_millis(100));
-    if let Some(addr) = config.metrics {
-        match metrics::bind_retrying(addr).await {
-            Ok(listener) => {
-                tokio::spawn(metrics::run(
-                    listener,
-                    metrics.endpoint(),
-                    metrics_token.clone(),
-                ));
-            }
-            Err(e) => tracing::warn!(error = %e, "a standby serves no metrics"),
-        }
+    // The API answers 503 and names this standby: clients ask the leader.
+    let unavailable =
+        format!("{me} is a standby: the coordinator that leads answers (flotilla status names it)");
+    if let Err(e) = http::start(
+        config,
+        &metrics.endpoint(),
+        None,
+        unavailable,
+        &metrics_token,
+    )
+    .await
+    {
+        tracing::warn!(error = %e, "a standby serves no metrics and no HTTP API");
     }
     let topics = Topics::new(&config.broker.topic_root);
     let mut gate = Gate::new(

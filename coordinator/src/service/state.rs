@@ -15,6 +15,7 @@ use crate::service::error::ServiceError;
 use crate::service::artifacts::BlockServer;
 use crate::service::coverage::Coverage;
 use crate::service::enrollment::{Ignored, IgnoredLog, Registry};
+use crate::service::http::control::Replier;
 use crate::service::leadership::Leadership;
 use crate::service::loading::Loading;
 use crate::service::metrics::{Malformed, Metrics, Totals};
@@ -126,6 +127,8 @@ impl Unsaved {
 pub(super) struct Held {
     pub(super) request: ControlRequest,
     pub(super) operator: String,
+    /// Where its reply goes.
+    pub(super) to: Replier,
 }
 
 impl Service {

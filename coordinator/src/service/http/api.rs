@@ -1,0 +1,180 @@
+//! The routes: `GET /metrics`, `GET /api/openapi.json`, and `POST /api/v1/control`, which takes
+//! the same signed operator envelope as the MQTT control topic (`{"request", "key",
+//! "signature"}`, made by `flotilla operator sign`) and answers the same `ControlReply`
+//! (docs/operations.md, "The HTTP API"; decision 0055).
+//!
+//! Every body is bounded ([`MAX_BODY`], read within [`BODY_TIMEOUT`]); a control request must say
+//! `Content-Type: application/json`, which a cross-site form cannot send without the browser
+//! asking first, so no other site can make a browser post one.
+
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use flotilla_protocol::control::ControlReply;
+use http_body_util::{BodyExt, Limited};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::service::http::control::{HttpAnswer, HttpControl};
+use crate::service::metrics::{Endpoint, CONTENT_TYPE};
+
+/// The largest request body read (a control request with a strategy's TOML fits many times).
+pub const MAX_BODY: usize = 256 * 1024;
+/// How long a client may take to send its body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request waits for the service loop's answer.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The OpenAPI document, served as it is.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// What the routes reach: the metrics, and the service loop while this coordinator leads.
+#[derive(Clone)]
+struct Api {
+    metrics: Option<Endpoint>,
+    control: Option<mpsc::Sender<HttpControl>>,
+    /// Said instead of an answer when `control` is `None`.
+    unavailable: String,
+}
+
+/// The routes of one listener. `control` is the service loop's inbox (a leader's); without it
+/// the API answers `503` with `unavailable` (a standby, or a `[metrics] listen` that serves
+/// metrics only, where `api` is false).
+pub fn router(
+    metrics: Option<Endpoint>,
+    api: bool,
+    control: Option<mpsc::Sender<HttpControl>>,
+    unavailable: String,
+) -> Router {
+    let state = Api {
+        metrics,
+        control,
+        unavailable,
+    };
+    let mut router = Router::new().route("/metrics", get(scrape));
+    if api {
+        router = router
+            .route("/api/openapi.json", get(openapi))
+            .route("/api/v1/control", post(run_control));
+    }
+    router.fallback(not_found).with_state(state)
+}
+
+async fn scrape(State(api): State<Api>, method: Method) -> Response {
+    let Some(metrics) = &api.metrics else {
+        return text(StatusCode::NOT_FOUND, "not found: no metrics here\n");
+    };
+    let body = if method == Method::HEAD {
+        String::new()
+    } else {
+        metrics.render().await
+    };
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], body).into_response()
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn not_found() -> Response {
+    text(
+        StatusCode::NOT_FOUND,
+        "not found: see /api/openapi.json for what is served\n",
+    )
+}
+
+fn text(status: StatusCode, body: &str) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        body.to_owned(),
+    )
+        .into_response()
+}
+
+/// An error in the shape every API answer has, so a client reads one shape.
+fn refused(status: StatusCode, error: String) -> Response {
+    let reply = ControlReply {
+        id: String::new(),
+        ok: false,
+        error: Some(error),
+        result: serde_json::Value::Null,
+        loading: false,
+    };
+    (status, Json(reply)).into_response()
+}
+
+async fn run_control(State(api): State<Api>, headers: HeaderMap, body: Body) -> Response {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().unwrap_or_default().trim() == "application/json");
+    if !json {
+        return refused(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "a control request is JSON: send it with Content-Type: application/json".into(),
+        );
+    }
+    let payload = match read_body(body).await {
+        Ok(bytes) => bytes,
+        Err(answer) => return answer,
+    };
+    let Some(inbox) = &api.control else {
+        return refused(StatusCode::SERVICE_UNAVAILABLE, api.unavailable.clone());
+    };
+    let (answer, answered) = oneshot::channel();
+    let request = HttpControl {
+        payload: payload.to_vec(),
+        answer,
+    };
+    if let Err(e) = inbox.try_send(request) {
+        let why = match e {
+            mpsc::error::TrySendError::Full(_) => {
+                "the coordinator has too many HTTP requests waiting; try again shortly"
+            }
+            mpsc::error::TrySendError::Closed(_) => "the coordinator is not leading any more",
+        };
+        return refused(StatusCode::SERVICE_UNAVAILABLE, why.into());
+    }
+    match tokio::time::timeout(ANSWER_TIMEOUT, answered).await {
+        Ok(Ok(HttpAnswer { status, reply })) => (status, Json(reply)).into_response(),
+        Ok(Err(_)) => refused(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the coordinator stopped leading before it answered; ask the leader again".into(),
+        ),
+        Err(_) => refused(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "no answer within {} s; the request may still take effect: look before you \
+                 repeat it",
+                ANSWER_TIMEOUT.as_secs()
+            ),
+        ),
+    }
+}
+
+/// The body, at most [`MAX_BODY`] bytes within [`BODY_TIMEOUT`], or the answer that says why not.
+async fn read_body(body: Body) -> Result<Bytes, Response> {
+    match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_BODY).collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(refused(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {MAX_BODY} bytes"),
+        )),
+        Ok(Err(e)) => Err(refused(
+            StatusCode::BAD_REQUEST,
+            format!("cannot read the request body: {e}"),
+        )),
+        Err(_) => Err(refused(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the body did not arrive within {} s",
+                BODY_TIMEOUT.as_secs()
+            ),
+        )),
+    }
+}

@@ -1,0 +1,69 @@
+//! The coordinator's HTTP server (`[http] listen`, and `[metrics] listen` for metrics alone):
+//! hyper on the service's tokio runtime, over rustls when configured (decision 0055).
+//!
+//! - [`server`]: the accept loop: bounded connections, timeouts, TLS.
+//! - [`slots`]: which connection makes room when all are taken.
+//! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
+//! - [`control`]: an HTTP control request on its way to the service loop and back.
+//! - [`tls`]: the server's certificate and key.
+
+pub mod api;
+pub mod control;
+pub mod server;
+pub mod slots;
+pub mod tls;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::service::config::Config;
+use crate::service::http::control::HttpControl;
+use crate::service::metrics::Endpoint;
+
+/// Why the HTTP server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Listen(#[from] server::ListenError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+}
+
+/// Starts what `config` asks for, each server until `token` is cancelled: `[metrics] listen`
+/// (metrics only) and `[http] listen` (metrics and the API). `control` is the service loop's
+/// inbox while this coordinator leads; without it the API answers `503` with `unavailable`.
+pub async fn start(
+    config: &Config,
+    metrics: &Endpoint,
+    control: Option<mpsc::Sender<HttpControl>>,
+    unavailable: String,
+    token: &CancellationToken,
+) -> Result<(), StartError> {
+    if let Some(addr) = config.metrics {
+        let listener = server::bind_retrying(addr, "metrics.listen").await?;
+        let router = api::router(Some(metrics.clone()), false, None, String::new());
+        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+        tokio::spawn(server::serve(
+            listener,
+            None,
+            router,
+            server::MAX_CONNECTIONS,
+            token.clone(),
+        ));
+    }
+    if let Some(http) = &config.http {
+        let tls = http.tls.as_ref().map(tls::acceptor).transpose()?;
+        let listener = server::bind_retrying(http.listen, "http.listen").await?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        tracing::info!(addr = %http.listen, "serving the HTTP API on {scheme}://{}/api/v1/control (and /metrics)", http.listen);
+        let router = api::router(Some(metrics.clone()), true, control, unavailable);
+        tokio::spawn(server::serve(
+            listener,
+            tls,
+            router,
+            server::MAX_CONNECTIONS,
+            token.clone(),
+        ));
+    }
+    Ok(())
+}
