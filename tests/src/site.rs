@@ -154,6 +154,7 @@ pub struct Site {
     agent_tokens: BTreeMap<String, String>,
     /// The coordinator serves `/metrics` on this loopback port ([`Site::enable_metrics`]).
     metrics_port: Option<u16>,
+    http_port: Option<u16>,
     /// Where agents started from now on connect instead of the site's broker (a site broker
     /// bridged to it, `bridge.rs`).
     pub agent_broker: Option<AgentBroker>,
@@ -252,6 +253,7 @@ impl Site {
                 .collect(),
             agent_tokens: BTreeMap::new(),
             metrics_port: None,
+            http_port: None,
             agent_broker: None,
             coordinator_config: String::new(),
         };
@@ -449,6 +451,12 @@ impl Site {
         *self.metrics_port.get_or_insert_with(free_port)
     }
 
+    /// Turns on the coordinator's HTTP server (`[http] listen`, plain HTTP on loopback) from the
+    /// next [`Site::start_coordinator`] on; returns its port.
+    pub fn enable_http(&mut self) -> u16 {
+        *self.http_port.get_or_insert_with(free_port)
+    }
+
     /// The coordinator config the site writes (followed by [`Site::coordinator_config`]).
     pub(crate) fn base_coordinator_config(&self) -> String {
         let mut text = format!(
@@ -477,6 +485,9 @@ impl Site {
         }
         if let Some(port) = self.metrics_port {
             text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
+        }
+        if let Some(port) = self.http_port {
+            text.push_str(&format!("[http]\nlisten = \"127.0.0.1:{port}\"\n"));
         }
         text
     }

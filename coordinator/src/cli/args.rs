@@ -143,6 +143,14 @@ pub enum OperatorCmd {
         #[arg(long)]
         force: bool,
     },
+    /// Print a signed control request (with --operator-key) for the HTTP API: POST it to
+    /// /api/v1/control with Content-Type: application/json. Sign right before sending: it is
+    /// stamped now and refused when sent twice.
+    Sign {
+        /// The command as JSON, e.g. '{"command":"start_rollout","rollout":"fw-2"}'
+        /// (docs/protocol.md lists the commands and their fields).
+        command: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]

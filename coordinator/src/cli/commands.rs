@@ -42,6 +42,8 @@ pub enum CliError {
     Client(#[from] ClientError),
     #[error(transparent)]
     Accept(#[from] crate::cli::accept::AcceptError),
+    #[error(transparent)]
+    Sign(#[from] crate::cli::sign::SignError),
     #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
     BrokerAddr {
         /// `--broker` or `FLOTILLA_BROKER`.
@@ -223,6 +225,18 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 "list each token in the coordinator's [enrollment] tokens and give it to one \
                  agent as enrollment_token; it enrolls one device, once"
             );
+            Ok(0)
+        }
+        Cmd::Operator(OperatorCmd::Sign { command }) => {
+            let key = target
+                .operator_key
+                .as_deref()
+                .ok_or(CliError::NoOperatorKey)?;
+            let root = target
+                .topic_root
+                .as_deref()
+                .unwrap_or(flotilla_protocol::topics::DEFAULT_ROOT);
+            println!("{}", crate::cli::sign::sign(key, root, &command, now())?);
             Ok(0)
         }
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {

@@ -323,7 +323,8 @@ async fn run_in(
     // The coordinator runs from a config file like any other, so the file a kept demo leaves
     // is the one that ran.
     let config_path = root.join("coordinator.toml");
-    fs::write(&config_path, coordinator_config(addr, &tokens))
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port().map_err(io("find a free port"))?));
+    fs::write(&config_path, coordinator_config(addr, http, &tokens))
         .map_err(io("write coordinator.toml"))?;
     let config = Config::load(&config_path)?;
     let coordinator =
@@ -342,7 +343,7 @@ async fn run_in(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     say(format!(
-        "coordinator with an embedded MQTT broker on {addr}"
+        "coordinator with an embedded MQTT broker on {addr}; HTTP API on http://{http}/api/openapi.json"
     ));
 
     let mut agents = Agents(Vec::new());
@@ -492,7 +493,7 @@ async fn coordinator_end(
 
 /// The demo coordinator's config: paths relative to the demo's directory, the embedded
 /// broker, one enrollment token per agent, and the `demo` operator (admin).
-fn coordinator_config(addr: SocketAddr, tokens: &[String]) -> String {
+fn coordinator_config(addr: SocketAddr, http: SocketAddr, tokens: &[String]) -> String {
     format!(
         r#"# The coordinator of `flotilla demo`; `flotilla serve --config coordinator.toml` runs it
 # again, with its database in coordinator/ (the devices and rollouts of the demo).
@@ -502,6 +503,10 @@ coordinator_key = "keys/coordinator.key"
 [broker]
 # The demo's broker runs inside the coordinator: plain TCP on loopback, no login.
 embedded = "{addr}"
+
+[http]
+# The HTTP API (POST /api/v1/control, /api/openapi.json) and /metrics, on loopback.
+listen = "{http}"
 
 [actions]
 validity = "24h"

@@ -22,6 +22,7 @@ pub mod demo;
 pub mod fleetfile;
 pub mod login_lock;
 pub mod migrate;
+pub mod sign;
 pub mod simulate;
 pub mod store;
 pub mod view;

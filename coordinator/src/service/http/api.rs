@@ -32,6 +32,16 @@ pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
 /// The OpenAPI document, served as it is.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
+/// Where the metrics are.
+pub const METRICS: &str = "/metrics";
+/// Where the OpenAPI document is.
+pub const OPENAPI_PATH: &str = "/api/openapi.json";
+/// Where control requests go.
+pub const CONTROL: &str = "/api/v1/control";
+
+/// Every route, as the OpenAPI document must list it: method and path.
+pub const ROUTES: [(&str, &str); 3] = [("get", METRICS), ("get", OPENAPI_PATH), ("post", CONTROL)];
+
 /// What the routes reach: the metrics, and the service loop while this coordinator leads.
 #[derive(Clone)]
 struct Api {
@@ -55,11 +65,11 @@ pub fn router(
         control,
         unavailable,
     };
-    let mut router = Router::new().route("/metrics", get(scrape));
+    let mut router = Router::new().route(METRICS, get(scrape));
     if api {
         router = router
-            .route("/api/openapi.json", get(openapi))
-            .route("/api/v1/control", post(run_control));
+            .route(OPENAPI_PATH, get(openapi))
+            .route(CONTROL, post(run_control));
     }
     router.fallback(not_found).with_state(state)
 }
@@ -176,5 +186,62 @@ async fn read_body(body: Body) -> Result<Bytes, Response> {
                 BODY_TIMEOUT.as_secs()
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every command of the control API, read from the one place that names them all.
+    fn command_names() -> Vec<String> {
+        let source = include_str!("../../../../protocol/src/operator.rs");
+        let start = source.find("pub fn name(&self)").expect("Command::name");
+        let body = &source[start..];
+        let body = &body[..body.find("\n    }\n").expect("end of name")];
+        body.split("=> \"")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn the_openapi_document_lists_every_route_and_every_command() {
+        let doc: serde_json::Value = serde_json::from_str(OPENAPI).expect("OpenAPI is JSON");
+        assert_eq!(doc["openapi"], "3.0.3");
+        let paths = doc["paths"].as_object().expect("paths");
+        for (method, path) in ROUTES {
+            assert!(
+                paths[path][method].is_object(),
+                "{method} {path} is not documented"
+            );
+        }
+        assert_eq!(
+            paths.len(),
+            ROUTES.len(),
+            "documented paths that are not served"
+        );
+        let documented: Vec<String> = doc["components"]["schemas"]["ControlRequest"]["properties"]
+            ["command"]["enum"]
+            .as_array()
+            .expect("the command enum")
+            .iter()
+            .filter_map(|c| c.as_str().map(str::to_owned))
+            .collect();
+        let commands = command_names();
+        assert!(commands.len() >= 25, "{commands:?}");
+        assert_eq!(
+            documented, commands,
+            "the document's commands are the protocol's"
+        );
+        for code in [
+            "200", "400", "401", "403", "404", "409", "413", "415", "429", "503",
+        ] {
+            assert!(
+                paths[CONTROL]["post"]["responses"][code].is_object(),
+                "status {code} is not documented"
+            );
+        }
     }
 }

@@ -1,0 +1,195 @@
+//! The coordinator's HTTP API from a real `flotilla serve` with real agents, as a release
+//! pipeline uses it: `flotilla operator sign` makes each request, a plain HTTP POST sends it.
+//! One authority: the same operator gate and roles as on MQTT, the same trace.
+
+use std::time::Duration;
+
+use flotilla_protocol::operator::Role;
+use flotilla_tests::{AgentOptions, BrokerKind, Site, ADMIN, WAIT};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const FIRMWARE: &[u8] = b"firmware 2.0, started over HTTP\n";
+
+/// One HTTP/1.1 exchange: the status code and the body. The body is written as far as the
+/// server reads it (it may close early on an oversized one).
+async fn exchange(port: u16, head: &str, body: &[u8]) -> (u16, String) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the HTTP port");
+    let mut request = head.as_bytes().to_vec();
+    request.extend_from_slice(body);
+    let _ = stream.write_all(&request).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+async fn post(port: u16, content_type: &str, body: &[u8]) -> (u16, String) {
+    let head = format!(
+        "POST /api/v1/control HTTP/1.1\r\nHost: coordinator\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    exchange(port, &head, body).await
+}
+
+/// `flotilla operator sign COMMAND` with the key of `operator`.
+fn sign(site: &Site, operator: &str, command: &str) -> String {
+    let key = site.operator_key_file(operator);
+    let out = site.flotilla(&[
+        "--operator-key",
+        &key.to_string_lossy(),
+        "operator",
+        "sign",
+        command,
+    ]);
+    out.trim().to_owned()
+}
+
+/// Signs and posts `command` as `operator`; the status and the reply as JSON.
+async fn call(site: &Site, port: u16, operator: &str, command: &str) -> (u16, serde_json::Value) {
+    let envelope = sign(site, operator, command);
+    let (status, body) = post(port, "application/json", envelope.as_bytes()).await;
+    let reply = serde_json::from_str(&body)
+        .unwrap_or_else(|e| panic!("the answer is a JSON reply ({e}): {status} {body}"));
+    (status, reply)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_creates_and_starts_a_rollout_over_http_and_the_gate_refuses_what_mqtt_would() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    let port = site.enable_http();
+    site.add_operator("vic", Role::Viewer);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_coordinator();
+    for id in ["dev-01", "dev-02"] {
+        site.add_agent(id, &[("env", "http")], AgentOptions::default());
+    }
+    site.wait_devices(2).await;
+
+    // Create and start, as a pipeline would.
+    let spec =
+        "name = \"over-http\"\nrelease = \"fw-2\"\nselect = \"env=http\"\n[groups]\ncount = 2\n";
+    let create = serde_json::json!({ "command": "create_rollout", "spec": spec }).to_string();
+    let (status, reply) = call(&site, port, ADMIN, &create).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert_eq!(reply["result"]["name"], "over-http", "{reply}");
+    let start = r#"{"command":"start_rollout","rollout":"over-http"}"#;
+    let (status, reply) = call(&site, port, ADMIN, start).await;
+    assert_eq!(status, 200, "{reply}");
+    let ended = site.wait_ended("over-http").await;
+    assert_eq!(ended.state, "finished", "{ended:#?}");
+
+    // The same status over HTTP, to a viewer; the trace names who started it.
+    let (status, reply) = call(
+        &site,
+        port,
+        "vic",
+        r#"{"command":"rollout_status","rollout":"over-http"}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["result"]["state"], "finished", "{reply}");
+    let json = site.flotilla(&["rollout", "status", "over-http", "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&json).expect("status JSON");
+    let by_admin = status["trace"]
+        .as_array()
+        .expect("a trace")
+        .iter()
+        .any(|entry| entry["by"] == ADMIN);
+    assert!(
+        by_admin,
+        "the trace names the operator who started it over HTTP: {json}"
+    );
+
+    // Refused as on MQTT, each with the status a client expects and the gate's reason.
+    let (status, reply) = call(
+        &site,
+        port,
+        "vic",
+        r#"{"command":"stop_rollout","rollout":"over-http"}"#,
+    )
+    .await;
+    assert_eq!(status, 403, "{reply}");
+    assert!(
+        reply["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("not allowed: operator vic has role viewer")),
+        "{reply}"
+    );
+    let (status, reply) = call(
+        &site,
+        port,
+        ADMIN,
+        r#"{"command":"pause_rollout","rollout":"no-such"}"#,
+    )
+    .await;
+    assert_eq!(status, 404, "{reply}");
+    let envelope = sign(&site, ADMIN, r#"{"command":"list_approvals"}"#);
+    let (first, _) = post(port, "application/json", envelope.as_bytes()).await;
+    assert_eq!(first, 200);
+    let (again, body) = post(port, "application/json", envelope.as_bytes()).await;
+    assert_eq!(again, 401, "a replayed request: {body}");
+    assert!(body.contains("replayed request"), "{body}");
+    let forged = envelope.replacen("list_approvals", "list_strategies", 1);
+    let (status, body) = post(port, "application/json", forged.as_bytes()).await;
+    assert_eq!(status, 401, "a changed request: {body}");
+
+    // Bad input: each answered with a reason, and the coordinator keeps answering.
+    let (status, body) = post(port, "application/json", b"{not json").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("malformed request"), "{body}");
+    let (status, body) = post(port, "text/plain", envelope.as_bytes()).await;
+    assert_eq!(status, 415, "a form post cannot carry a request: {body}");
+    let huge = vec![b'a'; 10 << 20];
+    let (status, body) = post(port, "application/json", &huge).await;
+    assert!(
+        status == 413 || status == 0,
+        "10 MB refused (or the connection cut): {status} {body}"
+    );
+    let (status, _) = exchange(port, "GET /nowhere HTTP/1.1\r\nHost: c\r\n\r\n", b"").await;
+    assert_eq!(status, 404);
+    // A client that sends half a body and stalls is cut off; the server goes on.
+    let mut stalled = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    stalled
+        .write_all(b"POST /api/v1/control HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"req")
+        .await
+        .expect("send half");
+
+    // The OpenAPI document and the metrics are served on the same port.
+    let (status, body) = exchange(
+        port,
+        "GET /api/openapi.json HTTP/1.1\r\nHost: c\r\n\r\n",
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200);
+    let doc: serde_json::Value = serde_json::from_str(&body).expect("OpenAPI is JSON");
+    assert!(doc["paths"]["/api/v1/control"]["post"].is_object(), "{doc}");
+    let (status, body) = exchange(port, "GET /metrics HTTP/1.1\r\nHost: c\r\n\r\n", b"").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("flotilla_"), "{body}");
+    let (status, reply) = call(&site, port, "vic", r#"{"command":"list_releases"}"#).await;
+    assert_eq!(status, 200, "still answering: {reply}");
+    let mut rest = Vec::new();
+    let cut = tokio::time::timeout(Duration::from_secs(30), stalled.read_to_end(&mut rest)).await;
+    assert!(cut.is_ok(), "the stalled client was cut off");
+    assert!(
+        String::from_utf8_lossy(&rest).contains(" 408 "),
+        "told why: {}",
+        String::from_utf8_lossy(&rest)
+    );
+}
