@@ -5,12 +5,16 @@
 #  2. lintian: no error and no warning (what is overridden says why, in the package's
 #     usr/share/lintian/overrides),
 #  3. installs them with dpkg -i and checks what the maintainer scripts did (system user, data
-#     directory, the coordinator's key, the conffiles are the default configs),
+#     directory, the coordinator's key, the conffiles are the default configs, the agent's unit
+#     left disabled until configured, the coordinator's enabled),
 #  4. systemd-analyze verify on the installed units (works without systemd as PID 1),
 #  5. runs the installed binaries from /usr/bin: `flotilla demo` (an embedded broker on a free
 #     port, the installed flotilla-agent processes, a three-group rollout that must finish with
 #     every device ready), and the packaged coordinator command line (the unit's ExecStart, as
 #     the unit's user, with the packaged config) against a test Mosquitto on a free port,
+#     and the agent upgrading itself: a release whose artifact is a newer flotilla-agent .deb,
+#     installed by the packaged /usr/lib/flotilla/agent-deb.sh through a `script` target, with
+#     the installed agent restarted mid-action as systemd would (see step 5c),
 #  6. purges them and checks that nothing is left but the system user `flotilla` (Debian
 #     policy keeps users),
 #  7. builds the arm64 and armhf packages when their cross builds are there (ARM=1 makes a
@@ -74,7 +78,7 @@ lintian --fail-on error,warning --display-info "$agent_deb" "$coord_deb" ||
   fail "lintian found errors or warnings (above)"
 
 step "3. dpkg -i"
-dpkg -i "$agent_deb" "$coord_deb"
+dpkg -i "$agent_deb" "$coord_deb" | tee "$work/dpkg-i.log"
 [ -x /usr/bin/flotilla ] && [ -x /usr/bin/flotilla-agent ] || fail "binaries not in /usr/bin"
 /usr/bin/flotilla-agent print-default-config | cmp -s - /etc/flotilla/agent.toml ||
   fail "/etc/flotilla/agent.toml is not what flotilla-agent print-default-config prints"
@@ -87,6 +91,15 @@ getent passwd flotilla >/dev/null || fail "postinst made no system user flotilla
   fail "the coordinator's key is not the flotilla user's alone"
 dpkg-query -W -f='${Conffiles}\n' flotilla-agent flotilla | grep -q /etc/flotilla/coordinator.toml ||
   fail "coordinator.toml is not a conffile"
+# The agent's unit stays disabled until the operator has configured the agent (an agent on the
+# default config would start at every boot and fail); postinst says what to do. The
+# coordinator's, which runs on its default config, is enabled.
+wants=/etc/systemd/system/multi-user.target.wants
+[ ! -e "$wants/flotilla-agent.service" ] || fail "the agent's unit is enabled on the default config"
+[ -L "$wants/flotilla.service" ] || fail "the coordinator's unit is not enabled"
+grep -q 'then: systemctl enable --now flotilla-agent.service' "$work/dpkg-i.log" ||
+  fail "postinst did not say how to enable the agent once configured"
+[ -x /usr/lib/flotilla/agent-deb.sh ] || fail "no /usr/lib/flotilla/agent-deb.sh"
 
 step "4. systemd-analyze verify"
 verify=$(systemd-analyze verify /lib/systemd/system/flotilla-agent.service \
@@ -127,10 +140,173 @@ done
 kill -TERM "$serve"
 wait "$serve" || fail "the coordinator did not stop cleanly on SIGTERM: $(tail -n 20 "$work/serve.log")"
 
+step "5c. the agent upgrades itself: a newer flotilla-agent .deb by the packaged agent-deb.sh"
+# What docs/operations.md, "Upgrading the agent with flotilla", tells operators to do, with the
+# installed binaries: the same release binary packaged again as a newer version, a release whose
+# artifact is that .deb for a `script` target running /usr/lib/flotilla/agent-deb.sh, and a
+# rollout to one device. No systemd runs here, so three stand-ins play its part:
+#  - a supervisor loop runs /usr/bin/flotilla-agent and starts it again when it exits
+#    (Restart=always), counting the restarts;
+#  - `systemd-run --unit=U --on-active=S CMD` runs CMD after S seconds in a session of its own
+#    (setsid), so it outlives the agent as a transient unit does, and `systemctl is-active U.timer
+#    U.service` answers while it waits or runs; `systemctl stop U.timer` cancels it;
+#  - `dpkg -i` of flotilla-agent then stops the running agent (SIGTERM, SIGKILL after 60 s:
+#    TimeoutStopSec) and waits for it to exit, as the postinst's `deb-systemd-invoke restart`
+#    does under systemd (without /run/systemd/system it leaves the agent alone).
+self_start=$SECONDS
+selfup="$work/selfup"
+shims="$selfup/shims"
+units="$selfup/units"
+mkdir -p "$selfup" "$shims" "$units"
+old_version=$(dpkg-query -W -f '${Version}' flotilla-agent)
+new_version="${old_version%-*}-2"
+dpkg --compare-versions "$new_version" gt "$old_version" || fail "$new_version is not newer than $old_version"
+deploy/deb/build.sh --arch amd64 --out "$selfup" --no-build --only flotilla-agent \
+  --deb-version "$new_version" >/dev/null
+new_deb="$selfup/flotilla-agent_${new_version}_amd64.deb"
+[ "$(dpkg-deb -f "$new_deb" Version)" = "$new_version" ] || fail "build.sh --deb-version made no $new_deb"
+
+cat >"$shims/systemd-run" <<EOF
+#!/bin/sh
+unit= delay=0
+while [ \$# -gt 0 ]; do
+  case "\$1" in
+    --unit=*) unit=\${1#--unit=} ;;
+    --on-active=*) delay=\${1#--on-active=} ;;
+    --collect) ;;
+    -*) echo "systemd-run (CI stand-in): \$1 is not supported" >&2; exit 1 ;;
+    *) break ;;
+  esac
+  shift
+done
+[ -n "\$unit" ] || { echo "systemd-run (CI stand-in): no --unit" >&2; exit 1; }
+echo "\$unit \$*" >>"$units/scheduled"
+: >"$units/\$unit"
+setsid /bin/sh -c 'sleep "\$1"; u=\$2; shift 2
+  [ -e "$units/\$u" ] || exit 0
+  "\$@" >>"$units/\$u.log" 2>&1; echo \$? >"$units/\$u.rc"; rm -f "$units/\$u"' \\
+  sh "\$delay" "\$unit" "\$@" </dev/null >/dev/null 2>&1 &
+EOF
+cat >"$shims/systemctl" <<EOF
+#!/bin/sh
+case "\$1" in
+  is-active)
+    shift
+    for u in "\$@"; do
+      case "\$u" in --quiet) continue ;; esac
+      [ -e "$units/\${u%.*}" ] && exit 0
+    done
+    exit 3 ;;
+  stop)
+    # A pending transient timer: its command does not run.
+    case "\$2" in *.timer) rm -f "$units/\${2%.timer}" ;; esac ;;
+  *) echo "systemctl (CI stand-in): \$* is not supported" >&2; exit 1 ;;
+esac
+EOF
+cat >"$shims/dpkg" <<EOF
+#!/bin/sh
+/usr/bin/dpkg "\$@" || exit \$?
+case " \$* " in *" -i "*) ;; *) exit 0 ;; esac
+echo "\$*" >>"$units/installs"
+# The postinst's restart under systemd: stop the agent, the supervisor starts it again.
+pid=\$(cat "$selfup/agent.pid")
+kill -TERM "\$pid" 2>/dev/null || exit 0
+for _ in \$(seq 1 600); do kill -0 "\$pid" 2>/dev/null || exit 0; sleep 0.1; done
+kill -KILL "\$pid" 2>/dev/null || true
+EOF
+chmod 0755 "$shims/systemd-run" "$shims/systemctl" "$shims/dpkg"
+
+# A coordinator and a device from `flotilla demo --keep` (README, "Your first rollout"), the
+# device given the agent target and a soak longer than the install's delay.
+(cd "$selfup" && TMPDIR="$selfup" /usr/bin/flotilla demo --devices 1 --fail 0 --keep --json \
+  >demo.json 2>demo.log) || fail "flotilla demo --keep: $(tail -n 20 "$selfup/demo.log")"
+kept=$(sed -n 's/^kept //p' "$selfup/demo.log")
+[ -d "$kept" ] || fail "flotilla demo --keep kept no directory: $(tail -n 20 "$selfup/demo.log")"
+selfup_port=$(sed -n 's/^embedded = "127.0.0.1:\([0-9]*\)"$/\1/p' "$kept/coordinator.toml")
+agent_conf="$kept/agents/dev-01/agent.toml"
+sed -i 's/^soak = .*/soak = "6s"/' "$agent_conf"
+cat >>"$agent_conf" <<'EOF'
+[[target]]
+name = "agent"
+kind = "script"
+path = "/usr/lib/flotilla/agent-deb.sh"
+env = { AGENT_DEB_DELAY = "1" }
+[[health.check]]
+name = "agent-starts"
+command = ["/usr/bin/flotilla-agent", "--version"]
+timeout = "5s"
+EOF
+/usr/bin/flotilla-agent check-config --config "$agent_conf" >/dev/null ||
+  fail "the device's config with the agent target does not check"
+(cd "$kept" && exec /usr/bin/flotilla serve --config coordinator.toml >serve.log 2>&1) &
+pids+=($!)
+wait_port "$selfup_port" "the demo's coordinator (embedded broker)"
+(
+  cd "$kept"
+  while [ ! -e "$selfup/stop" ]; do
+    PATH="$shims:$PATH" RUST_LOG=info /usr/bin/flotilla-agent run --config "$agent_conf" \
+      >>"$selfup/agent.log" 2>&1 &
+    echo $! >"$selfup/agent.pid"
+    wait $! && code=0 || code=$?
+    [ -e "$selfup/stop" ] || echo "exit $code" >>"$selfup/restarts"
+    sleep 0.2
+  done
+) &
+supervisor=$!
+pids+=("$supervisor")
+
+cli() {
+  (cd "$kept" && FLOTILLA_BROKER="127.0.0.1:$selfup_port" FLOTILLA_OPERATOR_KEY=keys/demo.key \
+    /usr/bin/flotilla "$@")
+}
+cli release create --data-dir coordinator --key keys/release.key --name agent-next \
+  --version "$new_version" --counter 10 --hardware demo-board --artifact "agent=$new_deb" \
+  >"$selfup/release.log" 2>&1 || fail "release create: $(cat "$selfup/release.log")"
+cat >"$selfup/selfup.toml" <<'EOF'
+name = "selfup"
+release = "agent-next"
+select = "fleet=demo"
+[groups]
+count = 1
+success = { threshold = "80%", action = "next" }
+error = { threshold = "20%", action = "pause" }
+EOF
+rollout_start=$SECONDS
+cli rollout create --spec "$selfup/selfup.toml" >/dev/null || fail "rollout create"
+cli rollout start selfup >/dev/null || fail "rollout start"
+state=
+for _ in $(seq 1 600); do
+  state=$(cli rollout status selfup --json 2>/dev/null |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null || true)
+  case "$state" in finished | paused | stopped | failed) break ;; esac
+  sleep 0.2
+done
+rollout_took=$((SECONDS - rollout_start))
+touch "$selfup/stop"
+kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
+wait "$supervisor" || true
+[ "$state" = finished ] || fail "the self-upgrade rollout is $state, not finished:
+$(cli rollout status selfup 2>&1 | tail -n 20)
+agent log: $(grep -i -E 'error|warn|fail' "$selfup/agent.log" | tail -n 20)
+installs: $(cat "$units"/*.log 2>/dev/null | tail -n 20)"
+devices=$(cli devices --json)
+device=$(echo "$devices" | python3 -c 'import json,sys
+d = [d for d in json.load(sys.stdin) if d["id"] == "dev-01"][0]
+print(d["phase"], d["installed"])')
+[ "$device" = "ready agent-next" ] || fail "dev-01 is \"$device\", not ready with agent-next installed"
+[ "$(dpkg-query -W -f '${Version}' flotilla-agent)" = "$new_version" ] ||
+  fail "dpkg-query shows flotilla-agent $(dpkg-query -W -f '${Version}' flotilla-agent), not $new_version"
+restarts=$(wc -l <"$selfup/restarts" 2>/dev/null || echo 0)
+[ "$restarts" = 1 ] || fail "the agent was restarted $restarts times, not once: $(cat "$selfup/restarts")"
+[ "$(wc -l <"$units/scheduled")" = 1 ] && [ "$(wc -l <"$units/installs")" = 1 ] ||
+  fail "the install ran more than once: scheduled $(cat "$units/scheduled"); installed $(cat "$units/installs")"
+echo "deb: flotilla-agent $old_version -> $new_version by a rollout in $rollout_took s," \
+  "the agent restarted once mid-action; the whole step took $((SECONDS - self_start)) s"
+
 step "6. dpkg --purge"
 dpkg --purge flotilla-agent flotilla
 left=()
-for path in /usr/bin/flotilla /usr/bin/flotilla-agent /etc/flotilla /var/lib/flotilla \
+for path in /usr/bin/flotilla /usr/bin/flotilla-agent /usr/lib/flotilla /etc/flotilla /var/lib/flotilla \
   /var/lib/flotilla-agent /lib/systemd/system/flotilla.service \
   /lib/systemd/system/flotilla-agent.service /usr/share/doc/flotilla /usr/share/doc/flotilla-agent \
   /etc/systemd/system/multi-user.target.wants/flotilla.service \
