@@ -108,8 +108,9 @@ verify=$(systemd-analyze verify /lib/systemd/system/flotilla-agent.service \
 grep -qx 'Type=notify' /lib/systemd/system/flotilla-agent.service || fail "agent unit is not Type=notify"
 
 step "5a. a rollout by the installed binaries: /usr/bin/flotilla demo with /usr/bin/flotilla-agent"
-(cd "$work" && /usr/bin/flotilla demo --devices 3 --fail 0 --json --timeout 120 >demo.json 2>demo.log) ||
-  fail "flotilla demo: $(tail -n 20 "$work/demo.log")"
+# --keep: step 5c rolls the agent's own upgrade out to one of these devices.
+(cd "$work" && TMPDIR="$work" /usr/bin/flotilla demo --devices 3 --fail 0 --json --timeout 120 --keep \
+  >demo.json 2>demo.log) || fail "flotilla demo: $(tail -n 20 "$work/demo.log")"
 grep -q '"state": "finished"' "$work/demo.json" || fail "the demo rollout did not finish: $(cat "$work/demo.json")"
 [ "$(grep -c '"phase": "ready"' "$work/demo.json")" = 3 ] ||
   fail "not every device is ready: $(cat "$work/demo.json")"
@@ -216,15 +217,14 @@ kill -KILL "\$pid" 2>/dev/null || true
 EOF
 chmod 0755 "$shims/systemd-run" "$shims/systemctl" "$shims/dpkg"
 
-# A coordinator and a device from `flotilla demo --keep` (README, "Your first rollout"), the
-# device given the agent target and a soak longer than the install's delay.
-(cd "$selfup" && TMPDIR="$selfup" /usr/bin/flotilla demo --devices 1 --fail 0 --keep --json \
-  >demo.json 2>demo.log) || fail "flotilla demo --keep: $(tail -n 20 "$selfup/demo.log")"
-kept=$(sed -n 's/^kept //p' "$selfup/demo.log")
-[ -d "$kept" ] || fail "flotilla demo --keep kept no directory: $(tail -n 20 "$selfup/demo.log")"
+# The coordinator and a device of step 5a's demo (kept; README, "Your first rollout"): dev-01,
+# given the agent target, a soak longer than the install's delay and a label of its own (the
+# other two stay offline).
+kept=$(sed -n 's/^kept //p' "$work/demo.log")
+[ -d "$kept" ] || fail "flotilla demo --keep kept no directory: $(tail -n 20 "$work/demo.log")"
 selfup_port=$(sed -n 's/^embedded = "127.0.0.1:\([0-9]*\)"$/\1/p' "$kept/coordinator.toml")
 agent_conf="$kept/agents/dev-01/agent.toml"
-sed -i 's/^soak = .*/soak = "6s"/' "$agent_conf"
+sed -i -e 's/^soak = .*/soak = "6s"/' -e 's/^fleet = "demo"$/fleet = "demo"\nupgrade = "self"/' "$agent_conf"
 cat >>"$agent_conf" <<'EOF'
 [[target]]
 name = "agent"
@@ -265,12 +265,21 @@ cli release create --data-dir coordinator --key keys/release.key --name agent-ne
 cat >"$selfup/selfup.toml" <<'EOF'
 name = "selfup"
 release = "agent-next"
-select = "fleet=demo"
+select = "upgrade=self"
 [groups]
 count = 1
 success = { threshold = "80%", action = "next" }
 error = { threshold = "20%", action = "pause" }
 EOF
+online=
+for _ in $(seq 1 300); do
+  online=$(cli devices --select upgrade=self --json 2>/dev/null |
+    python3 -c 'import json,sys; print(" ".join(d["id"] for d in json.load(sys.stdin) if d["online"]))' \
+    2>/dev/null || true)
+  [ "$online" = dev-01 ] && break
+  sleep 0.2
+done
+[ "$online" = dev-01 ] || fail "dev-01 did not come online with its new label: $(tail -n 20 "$selfup/agent.log")"
 rollout_start=$SECONDS
 cli rollout create --spec "$selfup/selfup.toml" >/dev/null || fail "rollout create"
 cli rollout start selfup >/dev/null || fail "rollout start"
@@ -282,22 +291,25 @@ for _ in $(seq 1 600); do
   sleep 0.2
 done
 rollout_took=$((SECONDS - rollout_start))
-touch "$selfup/stop"
-kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
-wait "$supervisor" || true
 [ "$state" = finished ] || fail "the self-upgrade rollout is $state, not finished:
 $(cli rollout status selfup 2>&1 | tail -n 20)
 agent log: $(grep -i -E 'error|warn|fail' "$selfup/agent.log" | tail -n 20)
 installs: $(cat "$units"/*.log 2>/dev/null | tail -n 20)"
-devices=$(cli devices --json)
-device=$(echo "$devices" | python3 -c 'import json,sys
+# What the running (new) agent reports, before it is stopped.
+device=$(cli devices --select upgrade=self --json | python3 -c 'import json,sys
 d = [d for d in json.load(sys.stdin) if d["id"] == "dev-01"][0]
 print(d["phase"], d["installed"])')
+touch "$selfup/stop"
+kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
+wait "$supervisor" || true
 [ "$device" = "ready agent-next" ] || fail "dev-01 is \"$device\", not ready with agent-next installed"
 [ "$(dpkg-query -W -f '${Version}' flotilla-agent)" = "$new_version" ] ||
   fail "dpkg-query shows flotilla-agent $(dpkg-query -W -f '${Version}' flotilla-agent), not $new_version"
 restarts=$(wc -l <"$selfup/restarts" 2>/dev/null || echo 0)
 [ "$restarts" = 1 ] || fail "the agent was restarted $restarts times, not once: $(cat "$selfup/restarts")"
+# Mid-action: the restarted agent found the action in its soak and went on from there.
+sed 's/\x1b\[[0-9;]*m//g' "$selfup/agent.log" | grep -q 'resuming.*state=Confirming' ||
+  fail "the restarted agent did not resume the action in its soak: $(grep -E 'resuming|action finished' "$selfup/agent.log")"
 [ "$(wc -l <"$units/scheduled")" = 1 ] && [ "$(wc -l <"$units/installs")" = 1 ] ||
   fail "the install ran more than once: scheduled $(cat "$units/scheduled"); installed $(cat "$units/installs")"
 echo "deb: flotilla-agent $old_version -> $new_version by a rollout in $rollout_took s," \
