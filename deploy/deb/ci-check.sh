@@ -225,7 +225,16 @@ kept=$(sed -n 's/^kept //p' "$work/demo.log")
 selfup_port=$(sed -n 's/^embedded = "127.0.0.1:\([0-9]*\)"$/\1/p' "$kept/coordinator.toml")
 agent_conf="$kept/agents/dev-01/agent.toml"
 sed -i -e 's/^soak = .*/soak = "6s"/' -e 's/^fleet = "demo"$/fleet = "demo"\nupgrade = "self"/' "$agent_conf"
-cat >>"$agent_conf" <<'EOF'
+bad_version="${old_version%-*}-3"
+# The health check of a bad new agent (the way back, below): it fails in an agent started from
+# a configured $bad_version; the agent that runs while dpkg replaces its binary (its
+# /proc/PID/exe then "(deleted)") is not the new one.
+cat >"$selfup/not-bad.sh" <<EOF
+#!/bin/sh
+[ "\$(dpkg-query -W -f '\${Status} \${Version}' flotilla-agent)" != "install ok installed $bad_version" ] ||
+  readlink /proc/\$PPID/exe | grep -q deleted
+EOF
+cat >>"$agent_conf" <<EOF
 [[target]]
 name = "agent"
 kind = "script"
@@ -234,6 +243,10 @@ env = { AGENT_DEB_DELAY = "1" }
 [[health.check]]
 name = "agent-starts"
 command = ["/usr/bin/flotilla-agent", "--version"]
+timeout = "5s"
+[[health.check]]
+name = "not-the-bad-agent"
+command = ["/bin/sh", "$selfup/not-bad.sh"]
 timeout = "5s"
 EOF
 /usr/bin/flotilla-agent check-config --config "$agent_conf" >/dev/null ||
@@ -259,18 +272,6 @@ cli() {
   (cd "$kept" && FLOTILLA_BROKER="127.0.0.1:$selfup_port" FLOTILLA_OPERATOR_KEY=keys/demo.key \
     /usr/bin/flotilla "$@")
 }
-cli release create --data-dir coordinator --key keys/release.key --name agent-next \
-  --version "$new_version" --counter 10 --hardware demo-board --artifact "agent=$new_deb" \
-  >"$selfup/release.log" 2>&1 || fail "release create: $(cat "$selfup/release.log")"
-cat >"$selfup/selfup.toml" <<'EOF'
-name = "selfup"
-release = "agent-next"
-select = "upgrade=self"
-[groups]
-count = 1
-success = { threshold = "80%", action = "next" }
-error = { threshold = "20%", action = "pause" }
-EOF
 online=
 for _ in $(seq 1 300); do
   online=$(cli devices --select upgrade=self --json 2>/dev/null |
@@ -280,40 +281,86 @@ for _ in $(seq 1 300); do
   sleep 0.2
 done
 [ "$online" = dev-01 ] || fail "dev-01 did not come online with its new label: $(tail -n 20 "$selfup/agent.log")"
+
+# Releases the .deb $3 as $1 (counter $2) and rolls it out to dev-01; sets $state (the
+# rollout's, once settled) and $device (dev-01's phase, installed release and failure reason, as
+# the running agent reports them).
+roll_out() {
+  cli release create --data-dir coordinator --key keys/release.key --name "$1" \
+    --version "$(dpkg-deb -f "$3" Version)" --counter "$2" --hardware demo-board \
+    --artifact "agent=$3" >"$selfup/release-$1.log" 2>&1 ||
+    fail "release create $1: $(cat "$selfup/release-$1.log")"
+  printf 'name = "%s"\nrelease = "%s"\nselect = "upgrade=self"\n[groups]\ncount = 1\n%s\n%s\n' \
+    "roll-$1" "$1" 'success = { threshold = "80%", action = "next" }' \
+    'error = { threshold = "20%", action = "pause" }' >"$selfup/$1.toml"
+  cli rollout create --spec "$selfup/$1.toml" >/dev/null || fail "rollout create roll-$1"
+  cli rollout start "roll-$1" >/dev/null || fail "rollout start roll-$1"
+  state=
+  for _ in $(seq 1 600); do
+    state=$(cli rollout status "roll-$1" --json 2>/dev/null |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null || true)
+    case "$state" in finished | paused | stopped | failed) break ;; esac
+    sleep 0.2
+  done
+  device=$(cli devices --select upgrade=self --json | python3 -c 'import json,sys
+d = [d for d in json.load(sys.stdin) if d["id"] == "dev-01"][0]
+print(d["phase"], d["installed"], d["reason"] or "")')
+}
+settled() { # unit: its stand-in transient unit has run
+  for _ in $(seq 1 300); do
+    [ -e "$units/$1" ] || return 0
+    sleep 0.1
+  done
+  fail "$1 did not run within 30 s: $(cat "$units/$1.log" 2>/dev/null)"
+}
+agent_version() { dpkg-query -W -f '${Version}' flotilla-agent; }
+count() { # file: its lines (0 without it)
+  if [ -e "$1" ]; then wc -l <"$1"; else echo 0; fi
+}
+
 rollout_start=$SECONDS
-cli rollout create --spec "$selfup/selfup.toml" >/dev/null || fail "rollout create"
-cli rollout start selfup >/dev/null || fail "rollout start"
-state=
-for _ in $(seq 1 600); do
-  state=$(cli rollout status selfup --json 2>/dev/null |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null || true)
-  case "$state" in finished | paused | stopped | failed) break ;; esac
-  sleep 0.2
-done
+roll_out agent-next 10 "$new_deb"
 rollout_took=$((SECONDS - rollout_start))
 [ "$state" = finished ] || fail "the self-upgrade rollout is $state, not finished:
-$(cli rollout status selfup 2>&1 | tail -n 20)
+$(cli rollout status roll-agent-next 2>&1 | tail -n 20)
 agent log: $(grep -i -E 'error|warn|fail' "$selfup/agent.log" | tail -n 20)
 installs: $(cat "$units"/*.log 2>/dev/null | tail -n 20)"
-# What the running (new) agent reports, before it is stopped.
-device=$(cli devices --select upgrade=self --json | python3 -c 'import json,sys
-d = [d for d in json.load(sys.stdin) if d["id"] == "dev-01"][0]
-print(d["phase"], d["installed"])')
-touch "$selfup/stop"
-kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
-wait "$supervisor" || true
-[ "$device" = "ready agent-next" ] || fail "dev-01 is \"$device\", not ready with agent-next installed"
-[ "$(dpkg-query -W -f '${Version}' flotilla-agent)" = "$new_version" ] ||
-  fail "dpkg-query shows flotilla-agent $(dpkg-query -W -f '${Version}' flotilla-agent), not $new_version"
-restarts=$(wc -l <"$selfup/restarts" 2>/dev/null || echo 0)
-[ "$restarts" = 1 ] || fail "the agent was restarted $restarts times, not once: $(cat "$selfup/restarts")"
+[ "$device" = "ready agent-next " ] || fail "dev-01 is \"$device\", not ready with agent-next installed"
+[ "$(agent_version)" = "$new_version" ] ||
+  fail "dpkg-query shows flotilla-agent $(agent_version), not $new_version"
+[ "$(count "$selfup/restarts")" = 1 ] ||
+  fail "the agent was restarted $(count "$selfup/restarts") times, not once: $(cat "$selfup/restarts")"
 # Mid-action: the restarted agent found the action in its soak and went on from there.
 sed 's/\x1b\[[0-9;]*m//g' "$selfup/agent.log" | grep -q 'resuming.*state=Confirming' ||
   fail "the restarted agent did not resume the action in its soak: $(grep -E 'resuming|action finished' "$selfup/agent.log")"
-[ "$(wc -l <"$units/scheduled")" = 1 ] && [ "$(wc -l <"$units/installs")" = 1 ] ||
+[ "$(count "$units/scheduled")" = 1 ] && [ "$(count "$units/installs")" = 1 ] ||
   fail "the install ran more than once: scheduled $(cat "$units/scheduled"); installed $(cat "$units/installs")"
 echo "deb: flotilla-agent $old_version -> $new_version by a rollout in $rollout_took s," \
-  "the agent restarted once mid-action; the whole step took $((SECONDS - self_start)) s"
+  "the agent restarted once mid-action"
+
+# The way back: a newer agent whose health check fails (the check below fails in an agent
+# started from an installed $bad_version) is rolled back, and the script reinstalls the package
+# the last upgrade installed.
+deploy/deb/build.sh --arch amd64 --out "$selfup" --no-build --only flotilla-agent \
+  --deb-version "$bad_version" >/dev/null
+rollout_start=$SECONDS
+roll_out agent-bad 11 "$selfup/flotilla-agent_${bad_version}_amd64.deb"
+settled flotilla-agent-downgrade
+rollout_took=$((SECONDS - rollout_start))
+[ "$state" = paused ] && [ "${device%% *}" = failed ] ||
+  fail "a failing new agent: the rollout is $state (not paused), dev-01 \"$device\" (not failed)"
+case "$device" in *not-the-bad-agent*) ;; *) fail "dev-01 failed for another reason: $device" ;; esac
+[ "$(agent_version)" = "$new_version" ] ||
+  fail "after the rollback dpkg-query shows flotilla-agent $(agent_version), not $new_version"
+[ "$(count "$selfup/restarts")" = 3 ] ||
+  fail "the agent was restarted $(count "$selfup/restarts") times, not 3 (install, reinstall): $(cat "$selfup/restarts")"
+echo "deb: flotilla-agent $bad_version failed its health check and was rolled back to" \
+  "$new_version in $rollout_took s (dev-01: ${device#* * })"
+
+touch "$selfup/stop"
+kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
+wait "$supervisor" || true
+echo "deb: the agent's self-upgrade and its rollback took $((SECONDS - self_start)) s"
 
 step "6. dpkg --purge"
 dpkg --purge flotilla-agent flotilla
