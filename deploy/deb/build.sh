@@ -2,6 +2,7 @@
 # Builds flotilla's Debian packages with dpkg-deb (no debian/ source tree, no extra tool):
 #
 #   deploy/deb/build.sh [--arch amd64|arm64|armhf] [--out DIR] [--no-build]
+#                       [--only flotilla-agent|flotilla] [--deb-version VERSION]
 #
 #   amd64, arm64: flotilla-agent_VERSION_ARCH.deb and flotilla_VERSION_ARCH.deb
 #   armhf:        flotilla-agent_VERSION_armhf.deb (the coordinator is not built for 32-bit ARM)
@@ -10,10 +11,14 @@
 # are `cargo build --release` ones (the release profile strips them), for another --arch
 # cross-compiled with the linkers of .cargo/config.toml (Debian's gcc-aarch64-linux-gnu,
 # gcc-arm-linux-gnueabihf; `rustup target add` the Rust targets), as .ci/run builds them.
-# --no-build packages what is already built. CARGO_TARGET_DIR is honoured.
+# --no-build packages what is already built. --only builds one of the packages. --deb-version
+# replaces the Debian version (default: the workspace's version, "-1"): deploy/deb/ci-check.sh
+# packages the same agent binary again as a newer version, for the agent to upgrade itself to.
+# CARGO_TARGET_DIR is honoured.
 #
 # Package metadata lives beside this script: the maintainer scripts in flotilla-agent/ and
-# flotilla/, copyright, lintian overrides; the units beside their crates
+# flotilla/ (and the agent's self-upgrade script, flotilla-agent/agent-deb.sh), copyright,
+# lintian overrides; the units beside their crates
 # (agent/flotilla-agent.service, coordinator/flotilla.service); the conffiles are the default
 # configs the binaries print (agent/default-config.toml as is, coordinator/default-config.toml
 # with its paths in /var/lib/flotilla). docs/decisions/0049-debian-packages.md says why.
@@ -24,12 +29,20 @@ repo=$(cd "$here/../.." && pwd)
 arch=$(dpkg --print-architecture)
 out=
 build=1
+only=
+deb_version=
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=${2:?--arch needs amd64, arm64 or armhf}; shift 2 ;;
     --out) out=${2:?--out needs a directory}; shift 2 ;;
     --no-build) build=0; shift ;;
-    *) echo "usage: $0 [--arch amd64|arm64|armhf] [--out DIR] [--no-build]" >&2; exit 2 ;;
+    --only) only=${2:?--only needs flotilla-agent or flotilla}; shift 2 ;;
+    --deb-version) deb_version=${2:?--deb-version needs a version}; shift 2 ;;
+    *)
+      echo "usage: $0 [--arch amd64|arm64|armhf] [--out DIR] [--no-build]" \
+        "[--only flotilla-agent|flotilla] [--deb-version VERSION]" >&2
+      exit 2
+      ;;
   esac
 done
 
@@ -41,6 +54,12 @@ case "$arch" in
   armhf) triple=armv7-unknown-linux-gnueabihf; packages="flotilla-agent"; tools=arm-linux-gnueabihf- ;;
   *) echo "$0: unknown --arch $arch (amd64, arm64 or armhf)" >&2; exit 2 ;;
 esac
+if [ -n "$only" ]; then
+  case " $packages " in
+    *" $only "*) packages=$only ;;
+    *) echo "$0: no package $only for $arch (these: $packages)" >&2; exit 2 ;;
+  esac
+fi
 
 cd "$repo"
 target_dir=${CARGO_TARGET_DIR:-target}
@@ -50,7 +69,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
-deb_version="$version-1"
+deb_version=${deb_version:-$version-1}
 maintainer=${DEB_MAINTAINER:-"flotilla maintainers <flotilla@lists.flotilla.dev>"}
 # Reproducible: file times and the changelog date come from the last commit. Not exported to
 # cargo: the cc crate's build scripts (ring, psm) rebuild when SOURCE_DATE_EPOCH changes, and
@@ -154,6 +173,8 @@ for pkg in $packages; do
       install -m 0600 agent/default-config.toml "$root/etc/flotilla/agent.toml"
       install -m 0644 agent/flotilla-agent.service "$root/lib/systemd/system/"
       install -d -m 0700 "$root/var/lib/flotilla-agent"
+      # The script target for the agent's own upgrade (docs/operations.md).
+      install -D -m 0755 "$here/flotilla-agent/agent-deb.sh" "$root/usr/lib/flotilla/agent-deb.sh"
       ;;
     flotilla)
       install -m 0755 "$bin_dir/flotilla" "$root/usr/bin/flotilla"

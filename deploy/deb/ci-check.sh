@@ -5,12 +5,16 @@
 #  2. lintian: no error and no warning (what is overridden says why, in the package's
 #     usr/share/lintian/overrides),
 #  3. installs them with dpkg -i and checks what the maintainer scripts did (system user, data
-#     directory, the coordinator's key, the conffiles are the default configs),
+#     directory, the coordinator's key, the conffiles are the default configs, the agent's unit
+#     left disabled until configured, the coordinator's enabled),
 #  4. systemd-analyze verify on the installed units (works without systemd as PID 1),
 #  5. runs the installed binaries from /usr/bin: `flotilla demo` (an embedded broker on a free
 #     port, the installed flotilla-agent processes, a three-group rollout that must finish with
 #     every device ready), and the packaged coordinator command line (the unit's ExecStart, as
 #     the unit's user, with the packaged config) against a test Mosquitto on a free port,
+#     and the agent upgrading itself: a release whose artifact is a newer flotilla-agent .deb,
+#     installed by the packaged /usr/lib/flotilla/agent-deb.sh through a `script` target, with
+#     the installed agent restarted mid-action as systemd would (see step 5c),
 #  6. purges them and checks that nothing is left but the system user `flotilla` (Debian
 #     policy keeps users),
 #  7. builds the arm64 and armhf packages when their cross builds are there (ARM=1 makes a
@@ -74,7 +78,7 @@ lintian --fail-on error,warning --display-info "$agent_deb" "$coord_deb" ||
   fail "lintian found errors or warnings (above)"
 
 step "3. dpkg -i"
-dpkg -i "$agent_deb" "$coord_deb"
+dpkg -i "$agent_deb" "$coord_deb" | tee "$work/dpkg-i.log"
 [ -x /usr/bin/flotilla ] && [ -x /usr/bin/flotilla-agent ] || fail "binaries not in /usr/bin"
 /usr/bin/flotilla-agent print-default-config | cmp -s - /etc/flotilla/agent.toml ||
   fail "/etc/flotilla/agent.toml is not what flotilla-agent print-default-config prints"
@@ -87,6 +91,15 @@ getent passwd flotilla >/dev/null || fail "postinst made no system user flotilla
   fail "the coordinator's key is not the flotilla user's alone"
 dpkg-query -W -f='${Conffiles}\n' flotilla-agent flotilla | grep -q /etc/flotilla/coordinator.toml ||
   fail "coordinator.toml is not a conffile"
+# The agent's unit stays disabled until the operator has configured the agent (an agent on the
+# default config would start at every boot and fail); postinst says what to do. The
+# coordinator's, which runs on its default config, is enabled.
+wants=/etc/systemd/system/multi-user.target.wants
+[ ! -e "$wants/flotilla-agent.service" ] || fail "the agent's unit is enabled on the default config"
+[ -L "$wants/flotilla.service" ] || fail "the coordinator's unit is not enabled"
+grep -q 'then: systemctl enable --now flotilla-agent.service' "$work/dpkg-i.log" ||
+  fail "postinst did not say how to enable the agent once configured"
+[ -x /usr/lib/flotilla/agent-deb.sh ] || fail "no /usr/lib/flotilla/agent-deb.sh"
 
 step "4. systemd-analyze verify"
 verify=$(systemd-analyze verify /lib/systemd/system/flotilla-agent.service \
@@ -95,8 +108,9 @@ verify=$(systemd-analyze verify /lib/systemd/system/flotilla-agent.service \
 grep -qx 'Type=notify' /lib/systemd/system/flotilla-agent.service || fail "agent unit is not Type=notify"
 
 step "5a. a rollout by the installed binaries: /usr/bin/flotilla demo with /usr/bin/flotilla-agent"
-(cd "$work" && /usr/bin/flotilla demo --devices 3 --fail 0 --json --timeout 120 >demo.json 2>demo.log) ||
-  fail "flotilla demo: $(tail -n 20 "$work/demo.log")"
+# --keep: step 5c rolls the agent's own upgrade out to one of these devices.
+(cd "$work" && TMPDIR="$work" /usr/bin/flotilla demo --devices 3 --fail 0 --json --timeout 120 --keep \
+  >demo.json 2>demo.log) || fail "flotilla demo: $(tail -n 20 "$work/demo.log")"
 grep -q '"state": "finished"' "$work/demo.json" || fail "the demo rollout did not finish: $(cat "$work/demo.json")"
 [ "$(grep -c '"phase": "ready"' "$work/demo.json")" = 3 ] ||
   fail "not every device is ready: $(cat "$work/demo.json")"
@@ -127,10 +141,231 @@ done
 kill -TERM "$serve"
 wait "$serve" || fail "the coordinator did not stop cleanly on SIGTERM: $(tail -n 20 "$work/serve.log")"
 
+step "5c. the agent upgrades itself: a newer flotilla-agent .deb by the packaged agent-deb.sh"
+# What docs/operations.md, "Upgrading the agent with flotilla", tells operators to do, with the
+# installed binaries: the same release binary packaged again as a newer version, a release whose
+# artifact is that .deb for a `script` target running /usr/lib/flotilla/agent-deb.sh, and a
+# rollout to one device. No systemd runs here, so three stand-ins play its part:
+#  - a supervisor loop runs /usr/bin/flotilla-agent and starts it again when it exits
+#    (Restart=always), counting the restarts;
+#  - `systemd-run --unit=U --on-active=S CMD` runs CMD after S seconds in a session of its own
+#    (setsid), so it outlives the agent as a transient unit does, and `systemctl is-active U.timer
+#    U.service` answers while it waits or runs; `systemctl stop U.timer` cancels it;
+#  - `dpkg -i` of flotilla-agent then stops the running agent (SIGTERM, SIGKILL after 60 s:
+#    TimeoutStopSec) and waits for it to exit, as the postinst's `deb-systemd-invoke restart`
+#    does under systemd (without /run/systemd/system it leaves the agent alone).
+self_start=$SECONDS
+selfup="$work/selfup"
+shims="$selfup/shims"
+units="$selfup/units"
+mkdir -p "$selfup" "$shims" "$units"
+old_version=$(dpkg-query -W -f '${Version}' flotilla-agent)
+new_version="${old_version%-*}-2"
+dpkg --compare-versions "$new_version" gt "$old_version" || fail "$new_version is not newer than $old_version"
+deploy/deb/build.sh --arch amd64 --out "$selfup" --no-build --only flotilla-agent \
+  --deb-version "$new_version" >/dev/null
+new_deb="$selfup/flotilla-agent_${new_version}_amd64.deb"
+[ "$(dpkg-deb -f "$new_deb" Version)" = "$new_version" ] || fail "build.sh --deb-version made no $new_deb"
+
+cat >"$shims/systemd-run" <<EOF
+#!/bin/sh
+unit= delay=0
+while [ \$# -gt 0 ]; do
+  case "\$1" in
+    --unit=*) unit=\${1#--unit=} ;;
+    --on-active=*) delay=\${1#--on-active=} ;;
+    --collect) ;;
+    -*) echo "systemd-run (CI stand-in): \$1 is not supported" >&2; exit 1 ;;
+    *) break ;;
+  esac
+  shift
+done
+[ -n "\$unit" ] || { echo "systemd-run (CI stand-in): no --unit" >&2; exit 1; }
+echo "\$unit \$*" >>"$units/scheduled"
+: >"$units/\$unit"
+setsid /bin/sh -c 'sleep "\$1"; u=\$2; shift 2
+  [ -e "$units/\$u" ] || exit 0
+  "\$@" >>"$units/\$u.log" 2>&1; echo \$? >"$units/\$u.rc"; rm -f "$units/\$u"' \\
+  sh "\$delay" "\$unit" "\$@" </dev/null >/dev/null 2>&1 &
+EOF
+cat >"$shims/systemctl" <<EOF
+#!/bin/sh
+case "\$1" in
+  is-active)
+    shift
+    for u in "\$@"; do
+      case "\$u" in --quiet) continue ;; esac
+      [ -e "$units/\${u%.*}" ] && exit 0
+    done
+    exit 3 ;;
+  stop)
+    # A pending transient timer: its command does not run.
+    case "\$2" in *.timer) rm -f "$units/\${2%.timer}" ;; esac ;;
+  *) echo "systemctl (CI stand-in): \$* is not supported" >&2; exit 1 ;;
+esac
+EOF
+cat >"$shims/dpkg" <<EOF
+#!/bin/sh
+/usr/bin/dpkg "\$@" || exit \$?
+case " \$* " in *" -i "*) ;; *) exit 0 ;; esac
+echo "\$*" >>"$units/installs"
+# The postinst's restart under systemd: stop the agent, the supervisor starts it again.
+pid=\$(cat "$selfup/agent.pid")
+kill -TERM "\$pid" 2>/dev/null || exit 0
+for _ in \$(seq 1 600); do kill -0 "\$pid" 2>/dev/null || exit 0; sleep 0.1; done
+kill -KILL "\$pid" 2>/dev/null || true
+EOF
+chmod 0755 "$shims/systemd-run" "$shims/systemctl" "$shims/dpkg"
+
+# The coordinator and a device of step 5a's demo (kept; README, "Your first rollout"): dev-01,
+# given the agent target, a soak longer than the install's delay and a label of its own (the
+# other two stay offline).
+kept=$(sed -n 's/^kept //p' "$work/demo.log")
+[ -d "$kept" ] || fail "flotilla demo --keep kept no directory: $(tail -n 20 "$work/demo.log")"
+selfup_port=$(sed -n 's/^embedded = "127.0.0.1:\([0-9]*\)"$/\1/p' "$kept/coordinator.toml")
+agent_conf="$kept/agents/dev-01/agent.toml"
+sed -i -e 's/^soak = .*/soak = "6s"/' -e 's/^fleet = "demo"$/fleet = "demo"\nupgrade = "self"/' "$agent_conf"
+bad_version="${old_version%-*}-3"
+# The health check of a bad new agent (the way back, below): it fails in an agent started from
+# a configured $bad_version; the agent that runs while dpkg replaces its binary (its
+# /proc/PID/exe then "(deleted)") is not the new one.
+cat >"$selfup/not-bad.sh" <<EOF
+#!/bin/sh
+[ "\$(dpkg-query -W -f '\${Status} \${Version}' flotilla-agent)" != "install ok installed $bad_version" ] ||
+  readlink /proc/\$PPID/exe | grep -q deleted
+EOF
+cat >>"$agent_conf" <<EOF
+[[target]]
+name = "agent"
+kind = "script"
+path = "/usr/lib/flotilla/agent-deb.sh"
+env = { AGENT_DEB_DELAY = "1" }
+[[health.check]]
+name = "agent-starts"
+command = ["/usr/bin/flotilla-agent", "--version"]
+timeout = "5s"
+[[health.check]]
+name = "not-the-bad-agent"
+command = ["/bin/sh", "$selfup/not-bad.sh"]
+timeout = "5s"
+EOF
+/usr/bin/flotilla-agent check-config --config "$agent_conf" >/dev/null ||
+  fail "the device's config with the agent target does not check"
+(cd "$kept" && exec /usr/bin/flotilla serve --config coordinator.toml >serve.log 2>&1) &
+pids+=($!)
+wait_port "$selfup_port" "the demo's coordinator (embedded broker)"
+(
+  cd "$kept"
+  while [ ! -e "$selfup/stop" ]; do
+    PATH="$shims:$PATH" RUST_LOG=info /usr/bin/flotilla-agent run --config "$agent_conf" \
+      >>"$selfup/agent.log" 2>&1 &
+    echo $! >"$selfup/agent.pid"
+    wait $! && code=0 || code=$?
+    [ -e "$selfup/stop" ] || echo "exit $code" >>"$selfup/restarts"
+    sleep 0.2
+  done
+) &
+supervisor=$!
+pids+=("$supervisor")
+
+cli() {
+  (cd "$kept" && FLOTILLA_BROKER="127.0.0.1:$selfup_port" FLOTILLA_OPERATOR_KEY=keys/demo.key \
+    /usr/bin/flotilla "$@")
+}
+online=
+for _ in $(seq 1 300); do
+  online=$(cli devices --select upgrade=self --json 2>/dev/null |
+    python3 -c 'import json,sys; print(" ".join(d["id"] for d in json.load(sys.stdin) if d["online"]))' \
+    2>/dev/null || true)
+  [ "$online" = dev-01 ] && break
+  sleep 0.2
+done
+[ "$online" = dev-01 ] || fail "dev-01 did not come online with its new label: $(tail -n 20 "$selfup/agent.log")"
+
+# Releases the .deb $3 as $1 (counter $2) and rolls it out to dev-01; sets $state (the
+# rollout's, once settled) and $device (dev-01's phase, installed release and failure reason, as
+# the running agent reports them).
+roll_out() {
+  cli release create --data-dir coordinator --key keys/release.key --name "$1" \
+    --version "$(dpkg-deb -f "$3" Version)" --counter "$2" --hardware demo-board \
+    --artifact "agent=$3" >"$selfup/release-$1.log" 2>&1 ||
+    fail "release create $1: $(cat "$selfup/release-$1.log")"
+  printf 'name = "%s"\nrelease = "%s"\nselect = "upgrade=self"\n[groups]\ncount = 1\n%s\n%s\n' \
+    "roll-$1" "$1" 'success = { threshold = "80%", action = "next" }' \
+    'error = { threshold = "20%", action = "pause" }' >"$selfup/$1.toml"
+  cli rollout create --spec "$selfup/$1.toml" >/dev/null || fail "rollout create roll-$1"
+  cli rollout start "roll-$1" >/dev/null || fail "rollout start roll-$1"
+  state=
+  for _ in $(seq 1 600); do
+    state=$(cli rollout status "roll-$1" --json 2>/dev/null |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])' 2>/dev/null || true)
+    case "$state" in finished | paused | stopped | failed) break ;; esac
+    sleep 0.2
+  done
+  device=$(cli devices --select upgrade=self --json | python3 -c 'import json,sys
+d = [d for d in json.load(sys.stdin) if d["id"] == "dev-01"][0]
+print(d["phase"], d["installed"], d["reason"] or "")')
+}
+settled() { # unit: its stand-in transient unit has run
+  for _ in $(seq 1 300); do
+    [ -e "$units/$1" ] || return 0
+    sleep 0.1
+  done
+  fail "$1 did not run within 30 s: $(cat "$units/$1.log" 2>/dev/null)"
+}
+agent_version() { dpkg-query -W -f '${Version}' flotilla-agent; }
+count() { # file: its lines (0 without it)
+  if [ -e "$1" ]; then wc -l <"$1"; else echo 0; fi
+}
+
+rollout_start=$SECONDS
+roll_out agent-next 10 "$new_deb"
+rollout_took=$((SECONDS - rollout_start))
+[ "$state" = finished ] || fail "the self-upgrade rollout is $state, not finished:
+$(cli rollout status roll-agent-next 2>&1 | tail -n 20)
+agent log: $(grep -i -E 'error|warn|fail' "$selfup/agent.log" | tail -n 20)
+installs: $(cat "$units"/*.log 2>/dev/null | tail -n 20)"
+[ "$device" = "ready agent-next " ] || fail "dev-01 is \"$device\", not ready with agent-next installed"
+[ "$(agent_version)" = "$new_version" ] ||
+  fail "dpkg-query shows flotilla-agent $(agent_version), not $new_version"
+[ "$(count "$selfup/restarts")" = 1 ] ||
+  fail "the agent was restarted $(count "$selfup/restarts") times, not once: $(cat "$selfup/restarts")"
+# Mid-action: the restarted agent found the action in its soak and went on from there.
+sed 's/\x1b\[[0-9;]*m//g' "$selfup/agent.log" | grep -q 'resuming.*state=Confirming' ||
+  fail "the restarted agent did not resume the action in its soak: $(grep -E 'resuming|action finished' "$selfup/agent.log")"
+[ "$(count "$units/scheduled")" = 1 ] && [ "$(count "$units/installs")" = 1 ] ||
+  fail "the install ran more than once: scheduled $(cat "$units/scheduled"); installed $(cat "$units/installs")"
+echo "deb: flotilla-agent $old_version -> $new_version by a rollout in $rollout_took s," \
+  "the agent restarted once mid-action"
+
+# The way back: a newer agent whose health check fails (the check below fails in an agent
+# started from an installed $bad_version) is rolled back, and the script reinstalls the package
+# the last upgrade installed.
+deploy/deb/build.sh --arch amd64 --out "$selfup" --no-build --only flotilla-agent \
+  --deb-version "$bad_version" >/dev/null
+rollout_start=$SECONDS
+roll_out agent-bad 11 "$selfup/flotilla-agent_${bad_version}_amd64.deb"
+settled flotilla-agent-downgrade
+rollout_took=$((SECONDS - rollout_start))
+[ "$state" = paused ] && [ "${device%% *}" = failed ] ||
+  fail "a failing new agent: the rollout is $state (not paused), dev-01 \"$device\" (not failed)"
+case "$device" in *not-the-bad-agent*) ;; *) fail "dev-01 failed for another reason: $device" ;; esac
+[ "$(agent_version)" = "$new_version" ] ||
+  fail "after the rollback dpkg-query shows flotilla-agent $(agent_version), not $new_version"
+[ "$(count "$selfup/restarts")" = 3 ] ||
+  fail "the agent was restarted $(count "$selfup/restarts") times, not 3 (install, reinstall): $(cat "$selfup/restarts")"
+echo "deb: flotilla-agent $bad_version failed its health check and was rolled back to" \
+  "$new_version in $rollout_took s (dev-01: ${device#* * })"
+
+touch "$selfup/stop"
+kill -TERM "$(cat "$selfup/agent.pid")" 2>/dev/null || true
+wait "$supervisor" || true
+echo "deb: the agent's self-upgrade and its rollback took $((SECONDS - self_start)) s"
+
 step "6. dpkg --purge"
 dpkg --purge flotilla-agent flotilla
 left=()
-for path in /usr/bin/flotilla /usr/bin/flotilla-agent /etc/flotilla /var/lib/flotilla \
+for path in /usr/bin/flotilla /usr/bin/flotilla-agent /usr/lib/flotilla /etc/flotilla /var/lib/flotilla \
   /var/lib/flotilla-agent /lib/systemd/system/flotilla.service \
   /lib/systemd/system/flotilla-agent.service /usr/share/doc/flotilla /usr/share/doc/flotilla-agent \
   /etc/systemd/system/multi-user.target.wants/flotilla.service \

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::secure::deploy_dir;
+use crate::secure::{deploy_dir, main_with_paths, DEBIAN_MAIN_CONF, TEST_LINES};
 use crate::site::{AgentBroker, Process, SHIPPED_BROKER_TUNING};
 use crate::{free_port, mosquitto_binary, WatchedMessage, Watcher, WAIT};
 
@@ -32,6 +32,18 @@ pub const BRIDGE_USER: &str = "flotilla-site-harbour";
 pub const MONITOR: &str = "flotilla-site-monitor";
 /// Where the bridge publishes its link state ("1" up, "0" down).
 pub const BRIDGE_STATE_TOPIC: &str = "flotilla/v1/sites/harbour/bridge";
+
+/// How the shipped site configuration is put together (`deploy/mosquitto/site/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SiteLayout {
+    /// `site.conf` and `bridge.conf` in one file as the whole config, persistence off: what
+    /// the peer tests use.
+    Alone,
+    /// Debian's stock main file with `site.conf` and `bridge.conf` as the drop-ins
+    /// `conf.d/flotilla-site.conf` and `conf.d/flotilla-site-bridge.conf`, persistence on: the
+    /// install docs/peers.md describes.
+    DebianMain,
+}
 
 /// A Mosquitto process configured as a site broker, bridged to a central broker.
 pub struct SiteBroker {
@@ -65,6 +77,23 @@ impl SiteBroker {
         bridge_password: &str,
         devices: &[String],
     ) -> SiteBroker {
+        SiteBroker::start_as(
+            dir,
+            central_port,
+            bridge_password,
+            devices,
+            SiteLayout::Alone,
+        )
+    }
+
+    /// [`SiteBroker::start`] with the configuration laid out as `layout` says.
+    pub fn start_as(
+        dir: &Path,
+        central_port: u16,
+        bridge_password: &str,
+        devices: &[String],
+        layout: SiteLayout,
+    ) -> SiteBroker {
         let binary = mosquitto_binary().expect("mosquitto binary");
         fs::create_dir_all(dir.join("passwords")).expect("site broker directory");
         let mut users: Vec<&str> = devices.iter().map(String::as_str).collect();
@@ -75,9 +104,27 @@ impl SiteBroker {
             &users,
         );
         let port = free_port();
-        let config = render_site_config(dir, port, central_port, bridge_password);
+        let site = render_site(dir, port, layout == SiteLayout::DebianMain);
+        let bridge = render_bridge(central_port, bridge_password);
         let path = dir.join("site.conf");
-        fs::write(&path, config).expect("write site broker config");
+        match layout {
+            SiteLayout::Alone => {
+                let config = format!("{site}log_dest stderr\n{bridge}");
+                fs::write(&path, config).expect("write site broker config");
+            }
+            SiteLayout::DebianMain => {
+                let conf_d = dir.join("conf.d");
+                let db = dir.join("db");
+                fs::create_dir_all(&conf_d).expect("conf.d");
+                fs::create_dir_all(&db).expect("persistence directory");
+                let mut main = main_with_paths(DEBIAN_MAIN_CONF, dir, &conf_d, &db);
+                main.push_str(TEST_LINES);
+                fs::write(&path, main).expect("write the main mosquitto.conf");
+                fs::write(conf_d.join("flotilla-site.conf"), site).expect("write the site drop-in");
+                fs::write(conf_d.join("flotilla-site-bridge.conf"), bridge)
+                    .expect("write the bridge drop-in");
+            }
+        }
         let mut command = Command::new(binary);
         command.arg("-c").arg(&path);
         let process = Process::spawn(command, dir.join("site-broker.log"));
@@ -87,6 +134,16 @@ impl SiteBroker {
             dir: dir.to_owned(),
             process,
         }
+    }
+
+    /// Where the broker keeps its persistence file (`mosquitto.db`) under a main file.
+    pub fn persistence_dir(&self) -> PathBuf {
+        self.dir.join("db")
+    }
+
+    /// Stops the broker with SIGTERM (it then saves its persistence file); whether it exited.
+    pub fn stop(&mut self) -> bool {
+        self.process.terminate(Duration::from_secs(10)).is_some()
     }
 
     /// How agents of the site log in ([`crate::Site::agent_broker`]).
@@ -264,14 +321,24 @@ fn lines(file: &str) -> Vec<String> {
         .collect()
 }
 
-/// The shipped site config with the bridge included, for loopback ports and temporary paths.
-fn render_site_config(dir: &Path, port: u16, central_port: u16, bridge_password: &str) -> String {
+/// The shipped `site.conf` for a loopback port and temporary paths (plain TCP instead of TLS),
+/// persistence off unless `persist` (where the main file says).
+fn render_site(dir: &Path, port: u16, persist: bool) -> String {
     let acl = deploy_dir()
         .join("site/acl")
         .canonicalize()
         .expect("the shipped site ACL");
     let mut site = lines("site.conf");
     let file = "site.conf";
+    assert!(
+        !site.iter().any(|l| l.starts_with("persistence_location")),
+        "site.conf must not set persistence_location: Debian's main file does, and Mosquitto \
+         2.0.11 refuses a second one"
+    );
+    assert!(
+        !site.iter().any(|l| l.starts_with("include_dir")),
+        "site.conf must not use include_dir: Mosquitto ignores it in a drop-in"
+    );
     rewrite(
         &mut site,
         file,
@@ -287,13 +354,14 @@ fn render_site_config(dir: &Path, port: u16, central_port: u16, bridge_password:
         "acl_file ",
         Some(format!("acl_file {}", acl.display())),
     );
-    rewrite(
-        &mut site,
-        file,
-        "persistence true",
-        Some("persistence false".into()),
-    );
-    rewrite(&mut site, file, "persistence_location ", None);
+    if !persist {
+        rewrite(
+            &mut site,
+            file,
+            "persistence true",
+            Some("persistence false".into()),
+        );
+    }
     rewrite(
         &mut site,
         file,
@@ -303,9 +371,11 @@ fn render_site_config(dir: &Path, port: u16, central_port: u16, bridge_password:
     for tls in ["cafile ", "certfile ", "keyfile ", "tls_version "] {
         rewrite(&mut site, file, tls, None);
     }
-    rewrite(&mut site, file, "include_dir ", None);
-    site.push("log_dest stderr".into());
+    site.join("\n") + "\n"
+}
 
+/// The shipped `bridge.conf` to the central broker on a loopback port (plain TCP).
+fn render_bridge(central_port: u16, bridge_password: &str) -> String {
     let mut bridge = lines("bridge.conf");
     let file = "bridge.conf";
     rewrite(
@@ -328,6 +398,5 @@ fn render_site_config(dir: &Path, port: u16, central_port: u16, bridge_password:
         "restart_timeout ",
         Some("restart_timeout 1 2".into()),
     );
-    site.extend(bridge);
-    site.join("\n") + "\n"
+    bridge.join("\n") + "\n"
 }
