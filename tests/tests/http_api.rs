@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use flotilla_protocol::operator::Role;
-use flotilla_tests::{AgentOptions, BrokerKind, Site, ADMIN, WAIT};
+use flotilla_tests::{bin, AgentOptions, BrokerKind, Site, ADMIN, WAIT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -71,6 +71,11 @@ async fn a_pipeline_creates_and_starts_a_rollout_over_http_and_the_gate_refuses_
     let port = site.enable_http();
     site.add_operator("vic", Role::Viewer);
     site.release("fw-2", 2, FIRMWARE);
+    site.release(
+        "fw-3",
+        3,
+        b"firmware 3.0, started by the pipeline example\n",
+    );
     site.start_coordinator();
     for id in ["dev-01", "dev-02"] {
         site.add_agent(id, &[("env", "http")], AgentOptions::default());
@@ -111,6 +116,38 @@ async fn a_pipeline_creates_and_starts_a_rollout_over_http_and_the_gate_refuses_
     assert!(
         by_admin,
         "the trace names the operator who started it over HTTP: {json}"
+    );
+
+    // The pipeline example of docs/operations.md, as shipped: starts a rollout and waits for it.
+    let spec =
+        "name = \"by-script\"\nrelease = \"fw-3\"\nselect = \"env=http\"\n[groups]\ncount = 1\n";
+    let create = serde_json::json!({ "command": "create_rollout", "spec": spec }).to_string();
+    assert_eq!(call(&site, port, ADMIN, &create).await.0, 200);
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/pipeline.sh");
+    let bin_dir = bin("flotilla").parent().expect("bin dir").to_owned();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = tokio::process::Command::new("sh")
+        .arg(&script)
+        .arg("by-script")
+        .env("PATH", path)
+        .env("FLOTILLA_API", format!("http://127.0.0.1:{port}"))
+        .env("FLOTILLA_POLL_SECONDS", "1")
+        .env("FLOTILLA_OPERATOR_KEY", site.operator_key_file(ADMIN))
+        .output();
+    let out = tokio::time::timeout(WAIT, run)
+        .await
+        .expect("the pipeline ends")
+        .expect("sh runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("by-script: finished"),
+        "the pipeline example: {said}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 
     // Refused as on MQTT, each with the status a client expects and the gate's reason.

@@ -1,5 +1,6 @@
 //! The coordinator's Prometheus endpoint: what it counts, served on `GET /metrics` by the
-//! HTTP/1.1 responder of `metrics_http.rs` (`[metrics] listen` in the config; off by default).
+//! coordinator's HTTP server (`service/http`: `[metrics] listen` for metrics alone, `[http]
+//! listen` beside the API; both off by default).
 //!
 //! ```text
 //!  service loop ── hooks (one line each in the service) ──> Metrics: counters, histograms
@@ -20,7 +21,7 @@
 //! blocks, the service loop; the loop only swaps an `Arc` under a lock nobody holds for long.
 //!
 //! How connections are bounded (timeouts, a cap, idle connections making room for a scrape) is
-//! the responder's business (`metrics_http.rs`). Every metric is documented in docs/operations.md ("Metrics").
+//! the server's business (`http/server.rs`, `http/slots.rs`). Every metric is documented in docs/operations.md ("Metrics").
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};

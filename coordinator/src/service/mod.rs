@@ -38,7 +38,8 @@
 //!   of the service loop, which gets every event in the order it arrived.
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
-//! - [`metrics_http`]: the bounded HTTP/1.1 responder that serves it.
+//! - [`http`]: the HTTP server (hyper): the HTTP API (`POST /api/v1/control`, the same signed
+//!   requests and gate as the MQTT control topic), its OpenAPI document, and `/metrics`.
 //! - [`metrics_limits`]: what the rate limits refused, read at scrape time.
 //! - [`broker`]: the embedded rumqttd broker for a single box and the demo.
 //! - [`artifacts`]: the artifact block server.
