@@ -192,6 +192,91 @@ async fn read_body(body: Body) -> Result<Bytes, Response> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::metrics::{Malformed, Metrics};
+    use flotilla_protocol::Topics;
+    use std::net::SocketAddr;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio_util::sync::CancellationToken;
+
+    /// A listener on a free loopback port, serving `metrics` until the token is cancelled.
+    async fn serving(metrics: &Metrics) -> (SocketAddr, CancellationToken) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let token = CancellationToken::new();
+        let router = router(Some(metrics.endpoint()), false, None, String::new());
+        tokio::spawn(crate::service::http::server::serve(
+            listener,
+            None,
+            router,
+            16,
+            token.clone(),
+        ));
+        (addr, token)
+    }
+
+    /// Sends `request` and reads until the server closes.
+    async fn exchange(addr: SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        // The server may close before reading everything of an oversized request.
+        let _ = stream.write_all(request).await;
+        read_all(&mut stream).await
+    }
+
+    async fn read_all(stream: &mut TcpStream) -> String {
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    fn status_line(answer: &str) -> &str {
+        answer.lines().next().unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn get_metrics_answers_the_registry_as_openmetrics() {
+        let mut metrics = Metrics::new();
+        let topics = Topics::default();
+        drop(metrics.received(&topics, "flotilla/v1/devices/dev-1/report"));
+        metrics.malformed(Malformed::Undecodable);
+        let (addr, token) = serving(&metrics).await;
+        let answer = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert_eq!(status_line(&answer), "HTTP/1.1 200 OK", "{answer}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("content-type: application/openmetrics-text"),
+            "{answer}"
+        );
+        assert!(
+            answer.contains("flotilla_messages_received_total{topic=\"report\"} 1"),
+            "{answer}"
+        );
+        assert!(
+            answer.contains("flotilla_messages_malformed_total{reason=\"undecodable\"} 1"),
+            "{answer}"
+        );
+        assert!(answer.trim_end().ends_with("# EOF"), "{answer}");
+        let (head, body) = answer.split_once("\r\n\r\n").expect("head and body");
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length: ")
+                    .map(str::to_owned)
+            })
+            .and_then(|n| n.parse().ok())
+            .expect("content length");
+        assert_eq!(length, body.len());
+        // HEAD: the same head, no body.
+        let answer = exchange(addr, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(body.is_empty(), "{answer}");
+        token.cancel();
+    }
 
     /// Every command of the control API, read from the one place that names them all.
     fn command_names() -> Vec<String> {
