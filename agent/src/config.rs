@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
+use flotilla_mqtt::{BrokerOrder, Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
 use flotilla_targets::{AbConfig, MenderModuleConfig, RaucConfig, ScriptConfig, SwupdateConfig};
 use serde::Deserialize;
@@ -67,8 +67,12 @@ pub struct Config {
 
 #[derive(Debug, Clone)]
 pub struct BrokerConfig {
+    /// The first broker (`host` and `port`, or the first of `hosts`).
     pub host: String,
     pub port: u16,
+    /// The rest of `hosts`: brokers of the same cluster, tried in turn from one picked by the
+    /// device id when the one in use cannot be reached (decision 0057).
+    pub alternates: Vec<(String, u16)>,
     pub topic_root: String,
     pub keep_alive: Duration,
     /// Username (the device id, for the shipped ACL) and the password read at load time.
@@ -83,6 +87,8 @@ impl BrokerConfig {
         Connection {
             host: self.host.clone(),
             port: self.port,
+            alternates: self.alternates.clone(),
+            order: BrokerOrder::SpreadById,
             credentials: self.credentials.clone(),
             tls: self.tls.clone(),
         }
@@ -238,9 +244,13 @@ struct RawConfig {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawBroker {
+    #[serde(default)]
     host: String,
     #[serde(default = "default_port")]
     port: u16,
+    /// Several brokers of one cluster, `HOST:PORT` each, instead of `host` and `port`.
+    #[serde(default)]
+    hosts: Vec<String>,
     #[serde(default = "default_root")]
     topic_root: String,
     #[serde(default = "default_keep_alive")]
@@ -455,16 +465,39 @@ impl TryFrom<RawConfig> for Config {
             }
         }
 
-        if raw.broker.host.trim().is_empty() {
-            return Err(invalid("broker.host", "must not be empty"));
+        let mut brokers = Vec::new();
+        for text in &raw.broker.hosts {
+            brokers.push(
+                flotilla_mqtt::parse_host_port(text).map_err(|e| invalid("broker.hosts", e))?,
+            );
+        }
+        match (raw.broker.host.trim().is_empty(), brokers.is_empty()) {
+            (true, true) => {
+                return Err(invalid(
+                    "broker.host",
+                    "must not be empty (or list the brokers of a cluster in broker.hosts)",
+                ))
+            }
+            (false, false) => {
+                return Err(invalid(
+                    "broker.hosts",
+                    "set either broker.host (and port) or broker.hosts, not both",
+                ))
+            }
+            (false, true) => brokers.push((raw.broker.host.clone(), raw.broker.port)),
+            (true, false) => {}
         }
         if raw.broker.port == 0 {
             return Err(invalid("broker.port", "0 is not a port"));
         }
+        let (host, port) = brokers.remove(0);
+        let alternates = brokers;
         // Relative paths resolve against the working directory, like data_dir.
         let connection = ConnectionSpec {
-            host: raw.broker.host.clone(),
-            port: raw.broker.port,
+            host: host.clone(),
+            port,
+            alternates: alternates.clone(),
+            order: BrokerOrder::SpreadById,
             username: raw.broker.username.clone(),
             password_file: raw.broker.password_file.clone(),
             password_env: raw.broker.password_env.clone(),
@@ -488,8 +521,9 @@ impl TryFrom<RawConfig> for Config {
             ));
         }
         let broker = BrokerConfig {
-            host: raw.broker.host,
-            port: raw.broker.port,
+            host,
+            port,
+            alternates,
             topic_root: raw.broker.topic_root.clone(),
             keep_alive: parse_duration("broker.keep_alive", &raw.broker.keep_alive)?,
             credentials: connection.credentials,

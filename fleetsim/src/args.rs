@@ -207,6 +207,8 @@ impl Args {
             .and_then(|(h, p)| Some((h.trim_matches(['[', ']']), p.parse::<u16>().ok()?)))
             .ok_or_else(|| arg_error("--broker", &self.broker, "expected HOST:PORT"))?;
         let spec = ConnectionSpec {
+            alternates: Vec::new(),
+            order: Default::default(),
             host: host.to_owned(),
             port,
             username: self.username.clone(),

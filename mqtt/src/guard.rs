@@ -38,6 +38,9 @@ use crate::oversize::Filter;
 /// up after its own connection timeout, 5 s by default).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the guard tries one broker of a list before it tries the next.
+pub const BROKER_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Bytes read at once from either side.
 const BUFFER: usize = 64 * 1024;
 
@@ -50,11 +53,10 @@ pub struct GuardError {
     pub source: io::Error,
 }
 
-/// Where the guard dials.
+/// Where the guard dials: one broker, or a list of brokers of one cluster.
 #[derive(Clone)]
 struct Target {
-    host: String,
-    port: u16,
+    brokers: Arc<Vec<(String, u16)>>,
     tls: Option<Arc<ClientConfig>>,
 }
 
@@ -81,13 +83,19 @@ struct Pending {
     listener: std::os::unix::net::UnixListener,
     dir: PrivateDir,
     target: Target,
+    /// The broker of the list tried first.
+    first: usize,
 }
 
 impl LinkSetup {
     pub(crate) fn new(connection: &crate::Connection, client_id: String) -> LinkSetup {
+        let brokers = connection.brokers();
+        let first = match connection.order {
+            crate::BrokerOrder::InOrder => 0,
+            crate::BrokerOrder::SpreadById => spread(&client_id, brokers.len()),
+        };
         let target = Target {
-            host: connection.host.clone(),
-            port: connection.port,
+            brokers: Arc::new(brokers),
             tls: connection.tls.as_ref().map(|t| t.config.clone()),
         };
         match PrivateDir::create(&std::env::temp_dir()) {
@@ -103,6 +111,7 @@ impl LinkSetup {
                         listener,
                         dir,
                         target,
+                        first,
                     }),
                 }
             }
@@ -128,7 +137,7 @@ impl LinkSetup {
         let running = self.guard.ok().and_then(|pending| {
             pending.listener.set_nonblocking(true).ok()?;
             let listener = UnixListener::from_std(pending.listener).ok()?;
-            let shared = Arc::new(Shared::default());
+            let shared = Arc::new(Shared::starting_at(pending.first));
             let (stop, stopped) = oneshot::channel();
             let task = tokio::spawn(serve(
                 listener,
@@ -227,9 +236,23 @@ impl Guard {
 struct Shared {
     /// Why the guard last failed to relay a connection; taken by [`Guard::explain`].
     error: Mutex<Option<String>>,
+    /// The broker of the list the next connection tries first, and the one in use (`None`
+    /// before the first connection).
+    brokers: Mutex<(usize, Option<usize>)>,
 }
 
 impl Shared {
+    fn starting_at(first: usize) -> Shared {
+        Shared {
+            error: Mutex::new(None),
+            brokers: Mutex::new((first, None)),
+        }
+    }
+
+    fn brokers(&self) -> std::sync::MutexGuard<'_, (usize, Option<usize>)> {
+        self.brokers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn set_error(&self, error: String) {
         *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
     }
@@ -276,24 +299,24 @@ async fn serve(
 trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
 
-/// Dials the broker as rumqttc would have: TCP with TCP_NODELAY, then TLS checking the broker's
+/// Dials one broker as rumqttc would have: TCP with TCP_NODELAY, then TLS checking the broker's
 /// certificate against the connection's roots and host name.
-async fn dial(target: &Target) -> Result<Box<dyn Stream>, String> {
-    let addr = if target.host.contains(':') {
-        format!("[{}]:{}", target.host, target.port)
-    } else {
-        format!("{}:{}", target.host, target.port)
-    };
-    let tcp = TcpStream::connect((target.host.as_str(), target.port))
+async fn dial(
+    host: &str,
+    port: u16,
+    tls: Option<&Arc<ClientConfig>>,
+) -> Result<Box<dyn Stream>, String> {
+    let addr = crate::host_port(host, port);
+    let tcp = TcpStream::connect((host, port))
         .await
         .map_err(|e| format!("cannot reach the broker at {addr}: {e}"))?;
     tcp.set_nodelay(true)
         .map_err(|e| format!("cannot set TCP_NODELAY towards {addr}: {e}"))?;
-    let Some(config) = &target.tls else {
+    let Some(config) = tls else {
         return Ok(Box::new(tcp));
     };
-    let name = ServerName::try_from(target.host.clone())
-        .map_err(|e| format!("TLS: {:?} is not a host name: {e}", target.host))?;
+    let name = ServerName::try_from(host.to_owned())
+        .map_err(|e| format!("TLS: {host:?} is not a host name: {e}"))?;
     let tls = TlsConnector::from(config.clone())
         .connect(name, tcp)
         .await
@@ -301,19 +324,60 @@ async fn dial(target: &Target) -> Result<Box<dyn Stream>, String> {
     Ok(Box::new(tls))
 }
 
-/// One connection of rumqttc's: dial, then relay both ways until either side ends.
-async fn relay(client: UnixStream, target: Target, limit: usize, shared: Arc<Shared>) {
-    let broker = match tokio::time::timeout(DIAL_TIMEOUT, dial(&target)).await {
-        Ok(Ok(broker)) => broker,
-        Ok(Err(e)) => return shared.set_error(e),
-        Err(_) => {
-            return shared.set_error(format!(
-                "no connection to the broker at {}:{} within {}s",
-                target.host,
-                target.port,
-                DIAL_TIMEOUT.as_secs()
-            ))
+/// Dials the brokers of `target` in turn from the one `shared` says to try first, until one
+/// answers; returns its stream and its place in the list. Logs when the broker in use changes.
+async fn dial_any(target: &Target, shared: &Shared) -> Result<(Box<dyn Stream>, usize), String> {
+    let count = target.brokers.len();
+    let (first, using) = *shared.brokers();
+    let timeout = if count == 1 {
+        DIAL_TIMEOUT
+    } else {
+        BROKER_DIAL_TIMEOUT
+    };
+    let mut failures = Vec::new();
+    for step in 0..count {
+        let index = (first + step) % count;
+        let (host, port) = &target.brokers[index];
+        let result =
+            match tokio::time::timeout(timeout, dial(host, *port, target.tls.as_ref())).await {
+                Ok(result) => result,
+                Err(_) => Err(format!(
+                    "no connection to the broker at {} within {}s",
+                    crate::host_port(host, *port),
+                    timeout.as_secs()
+                )),
+            };
+        match result {
+            Ok(stream) => {
+                *shared.brokers() = (index, Some(index));
+                if count > 1 && using != Some(index) {
+                    if failures.is_empty() {
+                        tracing::info!(broker = %crate::host_port(host, *port), "using broker {} of {count}", index + 1);
+                    } else {
+                        tracing::warn!(broker = %crate::host_port(host, *port),
+                            "using broker {} of {count}; before it: {}", index + 1, failures.join("; "));
+                    }
+                }
+                return Ok((stream, index));
+            }
+            Err(e) => failures.push(e),
         }
+    }
+    if count == 1 {
+        return Err(failures.pop().unwrap_or_default());
+    }
+    Err(format!(
+        "none of the {count} brokers answered: {}",
+        failures.join("; ")
+    ))
+}
+
+/// One connection of rumqttc's: dial, then relay both ways until either side ends. A broker
+/// that ends the connection makes the next connection try the next broker first.
+async fn relay(client: UnixStream, target: Target, limit: usize, shared: Arc<Shared>) {
+    let (broker, index) = match dial_any(&target, &shared).await {
+        Ok(dialed) => dialed,
+        Err(e) => return shared.set_error(e),
     };
     let (client_read, client_write) = client.into_split();
     let (broker_read, broker_write) = tokio::io::split(broker);
@@ -323,8 +387,27 @@ async fn relay(client: UnixStream, target: Target, limit: usize, shared: Arc<Sha
             if let Err(e) = result {
                 shared.set_error(e);
             }
+            // The broker's side ended: if it is going away, the next connection should not
+            // spend a dial on it first.
+            let count = target.brokers.len();
+            let mut brokers = shared.brokers();
+            if count > 1 && brokers.0 == index {
+                brokers.0 = (index + 1) % count;
+            }
         }
     }
+}
+
+/// The broker of `count` a client id starts with: its FNV-1a hash, so a fleet spreads evenly and
+/// each device comes back to the same broker.
+fn spread(client_id: &str, count: usize) -> usize {
+    if count <= 1 {
+        return 0;
+    }
+    let hash = client_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (hash % count as u64) as usize
 }
 
 /// Client to broker, unchanged; a clean end of the client's side closes the broker's (TLS
@@ -468,5 +551,130 @@ mod tests {
         let path = dir.path.clone();
         drop(dir);
         assert!(!path.exists());
+    }
+
+    /// A stand-in broker: answers every CONNECT with a CONNACK and counts connections; the
+    /// returned sender closes every connection it holds.
+    async fn fake_broker(
+        listener: tokio::net::TcpListener,
+    ) -> (
+        Arc<std::sync::atomic::AtomicUsize>,
+        tokio::sync::watch::Sender<bool>,
+    ) {
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (close, closed) = tokio::sync::watch::channel(false);
+        let counted = count.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut closed = closed.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    if stream.read(&mut buf).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let _ = stream.write_all(&[0x20, 0x02, 0x00, 0x00]).await;
+                    loop {
+                        tokio::select! {
+                            _ = closed.changed() => return,
+                            n = stream.read(&mut buf) => if n.unwrap_or(0) == 0 { return },
+                        }
+                    }
+                });
+            }
+        });
+        (count, close)
+    }
+
+    async fn connack(eventloop: &mut EventLoop) -> Result<(), String> {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), eventloop.poll()).await {
+                Ok(Ok(rumqttc::Event::Incoming(rumqttc::Packet::ConnAck(_)))) => return Ok(()),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => return Err("no answer".into()),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_link_goes_to_the_next_broker_when_one_is_down_and_moves_on_when_it_drops() {
+        // Broker a is down (its port refuses), broker b answers.
+        let a = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let a_port = a.local_addr().expect("addr").port();
+        drop(a);
+        let b = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let b_port = b.local_addr().expect("addr").port();
+        let (b_count, b_close) = fake_broker(b).await;
+        let mut connection = crate::Connection::plain("127.0.0.1", a_port);
+        connection.alternates = vec![("127.0.0.1".to_owned(), b_port)];
+        let mut link = connection.link("dev-1").start(10);
+        connack(&mut link.eventloop)
+            .await
+            .expect("connected through b");
+        assert_eq!(b_count.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        // a comes up, b drops the connection: the next connection goes to a first.
+        let a = tokio::net::TcpListener::bind(("127.0.0.1", a_port))
+            .await
+            .expect("rebind a");
+        let (a_count, _a_close) = fake_broker(a).await;
+        b_close.send(true).expect("close b's connections");
+        let mut reconnected = false;
+        for _ in 0..5 {
+            if connack(&mut link.eventloop).await.is_ok() {
+                reconnected = true;
+                break;
+            }
+        }
+        assert!(reconnected, "the link reconnected");
+        assert_eq!(
+            a_count.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "to broker a"
+        );
+        assert_eq!(
+            b_count.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "not to b again"
+        );
+    }
+
+    #[tokio::test]
+    async fn every_broker_down_is_one_error_naming_each() {
+        let ports: Vec<u16> = (0..2)
+            .map(|_| {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+                l.local_addr().expect("addr").port()
+            })
+            .collect();
+        let mut connection = crate::Connection::plain("127.0.0.1", ports[0]);
+        connection.alternates = vec![("127.0.0.1".to_owned(), ports[1])];
+        let mut link = connection.link("dev-1").start(10);
+        let err = match tokio::time::timeout(Duration::from_secs(20), link.eventloop.poll()).await {
+            Ok(Err(e)) => link.guard.explain(&e),
+            other => panic!("expected a connection error, got {other:?}"),
+        };
+        assert!(err.starts_with("none of the 2 brokers answered"), "{err}");
+        for port in ports {
+            assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn devices_spread_over_the_brokers_and_keep_theirs() {
+        let mut seen = [0usize; 3];
+        for i in 0..3000 {
+            let id = format!("dev-{i:05}");
+            let first = spread(&id, 3);
+            assert_eq!(first, spread(&id, 3), "stable");
+            seen[first] += 1;
+        }
+        for n in seen {
+            assert!((800..=1200).contains(&n), "roughly even: {seen:?}");
+        }
+        assert_eq!(spread("dev-1", 1), 0);
     }
 }

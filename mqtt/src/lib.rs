@@ -93,6 +93,11 @@ pub struct RawTls {
 pub struct ConnectionSpec {
     pub host: String,
     pub port: u16,
+    /// Further brokers of the same cluster, tried in turn when one cannot be reached
+    /// ([`Connection::alternates`]).
+    pub alternates: Vec<(String, u16)>,
+    /// In which order the brokers are tried.
+    pub order: BrokerOrder,
     pub username: Option<String>,
     /// A file whose content (without a trailing newline) is the password.
     pub password_file: Option<PathBuf>,
@@ -154,10 +159,49 @@ impl PartialEq for Tls {
 /// A validated broker connection.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Connection {
+    /// The first broker.
     pub host: String,
     pub port: u16,
+    /// Further brokers of the same cluster (a NATS cluster, Mosquittos behind one name...): when
+    /// the broker in use cannot be reached or drops the connection, the next connection goes to
+    /// the next one that answers (decision 0057). Empty for one broker.
+    pub alternates: Vec<(String, u16)>,
+    pub order: BrokerOrder,
     pub credentials: Option<Credentials>,
     pub tls: Option<Tls>,
+}
+
+/// Which broker of a list a link tries first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BrokerOrder {
+    /// The first, then the next: a coordinator or an operator's tool, which should use the
+    /// broker listed first (the closest) whenever it answers.
+    #[default]
+    InOrder,
+    /// One picked by the client id, then the next: devices spread over the brokers of a cluster
+    /// instead of all crowding the first, and each device comes back to the same one (decision
+    /// 0057).
+    SpreadById,
+}
+
+/// Parses `HOST:PORT` (`[v6]:PORT` for an IPv6 address), for broker lists in configs and flags.
+pub fn parse_host_port(text: &str) -> Result<(String, u16), String> {
+    let (host, port) = text
+        .trim()
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{text:?}: expected HOST:PORT like mqtt.example.com:8883"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("{text:?}: {port:?} is not a port"))?;
+    if host.is_empty() {
+        return Err(format!(
+            "{text:?}: expected HOST:PORT like mqtt.example.com:8883"
+        ));
+    }
+    Ok((host.to_owned(), port))
 }
 
 impl ConnectionSpec {
@@ -184,6 +228,15 @@ impl ConnectionSpec {
         if self.port == 0 {
             return Err(field_error("port", 0, "must be between 1 and 65535"));
         }
+        for (host, port) in &self.alternates {
+            if host.trim().is_empty() || *port == 0 {
+                return Err(field_error(
+                    "hosts",
+                    format!("{host}:{port}"),
+                    "every broker needs a host and a port",
+                ));
+            }
+        }
         let credentials = credentials(
             self.username,
             self.password_file.map(|p| base.join(p)),
@@ -197,6 +250,8 @@ impl ConnectionSpec {
         Ok(Connection {
             host: self.host,
             port: self.port,
+            alternates: self.alternates,
+            order: self.order,
             credentials,
             tls,
         })
@@ -384,24 +439,35 @@ impl Connection {
         Connection {
             host: host.to_owned(),
             port,
+            alternates: Vec::new(),
+            order: BrokerOrder::InOrder,
             credentials: None,
             tls: None,
         }
     }
 
-    /// `host:port`, for messages.
+    /// `host:port` of the first broker, for messages.
     pub fn addr(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        host_port(&self.host, self.port)
     }
 
-    /// How the connection is made, for logs: `mqtts://host:port as user`.
+    /// Every broker, the first one first.
+    pub fn brokers(&self) -> Vec<(String, u16)> {
+        std::iter::once((self.host.clone(), self.port))
+            .chain(self.alternates.iter().cloned())
+            .collect()
+    }
+
+    /// How the connection is made, for logs: `mqtts://host:port as user`, or
+    /// `mqtts://a:8883,b:8883 as user` for a list.
     pub fn describe(&self) -> String {
         let scheme = if self.tls.is_some() { "mqtts" } else { "mqtt" };
-        let mut text = format!("{scheme}://{}", self.addr());
+        let addrs: Vec<String> = self
+            .brokers()
+            .iter()
+            .map(|(h, p)| host_port(h, *p))
+            .collect();
+        let mut text = format!("{scheme}://{}", addrs.join(","));
         if let Some(c) = &self.credentials {
             text.push_str(&format!(" as {}", c.username));
         }
@@ -442,6 +508,15 @@ impl Connection {
             )));
         }
         options
+    }
+}
+
+/// `host:port`, with brackets around an IPv6 address.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 

@@ -276,6 +276,8 @@ impl SecureBroker {
         cert: Option<(PathBuf, PathBuf)>,
     ) -> ConnectionSpec {
         ConnectionSpec {
+            alternates: Vec::new(),
+            order: Default::default(),
             host: "127.0.0.1".into(),
             port,
             username: user.map(str::to_owned),

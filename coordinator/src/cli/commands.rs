@@ -44,7 +44,7 @@ pub enum CliError {
     Accept(#[from] crate::cli::accept::AcceptError),
     #[error(transparent)]
     Sign(#[from] crate::cli::sign::SignError),
-    #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883")]
+    #[error("{setting} {value:?} is invalid: expected HOST:PORT like 127.0.0.1:1883, or several separated by commas")]
     BrokerAddr {
         /// `--broker` or `FLOTILLA_BROKER`.
         setting: &'static str,
@@ -85,24 +85,21 @@ pub enum CliError {
     NoOperatorKey,
 }
 
-/// Parses `HOST:PORT`.
-pub fn parse_broker(value: &str) -> Result<(String, u16), CliError> {
+/// Parses `HOST:PORT`, or a list of them separated by commas (brokers of one cluster).
+pub fn parse_broker(value: &str) -> Result<Vec<(String, u16)>, CliError> {
     parse_broker_from(value, "--broker")
 }
 
-/// Parses `HOST:PORT` given as `setting` (`--broker` or `FLOTILLA_BROKER`).
-fn parse_broker_from(value: &str, setting: &'static str) -> Result<(String, u16), CliError> {
+/// Parses `HOST:PORT[,HOST:PORT...]` given as `setting` (`--broker` or `FLOTILLA_BROKER`).
+fn parse_broker_from(value: &str, setting: &'static str) -> Result<Vec<(String, u16)>, CliError> {
     let err = || CliError::BrokerAddr {
         setting,
         value: value.to_owned(),
     };
-    let (host, port) = value.rsplit_once(':').ok_or_else(err)?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let port: u16 = port.parse().map_err(|_| err())?;
-    if host.is_empty() || port == 0 {
-        return Err(err());
-    }
-    Ok((host.to_owned(), port))
+    value
+        .split(',')
+        .map(|one| flotilla_mqtt::parse_host_port(one).map_err(|_| err()))
+        .collect()
 }
 
 /// Where and how the CLI connects: the global broker flags, kept apart from the subcommand.
@@ -158,7 +155,8 @@ fn connection_from(
     auth: &BrokerAuth,
     origin: &Origins,
 ) -> Result<Connection, CliError> {
-    let (host, port) = parse_broker_from(broker, origin.of("broker"))?;
+    let mut brokers = parse_broker_from(broker, origin.of("broker"))?;
+    let (host, port) = brokers.remove(0);
     let tls = (auth.tls
         || auth.ca_file.is_some()
         || auth.client_cert.is_some()
@@ -171,6 +169,8 @@ fn connection_from(
     let spec = ConnectionSpec {
         host,
         port,
+        alternates: brokers,
+        order: flotilla_mqtt::BrokerOrder::InOrder,
         username: auth.username.clone(),
         password_file: auth.password_file.clone(),
         // Only looked at when there is a username and no password file.
@@ -838,14 +838,29 @@ mod tests {
     fn broker_addresses() {
         assert_eq!(
             parse_broker("127.0.0.1:1883").expect("ok"),
-            ("127.0.0.1".to_owned(), 1883)
+            [("127.0.0.1".to_owned(), 1883)]
         );
         assert_eq!(
-            parse_broker("mqtt.example.com:8883").expect("ok").0,
+            parse_broker("mqtt.example.com:8883").expect("ok")[0].0,
             "mqtt.example.com"
         );
-        assert_eq!(parse_broker("[::1]:1883").expect("ok").0, "::1");
-        for bad in ["nohost", ":1883", "host:", "host:99999", "host:0"] {
+        assert_eq!(parse_broker("[::1]:1883").expect("ok")[0].0, "::1");
+        assert_eq!(
+            parse_broker("a.example:1883,b.example:1884").expect("a list"),
+            [
+                ("a.example".to_owned(), 1883),
+                ("b.example".to_owned(), 1884)
+            ]
+        );
+        for bad in [
+            "nohost",
+            ":1883",
+            "host:",
+            "host:99999",
+            "host:0",
+            "a:1883,",
+            "a:1883,b",
+        ] {
             let err = parse_broker(bad).expect_err(bad);
             assert!(err.to_string().contains(bad), "{err}");
         }

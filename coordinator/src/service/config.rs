@@ -6,7 +6,7 @@
 //! config behaves the same under systemd as in a shell. The commented default is embedded and
 //! printed by `flotilla serve --print-default-config`.
 
-use flotilla_mqtt::{Connection, ConnectionSpec, Credentials, RawTls, Tls};
+use flotilla_mqtt::{BrokerOrder, Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_rollout::duration::parse_duration;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -64,8 +64,8 @@ pub struct Given<T> {
 /// (the CLI decides between flag and variable). Paths are relative to the working directory.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BrokerOverrides {
-    /// broker.host and broker.port.
-    pub addr: Option<Given<(String, u16)>>,
+    /// broker.host and broker.port, or broker.hosts when there are several (`--broker a:1883,b:1883`).
+    pub addr: Option<Given<Vec<(String, u16)>>>,
     pub topic_root: Option<Given<String>>,
     pub embedded: Option<Given<SocketAddr>>,
     /// Lets the embedded broker listen on an address other than loopback
@@ -240,8 +240,12 @@ pub struct EnrollmentConfig {
 /// Where the MQTT broker is, how to log in, and whether to run one in-process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BrokerConfig {
+    /// The first broker.
     pub host: String,
     pub port: u16,
+    /// Further brokers of the same cluster, tried in order when the one in use cannot be
+    /// reached (`[broker] hosts`, `--broker a:1883,b:1883`; decision 0057).
+    pub alternates: Vec<(String, u16)>,
     pub topic_root: String,
     /// Run rumqttd inside the coordinator, listening here.
     pub embedded: Option<SocketAddr>,
@@ -262,6 +266,7 @@ impl BrokerConfig {
         Self {
             host: host.to_owned(),
             port,
+            alternates: Vec::new(),
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
             embedded: None,
             client_id: DEFAULT_CLIENT_ID.into(),
@@ -400,6 +405,8 @@ impl Default for RawEnrollment {
 struct RawBroker {
     host: String,
     port: u16,
+    /// Several brokers of one cluster, `HOST:PORT` each, instead of `host` and `port`.
+    hosts: Vec<String>,
     topic_root: String,
     embedded: Option<String>,
     insecure_embedded: bool,
@@ -415,6 +422,7 @@ impl Default for RawBroker {
         Self {
             host: "127.0.0.1".into(),
             port: 1883,
+            hosts: Vec::new(),
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.into(),
             embedded: None,
             insecure_embedded: false,
@@ -463,9 +471,27 @@ impl TryFrom<Located<'_>> for Config {
             value: g.value.clone(),
             reason: reason.to_owned(),
         };
-        if let Some(addr) = &overrides.addr {
-            (raw.broker.host, raw.broker.port) = addr.value.clone();
+        // The brokers: `--broker` (one or a list), else broker.hosts, else broker.host:port.
+        let mut brokers: Vec<(String, u16)> = match &overrides.addr {
+            Some(addr) => addr.value.clone(),
+            None => {
+                let mut parsed = Vec::new();
+                for text in &raw.broker.hosts {
+                    parsed.push(flotilla_mqtt::parse_host_port(text).map_err(|reason| {
+                        ConfigError::Field {
+                            field: "broker.hosts",
+                            value: text.clone(),
+                            reason,
+                        }
+                    })?);
+                }
+                parsed
+            }
+        };
+        if !brokers.is_empty() {
+            (raw.broker.host, raw.broker.port) = brokers.remove(0);
         }
+        let alternates = brokers;
         let field = |field, value: &str, reason: &str| ConfigError::Field {
             field,
             value: value.to_owned(),
@@ -549,8 +575,8 @@ impl TryFrom<Located<'_>> for Config {
                 });
             }
             if let Some(g) = &overrides.addr {
-                let (host, port) = &g.value;
-                if !names_embedded(host, *port, addr) {
+                let (host, port) = (&raw.broker.host, &raw.broker.port);
+                if !alternates.is_empty() || !names_embedded(host, *port, addr) {
                     return Err(ConfigError::Given {
                         setting: g.from,
                         value: format!("{host}:{port}"),
@@ -584,6 +610,8 @@ impl TryFrom<Located<'_>> for Config {
             ConnectionSpec {
                 host: broker.host,
                 port: broker.port,
+                alternates,
+                order: BrokerOrder::InOrder,
                 username: broker.username,
                 password_file: broker.password_file,
                 password_env: broker.password_env,
@@ -737,6 +765,7 @@ impl TryFrom<Located<'_>> for Config {
             broker: BrokerConfig {
                 host: connection.host,
                 port: connection.port,
+                alternates: connection.alternates,
                 topic_root: broker.topic_root,
                 embedded,
                 client_id: broker.client_id,
@@ -950,6 +979,8 @@ impl Config {
         Connection {
             host,
             port,
+            alternates: self.broker.alternates.clone(),
+            order: BrokerOrder::InOrder,
             credentials: self.broker.credentials.clone(),
             tls: self.broker.tls.clone(),
         }
@@ -1227,7 +1258,7 @@ mod tests {
         };
         let overrides = BrokerOverrides {
             addr: Some(Given {
-                value: ("flag-host".to_owned(), 8883),
+                value: vec![("flag-host".to_owned(), 8883)],
                 from: "--broker",
             }),
             topic_root: given("env-root", "FLOTILLA_TOPIC_ROOT"),
@@ -1281,7 +1312,7 @@ mod tests {
                 from: "--insecure-embedded-broker",
             }),
             addr: Some(Given {
-                value: ("localhost".to_owned(), 18830),
+                value: vec![("localhost".to_owned(), 18830)],
                 from: "FLOTILLA_BROKER",
             }),
             ..BrokerOverrides::default()
@@ -1290,7 +1321,7 @@ mod tests {
         assert_eq!(config.connection().credentials, None, "plain loopback");
         let other = BrokerOverrides {
             addr: Some(Given {
-                value: ("localhost".to_owned(), 1883),
+                value: vec![("localhost".to_owned(), 1883)],
                 from: "FLOTILLA_BROKER",
             }),
             ..same
