@@ -160,28 +160,45 @@ impl DaemonInstall<'_> {
 
     /// Asks `GET_STATUS` until the daemon is idle with nothing queued, logging its messages;
     /// returns the last result and the `ERROR` messages seen.
+    ///
+    /// Idle means its "Waiting for requests..." message was read, or it was idle with nothing
+    /// queued twice in a row (another client may have taken that message). The installer goes
+    /// back to waiting for a request only after that message: a request sent earlier would not
+    /// wake it.
     fn wait_idle(&self, deadline: Instant) -> Result<(Recovery, Vec<String>), DaemonError> {
         let mut errors = Vec::new();
+        let mut idle_before = false;
         loop {
             let mut conn = connect(self.socket)?;
             set_timeouts(&conn, deadline)?;
             let reply = exchange(&mut conn, &ipc::status_request(), "GET_STATUS")?;
             let status = reply.status;
             if !status.desc.is_empty() {
-                if status.current == Recovery::Failure {
-                    warn!(action_id = self.action_id, "swupdate: {}", status.desc);
-                    let text = status.desc.trim();
-                    let text = text.strip_prefix("ERROR :").unwrap_or(text).trim();
-                    if !text.is_empty() && !errors.iter().any(|e| e == text) {
-                        errors.push(text.to_owned());
+                match status.current {
+                    Recovery::Failure => {
+                        warn!(action_id = self.action_id, "swupdate: {}", status.desc);
+                        let text = status.desc.trim();
+                        let text = text.strip_prefix("ERROR :").unwrap_or(text).trim();
+                        if !text.is_empty() && !errors.iter().any(|e| e == text) {
+                            errors.push(text.to_owned());
+                        }
                     }
-                } else {
-                    info!(action_id = self.action_id, "swupdate: {}", status.desc);
+                    Recovery::Idle => {
+                        info!(action_id = self.action_id, "swupdate: {}", status.desc);
+                        return Ok((status.last_result, errors));
+                    }
+                    _ => info!(action_id = self.action_id, "swupdate: {}", status.desc),
                 }
+                idle_before = false;
                 continue;
             }
             if status.current == Recovery::Idle {
-                return Ok((status.last_result, errors));
+                if idle_before {
+                    return Ok((status.last_result, errors));
+                }
+                idle_before = true;
+            } else {
+                idle_before = false;
             }
             if Instant::now() >= deadline {
                 return Err(DaemonError::TimedOut);
