@@ -1153,7 +1153,10 @@ timeouts = { activate = "45m" }"#,
         assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
         let e = swupdate(r#"socket = "sockinstctrl""#);
         assert!(e.starts_with("target[0].socket: \"sockinstctrl\""), "{e}");
-        let e = err(FILE_TARGET, "kind = \"file\"\npath = \"/a\"\nsocket = \"/tmp/s\"");
+        let e = err(
+            FILE_TARGET,
+            "kind = \"file\"\npath = \"/a\"\nsocket = \"/tmp/s\"",
+        );
         assert!(e.starts_with("target[0].socket: is not a setting"), "{e}");
         let e = err(FILE_TARGET, "kind = \"file\"\npath = \"/a\"\nreboot = true");
         assert!(

@@ -769,8 +769,13 @@ fn swupdate_socket_refuses_a_tampered_image_with_its_own_error() {
         let target = h.open();
         target.check(&c).expect("check");
         let forged = h.device.swu("forged", NEW, true);
-        target.stage(&c, &forged).expect("it still looks like a .swu");
-        let message = target.activate(&c).expect_err("SWUpdate refuses it").to_string();
+        target
+            .stage(&c, &forged)
+            .expect("it still looks like a .swu");
+        let message = target
+            .activate(&c)
+            .expect_err("SWUpdate refuses it")
+            .to_string();
         assert!(
             message.contains("Signature verification failed"),
             "SWUpdate's own error: {message}"
@@ -802,7 +807,10 @@ fn swupdate_socket_without_a_daemon_falls_back_to_swupdate_i() {
         let target = SwupdateTarget::new(config.clone()).expect("config");
         target.check(&c).expect("check");
         target.stage(&c, &h.artifact("img", NEW)).expect("stage");
-        assert_eq!(target.activate(&c).expect("activate"), Activation::RebootRequired);
+        assert_eq!(
+            target.activate(&c).expect("activate"),
+            Activation::RebootRequired
+        );
         h.reboot();
         let target = SwupdateTarget::new(config).expect("config");
         target.confirm(&c).expect("confirm");

@@ -67,7 +67,9 @@ impl DaemonInstall<'_> {
     /// Installs the image; `Ok` when SWUpdate reported `SUCCESS`.
     pub(crate) fn run(&self) -> Result<(), DaemonError> {
         let deadline = Instant::now() + self.timeout;
-        let progress = self.progress_socket.and_then(|p| follow_progress(p, self.action_id));
+        let progress = self
+            .progress_socket
+            .and_then(|p| follow_progress(p, self.action_id));
         let result = self.install(deadline);
         if let Some((stream, reader)) = progress {
             // Wakes the reader from its blocking read; it ends on the closed stream.
@@ -90,12 +92,19 @@ impl DaemonInstall<'_> {
             })?
             .len();
         let mut conn = self.request_install(len, deadline)?;
-        debug!(action_id = self.action_id, bytes = len, "SWUpdate's daemon takes the image");
+        debug!(
+            action_id = self.action_id,
+            bytes = len,
+            "SWUpdate's daemon takes the image"
+        );
         // A daemon that refused the archive stops reading and closes: the rest of the bytes have
         // nowhere to go, and its messages say why.
         let sent = io::copy(&mut image, &mut conn);
         if let Err(e) = &sent {
-            debug!(action_id = self.action_id, "SWUpdate stopped reading the image: {e}");
+            debug!(
+                action_id = self.action_id,
+                "SWUpdate stopped reading the image: {e}"
+            );
         }
         let _ = conn.shutdown(Shutdown::Write);
         let mut rest = Vec::new();
@@ -232,7 +241,10 @@ fn set_timeouts(conn: &UnixStream, deadline: Instant) -> Result<(), DaemonError>
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// Writes one message and reads the one answer.
@@ -251,16 +263,15 @@ fn exchange(conn: &mut UnixStream, message: &[u8], what: &str) -> Result<ipc::Re
     let mut answer = vec![0u8; ipc::MSG_SIZE];
     conn.read_exact(&mut answer).map_err(io_err)?;
     ipc::parse_reply(&answer).map_err(|e| {
-        DaemonError::Protocol(format!("SWUpdate's answer to {what} is not SWUpdate 2022.12's: {e}"))
+        DaemonError::Protocol(format!(
+            "SWUpdate's answer to {what} is not SWUpdate 2022.12's: {e}"
+        ))
     })
 }
 
 /// Connects to the progress socket and logs what comes in a thread; `None` when it does not
 /// listen (progress is for the log only).
-fn follow_progress(
-    socket: &Path,
-    action_id: &str,
-) -> Option<(UnixStream, thread::JoinHandle<()>)> {
+fn follow_progress(socket: &Path, action_id: &str) -> Option<(UnixStream, thread::JoinHandle<()>)> {
     let stream = match UnixStream::connect(socket) {
         Ok(stream) => stream,
         Err(e) => {
