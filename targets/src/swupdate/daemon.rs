@@ -317,3 +317,114 @@ fn follow_progress(socket: &Path, action_id: &str) -> Option<(UnixStream, thread
     });
     Some((stream, handle))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// Plays SWUpdate's daemon on a socket for `connections` connections: answers each from
+    /// `script`, which gets the request's type and image length and returns the reply (or
+    /// `None`: ACK, read the image to its end, then close). Returns the image it read.
+    fn fake_daemon(
+        socket: &Path,
+        connections: usize,
+        mut script: impl FnMut(u32, u32) -> Option<Vec<u8>> + Send + 'static,
+    ) -> thread::JoinHandle<Vec<u8>> {
+        let listener = UnixListener::bind(socket).expect("bind");
+        thread::spawn(move || {
+            let mut image = Vec::new();
+            for conn in listener.incoming().take(connections) {
+                let mut conn = conn.expect("accept");
+                let mut request = vec![0u8; ipc::MSG_SIZE];
+                conn.read_exact(&mut request).expect("request");
+                let (kind, len) = ipc::test_request(&request);
+                match script(kind, len) {
+                    Some(reply) => conn.write_all(&reply).expect("reply"),
+                    None => {
+                        conn.write_all(&ipc::test_reply(1, 0, 0, "")).expect("ACK");
+                        conn.read_to_end(&mut image).expect("image");
+                    }
+                }
+            }
+            image
+        })
+    }
+
+    #[test]
+    fn a_busy_daemon_is_waited_for_then_the_image_is_sent_and_its_errors_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("sockinstctrl");
+        let image_path = dir.path().join("image.swu");
+        std::fs::write(&image_path, b"070701 a .swu, as far as this daemon cares").expect("image");
+        // REQ_INSTALL -> busy; status: the other install ends; REQ_INSTALL -> taken; status:
+        // SWUpdate's error, the generic one, idle with FAILURE.
+        let mut step = 0;
+        let daemon = fake_daemon(&socket, 7, move |kind, len| {
+            step += 1;
+            match (step, kind) {
+                (1, 0) => Some(ipc::test_reply(2, 0, 0, "Installation in progress")),
+                (2, 3) => Some(ipc::test_reply(1, 2, 3, "[install_images] : writing")),
+                (3, 3) => Some(ipc::test_reply(1, 0, 3, "Waiting for requests...")),
+                (4, 0) => {
+                    assert_eq!(len, 42, "the image's length in the request");
+                    None
+                }
+                (5, 3) => Some(ipc::test_reply(1, 4, 4, "ERROR : HASH mismatch : a <--> b")),
+                (6, 3) => Some(ipc::test_reply(1, 4, 4, "Installation failed !")),
+                (7, 3) => Some(ipc::test_reply(1, 0, 4, "Waiting for requests...")),
+                other => panic!("unexpected request {other:?}"),
+            }
+        });
+        let result = DaemonInstall {
+            socket: &socket,
+            progress_socket: None,
+            image: &image_path,
+            timeout: Duration::from_secs(60),
+            action_id: "act-1",
+        }
+        .run();
+        match result {
+            Err(DaemonError::Failed(messages)) => assert_eq!(
+                messages,
+                vec![
+                    "HASH mismatch : a <--> b".to_owned(),
+                    "Installation failed !".to_owned()
+                ]
+            ),
+            other => panic!("expected SWUpdate's errors, got {other:?}"),
+        }
+        assert_eq!(
+            daemon.join().expect("daemon"),
+            b"070701 a .swu, as far as this daemon cares"
+        );
+    }
+
+    #[test]
+    fn nothing_listening_is_told_apart_from_other_failures() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = dir.path().join("image.swu");
+        std::fs::write(&image, b"x").expect("image");
+        let install = |socket: &Path| {
+            DaemonInstall {
+                socket,
+                progress_socket: None,
+                image: &image,
+                timeout: Duration::from_secs(5),
+                action_id: "act-1",
+            }
+            .run()
+        };
+        let missing = dir.path().join("sockinstctrl");
+        assert!(matches!(
+            install(&missing),
+            Err(DaemonError::NotListening(_))
+        ));
+        // A dead daemon's socket file: refused.
+        drop(UnixListener::bind(&missing).expect("bind"));
+        assert!(matches!(
+            install(&missing),
+            Err(DaemonError::NotListening(_))
+        ));
+    }
+}

@@ -279,6 +279,27 @@ pub(crate) fn parse_progress(buf: &[u8]) -> Result<Progress, String> {
     })
 }
 
+/// A reply as the daemon writes it, for tests that play the daemon.
+#[cfg(test)]
+pub(crate) fn test_reply(kind: u32, current: u32, last_result: u32, desc: &str) -> Vec<u8> {
+    let mut buf = header(MsgType::from_code(kind));
+    put_u32(&mut buf, msg::STATUS_CURRENT, current);
+    put_u32(&mut buf, msg::STATUS_LAST_RESULT, last_result);
+    if kind == 2 {
+        // A NACK's reason is in data.msg, where the status fields would be.
+        buf[msg::DATA..msg::DATA + desc.len()].copy_from_slice(desc.as_bytes());
+    } else {
+        buf[msg::STATUS_DESC..msg::STATUS_DESC + desc.len()].copy_from_slice(desc.as_bytes());
+    }
+    buf
+}
+
+/// The message type and, for an install request, the image length of a message a client sent.
+#[cfg(test)]
+pub(crate) fn test_request(buf: &[u8]) -> (u32, u32) {
+    (get_u32(buf, msg::TYPE), get_u32(buf, msg::REQ + req::LEN))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
