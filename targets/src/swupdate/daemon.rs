@@ -290,10 +290,12 @@ fn follow_progress(socket: &Path, action_id: &str) -> Option<(UnixStream, thread
                 debug!(action_id, socket = %socket.display(), "not a progress message");
                 return;
             };
-            // One line per step and per quarter of a step.
+            // One line per step and per quarter of a step. SWUpdate counts one more step after
+            // the last (1/1, then 2/1) as it ends: that one is not shown.
             let now = (p.cur_step, p.cur_percent / 25);
+            let in_range = p.cur_step > 0 && p.cur_step <= p.nsteps;
             match p.status {
-                Recovery::Run | Recovery::Progress if now != shown && p.cur_step > 0 => {
+                Recovery::Run | Recovery::Progress if now != shown && in_range => {
                     shown = now;
                     let what = if p.cur_image.is_empty() {
                         String::new()
