@@ -119,7 +119,8 @@ pub enum TargetKind {
     Script(ScriptConfig),
     /// `kind = "mender-module"`: an unchanged Mender update module.
     MenderModule(MenderModuleConfig),
-    /// `kind = "swupdate"`: a `.swu` image installed with `swupdate -i`.
+    /// `kind = "swupdate"`: a `.swu` image installed with `swupdate -i` or through a running
+    /// SWUpdate daemon's socket.
     Swupdate(SwupdateConfig),
     /// `kind = "rauc"`: a RAUC bundle installed through RAUC's service.
     Rauc(RaucConfig),
@@ -1151,6 +1152,24 @@ timeouts = { activate = "45m" }"#,
         assert_eq!(swu.confirm_command, None);
         assert_eq!(swu.install_timeout, Duration::from_secs(45 * 60));
         assert_eq!(swu.state_dir, c.data_dir.join("targets").join("app"));
+        assert_eq!(swu.socket, None, "swupdate -i unless a socket is set");
+
+        let c = with(
+            FILE_TARGET,
+            "kind = \"swupdate\"\nsocket = \"/run/swupdate/sockinstctrl\"",
+        )
+        .expect("a swupdate target with a socket");
+        let Some(TargetKind::Swupdate(swu)) = c.target("app").map(|t| t.kind.clone()) else {
+            panic!("expected a swupdate target");
+        };
+        assert_eq!(
+            swu.socket.as_deref(),
+            Some(std::path::Path::new("/run/swupdate/sockinstctrl"))
+        );
+        assert_eq!(
+            swu.progress_socket(),
+            Some(PathBuf::from("/run/swupdate/swupdateprog"))
+        );
 
         let swupdate = |rest: &str| err(FILE_TARGET, &format!("kind = \"swupdate\"\n{rest}"));
         let e = swupdate(r#"args = ["-i", "/tmp/other.swu"]"#);
@@ -1166,6 +1185,13 @@ timeouts = { activate = "45m" }"#,
         );
         let e = swupdate(r#"slots = ["/a", "/b"]"#);
         assert!(e.starts_with("target[0].slots: is not a setting"), "{e}");
+        let e = swupdate(r#"socket = "sockinstctrl""#);
+        assert!(e.starts_with("target[0].socket: \"sockinstctrl\""), "{e}");
+        let e = err(
+            FILE_TARGET,
+            "kind = \"file\"\npath = \"/a\"\nsocket = \"/tmp/s\"",
+        );
+        assert!(e.starts_with("target[0].socket: is not a setting"), "{e}");
         let e = err(FILE_TARGET, "kind = \"file\"\npath = \"/a\"\nreboot = true");
         assert!(
             e.starts_with("target[0].reboot: is not a setting of kind \"file\""),

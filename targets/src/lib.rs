@@ -18,7 +18,8 @@
 //! - [`mender`]: [`MenderModuleTarget`], which runs an unchanged Mender update module (protocol
 //!   v3) through its states; see `docs/targets.md` for the mapping.
 //! - [`swupdate`]: [`SwupdateTarget`], which installs a `.swu` image with SWUpdate
-//!   (`swupdate -i`) and maps confirm, rollback and reboot to configured commands.
+//!   (`swupdate -i`, or through a running SWUpdate daemon's IPC socket) and maps confirm,
+//!   rollback and reboot to configured commands.
 //! - [`rauc`]: [`RaucTarget`], which installs a RAUC bundle through RAUC's service (its `rauc`
 //!   client) and maps confirm and rollback onto RAUC's slot marks.
 //! - [`fs`]: the atomic, fsync-ing file helpers that every file write on a device goes through

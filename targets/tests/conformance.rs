@@ -12,8 +12,9 @@
 //!
 //! Targets run here: `file`; `ab` with the file, U-Boot (`fw_setenv` on a file-backed
 //! environment) and GRUB (`grub-editenv`) backends; `script` with `tests/scripts/copy-target.sh`;
-//! `swupdate` with Debian's real `swupdate -i` on a dual-copy device in miniature (CMS-signed
-//! `.swu` images built here with the openssl and cpio CLIs); `rauc` with Debian's real RAUC
+//! `swupdate` with Debian's real SWUpdate on a dual-copy device in miniature (CMS-signed
+//! `.swu` images built here with the openssl and cpio CLIs), by `swupdate -i` and through a
+//! running daemon's IPC socket (`swupdate_socket`); `rauc` with Debian's real RAUC
 //! service on file-backed slots (`harness/rauc.rs`).
 //! The U-Boot, GRUB, SWUpdate and RAUC suites need libubootenv-tool, grub-common, swupdate with
 //! cpio and openssl, and rauc with squashfs-tools and dbus; without them each test prints a loud SKIPPED line and passes (and fails
@@ -755,6 +756,65 @@ fn swupdate_refuses_foreign_hardware_and_non_swu_artifacts() {
             .expect_err("not a .swu")
             .to_string();
         assert!(message.contains("not a SWUpdate image"), "{message}");
+    })
+}
+
+/// Through the daemon's socket, a tampered image is refused with SWUpdate's own error (read from
+/// the daemon's status messages), the device keeps its copy, and the daemon takes the next image.
+#[test]
+fn swupdate_socket_refuses_a_tampered_image_with_its_own_error() {
+    with_swupdate(|| {
+        let h = SwupdateDaemonHarness::new(Some(ORIGINAL));
+        let c = ctx("tampered");
+        let target = h.open();
+        target.check(&c).expect("check");
+        let forged = h.device.swu("forged", NEW, true);
+        target
+            .stage(&c, &forged)
+            .expect("it still looks like a .swu");
+        let message = target
+            .activate(&c)
+            .expect_err("SWUpdate refuses it")
+            .to_string();
+        assert!(
+            message.contains("Signature verification failed"),
+            "SWUpdate's own error: {message}"
+        );
+        h.reboot();
+        assert_eq!(h.installed().as_deref(), Some(ORIGINAL));
+        roll_back(&h, h.open(), &c);
+
+        let c = ctx("good-after-bad");
+        let target = stage_and_activate(&h, &c, NEW);
+        target.confirm(&c).expect("confirm");
+        assert_eq!(h.installed().as_deref(), Some(NEW));
+        assert!(
+            h.daemon_log().contains("SWUPDATE successful"),
+            "the daemon installed it:\n{}",
+            h.daemon_log()
+        );
+    })
+}
+
+/// With `socket` set and no daemon listening there, the target installs with `swupdate -i`.
+#[test]
+fn swupdate_socket_without_a_daemon_falls_back_to_swupdate_i() {
+    with_swupdate(|| {
+        let h = SwupdateHarness::new(Some(ORIGINAL));
+        let mut config = h.config();
+        config.socket = Some(h.dir.path().join("no-daemon/sockinstctrl"));
+        let c = ctx("fallback");
+        let target = SwupdateTarget::new(config.clone()).expect("config");
+        target.check(&c).expect("check");
+        target.stage(&c, &h.artifact("img", NEW)).expect("stage");
+        assert_eq!(
+            target.activate(&c).expect("activate"),
+            Activation::RebootRequired
+        );
+        h.reboot();
+        let target = SwupdateTarget::new(config).expect("config");
+        target.confirm(&c).expect("confirm");
+        assert_eq!(h.installed().as_deref(), Some(NEW));
     })
 }
 

@@ -1,11 +1,94 @@
-//! SWUpdate images for end-to-end tests: a throwaway signing certificate and CMS-signed `.swu`
-//! archives built with the openssl and cpio command-line tools, as Debian's `swupdate` (built
-//! for signed images only) accepts them.
+//! SWUpdate for end-to-end tests: a throwaway signing certificate and CMS-signed `.swu` archives
+//! built with the openssl and cpio command-line tools, as Debian's `swupdate` (built for signed
+//! images only) accepts them; a SWUpdate daemon with private sockets; and the machine-wide lock
+//! every test running SWUpdate holds, because SWUpdate binds the abstract socket
+//! `@NotifyServer`, one name for the whole machine.
 
 use std::fs;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Waits until no other test on this machine runs SWUpdate (the conformance suite takes the same
+/// lock file), and keeps it that way until the returned file is dropped.
+pub fn swupdate_lock() -> fs::File {
+    let path = std::env::temp_dir().join("flotilla-swupdate-tests.lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .expect("the SWUpdate test lock file");
+    file.lock().expect("lock the SWUpdate test lock file");
+    file
+}
+
+/// A running SWUpdate daemon (`swupdate` without `-i`), as on a device that keeps it for its web
+/// server or suricatta. Its sockets are in a private `TMPDIR`; its output in `daemon.log`.
+/// Killed with its children when dropped.
+pub struct SwupdateDaemon {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl SwupdateDaemon {
+    /// Starts `swupdate <args>` in `dir` and waits until its install socket answers.
+    pub fn start(dir: &Path, args: &[&str]) -> SwupdateDaemon {
+        use std::os::unix::process::CommandExt as _;
+        let tmpdir = dir.join("tmp");
+        fs::create_dir_all(&tmpdir).expect("daemon TMPDIR");
+        let log = fs::File::create(dir.join("daemon.log")).expect("daemon log");
+        let child = Command::new("swupdate")
+            .args(args)
+            .env("TMPDIR", &tmpdir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("daemon log"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .expect("swupdate starts");
+        let mut daemon = SwupdateDaemon {
+            child,
+            dir: dir.to_path_buf(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(daemon.socket()).is_err() {
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("the SWUpdate daemon exited ({status}): {}", daemon.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the SWUpdate daemon does not listen: {}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        daemon
+    }
+
+    /// Its install socket, for the agent's `socket` setting.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("tmp/sockinstctrl")
+    }
+
+    /// What it printed so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for SwupdateDaemon {
+    /// SIGKILL to its process group: SWUpdate 2022.12's SIGTERM handler does not end it.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.child.id())])
+                .status();
+            let _ = self.child.wait();
+        }
+    }
+}
 
 /// Whether a test that needs SWUpdate can run: `swupdate`, `cpio` and `openssl` are installed.
 /// With `FLOTILLA_REQUIRE_TOOLS=1` (CI, whose `.ci/run` installs them) a missing one fails the

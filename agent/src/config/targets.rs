@@ -53,6 +53,10 @@ pub(super) struct RawTarget {
     confirm_command: Option<Vec<String>>,
     /// swupdate: runs at rollback of an installed image (e.g. switches the bootloader back).
     rollback_command: Option<Vec<String>>,
+    /// swupdate: a running SWUpdate daemon's install socket, e.g. `/tmp/sockinstctrl`.
+    socket: Option<PathBuf>,
+    /// swupdate: the daemon's progress socket; default `swupdateprog` beside `socket`.
+    progress_socket: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -130,6 +134,8 @@ pub(super) fn target_kind(
             ("reboot", t.reboot.is_some()),
             ("confirm_command", t.confirm_command.is_some()),
             ("rollback_command", t.rollback_command.is_some()),
+            ("socket", t.socket.is_some()),
+            ("progress_socket", t.progress_socket.is_some()),
         ] {
             only_for(name, present, "\"swupdate\"")?;
         }
@@ -365,6 +371,16 @@ pub(super) fn target_kind(
                 config.program = path.clone();
             }
             config.args = t.args.clone().unwrap_or_default();
+            for (name, socket) in [
+                ("socket", &t.socket),
+                ("progress_socket", &t.progress_socket),
+            ] {
+                if let Some(socket) = socket {
+                    absolute(name, socket, "SWUpdate's socket")?;
+                }
+            }
+            config.socket = t.socket.clone();
+            config.progress_socket = t.progress_socket.clone();
             if let Some(timeout) = install_timeout()? {
                 config.install_timeout = timeout;
             }

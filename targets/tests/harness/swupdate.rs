@@ -1,5 +1,12 @@
-//! The conformance harness of the `swupdate` target: Debian's real `swupdate -i` on a dual-copy
-//! device in miniature, with CMS-signed `.swu` images built by the openssl and cpio CLIs.
+//! The conformance harnesses of the `swupdate` target: Debian's real SWUpdate on a dual-copy
+//! device in miniature, with CMS-signed `.swu` images built by the openssl and cpio CLIs, once
+//! with `swupdate -i` ([`SwupdateHarness`]) and once through a running SWUpdate daemon's IPC
+//! socket ([`SwupdateDaemonHarness`]).
+//!
+//! SWUpdate binds the abstract socket `@NotifyServer`, one name for the whole machine, so no two
+//! SWUpdate processes may run at once: every harness holds [`swupdate_lock`] (a lock file, so
+//! other test binaries wait too) while it lives. The daemon's install and progress sockets are
+//! private: it runs with its own `TMPDIR`.
 
 use super::*;
 
@@ -12,6 +19,21 @@ use super::*;
 /// at `previous`.
 pub struct SwupdateHarness {
     pub dir: tempfile::TempDir,
+    _one_swupdate: fs::File,
+}
+
+/// Waits until no other test on this machine runs SWUpdate, and keeps it that way until the
+/// returned file is dropped.
+pub fn swupdate_lock() -> fs::File {
+    let path = std::env::temp_dir().join("flotilla-swupdate-tests.lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .expect("the SWUpdate test lock file");
+    file.lock().expect("lock the SWUpdate test lock file");
+    file
 }
 
 /// The tools the SWUpdate suite drives: Debian's swupdate, with openssl and cpio to build images.
@@ -98,6 +120,7 @@ impl SwupdateHarness {
     }
 
     pub fn new(initial: Option<&[u8]>) -> Self {
+        let one_swupdate = swupdate_lock();
         let dir = tempfile::tempdir().expect("tempdir");
         let p = dir.path();
         for d in ["copy-a", "copy-b", "downloads", "builds"] {
@@ -125,7 +148,10 @@ impl SwupdateHarness {
             std::os::unix::fs::PermissionsExt::from_mode(0o755),
         )
         .expect("chmod");
-        Self { dir }
+        Self {
+            dir,
+            _one_swupdate: one_swupdate,
+        }
     }
 
     pub fn config(&self) -> SwupdateConfig {
@@ -229,6 +255,169 @@ impl Harness for SwupdateHarness {
 conformance_suite!(
     swupdate,
     SwupdateHarness::make,
+    requires swupdate_tools
+);
+
+/// A running SWUpdate daemon (`swupdate` without `-i`), its sockets in a private `TMPDIR`, its
+/// output in `daemon.log`. Stopped (with its children) when dropped.
+pub struct SwupdateDaemon {
+    child: std::process::Child,
+    tmpdir: PathBuf,
+}
+
+impl SwupdateDaemon {
+    /// Starts `swupdate <args>` with `TMPDIR=<dir>/tmp` and waits until its install socket
+    /// answers.
+    pub fn start(dir: &Path, args: &[String]) -> Self {
+        use std::os::unix::process::CommandExt as _;
+        let tmpdir = dir.join("tmp");
+        fs::create_dir_all(&tmpdir).expect("daemon TMPDIR");
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("daemon.log"))
+            .expect("daemon log");
+        let child = Command::new("swupdate")
+            .args(args)
+            .env("TMPDIR", &tmpdir)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .expect("swupdate starts");
+        let mut daemon = Self { child, tmpdir };
+        let socket = daemon.socket();
+        for _ in 0..300 {
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                return daemon;
+            }
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!(
+                    "the SWUpdate daemon exited ({status}): {}",
+                    fs::read_to_string(dir.join("daemon.log")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        daemon.stop();
+        panic!("the SWUpdate daemon did not listen on {}", socket.display());
+    }
+
+    /// Its install socket.
+    pub fn socket(&self) -> PathBuf {
+        self.tmpdir.join("sockinstctrl")
+    }
+
+    /// Stops it and the processes it started (they share its process group). SIGKILL, as a
+    /// power cut would: SWUpdate 2022.12's SIGTERM handler only cancels its network thread, and
+    /// its children then unlink the sockets while the main process stays.
+    pub fn stop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.child.id())])
+                .status();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for SwupdateDaemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The dual-copy device of [`SwupdateHarness`], its SWUpdate running as a daemon that the target
+/// reaches through the `socket` setting. The daemon is started with `-e stable,copy-X` for the
+/// copy not running (what the wrapper does for `-i`), so the harness restarts it at every
+/// reboot, as the device's init would; the rollback command points `next` back at the copy
+/// the last switch came from.
+pub struct SwupdateDaemonHarness {
+    // Dropped first: the daemon stops before the device's directory and the lock go.
+    daemon: std::sync::Mutex<Option<SwupdateDaemon>>,
+    pub device: SwupdateHarness,
+}
+
+impl SwupdateDaemonHarness {
+    pub fn make(initial: Option<&[u8]>) -> Box<dyn Harness> {
+        Box::new(Self::new(initial))
+    }
+
+    pub fn new(initial: Option<&[u8]>) -> Self {
+        let h = Self {
+            daemon: std::sync::Mutex::new(None),
+            device: SwupdateHarness::new(initial),
+        };
+        let p = h.device.dir.path();
+        fs::write(p.join("previous"), h.device.running_copy()).expect("previous");
+        h.boot();
+        h
+    }
+
+    /// (Re)starts the daemon for the copy that runs now.
+    fn boot(&self) {
+        let mut daemon = self.daemon.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut old) = daemon.take() {
+            old.stop();
+        }
+        let p = self.device.dir.path();
+        let current = self.device.running_copy();
+        let other = if current == "a" { "b" } else { "a" };
+        let mut args = self.device.config().args;
+        args.extend(["-e".to_owned(), format!("stable,copy-{other}")]);
+        *daemon = Some(SwupdateDaemon::start(&p.join("daemon"), &args));
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.device.dir.path().join("daemon/tmp/sockinstctrl")
+    }
+
+    /// The target's configuration: the daemon's socket, and a program that fails loudly, so a
+    /// fallback to `swupdate -i` cannot pass for an install through the socket.
+    pub fn config(&self) -> SwupdateConfig {
+        let mut config = self.device.config();
+        config.socket = Some(self.socket());
+        config.program = PathBuf::from("/bin/false");
+        config.install_timeout = std::time::Duration::from_secs(300);
+        config
+    }
+
+    /// What the daemon printed so far.
+    pub fn daemon_log(&self) -> String {
+        fs::read_to_string(self.device.dir.path().join("daemon/daemon.log")).unwrap_or_default()
+    }
+}
+
+impl Harness for SwupdateDaemonHarness {
+    fn open(&self) -> Box<dyn UpdateTarget> {
+        Box::new(SwupdateTarget::new(self.config()).expect("valid swupdate config"))
+    }
+
+    fn artifact(&self, name: &str, content: &[u8]) -> PathBuf {
+        self.device.artifact(name, content)
+    }
+
+    fn installed(&self) -> Option<Vec<u8>> {
+        self.device.installed()
+    }
+
+    /// The bootloader switches to `next` and remembers the copy it came from as `previous` (with
+    /// `-i` the wrapper records it at each install; a daemon installs without it).
+    fn reboot(&self) {
+        let p = self.device.dir.path();
+        let current = self.device.running_copy();
+        if fs::read_to_string(p.join("next")).is_ok_and(|next| next != current) {
+            fs::write(p.join("previous"), current).expect("previous");
+        }
+        self.device.reboot();
+        self.boot();
+    }
+}
+
+conformance_suite!(
+    swupdate_socket,
+    SwupdateDaemonHarness::make,
     requires swupdate_tools
 );
 

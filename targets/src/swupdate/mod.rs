@@ -1,6 +1,6 @@
-//! The `swupdate` target: installs a `.swu` image with SWUpdate (`swupdate -i`), so devices
-//! whose images are built for SWUpdate (files, raw partitions, a dual-copy rootfs) update
-//! through flotilla's rollouts.
+//! The `swupdate` target: installs a `.swu` image with SWUpdate, through a running SWUpdate
+//! daemon's IPC socket or with `swupdate -i`, so devices whose images are built for SWUpdate
+//! (files, raw partitions, a dual-copy rootfs) update through flotilla's rollouts.
 //!
 //! # Mapping (the full text is in `docs/targets.md`)
 //!
@@ -9,12 +9,15 @@
 //!   member is `sw-description`, read from its first header only); it is copied into the state
 //!   directory. Nothing runs yet: SWUpdate checks the signature and the hardware compatibility
 //!   when it installs.
-//! - `activate`: `swupdate <args> -i <staged .swu>`, with the configured arguments (typically
-//!   `-k cert.pem -H board:1.0`). Every line SWUpdate prints goes to the agent's log as it
-//!   prints it; a refusal carries SWUpdate's own error lines ("Signature verification failed",
-//!   "Compatible SW not found", "HASH mismatch"). With `reboot = true` (the image writes a
-//!   rootfs copy) the answer is [`Activation::RebootRequired`] and the configured reboot command
-//!   runs after the agent saved its state.
+//! - `activate`: with `socket` set and a daemon listening there, the staged image goes to the
+//!   daemon ([`daemon`]; its progress and messages go to the agent's log as they come).
+//!   Otherwise (no `socket`, or nothing listens there: logged) `swupdate <args> -i <staged
+//!   .swu>`, with the configured arguments (typically `-k cert.pem -H board:1.0`), every line it
+//!   prints going to the agent's log. Either way a refusal carries SWUpdate's own error
+//!   messages ("Signature verification failed", "Compatible SW not found", "HASH mismatch").
+//!   With `reboot = true` (the image writes a rootfs copy) the answer is
+//!   [`Activation::RebootRequired`] and the configured reboot command runs after the agent saved
+//!   its state.
 //! - `confirm`: the configured `confirm_command` (e.g. clearing a bootloader's upgrade
 //!   variable), or nothing.
 //! - `rollback`: before an install ran, the staged image is discarded. After one, the configured
@@ -23,19 +26,23 @@
 //!   reason. An install SWUpdate refused needs no undoing from flotilla: SWUpdate only writes
 //!   what the image names, and checks signatures and compatibility before writing anything.
 //!
-//! # Why `swupdate -i` and not the IPC socket
+//! # Layout
 //!
-//! Decision record 0048: the daemon's install socket takes a C struct whose layout follows
-//! SWUpdate's version, and a second process on the same socket paths would disturb a running
-//! daemon; `swupdate -i` is one process per install, with its exit code and error lines, and is
-//! what CI drives. Its runs are serialised within the agent: SWUpdate binds fixed socket names.
+//! - this file: configuration, the steps, the bookkeeping, `swupdate -i` and its error lines.
+//! - [`daemon`]: the install through a running daemon's sockets.
+//! - [`ipc`]: the byte layout of SWUpdate 2022.12's IPC messages, without I/O.
+//!
+//! Decision records 0048 (`swupdate -i`) and 0052 (the socket) say why. Installs are serialised
+//! within the agent: SWUpdate binds fixed names (`@NotifyServer`), and its daemon takes one
+//! install at a time.
 //!
 //! # Bookkeeping
 //!
 //! `<state_dir>/flotilla-swupdate-state` (action, phase, whether the last step needs a reboot)
 //! and `<state_dir>/flotilla-swupdate.swu` (the staged image, kept until the action is confirmed
 //! or rolled back). Every step is safe to call again after a kill -9: an interrupted install is
-//! repeated from the start, as SWUpdate expects after a power cut.
+//! repeated from the start, as SWUpdate expects after a power cut (a daemon still busy with the
+//! interrupted one is waited for first).
 
 use std::fs::{self, File};
 use std::io::{self, Read};
@@ -51,6 +58,11 @@ use crate::fs::{atomic_copy, atomic_write, create_private_dir, read_state_file, 
 use crate::process::{self, check_executable, last_line, LineSink, RunError};
 use crate::target::{ActionContext, Activation, UpdateTarget};
 
+pub(crate) mod daemon;
+pub(crate) mod ipc;
+
+use daemon::{DaemonError, DaemonInstall};
+
 /// The bookkeeping record in the state directory.
 const STATE_FILE: &str = "flotilla-swupdate-state";
 /// The staged image in the state directory.
@@ -59,7 +71,7 @@ const STAGED_FILE: &str = "flotilla-swupdate.swu";
 const SW_DESCRIPTION: &[u8] = b"sw-description";
 
 /// SWUpdate binds fixed socket names (`@NotifyServer`, `$TMPDIR/sockinstctrl`): two installs at
-/// once would take them from each other.
+/// once would take them from each other, and the daemon refuses a second one.
 static INSTALL_LOCK: Mutex<()> = Mutex::new(());
 
 /// How a [`SwupdateTarget`] is set up; the agent's configuration fills it.
@@ -85,6 +97,11 @@ pub struct SwupdateConfig {
     pub confirm_command: Option<Vec<String>>,
     /// Runs at `rollback` of an installed image, e.g. switching the bootloader back.
     pub rollback_command: Option<Vec<String>>,
+    /// A running SWUpdate daemon's install socket (`/tmp/sockinstctrl` for Debian's): when
+    /// something listens there, images are installed through it instead of `swupdate -i`.
+    pub socket: Option<PathBuf>,
+    /// The daemon's progress socket, for the log; default `swupdateprog` beside `socket`.
+    pub progress_socket: Option<PathBuf>,
 }
 
 impl SwupdateConfig {
@@ -100,7 +117,20 @@ impl SwupdateConfig {
             reboot_command: None,
             confirm_command: None,
             rollback_command: None,
+            socket: None,
+            progress_socket: None,
         }
+    }
+
+    /// The progress socket to follow: the configured one, or `swupdateprog` beside `socket`
+    /// (SWUpdate puts both in `$TMPDIR`).
+    pub fn progress_socket(&self) -> Option<PathBuf> {
+        self.progress_socket.clone().or_else(|| {
+            self.socket
+                .as_ref()
+                .and_then(|s| s.parent())
+                .map(|dir| dir.join("swupdateprog"))
+        })
     }
 }
 
@@ -177,6 +207,20 @@ impl SwupdateTarget {
                 }
             }
         }
+        for (name, socket) in [
+            ("socket", &config.socket),
+            ("progress_socket", &config.progress_socket),
+        ] {
+            if let Some(socket) = socket {
+                if !socket.is_absolute() || socket.file_name().is_none() {
+                    return invalid(
+                        name,
+                        socket.display().to_string(),
+                        "must be an absolute path to SWUpdate's socket",
+                    );
+                }
+            }
+        }
         if config.reboot && config.reboot_command.is_none() {
             return invalid(
                 "reboot_command",
@@ -215,8 +259,56 @@ impl SwupdateTarget {
         }
     }
 
-    /// Runs `swupdate <args> -i <staged>`, logging its lines as they come.
+    /// Installs the staged image: through the daemon when `socket` is set and it listens there,
+    /// otherwise with `swupdate -i`.
     fn install(&self, ctx: &ActionContext) -> Result<(), TargetError> {
+        let _one_at_a_time = INSTALL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(socket) = &self.config.socket else {
+            return self.install_with_program(ctx);
+        };
+        info!(action_id = %ctx.action_id, release = %ctx.release, socket = %socket.display(), "installing through SWUpdate's daemon");
+        let progress_socket = self.config.progress_socket();
+        let staged = self.staged_path();
+        let result = DaemonInstall {
+            socket,
+            progress_socket: progress_socket.as_deref(),
+            image: &staged,
+            timeout: self.config.install_timeout,
+            action_id: &ctx.action_id,
+        }
+        .run();
+        let reason = match result {
+            Ok(()) => return Ok(()),
+            Err(DaemonError::NotListening(e)) => {
+                warn!(
+                    action_id = %ctx.action_id,
+                    socket = %socket.display(),
+                    "no SWUpdate daemon listens on the socket ({e}); installing with {} -i instead",
+                    self.config.program.display()
+                );
+                return self.install_with_program(ctx);
+            }
+            Err(DaemonError::Failed(messages)) => format!(
+                "SWUpdate refused or failed the image: {}",
+                pick_reason(&messages).unwrap_or_else(|| "it sent no error message".to_owned())
+            ),
+            Err(DaemonError::Refused(why)) => {
+                format!("SWUpdate's daemon refused the install request: {why}")
+            }
+            Err(DaemonError::TimedOut) => format!(
+                "SWUpdate's daemon did not finish within install_timeout ({}s)",
+                self.config.install_timeout.as_secs()
+            ),
+            Err(DaemonError::Io { what, source }) => {
+                format!("{}: {what}: {source}", socket.display())
+            }
+            Err(DaemonError::Protocol(why)) => format!("{}: {why}", socket.display()),
+        };
+        Err(Self::fail("install", reason))
+    }
+
+    /// Runs `swupdate <args> -i <staged>`, logging its lines as they come.
+    fn install_with_program(&self, ctx: &ActionContext) -> Result<(), TargetError> {
         let staged = self.staged_path();
         let mut cmd = Command::new(&self.config.program);
         cmd.args(&self.config.args).arg("-i").arg(&staged);
@@ -229,7 +321,6 @@ impl SwupdateTarget {
             }
         });
         info!(action_id = %ctx.action_id, release = %ctx.release, program = %self.config.program.display(), "installing with SWUpdate");
-        let _one_at_a_time = INSTALL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let out = process::run_following(&mut cmd, None, self.config.install_timeout, Some(sink))
             .map_err(|e| {
             let reason = match e {
@@ -588,7 +679,6 @@ fn reported_success(stdout: &[u8], stderr: &[u8]) -> bool {
 /// nothing else, or the last line it printed. SWUpdate sometimes runs two messages together on one
 /// line, so messages are split at each `[ERROR]`.
 pub(crate) fn swupdate_error(stdout: &[u8], stderr: &[u8]) -> String {
-    const GENERIC: [&str; 2] = ["SWUpdate *failed*", "Image invalid or corrupted"];
     let text = format!(
         "{}\n{}",
         String::from_utf8_lossy(stderr),
@@ -612,23 +702,34 @@ pub(crate) fn swupdate_error(stdout: &[u8], stderr: &[u8]) -> String {
             }
         }
     }
-    let specific: Vec<&String> = messages
-        .iter()
-        .filter(|m| !GENERIC.iter().any(|g| m.starts_with(g)))
-        .collect();
-    if !specific.is_empty() {
-        return specific
-            .iter()
-            .map(|m| m.as_str())
-            .collect::<Vec<_>>()
-            .join("; ");
-    }
-    if !messages.is_empty() {
-        return messages.join("; ");
-    }
-    last_line(stderr)
+    pick_reason(&messages)
+        .or_else(|| last_line(stderr))
         .or_else(|| last_line(stdout))
         .unwrap_or_else(|| "it printed no error".to_owned())
+}
+
+/// The reason out of SWUpdate's error messages: the specific ones, without the generic ones
+/// ("SWUpdate *failed* !", "Image invalid or corrupted. Not installing ...", "Installation
+/// failed !"), or those if there is nothing else.
+pub(crate) fn pick_reason(messages: &[String]) -> Option<String> {
+    const GENERIC: [&str; 3] = [
+        "SWUpdate *failed*",
+        "Image invalid or corrupted",
+        "Installation failed",
+    ];
+    let shorten = |m: &String| m.chars().take(300).collect::<String>();
+    let specific: Vec<String> = messages
+        .iter()
+        .filter(|m| !GENERIC.iter().any(|g| m.starts_with(g)))
+        .map(shorten)
+        .collect();
+    if !specific.is_empty() {
+        return Some(specific.join("; "));
+    }
+    if !messages.is_empty() {
+        return Some(messages.iter().map(shorten).collect::<Vec<_>>().join("; "));
+    }
+    None
 }
 
 /// Where an action stands, as this target recorded it.
