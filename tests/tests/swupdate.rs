@@ -44,13 +44,23 @@ async fn a_rollout_installs_a_swu_and_a_corrupt_one_fails_with_swupdates_error()
     let good = site.path("firmware-2.swu");
     signer.file_image(&good, "2.0.0", &dest, FIRMWARE_2);
     let artifact = format!("firmware={}", good.display());
-    site.release_with("fw-2", 2, APP_2, &["--artifact", &artifact]);
+    site.release_with(
+        "fw-2",
+        2,
+        APP_2,
+        &["--artifact", &artifact, "--artifact-type", "firmware=swu"],
+    );
 
     let bad = site.path("firmware-3.swu");
     signer.file_image(&bad, "3.0.0", &dest, FIRMWARE_3);
     corrupt(&bad, b"never written");
     let artifact = format!("firmware={}", bad.display());
-    site.release_with("fw-3", 3, APP_3, &["--artifact", &artifact]);
+    site.release_with(
+        "fw-3",
+        3,
+        APP_3,
+        &["--artifact", &artifact, "--artifact-type", "firmware=swu"],
+    );
 
     site.start_coordinator();
     let options = AgentOptions {
@@ -125,12 +135,22 @@ async fn a_rollout_installs_through_a_running_swupdate_daemon() {
     let good = site.path("firmware-2.swu");
     signer.file_image(&good, "2.0.0", &dest, FIRMWARE_2);
     let artifact = format!("firmware={}", good.display());
-    site.release_with("fw-2", 2, APP_2, &["--artifact", &artifact]);
+    site.release_with(
+        "fw-2",
+        2,
+        APP_2,
+        &["--artifact", &artifact, "--artifact-type", "firmware=swu"],
+    );
     let bad = site.path("firmware-3.swu");
     signer.file_image(&bad, "3.0.0", &dest, FIRMWARE_3);
     corrupt(&bad, b"never written");
     let artifact = format!("firmware={}", bad.display());
-    site.release_with("fw-3", 3, APP_3, &["--artifact", &artifact]);
+    site.release_with(
+        "fw-3",
+        3,
+        APP_3,
+        &["--artifact", &artifact, "--artifact-type", "firmware=swu"],
+    );
 
     site.start_coordinator();
     // `path` names a program that fails: an install that fell back to `swupdate -i` could not

@@ -53,6 +53,8 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
+use flotilla_protocol::artifact_type::{ArtifactType, Ends, HEAD_LEN};
+
 use crate::error::TargetError;
 use crate::fs::{atomic_copy, atomic_write, create_private_dir, read_state_file, state_lines};
 use crate::process::{self, check_executable, last_line, LineSink, RunError};
@@ -67,9 +69,6 @@ use daemon::{DaemonError, DaemonInstall};
 const STATE_FILE: &str = "flotilla-swupdate-state";
 /// The staged image in the state directory.
 const STAGED_FILE: &str = "flotilla-swupdate.swu";
-/// The first member of every `.swu`.
-const SW_DESCRIPTION: &[u8] = b"sw-description";
-
 /// SWUpdate binds fixed socket names (`@NotifyServer`, `$TMPDIR/sockinstctrl`): two installs at
 /// once would take them from each other, and the daemon refuses a second one.
 static INSTALL_LOCK: Mutex<()> = Mutex::new(());
@@ -626,37 +625,26 @@ fn check_swu_header(artifact: &Path) -> Result<(), TargetError> {
         path: artifact.to_path_buf(),
         source,
     };
-    let not_swu = |why: &str| {
-        stage_err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("not a SWUpdate image (.swu): {why}"),
-        ))
-    };
+    let invalid = |why: String| stage_err(io::Error::new(io::ErrorKind::InvalidData, why));
     let file = File::open(artifact).map_err(stage_err)?;
-    if !file.metadata().map_err(stage_err)?.is_file() {
-        return Err(not_swu("it is not a regular file"));
-    }
-    // 110 bytes of header, then the name and its NUL.
-    let mut head = Vec::with_capacity(110 + SW_DESCRIPTION.len() + 1);
-    file.take(110 + SW_DESCRIPTION.len() as u64 + 1)
-        .read_to_end(&mut head)
-        .map_err(stage_err)?;
-    if head.len() < 110 || !matches!(&head[..6], b"070701" | b"070702") {
-        return Err(not_swu(
-            "it does not start with a newc or crc cpio header (magic 070701 or 070702)",
+    let meta = file.metadata().map_err(stage_err)?;
+    if !meta.is_file() {
+        return Err(invalid(
+            "not a SWUpdate image (.swu): it is not a regular file".to_owned(),
         ));
     }
-    let name_size = std::str::from_utf8(&head[94..102])
-        .ok()
-        .and_then(|hex| usize::from_str_radix(hex, 16).ok());
-    let name = &head[110..];
-    if name_size != Some(SW_DESCRIPTION.len() + 1)
-        || name.get(..SW_DESCRIPTION.len()) != Some(SW_DESCRIPTION)
-        || name.get(SW_DESCRIPTION.len()) != Some(&0)
-    {
-        return Err(not_swu("its first member is not sw-description"));
-    }
-    Ok(())
+    // The same check `release create --artifact-type NAME=swu` makes.
+    let mut head = Vec::with_capacity(HEAD_LEN);
+    file.take(HEAD_LEN as u64)
+        .read_to_end(&mut head)
+        .map_err(stage_err)?;
+    ArtifactType::Swu
+        .check_content(Ends {
+            head: &head,
+            tail: None,
+            len: meta.len(),
+        })
+        .map_err(invalid)
 }
 
 /// SWUpdate's installer announced success ("SWUPDATE successful !") and printed no error.
