@@ -836,6 +836,43 @@ mod tests {
     }
 
     #[test]
+    fn a_list_of_brokers_replaces_host_and_port_and_errors_name_the_field() {
+        let hosts = "host = \"127.0.0.1\"\nport = 1883\n";
+        let c = with(
+            hosts,
+            "hosts = [\"mqtt-1.example:8883\", \"[::1]:1883\", \"mqtt-3.example:8883\"]\n",
+        )
+        .expect("a list");
+        assert_eq!(
+            (c.broker.host.as_str(), c.broker.port),
+            ("mqtt-1.example", 8883)
+        );
+        let connection = c.broker.connection();
+        assert_eq!(
+            connection.brokers(),
+            [
+                ("mqtt-1.example".to_owned(), 8883),
+                ("::1".to_owned(), 1883),
+                ("mqtt-3.example".to_owned(), 8883)
+            ]
+        );
+        assert_eq!(connection.order, BrokerOrder::SpreadById);
+        assert_eq!(
+            connection.describe(),
+            "mqtt://mqtt-1.example:8883,[::1]:1883,mqtt-3.example:8883"
+        );
+        let e = err(hosts, "hosts = [\"mqtt-1.example\"]\n");
+        assert!(e.contains("broker.hosts") && e.contains("HOST:PORT"), "{e}");
+        let e = err(hosts, "host = \"a\"\nhosts = [\"b:1883\"]\n");
+        assert!(e.contains("either broker.host"), "{e}");
+        let e = err(hosts, "hosts = []\n");
+        assert!(
+            e.contains("broker.host") && e.contains("broker.hosts"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn broker_credentials_and_tls_are_read_at_load_and_errors_name_the_field() {
         let dir = tempfile::tempdir().expect("tempdir");
         let pw = dir.path().join("broker.password");

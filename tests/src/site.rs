@@ -68,6 +68,8 @@ pub struct AgentOptions {
     pub app_target: Option<String>,
     /// TOML appended to the agent's config, such as one more `[[target]]` table.
     pub extra_config: Option<String>,
+    /// Broker ports on 127.0.0.1 written as `[broker] hosts`, instead of the site's one broker.
+    pub broker_ports: Option<Vec<u16>>,
 }
 
 impl Default for AgentOptions {
@@ -82,6 +84,7 @@ impl Default for AgentOptions {
             enroll: true,
             app_target: None,
             extra_config: None,
+            broker_ports: None,
         }
     }
 }
@@ -158,6 +161,9 @@ pub struct Site {
     /// Where agents started from now on connect instead of the site's broker (a site broker
     /// bridged to it, `bridge.rs`).
     pub agent_broker: Option<AgentBroker>,
+    /// Broker ports on 127.0.0.1 the coordinator's config lists as `[broker] hosts`, instead of
+    /// the site's one broker.
+    pub coordinator_broker_ports: Option<Vec<u16>>,
     /// Appended to the coordinator's config from the next [`Site::start_coordinator`] on
     /// (whole sections, such as `[service]`).
     pub coordinator_config: String,
@@ -255,6 +261,7 @@ impl Site {
             metrics_port: None,
             http_port: None,
             agent_broker: None,
+            coordinator_broker_ports: None,
             coordinator_config: String::new(),
         };
         fs::write(
@@ -459,11 +466,17 @@ impl Site {
 
     /// The coordinator config the site writes (followed by [`Site::coordinator_config`]).
     pub(crate) fn base_coordinator_config(&self) -> String {
+        let brokers = match &self.coordinator_broker_ports {
+            Some(ports) => {
+                let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+                format!("hosts = {hosts:?}\n")
+            }
+            None => format!("host = \"127.0.0.1\"\nport = {}\n", self.port),
+        };
         let mut text = format!(
-            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n",
+            "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\n{brokers}",
             self.path("coordinator"),
             self.path("keys/coordinator.key"),
-            self.port
         );
         if let Some(secure) = &self.secure {
             text.push_str(&format!(
@@ -610,13 +623,19 @@ impl Site {
                 String::new(),
             ),
         };
+        let brokers = match &options.broker_ports {
+            Some(ports) => {
+                let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+                format!("hosts = {hosts:?}")
+            }
+            None => format!("host = \"127.0.0.1\"\nport = {port}"),
+        };
         let mut text = format!(
             r#"device_id = "{id}"
 hardware_id = "test-board"
 data_dir = {data:?}
 {token}[broker]
-host = "127.0.0.1"
-port = {port}
+{brokers}
 keep_alive = "5s"
 {login}{tls}[labels]
 "#,

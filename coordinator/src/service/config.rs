@@ -1335,6 +1335,56 @@ mod tests {
     }
 
     #[test]
+    fn a_list_of_brokers_from_the_file_or_the_flag() {
+        let base = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\n";
+        let c = parse(&format!(
+            "{base}hosts = [\"a.example:8883\", \"b.example:8884\"]\n"
+        ))
+        .expect("a list");
+        assert_eq!(
+            c.connection().brokers(),
+            [
+                ("a.example".to_owned(), 8883),
+                ("b.example".to_owned(), 8884)
+            ]
+        );
+        assert_eq!(c.connection().order, BrokerOrder::InOrder);
+        assert_eq!(c.broker_addr(), "a.example:8883");
+        let err = parse(&format!("{base}hosts = [\"a.example\"]\n"))
+            .expect_err("no port")
+            .to_string();
+        assert!(
+            err.contains("broker.hosts") && err.contains("HOST:PORT"),
+            "{err}"
+        );
+        // A flag's list replaces the file's.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let flagged = Config::from_toml_with(
+            &format!("{base}hosts = [\"a.example:8883\"]\n"),
+            dir.path(),
+            &dir.path().join("c.toml"),
+            &BrokerOverrides {
+                addr: Some(Given {
+                    value: vec![
+                        ("x.example".to_owned(), 1883),
+                        ("y.example".to_owned(), 1883),
+                    ],
+                    from: "--broker",
+                }),
+                ..BrokerOverrides::default()
+            },
+        )
+        .expect("flag");
+        assert_eq!(
+            flagged.connection().brokers(),
+            [
+                ("x.example".to_owned(), 1883),
+                ("y.example".to_owned(), 1883)
+            ]
+        );
+    }
+
+    #[test]
     fn an_embedded_broker_beyond_loopback_needs_the_insecure_setting() {
         let dir = tempfile::tempdir().expect("tempdir");
         let head = "data_dir = \"d\"\ncoordinator_key = \"k\"\n[broker]\n";
