@@ -101,6 +101,15 @@ pub enum Command {
     Approve {
         name: String,
     },
+    /// Deny a pending approval request by name: the rollout stops there, as `stop_rollout`
+    /// stops it, and the trace says who denied it and why. Result: the [`ApprovalStatus`], now
+    /// denied.
+    Deny {
+        name: String,
+        /// Why, in the operator's words; shown in the trace.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
     /// Start the next group of a running rollout now, without waiting for the current group's
     /// success condition (hawkBit's manual trigger). Result: the rollout's status.
     TriggerNext {
@@ -689,6 +698,12 @@ pub struct ApprovalStatus {
     /// Absent from older coordinators.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub withdrawn: bool,
+    /// When an operator denied it (which stopped its rollout); absent unless denied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_at: Option<u64>,
+    /// Who denied it and why: "alice: the canary's error rate is too high".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied: Option<String>,
 }
 
 /// One decision, with the numbers behind it: the words for people in `message`, and the same
@@ -818,6 +833,8 @@ pub enum TraceKind {
     ApprovalRequested,
     /// An approval request was approved.
     Approved,
+    /// An approval request was denied, which stopped the rollout.
+    Denied,
     /// A timed wait after a group elapsed.
     WaitElapsed,
     /// Nothing more starts for now; the message says why.

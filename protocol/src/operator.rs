@@ -161,6 +161,7 @@ impl Command {
             Command::ListDevices { .. } => "list_devices",
             Command::ListReleases { .. } => "list_releases",
             Command::Approve { .. } => "approve",
+            Command::Deny { .. } => "deny",
             Command::TriggerNext { .. } => "trigger_next",
             Command::RetryRollout { .. } => "retry_rollout",
             Command::DeleteDevice { .. } => "delete_device",
@@ -198,6 +199,7 @@ impl Command {
             | Command::ResumeRollout { .. }
             | Command::StopRollout { .. }
             | Command::Approve { .. }
+            | Command::Deny { .. }
             | Command::TriggerNext { .. }
             | Command::RetryRollout { .. } => Role::Operator,
             Command::DeleteDevice { .. }

@@ -295,6 +295,56 @@ select = "stage=c"
     );
 }
 
+/// Denying an approval stops the rollout there; the trace and `flotilla approvals` say who
+/// and why, and the approval can no longer be given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_approval_stops_the_rollout_and_says_who_and_why() {
+    let site = site(&[
+        ("a1", &[("stage", "a")], AgentOptions::default()),
+        ("b1", &[("stage", "b")], AgentOptions::default()),
+    ])
+    .await;
+    site.create_and_start(
+        r#"
+name = "dn"
+release = "fw-2"
+[[staged.stage]]
+name = "a"
+select = "stage=a"
+after = { approval = true }
+[[staged.stage]]
+name = "b"
+select = "stage=b"
+"#,
+    )
+    .await;
+    site.wait_status("dn", "stage a to wait for its approval", WAIT, |s| {
+        s.groups[0].state == "waiting"
+    })
+    .await;
+    let said = site.flotilla(&["deny", "dn-a", "--reason", "the canary reboots in a loop"]);
+    assert!(said.contains("denied dn-a"), "{said}");
+    let status = site.status("dn").await.expect("status");
+    assert_eq!(status.state, "stopped", "{status:#?}");
+    assert!(
+        traced(
+            &status,
+            "approval dn-a denied by admin: the canary reboots in a loop"
+        ),
+        "{}",
+        trace_text(&status)
+    );
+    assert_ne!(phase(&status, "b1"), "ready", "{status:#?}");
+    assert_ne!(status.groups[1].state, "running", "{status:#?}");
+    let listed = site.flotilla(&["approvals"]);
+    assert!(
+        listed.contains("denied") && listed.contains("admin: the canary reboots in a loop"),
+        "{listed}"
+    );
+    let err = refused(&site, &["approve", "dn-a"]);
+    assert!(err.contains("was denied by admin"), "{err}");
+}
+
 /// Item 4: two gates that would share a name are refused, naming both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn colliding_approval_names_are_refused_naming_both_stages() {

@@ -205,7 +205,16 @@ pub enum Cmd {
         /// `<rollout>-<group>` (after a group) or `<rollout>-before-<group>`.
         name: String,
     },
-    /// List approval requests, pending and approved.
+    /// Deny a pending approval request: its rollout stops there (as `rollout stop`), and the
+    /// trace names you and your reason, e.g. `flotilla deny fw-2-4-canary --reason "crash loop"`.
+    Deny {
+        /// `<rollout>-<group>` (after a group) or `<rollout>-before-<group>`.
+        name: String,
+        /// Why, for the trace.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// List approval requests, pending, approved and denied.
     Approvals {
         #[arg(long)]
         json: bool,

@@ -431,6 +431,20 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
             println!("approved {name}");
             Ok(0)
         }
+        Cmd::Deny { name, reason } => {
+            let client = connect(&target).await?;
+            client
+                .request(
+                    Command::Deny {
+                        name: name.clone(),
+                        reason,
+                    },
+                    crate::cli::client::DEFAULT_TIMEOUT,
+                )
+                .await?;
+            println!("denied {name}; its rollout is stopped");
+            Ok(0)
+        }
         Cmd::Approvals { json } => {
             let client = connect(&target).await?;
             let command = |page| Command::ListApprovals { page };

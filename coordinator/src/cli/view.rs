@@ -245,6 +245,11 @@ pub fn approvals_table(approvals: &[ApprovalStatus]) -> String {
                 match (a.approved, a.approved_at) {
                     (true, Some(at)) => format!("approved {}", clock(at)),
                     (true, None) => "approved".to_owned(),
+                    (false, _) if a.denied.is_some() => format!(
+                        "denied {} by {}",
+                        a.denied_at.map(clock).unwrap_or_default(),
+                        a.denied.as_deref().unwrap_or_default()
+                    ),
                     (false, _) if a.withdrawn => "withdrawn (the rollout ended)".to_owned(),
                     (false, _) => format!("pending since {}", clock(a.created_at)),
                 },
@@ -690,6 +695,8 @@ mod tests {
         let mut rest = group("rest", "scheduled", 8, 0, 0, 0);
         rest.started_at = None;
         let approval = |name: &str, approved: bool| ApprovalStatus {
+            denied_at: None,
+            denied: None,
             name: name.into(),
             rollout: "fw-2-4".into(),
             group: "canary".into(),
@@ -763,6 +770,8 @@ mod tests {
     fn approvals_groups_and_strategies_render_as_tables() {
         let approvals = vec![
             ApprovalStatus {
+                denied_at: None,
+                denied: None,
                 name: "fw-2-4-canary".into(),
                 rollout: "fw-2-4".into(),
                 group: "canary".into(),
@@ -773,6 +782,8 @@ mod tests {
                 withdrawn: false,
             },
             ApprovalStatus {
+                denied_at: None,
+                denied: None,
                 name: "fw-2-4-before-rest".into(),
                 rollout: "fw-2-4".into(),
                 group: "rest".into(),

@@ -244,6 +244,13 @@ impl Service {
                     .map_err(engine_error)?;
                 Ok((effects, Answer::Approval(name)))
             }
+            Command::Deny { name, reason } => {
+                let effects = self
+                    .engine
+                    .deny_by(&name, by, reason.as_deref(), now)
+                    .map_err(engine_error)?;
+                Ok((effects, Answer::Approval(name)))
+            }
             Command::ListApprovals { page } => {
                 let all = self.engine.approvals();
                 value(named_list(all, &page, "approvals", |a| a.name.clone())?)

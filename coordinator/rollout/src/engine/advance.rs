@@ -380,6 +380,8 @@ impl Rollout {
             return a.approved;
         }
         let request = ApprovalStatus {
+            denied_at: None,
+            denied: None,
             name: name.to_owned(),
             rollout: self.name.clone(),
             group: self.groups[gi].name.clone(),
@@ -421,6 +423,8 @@ impl Rollout {
             Some(i) => i,
             None => {
                 self.approvals.push(ApprovalStatus {
+                    denied_at: None,
+                    denied: None,
                     name: name.to_owned(),
                     rollout: self.name.clone(),
                     group: self.groups[gi].name.clone(),

@@ -245,6 +245,12 @@ impl Engine {
         if a.approved {
             return Ok(Vec::new());
         }
+        if let Some(denied) = &a.denied {
+            return Err(EngineError::Conflict(format!(
+                "approval {name} was denied by {denied}, which stopped rollout {rollout}; \
+                 retry the rollout to go on"
+            )));
+        }
         if r.state.is_terminal() {
             return Err(EngineError::Conflict(format!(
                 "approval {name} was withdrawn: rollout {rollout} is {}, so approving it would do \
@@ -272,6 +278,87 @@ impl Engine {
         let decision = Decision::new(TraceKind::Approved, message).by(by);
         r.record(now, decision.group(&gname), &mut out);
         self.advance(&rollout, now, &mut out);
+        Ok(self.emit(out))
+    }
+
+    /// Denies a pending approval request on behalf of `by`: the rollout stops there, as
+    /// [`Engine::stop_by`] stops it (no group starts again, unfinished devices end by their
+    /// phase), and the trace says who denied which approval and why. Denying twice is harmless;
+    /// an approval already given, or of a rollout that ended, is refused.
+    pub fn deny_by(
+        &mut self,
+        name: &str,
+        by: &str,
+        reason: Option<&str>,
+        now: u64,
+    ) -> Result<Vec<Effect>, EngineError> {
+        let rollout = self
+            .rollouts
+            .values()
+            .filter(|e| e.rollout.approvals.iter().any(|a| a.name == name))
+            .map(|e| (e.rollout.state.is_terminal(), e.rollout.name.clone()))
+            .min()
+            .map(|(_, rollout)| rollout)
+            .ok_or_else(|| EngineError::UnknownApproval(name.to_owned()))?;
+        let r = &mut self.entry(&rollout)?.rollout;
+        let Some(a) = r.approvals.iter_mut().find(|a| a.name == name) else {
+            return Err(EngineError::UnknownApproval(name.to_owned()));
+        };
+        if a.denied.is_some() {
+            return Ok(Vec::new());
+        }
+        if a.approved {
+            return Err(EngineError::Conflict(format!(
+                "approval {name} was already approved; stop rollout {rollout} instead"
+            )));
+        }
+        if r.state.is_terminal() {
+            return Err(EngineError::Conflict(format!(
+                "approval {name} was withdrawn: rollout {rollout} is {}, so denying it would do \
+                 nothing",
+                r.state
+            )));
+        }
+        let why = reason.map(str::trim).filter(|w| !w.is_empty());
+        let words = match why {
+            Some(why) => format!("{by}: {why}"),
+            None => by.to_owned(),
+        };
+        a.denied = Some(words.clone());
+        a.denied_at = Some(now);
+        let approval = a.clone();
+        let mut out = Out::default();
+        out.commands.push(Effect::Approval(approval.clone()));
+        if let Some(g) = r.groups.iter_mut().find(|g| g.name == approval.group) {
+            g.condition(
+                "ApprovalRequestDenied",
+                true,
+                "AfterStageTaskApprovalRequestDenied",
+                now,
+            );
+        }
+        let message = match why {
+            Some(why) => format!("approval {name} denied by {by}: {why}"),
+            None => format!("approval {name} denied by {by}"),
+        };
+        let decision = Decision::new(TraceKind::Denied, message).by(by);
+        r.record(now, decision.group(&approval.group), &mut out);
+        // Stopped as `stop` stops it, in the words of the denial.
+        r.state = RolloutState::Stopped;
+        let ended = r.cancel_unfinished(now, &mut out);
+        r.waiting = None;
+        r.set_condition("Progressing", false, "UpdateRunStopped", now);
+        let release = r.release.name.clone();
+        let message = format!(
+            "stopped: approval {name} was denied; {}",
+            ended.describe(&release)
+        );
+        r.record(
+            now,
+            Decision::new(TraceKind::Stopped, message).by(by),
+            &mut out,
+        );
+        self.apply_bookkeeping(now, &mut out);
         Ok(self.emit(out))
     }
 

@@ -214,7 +214,7 @@ impl Rollout {
         self.approvals
             .iter()
             .map(|a| ApprovalStatus {
-                withdrawn: ended && !a.approved,
+                withdrawn: ended && !a.approved && a.denied.is_none(),
                 ..a.clone()
             })
             .collect()

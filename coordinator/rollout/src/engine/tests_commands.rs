@@ -634,3 +634,123 @@ fn a_stopped_rollouts_pending_approval_is_withdrawn_and_cannot_be_given() {
     let err = b.engine.approve(name, T0 + 6).expect_err("withdrawn");
     assert!(err.to_string().contains("withdrawn"), "{err}");
 }
+
+#[test]
+fn a_denied_approval_stops_the_rollout_there_and_says_who_and_why() {
+    let mut b = Bench::new(5);
+    b.create(
+        "dn",
+        vec![
+            approval_after("canary", ids(0..1)),
+            approval_before("wave", ids(1..3)),
+            group("rest", ids(3..5)),
+        ],
+        |_| {},
+    );
+    b.start("dn");
+    b.ready(&ids(0..1));
+    assert!(b
+        .engine
+        .approvals()
+        .iter()
+        .any(|a| a.name == "dn-canary" && !a.approved));
+    let effects = b
+        .engine
+        .deny_by("dn-canary", "alice", Some(" crash loop on dev-00 "), T0 + 5)
+        .expect("denied");
+    b.take(effects);
+    assert_eq!(b.sent, ids(0..1), "nothing more starts");
+    let r = b.rollout("dn");
+    assert_eq!(r.state, RolloutState::Stopped);
+    assert!(b.has_trace(
+        "dn",
+        "approval dn-canary denied by alice: crash loop on dev-00"
+    ));
+    assert!(b.has_trace("dn", "stopped: approval dn-canary was denied"));
+    let denied = b
+        .engine
+        .approvals()
+        .into_iter()
+        .find(|a| a.name == "dn-canary")
+        .expect("listed");
+    assert_eq!(
+        denied.denied.as_deref(),
+        Some("alice: crash loop on dev-00")
+    );
+    assert_eq!(denied.denied_at, Some(T0 + 5));
+    assert!(!denied.withdrawn, "denied, not withdrawn");
+    assert!(
+        b.approvals.last().is_some_and(|a| a.denied.is_some()),
+        "the denial is published like an approval"
+    );
+    // Denying again changes nothing; approving it now is refused, naming the denial.
+    assert!(b
+        .engine
+        .deny_by("dn-canary", "bob", None, T0 + 6)
+        .expect("again")
+        .is_empty());
+    let err = b
+        .engine
+        .approve_by("dn-canary", "bob", T0 + 7)
+        .expect_err("denied");
+    assert!(
+        err.to_string()
+            .contains("approval dn-canary was denied by alice: crash loop on dev-00"),
+        "{err}"
+    );
+    // An approval already given cannot be denied; an unknown one is named.
+    let mut b = Bench::new(3);
+    b.create(
+        "ok",
+        vec![
+            approval_after("canary", ids(0..1)),
+            group("rest", ids(1..3)),
+        ],
+        |_| {},
+    );
+    b.start("ok");
+    b.ready(&ids(0..1));
+    let effects = b.engine.approve("ok-canary", T0 + 1).expect("approved");
+    b.take(effects);
+    let err = b
+        .engine
+        .deny_by("ok-canary", "alice", None, T0 + 2)
+        .expect_err("approved already");
+    assert!(err.to_string().contains("already approved"), "{err}");
+    let err = b
+        .engine
+        .deny_by("nope", "alice", None, T0 + 2)
+        .expect_err("unknown");
+    assert!(err.to_string().contains("nope"), "{err}");
+    // Paused at the gate: denied, stopped. Ended: the request is withdrawn, denying refused.
+    for (paused, stopped_first) in [(true, false), (false, true)] {
+        let mut b = Bench::new(3);
+        b.create(
+            "pd",
+            vec![
+                approval_after("canary", ids(0..1)),
+                group("rest", ids(1..3)),
+            ],
+            |_| {},
+        );
+        b.start("pd");
+        b.ready(&ids(0..1));
+        if paused {
+            b.engine.pause("pd", T0 + 1).expect("paused");
+        }
+        if stopped_first {
+            b.engine.stop("pd", T0 + 1).expect("stopped");
+            let err = b
+                .engine
+                .deny_by("pd-canary", "alice", None, T0 + 2)
+                .expect_err("withdrawn");
+            assert!(err.to_string().contains("withdrawn"), "{err}");
+            continue;
+        }
+        b.engine
+            .deny_by("pd-canary", "alice", None, T0 + 2)
+            .expect("denied while paused");
+        assert_eq!(b.rollout("pd").state, RolloutState::Stopped);
+        assert!(b.has_trace("pd", "approval pd-canary denied by alice"));
+    }
+}
