@@ -34,6 +34,7 @@ fn all_kinds() -> Vec<TraceKind> {
         ErrorRolledBack,
         ApprovalRequested,
         Approved,
+        Denied,
         WaitElapsed,
         Waiting,
         NextTriggered,
@@ -47,8 +48,8 @@ fn all_kinds() -> Vec<TraceKind> {
             | DevicesStarted | DeviceStarted | DeviceSkipped | DeviceRetrying | DeviceTimedOut
             | DeviceJoined | DeviceDeleted | DeviceTakenOver | DeviceExcluded | ActionsCanceled
             | GroupSucceeded | GroupFinished | GroupFailed | SuccessPaused | ErrorPaused
-            | ErrorStopped | ErrorRolledBack | ApprovalRequested | Approved | WaitElapsed
-            | Waiting | NextTriggered | RetryCreated | Finished | Note => {}
+            | ErrorStopped | ErrorRolledBack | ApprovalRequested | Approved | Denied
+            | WaitElapsed | Waiting | NextTriggered | RetryCreated | Finished | Note => {}
         }
     }
     all
