@@ -366,11 +366,14 @@ async fn scrape_when(port: u16, line: &str) -> String {
 async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothing() {
     let Some(pg) = Postgres::start() else { return };
     let a_metrics = flotilla_tests::free_port();
+    let a_http = flotilla_tests::free_port();
     let mut site = pair_on(
         Site::mosquitto_with("log_type all\n"),
         &pg,
         &pg.url(),
-        &format!("[metrics]\nlisten = \"127.0.0.1:{a_metrics}\"\n"),
+        &format!(
+            "[metrics]\nlisten = \"127.0.0.1:{a_metrics}\"\n[http]\nlisten = \"127.0.0.1:{a_http}\"\n"
+        ),
     )
     .await;
     let name = "stopped";
@@ -392,6 +395,10 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
     // Standing by, its metrics say so (the endpoint moves from the leader's to the standby's).
     let metrics = scrape_when(a_metrics, "flotilla_leader 0").await;
     assert!(metrics.contains("flotilla_lease_epoch 1"), "{metrics}");
+    // Its HTTP API says it stands by, naming itself, and runs nothing.
+    let (status, body) = post_control(&site, a_http, r#"{"command":"list_approvals"}"#).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("is a standby"), "{body}");
     finishes_cleanly(&site, name).await;
     // Counted at the broker, by client id: the woken coordinator published nothing, while
     // the broker log does show what b published (the count is not blind).
@@ -410,6 +417,36 @@ async fn a_leader_stopped_past_its_lease_wakes_as_a_standby_and_publishes_nothin
     site.wait_named_log("a", LEADS, 2, WAIT);
     let metrics = scrape_when(a_metrics, "flotilla_leader 1").await;
     assert!(metrics.contains("flotilla_lease_epoch 3"), "{metrics}");
+    let (status, body) = post_control(&site, a_http, r#"{"command":"list_approvals"}"#).await;
+    assert_eq!(status, 200, "leading again, a answers: {body}");
+}
+
+/// Signs `command` as the site's admin and posts it to the HTTP API on `port`: the status code
+/// and the body.
+async fn post_control(site: &Site, port: u16, command: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let envelope = site.flotilla(&["operator", "sign", command]);
+    let body = envelope.trim();
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the HTTP API");
+    let request = format!(
+        "POST /api/v1/control HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, answer)
 }
 
 /// The database crashes mid-rollout: the leader cannot renew, steps down, and once the
