@@ -101,6 +101,10 @@ pub enum Command {
     Approve {
         name: String,
     },
+    /// Who signed this request: `{"operator": name}`. Over HTTP, `POST /api/v1/session` with a
+    /// signed `login` opens a browser session for that operator (reads only; every change is
+    /// still a signed request).
+    Login,
     /// Deny a pending approval request by name: the rollout stops there, as `stop_rollout`
     /// stops it, and the trace says who denied it and why. Result: the [`ApprovalStatus`], now
     /// denied.

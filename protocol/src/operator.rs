@@ -162,6 +162,7 @@ impl Command {
             Command::ListReleases { .. } => "list_releases",
             Command::Approve { .. } => "approve",
             Command::Deny { .. } => "deny",
+            Command::Login => "login",
             Command::TriggerNext { .. } => "trigger_next",
             Command::RetryRollout { .. } => "retry_rollout",
             Command::DeleteDevice { .. } => "delete_device",
@@ -192,6 +193,7 @@ impl Command {
             | Command::ShowStrategy { .. }
             | Command::ListGroups { .. }
             | Command::PendingDevices { .. }
+            | Command::Login
             | Command::Coordinators => Role::Viewer,
             Command::CreateRollout { .. }
             | Command::StartRollout { .. }

@@ -230,3 +230,175 @@ async fn a_pipeline_creates_and_starts_a_rollout_over_http_and_the_gate_refuses_
         String::from_utf8_lossy(&rest)
     );
 }
+
+/// Reads from `stream` until `text` has arrived, or `WAIT` has passed; what arrived.
+async fn read_until(stream: &mut TcpStream, seen: &mut String, text: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut buf = [0u8; 8192];
+    while !seen.contains(text) {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => seen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// A GET with `cookie` (if any): the status and the body.
+async fn get_with(port: u16, path: &str, cookie: Option<&str>) -> (u16, String) {
+    let cookie = cookie
+        .map(|c| format!("Cookie: {c}\r\n"))
+        .unwrap_or_default();
+    exchange(
+        port,
+        &format!("GET {path} HTTP/1.1\r\nHost: c\r\n{cookie}\r\n"),
+        b"",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_reads_and_follows_a_rollout_live_but_changes_nothing() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    let port = site.enable_http();
+    site.add_operator("vic", Role::Viewer);
+    site.release("fw-2", 2, FIRMWARE);
+    site.start_coordinator();
+    for id in ["dev-01", "dev-02"] {
+        site.add_agent(id, &[("env", "live")], AgentOptions::default());
+    }
+    site.wait_devices(2).await;
+
+    // No session, no reads.
+    let (status, body) = get_with(port, "/api/v1/rollouts", None).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("no session"), "{body}");
+
+    // A viewer logs in with a signed login request and gets a cookie scripts cannot read.
+    let login = sign(&site, "vic", r#"{"command":"login"}"#);
+    let head = format!(
+        "POST /api/v1/session HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        login.len()
+    );
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    stream
+        .write_all(format!("{head}{login}").as_bytes())
+        .await
+        .expect("send");
+    let mut answer = String::new();
+    let _ = tokio::time::timeout(WAIT, async {
+        let mut bytes = Vec::new();
+        let _ = stream.read_to_end(&mut bytes).await;
+        answer = String::from_utf8_lossy(&bytes).into_owned();
+    })
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let set_cookie = answer
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .starts_with("set-cookie:")
+                .then(|| l["set-cookie:".len()..].trim().to_owned())
+        })
+        .expect("a cookie");
+    assert!(
+        set_cookie.contains("HttpOnly") && set_cookie.contains("SameSite=Strict"),
+        "{set_cookie}"
+    );
+    let cookie = set_cookie.split(';').next().expect("name=value").to_owned();
+    // The same signed login again is a replay.
+    let (status, body) = post(port, "application/json", login.as_bytes()).await;
+    assert_eq!(status, 401, "control refuses the replay too: {body}");
+    let (status, body) = get_with(port, "/api/v1/session", Some(&cookie)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("\"operator\":\"vic\"") && body.contains("\"role\":\"viewer\""),
+        "{body}"
+    );
+
+    // Live events: the viewer follows a rollout an operator starts, without asking again.
+    let mut events = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    events
+        .write_all(
+            format!("GET /api/v1/events HTTP/1.1\r\nHost: c\r\nCookie: {cookie}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .expect("subscribe");
+    let mut seen = String::new();
+    assert!(
+        read_until(&mut events, &mut seen, "text/event-stream").await,
+        "{seen}"
+    );
+    let spec = "name = \"live\"\nrelease = \"fw-2\"\nselect = \"env=live\"\n[groups]\ncount = 2\n";
+    let create = serde_json::json!({ "command": "create_rollout", "spec": spec }).to_string();
+    assert_eq!(call(&site, port, ADMIN, &create).await.0, 200);
+    let start = r#"{"command":"start_rollout","rollout":"live"}"#;
+    assert_eq!(call(&site, port, ADMIN, start).await.0, 200);
+    assert!(
+        read_until(&mut events, &mut seen, "rollout started by admin").await,
+        "the trace came live: {seen}"
+    );
+    assert!(
+        read_until(&mut events, &mut seen, "rollout live finished").await,
+        "the rollout came live to its end: {seen}"
+    );
+    let ended = site.wait_ended("live").await;
+    assert_eq!(ended.state, "finished", "{ended:#?}");
+    assert!(
+        seen.contains("event: rollout") && seen.contains("event: trace"),
+        "{seen}"
+    );
+
+    // Paged reads in the session's name.
+    let (status, body) = get_with(port, "/api/v1/rollouts/live?limit=1", Some(&cookie)).await;
+    assert_eq!(status, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(reply["result"]["status"]["state"], "finished", "{reply}");
+    assert_eq!(
+        reply["result"]["items"].as_array().map(Vec::len),
+        Some(1),
+        "{reply}"
+    );
+    assert!(reply["result"]["next"].is_string(), "a next page: {reply}");
+    let (status, body) = get_with(port, "/api/v1/devices?select=env%3Dlive", Some(&cookie)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("dev-01") && body.contains("dev-02"), "{body}");
+    let (status, _) = get_with(port, "/api/v1/rollouts/nope", Some(&cookie)).await;
+    assert_eq!(status, 404);
+
+    // A session changes nothing: a change is a signed request, whatever cookie comes with it.
+    let stop = r#"{"command":"stop_rollout","rollout":"live"}"#;
+    let head = format!(
+        "POST /api/v1/control HTTP/1.1\r\nHost: c\r\nCookie: {cookie}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        stop.len()
+    );
+    let (status, body) = exchange(port, &head, stop.as_bytes()).await;
+    assert_eq!(
+        status, 401,
+        "an unsigned change with a session cookie: {body}"
+    );
+    assert!(body.contains("unsigned request"), "{body}");
+    // Logged out: the cookie opens nothing any more, and the event stream ends.
+    let head = format!("DELETE /api/v1/session HTTP/1.1\r\nHost: c\r\nCookie: {cookie}\r\n\r\n");
+    let (status, _) = exchange(port, &head, b"").await;
+    assert_eq!(status, 200);
+    let (status, _) = get_with(port, "/api/v1/session", Some(&cookie)).await;
+    assert_eq!(status, 401);
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(WAIT, events.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the event stream ended with the session");
+    // A login must be a login.
+    let other = sign(&site, "vic", r#"{"command":"list_releases"}"#);
+    let head = format!(
+        "POST /api/v1/session HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        other.len()
+    );
+    let (status, body) = exchange(port, &head, other.as_bytes()).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("signed login request"), "{body}");
+}

@@ -244,6 +244,7 @@ impl Service {
                     .map_err(engine_error)?;
                 Ok((effects, Answer::Approval(name)))
             }
+            Command::Login => value(serde_json::json!({ "operator": by })),
             Command::Deny { name, reason } => {
                 let effects = self
                     .engine

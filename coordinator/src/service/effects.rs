@@ -87,6 +87,7 @@ impl Service {
                 }
                 Effect::Approval(approval) => {
                     let bytes = serde_json::to_vec(&approval).unwrap_or_default();
+                    self.tell_live("approval", &bytes);
                     self.publish(self.topics.approval_event(&approval.name), true, bytes)
                         .await?;
                 }
@@ -126,12 +127,14 @@ impl Service {
                     // the rollout would outgrow what the broker and clients accept.
                     if let Some(status) = self.engine.summary(&name) {
                         let bytes = serde_json::to_vec(&status).unwrap_or_default();
+                        self.tell_live("rollout", &bytes);
                         self.publish(self.topics.rollout_event(&name), true, bytes)
                             .await?;
                     }
                 }
                 Effect::Snapshot(status) => {
                     let bytes = serde_json::to_vec(&status).unwrap_or_default();
+                    self.tell_live("rollout", &bytes);
                     self.publish(self.topics.rollout_event(&status.name), true, bytes)
                         .await?;
                 }
@@ -139,6 +142,7 @@ impl Service {
                     self.metrics.traced(&entry);
                     tracing::info!(rollout = %entry.rollout, "{}", entry.message);
                     let bytes = serde_json::to_vec(&entry).unwrap_or_default();
+                    self.tell_live("trace", &bytes);
                     self.publish(self.topics.event_log(), false, bytes).await?;
                 }
             }
@@ -250,6 +254,15 @@ impl Service {
     }
 
     /// Publishes a control reply; one too large for a message becomes an error reply saying so.
+    /// Hands an event to the HTTP API's event streams; never waits, and costs a clone of the
+    /// JSON only while someone listens.
+    pub(super) fn tell_live(&self, kind: &'static str, json: &[u8]) {
+        if self.live.receiver_count() > 0 {
+            let text = String::from_utf8_lossy(json).into_owned();
+            let _ = self.live.send(std::sync::Arc::new((kind, text)));
+        }
+    }
+
     pub(super) async fn reply(
         &mut self,
         to: Replier,

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use flotilla_protocol::control::{ControlReply, ControlRequest};
+use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::{
@@ -16,7 +16,7 @@ use crate::service::state::{now, Held, Service};
 
 use crate::service::coverage::{self, LoadEnd};
 use crate::service::enrollment::{Ignored, Verdict};
-use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Replier};
+use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Identity, Replier};
 use crate::service::loading::MarkerSeen;
 use crate::service::metrics::Malformed;
 use crate::service::mqtt::LinkEvent;
@@ -440,8 +440,80 @@ impl Service {
     /// A control request that came over HTTP: the same gate and commands as from MQTT; the
     /// answer goes back to the waiting client, with a status that says what happened.
     pub(super) async fn on_http(&mut self, request: HttpControl) -> Result<(), ServiceError> {
-        self.on_request("(http)", &request.payload, Some(request.answer))
-            .await
+        match request {
+            HttpControl::Signed { payload, answer } => {
+                self.on_request("(http)", &payload, Some(answer)).await
+            }
+            HttpControl::Login { payload, answer } => {
+                let _ = answer.send(self.login(&payload));
+                Ok(())
+            }
+            HttpControl::Read {
+                operator,
+                command,
+                answer,
+            } => {
+                if command.required_role() != Role::Viewer {
+                    // The HTTP side sends only reads; a change needs a signed request.
+                    let reply = ControlReply {
+                        id: String::new(),
+                        ok: false,
+                        error: Some(format!(
+                            "{} changes something: send it as a signed request",
+                            command.name()
+                        )),
+                        result: serde_json::Value::Null,
+                        loading: false,
+                    };
+                    let _ = answer.send(HttpAnswer {
+                        status: axum::http::StatusCode::FORBIDDEN,
+                        reply,
+                    });
+                    return Ok(());
+                }
+                let request =
+                    ControlRequest::new(String::new(), String::new(), 0, String::new(), command);
+                self.run(request, &operator, Replier::Http(answer)).await
+            }
+        }
+    }
+
+    /// Checks a signed `login` request with the gate: who signed it, or the refusal to answer.
+    fn login(&mut self, payload: &[u8]) -> Result<Identity, HttpAnswer> {
+        let refused = |status, error: String| HttpAnswer {
+            status,
+            reply: ControlReply {
+                id: String::new(),
+                ok: false,
+                error: Some(error),
+                result: serde_json::Value::Null,
+                loading: false,
+            },
+        };
+        match self.gate.check(payload, now()) {
+            Ok(authorized) if authorized.request.command == Command::Login => {
+                tracing::info!(operator = %authorized.operator, role = %authorized.role, "HTTP session opened");
+                Ok(Identity {
+                    operator: authorized.operator,
+                    role: authorized.role,
+                })
+            }
+            Ok(authorized) => Err(refused(
+                axum::http::StatusCode::BAD_REQUEST,
+                format!(
+                    "a session opens with a signed login request, not {}",
+                    authorized.request.command.name()
+                ),
+            )),
+            Err(refusal) => {
+                self.refused += 1;
+                self.metrics.refused(&refusal.reason);
+                if !refusal.quiet {
+                    tracing::warn!(reason = %refusal.reason, "refusing an HTTP login");
+                }
+                Err(refused(refusal_status(&refusal.reason), refusal.reason))
+            }
+        }
     }
 
     /// Checks a signed control request and runs it, or holds it while the fleet loads. The

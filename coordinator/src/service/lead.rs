@@ -185,10 +185,15 @@ pub(super) async fn lead(
     // Its own token: a leader that steps down closes its servers, so the ports are free when it
     // leads again.
     let (http_inbox, mut http_requests) = http::control::channel();
+    let (live, _) = tokio::sync::broadcast::channel(http::control::EVENTS);
+    let leading = http::Leading {
+        control: http_inbox,
+        events: live.clone(),
+    };
     http::start(
         config,
         &metrics.endpoint(),
-        Some(http_inbox),
+        Some(leading),
         String::new(),
         &metrics_token,
     )
@@ -248,6 +253,7 @@ pub(super) async fn lead(
         leadership: leadership.clone(),
         fenced: false,
         unsaved: Default::default(),
+        live,
     };
     if let Some(kept) = kept {
         service.take_over(kept).await?;
@@ -609,6 +615,7 @@ mod tests {
             leadership: Arc::new(Sole::new("test")),
             fenced: false,
             unsaved: Default::default(),
+            live: tokio::sync::broadcast::channel(1).0,
         };
         service
             .apply(vec![Effect::Forget {

@@ -16,6 +16,7 @@ use crate::service::artifacts::BlockServer;
 use crate::service::coverage::Coverage;
 use crate::service::enrollment::{Ignored, IgnoredLog, Registry};
 use crate::service::http::control::Replier;
+use crate::service::http::state::LiveEvent;
 use crate::service::leadership::Leadership;
 use crate::service::loading::Loading;
 use crate::service::metrics::{Malformed, Metrics, Totals};
@@ -100,6 +101,9 @@ pub(super) struct Service {
     pub(super) fenced: bool,
     /// Enrollment changes devices made by themselves (a state, a token), not written yet.
     pub(super) unsaved: Unsaved,
+    /// Live events for the HTTP API's event streams; sending never waits (nobody listening,
+    /// or a listener behind, costs nothing here).
+    pub(super) live: tokio::sync::broadcast::Sender<LiveEvent>,
 }
 
 /// Enrollment records and used tokens waiting for the next batch write: one durable write per

@@ -3,31 +3,23 @@
 //! "signature"}`, made by `flotilla operator sign`) and answers the same `ControlReply`
 //! (docs/operations.md, "The HTTP API"; decision 0055).
 //!
-//! Every body is bounded ([`MAX_BODY`], read within [`BODY_TIMEOUT`]); a control request must say
+//! Every body is bounded ([`state::MAX_BODY`](crate::service::http::state::MAX_BODY), read within
+//! [`state::BODY_TIMEOUT`](crate::service::http::state::BODY_TIMEOUT)); a control request must say
 //! `Content-Type: application/json`, which a cross-site form cannot send without the browser
 //! asking first, so no other site can make a browser post one.
 
-use std::time::Duration;
-
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use flotilla_protocol::control::ControlReply;
-use http_body_util::{BodyExt, Limited};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
-use crate::service::metrics::{Endpoint, CONTENT_TYPE};
-
-/// The largest request body read (a control request with a strategy's TOML fits many times).
-pub const MAX_BODY: usize = 256 * 1024;
-/// How long a client may take to send its body.
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a request waits for the service loop's answer.
-pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
+use crate::service::http::reads;
+use crate::service::http::state::{is_json, read_body, refused, Api};
+use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
 pub const OPENAPI: &str = include_str!("openapi.json");
@@ -39,37 +31,33 @@ pub const OPENAPI_PATH: &str = "/api/openapi.json";
 /// Where control requests go.
 pub const CONTROL: &str = "/api/v1/control";
 
-/// Every route, as the OpenAPI document must list it: method and path.
-pub const ROUTES: [(&str, &str); 3] = [("get", METRICS), ("get", OPENAPI_PATH), ("post", CONTROL)];
+/// Every route, as the OpenAPI document must list it: method and path (the OpenAPI form of a
+/// path parameter).
+pub const ROUTES: [(&str, &str); 12] = [
+    ("get", METRICS),
+    ("get", OPENAPI_PATH),
+    ("post", CONTROL),
+    ("post", "/api/v1/session"),
+    ("get", "/api/v1/session"),
+    ("delete", "/api/v1/session"),
+    ("get", "/api/v1/rollouts"),
+    ("get", "/api/v1/rollouts/{name}"),
+    ("get", "/api/v1/devices"),
+    ("get", "/api/v1/approvals"),
+    ("get", "/api/v1/releases"),
+    ("get", "/api/v1/events"),
+];
 
-/// What the routes reach: the metrics, and the service loop while this coordinator leads.
-#[derive(Clone)]
-struct Api {
-    metrics: Option<Endpoint>,
-    control: Option<mpsc::Sender<HttpControl>>,
-    /// Said instead of an answer when `control` is `None`.
-    unavailable: String,
-}
-
-/// The routes of one listener. `control` is the service loop's inbox (a leader's); without it
-/// the API answers `503` with `unavailable` (a standby, or a `[metrics] listen` that serves
-/// metrics only, where `api` is false).
-pub fn router(
-    metrics: Option<Endpoint>,
-    api: bool,
-    control: Option<mpsc::Sender<HttpControl>>,
-    unavailable: String,
-) -> Router {
-    let state = Api {
-        metrics,
-        control,
-        unavailable,
-    };
+/// The routes of one listener: `/metrics` always; with `api`, the HTTP API and its document.
+/// Without the service loop's inbox (`state.control`, a standby's) the API answers `503` with
+/// `state.unavailable`.
+pub fn router(state: Api, api: bool) -> Router {
     let mut router = Router::new().route(METRICS, get(scrape));
     if api {
         router = router
             .route(OPENAPI_PATH, get(openapi))
             .route(CONTROL, post(run_control));
+        router = reads::routes(router);
     }
     router.fallback(not_found).with_state(state)
 }
@@ -106,24 +94,8 @@ fn text(status: StatusCode, body: &str) -> Response {
         .into_response()
 }
 
-/// An error in the shape every API answer has, so a client reads one shape.
-fn refused(status: StatusCode, error: String) -> Response {
-    let reply = ControlReply {
-        id: String::new(),
-        ok: false,
-        error: Some(error),
-        result: serde_json::Value::Null,
-        loading: false,
-    };
-    (status, Json(reply)).into_response()
-}
-
 async fn run_control(State(api): State<Api>, headers: HeaderMap, body: Body) -> Response {
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(';').next().unwrap_or_default().trim() == "application/json");
-    if !json {
+    if !is_json(&headers) {
         return refused(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "a control request is JSON: send it with Content-Type: application/json".into(),
@@ -133,59 +105,14 @@ async fn run_control(State(api): State<Api>, headers: HeaderMap, body: Body) -> 
         Ok(bytes) => bytes,
         Err(answer) => return answer,
     };
-    let Some(inbox) = &api.control else {
-        return refused(StatusCode::SERVICE_UNAVAILABLE, api.unavailable.clone());
-    };
     let (answer, answered) = oneshot::channel();
-    let request = HttpControl {
+    let request = HttpControl::Signed {
         payload: payload.to_vec(),
         answer,
     };
-    if let Err(e) = inbox.try_send(request) {
-        let why = match e {
-            mpsc::error::TrySendError::Full(_) => {
-                "the coordinator has too many HTTP requests waiting; try again shortly"
-            }
-            mpsc::error::TrySendError::Closed(_) => "the coordinator is not leading any more",
-        };
-        return refused(StatusCode::SERVICE_UNAVAILABLE, why.into());
-    }
-    match tokio::time::timeout(ANSWER_TIMEOUT, answered).await {
-        Ok(Ok(HttpAnswer { status, reply })) => (status, Json(reply)).into_response(),
-        Ok(Err(_)) => refused(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the coordinator stopped leading before it answered; ask the leader again".into(),
-        ),
-        Err(_) => refused(
-            StatusCode::GATEWAY_TIMEOUT,
-            format!(
-                "no answer within {} s; the request may still take effect: look before you \
-                 repeat it",
-                ANSWER_TIMEOUT.as_secs()
-            ),
-        ),
-    }
-}
-
-/// The body, at most [`MAX_BODY`] bytes within [`BODY_TIMEOUT`], or the answer that says why not.
-async fn read_body(body: Body) -> Result<Bytes, Response> {
-    match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_BODY).collect()).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(refused(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the request body is larger than {MAX_BODY} bytes"),
-        )),
-        Ok(Err(e)) => Err(refused(
-            StatusCode::BAD_REQUEST,
-            format!("cannot read the request body: {e}"),
-        )),
-        Err(_) => Err(refused(
-            StatusCode::REQUEST_TIMEOUT,
-            format!(
-                "the body did not arrive within {} s",
-                BODY_TIMEOUT.as_secs()
-            ),
-        )),
+    match api.ask(request, answered).await {
+        Ok(HttpAnswer { status, reply }) => (status, Json(reply)).into_response(),
+        Err(answer) => answer,
     }
 }
 
@@ -195,6 +122,7 @@ mod tests {
     use crate::service::metrics::{Malformed, Metrics};
     use flotilla_protocol::Topics;
     use std::net::SocketAddr;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
     use tokio_util::sync::CancellationToken;
@@ -206,7 +134,7 @@ mod tests {
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let token = CancellationToken::new();
-        let router = router(Some(metrics.endpoint()), false, None, String::new());
+        let router = router(Api::metrics_only(Some(metrics.endpoint())), false);
         tokio::spawn(crate::service::http::server::serve(
             listener,
             None,
@@ -291,6 +219,39 @@ mod tests {
             .collect()
     }
 
+    /// Every route the document lists is served: none answers 404 or 405 (without a session or
+    /// a body they answer 401, 415 or 503, which is the point: they are there).
+    #[tokio::test]
+    async fn every_documented_route_is_served() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let token = CancellationToken::new();
+        let state = Api::metrics_only(Some(Metrics::new().endpoint()));
+        tokio::spawn(crate::service::http::server::serve(
+            listener,
+            None,
+            router(state, true),
+            16,
+            token.clone(),
+        ));
+        for (method, path) in ROUTES {
+            let path = path.replace("{name}", "fw-2");
+            let request = format!(
+                "{} {path} HTTP/1.1\r\nHost: c\r\nContent-Length: 0\r\n\r\n",
+                method.to_uppercase()
+            );
+            let answer = exchange(addr, request.as_bytes()).await;
+            let status = status_line(&answer);
+            assert!(
+                !status.contains(" 404 ") && !status.contains(" 405 "),
+                "{method} {path}: {answer}"
+            );
+        }
+        token.cancel();
+    }
+
     #[test]
     fn the_openapi_document_lists_every_route_and_every_command() {
         let doc: serde_json::Value = serde_json::from_str(OPENAPI).expect("OpenAPI is JSON");
@@ -302,9 +263,10 @@ mod tests {
                 "{method} {path} is not documented"
             );
         }
+        let served: std::collections::BTreeSet<&str> = ROUTES.iter().map(|(_, p)| *p).collect();
         assert_eq!(
             paths.len(),
-            ROUTES.len(),
+            served.len(),
             "documented paths that are not served"
         );
         let documented: Vec<String> = doc["components"]["schemas"]["ControlRequest"]["properties"]

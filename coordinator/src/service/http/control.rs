@@ -3,17 +3,42 @@
 //! it with the same code; only where the reply goes differs ([`Replier`]).
 
 use axum::http::StatusCode;
-use flotilla_protocol::control::ControlReply;
+use flotilla_protocol::control::{Command, ControlReply};
+use flotilla_protocol::operator::Role;
 use tokio::sync::{mpsc, oneshot};
 
 /// Requests waiting for the service loop; one more is answered `503` at once.
 pub const QUEUE: usize = 64;
+/// Live events an event stream may fall behind by before it is cut off.
+pub const EVENTS: usize = 512;
 
-/// The signed request envelope, as the HTTP client sent it, and where to answer.
+/// What the HTTP side asks of the service loop.
 #[derive(Debug)]
-pub struct HttpControl {
-    pub payload: Vec<u8>,
-    pub answer: oneshot::Sender<HttpAnswer>,
+pub enum HttpControl {
+    /// A signed control request, as the client sent it: run as one from MQTT.
+    Signed {
+        payload: Vec<u8>,
+        answer: oneshot::Sender<HttpAnswer>,
+    },
+    /// A signed `login` request: checked by the gate like any other, and answered with who
+    /// signed it, so the HTTP side can open a session for them.
+    Login {
+        payload: Vec<u8>,
+        answer: oneshot::Sender<Result<Identity, HttpAnswer>>,
+    },
+    /// A read on behalf of a session's operator: only commands a viewer may run.
+    Read {
+        operator: String,
+        command: Command,
+        answer: oneshot::Sender<HttpAnswer>,
+    },
+}
+
+/// Who signed a `login` request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub operator: String,
+    pub role: Role,
 }
 
 /// The reply and the status it goes out with.

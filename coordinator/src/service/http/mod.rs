@@ -5,15 +5,21 @@
 //! - [`slots`]: which connection makes room when all are taken.
 //! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
 //! - [`control`]: an HTTP control request on its way to the service loop and back.
+//! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE).
+//! - [`session`]: the session table and its cookie.
+//! - [`state`]: what the routes share; bounded bodies; asking the service loop.
 //! - [`tls`]: the server's certificate and key.
 
 pub mod api;
 pub mod control;
+pub mod reads;
 pub mod server;
+pub mod session;
 pub mod slots;
+pub mod state;
 pub mod tls;
 
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::service::config::Config;
@@ -29,19 +35,28 @@ pub enum StartError {
     Tls(#[from] tls::TlsError),
 }
 
+/// What the HTTP API reaches while this coordinator leads.
+#[derive(Debug, Clone)]
+pub struct Leading {
+    /// The service loop's inbox.
+    pub control: mpsc::Sender<HttpControl>,
+    /// Live events from the service loop, for event streams.
+    pub events: broadcast::Sender<state::LiveEvent>,
+}
+
 /// Starts what `config` asks for, each server until `token` is cancelled: `[metrics] listen`
-/// (metrics only) and `[http] listen` (metrics and the API). `control` is the service loop's
-/// inbox while this coordinator leads; without it the API answers `503` with `unavailable`.
+/// (metrics only) and `[http] listen` (metrics and the API). Without `leading` (a standby) the
+/// API answers `503` with `unavailable`.
 pub async fn start(
     config: &Config,
     metrics: &Endpoint,
-    control: Option<mpsc::Sender<HttpControl>>,
+    leading: Option<Leading>,
     unavailable: String,
     token: &CancellationToken,
 ) -> Result<(), StartError> {
     if let Some(addr) = config.metrics {
         let listener = server::bind_retrying(addr, "metrics.listen").await?;
-        let router = api::router(Some(metrics.clone()), false, None, String::new());
+        let router = api::router(state::Api::metrics_only(Some(metrics.clone())), false);
         tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
         tokio::spawn(server::serve(
             listener,
@@ -56,11 +71,23 @@ pub async fn start(
         let listener = server::bind_retrying(http.listen, "http.listen").await?;
         let scheme = if tls.is_some() { "https" } else { "http" };
         tracing::info!(addr = %http.listen, "serving the HTTP API on {scheme}://{}/api/v1/control (and /metrics)", http.listen);
-        let router = api::router(Some(metrics.clone()), true, control, unavailable);
+        let (control, events) = match leading {
+            Some(Leading { control, events }) => (Some(control), Some(events)),
+            None => (None, None),
+        };
+        let state = state::Api {
+            metrics: Some(metrics.clone()),
+            control,
+            unavailable,
+            sessions: Default::default(),
+            events,
+            streams: Default::default(),
+            secure: tls.is_some(),
+        };
         tokio::spawn(server::serve(
             listener,
             tls,
-            router,
+            api::router(state, true),
             server::MAX_CONNECTIONS,
             token.clone(),
         ));

@@ -29,8 +29,9 @@ pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_HEAD_BYTES: usize = 16 * 1024;
 /// How long an answer may take to be written to a client that does not read.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections served at once by default.
-pub const MAX_CONNECTIONS: usize = 64;
+/// Connections served at once by default (event streams, at most
+/// [`super::reads::MAX_STREAMS`], hold theirs while they last).
+pub const MAX_CONNECTIONS: usize = 512;
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
