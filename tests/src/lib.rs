@@ -33,6 +33,7 @@ pub mod secure;
 pub mod site;
 pub mod swu;
 pub mod tcp_proxy;
+pub mod webdriver;
 
 pub use disk::Tmpfs;
 pub use mqtt::{WatchedMessage, Watcher};

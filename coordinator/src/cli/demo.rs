@@ -343,7 +343,8 @@ async fn run_in(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     say(format!(
-        "coordinator with an embedded MQTT broker on {addr}; HTTP API on http://{http}/api/openapi.json"
+        "coordinator with an embedded MQTT broker on {addr}; web console on http://{http}/console (log in with {}), HTTP API on http://{http}/api/openapi.json",
+        root.join("keys/demo.key").display()
     ));
 
     let mut agents = Agents(Vec::new());

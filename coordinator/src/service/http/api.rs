@@ -17,8 +17,8 @@ use axum::{Json, Router};
 use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
-use crate::service::http::reads;
 use crate::service::http::state::{is_json, read_body, refused, Api};
+use crate::service::http::{console, reads};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -33,7 +33,7 @@ pub const CONTROL: &str = "/api/v1/control";
 
 /// Every route, as the OpenAPI document must list it: method and path (the OpenAPI form of a
 /// path parameter).
-pub const ROUTES: [(&str, &str); 12] = [
+pub const ROUTES: [(&str, &str); 15] = [
     ("get", METRICS),
     ("get", OPENAPI_PATH),
     ("post", CONTROL),
@@ -46,6 +46,9 @@ pub const ROUTES: [(&str, &str); 12] = [
     ("get", "/api/v1/approvals"),
     ("get", "/api/v1/releases"),
     ("get", "/api/v1/events"),
+    ("get", "/console"),
+    ("get", "/console/app.js"),
+    ("get", "/console/style.css"),
 ];
 
 /// The routes of one listener: `/metrics` always; with `api`, the HTTP API and its document.
@@ -58,6 +61,7 @@ pub fn router(state: Api, api: bool) -> Router {
             .route(OPENAPI_PATH, get(openapi))
             .route(CONTROL, post(run_control));
         router = reads::routes(router);
+        router = console::routes(router);
     }
     router.fallback(not_found).with_state(state)
 }

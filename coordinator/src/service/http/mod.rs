@@ -4,6 +4,7 @@
 //! - [`server`]: the accept loop: bounded connections, timeouts, TLS.
 //! - [`slots`]: which connection makes room when all are taken.
 //! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
+//! - [`console`]: the web console: a page and its script, on the API and nothing else.
 //! - [`control`]: an HTTP control request on its way to the service loop and back.
 //! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE).
 //! - [`session`]: the session table and its cookie.
@@ -11,6 +12,7 @@
 //! - [`tls`]: the server's certificate and key.
 
 pub mod api;
+pub mod console;
 pub mod control;
 pub mod reads;
 pub mod server;
@@ -83,6 +85,7 @@ pub async fn start(
             events,
             streams: Default::default(),
             secure: tls.is_some(),
+            topic_root: config.broker.topic_root.clone(),
         };
         tokio::spawn(server::serve(
             listener,

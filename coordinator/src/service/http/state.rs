@@ -43,6 +43,8 @@ pub struct Api {
     pub streams: Arc<AtomicUsize>,
     /// Whether the listener is HTTPS (session cookies are `Secure` then).
     pub secure: bool,
+    /// The MQTT topic root, which the console's signed requests name in their reply topics.
+    pub topic_root: String,
 }
 
 impl Api {
@@ -56,6 +58,7 @@ impl Api {
             events: None,
             streams: Arc::default(),
             secure: false,
+            topic_root: flotilla_protocol::topics::DEFAULT_ROOT.to_owned(),
         }
     }
 
