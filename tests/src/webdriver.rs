@@ -200,6 +200,30 @@ impl Browser {
         }
     }
 
+    /// Clicks the element matching `css` whose text is `label`, waiting up to `within` for it.
+    /// The page redraws as events come, so an element found may be gone by the time it is
+    /// clicked; it is looked for again.
+    pub fn click_text(&self, css: &str, label: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(element) = self.find(css) {
+                let text_path = self.session_path(&format!("/element/{}/text", element.0));
+                let click_path = self.session_path(&format!("/element/{}/click", element.0));
+                let text = self.try_call("GET", &text_path, &json!({}));
+                if text.is_ok_and(|t| t.as_str() == Some(label))
+                    && self.try_call("POST", &click_path, &json!({})).is_ok()
+                {
+                    return;
+                }
+            }
+            if Instant::now() > deadline {
+                let body = self.find("body").map(|b| self.text(&b)).unwrap_or_default();
+                panic!("no {css:?} reading {label:?} to click within {within:?}; the page says:\n{body}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub fn text(&self, element: &Element) -> String {
         self.call(
             "GET",

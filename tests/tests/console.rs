@@ -25,8 +25,7 @@ fn log_in(browser: &Browser, site: &Site, url: &str, operator: &str) {
     browser.goto(url);
     let file = browser.wait_for("#keyfile", WAIT).expect("the login form");
     browser.send_keys(&file, &site.operator_key_file(operator).to_string_lossy());
-    let button = browser.find("#login-button").expect("the login button");
-    browser.click(&button);
+    browser.click_text("#login-button", "Log in", WAIT);
     browser.wait_text("#who", WAIT, |t| t.starts_with(operator));
 }
 
@@ -69,11 +68,7 @@ async fn an_operator_follows_approves_and_denies_in_the_console_and_a_viewer_onl
         browser.goto(&format!("{url}#/rollouts/ok"));
         browser.wait_text("[data-approval=ok-canary]", WAIT, |t| t.contains("pending"));
         browser.screenshot(&shots.join("console-approval.png"));
-        let approve = browser
-            .find("[data-approval=ok-canary] button")
-            .expect("an Approve button");
-        assert_eq!(browser.text(&approve), "Approve");
-        browser.click(&approve);
+        browser.click_text("[data-approval=ok-canary] button", "Approve", WAIT);
         // Finished without a reload: live events moved the page.
         browser.wait_text("#rollout-state", WAIT, |t| t == "finished");
         browser.wait_text("#trace", WAIT, |t| {
@@ -93,11 +88,11 @@ async fn an_operator_follows_approves_and_denies_in_the_console_and_a_viewer_onl
     tokio::task::block_in_place(|| {
         browser.goto(&format!("{url}#/rollouts/no"));
         browser.wait_text("[data-approval=no-canary]", WAIT, |t| t.contains("pending"));
-        let deny = browser
-            .find("[data-approval=no-canary] button:nth-of-type(2)")
-            .expect("a Deny button");
-        assert_eq!(browser.text(&deny), "Deny");
-        browser.click(&deny);
+        browser.click_text(
+            "[data-approval=no-canary] button:nth-of-type(2)",
+            "Deny",
+            WAIT,
+        );
         browser.wait_text("#rollout-state", WAIT, |t| t == "stopped");
         browser.wait_text("[data-approval=no-canary]", WAIT, |t| {
             t.contains("denied by olga")
@@ -108,8 +103,7 @@ async fn an_operator_follows_approves_and_denies_in_the_console_and_a_viewer_onl
 
     // A viewer sees everything and gets no button; the server would refuse one anyway.
     tokio::task::block_in_place(|| {
-        let logout = browser.find("#logout").expect("log out");
-        browser.click(&logout);
+        browser.click_text("#logout", "Log out", WAIT);
         log_in(&browser, &site, &url, "vic");
         browser.goto(&format!("{url}#/rollouts/ok"));
         browser.wait_text("#rollout-state", WAIT, |t| t == "finished");
