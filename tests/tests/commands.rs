@@ -138,7 +138,7 @@ select = "role=bad"
     assert!(
         traced(
             &status,
-            "the 1 devices past activation are sent back when they finish"
+            "the 1 device past activation is sent back when it finishes"
         ),
         "{}",
         trace_text(&status)
@@ -183,7 +183,7 @@ select = "role=later"
     let out = site.flotilla(&["rollout", "stop", "st"]);
     assert!(
         out.contains(
-            "stopped by admin; 1 devices not started stay as they are, 1 devices past activation cannot be canceled and finish on release fw-2"
+            "stopped by admin; 1 device not started stays as it is, 1 device past activation cannot be canceled and finishes on release fw-2"
         ),
         "{out}"
     );

@@ -202,10 +202,7 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-fn to_json<T: serde::Serialize>(value: &T) -> String {
-    // The control types are plain structs of strings and numbers: serializing cannot fail.
-    serde_json::to_string_pretty(value).unwrap_or_default()
-}
+use crate::cli::json::to_json;
 
 /// Runs every command except `demo`; returns the exit code. `shutdown` stops `serve`.
 pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError> {
@@ -334,7 +331,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Rollout(cmd) => {
             let client = connect(&target).await?;
-            rollout(&client, cmd).await
+            rollout(&client, cmd, &shutdown).await
         }
         Cmd::Devices {
             cmd: Some(DevicesCmd::Delete { id }),
@@ -514,13 +511,33 @@ fn serve_overrides(
         None => None,
     };
     let auth = target.auth.clone();
+    // The login variables are the CLI's (an operator exports them for `flotilla rollout …`): a
+    // coordinator started from the same shell must not log in as the operator, whom the
+    // broker's ACL keeps off the device topics. Its login comes from a flag or its config file.
+    let login = |id: &'static str| {
+        let ignored = origin.came_from_env(id);
+        if ignored {
+            tracing::info!(
+                "ignoring {}: it is the CLI's broker login; `serve` takes its own from {} or the \
+                 config file",
+                origin.of(id),
+                GLOBAL_SETTINGS
+                    .iter()
+                    .find(|(i, _, _)| *i == id)
+                    .map_or("a flag", |(_, flag, _)| *flag)
+            );
+        }
+        !ignored
+    };
+    let username = auth.username.filter(|_| login("username"));
+    let password_file = auth.password_file.filter(|_| login("password_file"));
     Ok(BrokerOverrides {
         addr: origin.given("broker", addr),
         topic_root: origin.given("topic_root", target.topic_root.clone()),
         embedded,
         insecure_embedded: None,
-        username: origin.given("username", auth.username),
-        password_file: origin.given("password_file", auth.password_file),
+        username: origin.given("username", username),
+        password_file: origin.given("password_file", password_file),
         tls: origin.given("tls", auth.tls.then_some(())),
         ca_file: origin.given("ca_file", auth.ca_file),
         client_cert: origin.given("client_cert", auth.client_cert),
@@ -752,7 +769,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
     }
 }
 
-async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliError> {
+async fn rollout(
+    client: &ControlClient,
+    cmd: RolloutCmd,
+    shutdown: &CancellationToken,
+) -> Result<i32, CliError> {
     let timeout: Duration = crate::cli::client::DEFAULT_TIMEOUT;
     let (command, json) = match cmd {
         RolloutCmd::Create { spec } => {
@@ -762,18 +783,46 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
             })?;
             (Command::CreateRollout { spec: text }, false)
         }
-        RolloutCmd::Start { name } => (Command::StartRollout { rollout: name }, false),
+        RolloutCmd::Start { name, wait: true } => {
+            client
+                .request(Command::StartRollout { rollout: name.clone() }, timeout)
+                .await?;
+            // The watch's first drawing shows the rollout as the start left it.
+            return crate::cli::watch::watch(client, &name, Default::default(), shutdown).await;
+        }
+        RolloutCmd::Start { name, wait: false } => {
+            (Command::StartRollout { rollout: name }, false)
+        }
         RolloutCmd::Pause { name } => (Command::PauseRollout { rollout: name }, false),
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
-        RolloutCmd::Status { name, json, page } => {
+        RolloutCmd::Status {
+            name: Some(name),
+            watch: true,
+            page,
+            ..
+        } => return crate::cli::watch::watch(client, &name, page.query(), shutdown).await,
+        RolloutCmd::List { json } => {
+            let all = client
+                .rollout_summaries(Default::default(), timeout)
+                .await?;
+            if json {
+                println!("{}", to_json(&all));
+            } else {
+                print!("{}", view::rollouts_table(&all));
+            }
+            return Ok(0);
+        }
+        RolloutCmd::Status {
+            name, json, page, ..
+        } => {
             let text = match name {
                 Some(name) => {
                     let status = client.rollout_status(&name, page.query(), timeout).await?;
                     if json {
                         to_json(&status) + "\n"
                     } else {
-                        view::rollout_status(&status)
+                        view::rollout_status_in(&status, view::Paint::for_stdout())
                     }
                 }
                 None => {
@@ -782,7 +831,7 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
                     if json {
                         to_json(&all) + "\n"
                     } else {
-                        view::rollout_statuses(&all)
+                        view::rollouts_table(&all)
                     }
                 }
             };

@@ -1128,9 +1128,9 @@ pub fn plan_table(plan: &Plan) -> String {
     }
     let _ = writeln!(
         out,
-        "{} devices in {} groups",
-        plan.device_count(),
-        plan.groups.len()
+        "{} in {}",
+        flotilla_rollout::text::count(plan.device_count(), "device"),
+        flotilla_rollout::text::count(plan.groups.len(), "group")
     );
     if !plan.unassigned.is_empty() {
         let _ = writeln!(

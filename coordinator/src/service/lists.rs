@@ -38,8 +38,8 @@ impl Service {
     }
 
     /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
-    /// operator, each with its enrollment status. Devices that are not accepted show what their
-    /// last state claims, never online.
+    /// operator, each with its enrollment status. A device waiting for an operator shows what
+    /// its last state claims: online or not, and the release it runs.
     pub(super) fn device_list(&self) -> Vec<DeviceSummary> {
         self.devices_after(None).collect()
     }
@@ -79,12 +79,17 @@ impl Service {
                     let Some(info) = self.registry.info(&record.device) else {
                         continue;
                     };
+                    // A pending device's last state is its latest (its last will when it went
+                    // away); a refused or revoked device is not listened to, so never online.
+                    let claimed = (record.status == Status::Pending)
+                        .then(|| self.registry.claimed_state(&record.device))
+                        .flatten();
                     return Some(DeviceSummary {
                         id: record.device.clone(),
                         hardware_id: info.hardware_id.unwrap_or_default(),
                         labels: info.labels,
-                        online: false,
-                        installed: None,
+                        online: claimed.as_ref().is_some_and(|s| s.online),
+                        installed: claimed.and_then(|s| s.installed).map(|i| i.name),
                         rollout: None,
                         phase: None,
                         reason: None,

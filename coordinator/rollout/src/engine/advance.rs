@@ -20,6 +20,7 @@ use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_holds, error_met, success_holds, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
+use crate::text::{agree, count};
 use crate::window::{utc_text, Window, LOOKAHEAD};
 
 /// What the engine knows about devices, as the rollout logic needs it.
@@ -106,30 +107,34 @@ impl Ended {
     pub fn describe(&self, release: &str) -> String {
         let mut parts = Vec::new();
         if self.canceled > 0 {
-            parts.push(format!("canceled {} device actions", self.canceled));
+            parts.push(format!("canceled {}", count(self.canceled, "device action")));
         }
         if self.dropped > 0 {
             parts.push(format!(
-                "{} devices not started stay as they are",
-                self.dropped
+                "{} not started {}",
+                count(self.dropped, "device"),
+                agree(self.dropped, "stays as it is", "stay as they are")
             ));
         }
         if self.finishing > 0 {
             parts.push(format!(
-                "{} devices past activation cannot be canceled and finish on release {release}",
-                self.finishing
+                "{} past activation cannot be canceled and {} on release {release}",
+                count(self.finishing, "device"),
+                agree(self.finishing, "finishes", "finish")
             ));
         }
         if self.soaked > 0 {
             parts.push(format!(
-                "{} soaking devices count as ready on release {release}",
-                self.soaked
+                "{} soaking {} as ready on release {release}",
+                count(self.soaked, "device"),
+                agree(self.soaked, "counts", "count")
             ));
         }
         if self.retries > 0 {
             parts.push(format!(
-                "{} devices waiting for a retry count as failed",
-                self.retries
+                "{} waiting for a retry {} as failed",
+                count(self.retries, "device"),
+                agree(self.retries, "counts", "count")
             ));
         }
         if parts.is_empty() {
@@ -478,14 +483,14 @@ impl Rollout {
         group.started_at = Some(now);
         group.condition("Progressing", true, "StageUpdatingStarted", now);
         let mut message = format!(
-            "group {} started with {} devices ({why})",
+            "group {} started with {} ({why})",
             group.name,
-            group.devices.len()
+            count(group.devices.len(), "device")
         );
         if !dropped.is_empty() {
             message.push_str(&format!(
-                "; {} deleted devices left it: {}",
-                dropped.len(),
+                "; {} left it: {}",
+                count(dropped.len(), "deleted device"),
                 dropped.join(", ")
             ));
         }
@@ -907,8 +912,10 @@ impl Rollout {
                 self.fail(now);
                 let later = if ended.finishing > 0 {
                     format!(
-                        "; the {} devices past activation are sent back when they finish",
-                        ended.finishing
+                        "; the {} past activation {} sent back when {}",
+                        count(ended.finishing, "device"),
+                        agree(ended.finishing, "is", "are"),
+                        agree(ended.finishing, "it finishes", "they finish")
                     )
                 } else {
                     String::new()
