@@ -313,7 +313,7 @@ pub struct ReleaseCreateArgs {
     /// that predate types (decision 0054).
     #[arg(long, value_name = "TARGET=TYPE")]
     pub artifact_type: Vec<String>,
-    /// How long the release stays installable (s, m, h, d).
+    /// How long the release stays installable (s, m, h, d, or a compound like 90d12h).
     #[arg(long, default_value = "365d")]
     pub expires_in: String,
     /// Bytes per block of each artifact's block list (1024..=65536). A list holds 32 bytes per

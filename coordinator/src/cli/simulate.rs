@@ -876,7 +876,7 @@ pub struct SimulateArgs {
     /// Named device groups that partitions refer to (JSON array).
     #[arg(long)]
     pub groups: Option<PathBuf>,
-    /// End the run after this much virtual time (s, m, h, d).
+    /// End the run after this much virtual time (s, m, h, d, or a compound like 2h30m).
     #[arg(long, default_value = "30d")]
     pub until: String,
     /// When the virtual clock starts (RFC 3339, e.g. 2027-01-04T09:00:00Z); matters for
