@@ -330,3 +330,57 @@ fn operator_keygen_writes_a_private_key_and_requests_need_one() {
         "{err}"
     );
 }
+
+/// `flotilla … | head`: the reader stops early and closes the pipe. The command ends quietly
+/// with exit code 0, not with a panic and a backtrace. 5,000 tokens are far more than a pipe
+/// holds, so the write that finds the pipe closed always comes.
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    {
+        let args = ["enrollment", "token", "--count", "5000"];
+        let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run flotilla");
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn rollout_help_describes_every_command_and_flag() {
+    let text = ok(&["rollout", "--help"]);
+    for (command, words) in [
+        ("start", "Start a created rollout"),
+        ("pause", "Pause a rollout"),
+        ("resume", "Resume a paused rollout"),
+        ("stop", "Stop a rollout for good"),
+        ("list", "List every rollout, one line each"),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(command))
+            .unwrap_or_else(|| panic!("no {command} in:\n{text}"));
+        assert!(line.contains(words), "{command}: {line}");
+    }
+    let text = ok(&["rollout", "status", "--help"]);
+    for words in [
+        "[NAME]  The rollout to show",
+        "--json",
+        "Print JSON instead of text",
+        "--watch",
+        "0 finished, 3 failed, 4 stopped",
+    ] {
+        assert!(text.contains(words), "{words:?} missing from:\n{text}");
+    }
+    let err = flotilla(&["rollout", "status", "--watch"]);
+    assert_eq!(err.status.code(), Some(2), "--watch needs a name");
+}

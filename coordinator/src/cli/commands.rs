@@ -15,6 +15,7 @@ use flotilla_protocol::control::{
 };
 use tokio_util::sync::CancellationToken;
 
+use crate::cli::out::{out, outln};
 use crate::cli::args::{
     BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
     StrategyCmd, DEFAULT_BROKER, GLOBAL_SETTINGS,
@@ -216,7 +217,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
     match cli.command {
         Cmd::Enrollment(crate::cli::args::EnrollmentCmd::Token { count }) => {
             for _ in 0..count {
-                println!("{}", crate::service::enrollment::new_token());
+                outln!("{}", crate::service::enrollment::new_token());
             }
             eprintln!(
                 "list each token in the coordinator's [enrollment] tokens and give it to one \
@@ -233,23 +234,23 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .topic_root
                 .as_deref()
                 .unwrap_or(flotilla_protocol::topics::DEFAULT_ROOT);
-            println!("{}", crate::cli::sign::sign(key, root, &command, now())?);
+            outln!("{}", crate::cli::sign::sign(key, root, &command, now())?);
             Ok(0)
         }
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
             let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
             for w in &written {
-                println!(
+                outln!(
                     "wrote {} (secret, keep it with {name}) and {}",
                     w.secret.display(),
                     w.public.display()
                 );
-                println!("  add to the coordinator's config (role: viewer, operator or admin):");
-                println!(
+                outln!("  add to the coordinator's config (role: viewer, operator or admin):");
+                outln!(
                     "  [[operators]]\n  name = {name:?}\n  role = \"operator\"\n  key = {:?}",
                     w.public_hex
                 );
-                println!(
+                outln!(
                     "  then: flotilla --operator-key {} rollout status",
                     w.secret.display()
                 );
@@ -274,34 +275,34 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 signers,
             };
             let signed = keys::rotate(&rotation, &out)?;
-            println!(
+            outln!(
                 "wrote keys document version {version} to {} with {signed} root signature(s)",
                 out.display()
             );
-            println!("  devices accept it with: flotilla-agent keys install --config CONFIG FILE");
+            outln!("  devices accept it with: flotilla-agent keys install --config CONFIG FILE");
             Ok(0)
         }
         Cmd::Keys(KeysCmd::Sign { key, file }) => {
             let count = keys::cosign(&file, &key)?;
-            println!("{} now has {count} signature(s)", file.display());
+            outln!("{} now has {count} signature(s)", file.display());
             Ok(0)
         }
         Cmd::Keygen(args) => {
             let names: Vec<String> = args.name.into_iter().collect();
             for written in keys::keygen(&args.out, &names, args.force)? {
-                println!(
+                outln!(
                     "wrote {} and {}",
                     written.secret.display(),
                     written.public.display()
                 );
-                println!("  public key {}", written.public_hex);
+                outln!("  public key {}", written.public_hex);
             }
             Ok(0)
         }
         Cmd::Release(cmd) => release(cmd),
         Cmd::Serve(args) => {
             if args.print_default_config {
-                print!("{}", config::DEFAULT_CONFIG);
+                out!("{}", config::DEFAULT_CONFIG);
                 return Ok(0);
             }
             let Some(path) = &args.config else {
@@ -344,7 +345,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("deleted device {id}; its retained state is cleared and its desired action replaced by a signed \"nothing to do\"");
+            outln!("deleted device {id}; its retained state is cleared and its desired action replaced by a signed \"nothing to do\"");
             Ok(0)
         }
         Cmd::Devices {
@@ -366,9 +367,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     .pending_devices(page.query(), DEFAULT_TIMEOUT)
                     .await?;
                 if json {
-                    println!("{}", to_json(&list));
+                    outln!("{}", to_json(&list));
                 } else {
-                    print!("{}", view::enrollments_table(&list));
+                    out!("{}", view::enrollments_table(&list));
                 }
                 return Ok(0);
             }
@@ -391,12 +392,12 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .request(command, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&result));
+                outln!("{}", to_json(&result));
             } else {
                 let info: EnrollmentInfo = serde_json::from_value(result)
                     .map_err(|source| CliError::Reply { what, source })?;
                 let key = info.new_key.as_deref().unwrap_or(&info.key);
-                println!("device {} is {} (key {key})", info.device, info.status);
+                outln!("device {} is {} (key {key})", info.device, info.status);
             }
             Ok(0)
         }
@@ -411,9 +412,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .list_devices(page.query(), limit, DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&devices));
+                outln!("{}", to_json(&devices));
             } else {
-                print!("{}", view::devices_table(&devices));
+                out!("{}", view::devices_table(&devices));
             }
             Ok(0)
         }
@@ -425,7 +426,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("approved {name}");
+            outln!("approved {name}");
             Ok(0)
         }
         Cmd::Approvals { json } => {
@@ -435,9 +436,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .all_pages("list_approvals", command, DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&approvals));
+                outln!("{}", to_json(&approvals));
             } else {
-                print!("{}", view::approvals_table(&approvals));
+                out!("{}", view::approvals_table(&approvals));
             }
             Ok(0)
         }
@@ -452,9 +453,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     source,
                 })?;
             if json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", view::coordinators(&info));
+                out!("{}", view::coordinators(&info));
             }
             Ok(0)
         }
@@ -479,9 +480,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 }
             };
             if args.json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", crate::cli::store::describe_backup(&info));
+                out!("{}", crate::cli::store::describe_backup(&info));
             }
             Ok(0)
         }
@@ -588,7 +589,7 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
                     timeout,
                 )
                 .await?;
-            println!("stored strategy {name}");
+            outln!("stored strategy {name}");
         }
         StrategyCmd::List { json } => {
             let command = |page| Command::ListStrategies { page };
@@ -596,9 +597,9 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
                 .all_pages("list_strategies", command, timeout)
                 .await?;
             if json {
-                println!("{}", to_json(&all));
+                outln!("{}", to_json(&all));
             } else {
-                print!("{}", view::strategies_list(&all));
+                out!("{}", view::strategies_list(&all));
             }
         }
         StrategyCmd::Show { name, json } => {
@@ -608,11 +609,11 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
             let info: StrategyInfo =
                 serde_json::from_value(result).map_err(reply("show_strategy"))?;
             if json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", info.spec);
+                out!("{}", info.spec);
                 if !info.spec.ends_with('\n') {
-                    println!();
+                    outln!();
                 }
             }
         }
@@ -637,23 +638,23 @@ async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
             let result = client.request(command, timeout).await?;
             let info: DeviceGroupInfo =
                 serde_json::from_value(result).map_err(reply("create_group"))?;
-            println!("stored device group {}  select {}", info.name, info.select);
+            outln!("stored device group {}  select {}", info.name, info.select);
         }
         GroupCmd::List { json } => {
             let command = |page| Command::ListGroups { page };
             let all: Vec<DeviceGroupInfo> =
                 client.all_pages("list_groups", command, timeout).await?;
             if json {
-                println!("{}", to_json(&all));
+                outln!("{}", to_json(&all));
             } else {
-                print!("{}", view::groups_table(&all));
+                out!("{}", view::groups_table(&all));
             }
         }
         GroupCmd::Delete { name } => {
             client
                 .request(Command::DeleteGroup { name: name.clone() }, timeout)
                 .await?;
-            println!("deleted device group {name}");
+            outln!("deleted device group {name}");
         }
     }
     Ok(0)
@@ -688,11 +689,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             for line in release_types::untyped_lookalikes(&manifest, |d| store.artifact_path(d)) {
                 eprintln!("hint: {line}");
             }
-            println!(
+            outln!(
                 "created {}",
                 store.release_path(&manifest.release.name).display()
             );
-            print!(
+            out!(
                 "{}",
                 releases::render_manifest(&manifest, &key.verifying_key().to_bytes())
             );
@@ -711,9 +712,9 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 _ => return Ok(2),
             };
             if json {
-                println!("{}", to_json(&releases::summary(&manifest)));
+                outln!("{}", to_json(&releases::summary(&manifest)));
             } else {
-                print!("{}", releases::render_manifest(&manifest, &blob.signer));
+                out!("{}", releases::render_manifest(&manifest, &blob.signer));
             }
             Ok(0)
         }
@@ -727,7 +728,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             // Validates the name before it becomes a path.
             store.load(&name)?;
             let manifest = store.verify(&store.release_path(&name), &key)?;
-            println!(
+            outln!(
                 "release {} verified: signature ok, {} artifact(s) present with the declared size and sha256{}",
                 manifest.release.name,
                 manifest.release.artifacts.len(),
@@ -740,11 +741,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             if json {
                 let summaries: Vec<ReleaseSummary> =
                     manifests.iter().map(releases::summary).collect();
-                println!("{}", to_json(&summaries));
+                outln!("{}", to_json(&summaries));
             } else if manifests.is_empty() {
-                println!("no releases in {}", data_dir.display());
+                outln!("no releases in {}", data_dir.display());
             } else {
-                println!(
+                outln!(
                     "{:24}  {:12}  {:>8}  {:>7}  HARDWARE",
                     "RELEASE", "VERSION", "COUNTER", "BLOCKS"
                 );
@@ -755,7 +756,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                     } else {
                         s.hardware.join(",")
                     };
-                    println!(
+                    outln!(
                         "{:24}  {:12}  {:>8}  {:>7}  {hw}",
                         s.name,
                         s.version,
@@ -788,7 +789,7 @@ async fn rollout(
                 .request(Command::StartRollout { rollout: name.clone() }, timeout)
                 .await?;
             // The watch's first drawing shows the rollout as the start left it.
-            return crate::cli::watch::watch(client, &name, Default::default(), shutdown).await;
+            return Ok(crate::cli::watch::watch(client, &name, Default::default(), shutdown).await?);
         }
         RolloutCmd::Start { name, wait: false } => {
             (Command::StartRollout { rollout: name }, false)
@@ -801,15 +802,15 @@ async fn rollout(
             watch: true,
             page,
             ..
-        } => return crate::cli::watch::watch(client, &name, page.query(), shutdown).await,
+        } => return Ok(crate::cli::watch::watch(client, &name, page.query(), shutdown).await?),
         RolloutCmd::List { json } => {
             let all = client
                 .rollout_summaries(Default::default(), timeout)
                 .await?;
             if json {
-                println!("{}", to_json(&all));
+                outln!("{}", to_json(&all));
             } else {
-                print!("{}", view::rollouts_table(&all));
+                out!("{}", view::rollouts_table(&all));
             }
             return Ok(0);
         }
@@ -835,7 +836,7 @@ async fn rollout(
                     }
                 }
             };
-            print!("{text}");
+            out!("{text}");
             return Ok(0);
         }
         RolloutCmd::Next {
@@ -852,10 +853,10 @@ async fn rollout(
     };
     let result = client.request(command, timeout).await?;
     if json {
-        println!("{}", to_json(&result));
+        outln!("{}", to_json(&result));
         return Ok(0);
     }
-    print!("{}", render_statuses(result)?);
+    out!("{}", render_statuses(result)?);
     Ok(0)
 }
 

@@ -1046,7 +1046,7 @@ pub fn run_plan(args: &PlanArgs) -> i32 {
     match planned {
         Ok(plan) if args.json => match serde_json::to_string_pretty(&plan) {
             Ok(json) => {
-                println!("{json}");
+                crate::cli::out::outln!("{json}");
                 0
             }
             Err(e) => {
@@ -1055,7 +1055,7 @@ pub fn run_plan(args: &PlanArgs) -> i32 {
             }
         },
         Ok(plan) => {
-            print!("{}", plan_table(&plan));
+            crate::cli::out::out!("{}", plan_table(&plan));
             0
         }
         Err(e) => {

@@ -6,6 +6,7 @@
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
 //! - [`login_lock`]: one connection per broker login from this machine at a time.
+//! - [`out`]: stdout that ends a command quietly when the pipe it writes to closes.
 //! - [`view`]: tables and progress bars for rollouts, devices and approvals; [`json`]: `--json`
 //!   output, each Unix time with its RFC 3339 twin.
 //! - [`watch`]: `rollout status NAME --watch` and `rollout start NAME --wait`.
@@ -25,6 +26,7 @@ pub mod fleetfile;
 pub mod json;
 pub mod login_lock;
 pub mod migrate;
+pub mod out;
 pub mod sign;
 pub mod simulate;
 pub mod store;

@@ -43,6 +43,7 @@ use flotilla_protocol::control::{RolloutStatus, TraceEntry};
 use flotilla_protocol::{ByteCounts, CurrentAction, DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
+use crate::cli::out::{out, outln};
 use crate::cli::fleetfile::{self, FleetError};
 use crate::cli::view;
 use flotilla_rollout::duration::parse_duration;
@@ -946,14 +947,14 @@ pub fn run_simulate(args: &SimulateArgs) -> i32 {
         Ok(report) => {
             if args.json {
                 match serde_json::to_string_pretty(&report) {
-                    Ok(json) => println!("{json}"),
+                    Ok(json) => outln!("{json}"),
                     Err(e) => {
                         eprintln!("error: cannot encode the report: {e}");
                         return 1;
                     }
                 }
             } else {
-                print!("{}", render(&report));
+                out!("{}", render(&report));
             }
             let code = report.exit_code();
             // A report of a million devices is millions of small allocations; the command ends

@@ -5,16 +5,16 @@
 //! back up over the last drawing, which is cleared); elsewhere (a pipe, a log) each status that
 //! differs from the last is printed in full after a blank line, so the output is a readable
 //! record. When the rollout reaches an end state the command exits with it (see [`exit_code`]);
-//! Ctrl-C stops watching (exit 130) and leaves the rollout as it is.
+//! Ctrl-C stops watching (exit 130) and leaves the rollout as it is; a closed pipe ends it
+//! quietly ([`out`]).
 
-use std::io::Write as _;
 use std::time::Duration;
 
 use flotilla_protocol::control::PageQuery;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::client::{ControlClient, DEFAULT_TIMEOUT};
-use crate::cli::commands::CliError;
+use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
+use crate::cli::out::{self, out, outln};
 use crate::cli::view::{self, Paint};
 
 /// How often the status is fetched again.
@@ -41,7 +41,7 @@ pub async fn watch(
     name: &str,
     query: PageQuery,
     shutdown: &CancellationToken,
-) -> Result<i32, CliError> {
+) -> Result<i32, ClientError> {
     let paint = Paint::for_stdout();
     let in_place = paint == Paint::Colour || std::io::IsTerminal::is_terminal(&std::io::stdout());
     let mut drawn: Option<String> = None;
@@ -51,19 +51,14 @@ pub async fn watch(
             .await?;
         let text = view::rollout_status_in(&status, paint);
         if drawn.as_deref() != Some(text.as_str()) {
-            let mut out = std::io::stdout().lock();
             match (&drawn, in_place) {
                 // Up to the first line of the last drawing, and clear from there down.
-                (Some(last), true) => {
-                    let _ = write!(out, "\x1b[{}F\x1b[J", last.lines().count());
-                }
-                (Some(_), false) => {
-                    let _ = writeln!(out);
-                }
+                (Some(last), true) => out!("\x1b[{}F\x1b[J", last.lines().count()),
+                (Some(_), false) => outln!(),
                 (None, _) => {}
             }
-            let _ = write!(out, "{text}");
-            let _ = out.flush();
+            out!("{text}");
+            out::flush();
             drawn = Some(text);
         }
         if let Some(code) = exit_code(&status.state) {
