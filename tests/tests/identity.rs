@@ -405,7 +405,11 @@ async fn a_pending_device_gets_no_blocks_and_no_rollout_until_an_operator_accept
         .find(|l| l.starts_with("dev-new "))
         .map(|l| l.split_whitespace().collect())
         .unwrap_or_default();
-    assert_eq!(row.get(..3), Some(&["dev-new", "yes", "pending"][..]), "{table}");
+    assert_eq!(
+        row.get(..3),
+        Some(&["dev-new", "yes", "pending"][..]),
+        "{table}"
+    );
 
     // Its state does not put it in a rollout.
     let first = create(&site, &one_group("first", "fw-2"))

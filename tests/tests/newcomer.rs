@@ -211,12 +211,22 @@ fn the_first_rollout_in_the_readme_reaches_the_kept_demo_fleet() {
         followed.starts_with("rollout first  release fw-3  state "),
         "{followed}"
     );
-    let last = followed.rsplit("\nrollout first ").next().unwrap_or_default();
+    let last = followed
+        .rsplit("\nrollout first ")
+        .next()
+        .unwrap_or_default();
     assert!(last.contains("state finished"), "{followed}");
-    assert!(!followed.contains('\x1b'), "no escape codes in a pipe: {followed}");
-    let list = ok(flotilla_in(&dir, &env, &["rollout", "list"]), "rollout list");
     assert!(
-        list.lines().any(|l| l.starts_with("first ") && l.contains(" finished ")),
+        !followed.contains('\x1b'),
+        "no escape codes in a pipe: {followed}"
+    );
+    let list = ok(
+        flotilla_in(&dir, &env, &["rollout", "list"]),
+        "rollout list",
+    );
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("first ") && l.contains(" finished ")),
         "{list}"
     );
     for id in ["dev-01", "dev-02", "dev-03"] {

@@ -131,7 +131,11 @@ async fn an_offline_device_shows_its_release_after_a_restart() {
     site.kill_agent("dev-gone");
     site.wait_online("dev-gone", false).await;
     let (row, table) = installed(&site);
-    assert_eq!(row.get(1..4), Some(&["no".to_owned(), "accepted".into(), "fw-2".into()][..]), "{table}");
+    assert_eq!(
+        row.get(1..4),
+        Some(&["no".to_owned(), "accepted".into(), "fw-2".into()][..]),
+        "{table}"
+    );
 
     site.kill_coordinator();
     site.start_coordinator();

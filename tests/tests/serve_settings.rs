@@ -253,7 +253,10 @@ fn settings_that_cannot_apply_are_refused_naming_where_they_came_from() {
         text.contains("FLOTILLA_BROKER_CA_FILE \"ca.crt\"") && text.contains("embedded broker"),
         "{text}"
     );
-    let text = run(&["--embedded-broker", &embedded, "--username", "someone"], &[]);
+    let text = run(
+        &["--embedded-broker", &embedded, "--username", "someone"],
+        &[],
+    );
     assert!(
         text.contains("--username \"someone\"") && text.contains("embedded broker"),
         "{text}"

@@ -15,12 +15,12 @@ use flotilla_protocol::control::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::out::{out, outln};
 use crate::cli::args::{
     BrokerAuth, Cli, Cmd, DevicesCmd, GroupCmd, KeysCmd, OperatorCmd, ReleaseCmd, RolloutCmd,
     StrategyCmd, DEFAULT_BROKER, GLOBAL_SETTINGS,
 };
 use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
+use crate::cli::out::{out, outln};
 use crate::cli::view;
 use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
@@ -747,7 +747,10 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             } else {
                 outln!(
                     "{:24}  {:12}  {:>8}  {:>7}  HARDWARE",
-                    "RELEASE", "VERSION", "COUNTER", "BLOCKS"
+                    "RELEASE",
+                    "VERSION",
+                    "COUNTER",
+                    "BLOCKS"
                 );
                 for m in &manifests {
                     let s = &m.release;
@@ -786,14 +789,19 @@ async fn rollout(
         }
         RolloutCmd::Start { name, wait: true } => {
             client
-                .request(Command::StartRollout { rollout: name.clone() }, timeout)
+                .request(
+                    Command::StartRollout {
+                        rollout: name.clone(),
+                    },
+                    timeout,
+                )
                 .await?;
             // The watch's first drawing shows the rollout as the start left it.
-            return Ok(crate::cli::watch::watch(client, &name, Default::default(), shutdown).await?);
+            return Ok(
+                crate::cli::watch::watch(client, &name, Default::default(), shutdown).await?,
+            );
         }
-        RolloutCmd::Start { name, wait: false } => {
-            (Command::StartRollout { rollout: name }, false)
-        }
+        RolloutCmd::Start { name, wait: false } => (Command::StartRollout { rollout: name }, false),
         RolloutCmd::Pause { name } => (Command::PauseRollout { rollout: name }, false),
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),

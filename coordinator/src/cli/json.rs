@@ -59,7 +59,10 @@ mod tests {
         let out: Value = serde_json::from_str(&to_json(&value)).expect("json");
         assert_eq!(out["created_at"], 1_795_779_447u64);
         assert_eq!(out["created_at_rfc3339"], "2026-11-27T11:37:27Z");
-        assert_eq!(out["groups"][0]["started_at_rfc3339"], "1970-01-01T01:00:00Z");
+        assert_eq!(
+            out["groups"][0]["started_at_rfc3339"],
+            "1970-01-01T01:00:00Z"
+        );
         assert!(out["groups"][0].get("ended_at_rfc3339").is_none(), "{out}");
         assert_eq!(out["trace"][0]["at_rfc3339"], "1970-01-01T00:00:00Z");
         assert!(out.get("total_rfc3339").is_none(), "{out}");

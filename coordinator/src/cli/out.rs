@@ -10,9 +10,13 @@ use std::io::{self, Write as _};
 /// Writes `args` (and a newline when `newline`) to stdout, or ends the process as above.
 pub fn write(args: std::fmt::Arguments<'_>, newline: bool) {
     let mut out = io::stdout().lock();
-    let written = out
-        .write_fmt(args)
-        .and_then(|()| if newline { out.write_all(b"\n") } else { Ok(()) });
+    let written = out.write_fmt(args).and_then(|()| {
+        if newline {
+            out.write_all(b"\n")
+        } else {
+            Ok(())
+        }
+    });
     if let Err(e) = written {
         exit_on(&e);
     }

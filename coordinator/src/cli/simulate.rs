@@ -43,8 +43,8 @@ use flotilla_protocol::control::{RolloutStatus, TraceEntry};
 use flotilla_protocol::{ByteCounts, CurrentAction, DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::out::{out, outln};
 use crate::cli::fleetfile::{self, FleetError};
+use crate::cli::out::{out, outln};
 use crate::cli::view;
 use flotilla_rollout::duration::parse_duration;
 use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef, OPERATOR};

@@ -232,5 +232,5 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
             Ok(0)
         }
     }
-}use crate::cli::out::outln;
-
+}
+use crate::cli::out::outln;

@@ -427,7 +427,12 @@ pub fn rollouts_table(statuses: &[RolloutStatus]) -> String {
             let now = s
                 .groups
                 .iter()
-                .find(|g| matches!(g.state.as_str(), "running" | "waiting" | "approval" | "error"))
+                .find(|g| {
+                    matches!(
+                        g.state.as_str(),
+                        "running" | "waiting" | "approval" | "error"
+                    )
+                })
                 .map(|g| format!("{} {}", g.name, g.state))
                 .unwrap_or_else(|| "-".to_owned());
             vec![
@@ -442,7 +447,9 @@ pub fn rollouts_table(statuses: &[RolloutStatus]) -> String {
         })
         .collect();
     table(
-        &["ROLLOUT", "STATE", "RELEASE", "GROUPS", "READY", "FAILED", "NOW"],
+        &[
+            "ROLLOUT", "STATE", "RELEASE", "GROUPS", "READY", "FAILED", "NOW",
+        ],
         &rows,
     )
 }
@@ -669,7 +676,10 @@ mod tests {
         failed.scheduled = 0;
         let line = group_line(&failed, 6);
         assert!(line.contains("failed"), "{line}");
-        assert!(!line.contains('#'), "a failed group shows no ready cells: {line}");
+        assert!(
+            !line.contains('#'),
+            "a failed group shows no ready cells: {line}"
+        );
         assert!(!line.contains('\x1b'), "plain text off a terminal: {line}");
     }
 

@@ -549,7 +549,10 @@ mod tests {
     #[test]
     fn refused_subscriptions_are_named_with_the_user() {
         use rumqttc::SubscribeReasonCode::{Failure, Success};
-        let filters = vec!["flotilla/v1/devices/+/state".to_owned(), "flotilla/v1/control/+".to_owned()];
+        let filters = vec![
+            "flotilla/v1/devices/+/state".to_owned(),
+            "flotilla/v1/control/+".to_owned(),
+        ];
         assert_eq!(
             refused(&filters, &[Success(QoS::AtLeastOnce); 2], Some("flotilla")),
             None

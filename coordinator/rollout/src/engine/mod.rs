@@ -28,6 +28,7 @@
 mod advance;
 mod commands;
 mod create;
+mod ended;
 mod excluded;
 pub mod model;
 mod names;
@@ -128,7 +129,10 @@ pub enum EngineError {
     UnknownRollout(String),
     #[error("a rollout named {0:?} already exists")]
     AlreadyExists(String),
-    #[error("rollout {rollout} {}; cannot {command} it", crate::text::is_state(state))]
+    #[error(
+        "rollout {rollout} {}; cannot {command} it",
+        crate::text::is_state(state)
+    )]
     InvalidTransition {
         rollout: String,
         state: RolloutState,

@@ -927,10 +927,7 @@ fn an_offline_device_keeps_its_installed_release_across_its_will_and_a_restart()
     };
 
     sim.engine.observe_state(will.clone(), sim.now);
-    assert_eq!(
-        installed(&sim.engine),
-        (false, Some("fw-2.4.0".to_owned()))
-    );
+    assert_eq!(installed(&sim.engine), (false, Some("fw-2.4.0".to_owned())));
 
     let saved: Vec<Rollout> = sim.engine.rollouts().cloned().collect();
     let mut restarted = Engine::restore(saved, SystemZones);
@@ -943,5 +940,9 @@ fn an_offline_device_keeps_its_installed_release_across_its_will_and_a_restart()
 
     let mut fresh = Engine::new(SystemZones);
     fresh.observe_state(will, sim.now);
-    assert_eq!(installed(&fresh), (false, None), "nothing known: nothing shown");
+    assert_eq!(
+        installed(&fresh),
+        (false, None),
+        "nothing known: nothing shown"
+    );
 }
