@@ -68,6 +68,19 @@ fn keys_release_inspect_and_verify() {
     ]))
     .expect("inspect --json");
     assert_eq!(inspected["counter"], 24, "{inspected}");
+    // A person reads the times as RFC 3339 (2026-11-27T11:37:27Z), not as Unix seconds.
+    let shown = ok(&["release", "inspect", "--data-dir", &d("data"), "fw-2.4.0"]);
+    for field in ["created", "expires"] {
+        let when = shown
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("no {field} in:\n{shown}"));
+        assert!(
+            when.len() == 20 && when.as_bytes()[10] == b'T' && when.ends_with('Z'),
+            "{field} {when:?} in:\n{shown}"
+        );
+    }
     // The block list that adaptive and peer downloads use is named, with its block size: it is
     // the second file in the artifact store.
     let artifact = &inspected["artifacts"][0];

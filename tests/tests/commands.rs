@@ -542,6 +542,16 @@ async fn waiting_on_a_failing_rollout_exits_3_and_draws_its_failures() {
 
     let out = site.flotilla_output(&["rollout", "status", "wf", "--watch"]);
     assert_eq!(out.status.code(), Some(3));
+    // `--json` keeps Unix seconds and adds each time's RFC 3339 text.
+    let json: serde_json::Value =
+        serde_json::from_str(&site.flotilla(&["rollout", "status", "wf", "--json"]))
+            .expect("status JSON");
+    let first = &json["trace"][0];
+    let text = first["at_rfc3339"].as_str().unwrap_or_default();
+    assert!(
+        first["at"].is_u64() && text.len() == 20 && text.ends_with('Z'),
+        "{first}"
+    );
     let list = site.flotilla(&["rollout", "list"]);
     let row = list
         .lines()

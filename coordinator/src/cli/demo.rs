@@ -424,7 +424,12 @@ async fn run_in(
             )
             .await?;
         let status: RolloutStatus = serde_json::from_value(value)?;
-        let text = view::rollout_status(&status);
+        // Bars in colour where the view is redrawn on a terminal.
+        let paint = match live {
+            true => view::Paint::for_stdout(),
+            false => view::Paint::Plain,
+        };
+        let text = view::rollout_status_in(&status, paint);
         if text != last_view {
             if live && !last_view.is_empty() {
                 // Move up over the previous view and redraw it in place.
