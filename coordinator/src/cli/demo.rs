@@ -91,6 +91,8 @@ pub enum DemoError {
     Timeout { what: String, secs: u64 },
     #[error("unexpected reply from the coordinator: {0}")]
     Reply(#[from] serde_json::Error),
+    #[error("standard output was closed")]
+    ClosedPipe,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
@@ -140,9 +142,10 @@ pub struct DeviceOutcome {
 }
 
 /// Runs the demo and returns the process exit code.
-/// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130 or 143 when
-/// interrupted by SIGINT or SIGTERM). However it ends, the agents are stopped and the temporary
-/// directory, secret keys included, is removed (kept with `--keep`).
+/// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130, 143 or 129 when
+/// interrupted by SIGINT, SIGTERM or SIGHUP, 0 when its stdout was closed). However it ends
+/// short of a panic, the agents are stopped and the temporary directory, secret keys included,
+/// is removed (kept with `--keep`).
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     check_args(&args)?;
     let dir = tempfile::Builder::new()
@@ -172,10 +175,33 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         if args.json {
             eprint!("{text}");
         } else {
-            print!("{text}");
+            // The reader may be gone; the directory is kept all the same.
+            let _ = show(&text);
         }
     }
-    outcome
+    match outcome {
+        // The reader stopped reading (`flotilla demo | head`): everything is cleaned up above,
+        // and the demo ends quietly, as every command does on a closed pipe.
+        Err(DemoError::ClosedPipe) => Ok(0),
+        outcome => outcome,
+    }
+}
+
+/// Writes `text` to stdout. A closed pipe is an error like any other here, not a panic: the
+/// demo must still stop its agents and remove its directory (a panic aborts in a release build
+/// and would leave both behind).
+fn show(text: &str) -> Result<(), DemoError> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::BrokenPipe => DemoError::ClosedPipe,
+            _ => DemoError::Io {
+                what: "write to standard output".into(),
+                source,
+            },
+        })
 }
 
 /// What `--keep` leaves, and how to run the same fleet again.
@@ -231,15 +257,19 @@ where
         .with_filter(tracing_subscriber::EnvFilter::new("info,rumqttd=off"))
 }
 
-/// The first SIGINT or SIGTERM, with its exit code.
+/// The first SIGINT, SIGTERM or SIGHUP (the terminal was closed), with its exit code.
 async fn interrupted() -> (&'static str, i32) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
+        if let (Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) {
             return tokio::select! {
                 _ = tokio::signal::ctrl_c() => ("SIGINT", 130),
                 _ = term.recv() => ("SIGTERM", 143),
+                _ = hup.recv() => ("SIGHUP", 129),
             };
         }
     }
@@ -275,8 +305,9 @@ async fn run_in(
     let say = |line: String| {
         if args.json {
             eprintln!("{line}");
+            Ok(())
         } else {
-            println!("{line}");
+            show(&format!("{line}\n"))
         }
     };
     let log =
@@ -313,7 +344,7 @@ async fn run_in(
         manifest.release.name,
         manifest.release.artifacts[0].size,
         &flotilla_protocol::hex::encode(&manifest.release.artifacts[0].sha256)[..16]
-    ));
+    ))?;
 
     // Each demo device enrolls itself with a one-time token the coordinator lists, so the demo
     // needs no operator to accept devices (`flotilla devices pending` shows how that looks).
@@ -344,7 +375,7 @@ async fn run_in(
     }
     say(format!(
         "coordinator with an embedded MQTT broker on {addr}; HTTP API on http://{http}/api/openapi.json"
-    ));
+    ))?;
 
     let mut agents = Agents(Vec::new());
     for i in 1..=args.devices {
@@ -377,7 +408,7 @@ async fn run_in(
     say(format!(
         "started {} agents ({} with a failing health check)",
         args.devices, args.fail
-    ));
+    ))?;
 
     let client = ControlClient::connect(
         "127.0.0.1",
@@ -387,7 +418,7 @@ async fn run_in(
     )
     .await?;
     wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
-    say(format!("all {} agents registered\n", args.devices));
+    say(format!("all {} agents registered\n", args.devices))?;
 
     let spec = demo_spec();
     client
@@ -405,7 +436,7 @@ async fn run_in(
         )
         .await?;
     if !args.json {
-        println!("rollout spec:\n{}", indent(&spec));
+        show(&format!("rollout spec:\n{}\n", indent(&spec)))?;
     }
 
     let live = !args.json && std::io::stdout().is_terminal();
@@ -433,14 +464,14 @@ async fn run_in(
         if text != last_view {
             if live && !last_view.is_empty() {
                 // Move up over the previous view and redraw it in place.
-                print!("\x1b[{}A\x1b[J", last_view.lines().count());
+                show(&format!("\x1b[{}A\x1b[J", last_view.lines().count()))?;
             }
             if args.json {
                 eprint!("{}", progress_line(&status));
             } else {
-                print!("{text}");
+                show(&text)?;
                 if !live {
-                    println!();
+                    show("\n")?;
                 }
             }
             last_view = text;
@@ -469,9 +500,9 @@ async fn run_in(
     )?;
     let summary = summarize(&status, &devices);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        show(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else {
-        println!("\n{}", explain(&summary));
+        show(&format!("\n{}\n", explain(&summary)))?;
     }
 
     drop(agents);
