@@ -25,6 +25,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use flotilla_rollout::text::count;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -782,12 +783,16 @@ fn explain(summary: &Summary) -> String {
         .count();
     let mut out = match summary.state.as_str() {
         "finished" => format!(
-            "Rollout {} finished: {updated} of {total} devices now run {}.\n",
-            summary.rollout, summary.release
+            "Rollout {} finished: {updated} of {} now run {}.\n",
+            summary.rollout,
+            count(total, "device"),
+            summary.release
         ),
         state => format!(
-            "Rollout {} ended {state}: {updated} of {total} devices run {}; the other groups did not start.\n",
-            summary.rollout, summary.release
+            "Rollout {} ended {state}: {updated} of {} run {}; the other groups did not start.\n",
+            summary.rollout,
+            count(total, "device"),
+            summary.release
         ),
     };
     for d in summary

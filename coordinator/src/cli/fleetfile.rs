@@ -1157,8 +1157,9 @@ pub fn plan_table(plan: &Plan) -> String {
         if sites.without_site > 0 {
             let _ = writeln!(
                 out,
-                "{} devices without label {}: in no site, no site limit applies",
-                sites.without_site, sites.policy.label
+                "{} without label {}: in no site, no site limit applies",
+                flotilla_rollout::text::count(sites.without_site, "device"),
+                sites.policy.label
             );
         }
     }

@@ -246,8 +246,9 @@ impl Rollout {
                     wait.get_or_insert(Wait {
                         kind: "groups",
                         text: format!(
-                            "{} waits: {unready} groups not ready > {unready_budget} allowed (group {} is not ready yet)",
+                            "{} waits: {} not ready > {unready_budget} allowed (group {} is not ready yet)",
                             self.groups[gi + 1].name,
+                            count(unready, "group"),
                             group.name
                         ),
                     });
@@ -636,7 +637,8 @@ impl Rollout {
                     group.counts.not_ready(),
                 );
                 let message = format!(
-                    "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
+                    "group {name}: started {} ({begun} of {total} started, {not_ready} not ready)",
+                    count(started, "device")
                 );
                 let decision = Decision::new(TraceKind::DevicesStarted, message);
                 self.record(now, decision.group(&name), out);
@@ -868,9 +870,11 @@ impl Rollout {
                     ..ended
                 };
                 let message = format!(
-                        "group {gname} rolled back rollout {name}: {}; {}, sending {rolled} devices back to the release they kept{later}",
+                        "group {gname} rolled back rollout {name}: {}; {}, sending {} back to the release {} kept{later}",
                         e.reason,
-                        ended.describe(&self.release.name)
+                        ended.describe(&self.release.name),
+                        count(rolled, "device"),
+                        agree(rolled, "it", "they")
                 );
                 let decision = Decision::new(TraceKind::ErrorRolledBack, message);
                 self.record(now, decision.group(&gname).compared(e.compared), out);
@@ -1263,9 +1267,9 @@ impl Rollout {
             .map(|g| g.name.as_str())
             .collect();
         let mut message = format!(
-            "rollout {} finished: {ready} of {} devices ready, {failed} failed",
+            "rollout {} finished: {ready} of {} ready, {failed} failed",
             self.name,
-            self.device_total()
+            count(self.device_total(), "device")
         );
         if errors.is_empty() {
             // KubeFleet keeps Progressing true (UpdateRunStarted) beside Succeeded when a run
@@ -1278,7 +1282,9 @@ impl Rollout {
             ));
             if dropped > 0 {
                 message.push_str(&format!(
-                    "; {dropped} devices it never started stay as they are"
+                    "; {} it never started {}",
+                    count(dropped, "device"),
+                    agree(dropped, "stays as it is", "stay as they are")
                 ));
             }
             self.set_condition("Progressing", false, "UpdateRunFailed", now);

@@ -3,7 +3,7 @@
 
 use super::create::new_group;
 use super::*;
-use crate::text::count;
+use crate::text::{agree, count};
 
 impl Engine {
     pub(super) fn entry(&mut self, name: &str) -> Result<&mut Entry, EngineError> {
@@ -92,7 +92,11 @@ impl Engine {
                 }
             }
             if canceled > 0 {
-                let message = format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices");
+                let message = format!(
+                    "{} canceled: newer rollout {name} covers {}",
+                    count(canceled, "scheduled device action"),
+                    agree(canceled, "that device", "those devices")
+                );
                 let decision = Decision::new(TraceKind::ActionsCanceled, message);
                 e.rollout.record(now, decision, out);
                 touched.push(other.clone());
