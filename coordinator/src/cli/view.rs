@@ -466,7 +466,9 @@ pub fn rollout_statuses(statuses: &[RolloutStatus]) -> String {
         .join("\n")
 }
 
-/// The devices table: id, online, enrollment, installed, rollout, phase, reason.
+/// The devices table: id, online, enrollment, installed, rollout, phase, reason. ONLINE is `-`
+/// for a device that is not accepted (pending, rejected, revoked): the coordinator does not
+/// listen to it, so whether it is connected is not known (`no` would say it is not).
 pub fn devices_table(devices: &[DeviceSummary]) -> String {
     if devices.is_empty() {
         return "no devices have reported yet\n".to_owned();
@@ -477,7 +479,11 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
         .map(|d| {
             [
                 d.id.clone(),
-                if d.online { "yes".into() } else { "no".into() },
+                match (d.enrollment.as_deref(), d.online) {
+                    (Some(e), _) if !e.starts_with("accepted") => "-".into(),
+                    (_, true) => "yes".into(),
+                    (_, false) => "no".into(),
+                },
                 d.enrollment.clone().unwrap_or_else(|| "-".into()),
                 d.installed.clone().unwrap_or_else(|| "-".into()),
                 d.rollout.clone().unwrap_or_else(|| "-".into()),
@@ -1045,6 +1051,18 @@ mod tests {
             "{text}"
         );
         assert!(lines[2].ends_with("failed  health check failed"), "{text}");
+        let pending = DeviceSummary {
+            id: "pi-new".into(),
+            enrollment: Some("pending".into()),
+            ..devices[1].clone()
+        };
+        let text = devices_table(&[pending]);
+        assert!(
+            text.lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("pi-new  -       pending")),
+            "whether a pending device is connected is not known: {text}"
+        );
         assert_eq!(devices_table(&[]), "no devices have reported yet\n");
     }
 

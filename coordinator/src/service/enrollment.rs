@@ -728,25 +728,17 @@ impl Registry {
         Ok(())
     }
 
-    /// The last state signed by the key waiting for an operator, as it claims itself (the
-    /// signature checks only that the waiting key made it): its labels, whether it is online,
-    /// what it runs.
-    pub fn claimed_state(&self, device: &str) -> Option<DeviceState> {
-        self.records
-            .get(device)?
+    /// The operator's view of one record.
+    pub fn info(&self, device: &str) -> Option<EnrollmentInfo> {
+        let r = self.records.get(device)?;
+        let claimed = r
             .waiting_state
             .as_ref()
             .and_then(|b| device::open_self_signed(b).ok())
             .and_then(|(_, m)| match m {
                 DeviceMessage::State { state, .. } => Some(state),
                 _ => None,
-            })
-    }
-
-    /// The operator's view of one record.
-    pub fn info(&self, device: &str) -> Option<EnrollmentInfo> {
-        let r = self.records.get(device)?;
-        let claimed = self.claimed_state(device);
+            });
         Some(EnrollmentInfo {
             device: r.device.clone(),
             status: r.status.name().to_owned(),

@@ -38,8 +38,9 @@ impl Service {
     }
 
     /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
-    /// operator, each with its enrollment status. A device waiting for an operator shows what
-    /// its last state claims: online or not, and the release it runs.
+    /// operator, each with its enrollment status. Devices that are not accepted show what their
+    /// last state claims, never online: anyone can sign such a state, and a forged retained one
+    /// would stay "online" for good (the table shows `-`, not known, for them).
     pub(super) fn device_list(&self) -> Vec<DeviceSummary> {
         self.devices_after(None).collect()
     }
@@ -79,17 +80,12 @@ impl Service {
                     let Some(info) = self.registry.info(&record.device) else {
                         continue;
                     };
-                    // A pending device's last state is its latest (its last will when it went
-                    // away); a refused or revoked device is not listened to, so never online.
-                    let claimed = (record.status == Status::Pending)
-                        .then(|| self.registry.claimed_state(&record.device))
-                        .flatten();
                     return Some(DeviceSummary {
                         id: record.device.clone(),
                         hardware_id: info.hardware_id.unwrap_or_default(),
                         labels: info.labels,
-                        online: claimed.as_ref().is_some_and(|s| s.online),
-                        installed: claimed.and_then(|s| s.installed).map(|i| i.name),
+                        online: false,
+                        installed: None,
                         rollout: None,
                         phase: None,
                         reason: None,
