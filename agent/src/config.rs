@@ -751,26 +751,45 @@ fn parse_keys(field: &str, keys: &[String]) -> Result<Vec<VerifyingKey>, ConfigE
         .collect()
 }
 
-/// Parses `500ms`, `10s`, `5m`, `1h` (a whole number and a unit). `field` names it in errors.
+/// Parses `500ms`, `10s`, `5m`, `1h` (a whole number and a unit), or a compound of them such
+/// as `1h30m` or `1s500ms` (the parts are added up). `field` names it in errors.
 pub fn parse_duration(field: &str, text: &str) -> Result<Duration, ConfigError> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
     let bad = || {
         invalid(
             field,
-            format!("{text:?}: expected a duration like \"500ms\", \"10s\", \"5m\" or \"1h\""),
+            format!(
+                "{text:?}: expected a duration like \"500ms\", \"10s\", \"5m\", \"1h\" or \"1h30m\""
+            ),
         )
     };
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "ms" => Some(n),
-        "s" => n.checked_mul(1_000),
-        "m" => n.checked_mul(60_000),
-        "h" => n.checked_mul(3_600_000),
-        _ => return Err(bad()),
-    };
-    millis.map(Duration::from_millis).ok_or_else(bad)
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut millis: u64 = 0;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let (number, after) = rest.split_at(split);
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(after.len());
+        let (unit, next) = after.split_at(unit_len);
+        let n: u64 = number.parse().map_err(|_| bad())?;
+        let part = match unit {
+            "ms" => Some(n),
+            "s" => n.checked_mul(1_000),
+            "m" => n.checked_mul(60_000),
+            "h" => n.checked_mul(3_600_000),
+            _ => return Err(bad()),
+        };
+        millis = part
+            .and_then(|part| millis.checked_add(part))
+            .ok_or_else(bad)?;
+        rest = next;
+    }
+    Ok(Duration::from_millis(millis))
 }
 
 #[cfg(test)]
@@ -1303,6 +1322,14 @@ timeouts = { activate = "20m" }"#,
         assert_eq!(
             parse_duration("x", "1h").ok(),
             Some(Duration::from_secs(3600))
+        );
+        assert_eq!(
+            parse_duration("x", "1h30m").ok(),
+            Some(Duration::from_secs(5400))
+        );
+        assert_eq!(
+            parse_duration("x", "1s500ms").ok(),
+            Some(Duration::from_millis(1500))
         );
         for bad in [
             "",

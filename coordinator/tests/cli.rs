@@ -68,6 +68,19 @@ fn keys_release_inspect_and_verify() {
     ]))
     .expect("inspect --json");
     assert_eq!(inspected["counter"], 24, "{inspected}");
+    // A person reads the times as RFC 3339 (2026-11-27T11:37:27Z), not as Unix seconds.
+    let shown = ok(&["release", "inspect", "--data-dir", &d("data"), "fw-2.4.0"]);
+    for field in ["created", "expires"] {
+        let when = shown
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("no {field} in:\n{shown}"));
+        assert!(
+            when.len() == 20 && when.as_bytes()[10] == b'T' && when.ends_with('Z'),
+            "{field} {when:?} in:\n{shown}"
+        );
+    }
     // The block list that adaptive and peer downloads use is named, with its block size: it is
     // the second file in the artifact store.
     let artifact = &inspected["artifacts"][0];
@@ -329,4 +342,58 @@ fn operator_keygen_writes_a_private_key_and_requests_need_one() {
             && err.contains("FLOTILLA_OPERATOR_KEY"),
         "{err}"
     );
+}
+
+/// `flotilla … | head`: the reader stops early and closes the pipe. The command ends quietly
+/// with exit code 0, not with a panic and a backtrace. 5,000 tokens are far more than a pipe
+/// holds, so the write that finds the pipe closed always comes.
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    {
+        let args = ["enrollment", "token", "--count", "5000"];
+        let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run flotilla");
+        drop(child.stdout.take());
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn rollout_help_describes_every_command_and_flag() {
+    let text = ok(&["rollout", "--help"]);
+    for (command, words) in [
+        ("start", "Start a created rollout"),
+        ("pause", "Pause a rollout"),
+        ("resume", "Resume a paused rollout"),
+        ("stop", "Stop a rollout for good"),
+        ("list", "List every rollout, one line each"),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(command))
+            .unwrap_or_else(|| panic!("no {command} in:\n{text}"));
+        assert!(line.contains(words), "{command}: {line}");
+    }
+    let text = ok(&["rollout", "status", "--help"]);
+    for words in [
+        "[NAME]  The rollout to show",
+        "--json",
+        "Print JSON instead of text",
+        "--watch",
+        "0 finished, 3 failed, 4 stopped",
+    ] {
+        assert!(text.contains(words), "{words:?} missing from:\n{text}");
+    }
+    let err = flotilla(&["rollout", "status", "--watch"]);
+    assert_eq!(err.status.code(), Some(2), "--watch needs a name");
 }

@@ -117,7 +117,7 @@ fn plan_names_every_site_and_its_limits() {
             "{vocabulary}: {text}"
         );
         assert!(
-            text.contains("1 devices without label site: in no site, no site limit applies"),
+            text.contains("1 device without label site: in no site, no site limit applies"),
             "{vocabulary}: {text}"
         );
         let json: Value =

@@ -618,7 +618,7 @@ fn fleet_threshold_50_with_50_percent_makes_2_partitions_of_25() {
     // Below the threshold: one partition.
     let plan49 = plan_text("rancher/threshold-50.toml", &Fleet::plain(49));
     assert_eq!(plan49.0, 0, "{}", plan49.2);
-    assert!(plan49.1.contains("49 devices in 1 groups"), "{}", plan49.1);
+    assert!(plan49.1.contains("49 devices in 1 group"), "{}", plan49.1);
 }
 
 #[test]

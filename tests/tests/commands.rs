@@ -138,7 +138,7 @@ select = "role=bad"
     assert!(
         traced(
             &status,
-            "the 1 devices past activation are sent back when they finish"
+            "the 1 device past activation is sent back when it finishes"
         ),
         "{}",
         trace_text(&status)
@@ -183,7 +183,7 @@ select = "role=later"
     let out = site.flotilla(&["rollout", "stop", "st"]);
     assert!(
         out.contains(
-            "stopped by admin; 1 devices not started stay as they are, 1 devices past activation cannot be canceled and finish on release fw-2"
+            "stopped by admin; 1 device not started stays as it is, 1 device past activation cannot be canceled and finishes on release fw-2"
         ),
         "{out}"
     );
@@ -550,5 +550,72 @@ error = { count = 1, action = "pause" }
         traced(&status, "group group-1 is no longer in error"),
         "{}",
         trace_text(&status)
+    );
+}
+
+/// `rollout start --wait` follows a rollout whose devices fail to its end and exits with it: 3
+/// for failed. Its bar shows the failures as `x`, never as a full bar of `#`; the trace says
+/// "1 group"; `rollout list` has it on one line; `--watch` on an ended rollout exits at once
+/// with the same code; and starting it again is refused in plain words.
+#[tokio::test]
+async fn waiting_on_a_failing_rollout_exits_3_and_draws_its_failures() {
+    let site = site(&[("wf1", &[], unhealthy()), ("wf2", &[], unhealthy())]).await;
+    let spec = write_spec(
+        &site,
+        "wf",
+        "name = \"wf\"\nrelease = \"fw-2\"\n[groups]\ncount = 1\n\
+         error = { count = 1, action = \"stop\" }\n",
+    );
+    site.flotilla(&["rollout", "create", "--spec", &spec]);
+    let out = site.flotilla_output(&["rollout", "start", "wf", "--wait"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = text.rsplit("rollout wf ").next().unwrap_or_default();
+    assert!(last.contains("state failed"), "{text}");
+    let bar = last
+        .lines()
+        .find(|l| l.trim_start().starts_with("group-1"))
+        .unwrap_or_else(|| panic!("no group line in:\n{text}"));
+    assert!(bar.contains('x') && !bar.contains(&"#".repeat(30)), "{bar}");
+    let status = site.status("wf").await.expect("status");
+    assert!(
+        traced(&status, "2 devices in 1 group ("),
+        "{}",
+        trace_text(&status)
+    );
+    assert!(!text.contains('\x1b'), "no colour in a pipe: {text}");
+
+    let out = site.flotilla_output(&["rollout", "status", "wf", "--watch"]);
+    assert_eq!(out.status.code(), Some(3));
+    // `--json` keeps Unix seconds and adds each time's RFC 3339 text.
+    let json: serde_json::Value =
+        serde_json::from_str(&site.flotilla(&["rollout", "status", "wf", "--json"]))
+            .expect("status JSON");
+    let first = &json["trace"][0];
+    let text = first["at_rfc3339"].as_str().unwrap_or_default();
+    assert!(
+        first["at"].is_u64() && text.len() == 20 && text.ends_with('Z'),
+        "{first}"
+    );
+    let list = site.flotilla(&["rollout", "list"]);
+    let row = list
+        .lines()
+        .find(|l| l.starts_with("wf "))
+        .unwrap_or_else(|| panic!("{list}"));
+    assert!(row.contains(" failed ") && row.contains(" fw-2 "), "{list}");
+    assert_eq!(
+        site.flotilla(&["rollout", "status"]),
+        list,
+        "without a name, status is the list"
+    );
+    let err = refused(&site, &["rollout", "start", "wf"]);
+    assert!(
+        err.contains("rollout wf has failed; cannot start it"),
+        "{err}"
     );
 }

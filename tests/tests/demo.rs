@@ -114,27 +114,47 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
         .collect()
 }
 
-/// issue 10, case 12: a demo stopped with SIGTERM used to leave its agents running and its
-/// temporary directory, secret keys included, behind.
-#[test]
-fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
+/// How a demo is ended from outside: a signal, or its reader closing stdout.
+#[derive(Clone, Copy)]
+enum End {
+    Signal(&'static str),
+    ClosedPipe,
+}
+
+/// Starts a demo with its temporary directory under a TMPDIR of its own, waits until its 3
+/// agents run (and, for a closed pipe, until it printed that they registered), ends it as
+/// `end` says and returns its exit status, once every one of its agents is gone and nothing is
+/// left in that TMPDIR, secret keys included (or panics saying what was left).
+fn end_demo(end: End) -> std::process::ExitStatus {
+    use std::io::BufRead as _;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let mut demo = Command::new(bin("flotilla"))
-        .args(["demo", "--json", "--devices", "3"])
+    let mut command = Command::new(bin("flotilla"));
+    command
+        .args(["demo", "--devices", "3"])
         .env("FLOTILLA_AGENT_BIN", bin("flotilla-agent"))
         .env("TMPDIR", tmp.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start flotilla demo");
+        .stderr(std::process::Stdio::piped());
+    match end {
+        End::Signal(_) => command.arg("--json").stdout(std::process::Stdio::null()),
+        End::ClosedPipe => command.stdout(std::process::Stdio::piped()),
+    };
+    let mut demo = command.spawn().expect("start flotilla demo");
+    // Read on the side, so a full pipe never holds the demo up.
+    let mut stderr_pipe = demo.stderr.take().expect("stderr");
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr_pipe, &mut text);
+        text
+    });
     let needle = tmp.path().to_string_lossy().into_owned();
+    let agents = || -> Vec<String> {
+        processes_mentioning(&needle)
+            .into_iter()
+            .filter(|cmd| cmd.contains("flotilla-agent"))
+            .collect()
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while processes_mentioning(&needle)
-        .iter()
-        .filter(|cmd| cmd.contains("flotilla-agent"))
-        .count()
-        < 3
-    {
+    while agents().len() < 3 {
         assert!(
             std::time::Instant::now() < deadline,
             "the demo's 3 agents did not start within 60s"
@@ -147,10 +167,26 @@ fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
         .any(|e| e.path().join("keys").join("release.key").exists());
     assert!(keys_written, "the demo wrote its keys under TMPDIR");
 
-    Command::new("kill")
-        .args(["-TERM", &demo.id().to_string()])
-        .status()
-        .expect("send SIGTERM");
+    match end {
+        End::Signal(signal) => {
+            Command::new("kill")
+                .args([&format!("-{signal}"), &demo.id().to_string()])
+                .status()
+                .expect("send the signal");
+        }
+        End::ClosedPipe => {
+            // Read up to the line after which it writes again, then stop reading, as `head`.
+            let stdout = demo.stdout.take().expect("stdout");
+            let mut lines = std::io::BufReader::new(stdout).lines();
+            loop {
+                match lines.next() {
+                    Some(Ok(line)) if line.contains("agents registered") => break,
+                    Some(Ok(_)) => {}
+                    other => panic!("the demo's output ended early: {other:?}"),
+                }
+            }
+        }
+    }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     let status = loop {
         if let Some(status) = demo.try_wait().expect("wait") {
@@ -158,15 +194,13 @@ fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
         }
         if std::time::Instant::now() > deadline {
             let _ = demo.kill();
-            panic!("the demo did not stop within 15s of SIGTERM");
+            panic!("the demo did not stop within 15s");
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
-    assert_eq!(status.code(), Some(143), "exit code for SIGTERM");
-    let left: Vec<String> = processes_mentioning(&needle)
-        .into_iter()
-        .filter(|cmd| cmd.contains("flotilla-agent"))
-        .collect();
+    let stderr = stderr.join().unwrap_or_default();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let left = agents();
     assert!(left.is_empty(), "agents left running: {left:?}");
     let remaining: Vec<_> = std::fs::read_dir(tmp.path())
         .expect("list TMPDIR")
@@ -176,5 +210,34 @@ fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
     assert!(
         remaining.is_empty(),
         "the temporary directory with the keys is removed: {remaining:?}"
+    );
+    status
+}
+
+/// issue 10, case 12: a demo stopped with SIGTERM used to leave its agents running and its
+/// temporary directory, secret keys included, behind.
+#[test]
+fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
+    let status = end_demo(End::Signal("TERM"));
+    assert_eq!(status.code(), Some(143), "exit code for SIGTERM");
+}
+
+/// Issue 24: a closed terminal (SIGHUP) cleans up as SIGTERM does.
+#[test]
+fn a_demo_whose_terminal_closes_stops_its_agents_and_removes_its_keys() {
+    let status = end_demo(End::Signal("HUP"));
+    assert_eq!(status.code(), Some(129), "exit code for SIGHUP");
+}
+
+/// Issue 24: `flotilla demo | head` closes the demo's stdout while it runs. It used to die on
+/// the closed pipe and leave its agents and its directory behind; it ends quietly now (exit 0,
+/// no panic), agents stopped and directory removed.
+#[test]
+fn a_demo_whose_reader_stops_reading_stops_its_agents_and_removes_its_keys() {
+    let status = end_demo(End::ClosedPipe);
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a closed pipe ends the demo quietly"
     );
 }

@@ -399,6 +399,18 @@ async fn a_pending_device_gets_no_blocks_and_no_rollout_until_an_operator_accept
         table.contains("ENROLLMENT") && table.contains("pending") && table.contains("accepted"),
         "{table}"
     );
+    // Connected and waiting: the coordinator does not listen to it yet, so it does not claim
+    // to know whether it is online ("no" would say it is not).
+    let row: Vec<&str> = table
+        .lines()
+        .find(|l| l.starts_with("dev-new "))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    assert_eq!(
+        row.get(..3),
+        Some(&["dev-new", "-", "pending"][..]),
+        "{table}"
+    );
 
     // Its state does not put it in a rollout.
     let first = create(&site, &one_group("first", "fw-2"))

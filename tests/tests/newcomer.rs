@@ -173,9 +173,12 @@ fn the_first_rollout_in_the_readme_reaches_the_kept_demo_fleet() {
         "release create {}",
         between(&steps, "flotilla release create ", "\n")
     );
-    ok(
-        flotilla_in(&dir, &env, &create.split_whitespace().collect::<Vec<_>>()),
-        &create,
+    let out = flotilla_in(&dir, &env, &create.split_whitespace().collect::<Vec<_>>());
+    let warned = String::from_utf8_lossy(&out.stderr).into_owned();
+    ok(out, &create);
+    assert!(
+        !warned.contains("warning"),
+        "a one-block list is not worth a warning: {warned}"
     );
     let spec = between(&steps, "cat > first.toml <<'EOF'\n", "EOF\n");
     fs::write(dir.join("first.toml"), spec).expect("write first.toml");
@@ -195,30 +198,37 @@ fn the_first_rollout_in_the_readme_reaches_the_kept_demo_fleet() {
         flotilla_in(&dir, &env, &["rollout", "create", "--spec", "first.toml"]),
         "rollout create",
     );
-    ok(
-        flotilla_in(&dir, &env, &["rollout", "start", "first"]),
-        "rollout start",
+    // `--wait` follows the rollout to its end and exits with it: 0 for finished. Off a
+    // terminal each new status is printed whole, without colour codes.
+    let start = between(&steps, "flotilla rollout start ", "  ");
+    let start: Vec<&str> = ["rollout", "start"]
+        .into_iter()
+        .chain(start.split_whitespace())
+        .collect();
+    assert_eq!(start, ["rollout", "start", "first", "--wait"]);
+    let followed = ok(flotilla_in(&dir, &env, &start), "rollout start --wait");
+    assert!(
+        followed.starts_with("rollout first  release fw-3  state "),
+        "{followed}"
     );
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let out = flotilla_in(&dir, &env, &["rollout", "status", "first", "--json"]);
-        let status: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        if status["state"] == "finished" {
-            break;
-        }
-        assert!(
-            !matches!(
-                status["state"].as_str(),
-                Some("paused" | "stopped" | "failed")
-            ),
-            "{status:#}"
-        );
-        assert!(
-            Instant::now() < deadline,
-            "the first rollout did not finish: {status:#}"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-    }
+    let last = followed
+        .rsplit("\nrollout first ")
+        .next()
+        .unwrap_or_default();
+    assert!(last.contains("state finished"), "{followed}");
+    assert!(
+        !followed.contains('\x1b'),
+        "no escape codes in a pipe: {followed}"
+    );
+    let list = ok(
+        flotilla_in(&dir, &env, &["rollout", "list"]),
+        "rollout list",
+    );
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("first ") && l.contains(" finished ")),
+        "{list}"
+    );
     for id in ["dev-01", "dev-02", "dev-03"] {
         let app = fs::read_to_string(dir.join("agents").join(id).join("app.bin")).expect("app");
         assert_eq!(app, format!("{content}\n"), "{id} runs the first release");

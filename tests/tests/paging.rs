@@ -178,8 +178,12 @@ async fn devices_and_rollout_status_answer_in_pages_at_thousands_of_devices() {
     );
     assert_eq!(canary.groups[0].devices.len(), issued);
     assert!(canary.groups[1..].iter().all(|g| g.devices.is_empty()));
+    // Without a name, one line per rollout.
     let all = site.flotilla(&["rollout", "status"]);
-    assert!(all.contains("rollout wide"), "{all}");
+    assert!(
+        all.starts_with("ROLLOUT ") && all.lines().any(|l| l.starts_with("wide ")),
+        "{all}"
+    );
 
     // The retained event carries counts and per-group summaries, never per-device detail.
     let event = events

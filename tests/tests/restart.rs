@@ -103,3 +103,47 @@ async fn restart_does_not_turn_left_out_devices_into_new_ones() {
         "dev-left was never part of the rollout and keeps what it had"
     );
 }
+
+/// A device updated by a rollout that then goes away without a word (killed: the broker
+/// publishes its last will, which names no release) still shows the release it runs in
+/// `flotilla devices`, before and after a coordinator restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_device_shows_its_release_after_a_restart() {
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    site.release("fw-2", 2, NEW_FIRMWARE);
+    site.start_coordinator();
+    site.add_agent("dev-gone", &[], AgentOptions::default());
+    site.wait_devices(1).await;
+    site.create_and_start("name = \"fw-off\"\nrelease = \"fw-2\"\n[groups]\ncount = 1\n")
+        .await;
+    let ended = site.wait_ended("fw-off").await;
+    assert_eq!(ended.state, "finished", "{ended:#?}");
+    let installed = |site: &Site| {
+        let table = site.flotilla(&["devices"]);
+        let row: Vec<String> = table
+            .lines()
+            .find(|l| l.starts_with("dev-gone "))
+            .map(|l| l.split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default();
+        (row, table)
+    };
+
+    site.kill_agent("dev-gone");
+    site.wait_online("dev-gone", false).await;
+    let (row, table) = installed(&site);
+    assert_eq!(
+        row.get(1..4),
+        Some(&["no".to_owned(), "accepted".into(), "fw-2".into()][..]),
+        "{table}"
+    );
+
+    site.kill_coordinator();
+    site.start_coordinator();
+    site.wait_online("dev-gone", false).await;
+    let (row, table) = installed(&site);
+    assert_eq!(
+        row.get(1..4),
+        Some(&["no".to_owned(), "accepted".into(), "fw-2".into()][..]),
+        "after the restart: {table}"
+    );
+}

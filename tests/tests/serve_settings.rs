@@ -171,6 +171,44 @@ fn login_and_tls_flags_replace_the_config_file() {
     answers(&site, &mut coordinator, &[]);
 }
 
+/// The README's operator exports FLOTILLA_BROKER_USERNAME and FLOTILLA_BROKER_PASSWORD_FILE for
+/// the CLI; a coordinator started from that shell still logs in as itself (its config file),
+/// says it ignored them, and answers.
+#[test]
+fn serve_ignores_the_clis_login_variables() {
+    use flotilla_tests::secure::OPERATOR;
+    let site = Site::new(BrokerKind::Secure);
+    let secure = site.secure();
+    let config = site.path("coordinator-login.toml");
+    let text = format!(
+        "data_dir = {:?}\ncoordinator_key = {:?}\n[broker]\nhost = \"127.0.0.1\"\nport = {}\n\
+         username = {COORDINATOR:?}\npassword_file = {:?}\n[broker.tls]\nca_file = {:?}\n\
+         [[operators]]\nname = {ADMIN:?}\nrole = \"admin\"\nkey_file = {:?}\n",
+        site.path("coordinator"),
+        site.path("keys/coordinator.key"),
+        secure.tls_port,
+        secure.password_file(COORDINATOR),
+        secure.ca_file(),
+        site.path(&format!("keys/{ADMIN}.pub")),
+    );
+    fs::write(&config, text).expect("write coordinator config");
+    let operator_login = [
+        ("FLOTILLA_BROKER_USERNAME", OPERATOR.to_owned()),
+        (
+            "FLOTILLA_BROKER_PASSWORD_FILE",
+            secure.password_file(OPERATOR).display().to_string(),
+        ),
+    ];
+    let mut coordinator = serve(&site, &config, &[], &operator_login);
+    answers(&site, &mut coordinator, &[]);
+    let log = coordinator.log();
+    assert!(
+        log.contains("ignoring FLOTILLA_BROKER_USERNAME: it is the CLI's broker login"),
+        "{log}"
+    );
+    assert!(log.contains(&format!("as {COORDINATOR} client=")), "{log}");
+}
+
 #[test]
 fn settings_that_cannot_apply_are_refused_naming_where_they_came_from() {
     let site = Site::new(BrokerKind::Embedded);
@@ -209,10 +247,18 @@ fn settings_that_cannot_apply_are_refused_naming_where_they_came_from() {
     );
     let text = run(
         &["--embedded-broker", &embedded],
-        &[("FLOTILLA_BROKER_USERNAME", "someone".to_owned())],
+        &[("FLOTILLA_BROKER_CA_FILE", "ca.crt".to_owned())],
     );
     assert!(
-        text.contains("FLOTILLA_BROKER_USERNAME \"someone\"") && text.contains("embedded broker"),
+        text.contains("FLOTILLA_BROKER_CA_FILE \"ca.crt\"") && text.contains("embedded broker"),
+        "{text}"
+    );
+    let text = run(
+        &["--embedded-broker", &embedded, "--username", "someone"],
+        &[],
+    );
+    assert!(
+        text.contains("--username \"someone\"") && text.contains("embedded broker"),
         "{text}"
     );
     let text = run(&["--operator-key", "alice.key"], &[]);

@@ -33,7 +33,8 @@
 //!   the UTC window an install carries to the agent; [`zoneinfo`]: the system's zone files
 //!   behind [`zoneinfo::ZoneSource`], the crate's only file access.
 //! - [`ramp`]: the rate ramp for starting devices.
-//! - [`duration`]: `30s`, `15m`, `12h`, `7d`.
+//! - [`duration`]: `30s`, `15m`, `12h`, `7d`, `2h30m`; [`text`]: counts and states in words
+//!   ("1 device", "has failed").
 //! - [`engine`]: the sans-I/O state machine of rollouts, groups and devices.
 //!
 //! ```
@@ -65,5 +66,6 @@ pub mod planner;
 pub mod ramp;
 pub mod selector;
 pub mod spec;
+pub mod text;
 pub mod window;
 pub mod zoneinfo;

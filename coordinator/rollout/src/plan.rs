@@ -45,7 +45,7 @@ impl SitePlan {
     /// at once, one seed fetches first, the others from peers (seed wait 10m)".
     pub fn line(&self, site: &str, devices: usize) -> String {
         let p = &self.policy;
-        let mut line = format!("site {site}: {devices} devices");
+        let mut line = format!("site {site}: {}", crate::text::count(devices, "device"));
         if let Some(n) = p.max_busy {
             line.push_str(&format!(", at most {n} busy"));
         }

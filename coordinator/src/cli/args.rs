@@ -322,13 +322,14 @@ pub struct ReleaseCreateArgs {
     /// that predate types (decision 0054).
     #[arg(long, value_name = "TARGET=TYPE")]
     pub artifact_type: Vec<String>,
-    /// How long the release stays installable (s, m, h, d).
+    /// How long the release stays installable (s, m, h, d, or a compound like 90d12h).
     #[arg(long, default_value = "365d")]
     pub expires_in: String,
     /// Bytes per block of each artifact's block list (1024..=65536). A list holds 32 bytes per
     /// block: 0.049% of the artifact at 65536, 3.1% at 1024. The bound is 0.1%; `release
     /// create` warns, naming the artifact, for every list over it (small blocks, or an
-    /// artifact under 32,000 bytes at any block size).
+    /// artifact under 32,000 bytes at any block size), unless the list is 4 hashes or fewer,
+    /// which cannot matter.
     #[arg(long, default_value_t = flotilla_protocol::blocks::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
     /// Sign a manifest without block lists, which agents older than block hashes can read
@@ -347,13 +348,15 @@ settings one by one:
   --topic-root ROOT     FLOTILLA_TOPIC_ROOT             broker.topic_root
   --embedded-broker     (no variable)                   broker.embedded
   --insecure-embedded-broker (no variable)              broker.insecure_embedded
-  --username            FLOTILLA_BROKER_USERNAME        broker.username
-  --password-file       FLOTILLA_BROKER_PASSWORD_FILE   broker.password_file (or password_env)
+  --username            (not read by serve)             broker.username
+  --password-file       (not read by serve)             broker.password_file (or password_env)
   --tls                 FLOTILLA_BROKER_TLS             [broker.tls] (on)
   --ca-file             FLOTILLA_BROKER_CA_FILE         broker.tls.ca_file
   --client-cert         FLOTILLA_BROKER_CLIENT_CERT     broker.tls.client_cert
   --client-key          FLOTILLA_BROKER_CLIENT_KEY      broker.tls.client_key
-A --username without a password file reads the password from FLOTILLA_BROKER_PASSWORD.
+FLOTILLA_BROKER_USERNAME and FLOTILLA_BROKER_PASSWORD_FILE are the CLI's login (an operator's):
+`serve` ignores them, so a coordinator started from the operator's shell does not log in as the
+operator. A --username without a password file reads the password from FLOTILLA_BROKER_PASSWORD.
 Paths given as flags or variables are relative to the working directory, paths in the config
 file to the config file's directory. With an embedded broker the coordinator connects to it
 over plain loopback TCP: a broker address, login or TLS setting given on the command line or
@@ -416,30 +419,61 @@ impl PageArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum RolloutCmd {
-    /// Create a rollout from a TOML spec file.
+    /// Create a rollout from a TOML spec file; it waits for `rollout start`.
     Create {
+        /// The rollout spec (docs/rollout-spec.md).
         #[arg(long)]
         spec: PathBuf,
     },
+    /// Start a created rollout: its first group begins now, or at the spec's start time.
     Start {
+        /// The rollout's name, as its spec gives it.
         name: String,
+        /// Then follow it like `rollout status NAME --watch` until it ends, and exit with its
+        /// end state: 0 finished, 3 failed, 4 stopped.
+        #[arg(long)]
+        wait: bool,
     },
+    /// Pause a rollout: no device starts until `rollout resume`; updates already sent go on.
     Pause {
+        /// The rollout's name.
         name: String,
     },
+    /// Resume a paused rollout where it stopped (a group in error counts as done).
     Resume {
+        /// The rollout's name.
         name: String,
     },
+    /// Stop a rollout for good: actions not yet taken are canceled, devices not started keep
+    /// their release (`rollout retry` makes a new rollout over what is left).
     Stop {
+        /// The rollout's name.
         name: String,
     },
-    /// Show one rollout, or all. The coordinator answers in pages; this fetches them all.
+    /// Show one rollout in full, or every rollout as a compact list (as `rollout list`).
+    /// The coordinator answers in pages; this fetches them all.
     Status {
+        /// The rollout to show with its groups, approvals and recent decisions; without it,
+        /// one line per rollout.
+        #[arg(value_name = "NAME")]
         name: Option<String>,
+        /// Print JSON instead of text: every field, per-device detail with a name, and each
+        /// time both as Unix seconds and as RFC 3339 (`…_rfc3339`).
         #[arg(long)]
         json: bool,
+        /// Redraw the status in place until the rollout ends, then exit with its end state:
+        /// 0 finished, 3 failed, 4 stopped (1 is an error, as for every command).
+        #[arg(long, requires = "name", conflicts_with = "json")]
+        watch: bool,
         #[command(flatten)]
         page: PageArgs,
+    },
+    /// List every rollout, one line each: state, release, groups done, devices ready and
+    /// failed.
+    List {
+        /// Print JSON instead of a table (every rollout's summary).
+        #[arg(long)]
+        json: bool,
     },
     /// Start the next group now, without waiting for the current group's success condition
     /// or its timed wait.

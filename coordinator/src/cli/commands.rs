@@ -20,6 +20,7 @@ use crate::cli::args::{
     StrategyCmd, DEFAULT_BROKER, GLOBAL_SETTINGS,
 };
 use crate::cli::client::{ClientError, ControlClient, DEFAULT_TIMEOUT};
+use crate::cli::out::{out, outln};
 use crate::cli::view;
 use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
@@ -202,10 +203,7 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-fn to_json<T: serde::Serialize>(value: &T) -> String {
-    // The control types are plain structs of strings and numbers: serializing cannot fail.
-    serde_json::to_string_pretty(value).unwrap_or_default()
-}
+use crate::cli::json::to_json;
 
 /// Runs every command except `demo`; returns the exit code. `shutdown` stops `serve`.
 pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError> {
@@ -219,7 +217,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
     match cli.command {
         Cmd::Enrollment(crate::cli::args::EnrollmentCmd::Token { count }) => {
             for _ in 0..count {
-                println!("{}", crate::service::enrollment::new_token());
+                outln!("{}", crate::service::enrollment::new_token());
             }
             eprintln!(
                 "list each token in the coordinator's [enrollment] tokens and give it to one \
@@ -236,23 +234,23 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .topic_root
                 .as_deref()
                 .unwrap_or(flotilla_protocol::topics::DEFAULT_ROOT);
-            println!("{}", crate::cli::sign::sign(key, root, &command, now())?);
+            outln!("{}", crate::cli::sign::sign(key, root, &command, now())?);
             Ok(0)
         }
         Cmd::Operator(OperatorCmd::Keygen { out, name, force }) => {
             let written = keys::keygen(&out, std::slice::from_ref(&name), force)?;
             for w in &written {
-                println!(
+                outln!(
                     "wrote {} (secret, keep it with {name}) and {}",
                     w.secret.display(),
                     w.public.display()
                 );
-                println!("  add to the coordinator's config (role: viewer, operator or admin):");
-                println!(
+                outln!("  add to the coordinator's config (role: viewer, operator or admin):");
+                outln!(
                     "  [[operators]]\n  name = {name:?}\n  role = \"operator\"\n  key = {:?}",
                     w.public_hex
                 );
-                println!(
+                outln!(
                     "  then: flotilla --operator-key {} rollout status",
                     w.secret.display()
                 );
@@ -277,34 +275,34 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 signers,
             };
             let signed = keys::rotate(&rotation, &out)?;
-            println!(
+            outln!(
                 "wrote keys document version {version} to {} with {signed} root signature(s)",
                 out.display()
             );
-            println!("  devices accept it with: flotilla-agent keys install --config CONFIG FILE");
+            outln!("  devices accept it with: flotilla-agent keys install --config CONFIG FILE");
             Ok(0)
         }
         Cmd::Keys(KeysCmd::Sign { key, file }) => {
             let count = keys::cosign(&file, &key)?;
-            println!("{} now has {count} signature(s)", file.display());
+            outln!("{} now has {count} signature(s)", file.display());
             Ok(0)
         }
         Cmd::Keygen(args) => {
             let names: Vec<String> = args.name.into_iter().collect();
             for written in keys::keygen(&args.out, &names, args.force)? {
-                println!(
+                outln!(
                     "wrote {} and {}",
                     written.secret.display(),
                     written.public.display()
                 );
-                println!("  public key {}", written.public_hex);
+                outln!("  public key {}", written.public_hex);
             }
             Ok(0)
         }
         Cmd::Release(cmd) => release(cmd),
         Cmd::Serve(args) => {
             if args.print_default_config {
-                print!("{}", config::DEFAULT_CONFIG);
+                out!("{}", config::DEFAULT_CONFIG);
                 return Ok(0);
             }
             let Some(path) = &args.config else {
@@ -334,7 +332,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Rollout(cmd) => {
             let client = connect(&target).await?;
-            rollout(&client, cmd).await
+            rollout(&client, cmd, &shutdown).await
         }
         Cmd::Devices {
             cmd: Some(DevicesCmd::Delete { id }),
@@ -347,7 +345,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("deleted device {id}; its retained state is cleared and its desired action replaced by a signed \"nothing to do\"");
+            outln!("deleted device {id}; its retained state is cleared and its desired action replaced by a signed \"nothing to do\"");
             Ok(0)
         }
         Cmd::Devices {
@@ -369,9 +367,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     .pending_devices(page.query(), DEFAULT_TIMEOUT)
                     .await?;
                 if json {
-                    println!("{}", to_json(&list));
+                    outln!("{}", to_json(&list));
                 } else {
-                    print!("{}", view::enrollments_table(&list));
+                    out!("{}", view::enrollments_table(&list));
                 }
                 return Ok(0);
             }
@@ -394,12 +392,12 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .request(command, crate::cli::client::DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&result));
+                outln!("{}", to_json(&result));
             } else {
                 let info: EnrollmentInfo = serde_json::from_value(result)
                     .map_err(|source| CliError::Reply { what, source })?;
                 let key = info.new_key.as_deref().unwrap_or(&info.key);
-                println!("device {} is {} (key {key})", info.device, info.status);
+                outln!("device {} is {} (key {key})", info.device, info.status);
             }
             Ok(0)
         }
@@ -414,9 +412,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .list_devices(page.query(), limit, DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&devices));
+                outln!("{}", to_json(&devices));
             } else {
-                print!("{}", view::devices_table(&devices));
+                out!("{}", view::devices_table(&devices));
             }
             Ok(0)
         }
@@ -428,7 +426,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("approved {name}");
+            outln!("approved {name}");
             Ok(0)
         }
         Cmd::Deny { name, reason } => {
@@ -442,7 +440,7 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     crate::cli::client::DEFAULT_TIMEOUT,
                 )
                 .await?;
-            println!("denied {name}; its rollout is stopped");
+            outln!("denied {name}; its rollout is stopped");
             Ok(0)
         }
         Cmd::Approvals { json } => {
@@ -452,9 +450,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 .all_pages("list_approvals", command, DEFAULT_TIMEOUT)
                 .await?;
             if json {
-                println!("{}", to_json(&approvals));
+                outln!("{}", to_json(&approvals));
             } else {
-                print!("{}", view::approvals_table(&approvals));
+                out!("{}", view::approvals_table(&approvals));
             }
             Ok(0)
         }
@@ -469,9 +467,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                     source,
                 })?;
             if json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", view::coordinators(&info));
+                out!("{}", view::coordinators(&info));
             }
             Ok(0)
         }
@@ -496,9 +494,9 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
                 }
             };
             if args.json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", crate::cli::store::describe_backup(&info));
+                out!("{}", crate::cli::store::describe_backup(&info));
             }
             Ok(0)
         }
@@ -528,13 +526,33 @@ fn serve_overrides(
         None => None,
     };
     let auth = target.auth.clone();
+    // The login variables are the CLI's (an operator exports them for `flotilla rollout …`): a
+    // coordinator started from the same shell must not log in as the operator, whom the
+    // broker's ACL keeps off the device topics. Its login comes from a flag or its config file.
+    let login = |id: &'static str| {
+        let ignored = origin.came_from_env(id);
+        if ignored {
+            tracing::info!(
+                "ignoring {}: it is the CLI's broker login; `serve` takes its own from {} or the \
+                 config file",
+                origin.of(id),
+                GLOBAL_SETTINGS
+                    .iter()
+                    .find(|(i, _, _)| *i == id)
+                    .map_or("a flag", |(_, flag, _)| *flag)
+            );
+        }
+        !ignored
+    };
+    let username = auth.username.filter(|_| login("username"));
+    let password_file = auth.password_file.filter(|_| login("password_file"));
     Ok(BrokerOverrides {
         addr: origin.given("broker", addr),
         topic_root: origin.given("topic_root", target.topic_root.clone()),
         embedded,
         insecure_embedded: None,
-        username: origin.given("username", auth.username),
-        password_file: origin.given("password_file", auth.password_file),
+        username: origin.given("username", username),
+        password_file: origin.given("password_file", password_file),
         tls: origin.given("tls", auth.tls.then_some(())),
         ca_file: origin.given("ca_file", auth.ca_file),
         client_cert: origin.given("client_cert", auth.client_cert),
@@ -585,7 +603,7 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
                     timeout,
                 )
                 .await?;
-            println!("stored strategy {name}");
+            outln!("stored strategy {name}");
         }
         StrategyCmd::List { json } => {
             let command = |page| Command::ListStrategies { page };
@@ -593,9 +611,9 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
                 .all_pages("list_strategies", command, timeout)
                 .await?;
             if json {
-                println!("{}", to_json(&all));
+                outln!("{}", to_json(&all));
             } else {
-                print!("{}", view::strategies_list(&all));
+                out!("{}", view::strategies_list(&all));
             }
         }
         StrategyCmd::Show { name, json } => {
@@ -605,11 +623,11 @@ async fn strategy(target: &BrokerTarget, cmd: StrategyCmd) -> Result<i32, CliErr
             let info: StrategyInfo =
                 serde_json::from_value(result).map_err(reply("show_strategy"))?;
             if json {
-                println!("{}", to_json(&info));
+                outln!("{}", to_json(&info));
             } else {
-                print!("{}", info.spec);
+                out!("{}", info.spec);
                 if !info.spec.ends_with('\n') {
-                    println!();
+                    outln!();
                 }
             }
         }
@@ -634,23 +652,23 @@ async fn group(client: &ControlClient, cmd: GroupCmd) -> Result<i32, CliError> {
             let result = client.request(command, timeout).await?;
             let info: DeviceGroupInfo =
                 serde_json::from_value(result).map_err(reply("create_group"))?;
-            println!("stored device group {}  select {}", info.name, info.select);
+            outln!("stored device group {}  select {}", info.name, info.select);
         }
         GroupCmd::List { json } => {
             let command = |page| Command::ListGroups { page };
             let all: Vec<DeviceGroupInfo> =
                 client.all_pages("list_groups", command, timeout).await?;
             if json {
-                println!("{}", to_json(&all));
+                outln!("{}", to_json(&all));
             } else {
-                print!("{}", view::groups_table(&all));
+                out!("{}", view::groups_table(&all));
             }
         }
         GroupCmd::Delete { name } => {
             client
                 .request(Command::DeleteGroup { name: name.clone() }, timeout)
                 .await?;
-            println!("deleted device group {name}");
+            outln!("deleted device group {name}");
         }
     }
     Ok(0)
@@ -685,11 +703,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             for line in release_types::untyped_lookalikes(&manifest, |d| store.artifact_path(d)) {
                 eprintln!("hint: {line}");
             }
-            println!(
+            outln!(
                 "created {}",
                 store.release_path(&manifest.release.name).display()
             );
-            print!(
+            out!(
                 "{}",
                 releases::render_manifest(&manifest, &key.verifying_key().to_bytes())
             );
@@ -708,9 +726,9 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 _ => return Ok(2),
             };
             if json {
-                println!("{}", to_json(&releases::summary(&manifest)));
+                outln!("{}", to_json(&releases::summary(&manifest)));
             } else {
-                print!("{}", releases::render_manifest(&manifest, &blob.signer));
+                out!("{}", releases::render_manifest(&manifest, &blob.signer));
             }
             Ok(0)
         }
@@ -724,7 +742,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             // Validates the name before it becomes a path.
             store.load(&name)?;
             let manifest = store.verify(&store.release_path(&name), &key)?;
-            println!(
+            outln!(
                 "release {} verified: signature ok, {} artifact(s) present with the declared size and sha256{}",
                 manifest.release.name,
                 manifest.release.artifacts.len(),
@@ -737,13 +755,16 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
             if json {
                 let summaries: Vec<ReleaseSummary> =
                     manifests.iter().map(releases::summary).collect();
-                println!("{}", to_json(&summaries));
+                outln!("{}", to_json(&summaries));
             } else if manifests.is_empty() {
-                println!("no releases in {}", data_dir.display());
+                outln!("no releases in {}", data_dir.display());
             } else {
-                println!(
+                outln!(
                     "{:24}  {:12}  {:>8}  {:>7}  HARDWARE",
-                    "RELEASE", "VERSION", "COUNTER", "BLOCKS"
+                    "RELEASE",
+                    "VERSION",
+                    "COUNTER",
+                    "BLOCKS"
                 );
                 for m in &manifests {
                     let s = &m.release;
@@ -752,7 +773,7 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                     } else {
                         s.hardware.join(",")
                     };
-                    println!(
+                    outln!(
                         "{:24}  {:12}  {:>8}  {:>7}  {hw}",
                         s.name,
                         s.version,
@@ -766,7 +787,11 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
     }
 }
 
-async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliError> {
+async fn rollout(
+    client: &ControlClient,
+    cmd: RolloutCmd,
+    shutdown: &CancellationToken,
+) -> Result<i32, CliError> {
     let timeout: Duration = crate::cli::client::DEFAULT_TIMEOUT;
     let (command, json) = match cmd {
         RolloutCmd::Create { spec } => {
@@ -776,18 +801,51 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
             })?;
             (Command::CreateRollout { spec: text }, false)
         }
-        RolloutCmd::Start { name } => (Command::StartRollout { rollout: name }, false),
+        RolloutCmd::Start { name, wait: true } => {
+            client
+                .request(
+                    Command::StartRollout {
+                        rollout: name.clone(),
+                    },
+                    timeout,
+                )
+                .await?;
+            // The watch's first drawing shows the rollout as the start left it.
+            return Ok(
+                crate::cli::watch::watch(client, &name, Default::default(), shutdown).await?,
+            );
+        }
+        RolloutCmd::Start { name, wait: false } => (Command::StartRollout { rollout: name }, false),
         RolloutCmd::Pause { name } => (Command::PauseRollout { rollout: name }, false),
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
-        RolloutCmd::Status { name, json, page } => {
+        RolloutCmd::Status {
+            name: Some(name),
+            watch: true,
+            page,
+            ..
+        } => return Ok(crate::cli::watch::watch(client, &name, page.query(), shutdown).await?),
+        RolloutCmd::List { json } => {
+            let all = client
+                .rollout_summaries(Default::default(), timeout)
+                .await?;
+            if json {
+                outln!("{}", to_json(&all));
+            } else {
+                out!("{}", view::rollouts_table(&all));
+            }
+            return Ok(0);
+        }
+        RolloutCmd::Status {
+            name, json, page, ..
+        } => {
             let text = match name {
                 Some(name) => {
                     let status = client.rollout_status(&name, page.query(), timeout).await?;
                     if json {
                         to_json(&status) + "\n"
                     } else {
-                        view::rollout_status(&status)
+                        view::rollout_status_in(&status, view::Paint::for_stdout())
                     }
                 }
                 None => {
@@ -796,11 +854,11 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
                     if json {
                         to_json(&all) + "\n"
                     } else {
-                        view::rollout_statuses(&all)
+                        view::rollouts_table(&all)
                     }
                 }
             };
-            print!("{text}");
+            out!("{text}");
             return Ok(0);
         }
         RolloutCmd::Next {
@@ -817,10 +875,10 @@ async fn rollout(client: &ControlClient, cmd: RolloutCmd) -> Result<i32, CliErro
     };
     let result = client.request(command, timeout).await?;
     if json {
-        println!("{}", to_json(&result));
+        outln!("{}", to_json(&result));
         return Ok(0);
     }
-    print!("{}", render_statuses(result)?);
+    out!("{}", render_statuses(result)?);
     Ok(0)
 }
 

@@ -25,6 +25,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use flotilla_protocol::control::{Command as Control, DeviceSummary, RolloutStatus};
+use flotilla_rollout::text::count;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -91,6 +92,8 @@ pub enum DemoError {
     Timeout { what: String, secs: u64 },
     #[error("unexpected reply from the coordinator: {0}")]
     Reply(#[from] serde_json::Error),
+    #[error("standard output was closed")]
+    ClosedPipe,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
@@ -140,9 +143,10 @@ pub struct DeviceOutcome {
 }
 
 /// Runs the demo and returns the process exit code.
-/// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130 or 143 when
-/// interrupted by SIGINT or SIGTERM). However it ends, the agents are stopped and the temporary
-/// directory, secret keys included, is removed (kept with `--keep`).
+/// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130, 143 or 129 when
+/// interrupted by SIGINT, SIGTERM or SIGHUP, 0 when its stdout was closed). However it ends
+/// short of a panic, the agents are stopped and the temporary directory, secret keys included,
+/// is removed (kept with `--keep`).
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     check_args(&args)?;
     let dir = tempfile::Builder::new()
@@ -172,10 +176,33 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
         if args.json {
             eprint!("{text}");
         } else {
-            print!("{text}");
+            // The reader may be gone; the directory is kept all the same.
+            let _ = show(&text);
         }
     }
-    outcome
+    match outcome {
+        // The reader stopped reading (`flotilla demo | head`): everything is cleaned up above,
+        // and the demo ends quietly, as every command does on a closed pipe.
+        Err(DemoError::ClosedPipe) => Ok(0),
+        outcome => outcome,
+    }
+}
+
+/// Writes `text` to stdout. A closed pipe is an error like any other here, not a panic: the
+/// demo must still stop its agents and remove its directory (a panic aborts in a release build
+/// and would leave both behind).
+fn show(text: &str) -> Result<(), DemoError> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::BrokenPipe => DemoError::ClosedPipe,
+            _ => DemoError::Io {
+                what: "write to standard output".into(),
+                source,
+            },
+        })
 }
 
 /// What `--keep` leaves, and how to run the same fleet again.
@@ -231,15 +258,19 @@ where
         .with_filter(tracing_subscriber::EnvFilter::new("info,rumqttd=off"))
 }
 
-/// The first SIGINT or SIGTERM, with its exit code.
+/// The first SIGINT, SIGTERM or SIGHUP (the terminal was closed), with its exit code.
 async fn interrupted() -> (&'static str, i32) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
+        if let (Ok(mut term), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) {
             return tokio::select! {
                 _ = tokio::signal::ctrl_c() => ("SIGINT", 130),
                 _ = term.recv() => ("SIGTERM", 143),
+                _ = hup.recv() => ("SIGHUP", 129),
             };
         }
     }
@@ -275,8 +306,9 @@ async fn run_in(
     let say = |line: String| {
         if args.json {
             eprintln!("{line}");
+            Ok(())
         } else {
-            println!("{line}");
+            show(&format!("{line}\n"))
         }
     };
     let log =
@@ -313,7 +345,7 @@ async fn run_in(
         manifest.release.name,
         manifest.release.artifacts[0].size,
         &flotilla_protocol::hex::encode(&manifest.release.artifacts[0].sha256)[..16]
-    ));
+    ))?;
 
     // Each demo device enrolls itself with a one-time token the coordinator lists, so the demo
     // needs no operator to accept devices (`flotilla devices pending` shows how that looks).
@@ -343,9 +375,15 @@ async fn run_in(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     say(format!(
-        "coordinator with an embedded MQTT broker on {addr}; web console on http://{http}/console (log in with {}), HTTP API on http://{http}/api/openapi.json",
-        root.join("keys/demo.key").display()
-    ));
+        "coordinator with an embedded MQTT broker on {addr}; web console on http://{http}/console \
+         (log in with the demo's operator key, {}), HTTP API on http://{http}/api/openapi.json",
+        // A directory the demo removes at its end is not printed (tests/tests/newcomer.rs).
+        if args.keep {
+            root.join("keys/demo.key").display().to_string()
+        } else {
+            "keys/demo.key in its directory; --keep keeps it".to_owned()
+        }
+    ))?;
 
     let mut agents = Agents(Vec::new());
     for i in 1..=args.devices {
@@ -378,7 +416,7 @@ async fn run_in(
     say(format!(
         "started {} agents ({} with a failing health check)",
         args.devices, args.fail
-    ));
+    ))?;
 
     let client = ControlClient::connect(
         "127.0.0.1",
@@ -388,7 +426,7 @@ async fn run_in(
     )
     .await?;
     wait_for_devices(&client, args.devices, deadline, args.timeout).await?;
-    say(format!("all {} agents registered\n", args.devices));
+    say(format!("all {} agents registered\n", args.devices))?;
 
     let spec = demo_spec();
     client
@@ -406,7 +444,7 @@ async fn run_in(
         )
         .await?;
     if !args.json {
-        println!("rollout spec:\n{}", indent(&spec));
+        show(&format!("rollout spec:\n{}\n", indent(&spec)))?;
     }
 
     let live = !args.json && std::io::stdout().is_terminal();
@@ -425,18 +463,23 @@ async fn run_in(
             )
             .await?;
         let status: RolloutStatus = serde_json::from_value(value)?;
-        let text = view::rollout_status(&status);
+        // Bars in colour where the view is redrawn on a terminal.
+        let paint = match live {
+            true => view::Paint::for_stdout(),
+            false => view::Paint::Plain,
+        };
+        let text = view::rollout_status_in(&status, paint);
         if text != last_view {
             if live && !last_view.is_empty() {
                 // Move up over the previous view and redraw it in place.
-                print!("\x1b[{}A\x1b[J", last_view.lines().count());
+                show(&format!("\x1b[{}A\x1b[J", last_view.lines().count()))?;
             }
             if args.json {
                 eprint!("{}", progress_line(&status));
             } else {
-                print!("{text}");
+                show(&text)?;
                 if !live {
-                    println!();
+                    show("\n")?;
                 }
             }
             last_view = text;
@@ -465,9 +508,9 @@ async fn run_in(
     )?;
     let summary = summarize(&status, &devices);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        show(&format!("{}\n", serde_json::to_string_pretty(&summary)?))?;
     } else {
-        println!("\n{}", explain(&summary));
+        show(&format!("\n{}\n", explain(&summary)))?;
     }
 
     drop(agents);
@@ -747,12 +790,16 @@ fn explain(summary: &Summary) -> String {
         .count();
     let mut out = match summary.state.as_str() {
         "finished" => format!(
-            "Rollout {} finished: {updated} of {total} devices now run {}.\n",
-            summary.rollout, summary.release
+            "Rollout {} finished: {updated} of {} now run {}.\n",
+            summary.rollout,
+            count(total, "device"),
+            summary.release
         ),
         state => format!(
-            "Rollout {} ended {state}: {updated} of {total} devices run {}; the other groups did not start.\n",
-            summary.rollout, summary.release
+            "Rollout {} ended {state}: {updated} of {} run {}; the other groups did not start.\n",
+            summary.rollout,
+            count(total, "device"),
+            summary.release
         ),
     };
     for d in summary

@@ -1046,7 +1046,7 @@ pub fn run_plan(args: &PlanArgs) -> i32 {
     match planned {
         Ok(plan) if args.json => match serde_json::to_string_pretty(&plan) {
             Ok(json) => {
-                println!("{json}");
+                crate::cli::out::outln!("{json}");
                 0
             }
             Err(e) => {
@@ -1055,7 +1055,7 @@ pub fn run_plan(args: &PlanArgs) -> i32 {
             }
         },
         Ok(plan) => {
-            print!("{}", plan_table(&plan));
+            crate::cli::out::out!("{}", plan_table(&plan));
             0
         }
         Err(e) => {
@@ -1128,9 +1128,9 @@ pub fn plan_table(plan: &Plan) -> String {
     }
     let _ = writeln!(
         out,
-        "{} devices in {} groups",
-        plan.device_count(),
-        plan.groups.len()
+        "{} in {}",
+        flotilla_rollout::text::count(plan.device_count(), "device"),
+        flotilla_rollout::text::count(plan.groups.len(), "group")
     );
     if !plan.unassigned.is_empty() {
         let _ = writeln!(
@@ -1157,8 +1157,9 @@ pub fn plan_table(plan: &Plan) -> String {
         if sites.without_site > 0 {
             let _ = writeln!(
                 out,
-                "{} devices without label {}: in no site, no site limit applies",
-                sites.without_site, sites.policy.label
+                "{} without label {}: in no site, no site limit applies",
+                flotilla_rollout::text::count(sites.without_site, "device"),
+                sites.policy.label
             );
         }
     }

@@ -6,7 +6,10 @@
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
 //! - [`login_lock`]: one connection per broker login from this machine at a time.
-//! - [`view`]: tables and progress bars for rollouts, devices and approvals.
+//! - [`out`]: stdout that ends a command quietly when the pipe it writes to closes.
+//! - [`view`]: tables and progress bars for rollouts, devices and approvals; [`json`]: `--json`
+//!   output, each Unix time with its RFC 3339 twin.
+//! - [`watch`]: `rollout status NAME --watch` and `rollout start NAME --wait`.
 //! - [`fleetfile`]: `flotilla plan` and the fleet files it reads.
 //! - [`simulate`]: `flotilla simulate`, the engine in virtual time.
 //! - [`demo`]: `flotilla demo`, an embedded broker, a coordinator and real agents on one box.
@@ -20,12 +23,15 @@ pub mod client;
 pub mod commands;
 pub mod demo;
 pub mod fleetfile;
+pub mod json;
 pub mod login_lock;
 pub mod migrate;
+pub mod out;
 pub mod sign;
 pub mod simulate;
 pub mod store;
 pub mod view;
+pub mod watch;
 
 pub use args::{Cli, Cmd};
 pub use commands::{run, CliError};

@@ -44,6 +44,7 @@ use flotilla_protocol::{ByteCounts, CurrentAction, DeviceState, Phase, Report};
 use serde::{Deserialize, Serialize};
 
 use crate::cli::fleetfile::{self, FleetError};
+use crate::cli::out::{out, outln};
 use crate::cli::view;
 use flotilla_rollout::duration::parse_duration;
 use flotilla_rollout::engine::{Effect, Engine, EngineError, ReleaseRef, OPERATOR};
@@ -876,7 +877,7 @@ pub struct SimulateArgs {
     /// Named device groups that partitions refer to (JSON array).
     #[arg(long)]
     pub groups: Option<PathBuf>,
-    /// End the run after this much virtual time (s, m, h, d).
+    /// End the run after this much virtual time (s, m, h, d, or a compound like 2h30m).
     #[arg(long, default_value = "30d")]
     pub until: String,
     /// When the virtual clock starts (RFC 3339, e.g. 2027-01-04T09:00:00Z); matters for
@@ -946,14 +947,14 @@ pub fn run_simulate(args: &SimulateArgs) -> i32 {
         Ok(report) => {
             if args.json {
                 match serde_json::to_string_pretty(&report) {
-                    Ok(json) => println!("{json}"),
+                    Ok(json) => outln!("{json}"),
                     Err(e) => {
                         eprintln!("error: cannot encode the report: {e}");
                         return 1;
                     }
                 }
             } else {
-                print!("{}", render(&report));
+                out!("{}", render(&report));
             }
             let code = report.exit_code();
             // A report of a million devices is millions of small allocations; the command ends

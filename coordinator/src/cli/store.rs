@@ -156,16 +156,16 @@ pub fn restore(args: &RestoreArgs, now: u64) -> Result<i32, StoreCmdError> {
         other => StoreCmdError::Backup(other),
     })?;
     if let Some(aside) = &restored.moved_aside {
-        println!("the previous store was moved to {}", aside.display());
+        outln!("the previous store was moved to {}", aside.display());
     }
     match &restored.signer {
-        Some(key) => println!(
+        Some(key) => outln!(
             "the backup's signature verifies: coordinator key {}",
             flotilla_protocol::hex::encode(key.as_bytes())
         ),
-        None => println!("the backup is unsigned (version 1), restored as --allow-unsigned asked"),
+        None => outln!("the backup is unsigned (version 1), restored as --allow-unsigned asked"),
     }
-    println!(
+    outln!(
         "restored {} records into {}; the store is at generation {} and sealed",
         restored.records,
         args.data_dir.join("db").display(),
@@ -181,21 +181,21 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
             let store = open(data_dir)?;
             match store.check_seal()? {
                 SealCheck::Intact => {
-                    println!(
+                    outln!(
                         "intact: the store holds all {} acknowledged commits",
                         store.generation()
                     );
                     Ok(0)
                 }
                 SealCheck::Unsealed => {
-                    println!(
+                    outln!(
                         "unsealed: the store holds {} commits and has no seal yet (the next write seals it)",
                         store.generation()
                     );
                     Ok(0)
                 }
                 SealCheck::Lost { stored, sealed } => {
-                    println!(
+                    outln!(
                         "lost writes: the store holds {stored} commits but {sealed} were acknowledged; \
                          restore the latest backup (`flotilla restore`) or accept it as it is \
                          (`flotilla store reseal`)"
@@ -206,7 +206,7 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
         }
         StoreCmd::Migrate { data_dir, config } => {
             let done = crate::cli::migrate::migrate(data_dir, config)?;
-            println!(
+            outln!(
                 "copied {} records from {} into {}; start the coordinators with this config",
                 done.records,
                 data_dir.join("db").display(),
@@ -219,12 +219,12 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
             let before = store.check_seal()?;
             store.reseal()?;
             match before {
-                SealCheck::Lost { stored, sealed } => println!(
+                SealCheck::Lost { stored, sealed } => outln!(
                     "resealed at {stored} commits: the {} acknowledged commits that were lost are \
                      given up",
                     sealed - stored
                 ),
-                _ => println!(
+                _ => outln!(
                     "resealed at {} commits (nothing was lost)",
                     store.generation()
                 ),
@@ -233,3 +233,4 @@ pub fn store(cmd: &StoreCmd) -> Result<i32, StoreCmdError> {
         }
     }
 }
+use crate::cli::out::outln;

@@ -14,16 +14,81 @@ pub const BAR_WIDTH: usize = 30;
 /// How many trace entries [`rollout_status`] shows.
 pub const TRACE_LINES: usize = 5;
 
-/// `[#########---------------------]`: `done` of `total`, `#` for done, `-` for the rest.
-pub fn progress_bar(done: usize, total: usize, width: usize) -> String {
-    let filled = (done.min(total) * width).checked_div(total).unwrap_or(0);
-    format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
+/// How text is drawn: plain characters only, or with ANSI colours too (on a terminal, unless
+/// NO_COLOR is set). The characters are the same either way, so a bar reads the same in a log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Paint {
+    #[default]
+    Plain,
+    Colour,
 }
 
-/// One group's line: name, state, bar of (ready + failed) / total, and the counts, which add
-/// up to the total (canceled shown when there are any).
+impl Paint {
+    /// Colour when `stdout` is a terminal and NO_COLOR (no-color.org) is unset or empty.
+    pub fn for_stdout() -> Paint {
+        use std::io::IsTerminal as _;
+        let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+        if std::io::stdout().is_terminal() && !no_color {
+            Paint::Colour
+        } else {
+            Paint::Plain
+        }
+    }
+
+    /// `text` in the ANSI colour `code` (32 green, 31 red, 33 yellow), or as it is.
+    fn paint(self, code: u8, text: &str) -> String {
+        match self {
+            Paint::Colour if !text.is_empty() => format!("\x1b[{code}m{text}\x1b[0m"),
+            _ => text.to_owned(),
+        }
+    }
+}
+
+/// What a bar's cells stand for: `#` ready (green on a terminal), `x` failed (red), `~`
+/// canceled (yellow), `-` not done yet.
+pub const BAR_LEGEND: &str = "# ready, x failed, ~ canceled, - not done";
+
+/// `[####xx~~------]`: the devices of a group by outcome, ready first, then failed, then
+/// canceled, then the rest. A failed or canceled device always takes at least one cell, so a
+/// bar with a failure in it never shows as all `#`, however large the group.
+pub fn progress_bar(
+    ready: usize,
+    failed: usize,
+    canceled: usize,
+    total: usize,
+    width: usize,
+    paint: Paint,
+) -> String {
+    let cells = |n: usize| (n.min(total) * width).checked_div(total).unwrap_or(0);
+    let mut counts = [cells(ready), cells(failed), cells(canceled)];
+    for (i, n) in [(1, failed), (2, canceled)] {
+        if n > 0 && counts[i] == 0 {
+            counts[i] = 1;
+        }
+    }
+    // Taking cells for the failures may overfill the bar: ready gives them back.
+    while counts.iter().sum::<usize>() > width && counts[0] > 0 {
+        counts[0] -= 1;
+    }
+    let rest = width.saturating_sub(counts.iter().sum());
+    format!(
+        "[{}{}{}{}]",
+        paint.paint(32, &"#".repeat(counts[0])),
+        paint.paint(31, &"x".repeat(counts[1])),
+        paint.paint(33, &"~".repeat(counts[2])),
+        "-".repeat(rest)
+    )
+}
+
+/// One group's line: name, state, bar of ready, failed and canceled devices (see
+/// [`progress_bar`]), and the counts, which add up to the total (canceled shown when there are
+/// any).
 pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
-    let done = group.ready + group.failed;
+    group_line_in(group, name_width, Paint::Plain)
+}
+
+/// [`group_line`], drawn with `paint`.
+pub fn group_line_in(group: &GroupStatus, name_width: usize, paint: Paint) -> String {
     let canceled = if group.canceled > 0 {
         format!(", {} canceled", group.canceled)
     } else {
@@ -33,7 +98,14 @@ pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
         "  {:name_width$}  {:9}  {}  {}/{} ready, {} failed, {} running, {} scheduled{canceled}",
         group.name,
         group.state,
-        progress_bar(done, group.total, BAR_WIDTH),
+        progress_bar(
+            group.ready,
+            group.failed,
+            group.canceled,
+            group.total,
+            BAR_WIDTH,
+            paint
+        ),
         group.ready,
         group.total,
         group.failed,
@@ -46,6 +118,11 @@ pub fn group_line(group: &GroupStatus, name_width: usize) -> String {
 /// per group with its start and end, pending approvals with the command that approves them, and
 /// the last few decisions.
 pub fn rollout_status(status: &RolloutStatus) -> String {
+    rollout_status_in(status, Paint::Plain)
+}
+
+/// [`rollout_status`], its bars drawn with `paint`.
+pub fn rollout_status_in(status: &RolloutStatus, paint: Paint) -> String {
     let mut out = format!(
         "rollout {}  release {}  state {}\n",
         status.name, status.release, status.state
@@ -70,7 +147,7 @@ pub fn rollout_status(status: &RolloutStatus) -> String {
         out.push_str("  (no groups)\n");
     }
     for group in &status.groups {
-        out.push_str(&group_line(group, name_width));
+        out.push_str(&group_line_in(group, name_width, paint));
         match (group.started_at, group.ended_at) {
             (Some(start), Some(end)) => {
                 out.push_str(&format!("  started {}  ended {}", clock(start), clock(end)))
@@ -335,6 +412,53 @@ pub fn clock(at: u64) -> String {
     )
 }
 
+/// Every rollout on one line (`rollout list`, `rollout status` without a name): state,
+/// release, groups ended of all, devices ready of all, failed, and the group at work now.
+pub fn rollouts_table(statuses: &[RolloutStatus]) -> String {
+    if statuses.is_empty() {
+        return "no rollouts\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = statuses
+        .iter()
+        .map(|s| {
+            let ended = s
+                .groups
+                .iter()
+                .filter(|g| matches!(g.state.as_str(), "finished" | "error"))
+                .count();
+            let total: usize = s.groups.iter().map(|g| g.total).sum();
+            let ready: usize = s.groups.iter().map(|g| g.ready).sum();
+            let failed: usize = s.groups.iter().map(|g| g.failed).sum();
+            let now = s
+                .groups
+                .iter()
+                .find(|g| {
+                    matches!(
+                        g.state.as_str(),
+                        "running" | "waiting" | "approval" | "error"
+                    )
+                })
+                .map(|g| format!("{} {}", g.name, g.state))
+                .unwrap_or_else(|| "-".to_owned());
+            vec![
+                s.name.clone(),
+                s.state.clone(),
+                s.release.clone(),
+                format!("{ended}/{}", s.groups.len()),
+                format!("{ready}/{total}"),
+                failed.to_string(),
+                now,
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "ROLLOUT", "STATE", "RELEASE", "GROUPS", "READY", "FAILED", "NOW",
+        ],
+        &rows,
+    )
+}
+
 /// Several rollouts, separated by blank lines.
 pub fn rollout_statuses(statuses: &[RolloutStatus]) -> String {
     if statuses.is_empty() {
@@ -347,7 +471,9 @@ pub fn rollout_statuses(statuses: &[RolloutStatus]) -> String {
         .join("\n")
 }
 
-/// The devices table: id, online, enrollment, installed, rollout, phase, reason.
+/// The devices table: id, online, enrollment, installed, rollout, phase, reason. ONLINE is `-`
+/// for a device that is not accepted (pending, rejected, revoked): the coordinator does not
+/// listen to it, so whether it is connected is not known (`no` would say it is not).
 pub fn devices_table(devices: &[DeviceSummary]) -> String {
     if devices.is_empty() {
         return "no devices have reported yet\n".to_owned();
@@ -358,7 +484,11 @@ pub fn devices_table(devices: &[DeviceSummary]) -> String {
         .map(|d| {
             [
                 d.id.clone(),
-                if d.online { "yes".into() } else { "no".into() },
+                match (d.enrollment.as_deref(), d.online) {
+                    (Some(e), _) if !e.starts_with("accepted") => "-".into(),
+                    (_, true) => "yes".into(),
+                    (_, false) => "no".into(),
+                },
                 d.enrollment.clone().unwrap_or_else(|| "-".into()),
                 d.installed.clone().unwrap_or_else(|| "-".into()),
                 d.rollout.clone().unwrap_or_else(|| "-".into()),
@@ -529,11 +659,39 @@ mod tests {
 
     #[test]
     fn bars_fill_proportionally() {
-        assert_eq!(progress_bar(0, 4, 8), "[--------]");
-        assert_eq!(progress_bar(2, 4, 8), "[####----]");
-        assert_eq!(progress_bar(4, 4, 8), "[########]");
-        assert_eq!(progress_bar(9, 4, 8), "[########]");
-        assert_eq!(progress_bar(0, 0, 8), "[--------]");
+        let bar = |ready, failed, canceled, total| {
+            progress_bar(ready, failed, canceled, total, 8, Paint::Plain)
+        };
+        assert_eq!(bar(0, 0, 0, 4), "[--------]");
+        assert_eq!(bar(2, 0, 0, 4), "[####----]");
+        assert_eq!(bar(4, 0, 0, 4), "[########]");
+        assert_eq!(bar(9, 0, 0, 4), "[########]");
+        assert_eq!(bar(0, 0, 0, 0), "[--------]");
+    }
+
+    #[test]
+    fn failures_and_cancels_are_drawn_apart_from_ready_and_never_look_done() {
+        let bar = |ready, failed, canceled, total| {
+            progress_bar(ready, failed, canceled, total, 8, Paint::Plain)
+        };
+        // The case: every device done, none ready.
+        assert_eq!(bar(0, 2, 0, 2), "[xxxxxxxx]");
+        assert_eq!(bar(2, 1, 1, 4), "[####xx~~]");
+        // One failure in a large group still takes a cell, from ready.
+        assert_eq!(bar(999, 1, 0, 1000), "[#######x]");
+        assert_eq!(bar(1, 0, 3, 4), "[##~~~~~~]");
+
+        let coloured = progress_bar(1, 1, 0, 2, 4, Paint::Colour);
+        assert_eq!(coloured, "[\x1b[32m##\x1b[0m\x1b[31mxx\x1b[0m]");
+        let mut failed = group("canary", "failed", 2, 0, 2, 0);
+        failed.scheduled = 0;
+        let line = group_line(&failed, 6);
+        assert!(line.contains("failed"), "{line}");
+        assert!(
+            !line.contains('#'),
+            "a failed group shows no ready cells: {line}"
+        );
+        assert!(!line.contains('\x1b'), "plain text off a terminal: {line}");
     }
 
     #[test]
@@ -600,7 +758,7 @@ mod tests {
         assert!(
             text.contains(&format!(
                 "canary  finished   {}  3/4 ready, 1 failed, 0 running, 0 scheduled",
-                progress_bar(4, 4, BAR_WIDTH)
+                progress_bar(3, 1, 0, 4, BAR_WIDTH, Paint::Plain)
             )),
             "{text}"
         );
@@ -616,6 +774,38 @@ mod tests {
             !text.contains("decision 2"),
             "only the last {TRACE_LINES} decisions: {text}"
         );
+    }
+
+    #[test]
+    fn rollouts_list_is_one_line_each() {
+        let status = |name: &str, state: &str, groups| RolloutStatus {
+            name: name.into(),
+            release: "fw-2".into(),
+            state: state.into(),
+            groups,
+            ..RolloutStatus::default()
+        };
+        let text = rollouts_table(&[
+            status(
+                "fw-2-4",
+                "running",
+                vec![
+                    group("canary", "finished", 2, 2, 0, 0),
+                    group("rest", "running", 8, 1, 1, 2),
+                ],
+            ),
+            status("first", "failed", vec![group("g1", "error", 2, 0, 2, 0)]),
+        ]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            vec![
+                "ROLLOUT  STATE    RELEASE  GROUPS  READY  FAILED  NOW",
+                "fw-2-4   running  fw-2     1/2     3/10   1       rest running",
+                "first    failed   fw-2     1/1     0/2    2       g1 error",
+            ]
+        );
+        assert_eq!(rollouts_table(&[]), "no rollouts\n");
     }
 
     #[test]
@@ -872,6 +1062,18 @@ mod tests {
             "{text}"
         );
         assert!(lines[2].ends_with("failed  health check failed"), "{text}");
+        let pending = DeviceSummary {
+            id: "pi-new".into(),
+            enrollment: Some("pending".into()),
+            ..devices[1].clone()
+        };
+        let text = devices_table(&[pending]);
+        assert!(
+            text.lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("pi-new  -       pending")),
+            "whether a pending device is connected is not known: {text}"
+        );
         assert_eq!(devices_table(&[]), "no devices have reported yet\n");
     }
 

@@ -39,7 +39,8 @@ impl Service {
 
     /// Every device: those the engine knows (accepted) and those waiting for, or refused by, an
     /// operator, each with its enrollment status. Devices that are not accepted show what their
-    /// last state claims, never online.
+    /// last state claims, never online: anyone can sign such a state, and a forged retained one
+    /// would stay "online" for good (the table shows `-`, not known, for them).
     pub(super) fn device_list(&self) -> Vec<DeviceSummary> {
         self.devices_after(None).collect()
     }

@@ -229,7 +229,17 @@ async fn run(
                 subscribe(&client, &options.subscriptions);
                 Some(LinkEvent::Connected)
             }
-            Ok(Event::Incoming(Packet::SubAck(_))) => Some(LinkEvent::Subscribed),
+            Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                let user = options
+                    .connection
+                    .credentials
+                    .as_ref()
+                    .map(|c| c.username.as_str());
+                if let Some(text) = refused(&options.subscriptions, &ack.return_codes, user) {
+                    tracing::error!(broker = %addr, client = %options.client_id, "{text}");
+                }
+                Some(LinkEvent::Subscribed)
+            }
             Ok(Event::Incoming(Packet::Publish(p))) => match flotilla_mqtt::dropped(&p) {
                 Some(dropped) => {
                     tx.oversized(&dropped);
@@ -476,6 +486,37 @@ impl Drop for Events {
     }
 }
 
+/// What to say when the broker refused some of `filters` (a SUBACK failure code, usually its
+/// ACL): which, and the user this link logged in as, since a wrong login (another program's
+/// user) is the usual cause. `None` when every filter was granted.
+pub fn refused(
+    filters: &[String],
+    codes: &[rumqttc::SubscribeReasonCode],
+    user: Option<&str>,
+) -> Option<String> {
+    let refused: Vec<&str> = filters
+        .iter()
+        .zip(codes)
+        .filter(|(_, code)| matches!(code, rumqttc::SubscribeReasonCode::Failure))
+        .map(|(filter, _)| filter.as_str())
+        .collect();
+    if refused.is_empty() {
+        return None;
+    }
+    let who = match user {
+        Some(user) => format!("user {user:?}"),
+        None => "no user (anonymous)".to_owned(),
+    };
+    Some(format!(
+        "the broker refused {} of {} subscriptions ({}): logged in as {who}, which its ACL \
+         does not let read them, so nothing arrives on them; check which user this program \
+         logs in as and the broker's ACL",
+        refused.len(),
+        filters.len(),
+        refused.join(", ")
+    ))
+}
+
 fn subscribe(client: &AsyncClient, filters: &[String]) {
     if filters.is_empty() {
         return;
@@ -503,6 +544,34 @@ mod tests {
             .await
             .expect("event within timeout")
             .expect("link alive")
+    }
+
+    #[test]
+    fn refused_subscriptions_are_named_with_the_user() {
+        use rumqttc::SubscribeReasonCode::{Failure, Success};
+        let filters = vec![
+            "flotilla/v1/devices/+/state".to_owned(),
+            "flotilla/v1/control/+".to_owned(),
+        ];
+        assert_eq!(
+            refused(&filters, &[Success(QoS::AtLeastOnce); 2], Some("flotilla")),
+            None
+        );
+        let text = refused(
+            &filters,
+            &[Failure, Success(QoS::AtLeastOnce)],
+            Some("flotilla-operator"),
+        )
+        .expect("refused");
+        assert!(
+            text.starts_with(
+                "the broker refused 1 of 2 subscriptions (flotilla/v1/devices/+/state): logged in \
+                 as user \"flotilla-operator\""
+            ),
+            "{text}"
+        );
+        let text = refused(&filters, &[Failure, Failure], None).expect("refused");
+        assert!(text.contains("no user (anonymous)"), "{text}");
     }
 
     #[tokio::test]

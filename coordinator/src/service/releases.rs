@@ -631,8 +631,8 @@ pub fn render_manifest(full: &Manifest, signer: &[u8; 32]) -> String {
         manifest.version,
         manifest.counter,
         hardware,
-        manifest.created_at,
-        manifest.expires_at,
+        flotilla_rollout::window::utc_text(manifest.created_at),
+        flotilla_rollout::window::utc_text(manifest.expires_at),
         hex::encode(signer),
     );
     let name_w = manifest
@@ -708,12 +708,17 @@ fn block_size_text(block_size: u32) -> String {
     }
 }
 
+/// Block lists of at most this many hashes (32 bytes each) are not worth a warning.
+pub const HARMLESS_BLOCKS: u64 = 4;
+
 /// One line per artifact of `full` whose block list is over 0.1% of the artifact (the bound in
 /// docs/peers.md; a list is 32 bytes per block, 0.049% of the artifact at 64 KiB blocks),
 /// naming the artifact, the block size and the overhead, and whether the largest block size
 /// would keep it within the bound. `release create` prints them as warnings: such a list still
 /// works, it only costs every device more than the bound (small blocks, or an artifact under
-/// 32,000 bytes, where one 32-byte hash is already over 0.1%).
+/// 32,000 bytes, where one 32-byte hash is already over 0.1%). A list of at most
+/// [`HARMLESS_BLOCKS`] hashes is never named: its few bytes cannot matter, whatever share of a
+/// small artifact they are.
 pub fn block_list_overheads(full: &Manifest) -> Vec<String> {
     let over = |list: u64, size: u64| u128::from(list) * 1000 > u128::from(size);
     let percent = |list: u64, size: u64| {
@@ -730,7 +735,7 @@ pub fn block_list_overheads(full: &Manifest) -> Vec<String> {
             continue;
         };
         let list = list_size(a.size, index.block_size);
-        if !over(list, a.size) {
+        if !over(list, a.size) || list <= HARMLESS_BLOCKS * 32 {
             continue;
         }
         let largest = list_size(a.size, MAX_BLOCK_SIZE);
@@ -1008,10 +1013,15 @@ mod tests {
     #[test]
     fn block_lists_over_a_tenth_of_a_percent_are_named_with_their_overhead() {
         let f = fixture();
+        // 9 bytes: one hash, 355% of the artifact and 32 bytes; 20,000 bytes at 4 KiB: five
+        // hashes, 0.8%, one more than a harmless few.
         let small = f.app.with_file_name("boot.cfg");
         fs::write(&small, [7u8; 9]).expect("write");
+        let five = f.app.with_file_name("dtb.bin");
+        fs::write(&five, [7u8; 20_000]).expect("write");
         let mut new = new_release("fw-6", &f.app);
         new.artifacts.push(format!("boot={}", small.display()));
+        new.artifacts.push(format!("dtb={}", five.display()));
         // 4 KiB blocks: 25 hashes for 100,000 bytes.
         let made = f.store.create(&new, &f.key, 0).expect("create");
         assert_eq!(
@@ -1020,22 +1030,19 @@ mod tests {
                 "artifact app.bin (100000 bytes): its block list at 4 KiB blocks is 800 bytes, \
                  0.800% of the artifact, over the 0.1% bound; --block-size 65536 would make it \
                  0.064%",
-                "artifact boot.cfg (9 bytes): its block list at 4 KiB blocks is 32 bytes, 355.6% \
-                 of the artifact, over the 0.1% bound; no block size keeps an artifact this \
-                 small within it",
-            ]
+                "artifact dtb.bin (20000 bytes): its block list at 4 KiB blocks is 160 bytes, \
+                 0.800% of the artifact, over the 0.1% bound; no block size keeps an artifact \
+                 this small within it",
+            ],
+            "a list of a few blocks (boot.cfg's one) is not worth a warning"
         );
-        // At 64 KiB blocks the large artifact is within the bound (0.064%), the small one
-        // cannot be; without block lists there is nothing to say.
+        // At 64 KiB blocks the large artifact is within the bound (0.064%) and the others'
+        // lists are one hash each; without block lists there is nothing to say.
         new.name = "fw-7".into();
         new.block_size = Some(65536);
         let made = f.store.create(&new, &f.key, 0).expect("create");
         let lines = block_list_overheads(&made);
-        assert_eq!(lines.len(), 1, "{lines:?}");
-        assert!(
-            lines[0].starts_with("artifact boot.cfg (9 bytes)"),
-            "{lines:?}"
-        );
+        assert!(lines.is_empty(), "{lines:?}");
         new.name = "fw-8".into();
         new.block_size = None;
         let made = f.store.create(&new, &f.key, 0).expect("create");

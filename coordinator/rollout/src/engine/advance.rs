@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 use flotilla_protocol::control::{ApprovalStatus, RolloutStatus, TraceKind};
 
+use super::ended::Ended;
 use super::model::{
     set_condition, DevicePhase, Group, GroupState, Rollout, RolloutState, Slot, Stall, ISSUED,
     ROLLING_BACK,
@@ -20,6 +21,7 @@ use super::{attempt_action_id, rollback_action_id, Effect, TRACE_LIMIT};
 use crate::conditions::{error_holds, error_met, success_holds, success_met};
 use crate::plan::Threshold;
 use crate::plan::{ErrorAction, OfflinePolicy, SuccessAction};
+use crate::text::{agree, count};
 use crate::window::{utc_text, Window, LOOKAHEAD};
 
 /// What the engine knows about devices, as the rollout logic needs it.
@@ -84,60 +86,6 @@ pub(crate) fn before_approval(rollout: &str, group: &str) -> String {
 /// The approval request that holds the group after `group` of `rollout` once `group` succeeded.
 pub(crate) fn after_approval(rollout: &str, group: &str) -> String {
     format!("{rollout}-{group}")
-}
-
-/// What ending a rollout (stop, or the stop and rollback error actions) did to its devices.
-#[derive(Debug, Default)]
-pub(crate) struct Ended {
-    /// Sent a cancel: their action had not passed activation as far as the engine knows.
-    pub canceled: usize,
-    /// Never sent anything; they stay on the release they have.
-    pub dropped: usize,
-    /// Past activation: they finish on the new release (or fail) and say so in a report.
-    pub finishing: usize,
-    /// Ready and soaking: they count as ready now.
-    pub soaked: usize,
-    /// Waiting for a retry after a failed attempt: the failure counts, no retry comes.
-    pub retries: usize,
-}
-
-impl Ended {
-    /// The words of the trace: every device that was not done, and what became of it.
-    pub fn describe(&self, release: &str) -> String {
-        let mut parts = Vec::new();
-        if self.canceled > 0 {
-            parts.push(format!("canceled {} device actions", self.canceled));
-        }
-        if self.dropped > 0 {
-            parts.push(format!(
-                "{} devices not started stay as they are",
-                self.dropped
-            ));
-        }
-        if self.finishing > 0 {
-            parts.push(format!(
-                "{} devices past activation cannot be canceled and finish on release {release}",
-                self.finishing
-            ));
-        }
-        if self.soaked > 0 {
-            parts.push(format!(
-                "{} soaking devices count as ready on release {release}",
-                self.soaked
-            ));
-        }
-        if self.retries > 0 {
-            parts.push(format!(
-                "{} devices waiting for a retry count as failed",
-                self.retries
-            ));
-        }
-        if parts.is_empty() {
-            "no device action was unfinished".to_owned()
-        } else {
-            parts.join(", ")
-        }
-    }
 }
 
 /// Why a group is not starting more devices: a kind (a change of kind is worth a trace entry)
@@ -298,8 +246,9 @@ impl Rollout {
                     wait.get_or_insert(Wait {
                         kind: "groups",
                         text: format!(
-                            "{} waits: {unready} groups not ready > {unready_budget} allowed (group {} is not ready yet)",
+                            "{} waits: {} not ready > {unready_budget} allowed (group {} is not ready yet)",
                             self.groups[gi + 1].name,
+                            count(unready, "group"),
                             group.name
                         ),
                     });
@@ -482,14 +431,14 @@ impl Rollout {
         group.started_at = Some(now);
         group.condition("Progressing", true, "StageUpdatingStarted", now);
         let mut message = format!(
-            "group {} started with {} devices ({why})",
+            "group {} started with {} ({why})",
             group.name,
-            group.devices.len()
+            count(group.devices.len(), "device")
         );
         if !dropped.is_empty() {
             message.push_str(&format!(
-                "; {} deleted devices left it: {}",
-                dropped.len(),
+                "; {} left it: {}",
+                count(dropped.len(), "deleted device"),
                 dropped.join(", ")
             ));
         }
@@ -692,7 +641,8 @@ impl Rollout {
                     group.counts.not_ready(),
                 );
                 let message = format!(
-                    "group {name}: started {started} devices ({begun} of {total} started, {not_ready} not ready)"
+                    "group {name}: started {} ({begun} of {total} started, {not_ready} not ready)",
+                    count(started, "device")
                 );
                 let decision = Decision::new(TraceKind::DevicesStarted, message);
                 self.record(now, decision.group(&name), out);
@@ -911,8 +861,10 @@ impl Rollout {
                 self.fail(now);
                 let later = if ended.finishing > 0 {
                     format!(
-                        "; the {} devices past activation are sent back when they finish",
-                        ended.finishing
+                        "; the {} past activation {} sent back when {}",
+                        count(ended.finishing, "device"),
+                        agree(ended.finishing, "is", "are"),
+                        agree(ended.finishing, "it finishes", "they finish")
                     )
                 } else {
                     String::new()
@@ -922,9 +874,11 @@ impl Rollout {
                     ..ended
                 };
                 let message = format!(
-                        "group {gname} rolled back rollout {name}: {}; {}, sending {rolled} devices back to the release they kept{later}",
+                        "group {gname} rolled back rollout {name}: {}; {}, sending {} back to the release {} kept{later}",
                         e.reason,
-                        ended.describe(&self.release.name)
+                        ended.describe(&self.release.name),
+                        count(rolled, "device"),
+                        agree(rolled, "it", "they")
                 );
                 let decision = Decision::new(TraceKind::ErrorRolledBack, message);
                 self.record(now, decision.group(&gname).compared(e.compared), out);
@@ -1317,9 +1271,9 @@ impl Rollout {
             .map(|g| g.name.as_str())
             .collect();
         let mut message = format!(
-            "rollout {} finished: {ready} of {} devices ready, {failed} failed",
+            "rollout {} finished: {ready} of {} ready, {failed} failed",
             self.name,
-            self.device_total()
+            count(self.device_total(), "device")
         );
         if errors.is_empty() {
             // KubeFleet keeps Progressing true (UpdateRunStarted) beside Succeeded when a run
@@ -1332,7 +1286,9 @@ impl Rollout {
             ));
             if dropped > 0 {
                 message.push_str(&format!(
-                    "; {dropped} devices it never started stay as they are"
+                    "; {} it never started {}",
+                    count(dropped, "device"),
+                    agree(dropped, "stays as it is", "stay as they are")
                 ));
             }
             self.set_condition("Progressing", false, "UpdateRunFailed", now);

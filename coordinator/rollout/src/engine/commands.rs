@@ -3,6 +3,7 @@
 
 use super::create::new_group;
 use super::*;
+use crate::text::{agree, count};
 
 impl Engine {
     pub(super) fn entry(&mut self, name: &str) -> Result<&mut Entry, EngineError> {
@@ -36,7 +37,10 @@ impl Engine {
         match r.spec.policies.start_at {
             Some(at) if at > now => {
                 r.state = RolloutState::Scheduled;
-                let message = format!("started by {by}; waits for its start time {at}");
+                let message = format!(
+                    "started by {by}; waits for its start time {}",
+                    crate::window::utc_text(at)
+                );
                 r.record(
                     now,
                     Decision::new(TraceKind::Started, message).by(by),
@@ -88,7 +92,11 @@ impl Engine {
                 }
             }
             if canceled > 0 {
-                let message = format!("{canceled} scheduled device actions canceled: newer rollout {name} covers those devices");
+                let message = format!(
+                    "{} canceled: newer rollout {name} covers {}",
+                    count(canceled, "scheduled device action"),
+                    agree(canceled, "that device", "those devices")
+                );
                 let decision = Decision::new(TraceKind::ActionsCanceled, message);
                 e.rollout.record(now, decision, out);
                 touched.push(other.clone());
@@ -667,8 +675,8 @@ impl Engine {
                 ""
             };
             let message = format!(
-                "device {device} deleted by {by}{action}; group {gname} now has {} devices",
-                { entry.rollout.groups[gi].devices.len() }
+                "device {device} deleted by {by}{action}; group {gname} now has {}",
+                count(entry.rollout.groups[gi].devices.len(), "device")
             );
             let decision = Decision::new(TraceKind::DeviceDeleted, message).by(by);
             entry

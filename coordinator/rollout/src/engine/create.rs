@@ -2,6 +2,7 @@
 //! runs (staged overlap, approval names), and the groups it starts with.
 
 use super::*;
+use crate::text::count;
 
 impl Engine {
     /// Plans a rollout over the devices known now (creating -> ready). Fails when no device
@@ -83,8 +84,8 @@ impl Engine {
                 .filter(|d| spec.select.matches(&d.labels))
                 .count();
             let mut reason = format!(
-                "{} devices known, {selected} match select {:?}",
-                self.devices.len(),
+                "{} known, {selected} match select {:?}",
+                count(self.devices.len(), "device"),
                 spec.select.to_string()
             );
             let unknown = plan
@@ -165,9 +166,10 @@ impl Engine {
         let operator = by;
         let by = by.map(|by| format!(" by {by}")).unwrap_or_default();
         let mut message = format!(
-            "created{by} for release {}: {planned} devices in {} groups ({sizes})",
+            "created{by} for release {}: {} in {} ({sizes})",
             rollout.release.name,
-            rollout.groups.len()
+            count(planned, "device"),
+            count(rollout.groups.len(), "group")
         );
         let unknown = rollout
             .excluded

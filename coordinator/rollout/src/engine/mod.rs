@@ -28,6 +28,7 @@
 mod advance;
 mod commands;
 mod create;
+mod ended;
 mod excluded;
 pub mod model;
 mod names;
@@ -128,7 +129,10 @@ pub enum EngineError {
     UnknownRollout(String),
     #[error("a rollout named {0:?} already exists")]
     AlreadyExists(String),
-    #[error("rollout {rollout} is {state}; cannot {command} it")]
+    #[error(
+        "rollout {rollout} {}; cannot {command} it",
+        crate::text::is_state(state)
+    )]
     InvalidTransition {
         rollout: String,
         state: RolloutState,
@@ -425,11 +429,29 @@ impl Engine {
     /// rollout, applies the phase like a report (this is how a restarted coordinator catches up).
     pub fn observe_state(&mut self, state: DeviceState, now: u64) -> Vec<Effect> {
         let current = state.current.as_ref();
+        // An offline state that names no release is an agent's last will, written when it
+        // connected: the device still runs what it ran, which this engine knew, or which the
+        // stored rollouts say it last became ready on.
+        let installed = match &state.installed {
+            Some(i) => Some(self.names.get(&i.name)),
+            None if !state.online => {
+                let known = self
+                    .devices
+                    .get(&state.device_id)
+                    .and_then(|d| d.installed.clone());
+                let ready = || self.last_ready_release(&state.device_id).map(str::to_owned);
+                match known.map(|k| k.to_string()).or_else(ready) {
+                    Some(name) => Some(self.names.get(&name)),
+                    None => None,
+                }
+            }
+            None => None,
+        };
         let record = DeviceRecord {
             hardware_id: self.names.get(&state.hardware_id),
             labels: LabelList::new(state.labels, &mut self.names),
             online: state.online,
-            installed: state.installed.as_ref().map(|i| self.names.get(&i.name)),
+            installed,
             rollout: current.map(|c| self.names.get(&c.rollout_id)),
             phase: current.map(|c| c.phase.name()),
             reason: current.and_then(|c| c.phase.reason().map(str::to_owned)),

@@ -132,6 +132,22 @@ impl Engine {
             .collect()
     }
 
+    /// The release `device` last became ready on in a rollout (the latest such slot by its end
+    /// time), from the rollouts, which are stored: what a device that went away without saying
+    /// what it runs (its last will names no release) is known to run, also after a restart.
+    pub fn last_ready_release(&self, device: &str) -> Option<&str> {
+        self.rollouts
+            .values()
+            .filter_map(|e| {
+                let gi = *e.index.get(device)?;
+                let slot = e.rollout.groups.get(gi)?.slots.get(device)?;
+                (slot.phase == DevicePhase::Ready)
+                    .then_some((slot.ended_at.unwrap_or(0), e.rollout.release.name.as_str()))
+            })
+            .max_by_key(|(at, _)| *at)
+            .map(|(_, release)| release)
+    }
+
     /// How many devices are known from their retained state.
     pub fn device_count(&self) -> usize {
         self.devices.len()

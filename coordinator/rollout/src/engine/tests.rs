@@ -901,3 +901,48 @@ fn summaries_hold_no_device_and_the_device_pages_add_up_to_the_status() {
         Some("a")
     );
 }
+
+/// `flotilla devices` reads a device's installed release from the engine: a device that went
+/// away (its last will, online false, names no release) still shows what it runs, while the
+/// coordinator runs and after a restart from the stored rollouts.
+#[test]
+fn an_offline_device_keeps_its_installed_release_across_its_will_and_a_restart() {
+    let mut sim = Sim::new(1, no_labels);
+    sim.create_and_start("[groups]\ncount = 1\n");
+    sim.report("dev-000", Phase::Ready);
+    let mut online = state("dev-000", &[], None);
+    online.installed = Some(InstalledRelease {
+        name: "fw-2.4.0".into(),
+        version: "2.4.0".into(),
+        counter: 4,
+    });
+    sim.engine.observe_state(online, sim.now);
+    let mut will = state("dev-000", &[], None);
+    will.installed = None;
+    will.online = false;
+    will.at = 0;
+    let installed = |engine: &Engine| {
+        let d = engine.devices().into_iter().next().expect("one device");
+        (d.online, d.installed)
+    };
+
+    sim.engine.observe_state(will.clone(), sim.now);
+    assert_eq!(installed(&sim.engine), (false, Some("fw-2.4.0".to_owned())));
+
+    let saved: Vec<Rollout> = sim.engine.rollouts().cloned().collect();
+    let mut restarted = Engine::restore(saved, SystemZones);
+    restarted.observe_state(will.clone(), sim.now);
+    assert_eq!(
+        installed(&restarted),
+        (false, Some("fw-2.4.0".to_owned())),
+        "after a restart, from the rollout it became ready in"
+    );
+
+    let mut fresh = Engine::new(SystemZones);
+    fresh.observe_state(will, sim.now);
+    assert_eq!(
+        installed(&fresh),
+        (false, None),
+        "nothing known: nothing shown"
+    );
+}

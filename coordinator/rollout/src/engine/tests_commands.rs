@@ -67,7 +67,7 @@ fn rollback_reaches_devices_past_activation_and_late_finishers() {
     assert_eq!(b.rollbacks.len(), 1, "the ready device goes back at once");
     assert!(b.has_trace(
         "rb",
-        "the 1 devices past activation are sent back when they finish"
+        "the 1 device past activation is sent back when it finishes"
     ));
     assert_eq!(
         b.phase("rb", "d001"),
@@ -119,10 +119,10 @@ fn stop_says_what_becomes_of_every_device_and_nothing_runs_forever() {
     let last = b.trace("st").last().cloned().unwrap_or_default();
     assert_eq!(
         last,
-        "stopped by alice; canceled 1 device actions, 2 devices not started stay as they are, \
-         1 devices past activation cannot be canceled and finish on release fw-2, \
-         1 soaking devices count as ready on release fw-2, \
-         1 devices waiting for a retry count as failed"
+        "stopped by alice; canceled 1 device action, 2 devices not started stay as they are, \
+         1 device past activation cannot be canceled and finishes on release fw-2, \
+         1 device soaking counts as ready on release fw-2, \
+         1 device waiting for a retry counts as failed"
     );
     assert_eq!(b.phase("st", "d000"), "ready");
     assert_eq!(b.phase("st", "d003"), "failed");
@@ -573,7 +573,7 @@ fn every_command_in_every_rollout_state_does_what_the_table_says() {
             match (accepted.contains(&state), result) {
                 (true, Ok(_)) => {}
                 (false, Err(e)) => assert!(
-                    e.to_string().contains(&format!("is {state}")),
+                    e.to_string().contains(&crate::text::is_state(state)),
                     "{command} in {state}: {e}"
                 ),
                 (true, Err(e)) => panic!("{command} in {state} was refused: {e}"),

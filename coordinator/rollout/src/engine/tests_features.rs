@@ -691,7 +691,7 @@ fn a_newer_rollout_cancels_scheduled_actions_and_weight_decides_running_ones() {
     assert_eq!(b.phase("old", "d001"), "canceled");
     assert!(b.has_trace(
         "old",
-        "1 scheduled device actions canceled: newer rollout new"
+        "1 scheduled device action canceled: newer rollout new"
     ));
     // d000 is running in "old" with a higher weight: "new" waits for it, in order.
     assert_eq!(b.sent, vec!["d000"]);

@@ -302,7 +302,7 @@ fn deleted_devices_follow_hawkbit_by_the_state_of_their_group() {
         .expect("rollout")
         .trace
         .iter()
-        .any(|t| t.message.contains("1 deleted devices left it: dev-05")));
+        .any(|t| t.message.contains("1 deleted device left it: dev-05")));
 
     // Finished rollouts keep the deleted device as not started, across a restart too.
     report(&mut engine, "del", "dev-04", 1, Phase::Ready, T0 + 6);
