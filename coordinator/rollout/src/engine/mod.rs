@@ -30,13 +30,16 @@ mod commands;
 mod create;
 mod ended;
 mod excluded;
+mod fill;
 pub mod model;
 mod names;
+mod outcome;
 mod owed;
 mod queries;
 mod queues;
 mod sites;
 mod status;
+mod timers;
 mod trace;
 
 use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
