@@ -356,11 +356,27 @@ impl Rollout {
                 text: format!("group {gname} waits for {}", pending.join(" and ")),
             });
         }
+        let last = gi + 1 == self.groups.len();
         let group = &mut self.groups[gi];
         group.released = true;
         let name = self.name.clone();
         match group.success.action {
             SuccessAction::Next => {
+                out.touch(&name);
+                Step::Go
+            }
+            // The last group: a pause would hold back nothing, and leave a rollout whose
+            // every group is done waiting for a resume (issue "the first hour", item 8).
+            SuccessAction::Pause if last => {
+                let message = format!(
+                    "group {gname} succeeded; its success action would pause before the next \
+                     group, and it is the last"
+                );
+                self.record(
+                    now,
+                    Decision::new(TraceKind::Note, message).group(&gname),
+                    out,
+                );
                 out.touch(&name);
                 Step::Go
             }

@@ -754,3 +754,27 @@ fn a_denied_approval_stops_the_rollout_there_and_says_who_and_why() {
         assert!(b.has_trace("pd", "approval pd-canary denied by alice"));
     }
 }
+
+/// A last group whose success action is `pause` has nothing to hold back: the rollout finishes
+/// instead of waiting, paused with every group done, for a resume.
+#[test]
+fn a_pause_after_the_last_group_finishes_the_rollout() {
+    let mut b = Bench::new(2);
+    let mut last = group("b", ids(1..2));
+    last.success.action = crate::plan::SuccessAction::Pause;
+    let mut first = group("a", ids(0..1));
+    first.success.action = crate::plan::SuccessAction::Pause;
+    b.create("lp", vec![first, last], |_| {});
+    b.start("lp");
+    b.ready(&ids(0..1));
+    assert_eq!(
+        b.rollout("lp").state,
+        RolloutState::Paused,
+        "a pause before a group holds"
+    );
+    let effects = b.engine.resume("lp", T0 + 1).expect("resumed");
+    b.take(effects);
+    b.ready(&ids(1..2));
+    assert_eq!(b.rollout("lp").state, RolloutState::Finished);
+    assert!(b.has_trace("lp", "group b succeeded; its success action would pause before the next group, and it is the last"));
+}
