@@ -70,6 +70,12 @@ pub enum Command {
     StopRollout {
         rollout: String,
     },
+    /// Delete a rollout that has ended (stopped, finished, failed) or never started (ready):
+    /// its record, its retained summary and approval requests go. Result:
+    /// `{"deleted": name}`.
+    DeleteRollout {
+        rollout: String,
+    },
     /// One rollout's status, or all of them when `rollout` is absent. Without paging fields
     /// the reply is what it always was (a [`RolloutStatus`] with every device, or a list of
     /// them) and fails when it does not fit in one message. With any of them (see [`PageQuery`]):

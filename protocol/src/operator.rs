@@ -157,6 +157,7 @@ impl Command {
             Command::PauseRollout { .. } => "pause_rollout",
             Command::ResumeRollout { .. } => "resume_rollout",
             Command::StopRollout { .. } => "stop_rollout",
+            Command::DeleteRollout { .. } => "delete_rollout",
             Command::RolloutStatus { .. } => "rollout_status",
             Command::ListDevices { .. } => "list_devices",
             Command::ListReleases { .. } => "list_releases",
@@ -205,6 +206,7 @@ impl Command {
             | Command::TriggerNext { .. }
             | Command::RetryRollout { .. } => Role::Operator,
             Command::DeleteDevice { .. }
+            | Command::DeleteRollout { .. }
             | Command::AcceptDevice { .. }
             | Command::RejectDevice { .. }
             | Command::RevokeDevice { .. }

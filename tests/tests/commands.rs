@@ -343,6 +343,12 @@ select = "stage=b"
     );
     let err = refused(&site, &["approve", "dn-a"]);
     assert!(err.contains("was denied by admin"), "{err}");
+    // An ended rollout can be deleted, with its approvals; its name is free again.
+    let said = site.flotilla(&["rollout", "delete", "dn"]);
+    assert!(said.contains("deleted rollout dn"), "{said}");
+    assert!(site.status("dn").await.is_none(), "gone");
+    let listed = site.flotilla(&["approvals"]);
+    assert!(!listed.contains("dn-a"), "{listed}");
 }
 
 /// Item 4: two gates that would share a name are refused, naming both.

@@ -450,6 +450,12 @@ pub enum RolloutCmd {
         /// The rollout's name.
         name: String,
     },
+    /// Delete a rollout that has ended (stopped, finished, failed) or never started: its record
+    /// and trace go, and its name can be used again. Needs the admin role.
+    Delete {
+        /// The rollout's name.
+        name: String,
+    },
     /// Show one rollout in full, or every rollout as a compact list (as `rollout list`).
     /// The coordinator answers in pages; this fetches them all.
     Status {

@@ -819,6 +819,18 @@ async fn rollout(
         RolloutCmd::Pause { name } => (Command::PauseRollout { rollout: name }, false),
         RolloutCmd::Resume { name } => (Command::ResumeRollout { rollout: name }, false),
         RolloutCmd::Stop { name } => (Command::StopRollout { rollout: name }, false),
+        RolloutCmd::Delete { name } => {
+            client
+                .request(
+                    Command::DeleteRollout {
+                        rollout: name.clone(),
+                    },
+                    timeout,
+                )
+                .await?;
+            outln!("deleted rollout {name}");
+            return Ok(0);
+        }
         RolloutCmd::Status {
             name: Some(name),
             watch: true,

@@ -245,6 +245,14 @@ impl Service {
                 Ok((effects, Answer::Approval(name)))
             }
             Command::Login => value(serde_json::json!({ "operator": by })),
+            Command::DeleteRollout { rollout } => {
+                let effects = self.engine.delete(&rollout).map_err(engine_error)?;
+                tracing::info!(%rollout, %by, "rollout deleted");
+                Ok((
+                    effects,
+                    Answer::Value(serde_json::json!({ "deleted": rollout })),
+                ))
+            }
             Command::Deny { name, reason } => {
                 let effects = self
                     .engine

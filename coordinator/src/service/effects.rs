@@ -138,6 +138,17 @@ impl Service {
                     self.publish(self.topics.rollout_event(&status.name), true, bytes)
                         .await?;
                 }
+                Effect::Deleted { rollout, approvals } => {
+                    if let Err(e) = self.store.delete_rollout(&rollout) {
+                        self.store_failed(&e);
+                    }
+                    self.publish(self.topics.rollout_event(&rollout), true, Vec::new())
+                        .await?;
+                    for name in approvals {
+                        self.publish(self.topics.approval_event(&name), true, Vec::new())
+                            .await?;
+                    }
+                }
                 Effect::Trace(entry) => {
                     self.metrics.traced(&entry);
                     tracing::info!(rollout = %entry.rollout, "{}", entry.message);

@@ -370,6 +370,24 @@ impl Engine {
         Ok(self.emit(out))
     }
 
+    /// Deletes a rollout that has ended (stopped, finished, failed) or never started (ready);
+    /// its trace goes with it (the service logs who deleted it). A rollout that can still act
+    /// on devices is refused: stop it first.
+    pub fn delete(&mut self, name: &str) -> Result<Vec<Effect>, EngineError> {
+        let r = &self.entry(name)?.rollout;
+        if !(r.state.is_terminal() || r.state == RolloutState::Ready) {
+            return Err(Self::invalid(r, "delete"));
+        }
+        let approvals = r.approvals.iter().map(|a| a.name.clone()).collect();
+        self.rollouts.remove(name);
+        self.owners.retain(|_, (owner, _)| owner != name);
+        self.dirty.remove(name);
+        Ok(vec![Effect::Deleted {
+            rollout: name.to_owned(),
+            approvals,
+        }])
+    }
+
     /// Every approval request, pending and approved.
     pub fn approvals(&self) -> Vec<ApprovalStatus> {
         self.rollouts

@@ -124,6 +124,12 @@ pub enum Effect {
     Snapshot(Box<RolloutStatus>),
     /// Publish one decision to `events/log`.
     Trace(flotilla_protocol::control::TraceEntry),
+    /// A rollout was deleted: remove its record and clear its retained summary and approval
+    /// requests.
+    Deleted {
+        rollout: String,
+        approvals: Vec<String>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -551,13 +551,14 @@ fn every_command_in_every_rollout_state_does_what_the_table_says() {
     use RolloutState::*;
     let states = [Ready, Scheduled, Running, Paused, Stopped, Finished, Failed];
     // (command, the states it is accepted in)
-    let table: [(&str, &[RolloutState]); 6] = [
+    let table: [(&str, &[RolloutState]); 7] = [
         ("start", &[Ready]),
         ("pause", &[Scheduled, Running]),
         ("resume", &[Paused]),
         ("stop", &[Ready, Scheduled, Running, Paused]),
         ("next", &[Running]),
         ("retry", &[Paused, Stopped, Finished, Failed]),
+        ("delete", &[Ready, Stopped, Finished, Failed]),
     ];
     for (command, accepted) in table {
         for state in states {
@@ -568,6 +569,7 @@ fn every_command_in_every_rollout_state_does_what_the_table_says() {
                 "resume" => b.engine.resume("m", T0),
                 "stop" => b.engine.stop("m", T0),
                 "next" => b.engine.trigger_next("m", T0),
+                "delete" => b.engine.delete("m"),
                 _ => b.engine.retry_failed("m", None, T0),
             };
             match (accepted.contains(&state), result) {
@@ -777,4 +779,38 @@ fn a_pause_after_the_last_group_finishes_the_rollout() {
     b.ready(&ids(1..2));
     assert_eq!(b.rollout("lp").state, RolloutState::Finished);
     assert!(b.has_trace("lp", "group b succeeded; its success action would pause before the next group, and it is the last"));
+}
+
+/// Deleting an ended rollout removes it and what it published; its devices can go to another
+/// rollout, and its name can be used again.
+#[test]
+fn a_deleted_rollout_is_gone_with_its_approvals_and_frees_its_name() {
+    let mut b = Bench::new(2);
+    b.create(
+        "dl",
+        vec![approval_after("a", ids(0..1)), group("b", ids(1..2))],
+        |_| {},
+    );
+    b.start("dl");
+    b.ready(&ids(0..1));
+    let err = b.engine.delete("dl").expect_err("running");
+    assert_eq!(err.to_string(), "rollout dl is running; cannot delete it");
+    b.engine.stop("dl", T0 + 1).expect("stopped");
+    let effects = b.engine.delete("dl").expect("deleted");
+    assert!(
+        matches!(&effects[..], [Effect::Deleted { rollout, approvals }] if rollout == "dl" && approvals == &["dl-a".to_owned()]),
+        "{effects:?}"
+    );
+    assert!(b.engine.rollout("dl").is_none());
+    assert!(
+        b.engine.approvals().is_empty(),
+        "its approvals went with it"
+    );
+    let err = b.engine.delete("dl").expect_err("gone");
+    assert!(err.to_string().contains("no rollout named"), "{err}");
+    // The name and the devices are free again.
+    b.create("dl", vec![group("all", ids(0..2))], |_| {});
+    b.start("dl");
+    b.ready(&ids(0..2));
+    assert_eq!(b.rollout("dl").state, RolloutState::Finished);
 }
