@@ -13,6 +13,15 @@ the 32-byte seed in hex), and rollout status is watched on the retained
     python3 flotilla_client.py --key keys/alice.key approve fw-2-4-before-canary
     python3 flotilla_client.py --key keys/alice.key watch fw-2-4 --until finished,failed
 
+A broker with logins and TLS (the README's "Running it for real"), as the CLI logs in:
+
+    python3 flotilla_client.py --broker mqtt.example.com:8883 --tls --ca-file broker-tls/ca.crt \
+        --username flotilla-operator --password-file secrets/operator.password \
+        --key keys/alice.key status fw-2-4
+
+(or FLOTILLA_BROKER_USERNAME, FLOTILLA_BROKER_PASSWORD_FILE, FLOTILLA_BROKER_CA_FILE; a client
+certificate with --client-cert and --client-key).
+
 Debian: apt-get install python3-paho-mqtt python3-nacl. Exit codes: 0 done, 1 refused or
 failed, 2 usage, 3 timed out.
 """
@@ -50,12 +59,17 @@ class Refused(Exception):
 class FlotillaClient:
     """Sends signed control requests and waits for their replies on its own reply topic."""
 
-    def __init__(self, host, port, key, root="flotilla", timeout=10.0):
+    def __init__(self, host, port, key, root="flotilla", timeout=10.0, login=None, tls=None):
+        """`login`: (user name, password) or None; `tls`: (CA file or None for the system's,
+        client certificate or None, its key or None), or None for plain TCP."""
         self.key = key
         self.prefix = f"{root.rstrip('/')}/v1"
         self.timeout = timeout
         self.client_id = f"py-{uuid.uuid4().hex[:12]}"
-        self.reply_to = f"{self.prefix}/control/reply/{self.client_id}"
+        # Behind the shipped ACL a login may read only the reply topic named after it (and the
+        # broker takes the login as the client id), as the CLI does.
+        reply_name = login[0] if login else self.client_id
+        self.reply_to = f"{self.prefix}/control/reply/{reply_name}"
         self.replies = queue.Queue()
         self.statuses = queue.Queue()
         self.subscribed = threading.Event()
@@ -63,13 +77,32 @@ class FlotillaClient:
         self.mqtt.on_connect = self._on_connect
         self.mqtt.on_subscribe = lambda *args: self.subscribed.set()
         self.mqtt.on_message = self._on_message
-        self.mqtt.connect(host, port, keepalive=30)
+        self.refused = None
+        if login:
+            self.mqtt.username_pw_set(login[0], login[1])
+        if tls:
+            ca_file, cert, cert_key = tls
+            self.mqtt.tls_set(ca_certs=ca_file, certfile=cert, keyfile=cert_key)
+        try:
+            self.mqtt.connect(host, port, keepalive=30)
+        except OSError as e:
+            raise Refused(f"cannot reach the broker at {host}:{port}: {e}") from None
         self.mqtt.loop_start()
         # Replies are not retained: subscribe before the first request is published.
-        if not self.subscribed.wait(self.timeout):
-            raise TimeoutError(f"no SUBACK from the broker at {host}:{port}")
+        answered = self.subscribed.wait(self.timeout)
+        if self.refused:
+            self.mqtt.loop_stop()
+            raise Refused(f"the broker at {host}:{port} refused the connection: {self.refused}")
+        if not answered:
+            raise TimeoutError(
+                f"no SUBACK from the broker at {host}:{port} (wrong port, or TLS expected?)")
 
     def _on_connect(self, client, userdata, flags, rc):
+        if rc != 0:
+            # A wrong user name or password, or a certificate the broker does not know.
+            self.refused = mqtt.connack_string(rc)
+            self.subscribed.set()
+            return
         client.subscribe(self.reply_to, qos=1)
 
     def _on_message(self, client, userdata, msg):
@@ -183,6 +216,16 @@ def main(argv=None):
     parser.add_argument("--key", default=os.environ.get("FLOTILLA_OPERATOR_KEY"),
                         help="the operator's secret key file (or FLOTILLA_OPERATOR_KEY)")
     parser.add_argument("--timeout", type=float, default=10.0)
+    env = os.environ.get
+    parser.add_argument("--username", default=env("FLOTILLA_BROKER_USERNAME"),
+                        help="the broker login (or FLOTILLA_BROKER_USERNAME)")
+    parser.add_argument("--password-file", default=env("FLOTILLA_BROKER_PASSWORD_FILE"),
+                        help="a file whose first line is the password (or FLOTILLA_BROKER_PASSWORD_FILE)")
+    parser.add_argument("--tls", action="store_true", help="TLS to the broker")
+    parser.add_argument("--ca-file", default=env("FLOTILLA_BROKER_CA_FILE"),
+                        help="the CA the broker's certificate chains to (implies --tls)")
+    parser.add_argument("--client-cert", help="a client certificate for mutual TLS (implies --tls)")
+    parser.add_argument("--client-key", help="its private key")
     sub = parser.add_subparsers(dest="cmd", required=True)
     create = sub.add_parser("create", help="create a rollout from a TOML spec file")
     create.add_argument("--spec", required=True)
@@ -204,7 +247,24 @@ def main(argv=None):
     if not args.key:
         parser.error("no operator key: pass --key FILE or set FLOTILLA_OPERATOR_KEY")
     host, _, port = args.broker.rpartition(":")
-    client = FlotillaClient(host, int(port), load_key(args.key), args.topic_root, args.timeout)
+    login = None
+    if args.username:
+        if not args.password_file:
+            parser.error("--username needs --password-file (or FLOTILLA_BROKER_PASSWORD_FILE)")
+        with open(args.password_file, encoding="utf-8") as f:
+            login = (args.username, f.readline().rstrip("\r\n"))
+    tls = None
+    if args.tls or args.ca_file or args.client_cert:
+        tls = (args.ca_file, args.client_cert, args.client_key)
+    try:
+        client = FlotillaClient(host, int(port), load_key(args.key), args.topic_root,
+                                args.timeout, login, tls)
+    except Refused as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 1
+    except TimeoutError as e:
+        print(f"timed out: {e}", file=sys.stderr)
+        return 3
     try:
         if args.cmd == "create":
             with open(args.spec, encoding="utf-8") as f:

@@ -164,3 +164,74 @@ async fn the_python_client_creates_starts_watches_and_approves() {
         "{stderr}"
     );
 }
+
+/// The example logs in as the CLI does on the README's TLS broker: a user name and password over
+/// TLS checked against the CA; a wrong password or a plain connection to the TLS port is a
+/// clear refusal, not a traceback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_client_logs_in_over_tls_and_says_why_when_refused() {
+    require_python();
+    let mut site = Site::new(BrokerKind::Secure);
+    site.add_operator("py", Role::Operator);
+    site.start_coordinator();
+    let secure = site.secure();
+    let tls_port = secure.tls_port;
+    let run = |extra: &[String]| {
+        Command::new(PYTHON)
+            .arg(script())
+            .args([
+                "--broker",
+                &format!("127.0.0.1:{tls_port}"),
+                "--timeout",
+                "5",
+            ])
+            .arg("--key")
+            .arg(site.operator_key_file("py"))
+            .args(extra)
+            .args(["approve", "no-such-approval"])
+            .env_remove("FLOTILLA_OPERATOR_KEY")
+            .env_remove("FLOTILLA_BROKER_USERNAME")
+            .env_remove("FLOTILLA_BROKER_PASSWORD_FILE")
+            .env_remove("FLOTILLA_BROKER_CA_FILE")
+            .output()
+            .expect("run the python client")
+    };
+    let login = |password: &std::path::Path| {
+        vec![
+            "--ca-file".to_owned(),
+            secure.ca_file().to_string_lossy().into_owned(),
+            "--username".to_owned(),
+            flotilla_tests::secure::OPERATOR.to_owned(),
+            "--password-file".to_owned(),
+            password.to_string_lossy().into_owned(),
+        ]
+    };
+    // Through TLS with the operator's login, the request reaches the coordinator, which answers.
+    let out = run(&login(
+        &secure.password_file(flotilla_tests::secure::OPERATOR),
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("refused: no approval request named"),
+        "the coordinator answered: {err}"
+    );
+    // A wrong password: the broker's refusal, in words.
+    let wrong = site.path("wrong.password");
+    fs::write(&wrong, "not the password\n").expect("write");
+    let out = run(&login(&wrong));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("refused the connection") && !err.contains("Traceback"),
+        "{err}"
+    );
+    // Plain MQTT to the TLS port: a time-out that says what to check, not a traceback.
+    let out = run(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("Traceback"), "{err}");
+    assert!(
+        err.contains("TLS expected?") || err.contains("refused"),
+        "{err}"
+    );
+}
