@@ -11,7 +11,11 @@ use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
 #[derive(Debug, Parser)]
-#[command(name = "flotilla-agent", version, about = "flotilla device agent")]
+#[command(
+    name = "flotilla-agent",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("FLOTILLA_BUILD"), ")"),
+    about = "flotilla device agent"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -397,3 +397,22 @@ fn rollout_help_describes_every_command_and_flag() {
     let err = flotilla(&["rollout", "status", "--watch"]);
     assert_eq!(err.status.code(), Some(2), "--watch needs a name");
 }
+
+#[test]
+fn version_names_the_commit_and_its_date() {
+    let out = flotilla(&["--version"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "flotilla 0.1.0 (commit 1a2b3c4d5e6f, 2026-11-27)", or "unknown" outside a git checkout.
+    let inside = text
+        .split_once("(commit ")
+        .and_then(|(_, rest)| rest.trim_end().strip_suffix(')'))
+        .unwrap_or_else(|| panic!("{text}"));
+    let (commit, date) = inside.split_once(", ").unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{text}"
+    );
+    assert!(date == "unknown" || date.len() == 10, "{text}");
+}

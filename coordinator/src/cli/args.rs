@@ -15,7 +15,7 @@ pub const DEFAULT_BROKER: &str = "127.0.0.1:1883";
 
 /// Staged, health-gated software rollouts to fleets of Linux edge devices.
 #[derive(Debug, Parser)]
-#[command(name = "flotilla", version, about)]
+#[command(name = "flotilla", version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("FLOTILLA_BUILD"), ")"), about)]
 pub struct Cli {
     /// The MQTT broker, as HOST:PORT [default: 127.0.0.1:1883; for `serve`, the config file's
     /// broker.host and broker.port].
