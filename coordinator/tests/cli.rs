@@ -416,3 +416,33 @@ fn version_names_the_commit_and_its_date() {
     );
     assert!(date == "unknown" || date.len() == 10, "{text}");
 }
+
+#[test]
+fn plan_warns_of_a_group_that_selects_no_device() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fleet = dir.path().join("fleet.json");
+    std::fs::write(
+        &fleet,
+        r#"[{"id": "dev-1", "labels": {"env": "prod"}}, {"id": "dev-2", "labels": {"env": "prod"}}]"#,
+    )
+    .expect("fleet");
+    let spec = dir.path().join("spec.toml");
+    std::fs::write(
+        &spec,
+        "name = \"p\"\nrelease = \"fw\"\n[[groups.group]]\nname = \"canary\"\nselect = \"env=canaryy\"\n[[groups.group]]\nname = \"rest\"\n",
+    )
+    .expect("spec");
+    let out = flotilla(&[
+        "plan",
+        "--spec",
+        &spec.to_string_lossy(),
+        "--fleet",
+        &fleet.to_string_lossy(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: group canary selects no device: it will start and succeed at once"),
+        "{err}"
+    );
+}

@@ -30,6 +30,24 @@ pub struct Plan {
     pub sites: Option<SitePlan>,
 }
 
+impl Plan {
+    /// One warning per group that selects no device: such a group starts and succeeds at once,
+    /// which is rarely what its selector meant (a typo in a label, a site with no devices).
+    pub fn empty_group_warnings(&self) -> Vec<String> {
+        self.groups
+            .iter()
+            .filter(|g| g.devices.is_empty())
+            .map(|g| {
+                format!(
+                    "group {} selects no device: it will start and succeed at once; check its \
+                     select",
+                    g.name
+                )
+            })
+            .collect()
+    }
+}
+
 /// The planned devices by site, with the site policy that will hold them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SitePlan {

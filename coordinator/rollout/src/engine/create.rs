@@ -116,6 +116,7 @@ impl Engine {
             });
         }
         self.check_staged_overlap(&spec, &plan)?;
+        let empty_groups = plan.empty_group_warnings();
         let mut groups: Vec<Group> = plan.groups.into_iter().map(new_group).collect();
         self.check_approval_names(&name, &groups)?;
         if spec.policies.dynamic {
@@ -198,6 +199,9 @@ impl Engine {
         }
         rollout.record(now, decision, &mut out);
         rollout.trace_unknown(now, &mut out);
+        for warning in empty_groups {
+            rollout.record(now, Decision::new(TraceKind::Note, warning), &mut out);
+        }
         // hawkBit shows `creating` while the groups are filled: published before `ready`.
         out.snapshots.push(rollout.summary());
         rollout.set_condition("Initialized", true, "UpdateRunInitializedSuccessfully", now);

@@ -814,3 +814,19 @@ fn a_deleted_rollout_is_gone_with_its_approvals_and_frees_its_name() {
     b.ready(&ids(0..2));
     assert_eq!(b.rollout("dl").state, RolloutState::Finished);
 }
+
+/// A group whose selector matched no device is named at create: it would start and succeed at
+/// once, which a typo in its label would never say otherwise.
+#[test]
+fn a_group_that_selects_no_device_is_named_when_the_rollout_is_created() {
+    let mut b = Bench::new(2);
+    b.create(
+        "eg",
+        vec![group("canary", vec![]), group("rest", ids(0..2))],
+        |_| {},
+    );
+    assert!(b.has_trace(
+        "eg",
+        "group canary selects no device: it will start and succeed at once; check its select"
+    ));
+}

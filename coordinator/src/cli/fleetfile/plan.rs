@@ -159,6 +159,9 @@ pub fn run_plan(args: &PlanArgs) -> i32 {
         },
         Ok(plan) => {
             crate::cli::out::out!("{}", plan_table(&plan));
+            for warning in plan.empty_group_warnings() {
+                eprintln!("warning: {warning}");
+            }
             0
         }
         Err(e) => {
