@@ -776,7 +776,10 @@ fn summarize(status: &RolloutStatus, devices: &[DeviceSummary]) -> Summary {
                 reason: d.reason.clone(),
             })
             .collect(),
-        decisions: status.trace.iter().map(|t| t.message.clone()).collect(),
+        decisions: view::decision_lines(&status.trace)
+            .into_iter()
+            .map(|(_, line)| line)
+            .collect(),
     }
 }
 

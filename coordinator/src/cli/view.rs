@@ -5,7 +5,7 @@
 
 use flotilla_protocol::control::{
     ApprovalStatus, Condition, CoordinatorsInfo, DeviceGroupInfo, DeviceSummary, EnrollmentInfo,
-    GroupStatus, RolloutStatus, StageTask, StrategyInfo, StrategySnapshot,
+    GroupStatus, RolloutStatus, StageTask, StrategyInfo, StrategySnapshot, TraceEntry, TraceKind,
 };
 
 /// Width of the progress bar between the brackets.
@@ -195,15 +195,49 @@ pub fn rollout_status_in(status: &RolloutStatus, paint: Paint) -> String {
     if !status.trace.is_empty() {
         out.push_str("recent decisions:\n");
     }
-    for entry in &status.trace[skip..] {
+    for (entry, message) in decision_lines(&status.trace[skip..]) {
         let by = entry
             .coordinator
             .as_ref()
             .map(|c| format!("  ({c})"))
             .unwrap_or_default();
-        out.push_str(&format!("  {}  {}{by}\n", clock(entry.at), entry.message));
+        out.push_str(&format!("  {}  {message}{by}\n", clock(entry.at)));
     }
     out
+}
+
+/// The trace as people read it: a group that succeeded (its success condition held: the next
+/// group may start) and finished (every device of it ended) on the same numbers at the same
+/// moment is one line, "group canary succeeded and finished: 4 of 4 ready >= 75%". Other entries
+/// are their own messages.
+pub fn decision_lines(trace: &[TraceEntry]) -> Vec<(&TraceEntry, String)> {
+    let mut lines = Vec::with_capacity(trace.len());
+    let mut i = 0;
+    while i < trace.len() {
+        let entry = &trace[i];
+        if let Some(next) = trace.get(i + 1) {
+            let numbers = |t: &TraceEntry| t.message.split_once(": ").map(|(_, n)| n.to_owned());
+            if entry.kind == TraceKind::GroupSucceeded
+                && next.kind == TraceKind::GroupFinished
+                && entry.group == next.group
+                && entry.at == next.at
+                && numbers(entry).is_some()
+                && numbers(entry) == numbers(next)
+            {
+                let group = entry.group.as_deref().unwrap_or_default();
+                let numbers = numbers(entry).unwrap_or_default();
+                lines.push((
+                    next,
+                    format!("group {group} succeeded and finished: {numbers}"),
+                ));
+                i += 2;
+                continue;
+            }
+        }
+        lines.push((entry, entry.message.clone()));
+        i += 1;
+    }
+    lines
 }
 
 /// The devices a rollout left out when it was created, one line each, and how many more.
@@ -1125,5 +1159,47 @@ mod tests {
 
         info.lease = None;
         assert!(coordinators(&info).contains("the only coordinator of a sled store"));
+    }
+
+    #[test]
+    fn a_group_that_succeeds_and_finishes_at_once_is_one_line() {
+        let entry = |at, kind, message: &str| TraceEntry {
+            at,
+            kind,
+            group: Some("g1".into()),
+            message: message.into(),
+            ..TraceEntry::default()
+        };
+        let trace = [
+            entry(
+                5,
+                TraceKind::GroupSucceeded,
+                "group g1 succeeded: 4 of 4 ready >= 75%",
+            ),
+            entry(
+                5,
+                TraceKind::GroupFinished,
+                "group g1 finished: 4 of 4 ready >= 75%",
+            ),
+            entry(
+                6,
+                TraceKind::GroupSucceeded,
+                "group g1 succeeded: 3 of 4 ready >= 75%",
+            ),
+            entry(
+                9,
+                TraceKind::GroupFinished,
+                "group g1 finished: 4 of 4 ready >= 75%",
+            ),
+        ];
+        let lines: Vec<String> = decision_lines(&trace).into_iter().map(|(_, l)| l).collect();
+        assert_eq!(
+            lines,
+            [
+                "group g1 succeeded and finished: 4 of 4 ready >= 75%",
+                "group g1 succeeded: 3 of 4 ready >= 75%",
+                "group g1 finished: 4 of 4 ready >= 75%",
+            ]
+        );
     }
 }
