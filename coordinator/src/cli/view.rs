@@ -131,10 +131,13 @@ pub fn rollout_status_in(status: &RolloutStatus, paint: Paint) -> String {
         out.push_str(&format!("  strategy {}\n", status.strategy));
     }
     if !status.conditions.is_empty() {
-        out.push_str(&format!(
-            "  conditions {}\n",
-            conditions(&status.conditions)
-        ));
+        // KubeFleet's words (type, status, reason) for its own vocabularies; plain words for
+        // hawkBit's groups and Fleet's partitions, which have no such conditions.
+        let text = match status.strategy.as_str() {
+            "staged" | "rolling" => conditions(&status.conditions),
+            _ => plain_conditions(&status.conditions),
+        };
+        out.push_str(&format!("  conditions {text}\n"));
     }
     if let Some(snapshot) = &status.strategy_snapshot {
         out.push_str(&format!("  {}\n", strategy_snapshot(snapshot)));
@@ -335,6 +338,22 @@ pub fn conditions(conditions: &[Condition]) -> String {
                 text.push_str(&format!(" ({})", c.reason));
             }
             text
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Run conditions in plain words: `initialized 18:00:00Z, progressing since 18:00:05Z`.
+pub fn plain_conditions(conditions: &[Condition]) -> String {
+    conditions
+        .iter()
+        .map(|c| {
+            let kind = c.kind.to_ascii_lowercase();
+            match (c.kind.as_str(), c.status) {
+                ("Initialized", true) => format!("initialized {}", clock(c.at)),
+                (_, true) => format!("{kind} since {}", clock(c.at)),
+                (_, false) => format!("not {kind} since {}", clock(c.at)),
+            }
         })
         .collect::<Vec<_>>()
         .join(", ")
@@ -1201,5 +1220,38 @@ mod tests {
                 "group g1 finished: 4 of 4 ready >= 75%",
             ]
         );
+    }
+
+    #[test]
+    fn conditions_are_kubefleets_words_only_for_its_own_vocabularies() {
+        let condition = |kind: &str, status, reason: &str| Condition {
+            kind: kind.into(),
+            status,
+            reason: reason.into(),
+            message: String::new(),
+            at: 3600,
+        };
+        let status = RolloutStatus {
+            name: "r".into(),
+            release: "fw".into(),
+            state: "running".into(),
+            strategy: "groups".into(),
+            conditions: vec![
+                condition("Initialized", true, "UpdateRunInitializedSuccessfully"),
+                condition("Progressing", false, "UpdateRunPaused"),
+            ],
+            ..RolloutStatus::default()
+        };
+        let text = rollout_status(&status);
+        assert!(
+            text.contains("  conditions initialized 01:00:00Z, not progressing since 01:00:00Z\n"),
+            "{text}"
+        );
+        assert!(!text.contains("UpdateRun"), "{text}");
+        let staged = RolloutStatus {
+            strategy: "staged".into(),
+            ..status
+        };
+        assert!(rollout_status(&staged).contains("(UpdateRunInitializedSuccessfully)"));
     }
 }
