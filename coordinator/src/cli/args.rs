@@ -234,6 +234,13 @@ pub enum Cmd {
     Demo(demo::DemoArgs),
     /// Show the groups a spec makes of a fleet file, without a coordinator.
     Plan(crate::cli::fleetfile::PlanArgs),
+    /// Print a shell completion script: `flotilla completions bash > /etc/bash_completion.d/flotilla`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page, flotilla(1), in roff: `flotilla man | man -l -`.
+    Man,
     /// Run a spec against a scripted fleet in virtual time, without a coordinator.
     Simulate(crate::cli::simulate::SimulateArgs),
     /// Back up the coordinator's store: a running coordinator writes the file into its

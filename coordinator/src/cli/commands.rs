@@ -480,6 +480,14 @@ pub async fn run(cli: Cli, shutdown: CancellationToken) -> Result<i32, CliError>
         }
         Cmd::Demo(_) => Err(CliError::DemoInRuntime),
         Cmd::Plan(args) => Ok(crate::cli::fleetfile::run_plan(&args)),
+        Cmd::Completions { shell } => {
+            crate::cli::generate::print(&crate::cli::generate::completions(shell));
+            Ok(0)
+        }
+        Cmd::Man => {
+            crate::cli::generate::print(&crate::cli::generate::man());
+            Ok(0)
+        }
         Cmd::Simulate(args) => Ok(crate::cli::simulate::run_simulate(&args)),
         Cmd::Backup(args) => {
             let info = match crate::cli::store::backup_offline(&args, now())? {

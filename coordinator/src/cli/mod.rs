@@ -23,6 +23,7 @@ pub mod client;
 pub mod commands;
 pub mod demo;
 pub mod fleetfile;
+pub mod generate;
 pub mod json;
 pub mod login_lock;
 pub mod migrate;
