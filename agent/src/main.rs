@@ -98,32 +98,54 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes to standard output; a reader that went away (`flotilla-agent status | head`) ends the
+/// command quietly instead of a panic.
+fn write_out(text: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write to standard output: {e}");
+        std::process::exit(1);
+    }
+}
+
+macro_rules! out {
+    ($($arg:tt)*) => { write_out(format_args!($($arg)*)) };
+}
+
+macro_rules! outln {
+    ($($arg:tt)*) => { write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::PrintDefaultConfig => {
-            print!("{}", flotilla_agent::DEFAULT_CONFIG);
+            out!("{}", flotilla_agent::DEFAULT_CONFIG);
             Ok(())
         }
         Command::Identity { config } => {
             let config = flotilla_agent::Config::load(&config)?;
             let key = flotilla_agent::identity::public_key(&config.data_dir)?;
-            println!("{key}");
+            outln!("{key}");
             Ok(())
         }
         Command::CheckConfig { config } => {
             flotilla_agent::Config::load(&config)?;
-            println!("config ok");
+            outln!("config ok");
             Ok(())
         }
         Command::Status { config } => {
             let config = flotilla_agent::Config::load(&config)?;
-            print!("{}", flotilla_agent::status(&config)?);
+            out!("{}", flotilla_agent::status(&config)?);
             Ok(())
         }
         Command::Consent { config, action_id } => {
             let config = flotilla_agent::Config::load(&config)?;
             let (action_id, path) = flotilla_agent::consent(&config, action_id.as_deref())?;
-            println!(
+            outln!(
                 "consent given to {action_id} ({}); the agent proceeds within a second",
                 path.display()
             );
@@ -134,7 +156,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         } => {
             let config = flotilla_agent::Config::load(&config)?;
             let ring = flotilla_agent::trust::install_keys(&config, &file)?;
-            println!(
+            outln!(
                 "keys version {} installed: {} release, {} coordinator and {} root key(s), \
                  {} root signature(s) needed for the next; used from the agent's next start",
                 ring.version,
