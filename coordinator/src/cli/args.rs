@@ -230,7 +230,8 @@ pub enum Cmd {
     /// Store, list and delete device groups (named selectors) that partitions refer to.
     #[command(subcommand)]
     Group(GroupCmd),
-    /// Run a self-contained demo: broker, coordinator and simulated devices.
+    /// Run a self-contained demo: its own broker, a coordinator and real agent processes on this
+    /// machine (the broker, TLS and login flags do not apply: the demo runs its own broker).
     Demo(demo::DemoArgs),
     /// Show the groups a spec makes of a fleet file, without a coordinator.
     Plan(crate::cli::fleetfile::PlanArgs),
