@@ -29,5 +29,5 @@ fn main() {
             );
         }
     }
-    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=../buildscripts/version.rs");
 }
