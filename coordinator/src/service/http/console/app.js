@@ -8,6 +8,7 @@ const $ = (id) => document.getElementById(id);
 let me = null; // { operator, role }
 let view = { name: "list" };
 let refreshTimer = null;
+let events = null; // the live event stream, while logged in
 
 // ---- the operator's key: IndexedDB and WebCrypto ------------------------------------------
 
@@ -247,6 +248,8 @@ function soon() {
 
 function needLogin() {
   me = null;
+  // A stream of a session that ended would only reconnect to be refused.
+  if (events) { events.close(); events = null; }
   $("who").textContent = "";
   $("logout").hidden = true;
   show("login");
@@ -272,7 +275,6 @@ async function logout() {
   needLogin();
 }
 
-let events = null;
 function follow() {
   if (events) return;
   events = new EventSource("/api/v1/events");
