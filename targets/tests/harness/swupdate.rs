@@ -266,11 +266,15 @@ pub struct SwupdateDaemon {
 }
 
 impl SwupdateDaemon {
-    /// Starts `swupdate <args>` with `TMPDIR=<dir>/tmp` and waits until its install socket
-    /// answers.
+    /// Starts `swupdate <args>` with a `TMPDIR` of its own under `dir` and waits until its
+    /// install socket answers. Each start gets a new `TMPDIR`: what a killed daemon left behind
+    /// (children that outlive it and, cleaning up, unlink the sockets) can then never remove the
+    /// next daemon's socket, which would send the target to `swupdate -i`.
     pub fn start(dir: &Path, args: &[String]) -> Self {
         use std::os::unix::process::CommandExt as _;
-        let tmpdir = dir.join("tmp");
+        static STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let tmpdir = dir.join(format!("tmp-{n}"));
         fs::create_dir_all(&tmpdir).expect("daemon TMPDIR");
         let log = fs::OpenOptions::new()
             .create(true)
@@ -369,8 +373,13 @@ impl SwupdateDaemonHarness {
         *daemon = Some(SwupdateDaemon::start(&p.join("daemon"), &args));
     }
 
+    /// The running daemon's install socket.
     pub fn socket(&self) -> PathBuf {
-        self.device.dir.path().join("daemon/tmp/sockinstctrl")
+        let daemon = self.daemon.lock().unwrap_or_else(|p| p.into_inner());
+        daemon
+            .as_ref()
+            .map(SwupdateDaemon::socket)
+            .unwrap_or_else(|| self.device.dir.path().join("daemon/no-daemon/sockinstctrl"))
     }
 
     /// The target's configuration: the daemon's socket, and a program that fails loudly, so a
