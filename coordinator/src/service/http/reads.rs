@@ -51,14 +51,18 @@ pub fn routes(router: Router<Api>) -> Router<Api> {
         .route("/api/v1/events", get(events))
 }
 
-/// The session the request's cookie names, if it is open.
-fn session(api: &Api, headers: &HeaderMap) -> Option<Session> {
+/// The session token in the request's cookies, if there is one.
+fn cookie_token(headers: &HeaderMap) -> Option<&str> {
     headers
         .get_all(header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .find_map(session::token_in)
-        .and_then(|token| api.sessions.get(token))
+}
+
+/// The session the request's cookie names, if it is open.
+fn session(api: &Api, headers: &HeaderMap) -> Option<Session> {
+    cookie_token(headers).and_then(|token| api.sessions.get(token))
 }
 
 /// The answer without a session.
@@ -115,12 +119,7 @@ async fn whoami(State(api): State<Api>, headers: HeaderMap) -> Response {
 }
 
 async fn logout(State(api): State<Api>, headers: HeaderMap) -> Response {
-    if let Some(token) = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .find_map(session::token_in)
-    {
+    if let Some(token) = cookie_token(&headers) {
         api.sessions.close(token);
     }
     (
@@ -236,13 +235,7 @@ async fn events(State(api): State<Api>, headers: HeaderMap) -> Response {
     let open = Open(api.streams.clone());
     let receiver = events.subscribe();
     let sessions = api.sessions.clone();
-    let token = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .find_map(session::token_in)
-        .unwrap_or_default()
-        .to_owned();
+    let token = cookie_token(&headers).unwrap_or_default().to_owned();
     tracing::debug!(operator = %session.operator, "event stream opened");
     let stream = futures_util::stream::unfold(
         (receiver, open, sessions, token),
