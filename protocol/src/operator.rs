@@ -321,6 +321,17 @@ mod tests {
             Command::DeleteDevice { device: "d".into() }.required_role(),
             Role::Admin
         );
+        // Denying stops a rollout as stopping does; deleting takes its history; a login reads.
+        let deny = Command::Deny {
+            name: "a".into(),
+            reason: None,
+        };
+        assert_eq!(deny.required_role(), Role::Operator);
+        let delete = Command::DeleteRollout {
+            rollout: "r".into(),
+        };
+        assert_eq!(delete.required_role(), Role::Admin);
+        assert_eq!(Command::Login.required_role(), Role::Viewer);
         for role in [Role::Viewer, Role::Operator, Role::Admin] {
             assert_eq!(Role::parse(role.as_str()), Some(role));
         }
