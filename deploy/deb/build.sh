@@ -188,6 +188,26 @@ for pkg in $packages; do
       grep -q '^coordinator_key = "/var/lib/flotilla/keys/' "$root/etc/flotilla/coordinator.toml"
       chmod 0644 "$root/etc/flotilla/coordinator.toml"
       install -m 0644 coordinator/flotilla.service "$root/lib/systemd/system/"
+      # Shell completions and the man page, which `flotilla completions` and `flotilla man`
+      # make from the command line's definition. They are the same on every architecture, so
+      # the host's build makes them: no ARM binary has to run here.
+      host_flotilla="$target_dir/release/flotilla"
+      if [ "$triple" != "$host_triple" ] && [ "$build" = 1 ]; then
+        cargo build --release -p flotilla-coordinator --bin flotilla
+      fi
+      [ -x "$host_flotilla" ] || {
+        echo "$0: $host_flotilla is missing: the completions and the man page are made with the host's build" >&2
+        exit 1
+      }
+      install -d "$root/usr/share/bash-completion/completions" "$root/usr/share/zsh/vendor-completions" \
+        "$root/usr/share/fish/vendor_completions.d" "$root/usr/share/man/man1"
+      "$host_flotilla" completions bash > "$root/usr/share/bash-completion/completions/flotilla"
+      "$host_flotilla" completions zsh > "$root/usr/share/zsh/vendor-completions/_flotilla"
+      "$host_flotilla" completions fish > "$root/usr/share/fish/vendor_completions.d/flotilla.fish"
+      "$host_flotilla" man | gzip -9n > "$root/usr/share/man/man1/flotilla.1.gz"
+      chmod 0644 "$root/usr/share/bash-completion/completions/flotilla" \
+        "$root/usr/share/zsh/vendor-completions/_flotilla" \
+        "$root/usr/share/fish/vendor_completions.d/flotilla.fish" "$root/usr/share/man/man1/flotilla.1.gz"
       ;;
   esac
   changelog "$pkg" "$root"

@@ -85,6 +85,14 @@ dpkg -i "$agent_deb" "$coord_deb" | tee "$work/dpkg-i.log"
 /usr/bin/flotilla-agent check-config --config /etc/flotilla/agent.toml
 [ "$(stat -c %a /etc/flotilla/agent.toml)" = 600 ] || fail "agent.toml is not 0600"
 [ -d /var/lib/flotilla-agent ] || fail "no /var/lib/flotilla-agent"
+# The CLI's completions and man page: present, and what the installed binary makes.
+/usr/bin/flotilla completions bash | cmp -s - /usr/share/bash-completion/completions/flotilla ||
+  fail "the packaged bash completion is not what flotilla completions bash prints"
+[ -s /usr/share/zsh/vendor-completions/_flotilla ] && [ -s /usr/share/fish/vendor_completions.d/flotilla.fish ] ||
+  fail "no zsh or fish completion in the package"
+zcat /usr/share/man/man1/flotilla.1.gz | grep -q '^\.TH flotilla 1' || fail "no flotilla(1) man page"
+bash -c 'source /usr/share/bash-completion/completions/flotilla && complete -p flotilla' >/dev/null ||
+  fail "the bash completion does not register for flotilla"
 getent passwd flotilla >/dev/null || fail "postinst made no system user flotilla"
 [ "$(stat -c %U:%G /var/lib/flotilla)" = flotilla:flotilla ] || fail "/var/lib/flotilla is not flotilla's"
 [ "$(stat -c %U:%a /var/lib/flotilla/keys/coordinator.key)" = flotilla:600 ] ||

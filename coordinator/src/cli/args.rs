@@ -8,6 +8,7 @@ use clap::parser::ValueSource;
 use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 use crate::cli::demo;
+use crate::cli::help_scope;
 
 /// The broker the commands that talk to a coordinator use when neither `--broker` nor
 /// FLOTILLA_BROKER names one.
@@ -601,13 +602,19 @@ impl Cli {
         Self::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit())
     }
 
+    /// The command line's definition, each command's help showing only the global settings it
+    /// uses (`help_scope`).
+    pub fn command_scoped() -> clap::Command {
+        help_scope::scoped(Self::command())
+    }
+
     /// Parses `args` and notes which global settings came from their environment variable.
     pub fn try_parse_args<I, T>(args: I) -> Result<Cli, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        let mut command = Self::command();
+        let mut command = Self::command_scoped();
         let matches = command.try_get_matches_from_mut(args)?;
         let mut cli = Self::from_arg_matches(&matches).map_err(|e| e.format(&mut command))?;
         cli.from_env = GLOBAL_SETTINGS
@@ -627,5 +634,70 @@ impl Cli {
             // The demo draws its own live view; the service's logs would tear it apart.
             _ => "warn,rumqttd=off",
         }
+    }
+}
+
+#[cfg(test)]
+mod help_tests {
+    use super::Cli;
+
+    fn help(path: &[&str]) -> String {
+        let mut command = Cli::command_scoped();
+        command.build();
+        let mut sub = &mut command;
+        for name in path {
+            sub = sub.find_subcommand_mut(name).expect("a command");
+        }
+        sub.render_long_help().to_string()
+    }
+
+    /// Whether `help` lists the option `flag` (as its own line, not a mention in the prose).
+    fn lists(help: &str, flag: &str) -> bool {
+        help.lines()
+            .any(|line| line.trim_start().starts_with(flag) && line.starts_with("  "))
+    }
+
+    #[test]
+    fn offline_commands_show_no_broker_flags_and_online_ones_do() {
+        for path in [
+            &["plan"][..],
+            &["demo"],
+            &["release", "create"],
+            &["keygen"],
+        ] {
+            let text = help(path);
+            for flag in ["--broker", "--username", "--tls", "--operator-key"] {
+                assert!(!lists(&text, flag), "{path:?} --help lists {flag}:\n{text}");
+            }
+        }
+        let sign = help(&["operator", "sign"]);
+        assert!(
+            lists(&sign, "--operator-key") && !lists(&sign, "--broker"),
+            "{sign}"
+        );
+        let serve = help(&["serve"]);
+        assert!(
+            lists(&serve, "--broker") && !lists(&serve, "--operator-key"),
+            "{serve}"
+        );
+        let start = help(&["rollout", "start"]);
+        for flag in ["--broker", "--username", "--tls", "--operator-key"] {
+            assert!(
+                lists(&start, flag),
+                "rollout start --help lacks {flag}:\n{start}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_hidden_setting_is_still_accepted_so_an_exported_broker_breaks_nothing() {
+        let cli = Cli::try_parse_args(["flotilla", "plan", "--help-not-a-flag"]);
+        assert!(cli.is_err());
+        let cli = Cli::try_parse_args(["flotilla", "--broker", "h:1", "completions", "bash"])
+            .expect("a hidden global flag parses");
+        assert_eq!(cli.broker.as_deref(), Some("h:1"));
+        let cli = Cli::try_parse_args(["flotilla", "completions", "bash", "--broker", "h:2"])
+            .expect("after the command too");
+        assert_eq!(cli.broker.as_deref(), Some("h:2"));
     }
 }

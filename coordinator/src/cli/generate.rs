@@ -2,14 +2,12 @@
 //! the command line's own definition, so they never disagree with it. Both are made in memory
 //! and written like every other output, so a closed pipe ends them quietly.
 
-use clap::CommandFactory;
-
 use crate::cli::args::Cli;
 use crate::cli::out::out;
 
 /// The completion script for `shell` (bash, zsh, fish, elvish, powershell).
 pub fn completions(shell: clap_complete::Shell) -> String {
-    let mut command = Cli::command();
+    let mut command = Cli::command_scoped();
     let mut script = Vec::new();
     clap_complete::generate(shell, &mut command, "flotilla", &mut script);
     String::from_utf8_lossy(&script).into_owned()
@@ -19,7 +17,7 @@ pub fn completions(shell: clap_complete::Shell) -> String {
 pub fn man() -> String {
     let mut page = Vec::new();
     // Rendering into memory cannot fail.
-    let _ = clap_mangen::Man::new(Cli::command()).render(&mut page);
+    let _ = clap_mangen::Man::new(Cli::command_scoped()).render(&mut page);
     String::from_utf8_lossy(&page).into_owned()
 }
 

@@ -1,7 +1,8 @@
 //! The `flotilla` command line: what an operator types, and everything that runs on the
 //! operator's side of the broker.
 //!
-//! - [`args`]: clap definitions of every subcommand and flag.
+//! - [`args`]: clap definitions of every subcommand and flag; [`help_scope`]: which global
+//!   settings each command's help shows.
 //! - [`accept`]: `flotilla devices accept`: the key it pins, given or confirmed on a terminal.
 //! - [`commands`]: what each subcommand does; [`run`] dispatches.
 //! - [`client`]: the control client, JSON requests over MQTT with a reply topic.
@@ -24,6 +25,7 @@ pub mod commands;
 pub mod demo;
 pub mod fleetfile;
 pub mod generate;
+pub mod help_scope;
 pub mod json;
 pub mod login_lock;
 pub mod migrate;
