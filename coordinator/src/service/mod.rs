@@ -35,7 +35,8 @@
 //! - [`store`]: sled persistence of rollouts, strategies, device groups and enrollments.
 //! - [`mqtt`]: the MQTT link; owns the rumqttc event loop and nothing else.
 //! - [`verify`]: worker threads that decode device messages and check their signatures ahead
-//!   of the service loop, which gets every event in the order it arrived.
+//!   of the service loop, which gets every event in the order it arrived; [`verify_batch`]:
+//!   those signatures checked in batches.
 //! - [`metrics`]: the Prometheus endpoint (`[metrics] listen`): counters, timings, and a
 //!   snapshot of the engine that the loop hands over when a scrape asks.
 //! - [`http`]: the HTTP server (hyper): the HTTP API (`POST /api/v1/control`, the same signed
@@ -91,6 +92,7 @@ pub mod store_health;
 mod takeover;
 pub mod tokens;
 pub mod verify;
+pub mod verify_batch;
 pub mod warm;
 
 pub use error::ServiceError;

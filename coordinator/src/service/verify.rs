@@ -36,6 +36,7 @@ use flotilla_protocol::{
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::service::mqtt::{Events, LinkEvent};
+use crate::service::verify_batch::{BatchVerifier, MAX_BATCH};
 
 /// Events each worker's input and output queue holds.
 pub const QUEUE_DEPTH: usize = 256;
@@ -81,17 +82,30 @@ pub enum Checked {
 /// names (proof only that the sender holds that key). `keys` keeps decompressed keys; `None`
 /// decompresses every time.
 pub fn check(payload: &[u8], keys: Option<&KeyCache>) -> Checked {
-    let blob = match envelope::decode(payload) {
-        Err(e) => return Checked::Undecodable(e.to_string()),
-        Ok(Message::Device(blob)) => blob,
-        Ok(Message::State(_) | Message::Report(_) | Message::Fetch(_)) => return Checked::Unsigned,
-        Ok(other) => return Checked::WrongKind(other.name()),
-    };
-    let verified = match keys {
-        Some(keys) => keys.verify(&blob),
-        None => verify_named(&blob, None),
-    };
-    Checked::Signed { blob, verified }
+    match decode(payload) {
+        Checked::Signed { blob, .. } => {
+            let verified = match keys {
+                Some(keys) => keys.verify(&blob),
+                None => verify_named(&blob, None),
+            };
+            Checked::Signed { blob, verified }
+        }
+        other => other,
+    }
+}
+
+/// [`check`] without the signature check: a signed device message comes back with
+/// `verified: None`.
+fn decode(payload: &[u8]) -> Checked {
+    match envelope::decode(payload) {
+        Err(e) => Checked::Undecodable(e.to_string()),
+        Ok(Message::Device(blob)) => Checked::Signed {
+            blob,
+            verified: None,
+        },
+        Ok(Message::State(_) | Message::Report(_) | Message::Fetch(_)) => Checked::Unsigned,
+        Ok(other) => Checked::WrongKind(other.name()),
+    }
 }
 
 /// Checks the signature over the bytes received under the key the blob names (`key`, when it
@@ -202,6 +216,21 @@ impl KeyCache {
         g.current.insert(key.to_bytes(), key);
     }
 
+    /// The key `signer` names: from the cache, or decompressed (and not kept until a signature
+    /// verified under it: [`KeyCache::remember`]). `None` when the bytes are no key.
+    pub fn key_for(&self, signer: &[u8; 32]) -> Option<VerifyingKey> {
+        self.get(signer)
+            .or_else(|| VerifyingKey::from_bytes(signer).ok())
+    }
+
+    /// Keeps `key`, under which a signature verified.
+    pub fn remember(&self, key: VerifyingKey) {
+        let mut g = self.lock();
+        if !g.current.contains_key(key.as_bytes()) {
+            self.insert_locked(&mut g, key);
+        }
+    }
+
     /// Checks the blob's signature under the key it names, taken from the cache when it is
     /// there, and kept when the signature verifies under it. Returns the key when it verifies.
     pub fn verify(&self, blob: &SignedBlob) -> Option<VerifyingKey> {
@@ -247,16 +276,15 @@ pub fn start(
     threads: usize,
     keys: Arc<KeyCache>,
 ) -> std::io::Result<Pipeline> {
-    let work = move |(event, permit): (LinkEvent, Option<OwnedSemaphorePermit>)| {
-        let checked = match &event {
-            LinkEvent::Publish { topic, payload } if wants_check(&topics, topic, payload) => {
-                Some(check(payload, Some(&keys)))
-            }
-            _ => None,
-        };
-        (Arrival { event, checked }, permit)
+    let work = move || {
+        let topics = topics.clone();
+        let keys = Arc::clone(&keys);
+        let mut verifier = BatchVerifier::default();
+        move |batch: Vec<(LinkEvent, Option<OwnedSemaphorePermit>)>| {
+            check_batch(batch, &topics, &keys, &mut verifier)
+        }
     };
-    let (mut dispatch, collect) = ordered(threads, QUEUE_DEPTH, work)?;
+    let (mut dispatch, collect) = ordered(threads, QUEUE_DEPTH, MAX_BATCH, work)?;
     let budget = Arc::new(Semaphore::new(PIPELINE_BYTES));
     tokio::spawn(async move {
         let mut events = events;
@@ -280,6 +308,54 @@ pub fn start(
         // end after the last event.
     });
     Ok(Pipeline { collect })
+}
+
+/// What a worker makes of the events it took at once: each device message decoded, and their
+/// signatures checked together ([`BatchVerifier`]); the events come out in the order they came.
+fn check_batch<P>(
+    batch: Vec<(LinkEvent, P)>,
+    topics: &Topics,
+    keys: &KeyCache,
+    verifier: &mut BatchVerifier,
+) -> Vec<(Arrival, P)> {
+    let mut checked: Vec<Option<Checked>> = batch
+        .iter()
+        .map(|(event, _)| match event {
+            LinkEvent::Publish { topic, payload } if wants_check(topics, topic, payload) => {
+                Some(decode(payload))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut signed = Vec::new();
+    for (n, checked) in checked.iter().enumerate() {
+        if let Some(Checked::Signed { blob, .. }) = checked {
+            if let Some(key) = keys.key_for(&blob.signer) {
+                signed.push((n, key));
+            }
+        }
+    }
+    let ok = {
+        let items: Vec<(&SignedBlob, VerifyingKey)> = signed
+            .iter()
+            .filter_map(|(n, key)| match &checked[*n] {
+                Some(Checked::Signed { blob, .. }) => Some((blob, *key)),
+                _ => None,
+            })
+            .collect();
+        verifier.verify(&items)
+    };
+    for ((n, key), ok) in signed.into_iter().zip(ok) {
+        if let (true, Some(Checked::Signed { verified, .. })) = (ok, &mut checked[n]) {
+            keys.remember(key);
+            *verified = Some(key);
+        }
+    }
+    batch
+        .into_iter()
+        .zip(checked)
+        .map(|((event, permit), checked)| (Arrival { event, checked }, permit))
+        .collect()
 }
 
 /// The sending end of [`ordered`].
@@ -321,35 +397,49 @@ impl<O> Collect<O> {
     }
 }
 
-/// `threads` worker threads applying `work`, each with an input and an output queue of `depth`
-/// items: items sent round robin and results taken round robin come out in the order the items
-/// went in. The workers end when the dispatch end is dropped (after their queues) or the
-/// collect end is. Fails only when a thread cannot be started.
-pub fn ordered<I, O, F>(
+/// `threads` worker threads, each applying a `work` of its own (made by `make_work`) to the
+/// items it takes at once (whatever waits in its queue, up to `batch`), each with an input and
+/// an output queue of `depth` items: items sent round robin and results taken round robin come
+/// out in the order the items went in. `work` returns one result per item, in order. The
+/// workers end when the dispatch end is dropped (after their queues) or the collect end is.
+/// Fails only when a thread cannot be started.
+pub fn ordered<I, O, M, W>(
     threads: usize,
     depth: usize,
-    work: F,
+    batch: usize,
+    make_work: M,
 ) -> std::io::Result<(Dispatch<I>, Collect<O>)>
 where
     I: Send + 'static,
     O: Send + 'static,
-    F: Fn(I) -> O + Send + Sync + 'static,
+    M: Fn() -> W,
+    W: FnMut(Vec<I>) -> Vec<O> + Send + 'static,
 {
     let threads = threads.max(1);
-    let work = Arc::new(work);
+    let batch = batch.max(1);
     let mut inputs = Vec::with_capacity(threads);
     let mut outputs = Vec::with_capacity(threads);
     for n in 0..threads {
         let (in_tx, mut in_rx) = mpsc::channel::<I>(depth.max(1));
         let (out_tx, out_rx) = mpsc::channel::<O>(depth.max(1));
-        let work = Arc::clone(&work);
+        let mut work = make_work();
         // Threads that did start end when `inputs` is dropped on an error.
         std::thread::Builder::new()
             .name(format!("flotilla-verify-{n}"))
             .spawn(move || {
-                while let Some(item) = in_rx.blocking_recv() {
-                    if out_tx.blocking_send(work(item)).is_err() {
-                        break;
+                while let Some(first) = in_rx.blocking_recv() {
+                    let mut items = Vec::with_capacity(batch);
+                    items.push(first);
+                    while items.len() < batch {
+                        match in_rx.try_recv() {
+                            Ok(item) => items.push(item),
+                            Err(_) => break,
+                        }
+                    }
+                    for out in work(items) {
+                        if out_tx.blocking_send(out).is_err() {
+                            return;
+                        }
                     }
                 }
             })?;
@@ -367,11 +457,18 @@ mod tests {
     #[tokio::test]
     async fn many_items_over_several_workers_come_out_in_the_order_they_went_in() {
         // Uneven work, so workers finish out of step.
-        let (mut dispatch, mut collect) = ordered(4, 8, |n: u64| {
-            if n.is_multiple_of(7) {
-                std::thread::sleep(std::time::Duration::from_micros(200));
+        let (mut dispatch, mut collect) = ordered(4, 8, 5, || {
+            |items: Vec<u64>| {
+                items
+                    .into_iter()
+                    .map(|n| {
+                        if n.is_multiple_of(7) {
+                            std::thread::sleep(std::time::Duration::from_micros(200));
+                        }
+                        n * 3
+                    })
+                    .collect()
             }
-            n * 3
         })
         .expect("threads");
         let sender = tokio::spawn(async move {
