@@ -70,7 +70,8 @@ async fn the_console_survives_a_coordinator_restart_without_a_new_login() {
         );
         browser.wait_text("#who", WAIT, |t| t.starts_with("olga"));
     });
-    site.flotilla(&["approve", "rs-canary"]);
+    let olga = site.operator_key_file("olga");
+    site.flotilla(&["--operator-key", &olga.to_string_lossy(), "approve", "rs-canary"]);
     tokio::task::block_in_place(|| {
         browser.wait_text("#rollout-state", WAIT, |t| t == "finished");
         browser.wait_text("#trace", WAIT, |t| t.contains("approval rs-canary approved by olga"));

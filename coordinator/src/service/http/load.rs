@@ -182,7 +182,7 @@ async fn control(addr: SocketAddr) -> u16 {
 
 /// One wave: `CLIENTS` event streams opened at once while control requests keep coming; the
 /// count of each outcome, and how many control requests were answered `200` during it.
-async fn wave(addr: SocketAddr, cookie: &str) -> (std::collections::HashMap<Outcome, usize>, usize) {
+async fn wave(addr: SocketAddr, cookie: &str, api: &Api) -> (std::collections::HashMap<Outcome, usize>, usize) {
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..CLIENTS {
         clients.spawn(open_stream(addr, cookie.to_owned()));
@@ -215,6 +215,12 @@ async fn wave(addr: SocketAddr, cookie: &str) -> (std::collections::HashMap<Outc
     // With the streams still open, a control request is answered.
     assert_eq!(control(addr).await, 200, "a control request beside {} streams", held.len());
     storm.cancel();
+    // Every stream answered is still open: none was cut off after its answer began.
+    assert_eq!(
+        api.streams.load(Ordering::SeqCst),
+        held.len(),
+        "the streams answered 200 are the streams open"
+    );
     let answered = controls.await.expect("the control task");
     drop(held);
     (counts, answered)
@@ -231,7 +237,7 @@ async fn ten_thousand_event_streams_come_and_go_and_the_api_keeps_answering() {
     let (addr, cookie, api, stop) = serving().await;
     let mut rss = Vec::new();
     for round in 1..=2 {
-        let (counts, answered) = wave(addr, &cookie).await;
+        let (counts, answered) = wave(addr, &cookie, &api).await;
         let streams = counts.get(&Outcome::Stream).copied().unwrap_or(0);
         eprintln!("wave {round}: {counts:?}; control requests answered during it: {answered}");
         assert_eq!(counts.values().sum::<usize>(), CLIENTS);
@@ -366,3 +372,4 @@ async fn an_expired_session_gets_401_saying_it_expired() {
     assert!(answer.contains("no session: log in"), "{answer}");
     stop.cancel();
 }
+
