@@ -71,10 +71,17 @@ async fn the_console_survives_a_coordinator_restart_without_a_new_login() {
         browser.wait_text("#who", WAIT, |t| t.starts_with("olga"));
     });
     let olga = site.operator_key_file("olga");
-    site.flotilla(&["--operator-key", &olga.to_string_lossy(), "approve", "rs-canary"]);
+    site.flotilla(&[
+        "--operator-key",
+        &olga.to_string_lossy(),
+        "approve",
+        "rs-canary",
+    ]);
     tokio::task::block_in_place(|| {
         browser.wait_text("#rollout-state", WAIT, |t| t == "finished");
-        browser.wait_text("#trace", WAIT, |t| t.contains("approval rs-canary approved by olga"));
+        browser.wait_text("#trace", WAIT, |t| {
+            t.contains("approval rs-canary approved by olga")
+        });
     });
 
     // The session ends (logged out elsewhere, here by the API): the page shows its login and

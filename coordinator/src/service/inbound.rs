@@ -458,7 +458,9 @@ impl Service {
                     Ok(()) => (axum::http::StatusCode::OK, None),
                     Err(e) => (
                         axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                        Some(format!("the session ended here but could not be removed from the store: {e}")),
+                        Some(format!(
+                            "the session ended here but could not be removed from the store: {e}"
+                        )),
                     ),
                 };
                 let reply = ControlReply {
@@ -518,9 +520,10 @@ impl Service {
             Ok(authorized) if authorized.request.command == Command::Login => {
                 // The gate found the operator by this key; the session remembers it, so rotating
                 // the operator's key ends its sessions.
-                let key = serde_json::from_slice::<flotilla_protocol::operator::SignedRequest>(payload)
-                    .map(|signed| signed.key.to_ascii_lowercase())
-                    .unwrap_or_default();
+                let key =
+                    serde_json::from_slice::<flotilla_protocol::operator::SignedRequest>(payload)
+                        .map(|signed| signed.key.to_ascii_lowercase())
+                        .unwrap_or_default();
                 let opened = Session {
                     operator: authorized.operator,
                     role: authorized.role,

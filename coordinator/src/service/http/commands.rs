@@ -88,7 +88,8 @@ mod tests {
 
     #[test]
     fn the_path_must_name_the_signed_command() {
-        let pause = envelope(r#"{"id":"1","reply_to":"r","command":"pause_rollout","rollout":"fw-2"}"#);
+        let pause =
+            envelope(r#"{"id":"1","reply_to":"r","command":"pause_rollout","rollout":"fw-2"}"#);
         assert_eq!(agrees("pause_rollout", &pause), Ok(()));
         let wrong = agrees("stop_rollout", &pause).expect_err("another command");
         assert!(
@@ -98,7 +99,10 @@ mod tests {
         let unnamed = agrees("stop_rollout", &envelope(r#"{"id":"1"}"#)).expect_err("no command");
         assert!(unnamed.contains("names no command"), "{unnamed}");
         let junk = agrees("stop_rollout", b"{\"request\":").expect_err("junk");
-        assert!(junk.starts_with("malformed request: not a signed request"), "{junk}");
+        assert!(
+            junk.starts_with("malformed request: not a signed request"),
+            "{junk}"
+        );
         let inner = agrees("stop_rollout", &envelope("not json")).expect_err("inner junk");
         assert!(inner.contains("`request` is not JSON"), "{inner}");
     }

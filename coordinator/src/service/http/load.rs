@@ -120,7 +120,10 @@ enum Outcome {
 }
 
 /// Opens an event stream; what came of it, and the connection while it is a stream.
-async fn open_stream(addr: SocketAddr, cookie: String) -> (Result<Outcome, String>, Option<TcpStream>) {
+async fn open_stream(
+    addr: SocketAddr,
+    cookie: String,
+) -> (Result<Outcome, String>, Option<TcpStream>) {
     let mut stream = match TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) => return (Err(format!("connect: {e}")), None),
@@ -135,7 +138,15 @@ async fn open_stream(addr: SocketAddr, cookie: String) -> (Result<Outcome, Strin
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
-            Err(_) => return (Err(format!("no answer and not closed: {:?}", String::from_utf8_lossy(&got))), None),
+            Err(_) => {
+                return (
+                    Err(format!(
+                        "no answer and not closed: {:?}",
+                        String::from_utf8_lossy(&got)
+                    )),
+                    None,
+                )
+            }
             Ok(Err(_)) | Ok(Ok(0)) => break,
             Ok(Ok(n)) => {
                 got.extend_from_slice(&buf[..n]);
@@ -152,8 +163,7 @@ async fn open_stream(addr: SocketAddr, cookie: String) -> (Result<Outcome, Strin
     let text = String::from_utf8_lossy(&got);
     let outcome = if text.is_empty() {
         Ok(Outcome::CutOff)
-    } else if text.starts_with("HTTP/1.1 503") && text.contains("event streams are open already")
-    {
+    } else if text.starts_with("HTTP/1.1 503") && text.contains("event streams are open already") {
         Ok(Outcome::StreamsFull)
     } else if text.starts_with("HTTP/1.1 503") && text.contains("too many connections") {
         Ok(Outcome::ConnectionsFull)
@@ -177,12 +187,19 @@ async fn control(addr: SocketAddr) -> u16 {
     let mut out = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut out)).await;
     let text = String::from_utf8_lossy(&out);
-    text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+    text.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
 }
 
 /// One wave: `CLIENTS` event streams opened at once while control requests keep coming; the
 /// count of each outcome, and how many control requests were answered `200` during it.
-async fn wave(addr: SocketAddr, cookie: &str, api: &Api) -> (std::collections::HashMap<Outcome, usize>, usize) {
+async fn wave(
+    addr: SocketAddr,
+    cookie: &str,
+    api: &Api,
+) -> (std::collections::HashMap<Outcome, usize>, usize) {
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..CLIENTS {
         clients.spawn(open_stream(addr, cookie.to_owned()));
@@ -213,7 +230,12 @@ async fn wave(addr: SocketAddr, cookie: &str, api: &Api) -> (std::collections::H
         held.extend(stream);
     }
     // With the streams still open, a control request is answered.
-    assert_eq!(control(addr).await, 200, "a control request beside {} streams", held.len());
+    assert_eq!(
+        control(addr).await,
+        200,
+        "a control request beside {} streams",
+        held.len()
+    );
     storm.cancel();
     // Every stream answered is still open: none was cut off after its answer began.
     assert_eq!(
@@ -319,7 +341,11 @@ async fn exchange(addr: SocketAddr, request: &str) -> String {
 #[tokio::test]
 async fn a_ten_megabyte_body_gets_413_with_the_limit() {
     let (addr, _cookie, _api, stop) = serving().await;
-    for path in ["/api/v1/control", "/api/v1/commands/pause_rollout", "/api/v1/session"] {
+    for path in [
+        "/api/v1/control",
+        "/api/v1/commands/pause_rollout",
+        "/api/v1/session",
+    ] {
         let answer = exchange(
             addr,
             &format!(
@@ -334,7 +360,10 @@ async fn a_ten_megabyte_body_gets_413_with_the_limit() {
             answer.contains("is 10485760 bytes, larger than 262144 bytes"),
             "{path}: {answer}"
         );
-        assert!(!answer.contains("100 Continue"), "{path}: not asked for: {answer}");
+        assert!(
+            !answer.contains("100 Continue"),
+            "{path}: not asked for: {answer}"
+        );
     }
     assert_eq!(control(addr).await, 200, "still answering");
     stop.cancel();
@@ -372,4 +401,3 @@ async fn an_expired_session_gets_401_saying_it_expired() {
     assert!(answer.contains("no session: log in"), "{answer}");
     stop.cancel();
 }
-

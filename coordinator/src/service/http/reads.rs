@@ -139,7 +139,16 @@ async fn logout(State(api): State<Api>, headers: HeaderMap) -> Response {
     let mut answer = Json(serde_json::json!({ "ok": true })).into_response();
     if let Some(digest) = cookie_token(&headers).and_then(|token| api.sessions.close(token)) {
         let (sent, answered) = oneshot::channel();
-        match api.ask(HttpControl::Logout { digest, answer: sent }, answered).await {
+        match api
+            .ask(
+                HttpControl::Logout {
+                    digest,
+                    answer: sent,
+                },
+                answered,
+            )
+            .await
+        {
             Ok(HttpAnswer { status, reply }) if status != StatusCode::OK => {
                 answer = (status, Json(reply)).into_response();
             }

@@ -252,6 +252,7 @@ function needLogin(reason) {
   if (events) { events.close(); events = null; }
   if (retryTimer) { clearTimeout(retryTimer); retryTimer = null; }
   $("banner").hidden = true;
+  $("live").textContent = "offline"; $("live").classList.remove("on");
   $("who").textContent = "";
   $("logout").hidden = true;
   $("login-error").textContent = reason || "";
