@@ -274,6 +274,39 @@ mod tests {
     }
 
     #[test]
+    fn stored_sessions_survive_a_reopen_and_the_ended_ones_are_removed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = flotilla_protocol::signing::generate_key().verifying_key();
+        let operators = vec![OperatorConfig {
+            name: "alice".into(),
+            role: Role::Operator,
+            key,
+        }];
+        let hex_key = hex::encode(key.as_bytes());
+        let now = unix_now();
+        let (token, kept) = new_token();
+        {
+            let store = Store::open(dir.path().join("db")).expect("open");
+            let open = session("alice", Role::Operator, &hex_key, now + 3600);
+            store.save_session(&kept, &open).expect("save");
+            let expired = session("alice", Role::Operator, &hex_key, now - 1);
+            store.save_session(&new_token().1, &expired).expect("save");
+            let gone = session("bob", Role::Operator, &hex_key, now + 3600);
+            store.save_session(&new_token().1, &gone).expect("save");
+        }
+        let store = Store::open(dir.path().join("db")).expect("reopen");
+        let loaded = load(&store, &operators);
+        assert_eq!(loaded.len(), 1, "{loaded:?}");
+        assert_eq!(loaded[0].0, kept, "keyed by the digest");
+        let table = Sessions::with(loaded);
+        assert_eq!(table.get(&token).map(|s| s.operator), Some("alice".into()));
+        let left: Vec<(String, Session)> = store.load_sessions().expect("read");
+        assert_eq!(left.len(), 1, "expired and revoked ones removed: {left:?}");
+        store.delete_sessions(&[kept]).expect("logout");
+        assert!(load(&store, &operators).is_empty(), "logged out");
+    }
+
+    #[test]
     fn the_cookie_is_http_only_strict_and_read_back_among_others() {
         let cookie = set_cookie("abc", true);
         assert!(cookie.starts_with("flotilla_session=abc; Path=/; HttpOnly; SameSite=Strict"));
