@@ -16,7 +16,8 @@ use crate::service::state::{now, Held, Service};
 
 use crate::service::coverage::{self, LoadEnd};
 use crate::service::enrollment::{Ignored, Verdict};
-use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Identity, Replier};
+use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Replier};
+use crate::service::http::session::{self, Session};
 use crate::service::loading::MarkerSeen;
 use crate::service::metrics::Malformed;
 use crate::service::mqtt::LinkEvent;
@@ -444,8 +445,32 @@ impl Service {
             HttpControl::Signed { payload, answer } => {
                 self.on_request("(http)", &payload, Some(answer)).await
             }
-            HttpControl::Login { payload, answer } => {
-                let _ = answer.send(self.login(&payload));
+            HttpControl::Login {
+                payload,
+                digest,
+                answer,
+            } => {
+                let _ = answer.send(self.login(&payload, &digest));
+                Ok(())
+            }
+            HttpControl::Logout { digest, answer } => {
+                let (status, error) = match self.store.delete_sessions(&[digest]) {
+                    Ok(()) => (axum::http::StatusCode::OK, None),
+                    Err(e) => (
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        Some(format!(
+                            "the session ended here but could not be removed from the store: {e}"
+                        )),
+                    ),
+                };
+                let reply = ControlReply {
+                    id: String::new(),
+                    ok: error.is_none(),
+                    error,
+                    result: serde_json::Value::Null,
+                    loading: false,
+                };
+                let _ = answer.send(HttpAnswer { status, reply });
                 Ok(())
             }
             HttpControl::Read {
@@ -478,8 +503,9 @@ impl Service {
         }
     }
 
-    /// Checks a signed `login` request with the gate: who signed it, or the refusal to answer.
-    fn login(&mut self, payload: &[u8]) -> Result<Identity, HttpAnswer> {
+    /// Checks a signed `login` request with the gate and stores the session it opens under
+    /// `digest` (its token's sha256): the session, or the refusal to answer.
+    fn login(&mut self, payload: &[u8], digest: &str) -> Result<Session, HttpAnswer> {
         let refused = |status, error: String| HttpAnswer {
             status,
             reply: ControlReply {
@@ -492,11 +518,27 @@ impl Service {
         };
         match self.gate.check(payload, now()) {
             Ok(authorized) if authorized.request.command == Command::Login => {
-                tracing::info!(operator = %authorized.operator, role = %authorized.role, "HTTP session opened");
-                Ok(Identity {
+                // The gate found the operator by this key; the session remembers it, so rotating
+                // the operator's key ends its sessions.
+                let key =
+                    serde_json::from_slice::<flotilla_protocol::operator::SignedRequest>(payload)
+                        .map(|signed| signed.key.to_ascii_lowercase())
+                        .unwrap_or_default();
+                let opened = Session {
                     operator: authorized.operator,
                     role: authorized.role,
-                })
+                    key,
+                    expires: session::unix_now() + session::TTL.as_secs(),
+                };
+                if let Err(e) = self.store.save_session(digest, &opened) {
+                    tracing::warn!(operator = %opened.operator, error = %e, "cannot store an HTTP session");
+                    return Err(refused(
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the session could not be stored ({e}); try again shortly"),
+                    ));
+                }
+                tracing::info!(operator = %opened.operator, role = %opened.role, "HTTP session opened");
+                Ok(opened)
             }
             Ok(authorized) => Err(refused(
                 axum::http::StatusCode::BAD_REQUEST,

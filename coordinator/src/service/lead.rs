@@ -189,6 +189,7 @@ pub(super) async fn lead(
     let leading = http::Leading {
         control: http_inbox,
         events: live.clone(),
+        sessions: http::session::load(&store, &config.operators),
     };
     http::start(
         config,

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
-use crate::service::http::{console, reads};
+use crate::service::http::{commands, console, reads};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -61,6 +61,7 @@ pub fn router(state: Api, api: bool) -> Router {
             .route(OPENAPI_PATH, get(openapi))
             .route(CONTROL, post(run_control));
         router = reads::routes(router);
+        router = commands::routes(router);
         router = console::routes(router);
     }
     router.fallback(not_found).with_state(state)
@@ -240,7 +241,15 @@ mod tests {
             16,
             token.clone(),
         ));
-        for (method, path) in ROUTES {
+        let per_command: Vec<(&str, String)> = command_names()
+            .into_iter()
+            .map(|c| ("post", format!("{}{c}", commands::PREFIX)))
+            .collect();
+        let routes = ROUTES
+            .iter()
+            .map(|(m, p)| (*m, p.to_string()))
+            .chain(per_command);
+        for (method, path) in routes {
             let path = path.replace("{name}", "fw-2");
             let request = format!(
                 "{} {path} HTTP/1.1\r\nHost: c\r\nContent-Length: 0\r\n\r\n",
@@ -268,10 +277,43 @@ mod tests {
             );
         }
         let served: std::collections::BTreeSet<&str> = ROUTES.iter().map(|(_, p)| *p).collect();
+        // Every command has its own path, whose signed request names exactly that command.
+        for command in command_names() {
+            let path = format!("{}{command}", commands::PREFIX);
+            let post = &doc["paths"][path.as_str()]["post"];
+            assert!(post.is_object(), "post {path} is not documented");
+            assert_eq!(
+                post["requestBody"]["content"]["application/json"]["schema"]["$ref"],
+                "#/components/schemas/SignedRequest",
+                "{path} takes the signed envelope"
+            );
+            let schema = post["x-signed-request"]["$ref"]
+                .as_str()
+                .and_then(|r| r.strip_prefix("#/components/schemas/"))
+                .unwrap_or_else(|| panic!("{path} names the schema of its signed request"));
+            let inner = &doc["components"]["schemas"][schema]["allOf"][1];
+            assert_eq!(
+                inner["properties"]["command"]["enum"],
+                serde_json::json!([command]),
+                "{schema} is the request of {command}"
+            );
+            for code in ["200", "400", "401", "403", "413", "415"] {
+                assert!(
+                    post["responses"][code].is_object(),
+                    "{path}: status {code} is not documented"
+                );
+            }
+        }
         assert_eq!(
             paths.len(),
-            served.len(),
+            served.len() + command_names().len(),
             "documented paths that are not served"
+        );
+        assert!(
+            paths.keys().all(|p| served.contains(p.as_str())
+                || p.strip_prefix(commands::PREFIX)
+                    .is_some_and(|c| command_names().iter().any(|n| n == c))),
+            "a documented path that is neither a route nor a command"
         );
         let documented: Vec<String> = doc["components"]["schemas"]["ControlRequest"]["properties"]
             ["command"]["enum"]

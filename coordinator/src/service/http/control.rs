@@ -4,8 +4,9 @@
 
 use axum::http::StatusCode;
 use flotilla_protocol::control::{Command, ControlReply};
-use flotilla_protocol::operator::Role;
 use tokio::sync::{mpsc, oneshot};
+
+use crate::service::http::session::Session;
 
 /// Requests waiting for the service loop; one more is answered `503` at once.
 pub const QUEUE: usize = 64;
@@ -20,11 +21,17 @@ pub enum HttpControl {
         payload: Vec<u8>,
         answer: oneshot::Sender<HttpAnswer>,
     },
-    /// A signed `login` request: checked by the gate like any other, and answered with who
-    /// signed it, so the HTTP side can open a session for them.
+    /// A signed `login` request: checked by the gate like any other; the session it opens is
+    /// stored under `digest` (its token's sha256) and answered, so the HTTP side holds it too.
     Login {
         payload: Vec<u8>,
-        answer: oneshot::Sender<Result<Identity, HttpAnswer>>,
+        digest: String,
+        answer: oneshot::Sender<Result<Session, HttpAnswer>>,
+    },
+    /// A session ended (logged out): removed from the store.
+    Logout {
+        digest: String,
+        answer: oneshot::Sender<HttpAnswer>,
     },
     /// A read on behalf of a session's operator: only commands a viewer may run.
     Read {
@@ -32,13 +39,6 @@ pub enum HttpControl {
         command: Command,
         answer: oneshot::Sender<HttpAnswer>,
     },
-}
-
-/// Who signed a `login` request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Identity {
-    pub operator: String,
-    pub role: Role,
 }
 
 /// The reply and the status it goes out with.

@@ -4,6 +4,7 @@
 //! - [`server`]: the accept loop: bounded connections, timeouts, TLS.
 //! - [`slots`]: which connection makes room when all are taken.
 //! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
+//! - [`commands`]: `POST /api/v1/commands/{command}`, one path per control command.
 //! - [`console`]: the web console: a page and its script, on the API and nothing else.
 //! - [`control`]: an HTTP control request on its way to the service loop and back.
 //! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE).
@@ -12,8 +13,11 @@
 //! - [`tls`]: the server's certificate and key.
 
 pub mod api;
+pub mod commands;
 pub mod console;
 pub mod control;
+#[cfg(test)]
+mod load;
 pub mod reads;
 pub mod server;
 pub mod session;
@@ -44,6 +48,8 @@ pub struct Leading {
     pub control: mpsc::Sender<HttpControl>,
     /// Live events from the service loop, for event streams.
     pub events: broadcast::Sender<state::LiveEvent>,
+    /// The sessions read from the store, still valid (`session::still_valid`), by digest.
+    pub sessions: Vec<(String, session::Session)>,
 }
 
 /// Starts what `config` asks for, each server until `token` is cancelled: `[metrics] listen`
@@ -73,15 +79,19 @@ pub async fn start(
         let listener = server::bind_retrying(http.listen, "http.listen").await?;
         let scheme = if tls.is_some() { "https" } else { "http" };
         tracing::info!(addr = %http.listen, "serving the HTTP API on {scheme}://{}/api/v1/control (and /metrics)", http.listen);
-        let (control, events) = match leading {
-            Some(Leading { control, events }) => (Some(control), Some(events)),
-            None => (None, None),
+        let (control, events, sessions) = match leading {
+            Some(Leading {
+                control,
+                events,
+                sessions,
+            }) => (Some(control), Some(events), sessions),
+            None => (None, None, Vec::new()),
         };
         let state = state::Api {
             metrics: Some(metrics.clone()),
             control,
             unavailable,
-            sessions: Default::default(),
+            sessions: std::sync::Arc::new(session::Sessions::with(sessions)),
             events,
             streams: Default::default(),
             secure: tls.is_some(),

@@ -30,8 +30,8 @@ use axum::{Json, Router};
 use flotilla_protocol::control::{Command, PageQuery, DEFAULT_PAGE_LIMIT};
 use tokio::sync::{broadcast, oneshot};
 
-use crate::service::http::control::{HttpAnswer, HttpControl, Identity};
-use crate::service::http::session::{self, Session};
+use crate::service::http::control::{HttpAnswer, HttpControl};
+use crate::service::http::session::{self, Lookup, Session};
 use crate::service::http::state::{is_json, read_body, refused, Api, LiveEvent};
 
 /// Event streams open at once; one more is answered `503`.
@@ -60,18 +60,28 @@ fn cookie_token(headers: &HeaderMap) -> Option<&str> {
         .find_map(session::token_in)
 }
 
-/// The session the request's cookie names, if it is open.
-fn session(api: &Api, headers: &HeaderMap) -> Option<Session> {
-    cookie_token(headers).and_then(|token| api.sessions.get(token))
-}
-
-/// The answer without a session.
-fn no_session() -> Response {
-    refused(
-        StatusCode::UNAUTHORIZED,
-        "no session: log in with a signed login request (POST /api/v1/session), or it expired"
-            .into(),
-    )
+/// The session the request's cookie names, or the `401` that says why there is none.
+fn session(api: &Api, headers: &HeaderMap) -> Result<Session, Response> {
+    match cookie_token(headers).map(|token| api.sessions.lookup(token)) {
+        Some(Lookup::Open(session)) => Ok(session),
+        Some(Lookup::Expired(at)) => Err(refused(
+            StatusCode::UNAUTHORIZED,
+            format!(
+                "session expired: it ended at unix time {at} ({} h after login); log in again",
+                session::TTL.as_secs() / 3600
+            ),
+        )),
+        Some(Lookup::Unknown) => Err(refused(
+            StatusCode::UNAUTHORIZED,
+            "no such session: it was logged out, revoked, or opened before the coordinator's \
+             store was reset; log in again (POST /api/v1/session)"
+                .into(),
+        )),
+        None => Err(refused(
+            StatusCode::UNAUTHORIZED,
+            "no session: log in with a signed login request (POST /api/v1/session)".into(),
+        )),
+    }
 }
 
 async fn login(State(api): State<Api>, headers: HeaderMap, body: Body) -> Response {
@@ -86,19 +96,21 @@ async fn login(State(api): State<Api>, headers: HeaderMap, body: Body) -> Respon
         Ok(bytes) => bytes,
         Err(answer) => return answer,
     };
+    let (token, digest) = session::new_token();
     let (answer, answered) = oneshot::channel();
     let request = HttpControl::Login {
         payload: payload.to_vec(),
+        digest: digest.clone(),
         answer,
     };
     match api.ask(request, answered).await {
-        Ok(Ok(Identity { operator, role })) => {
-            let token = api.sessions.open(&operator, role);
+        Ok(Ok(opened)) => {
             let body = serde_json::json!({
-                "operator": operator,
-                "role": role.as_str(),
+                "operator": opened.operator,
+                "role": opened.role.as_str(),
                 "expires_in": session::TTL.as_secs(),
             });
+            api.sessions.insert(digest, opened);
             (
                 [(header::SET_COOKIE, session::set_cookie(&token, api.secure))],
                 Json(body),
@@ -112,27 +124,50 @@ async fn login(State(api): State<Api>, headers: HeaderMap, body: Body) -> Respon
 
 async fn whoami(State(api): State<Api>, headers: HeaderMap) -> Response {
     match session(&api, &headers) {
-        Some(s) => Json(serde_json::json!({ "operator": s.operator, "role": s.role.as_str() }))
-            .into_response(),
-        None => no_session(),
+        Ok(s) => Json(serde_json::json!({
+            "operator": s.operator,
+            "role": s.role.as_str(),
+            "expires": s.expires,
+        }))
+        .into_response(),
+        Err(answer) => answer,
     }
 }
 
+/// Ends the session here and in the store, so no coordinator takes it back.
 async fn logout(State(api): State<Api>, headers: HeaderMap) -> Response {
-    if let Some(token) = cookie_token(&headers) {
-        api.sessions.close(token);
+    let mut answer = Json(serde_json::json!({ "ok": true })).into_response();
+    if let Some(digest) = cookie_token(&headers).and_then(|token| api.sessions.close(token)) {
+        let (sent, answered) = oneshot::channel();
+        match api
+            .ask(
+                HttpControl::Logout {
+                    digest,
+                    answer: sent,
+                },
+                answered,
+            )
+            .await
+        {
+            Ok(HttpAnswer { status, reply }) if status != StatusCode::OK => {
+                answer = (status, Json(reply)).into_response();
+            }
+            Ok(_) => {}
+            Err(refusal) => answer = refusal,
+        }
     }
-    (
-        [(header::SET_COOKIE, session::clear_cookie())],
-        Json(serde_json::json!({ "ok": true })),
-    )
-        .into_response()
+    answer.headers_mut().insert(
+        header::SET_COOKIE,
+        header::HeaderValue::from_str(&session::clear_cookie()).expect("a valid header"),
+    );
+    answer
 }
 
 /// Runs a viewer command for the session's operator: the reply as JSON, with its status.
 async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
-    let Some(session) = session(api, headers) else {
-        return no_session();
+    let session = match session(api, headers) {
+        Ok(session) => session,
+        Err(answer) => return answer,
     };
     let (answer, answered) = oneshot::channel();
     let request = HttpControl::Read {
@@ -219,8 +254,9 @@ impl Drop for Open {
 /// state afresh); nothing is buffered for it without bound. The stream ends when the session
 /// does.
 async fn events(State(api): State<Api>, headers: HeaderMap) -> Response {
-    let Some(session) = session(&api, &headers) else {
-        return no_session();
+    let session = match session(&api, &headers) {
+        Ok(session) => session,
+        Err(answer) => return answer,
     };
     let Some(events) = &api.events else {
         return refused(StatusCode::SERVICE_UNAVAILABLE, api.unavailable.clone());
@@ -291,8 +327,16 @@ mod tests {
         broadcast::Sender<LiveEvent>,
         CancellationToken,
     ) {
-        let sessions = Arc::new(Sessions::default());
-        let token = sessions.open("vic", Role::Viewer);
+        let (token, digest) = session::new_token();
+        let sessions = Arc::new(Sessions::with([(
+            digest,
+            Session {
+                operator: "vic".into(),
+                role: Role::Viewer,
+                key: String::new(),
+                expires: session::unix_now() + 3600,
+            },
+        )]));
         let (events, _) = broadcast::channel(capacity);
         let state = Api {
             events: Some(events.clone()),

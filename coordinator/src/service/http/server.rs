@@ -137,9 +137,16 @@ where
     let tower = TowerToHyperService::new(router);
     let slots_for_call = slots.clone();
     let service = hyper::service::service_fn(move |request| {
-        // The head is in: from now on this connection is not evicted.
-        lock(&slots_for_call).answering(id);
-        tower.call(request)
+        // The head is in: from now on this connection is not evicted. One evicted while its
+        // head came in is not answered (an answer would start and then be cut off).
+        let kept = lock(&slots_for_call).answering(id);
+        let call = tower.call(request);
+        async move {
+            if !kept {
+                return Err(std::io::Error::other("evicted to make room"));
+            }
+            call.await.map_err(|never| match never {})
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())

@@ -78,9 +78,15 @@ impl Slots {
             .map(|(_, oldest)| oldest)
     }
 
-    pub(super) fn answering(&mut self, id: u64) {
-        if let Some(slot) = self.live.get_mut(&id) {
-            slot.phase = Phase::Answering;
+    /// The connection `id` has its head and answers from now on; `false` when it was evicted
+    /// meanwhile (and must not answer).
+    pub(super) fn answering(&mut self, id: u64) -> bool {
+        match self.live.get_mut(&id) {
+            Some(slot) => {
+                slot.phase = Phase::Answering;
+                true
+            }
+            None => false,
         }
     }
 

@@ -116,6 +116,17 @@ pub fn refused(status: StatusCode, error: String) -> Response {
 
 /// The body, at most [`MAX_BODY`] bytes within [`BODY_TIMEOUT`], or the answer that says why not.
 pub async fn read_body(body: Body) -> Result<Bytes, Response> {
+    // A body that says it is too large is refused before a byte of it is read: a client that
+    // sent `Expect: 100-continue` (curl does, for large bodies) gets the answer without sending
+    // it at all.
+    use axum::body::HttpBody as _;
+    let announced = body.size_hint().lower();
+    if announced > MAX_BODY as u64 {
+        return Err(refused(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is {announced} bytes, larger than {MAX_BODY} bytes"),
+        ));
+    }
     match tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_BODY).collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(refused(

@@ -12,6 +12,7 @@
 //! issued         device id     -> u64 big-endian   (`issued_at` of the last desired action)
 //! meta           "generation"  -> u64 big-endian   (commits so far, sled's seal)
 //! published      device id     -> 32 bytes         (digest of the last desired action published)
+//! sessions       sha256 hex    -> Session          (HTTP console sessions: the token's digest)
 //! ```
 //!
 //! The trees live in a [`Backend`] (`backend.rs`): sled in the data directory (`sled_kv.rs`,
@@ -62,6 +63,9 @@ const ENROLLMENTS: &str = "enrollments";
 const USED_TOKENS: &str = "used_tokens";
 /// Device id -> [`published_digest`] of the last desired action published for it.
 const PUBLISHED: &str = "published";
+/// sha256 (hex) of an HTTP session's token -> the session (`http/session.rs`, decision 0060).
+/// Not in backups: a restored coordinator asks its operators to log in again.
+const SESSIONS: &str = "sessions";
 
 /// What [`Store::save_published`] keeps of a retained desired action: sha256 over the signing
 /// key's public half and the payload as published. Retained bytes with the digest stored for
@@ -409,6 +413,51 @@ impl Store {
             .into_iter()
             .map(|(key, _)| String::from_utf8_lossy(&key).into_owned())
             .collect())
+    }
+
+    /// Stores an HTTP session under its token's digest (never the token), durable before
+    /// returning.
+    pub fn save_session<T: Serialize>(&self, digest: &str, session: &T) -> Result<(), StoreError> {
+        self.records(SESSIONS, "HTTP session").save(digest, session)
+    }
+
+    /// Every stored HTTP session that decodes, with its token's digest.
+    pub fn load_sessions<T: DeserializeOwned>(&self) -> Result<Vec<(String, T)>, StoreError> {
+        let entries = self
+            .backend()
+            .scan(SESSIONS)
+            .map_err(|source| StoreError::Read {
+                tree: SESSIONS,
+                source,
+            })?;
+        Ok(entries
+            .into_iter()
+            .filter_map(|(key, value)| {
+                let digest = String::from_utf8_lossy(&key).into_owned();
+                match serde_json::from_slice(&value) {
+                    Ok(session) => Some((digest, session)),
+                    Err(error) => {
+                        tracing::warn!(%error, "skipping a stored HTTP session that does not decode");
+                        None
+                    }
+                }
+            })
+            .collect())
+    }
+
+    /// Removes these HTTP sessions (by their tokens' digests) in one durable write.
+    pub fn delete_sessions(&self, digests: &[String]) -> Result<(), StoreError> {
+        let ops = digests
+            .iter()
+            .map(|d| Op::remove(SESSIONS, d.as_str()))
+            .collect();
+        self.backend()
+            .write(ops)
+            .map_err(|source| StoreError::Delete {
+                kind: "HTTP sessions",
+                name: format!("({})", digests.len()),
+                source,
+            })
     }
 
     /// Stores (or replaces) a staged strategy, durable before returning.

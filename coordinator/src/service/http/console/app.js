@@ -246,12 +246,16 @@ function soon() {
 
 // ---- login, routing, live events -----------------------------------------------------------
 
-function needLogin() {
+function needLogin(reason) {
   me = null;
   // A stream of a session that ended would only reconnect to be refused.
   if (events) { events.close(); events = null; }
+  if (retryTimer) { clearTimeout(retryTimer); retryTimer = null; }
+  $("banner").hidden = true;
+  $("live").textContent = "offline"; $("live").classList.remove("on");
   $("who").textContent = "";
   $("logout").hidden = true;
+  $("login-error").textContent = reason || "";
   show("login");
 }
 
@@ -275,11 +279,45 @@ async function logout() {
   needLogin();
 }
 
+// The stream dropped (the server ends each stream after a while, a restart, a failover, the
+// network): ask whether the coordinator and the session are still there. Yes: follow again,
+// quietly. No answer: a banner says so, and it asks again with a growing pause. The session
+// gone: the login, with the coordinator's reason. No new login while the session lives.
+let retryTimer = null;
+let retryDelay = 1000;
+
+function unreachable() {
+  if (events) { events.close(); events = null; }
+  $("live").textContent = "reconnecting"; $("live").classList.remove("on");
+  if (!retryTimer) retryTimer = setTimeout(reconnect, 0);
+}
+
+async function reconnect() {
+  retryTimer = null;
+  let answer = null;
+  try { answer = await api("GET", "/api/v1/session"); } catch (_) { answer = null; }
+  if (answer && answer.status === 401) {
+    return needLogin((answer.reply && answer.reply.error) || "your session ended; log in again");
+  }
+  if (!answer || answer.status !== 200) {
+    $("live").textContent = "offline";
+    $("banner").textContent = "coordinator unreachable, retrying\u2026";
+    $("banner").hidden = false;
+    retryTimer = setTimeout(reconnect, retryDelay);
+    retryDelay = Math.min(retryDelay * 2, 8000);
+    return;
+  }
+  retryDelay = 1000;
+  $("banner").hidden = true;
+  follow();
+  refresh();
+}
+
 function follow() {
   if (events) return;
   events = new EventSource("/api/v1/events");
   events.onopen = () => { $("live").textContent = "live"; $("live").classList.add("on"); };
-  events.onerror = () => { $("live").textContent = "reconnecting"; $("live").classList.remove("on"); soon(); };
+  events.onerror = unreachable;
   for (const kind of ["rollout", "approval", "trace"]) events.addEventListener(kind, soon);
 }
 
@@ -291,7 +329,11 @@ function route() {
 
 async function start() {
   const { status, reply } = await api("GET", "/api/v1/session");
-  if (status !== 200) return needLogin();
+  // A cookie that names no session any more: say why (expired, revoked); no cookie: just log in.
+  if (status !== 200) {
+    const why = reply && reply.error;
+    return needLogin(status === 401 && why && !why.startsWith("no session:") ? why : "");
+  }
   me = reply;
   $("who").textContent = me.operator + " (" + me.role + ")";
   $("logout").hidden = false;
