@@ -15,6 +15,7 @@ pub mod api;
 pub mod console;
 pub mod control;
 pub mod reads;
+pub mod reads_devices;
 pub mod server;
 pub mod session;
 pub mod slots;

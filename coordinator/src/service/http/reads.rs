@@ -6,7 +6,10 @@
 //! DELETE /api/v1/session           ends it
 //! GET    /api/v1/rollouts          rollouts, paged (`limit`, `after`, `phase`)
 //! GET    /api/v1/rollouts/{name}   one rollout and a page of its devices
-//! GET    /api/v1/devices           devices, paged (`select`, `phase`, `group`)
+//! GET    /api/v1/devices           devices, paged (`select`, `phase`, `group`, `online`,
+//!                                  `enrollment`)
+//! GET    /api/v1/devices/{id}      one device, its actions (reads_devices.rs)
+//! GET    /api/v1/enrollment        devices waiting for an operator, paged (reads_devices.rs)
 //! GET    /api/v1/approvals         approval requests, paged
 //! GET    /api/v1/releases          releases, paged
 //! GET    /api/v1/events            live events (server-sent events): rollouts, approvals, trace
@@ -31,6 +34,7 @@ use flotilla_protocol::control::{Command, PageQuery, DEFAULT_PAGE_LIMIT};
 use tokio::sync::{broadcast, oneshot};
 
 use crate::service::http::control::{HttpAnswer, HttpControl, Identity};
+use crate::service::http::reads_devices;
 use crate::service::http::session::{self, Session};
 use crate::service::http::state::{is_json, read_body, refused, Api, LiveEvent};
 
@@ -46,6 +50,8 @@ pub fn routes(router: Router<Api>) -> Router<Api> {
         .route("/api/v1/rollouts", get(rollouts))
         .route("/api/v1/rollouts/:name", get(rollout))
         .route("/api/v1/devices", get(devices))
+        .route("/api/v1/devices/:id", get(reads_devices::device))
+        .route("/api/v1/enrollment", get(reads_devices::enrollment))
         .route("/api/v1/approvals", get(approvals))
         .route("/api/v1/releases", get(releases))
         .route("/api/v1/events", get(events))
@@ -130,7 +136,7 @@ async fn logout(State(api): State<Api>, headers: HeaderMap) -> Response {
 }
 
 /// Runs a viewer command for the session's operator: the reply as JSON, with its status.
-async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
+pub(super) async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
     let Some(session) = session(api, headers) else {
         return no_session();
     };
@@ -147,7 +153,7 @@ async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
 }
 
 /// Reads are always paged: an answer never grows with the fleet.
-fn paged(mut page: PageQuery) -> PageQuery {
+pub(super) fn paged(mut page: PageQuery) -> PageQuery {
     page.limit.get_or_insert(DEFAULT_PAGE_LIMIT);
     page
 }
