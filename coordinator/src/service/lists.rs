@@ -324,7 +324,7 @@ pub(super) fn named_list<T: serde::Serialize>(
         return Ok(json(&all));
     }
     all.sort_by_key(|item| name(item));
-    refuse_filters(page, &DEVICE_FILTERS, list)?;
+    refuse_filters(page, &ALL_FILTERS, list)?;
     let after = page.after.as_deref();
     let rest = all
         .into_iter()
@@ -333,7 +333,7 @@ pub(super) fn named_list<T: serde::Serialize>(
 }
 
 /// Every filter of a page query: lists of named things have none of them.
-pub(super) const DEVICE_FILTERS: [&str; 5] = ["select", "phase", "group", "online", "enrollment"];
+pub(super) const ALL_FILTERS: [&str; 5] = ["select", "phase", "group", "online", "enrollment"];
 
 /// Refuses the filters a list has nothing to apply to, naming them.
 pub(super) fn refuse_filters(page: &PageQuery, fields: &[&str], list: &str) -> Result<(), String> {
