@@ -1060,6 +1060,7 @@ mod tests {
                     phase: Some("failed".into()),
                     group: Some("canary".into()),
                     select: Some("site=a".into()),
+                    ..PageQuery::default()
                 },
             },
         );
