@@ -120,9 +120,13 @@ async fn devices_are_filtered_a_failed_one_says_why_and_only_an_admin_accepts_a_
         browser.wait_text("[data-pending=dev-03]", WAIT, |t| t.contains(&key[..16]));
         browser.screenshot(&shots.join("console-queues.png"));
         browser.click_text("[data-pending=dev-03] button", "Accept", WAIT);
-        browser.wait_text("#enrollment-rows", WAIT, |t| t.contains("no device is waiting"));
+        browser.wait_text("#enrollment-rows", WAIT, |t| {
+            t.contains("no device is waiting")
+        });
         browser.goto(&format!("{url}#/devices/dev-03"));
-        browser.wait_text("[data-fact=enrollment]", WAIT, |t| t.starts_with("accepted"));
+        browser.wait_text("[data-fact=enrollment]", WAIT, |t| {
+            t.starts_with("accepted")
+        });
         browser.wait_text("[data-fact='key fingerprint']", WAIT, |t| t == &key[..16]);
 
         // The releases page: the artifact, its size, and who runs it.

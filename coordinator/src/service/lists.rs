@@ -57,7 +57,8 @@ impl Service {
         after: Option<&'a str>,
         now: u64,
     ) -> impl Iterator<Item = DeviceSummary> + 'a {
-        self.devices_merged(after).map(move |d| mark_overdue(d, now))
+        self.devices_merged(after)
+            .map(move |d| mark_overdue(d, now))
     }
 
     fn devices_merged<'a>(
@@ -298,8 +299,7 @@ impl DeviceFilter {
 /// Marks a device overdue when it has been offline for longer than [`OVERDUE_AFTER`] at `now`.
 pub(super) fn mark_overdue(mut d: DeviceSummary, now: u64) -> DeviceSummary {
     d.overdue = !d.online
-        && d
-            .last_seen
+        && d.last_seen
             .is_some_and(|since| now.saturating_sub(since) > OVERDUE_AFTER);
     d
 }
@@ -470,13 +470,19 @@ mod tests {
     #[test]
     fn a_device_offline_too_long_is_overdue() {
         let now = 10_000;
-        let long = mark_overdue(device("a", false, "accepted", Some(now - OVERDUE_AFTER - 1)), now);
+        let long = mark_overdue(
+            device("a", false, "accepted", Some(now - OVERDUE_AFTER - 1)),
+            now,
+        );
         assert!(long.overdue);
         let short = mark_overdue(device("b", false, "accepted", Some(now - 60)), now);
         assert!(!short.overdue);
         let online = mark_overdue(device("c", true, "accepted", None), now);
         assert!(!online.overdue);
         let never = mark_overdue(device("d", false, "pending", None), now);
-        assert!(!never.overdue, "a device never heard from has no time to be late by");
+        assert!(
+            !never.overdue,
+            "a device never heard from has no time to be late by"
+        );
     }
 }

@@ -180,23 +180,23 @@ impl Engine {
 
     fn device_summary(&self, id: &str, d: &DeviceRecord) -> DeviceSummary {
         DeviceSummary {
-                id: id.to_owned(),
-                hardware_id: d.hardware_id.to_string(),
-                labels: d
-                    .labels
-                    .0
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect(),
-                online: d.online,
-                installed: d.installed.as_deref().map(str::to_owned),
-                rollout: d.rollout.as_deref().map(str::to_owned),
-                phase: d.phase.map(str::to_owned),
-                reason: d.reason.clone(),
-                enrollment: None,
-                last_seen: (!d.online).then(|| self.offline.get(id).copied()).flatten(),
-                overdue: false,
-            }
+            id: id.to_owned(),
+            hardware_id: d.hardware_id.to_string(),
+            labels: d
+                .labels
+                .0
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            online: d.online,
+            installed: d.installed.as_deref().map(str::to_owned),
+            rollout: d.rollout.as_deref().map(str::to_owned),
+            phase: d.phase.map(str::to_owned),
+            reason: d.reason.clone(),
+            enrollment: None,
+            last_seen: (!d.online).then(|| self.offline.get(id).copied()).flatten(),
+            overdue: false,
+        }
     }
 
     /// Every action the rollouts hold for `device`, newest first (by start, then by the
