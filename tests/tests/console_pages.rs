@@ -91,7 +91,7 @@ async fn devices_are_filtered_a_failed_one_says_why_and_only_an_admin_accepts_a_
         log_in(&browser, &site, &url, "ada");
 
         // The devices page, then filtered by site and phase: the failed device only.
-        browser.click_text("#nav a", "Devices", WAIT);
+        browser.click_text("#nav a[data-page=device]", "Devices", WAIT);
         browser.wait_text("[data-device=dev-01]", WAIT, |t| t.contains("fw2: ready"));
         browser.wait_text("[data-device=dev-02]", WAIT, |t| t.contains("fw2: failed"));
         browser.wait_text("[data-device=dev-03]", WAIT, |t| t.contains("pending"));
@@ -116,7 +116,7 @@ async fn devices_are_filtered_a_failed_one_says_why_and_only_an_admin_accepts_a_
         browser.screenshot(&shots.join("console-device.png"));
 
         // The enrollment queue: accept the waiting device; it leaves the queue, accepted.
-        browser.click_text("#nav a", "Waiting", WAIT);
+        browser.click_text("#nav a[data-page=queues]", "Waiting", WAIT);
         browser.wait_text("[data-pending=dev-03]", WAIT, |t| t.contains(&key[..16]));
         browser.screenshot(&shots.join("console-queues.png"));
         browser.click_text("[data-pending=dev-03] button", "Accept", WAIT);
@@ -130,7 +130,7 @@ async fn devices_are_filtered_a_failed_one_says_why_and_only_an_admin_accepts_a_
         browser.wait_text("[data-fact='key fingerprint']", WAIT, |t| t == &key[..16]);
 
         // The releases page: the artifact, its size, and who runs it.
-        browser.click_text("#nav a", "Releases", WAIT);
+        browser.click_text("#nav a[data-page=releases]", "Releases", WAIT);
         browser.wait_text("[data-release=fw-2]", WAIT, |t| {
             t.contains("runs on 1 device") && t.contains("fw2") && t.contains(" B")
         });
