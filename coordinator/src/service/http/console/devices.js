@@ -27,6 +27,8 @@ function ago(seconds) {
 // Last seen: online now, or offline since; overdue when offline for longer than expected.
 function lastSeen(d) {
   if (d.online) return el("span", { class: "online" }, "online");
+  // Whether a device that is not accepted is connected is not known: its states are not trusted.
+  if (d.enrollment && !d.enrollment.startsWith("accepted")) return el("span", { class: "muted" }, "not known");
   const cell = el("span", {}, d.last_seen ? "offline since " + ago(d.last_seen) : "offline");
   if (d.overdue) cell.append(" ", el("span", { class: "overdue", title: "offline for longer than expected" }, "overdue"));
   return cell;

@@ -13,7 +13,7 @@ function size(bytes) {
 function blockList(a) {
   if (!a.block_size) return "no block list";
   const blocks = Math.ceil(a.size / a.block_size);
-  return el("details", {}, el("summary", {}, blocks + " blocks of " + size(a.block_size)),
+  return el("details", {}, el("summary", {}, blocks + (blocks === 1 ? " block of " : " blocks of ") + size(a.block_size)),
     el("code", {}, "block list sha256 " + a.block_list_sha256));
 }
 
