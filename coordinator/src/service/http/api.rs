@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
-use crate::service::http::{console, reads};
+use crate::service::http::{console, reads, reads_devices};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -66,6 +66,7 @@ pub fn router(state: Api, api: bool) -> Router {
             .route(OPENAPI_PATH, get(openapi))
             .route(CONTROL, post(run_control));
         router = reads::routes(router);
+        router = reads_devices::routes(router);
         router = console::routes(router);
     }
     router.fallback(not_found).with_state(state)

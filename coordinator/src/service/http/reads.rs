@@ -34,7 +34,6 @@ use flotilla_protocol::control::{Command, PageQuery, DEFAULT_PAGE_LIMIT};
 use tokio::sync::{broadcast, oneshot};
 
 use crate::service::http::control::{HttpAnswer, HttpControl, Identity};
-use crate::service::http::reads_devices;
 use crate::service::http::session::{self, Session};
 use crate::service::http::state::{is_json, read_body, refused, Api, LiveEvent};
 
@@ -50,8 +49,6 @@ pub fn routes(router: Router<Api>) -> Router<Api> {
         .route("/api/v1/rollouts", get(rollouts))
         .route("/api/v1/rollouts/:name", get(rollout))
         .route("/api/v1/devices", get(devices))
-        .route("/api/v1/devices/:id", get(reads_devices::device))
-        .route("/api/v1/enrollment", get(reads_devices::enrollment))
         .route("/api/v1/approvals", get(approvals))
         .route("/api/v1/releases", get(releases))
         .route("/api/v1/events", get(events))

@@ -10,12 +10,21 @@
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::routing::get;
+use axum::Router;
 use flotilla_protocol::control::{Command, PageQuery};
 
 use crate::service::http::reads::{paged, read};
 use crate::service::http::state::Api;
 
-pub(super) async fn device(
+/// The device pages' routes, added to `router`.
+pub fn routes(router: Router<Api>) -> Router<Api> {
+    router
+        .route("/api/v1/devices/:id", get(device))
+        .route("/api/v1/enrollment", get(enrollment))
+}
+
+async fn device(
     State(api): State<Api>,
     headers: HeaderMap,
     Path(device): Path<String>,
@@ -23,7 +32,7 @@ pub(super) async fn device(
     read(&api, &headers, Command::ShowDevice { device }).await
 }
 
-pub(super) async fn enrollment(
+async fn enrollment(
     State(api): State<Api>,
     headers: HeaderMap,
     Query(page): Query<PageQuery>,
