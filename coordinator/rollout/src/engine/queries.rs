@@ -219,7 +219,7 @@ impl Engine {
                 Some((slot.started_at.unwrap_or(0), e.rollout.created_at, action))
             })
             .collect();
-        actions.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)));
+        actions.sort_by_key(|a| std::cmp::Reverse((a.0, a.1)));
         actions.into_iter().map(|(_, _, a)| a).collect()
     }
 
