@@ -209,6 +209,12 @@ pub enum Command {
     RevokeDevice {
         device: String,
     },
+    /// One device in detail: its summary, its enrollment and key fingerprint, and every action
+    /// the rollouts hold for it (newest first) with its phase, reason and bytes by source.
+    /// Result: a [`crate::device_view::DeviceView`].
+    ShowDevice {
+        device: String,
+    },
     /// Write a backup of the coordinator's store into `{data_dir}/backups/` on the
     /// coordinator's machine (the coordinator picks the file name). Result: the [`BackupInfo`].
     Backup,
@@ -241,6 +247,13 @@ pub struct PageQuery {
     /// device group (`list_devices`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
+    /// Only devices that are connected (`true`) or not (`false`) (`list_devices`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub online: Option<bool>,
+    /// Only devices whose enrollment is this: `accepted`, `pending`, `rejected` or `revoked`
+    /// (`list_devices`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enrollment: Option<String>,
 }
 
 impl PageQuery {
@@ -908,7 +921,20 @@ pub struct DeviceSummary {
     /// waits for an operator). Absent from older coordinators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enrollment: Option<String>,
+    /// Unix seconds since which the device is offline (the coordinator's clock, at the latest
+    /// since the coordinator started); absent while it is connected. Absent from older
+    /// coordinators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seen: Option<u64>,
+    /// Offline for longer than [`OVERDUE_AFTER`]: not heard from when it was expected to be.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub overdue: bool,
 }
+
+/// Seconds a device may stay offline before it is marked overdue (hawkBit's polling time plus
+/// its overdue time, 5 + 5 minutes by default): an agent's MQTT connection says it is alive,
+/// and it reconnects within this after a broker or network hiccup.
+pub const OVERDUE_AFTER: u64 = 600;
 
 /// A release the coordinator holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -918,6 +944,12 @@ pub struct ReleaseSummary {
     pub counter: u64,
     pub hardware: Vec<String>,
     pub artifacts: Vec<ArtifactSummary>,
+    /// How many known devices run it. Absent from older coordinators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<u64>,
+    /// The rollouts that roll it out, in name order. Absent from older coordinators.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rollouts: Vec<String>,
 }
 
 /// A stored staged update strategy, as `create_strategy` stored it.
@@ -1028,6 +1060,7 @@ mod tests {
                     phase: Some("failed".into()),
                     group: Some("canary".into()),
                     select: Some("site=a".into()),
+                    ..PageQuery::default()
                 },
             },
         );

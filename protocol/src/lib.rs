@@ -12,6 +12,7 @@
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
 //! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
 //! - [`control`]: the JSON control requests, replies and status documents.
+//! - [`device_view`]: one device in detail, as `show_device` answers it.
 //! - [`operator`]: signed control requests, operator roles, the checks on `reply_to`.
 //! - [`ids`]: the safe character set for ids that appear in topics.
 //! - [`raw_bytes`]: bulk bytes (artifact blocks) serialized as one byte string.
@@ -30,6 +31,7 @@ pub mod artifact_type;
 pub mod blocks;
 pub mod control;
 pub mod device;
+pub mod device_view;
 pub mod envelope;
 pub mod hex;
 pub mod ids;

@@ -178,6 +178,7 @@ impl Command {
             Command::AcceptDevice { .. } => "accept_device",
             Command::RejectDevice { .. } => "reject_device",
             Command::RevokeDevice { .. } => "revoke_device",
+            Command::ShowDevice { .. } => "show_device",
             Command::Backup => "backup",
             Command::Coordinators => "coordinators",
         }
@@ -194,6 +195,7 @@ impl Command {
             | Command::ShowStrategy { .. }
             | Command::ListGroups { .. }
             | Command::PendingDevices { .. }
+            | Command::ShowDevice { .. }
             | Command::Login
             | Command::Coordinators => Role::Viewer,
             Command::CreateRollout { .. }
@@ -332,6 +334,9 @@ mod tests {
         };
         assert_eq!(delete.required_role(), Role::Admin);
         assert_eq!(Command::Login.required_role(), Role::Viewer);
+        // A device's page reads; accepting and revoking it take an admin.
+        let show = Command::ShowDevice { device: "d".into() };
+        assert_eq!(show.required_role(), Role::Viewer);
         for role in [Role::Viewer, Role::Operator, Role::Admin] {
             assert_eq!(Role::parse(role.as_str()), Some(role));
         }

@@ -261,6 +261,15 @@ impl Browser {
         )
     }
 
+    /// Resizes the window to `width` x `height` CSS pixels (a phone's, a laptop's).
+    pub fn set_window_size(&self, width: u32, height: u32) {
+        self.call(
+            "POST",
+            &self.session_path("/window/rect"),
+            &json!({"width": width, "height": height}),
+        );
+    }
+
     /// Saves a PNG of the page to `path`.
     pub fn screenshot(&self, path: &Path) {
         let data = self.call("GET", &self.session_path("/screenshot"), &json!({}));

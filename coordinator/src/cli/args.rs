@@ -411,6 +411,12 @@ pub struct PageArgs {
     /// device group (`devices`).
     #[arg(long, value_name = "GROUP")]
     pub group: Option<String>,
+    /// Only devices that are connected (`true`) or not (`false`) (`devices`).
+    #[arg(long, value_name = "BOOL")]
+    pub online: Option<bool>,
+    /// Only devices in this enrollment state: accepted, pending, rejected, revoked (`devices`).
+    #[arg(long, value_name = "STATE")]
+    pub enrollment: Option<String>,
 }
 
 impl PageArgs {
@@ -422,6 +428,8 @@ impl PageArgs {
             select: self.select.clone(),
             phase: self.phase.clone(),
             group: self.group.clone(),
+            online: self.online,
+            enrollment: self.enrollment.clone(),
         }
     }
 }

@@ -895,6 +895,8 @@ mod tests {
             phase: Some("failed".into()),
             reason: Some("health check self-test failed".into()),
             enrollment: None,
+            last_seen: None,
+            overdue: false,
         }];
         let summary = summarize(&status("paused", 0), &devices);
         assert_eq!(summary.devices[0].group.as_deref(), Some("group-1"));

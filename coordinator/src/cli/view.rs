@@ -1090,6 +1090,8 @@ mod tests {
                 phase: Some("ready".into()),
                 reason: None,
                 enrollment: Some("accepted".into()),
+                last_seen: None,
+                overdue: false,
             },
             DeviceSummary {
                 id: "pi-kitchen-22".into(),
@@ -1101,6 +1103,8 @@ mod tests {
                 phase: Some("failed".into()),
                 reason: Some("health check failed".into()),
                 enrollment: None,
+                last_seen: None,
+                overdue: false,
             },
         ];
         let text = devices_table(&devices);

@@ -9,7 +9,7 @@ use flotilla_protocol::{validate_id, DeviceId};
 
 use crate::service::error::ServiceError;
 use crate::service::leadership;
-use crate::service::lists::{json, named_list, refuse_filters, selector};
+use crate::service::lists::{approvals_in, json, named_list, refuse_filters, selector};
 use crate::service::state::{now, Service};
 
 use crate::service::backup;
@@ -162,7 +162,11 @@ impl Service {
                 rollout: None,
                 page,
             } if page.is_paged() => {
-                refuse_filters(&page, &["select", "group"], "rollouts")?;
+                refuse_filters(
+                    &page,
+                    &["select", "group", "online", "enrollment"],
+                    "rollouts",
+                )?;
                 let states = page.phase.clone();
                 let all = self
                     .engine
@@ -177,11 +181,16 @@ impl Service {
                 value(json(&all))
             }
             Command::ListDevices { page } if page.is_paged() => {
-                value(json(&self.device_page(&page)?))
+                value(json(&self.device_page(&page, now)?))
             }
-            Command::ListDevices { .. } => value(json(&self.device_list())),
+            Command::ListDevices { .. } => value(json(&self.device_list(now))),
+            Command::ShowDevice { device } => value(json(&self.device_view(&device, now)?)),
             Command::PendingDevices { page } if page.is_paged() => {
-                refuse_filters(&page, &["phase", "group"], "pending devices")?;
+                refuse_filters(
+                    &page,
+                    &["phase", "group", "online", "enrollment"],
+                    "pending devices",
+                )?;
                 let select = selector(&page)?;
                 let pending = self
                     .registry
@@ -223,7 +232,13 @@ impl Service {
                 Ok((effects, Answer::Value(json(&info))))
             }
             Command::ListReleases { page } => {
-                let all = self.releases.summaries().map_err(|e| e.to_string())?;
+                let mut all = self.releases.summaries().map_err(|e| e.to_string())?;
+                let mut usage = self.engine.release_usage();
+                for release in &mut all {
+                    let (devices, rollouts) = usage.remove(&release.name).unwrap_or_default();
+                    release.devices = Some(devices);
+                    release.rollouts = rollouts;
+                }
                 value(named_list(all, &page, "releases", |r| r.name.clone())?)
             }
             Command::DeleteDevice { device } => {
@@ -261,7 +276,7 @@ impl Service {
                 Ok((effects, Answer::Approval(name)))
             }
             Command::ListApprovals { page } => {
-                let all = self.engine.approvals();
+                let (all, page) = approvals_in(self.engine.approvals(), page)?;
                 value(named_list(all, &page, "approvals", |a| a.name.clone())?)
             }
             Command::Coordinators => {

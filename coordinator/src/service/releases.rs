@@ -614,6 +614,8 @@ pub fn summary(full: &Manifest) -> ReleaseSummary {
                 artifact_type: full.artifact_type(i).map(|t| t.to_string()),
             })
             .collect(),
+        devices: None,
+        rollouts: Vec::new(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! What the engine shows: rollouts, their status and summaries, devices and their labels.
 
 use super::*;
+use flotilla_protocol::device_view::DeviceAction;
 
 impl Engine {
     pub fn rollout(&self, name: &str) -> Option<&Rollout> {
@@ -169,22 +170,72 @@ impl Engine {
         };
         self.devices
             .range((start, Bound::Unbounded))
-            .map(|(id, d)| DeviceSummary {
-                id: id.clone(),
-                hardware_id: d.hardware_id.to_string(),
-                labels: d
-                    .labels
-                    .0
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect(),
-                online: d.online,
-                installed: d.installed.as_deref().map(str::to_owned),
-                rollout: d.rollout.as_deref().map(str::to_owned),
-                phase: d.phase.map(str::to_owned),
-                reason: d.reason.clone(),
-                enrollment: None,
+            .map(|(id, d)| self.device_summary(id, d))
+    }
+
+    /// One device known from its retained state.
+    pub fn device(&self, id: &str) -> Option<DeviceSummary> {
+        self.devices.get(id).map(|d| self.device_summary(id, d))
+    }
+
+    fn device_summary(&self, id: &str, d: &DeviceRecord) -> DeviceSummary {
+        DeviceSummary {
+            id: id.to_owned(),
+            hardware_id: d.hardware_id.to_string(),
+            labels: d
+                .labels
+                .0
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            online: d.online,
+            installed: d.installed.as_deref().map(str::to_owned),
+            rollout: d.rollout.as_deref().map(str::to_owned),
+            phase: d.phase.map(str::to_owned),
+            reason: d.reason.clone(),
+            enrollment: None,
+            last_seen: (!d.online).then(|| self.offline.get(id).copied()).flatten(),
+            overdue: false,
+        }
+    }
+
+    /// Every action the rollouts hold for `device`, newest first (by start, then by the
+    /// rollout's creation): what its page shows.
+    pub fn device_actions(&self, device: &str) -> Vec<DeviceAction> {
+        let mut actions: Vec<(u64, u64, DeviceAction)> = self
+            .rollouts
+            .values()
+            .filter_map(|e| {
+                let gi = *e.index.get(device)?;
+                let group = e.rollout.groups.get(gi)?;
+                let slot = group.slots.get(device)?;
+                let action = DeviceAction {
+                    rollout: e.rollout.name.clone(),
+                    release: e.rollout.release.name.clone(),
+                    group: group.name.clone(),
+                    detail: e.rollout.device_detail(slot),
+                    bytes: slot.bytes,
+                };
+                Some((slot.started_at.unwrap_or(0), e.rollout.created_at, action))
             })
+            .collect();
+        actions.sort_by_key(|a| std::cmp::Reverse((a.0, a.1)));
+        actions.into_iter().map(|(_, _, a)| a).collect()
+    }
+
+    /// Per release: how many known devices run it, and the rollouts that roll it out.
+    pub fn release_usage(&self) -> BTreeMap<String, (u64, Vec<String>)> {
+        let mut usage: BTreeMap<String, (u64, Vec<String>)> = BTreeMap::new();
+        for d in self.devices.values() {
+            if let Some(release) = &d.installed {
+                usage.entry(release.to_string()).or_default().0 += 1;
+            }
+        }
+        for e in self.rollouts.values() {
+            let entry = usage.entry(e.rollout.release.name.clone()).or_default();
+            entry.1.push(e.rollout.name.clone());
+        }
+        usage
     }
 }
 

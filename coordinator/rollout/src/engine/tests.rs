@@ -946,3 +946,40 @@ fn an_offline_device_keeps_its_installed_release_across_its_will_and_a_restart()
         "nothing known: nothing shown"
     );
 }
+
+/// What a device's page shows: its action with phase and reason, since when it is offline; and
+/// per release, how many devices run it and which rollouts roll it out.
+#[test]
+fn a_device_shows_its_actions_and_last_sight_and_releases_their_use() {
+    let mut sim = Sim::new(2, no_labels);
+    sim.create_and_start("[groups]\ncount = 1\n");
+    let first = sim.group_devices(0)[0].clone();
+    sim.report(&first, failed());
+    let actions = sim.engine.device_actions(&first);
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    let action = &actions[0];
+    assert_eq!(
+        (
+            action.rollout.as_str(),
+            action.release.as_str(),
+            action.detail.phase.as_str()
+        ),
+        ("fw-2-4", "fw-2.4.0", "failed")
+    );
+    assert_eq!(
+        action.detail.reason.as_deref(),
+        Some("health check nginx failed (rolled back)")
+    );
+    assert!(sim.engine.device_actions("dev-999").is_empty());
+
+    assert_eq!(sim.engine.device(&first).and_then(|d| d.last_seen), None);
+    let mut gone = state(&first, &[], None);
+    gone.online = false;
+    sim.engine.observe_state(gone, NOW + 50);
+    let seen = sim.engine.device(&first).expect("known");
+    assert_eq!((seen.online, seen.last_seen), (false, Some(NOW + 50)));
+
+    let usage = sim.engine.release_usage();
+    assert_eq!(usage["fw-2.3.0"], (2, Vec::new()));
+    assert_eq!(usage["fw-2.4.0"], (0, vec!["fw-2-4".to_owned()]));
+}

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
-use crate::service::http::{commands, console, reads};
+use crate::service::http::{commands, console, reads, reads_devices};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -33,7 +33,7 @@ pub const CONTROL: &str = "/api/v1/control";
 
 /// Every route, as the OpenAPI document must list it: method and path (the OpenAPI form of a
 /// path parameter).
-pub const ROUTES: [(&str, &str); 15] = [
+pub const ROUTES: [(&str, &str); 20] = [
     ("get", METRICS),
     ("get", OPENAPI_PATH),
     ("post", CONTROL),
@@ -43,11 +43,16 @@ pub const ROUTES: [(&str, &str); 15] = [
     ("get", "/api/v1/rollouts"),
     ("get", "/api/v1/rollouts/{name}"),
     ("get", "/api/v1/devices"),
+    ("get", "/api/v1/devices/{id}"),
+    ("get", "/api/v1/enrollment"),
     ("get", "/api/v1/approvals"),
     ("get", "/api/v1/releases"),
     ("get", "/api/v1/events"),
     ("get", "/console"),
     ("get", "/console/app.js"),
+    ("get", "/console/devices.js"),
+    ("get", "/console/queues.js"),
+    ("get", "/console/releases.js"),
     ("get", "/console/style.css"),
 ];
 
@@ -61,6 +66,7 @@ pub fn router(state: Api, api: bool) -> Router {
             .route(OPENAPI_PATH, get(openapi))
             .route(CONTROL, post(run_control));
         router = reads::routes(router);
+        router = reads_devices::routes(router);
         router = commands::routes(router);
         router = console::routes(router);
     }
@@ -250,7 +256,7 @@ mod tests {
             .map(|(m, p)| (*m, p.to_string()))
             .chain(per_command);
         for (method, path) in routes {
-            let path = path.replace("{name}", "fw-2");
+            let path = path.replace("{name}", "fw-2").replace("{id}", "dev-1");
             let request = format!(
                 "{} {path} HTTP/1.1\r\nHost: c\r\nContent-Length: 0\r\n\r\n",
                 method.to_uppercase()

@@ -13,6 +13,10 @@ use crate::service::http::state::Api;
 
 const PAGE: &str = include_str!("console/index.html");
 const SCRIPT: &str = include_str!("console/app.js");
+/// The pages beyond the rollouts, each a script of its own, loaded before `app.js`.
+const DEVICES: &str = include_str!("console/devices.js");
+const QUEUES: &str = include_str!("console/queues.js");
+const RELEASES: &str = include_str!("console/releases.js");
 const STYLE: &str = include_str!("console/style.css");
 
 /// What the console's responses forbid: scripts and styles from anywhere but this server, any
@@ -26,6 +30,9 @@ pub fn routes(router: Router<Api>) -> Router<Api> {
         .route("/", get(|| async { Redirect::to("/console") }))
         .route("/console", get(page))
         .route("/console/app.js", get(script))
+        .route("/console/devices.js", get(|| js(DEVICES)))
+        .route("/console/queues.js", get(|| js(QUEUES)))
+        .route("/console/releases.js", get(|| js(RELEASES)))
         .route("/console/style.css", get(style))
 }
 
@@ -59,7 +66,11 @@ async fn page(State(api): State<Api>) -> Response {
 }
 
 async fn script() -> Response {
-    guarded("text/javascript; charset=utf-8", SCRIPT.to_owned())
+    js(SCRIPT).await
+}
+
+async fn js(source: &'static str) -> Response {
+    guarded("text/javascript; charset=utf-8", source.to_owned())
 }
 
 async fn style() -> Response {

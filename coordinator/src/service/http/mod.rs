@@ -19,6 +19,7 @@ pub mod control;
 #[cfg(test)]
 mod load;
 pub mod reads;
+pub mod reads_devices;
 pub mod server;
 pub mod session;
 pub mod slots;

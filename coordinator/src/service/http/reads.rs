@@ -6,7 +6,10 @@
 //! DELETE /api/v1/session           ends it
 //! GET    /api/v1/rollouts          rollouts, paged (`limit`, `after`, `phase`)
 //! GET    /api/v1/rollouts/{name}   one rollout and a page of its devices
-//! GET    /api/v1/devices           devices, paged (`select`, `phase`, `group`)
+//! GET    /api/v1/devices           devices, paged (`select`, `phase`, `group`, `online`,
+//!                                  `enrollment`)
+//! GET    /api/v1/devices/{id}      one device, its actions (reads_devices.rs)
+//! GET    /api/v1/enrollment        devices waiting for an operator, paged (reads_devices.rs)
 //! GET    /api/v1/approvals         approval requests, paged
 //! GET    /api/v1/releases          releases, paged
 //! GET    /api/v1/events            live events (server-sent events): rollouts, approvals, trace
@@ -164,7 +167,7 @@ async fn logout(State(api): State<Api>, headers: HeaderMap) -> Response {
 }
 
 /// Runs a viewer command for the session's operator: the reply as JSON, with its status.
-async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
+pub(super) async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
     let session = match session(api, headers) {
         Ok(session) => session,
         Err(answer) => return answer,
@@ -182,7 +185,7 @@ async fn read(api: &Api, headers: &HeaderMap, command: Command) -> Response {
 }
 
 /// Reads are always paged: an answer never grows with the fleet.
-fn paged(mut page: PageQuery) -> PageQuery {
+pub(super) fn paged(mut page: PageQuery) -> PageQuery {
     page.limit.get_or_insert(DEFAULT_PAGE_LIMIT);
     page
 }

@@ -144,8 +144,15 @@ function startedBy(status) {
   return started && started.by ? started.by : "";
 }
 
+// The page's sections; the pages of devices.js, queues.js and releases.js add theirs.
+const SECTIONS = ["login", "rollouts", "rollout", "devices", "device", "queues", "releases"];
+
 function show(section) {
-  for (const id of ["login", "rollouts", "rollout"]) $(id).hidden = id !== section;
+  for (const id of SECTIONS) $(id).hidden = id !== section;
+  $("nav").hidden = section === "login";
+  for (const link of document.querySelectorAll("#nav a")) {
+    link.classList.toggle("here", link.dataset.page === section || link.dataset.page + "s" === section);
+  }
 }
 
 async function drawList() {
@@ -167,10 +174,12 @@ async function drawList() {
   show("rollouts");
 }
 
-function actionButton(label, command) {
+// A button that signs `command`, posts it and redraws; a refusal is shown in `errorId`.
+function actionButton(label, command, errorId) {
+  const where = () => $(errorId || "action-error");
   return el("button", { onclick: async () => {
-    $("action-error").textContent = "";
-    try { await control(command); await refresh(); } catch (e) { $("action-error").textContent = label + ": " + e.message; }
+    where().textContent = "";
+    try { await control(command); await refresh(); } catch (e) { where().textContent = label + ": " + e.message; }
   } }, label);
 }
 
@@ -235,7 +244,14 @@ async function drawRollout(name) {
 
 async function refresh() {
   if (!me) return;
-  if (view.name === "rollout") await drawRollout(view.rollout); else await drawList();
+  const pages = {
+    rollout: () => drawRollout(view.rollout),
+    devices: () => drawDevices(view.query),
+    device: () => drawDevice(view.device),
+    queues: () => drawQueues(),
+    releases: () => drawReleases(view.query),
+  };
+  await (pages[view.name] || drawList)();
 }
 
 // Many events in a burst make one redraw.
@@ -321,9 +337,18 @@ function follow() {
   for (const kind of ["rollout", "approval", "trace"]) events.addEventListener(kind, soon);
 }
 
+// Hash routes: #/ (rollouts), #/rollouts/NAME, #/devices?FILTERS, #/devices/ID, #/queues,
+// #/releases?after=CURSOR.
 function route() {
-  const m = location.hash.match(/^#\/rollouts\/(.+)$/);
-  view = m ? { name: "rollout", rollout: decodeURIComponent(m[1]) } : { name: "list" };
+  const [path, query] = location.hash.replace(/^#/, "").split("?");
+  const params = new URLSearchParams(query || "");
+  let m;
+  if ((m = path.match(/^\/rollouts\/(.+)$/))) view = { name: "rollout", rollout: decodeURIComponent(m[1]) };
+  else if ((m = path.match(/^\/devices\/(.+)$/))) view = { name: "device", device: decodeURIComponent(m[1]) };
+  else if (path === "/devices") view = { name: "devices", query: params };
+  else if (path === "/queues") view = { name: "queues" };
+  else if (path === "/releases") view = { name: "releases", query: params };
+  else view = { name: "list" };
   refresh();
 }
 
@@ -341,6 +366,7 @@ async function start() {
   route();
 }
 
+$("device-filters").addEventListener("submit", applyFilters);
 $("login-button").addEventListener("click", login);
 $("logout").addEventListener("click", logout);
 window.addEventListener("hashchange", route);
