@@ -265,7 +265,11 @@ fn a_demo_whose_reader_stops_reading_stops_its_agents_and_removes_its_keys() {
 fn a_demo_that_panics_stops_its_agents_and_removes_its_keys() {
     use std::os::unix::process::ExitStatusExt as _;
     let (status, stderr) = end_demo(End::Panic);
-    assert_eq!(status.signal(), Some(6), "a panic aborts the demo: {stderr}");
+    assert_eq!(
+        status.signal(),
+        Some(6),
+        "a panic aborts the demo: {stderr}"
+    );
     assert!(
         stderr.contains("demo: panicked; stopped 3 agents, removed "),
         "the demo says what it cleaned up: {stderr}"

@@ -67,7 +67,10 @@ fn steps(readme: &str) -> Vec<Line> {
             let parsed: toml::Table = body
                 .parse()
                 .unwrap_or_else(|e| panic!("the README's setting {raw:?} is not TOML: {e}"));
-            lines.push(Line::Setting(table.trim_matches(['[', ']']).to_owned(), parsed));
+            lines.push(Line::Setting(
+                table.trim_matches(['[', ']']).to_owned(),
+                parsed,
+            ));
             continue;
         }
         if raw.trim_start().starts_with('#') || raw.trim().is_empty() {
@@ -145,7 +148,10 @@ impl World {
                 return format!("{}{word}", root.display());
             }
         }
-        word.replace("mqtt.example.com:8883", &format!("127.0.0.1:{}", self.tls_port))
+        word.replace(
+            "mqtt.example.com:8883",
+            &format!("127.0.0.1:{}", self.tls_port),
+        )
     }
 
     /// A setting's value as it is on a machine: the broker's name and ports, paths.
@@ -270,7 +276,10 @@ fn start_broker(world: &mut World) {
     fs::write(&drop_in, text).expect("the drop-in");
     let binary = mosquitto_binary()
         .expect("mosquitto is not installed; .ci/run installs it (apt-get install mosquitto)");
-    let args = vec!["-c".to_owned(), etc.join("mosquitto.conf").display().to_string()];
+    let args = vec![
+        "-c".to_owned(),
+        etc.join("mosquitto.conf").display().to_string(),
+    ];
     let host = world.host.clone();
     world.spawn("mosquitto", &binary, &args, &host);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -416,7 +425,9 @@ fn running_it_for_real_as_the_readme_says() {
                 if name == "broker" {
                     device_settings.push(Vec::new());
                 }
-                let device = device_settings.last_mut().expect("a device's [broker] first");
+                let device = device_settings
+                    .last_mut()
+                    .expect("a device's [broker] first");
                 device.push((name.clone(), values.clone()));
                 continue;
             }
@@ -486,8 +497,11 @@ fn running_it_for_real_as_the_readme_says() {
                 )
                 .expect("password");
                 fs::create_dir_all(work.join("tls")).expect("tls/");
-                fs::copy(world.home.join("flotilla-ca/ca.crt"), work.join("tls/ca.crt"))
-                    .expect("ca.crt");
+                fs::copy(
+                    world.home.join("flotilla-ca/ca.crt"),
+                    work.join("tls/ca.crt"),
+                )
+                .expect("ca.crt");
                 start_coordinator(&mut world, &coordinator_settings, &coordinator_default);
                 coordinator_started = true;
             }
@@ -498,9 +512,15 @@ fn running_it_for_real_as_the_readme_says() {
                     let id = match broker.get("username") {
                         Some(user) => user.as_str().expect("username").to_owned(),
                         None => {
-                            let tls = &settings.iter().find(|s| s.0 == "broker.tls").expect("tls").1;
+                            let tls = &settings
+                                .iter()
+                                .find(|s| s.0 == "broker.tls")
+                                .expect("tls")
+                                .1;
                             let cert = tls["client_cert"].as_str().expect("client_cert");
-                            cert.trim_start_matches(".../").trim_end_matches(".crt").to_owned()
+                            cert.trim_start_matches(".../")
+                                .trim_end_matches(".crt")
+                                .to_owned()
                         }
                     };
                     let root = world.host.parent().expect("tmp").join(&id);
@@ -530,18 +550,33 @@ fn running_it_for_real_as_the_readme_says() {
                         key: None,
                     });
                 }
-                assert_eq!(world.devices.len(), 2, "a device with a certificate, one with a password");
+                assert_eq!(
+                    world.devices.len(),
+                    2,
+                    "a device with a certificate, one with a password"
+                );
                 for device in &world.devices {
                     let config = write_agent_config(&world, device, &agent_default);
-                    let args = ["check-config".to_owned(), "--config".to_owned(), config.display().to_string()];
-                    let out = ok(world.run(&bin("flotilla-agent"), &args, &device.root), command);
+                    let args = [
+                        "check-config".to_owned(),
+                        "--config".to_owned(),
+                        config.display().to_string(),
+                    ];
+                    let out = ok(
+                        world.run(&bin("flotilla-agent"), &args, &device.root),
+                        command,
+                    );
                     assert!(out.contains("config ok"), "{out}");
                 }
             }
             ["flotilla-agent", "run", "--config", config] => {
                 for i in 0..world.devices.len() {
                     let root = world.devices[i].root.clone();
-                    let args = ["run".to_owned(), "--config".to_owned(), world.path(config, &root)];
+                    let args = [
+                        "run".to_owned(),
+                        "--config".to_owned(),
+                        world.path(config, &root),
+                    ];
                     let name = world.devices[i].id.clone();
                     world.spawn(&name, &bin("flotilla-agent"), &args, &root);
                 }
@@ -550,7 +585,11 @@ fn running_it_for_real_as_the_readme_says() {
                 // "made on first start": asked until the running agent has made it.
                 for i in 0..world.devices.len() {
                     let root = world.devices[i].root.clone();
-                    let args = ["identity".to_owned(), "--config".to_owned(), world.path(config, &root)];
+                    let args = [
+                        "identity".to_owned(),
+                        "--config".to_owned(),
+                        world.path(config, &root),
+                    ];
                     let deadline = Instant::now() + WAIT;
                     let key = loop {
                         let out = world.run(&bin("flotilla-agent"), &args, &root);
@@ -572,20 +611,31 @@ fn running_it_for_real_as_the_readme_says() {
                     world.env.push((name.to_owned(), value));
                 }
                 // The operator's copies of the CA's certificate and of its password.
-                if let Some((_, file)) = world.env.iter().find(|(n, _)| n == "FLOTILLA_BROKER_PASSWORD_FILE") {
+                if let Some((_, file)) = world
+                    .env
+                    .iter()
+                    .find(|(n, _)| n == "FLOTILLA_BROKER_PASSWORD_FILE")
+                {
                     let file = PathBuf::from(file);
                     fs::create_dir_all(file.parent().expect("~/.flotilla")).expect("~/.flotilla");
                     fs::write(&file, &world.passwords["flotilla-operator"]).expect("password");
                 }
-                if let Some((_, file)) = world.env.iter().find(|(n, _)| n == "FLOTILLA_BROKER_CA_FILE") {
+                if let Some((_, file)) = world
+                    .env
+                    .iter()
+                    .find(|(n, _)| n == "FLOTILLA_BROKER_CA_FILE")
+                {
                     fs::copy(world.home.join("flotilla-ca/ca.crt"), file).expect("ca.crt");
                 }
             }
             ["flotilla", "devices", "pending"] => {
                 let ids: Vec<String> = world.devices.iter().map(|d| d.id.clone()).collect();
-                until(&world, command, "both devices wait for enrollment", |text| {
-                    ids.iter().all(|id| text.contains(id.as_str()))
-                });
+                until(
+                    &world,
+                    command,
+                    "both devices wait for enrollment",
+                    |text| ids.iter().all(|id| text.contains(id.as_str())),
+                );
             }
             ["flotilla", "devices", "accept", id, "--key", _] => {
                 for device in &world.devices {
@@ -598,13 +648,19 @@ fn running_it_for_real_as_the_readme_says() {
             }
             ["flotilla", "devices"] => {
                 let ids: Vec<String> = world.devices.iter().map(|d| d.id.clone()).collect();
-                until(&world, "flotilla devices --json", "both devices online", |text| {
-                    serde_json::from_str::<Vec<Value>>(text).is_ok_and(|list| {
-                        ids.iter().all(|id| {
-                            list.iter().any(|d| d["id"] == id.as_str() && d["online"] == true)
+                until(
+                    &world,
+                    "flotilla devices --json",
+                    "both devices online",
+                    |text| {
+                        serde_json::from_str::<Vec<Value>>(text).is_ok_and(|list| {
+                            ids.iter().all(|id| {
+                                list.iter()
+                                    .any(|d| d["id"] == id.as_str() && d["online"] == true)
+                            })
                         })
-                    })
-                });
+                    },
+                );
                 let out = ok(world.flotilla(command), command);
                 assert!(ids.iter().all(|id| out.contains(id.as_str())), "{out}");
             }
@@ -615,7 +671,10 @@ fn running_it_for_real_as_the_readme_says() {
             ["flotilla", "rollout", "status", name, "--watch"] => {
                 let out = world.flotilla(command);
                 let text = ok(out, command);
-                let last = text.rsplit(&format!("rollout {name} ")).next().unwrap_or_default();
+                let last = text
+                    .rsplit(&format!("rollout {name} "))
+                    .next()
+                    .unwrap_or_default();
                 assert!(last.contains("state finished"), "{text}");
                 finished = true;
                 break;
@@ -626,7 +685,10 @@ fn running_it_for_real_as_the_readme_says() {
             _ => panic!("the README has a step this test does not know: {command}"),
         }
     }
-    assert!(finished, "the README's steps reach `rollout status NAME --watch`");
+    assert!(
+        finished,
+        "the README's steps reach `rollout status NAME --watch`"
+    );
     for device in &world.devices {
         let installed = fs::read(device.root.join("opt/app/app.bin")).unwrap_or_default();
         assert_eq!(installed, app, "{} runs fw-2.4.0", device.id);

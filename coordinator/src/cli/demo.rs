@@ -400,15 +400,15 @@ async fn run_in(
         // Info, as a real agent logs: what it was told, fetched, installed and reported.
         demo_cleanup::spawn_agent(
             Command::new(&agent_bin)
-            .args(["run", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            // The link's size guard keeps its socket directory under TMPDIR; the demo's agents
-            // are killed at the end, so theirs goes inside the demo's directory, which is removed.
-            .env("TMPDIR", config.parent().unwrap_or(&root))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err),
+                .args(["run", "--config"])
+                .arg(&config)
+                .env("RUST_LOG", "info")
+                // The link's size guard keeps its socket directory under TMPDIR; the demo's agents
+                // are killed at the end, so theirs goes inside the demo's directory, which is removed.
+                .env("TMPDIR", config.parent().unwrap_or(&root))
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(err),
         )
         .map_err(io(format!("start {}", agent_bin.display())))?;
     }

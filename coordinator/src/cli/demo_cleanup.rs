@@ -101,6 +101,8 @@ fn clean_up() -> String {
     };
     let agents = left.agents.len();
     stop(&mut left.agents);
+    // The demo's own control client's socket directory (TMPDIR/flotilla-mqtt-PID-N).
+    flotilla_mqtt::remove_own_guard_dirs();
     let removed = match left.dir.take() {
         Some(dir) => {
             // The coordinator's store may still write into it while it is removed: try again.
