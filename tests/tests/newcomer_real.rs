@@ -672,7 +672,7 @@ fn running_it_for_real_as_the_readme_says() {
                 let out = world.flotilla(command);
                 let text = ok(out, command);
                 let last = text
-                    .rsplit(&format!("rollout {name} "))
+                    .rsplit(&format!("rollout {name}  release "))
                     .next()
                     .unwrap_or_default();
                 assert!(last.contains("state finished"), "{text}");
