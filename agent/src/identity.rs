@@ -52,12 +52,29 @@ pub fn load_or_create(data_dir: &Path) -> Result<SigningKey, IdentityError> {
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let key = generate_key();
-            flotilla_targets::fs::atomic_write_private(&path, secret_key_to_text(&key)).map_err(
-                |source| IdentityError::Write {
-                    path: path.clone(),
-                    source,
-                },
-            )?;
+            let write = |source| IdentityError::Write {
+                path: path.clone(),
+                source,
+            };
+            // Written whole under a name of this process's own, then linked into place only if
+            // no key is there yet: an agent starting and `flotilla-agent identity` run at the
+            // same moment (`systemctl enable --now` and then `identity`, as the README does)
+            // must not each make a key, the second replacing the first on disk while the first
+            // signs for the running agent. The one that loses reads the winner's key.
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let own = data_dir.join(format!(".{KEY_FILE}.{}-{n}", std::process::id()));
+            flotilla_targets::fs::atomic_write_private(&own, secret_key_to_text(&key))
+                .map_err(write)?;
+            let linked = std::fs::hard_link(&own, &path);
+            let _ = std::fs::remove_file(&own);
+            match linked {
+                Ok(()) => flotilla_targets::fs::fsync_dir(data_dir).map_err(write)?,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    return load_or_create(data_dir)
+                }
+                Err(source) => return Err(write(source)),
+            }
             tracing::info!(
                 key = %flotilla_protocol::hex::encode(key.verifying_key().as_bytes()),
                 path = %path.display(),
@@ -104,6 +121,28 @@ mod tests {
             .permissions()
             .mode()
             & 0o777
+    }
+
+    #[test]
+    fn processes_making_the_key_at_once_all_end_with_the_same_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let keys: Vec<String> = std::thread::scope(|s| {
+            let makers: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| public_key(dir.path()).expect("key")))
+                .collect();
+            makers
+                .into_iter()
+                .map(|m| m.join().expect("thread"))
+                .collect()
+        });
+        let on_disk = public_key(dir.path()).expect("key");
+        assert!(keys.iter().all(|k| *k == on_disk), "{keys:?} vs {on_disk}");
+        let files: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(files, [KEY_FILE], "no temporary file is left");
     }
 
     #[test]

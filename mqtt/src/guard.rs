@@ -493,6 +493,27 @@ impl Drop for PrivateDir {
     }
 }
 
+/// Removes this process's own guard directories in the temporary directory, sockets and all:
+/// for a process about to abort (a panic hook), whose guards' destructors will not run. A link
+/// still in use loses its socket, which is what the caller wants; nothing else is touched.
+pub fn remove_own_dirs() {
+    let own = format!("{}{}-", PrivateDir::PREFIX, std::process::id());
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(&own))
+        {
+            let path = entry.path();
+            let _ = std::fs::remove_file(path.join("link"));
+            let _ = std::fs::remove_dir(&path);
+        }
+    }
+}
+
 /// Removes the guard directories in `parent` that belong to this user and to processes that are
 /// gone. Best effort: anything unexpected is left alone.
 fn sweep(parent: &Path, own: &Path) {

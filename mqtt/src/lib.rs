@@ -30,7 +30,9 @@
 mod guard;
 mod oversize;
 
-pub use guard::{Guard, GuardError, Link, LinkSetup, DIAL_TIMEOUT};
+pub use guard::{
+    remove_own_dirs as remove_own_guard_dirs, Guard, GuardError, Link, LinkSetup, DIAL_TIMEOUT,
+};
 pub use oversize::{dropped, Dropped, DROPPED_TOPIC};
 
 use std::fmt;

@@ -294,7 +294,7 @@ impl SecureBroker {
 
 /// What every test broker adds: run as whoever runs the tests (mosquitto started as root
 /// switches to the mosquitto user, who cannot read a test's temporary files), log to stderr.
-pub(crate) const TEST_LINES: &str =
+pub const TEST_LINES: &str =
     "\nuser root\nlog_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n";
 
 /// The shipped drop-in `deploy/mosquitto/mosquitto.conf` with this broker's paths and free
@@ -347,7 +347,7 @@ fn drop_in(dir: &Path, tls_port: u16, mtls_port: u16, persist: bool) -> String {
 
 /// A main file (Debian's or the shipped `main.conf`) with its host paths moved into `dir`.
 /// Every path must be there to move, so a main file that sets something else fails here.
-pub(crate) fn main_with_paths(main: &str, dir: &Path, conf_d: &Path, db: &Path) -> String {
+pub fn main_with_paths(main: &str, dir: &Path, conf_d: &Path, db: &Path) -> String {
     let edits = [
         (
             "pid_file /run/mosquitto/mosquitto.pid",

@@ -114,18 +114,20 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
         .collect()
 }
 
-/// How a demo is ended from outside: a signal, or its reader closing stdout.
+/// How a demo is ended: from outside by a signal or its reader closing stdout, or from inside
+/// by a panic (the test hook FLOTILLA_DEMO_PANIC_AFTER).
 #[derive(Clone, Copy)]
 enum End {
     Signal(&'static str),
     ClosedPipe,
+    Panic,
 }
 
 /// Starts a demo with its temporary directory under a TMPDIR of its own, waits until its 3
 /// agents run (and, for a closed pipe, until it printed that they registered), ends it as
-/// `end` says and returns its exit status, once every one of its agents is gone and nothing is
-/// left in that TMPDIR, secret keys included (or panics saying what was left).
-fn end_demo(end: End) -> std::process::ExitStatus {
+/// `end` says and returns its exit status and its stderr, once every one of its agents is gone
+/// and nothing is left in that TMPDIR, secret keys included (or panics saying what was left).
+fn end_demo(end: End) -> (std::process::ExitStatus, String) {
     use std::io::BufRead as _;
     let tmp = tempfile::tempdir().expect("tempdir");
     let mut command = Command::new(bin("flotilla"));
@@ -137,6 +139,12 @@ fn end_demo(end: End) -> std::process::ExitStatus {
     match end {
         End::Signal(_) => command.arg("--json").stdout(std::process::Stdio::null()),
         End::ClosedPipe => command.stdout(std::process::Stdio::piped()),
+        // The demo panics as soon as its agents run: the test cannot wait to see them, the
+        // demo's last words say how many it stopped.
+        End::Panic => command
+            .arg("--json")
+            .env("FLOTILLA_DEMO_PANIC_AFTER", "agents-started")
+            .stdout(std::process::Stdio::null()),
     };
     let mut demo = command.spawn().expect("start flotilla demo");
     // Read on the side, so a full pipe never holds the demo up.
@@ -154,7 +162,7 @@ fn end_demo(end: End) -> std::process::ExitStatus {
             .collect()
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while agents().len() < 3 {
+    while !matches!(end, End::Panic) && agents().len() < 3 {
         assert!(
             std::time::Instant::now() < deadline,
             "the demo's 3 agents did not start within 60s"
@@ -165,7 +173,10 @@ fn end_demo(end: End) -> std::process::ExitStatus {
         .expect("list TMPDIR")
         .filter_map(Result::ok)
         .any(|e| e.path().join("keys").join("release.key").exists());
-    assert!(keys_written, "the demo wrote its keys under TMPDIR");
+    assert!(
+        keys_written || matches!(end, End::Panic),
+        "the demo wrote its keys under TMPDIR"
+    );
 
     match end {
         End::Signal(signal) => {
@@ -186,6 +197,7 @@ fn end_demo(end: End) -> std::process::ExitStatus {
                 }
             }
         }
+        End::Panic => {}
     }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     let status = loop {
@@ -199,7 +211,11 @@ fn end_demo(end: End) -> std::process::ExitStatus {
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let stderr = stderr.join().unwrap_or_default();
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        stderr.contains("panicked"),
+        matches!(end, End::Panic),
+        "{stderr}"
+    );
     let left = agents();
     assert!(left.is_empty(), "agents left running: {left:?}");
     let remaining: Vec<_> = std::fs::read_dir(tmp.path())
@@ -209,23 +225,23 @@ fn end_demo(end: End) -> std::process::ExitStatus {
         .collect();
     assert!(
         remaining.is_empty(),
-        "the temporary directory with the keys is removed: {remaining:?}"
+        "the temporary directory with the keys is removed: {remaining:?}\n{stderr}"
     );
-    status
+    (status, stderr)
 }
 
 /// issue 10, case 12: a demo stopped with SIGTERM used to leave its agents running and its
 /// temporary directory, secret keys included, behind.
 #[test]
 fn a_demo_stopped_with_sigterm_stops_its_agents_and_removes_its_keys() {
-    let status = end_demo(End::Signal("TERM"));
+    let (status, _) = end_demo(End::Signal("TERM"));
     assert_eq!(status.code(), Some(143), "exit code for SIGTERM");
 }
 
 /// Issue 24: a closed terminal (SIGHUP) cleans up as SIGTERM does.
 #[test]
 fn a_demo_whose_terminal_closes_stops_its_agents_and_removes_its_keys() {
-    let status = end_demo(End::Signal("HUP"));
+    let (status, _) = end_demo(End::Signal("HUP"));
     assert_eq!(status.code(), Some(129), "exit code for SIGHUP");
 }
 
@@ -234,10 +250,38 @@ fn a_demo_whose_terminal_closes_stops_its_agents_and_removes_its_keys() {
 /// no panic), agents stopped and directory removed.
 #[test]
 fn a_demo_whose_reader_stops_reading_stops_its_agents_and_removes_its_keys() {
-    let status = end_demo(End::ClosedPipe);
+    let (status, _) = end_demo(End::ClosedPipe);
     assert_eq!(
         status.code(),
         Some(0),
         "a closed pipe ends the demo quietly"
+    );
+}
+
+/// Issue 24: a panic aborts a release build, so no destructor runs. The demo's panic hook stops
+/// its agents and removes its directory first, and the demo then aborts in every build (the
+/// test runs whichever build it was built with and sees the same).
+#[test]
+fn a_demo_that_panics_stops_its_agents_and_removes_its_keys() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let (status, stderr) = end_demo(End::Panic);
+    assert_eq!(
+        status.signal(),
+        Some(6),
+        "a panic aborts the demo: {stderr}"
+    );
+    assert!(
+        stderr.contains("demo: panicked; stopped 3 agents, removed "),
+        "the demo says what it cleaned up: {stderr}"
+    );
+    // Its embedded broker went with it: nothing listens on the port it printed.
+    let broker = stderr
+        .split("embedded MQTT broker on ")
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .unwrap_or_else(|| panic!("the demo printed its broker's address: {stderr}"));
+    assert!(
+        std::net::TcpStream::connect(broker).is_err(),
+        "the demo's broker on {broker} is stopped"
     );
 }

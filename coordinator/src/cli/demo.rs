@@ -20,7 +20,7 @@ use std::fs;
 use std::io::IsTerminal as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,6 +30,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::client::{ClientError, ControlClient};
+use crate::cli::demo_cleanup;
 use crate::cli::view;
 use crate::service;
 use crate::service::config::{Config, ConfigError};
@@ -101,15 +102,12 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
     move |source| DemoError::Io { what, source }
 }
 
-/// The agents, killed when dropped.
-struct Agents(Vec<Child>);
+/// The agents ([`demo_cleanup`] holds them, for a panic), killed when dropped.
+struct Agents;
 
 impl Drop for Agents {
     fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        demo_cleanup::stop_agents();
     }
 }
 
@@ -142,17 +140,17 @@ pub struct DeviceOutcome {
     pub reason: Option<String>,
 }
 
-/// Runs the demo and returns the process exit code.
 /// Runs the demo; returns its exit code (0 finished, 2 paused or stopped, 130, 143 or 129 when
-/// interrupted by SIGINT, SIGTERM or SIGHUP, 0 when its stdout was closed). However it ends
-/// short of a panic, the agents are stopped and the temporary directory, secret keys included,
-/// is removed (kept with `--keep`).
+/// interrupted by SIGINT, SIGTERM or SIGHUP, 0 when its stdout was closed). However it ends,
+/// the agents are stopped and the temporary directory, secret keys included, is removed (kept
+/// with `--keep`); on a panic, by [`demo_cleanup`]'s hook before the process aborts.
 pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     check_args(&args)?;
     let dir = tempfile::Builder::new()
         .prefix("flotilla-demo-")
         .tempdir()
         .map_err(io("temporary directory"))?;
+    demo_cleanup::install(dir.path(), args.keep);
     let port = free_port().map_err(io("find a free port"))?;
     let shutdown = CancellationToken::new();
     let mut coordinator = None;
@@ -170,6 +168,7 @@ pub async fn run(args: DemoArgs) -> Result<i32, DemoError> {
     if let Some(task) = coordinator {
         let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
+    demo_cleanup::forget();
     if args.keep {
         let kept = dir.keep();
         let text = kept_text(&kept, port, args.devices);
@@ -385,7 +384,7 @@ async fn run_in(
         }
     ))?;
 
-    let mut agents = Agents(Vec::new());
+    let agents = Agents;
     for i in 1..=args.devices {
         let id = format!("dev-{i:02}");
         let healthy = i > args.fail;
@@ -399,20 +398,21 @@ async fn run_in(
             .map_err(io("create an agent log"))?;
         let err = log.try_clone().map_err(io("open an agent log"))?;
         // Info, as a real agent logs: what it was told, fetched, installed and reported.
-        let child = Command::new(&agent_bin)
-            .args(["run", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            // The link's size guard keeps its socket directory under TMPDIR; the demo's agents
-            // are killed at the end, so theirs goes inside the demo's directory, which is removed.
-            .env("TMPDIR", config.parent().unwrap_or(&root))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(io(format!("start {}", agent_bin.display())))?;
-        agents.0.push(child);
+        demo_cleanup::spawn_agent(
+            Command::new(&agent_bin)
+                .args(["run", "--config"])
+                .arg(&config)
+                .env("RUST_LOG", "info")
+                // The link's size guard keeps its socket directory under TMPDIR; the demo's agents
+                // are killed at the end, so theirs goes inside the demo's directory, which is removed.
+                .env("TMPDIR", config.parent().unwrap_or(&root))
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(err),
+        )
+        .map_err(io(format!("start {}", agent_bin.display())))?;
     }
+    demo_cleanup::panic_if_asked("agents-started");
     say(format!(
         "started {} agents ({} with a failing health check)",
         args.devices, args.fail

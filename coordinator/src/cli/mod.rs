@@ -13,7 +13,8 @@
 //! - [`watch`]: `rollout status NAME --watch` and `rollout start NAME --wait`.
 //! - [`fleetfile`]: `flotilla plan` and the fleet files it reads.
 //! - [`simulate`]: `flotilla simulate`, the engine in virtual time.
-//! - [`demo`]: `flotilla demo`, an embedded broker, a coordinator and real agents on one box.
+//! - [`demo`]: `flotilla demo`, an embedded broker, a coordinator and real agents on one box;
+//!   [`demo_cleanup`]: its agents stopped and its directory removed on a panic too.
 //!
 //! `plan` and `simulate` use the rollout crate alone; the other commands talk to a coordinator
 //! through [`client`], or start one (`serve`, `demo`) from [`crate::service`].
@@ -23,6 +24,7 @@ pub mod args;
 pub mod client;
 pub mod commands;
 pub mod demo;
+pub mod demo_cleanup;
 pub mod fleetfile;
 pub mod generate;
 pub mod help_scope;
