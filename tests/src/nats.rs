@@ -86,6 +86,8 @@ fn run(program: &str, args: &[&str], what: &str) -> Vec<u8> {
 pub struct Node {
     /// Its MQTT listener (TLS).
     pub mqtt_port: u16,
+    /// NATS's own client protocol, on loopback.
+    pub client_port: u16,
     dir: PathBuf,
     process: Option<Process>,
 }
@@ -205,6 +207,7 @@ impl Cluster {
             fs::copy(&node_conf, node_dir.join("node.conf")).expect("copy the node's config");
             nodes.push(Node {
                 mqtt_port: *mqtt,
+                client_port: *client,
                 dir: node_dir,
                 process: None,
             });

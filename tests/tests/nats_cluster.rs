@@ -204,6 +204,26 @@ async fn accepted(connection: &flotilla_mqtt::Connection, client_id: &str) -> Pr
     }
 }
 
+/// Logs in as `user` with NATS's own protocol on `port` and returns the server's answer.
+fn nats_protocol_login(port: u16, user: &str, password: &str) -> String {
+    use std::io::{BufRead, Write};
+    let stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("NATS client port");
+    stream
+        .set_read_timeout(Some(WAIT))
+        .expect("read timeout");
+    let mut reader = std::io::BufReader::new(stream.try_clone().expect("clone"));
+    let mut info = String::new();
+    reader.read_line(&mut info).expect("INFO");
+    assert!(info.starts_with("INFO "), "the server introduces itself: {info}");
+    let connect = format!(
+        "CONNECT {{\"verbose\":false,\"user\":{user:?},\"pass\":{password:?},\"protocol\":1}}\r\nPING\r\n"
+    );
+    (&stream).write_all(connect.as_bytes()).expect("CONNECT");
+    let mut answer = String::new();
+    reader.read_line(&mut answer).expect("answer");
+    answer
+}
+
 fn topics(messages: &[(String, Vec<u8>)]) -> Vec<&str> {
     messages.iter().map(|(t, _)| t.as_str()).collect()
 }
@@ -241,6 +261,15 @@ async fn the_permissions_refuse_what_the_mosquitto_acl_refuses() {
     assert!(
         matches!(answer, Connected::Failed(_)),
         "no MQTT without TLS: {answer:?}"
+    );
+
+    // Nor with NATS's own protocol, where a login could subscribe to the server's subjects:
+    // every flotilla login is MQTT only.
+    let password = fs::read_to_string(cluster.password_file("dev-a")).expect("password");
+    assert!(
+        nats_protocol_login(cluster.nodes[0].client_port, "dev-a", password.trim())
+            .contains("Authorization Violation"),
+        "a device's login is refused on NATS's own protocol"
     );
 
     // A device writes only its own report, state and fetch.
