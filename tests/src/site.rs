@@ -216,7 +216,9 @@ impl Site {
 
     /// The NATS cluster of a [`BrokerKind::NatsCluster`] site.
     pub fn cluster(&mut self) -> &mut crate::nats::Cluster {
-        self.cluster.as_mut().expect("a BrokerKind::NatsCluster site")
+        self.cluster
+            .as_mut()
+            .expect("a BrokerKind::NatsCluster site")
     }
 
     /// A site whose Mosquitto gets `broker_config` after its usual settings (an `acl_file`,
@@ -257,7 +259,10 @@ impl Site {
             BrokerKind::Nats => broker = Some(crate::nats::start(dir.path(), port)),
             BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
             BrokerKind::NatsCluster => {
-                cluster = Some(crate::nats::Cluster::start(&dir.path().join("nats"), devices))
+                cluster = Some(crate::nats::Cluster::start(
+                    &dir.path().join("nats"),
+                    devices,
+                ))
             }
         }
         let port = secure.as_ref().map_or(port, |s| s.tls_port);
@@ -749,9 +754,14 @@ max_bytes_per_sec = {rate}
 
     /// A control client signing as operator `name` (see [`Site::add_operator`]).
     pub async fn client_as(&self, name: &str) -> ControlClient {
-        ControlClient::connect_with(self.login(OPERATOR), "flotilla", self.operator_key(name), WAIT)
-            .await
-            .expect("connect control client")
+        ControlClient::connect_with(
+            self.login(OPERATOR),
+            "flotilla",
+            self.operator_key(name),
+            WAIT,
+        )
+        .await
+        .expect("connect control client")
     }
 
     /// Waits until the coordinator knows `n` online devices.
