@@ -176,7 +176,12 @@ async fn killing_the_coordinators_node_mid_rollout_still_installs_every_device_o
     // The coordinator and the agents of the dead node went on to another node.
     let coordinator = fs::read_to_string(site.path("coordinator.log")).expect("coordinator log");
     assert!(
-        coordinator.contains("MQTT connection lost") && coordinator.contains("of 3; before it"),
+        coordinator.contains("MQTT connection lost")
+            && coordinator
+                .lines()
+                .filter(|l| l.contains("using broker"))
+                .count()
+                >= 2,
         "the coordinator lost node 1 and went on to another:\n{coordinator}"
     );
     for id in ["dev-1", "dev-4"] {
@@ -337,8 +342,19 @@ async fn the_permissions_refuse_what_the_mosquitto_acl_refuses() {
     }
     let marker = format!("{ROOT}/devices/dev-a/desired");
     coordinator.publish(&marker, b"yours", true).await;
+    // Its desired and block are two subscriptions (no order between them on NATS): the block
+    // may come after the marker.
+    let mut seen = topics(&device.until(&marker).await)
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    if seen.is_empty() {
+        if let Some((topic, _)) = device.next_publish(WAIT).await {
+            seen.push(topic);
+        }
+    }
     assert_eq!(
-        topics(&device.until(&marker).await),
+        seen,
         vec![format!("{ROOT}/devices/dev-a/block")],
         "dev-a reads only its own desired and block"
     );
@@ -432,12 +448,23 @@ async fn the_permissions_refuse_what_the_mosquitto_acl_refuses() {
         vec![format!("{ROOT}/events/rollouts/fw-2")],
         "the observer sees the events and nothing else"
     );
+    // Two subscriptions, two JetStream consumers: NATS keeps no order between them, so the
+    // reply may come after the marker. What else the operator may not read, its SubAcks
+    // refused above.
+    let mut seen = topics(&operator.until(&marker).await)
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+    let reply = format!("{ROOT}/control/reply/{OPERATOR}");
+    if !seen.contains(&reply) {
+        if let Some((topic, _)) = operator.next_publish(WAIT).await {
+            seen.push(topic);
+        }
+    }
+    seen.sort();
     assert_eq!(
-        topics(&operator.until(&marker).await),
-        vec![
-            format!("{ROOT}/events/rollouts/fw-2"),
-            format!("{ROOT}/control/reply/{OPERATOR}")
-        ],
+        seen,
+        vec![reply, format!("{ROOT}/events/rollouts/fw-2")],
         "the operator sees the events and its own login's replies"
     );
 }
