@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::free_port;
-use crate::site::Process;
+use crate::site::{BrokerKind, Process, Site};
 
 /// The largest message this broker takes, in bytes (NATS's `max_payload`; its default is 1 MiB).
 pub const MAX_PAYLOAD: usize = 8 << 20;
@@ -362,4 +362,18 @@ pub fn first_of(id: &str, count: usize) -> usize {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
     (hash % count as u64) as usize
+}
+
+impl Site {
+    /// A site on a [`BrokerKind::NatsCluster`] with logins for `devices`.
+    pub fn nats_cluster(devices: &[&str]) -> Site {
+        Self::build(BrokerKind::NatsCluster, "", devices)
+    }
+
+    /// The NATS cluster of a [`BrokerKind::NatsCluster`] site.
+    pub fn cluster(&mut self) -> &mut Cluster {
+        self.cluster
+            .as_mut()
+            .expect("a BrokerKind::NatsCluster site")
+    }
 }

@@ -149,7 +149,7 @@ pub struct Site {
     _embedded: Option<EmbeddedBroker>,
     broker: Option<Process>,
     secure: Option<SecureBroker>,
-    cluster: Option<crate::nats::Cluster>,
+    pub(crate) cluster: Option<crate::nats::Cluster>,
     coordinator: Option<Process>,
     /// Coordinators started by name, beside or instead of `coordinator` (`coordinators.rs`).
     pub(crate) named: BTreeMap<String, Process>,
@@ -209,25 +209,13 @@ impl Site {
         Self::build(kind, "", &[])
     }
 
-    /// A site on a [`BrokerKind::NatsCluster`] with logins for `devices`.
-    pub fn nats_cluster(devices: &[&str]) -> Site {
-        Self::build(BrokerKind::NatsCluster, "", devices)
-    }
-
-    /// The NATS cluster of a [`BrokerKind::NatsCluster`] site.
-    pub fn cluster(&mut self) -> &mut crate::nats::Cluster {
-        self.cluster
-            .as_mut()
-            .expect("a BrokerKind::NatsCluster site")
-    }
-
     /// A site whose Mosquitto gets `broker_config` after its usual settings (an `acl_file`,
     /// say). Files it names must exist already: write them somewhere of the test's own first.
     pub fn mosquitto_with(broker_config: &str) -> Site {
         Self::build(BrokerKind::Mosquitto, broker_config, &[])
     }
 
-    fn build(kind: BrokerKind, broker_config: &str, devices: &[&str]) -> Site {
+    pub(crate) fn build(kind: BrokerKind, broker_config: &str, devices: &[&str]) -> Site {
         let dir = tempfile::tempdir().expect("temporary directory");
         let mut port = free_port();
         let (mut embedded, mut broker, mut secure, mut cluster) = (None, None, None, None);
