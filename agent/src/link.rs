@@ -311,7 +311,7 @@ pub fn start_with(
         shutdown.clone(),
     ));
     tokio::spawn(poll(
-        (eventloop, guard),
+        (eventloop, guard, client.clone()),
         topics,
         id,
         event_tx,
@@ -487,7 +487,7 @@ async fn writer(
 
 #[allow(clippy::too_many_arguments)]
 async fn poll(
-    (mut eventloop, guard): (rumqttc::EventLoop, flotilla_mqtt::Guard),
+    (mut eventloop, guard, client): (rumqttc::EventLoop, flotilla_mqtt::Guard, AsyncClient),
     topics: Topics,
     id: DeviceId,
     events: mpsc::Sender<LinkEvent>,
@@ -499,6 +499,7 @@ async fn poll(
     let mut backoff = Duration::from_secs(1);
     // packet id -> report seq, for publishes sent on this connection.
     let mut pending: HashMap<u16, u64> = HashMap::new();
+    let mut subscriptions = Resubscribe::default();
     let undelivered = Arc::new(Mutex::new(Undelivered::default()));
     let backlog = Arc::new(tokio::sync::Notify::new());
     tokio::spawn(deliver_backlog(
@@ -517,6 +518,7 @@ async fn poll(
                 tracing::info!(code = ?ack.code, "connected to broker");
                 backoff = Duration::from_secs(1);
                 pending.clear();
+                subscriptions.connected(topics.agent_filters(&id));
                 session.up();
                 Some(LinkEvent::Connected)
             }
@@ -552,6 +554,15 @@ async fn poll(
             Ok(Event::Incoming(Packet::PubAck(ack))) => {
                 pending.remove(&ack.pkid).map(LinkEvent::ReportAcked)
             }
+            Ok(Event::Outgoing(rumqttc::Outgoing::Subscribe(pkid))) => {
+                subscriptions.sent(pkid);
+                None
+            }
+            Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                let essential = [topics.desired(&id), topics.block(&id)];
+                subscriptions.acked(&ack, &essential, &client);
+                None
+            }
             Ok(Event::Outgoing(rumqttc::Outgoing::Publish(pkid))) => {
                 if let Some(seq) = session.next_tag() {
                     pending.insert(pkid, seq);
@@ -567,6 +578,7 @@ async fn poll(
                 // connection gone goes too, so nothing stale waits for the next connection.
                 // The outbox is re-sent on the next ConnAck.
                 session.down();
+                subscriptions.lost();
                 eventloop.clean();
                 eventloop.pending.clear();
                 pending.clear();
@@ -589,6 +601,73 @@ async fn poll(
     // What the client already wrote (the offline state, a DISCONNECT) reaches the broker.
     drop(eventloop);
     guard.finish(Duration::from_secs(1)).await;
+}
+
+/// Which filter each SUBSCRIBE in flight is for, so a refused one can be asked for again. A NATS
+/// cluster refuses a QoS 1 subscription while JetStream elects leaders after a node's death
+/// (docs/decisions/0061): the device's own desired and block topics are asked for again (1 s,
+/// doubling to 10 s, at most [`Resubscribe::TRIES`] times a connection); peer topics, which a
+/// central broker's ACL refuses for good, are not.
+#[derive(Default)]
+struct Resubscribe {
+    /// Filters in the order their SUBSCRIBEs go out on this connection.
+    expected: VecDeque<String>,
+    in_flight: HashMap<u16, String>,
+    tries: u32,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Resubscribe {
+    const TRIES: u32 = 10;
+
+    fn connected(&mut self, filters: Vec<String>) {
+        self.lost();
+        self.expected = filters.into();
+    }
+
+    fn lost(&mut self) {
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        self.expected.clear();
+        self.in_flight.clear();
+        self.tries = 0;
+    }
+
+    fn sent(&mut self, pkid: u16) {
+        if let Some(filter) = self.expected.pop_front() {
+            self.in_flight.insert(pkid, filter);
+        }
+    }
+
+    fn acked(&mut self, ack: &rumqttc::SubAck, essential: &[String], client: &AsyncClient) {
+        let Some(filter) = self.in_flight.remove(&ack.pkid) else {
+            return;
+        };
+        let refused = ack
+            .return_codes
+            .iter()
+            .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure));
+        if !refused || !essential.contains(&filter) {
+            return;
+        }
+        if self.tries >= Self::TRIES {
+            tracing::error!(filter, "the broker refused the subscription {} times; nothing arrives on it until the next connection", Self::TRIES);
+            return;
+        }
+        let wait = Duration::from_secs(1 << self.tries.min(3)).min(Duration::from_secs(10));
+        self.tries += 1;
+        tracing::warn!(
+            filter,
+            "the broker refused the subscription; asking again in {wait:?}"
+        );
+        self.expected.push_back(filter.clone());
+        let client = client.clone();
+        self.tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            let _ = client.subscribe(filter, QoS::AtLeastOnce).await;
+        }));
+    }
 }
 
 /// Hands the events that found the agent's channel full to the agent loop, in the background, so

@@ -40,6 +40,11 @@ pub enum BrokerKind {
     /// NATS's MQTT listener (MQTT 3.1.1 only), with a message size limit of
     /// [`crate::nats::MAX_PAYLOAD`] ([`crate::nats::start`]).
     Nats,
+    /// Three NATS nodes as `deploy/nats/` ships them ([`crate::nats::Cluster`], made by
+    /// [`Site::nats_cluster`]): TLS, a password per login, the shipped permissions. The
+    /// coordinator and the CLI list the nodes from node 1, agents from where their
+    /// `broker_ports` say; the roles log in as on a [`BrokerKind::Secure`] site.
+    NatsCluster,
 }
 
 /// How an agent of the site behaves.
@@ -144,6 +149,7 @@ pub struct Site {
     _embedded: Option<EmbeddedBroker>,
     broker: Option<Process>,
     secure: Option<SecureBroker>,
+    pub(crate) cluster: Option<crate::nats::Cluster>,
     coordinator: Option<Process>,
     /// Coordinators started by name, beside or instead of `coordinator` (`coordinators.rs`).
     pub(crate) named: BTreeMap<String, Process>,
@@ -200,19 +206,19 @@ impl Drop for Site {
 impl Site {
     /// A site with a fresh broker of `kind` and freshly generated release and coordinator keys.
     pub fn new(kind: BrokerKind) -> Site {
-        Self::build(kind, "")
+        Self::build(kind, "", &[])
     }
 
     /// A site whose Mosquitto gets `broker_config` after its usual settings (an `acl_file`,
     /// say). Files it names must exist already: write them somewhere of the test's own first.
     pub fn mosquitto_with(broker_config: &str) -> Site {
-        Self::build(BrokerKind::Mosquitto, broker_config)
+        Self::build(BrokerKind::Mosquitto, broker_config, &[])
     }
 
-    fn build(kind: BrokerKind, broker_config: &str) -> Site {
+    pub(crate) fn build(kind: BrokerKind, broker_config: &str, devices: &[&str]) -> Site {
         let dir = tempfile::tempdir().expect("temporary directory");
         let mut port = free_port();
-        let (mut embedded, mut broker, mut secure) = (None, None, None);
+        let (mut embedded, mut broker, mut secure, mut cluster) = (None, None, None, None);
         match kind {
             BrokerKind::Embedded => {
                 // A port free a moment ago can be taken by another process before the broker
@@ -240,8 +246,16 @@ impl Site {
             }
             BrokerKind::Nats => broker = Some(crate::nats::start(dir.path(), port)),
             BrokerKind::Secure => secure = Some(SecureBroker::start(dir.path(), &[])),
+            BrokerKind::NatsCluster => {
+                cluster = Some(crate::nats::Cluster::start(
+                    &dir.path().join("nats"),
+                    devices,
+                ))
+            }
         }
         let port = secure.as_ref().map_or(port, |s| s.tls_port);
+        let port = cluster.as_ref().map_or(port, |c| c.mqtt_ports()[0]);
+        let coordinator_broker_ports = cluster.as_ref().map(|c| c.mqtt_ports());
         let mut site = Site {
             dir,
             kind,
@@ -249,6 +263,7 @@ impl Site {
             _embedded: embedded,
             broker,
             secure,
+            cluster,
             coordinator: None,
             named: BTreeMap::new(),
             agents: BTreeMap::new(),
@@ -261,7 +276,7 @@ impl Site {
             metrics_port: None,
             http_port: None,
             agent_broker: None,
-            coordinator_broker_ports: None,
+            coordinator_broker_ports,
             coordinator_config: String::new(),
         };
         fs::write(
@@ -326,7 +341,10 @@ impl Site {
     /// The `flotilla` CLI command of [`Site::flotilla_output`], not started yet.
     pub fn flotilla_command(&self, args: &[&str]) -> Command {
         let mut command = Command::new(bin("flotilla"));
-        command.args(["--broker", &format!("127.0.0.1:{}", self.port)]);
+        match &self.cluster {
+            Some(cluster) => command.args(cluster.cli_args(OPERATOR)),
+            None => command.args(["--broker", &format!("127.0.0.1:{}", self.port)]),
+        };
         if let Some(secure) = &self.secure {
             command
                 .args(["--username", OPERATOR, "--password-file"])
@@ -350,20 +368,23 @@ impl Site {
     /// site the broker keeps one connection per login: a client with this login while the
     /// coordinator runs takes the coordinator's place.
     pub fn connection(&self) -> flotilla_mqtt::Connection {
-        match &self.secure {
-            Some(secure) => secure.login(COORDINATOR),
-            None => plain(self.port),
+        self.login(COORDINATOR)
+    }
+
+    /// How `user` reaches the site's broker: a login on a secure broker or a NATS cluster
+    /// (nodes from node 1), plain TCP otherwise.
+    fn login(&self, user: &str) -> flotilla_mqtt::Connection {
+        match (&self.secure, &self.cluster) {
+            (Some(secure), _) => secure.login(user),
+            (None, Some(cluster)) => cluster.login(user, 0),
+            (None, None) => plain(self.port),
         }
     }
 
     /// A watcher on the site's broker that sees what the coordinator may see (on a secure site
     /// as the read-only monitor, beside the coordinator).
     pub async fn watcher(&self, filters: &[String]) -> Watcher {
-        let connection = match &self.secure {
-            Some(secure) => secure.login(MONITOR),
-            None => plain(self.port),
-        };
-        Watcher::connect(connection, filters).await
+        Watcher::connect(self.login(MONITOR), filters).await
     }
 
     /// The hex text of a public key file of the site.
@@ -478,6 +499,9 @@ impl Site {
             self.path("coordinator"),
             self.path("keys/coordinator.key"),
         );
+        if let Some(cluster) = &self.cluster {
+            text.push_str(&cluster.login_toml(COORDINATOR));
+        }
         if let Some(secure) = &self.secure {
             text.push_str(&format!(
                 "username = {COORDINATOR:?}\npassword_file = {:?}\n[broker.tls]\nca_file = {:?}\n",
@@ -623,6 +647,11 @@ impl Site {
                 String::new(),
             ),
         };
+        // On a NATS cluster: the device's password and the cluster's CA.
+        let (login, tls) = match &self.cluster {
+            Some(cluster) => (cluster.login_toml(id), String::new()),
+            None => (login, tls),
+        };
         let brokers = match &options.broker_ports {
             Some(ports) => {
                 let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
@@ -713,13 +742,14 @@ max_bytes_per_sec = {rate}
 
     /// A control client signing as operator `name` (see [`Site::add_operator`]).
     pub async fn client_as(&self, name: &str) -> ControlClient {
-        let connection = match &self.secure {
-            Some(secure) => secure.login(OPERATOR),
-            None => plain(self.port),
-        };
-        ControlClient::connect_with(connection, "flotilla", self.operator_key(name), WAIT)
-            .await
-            .expect("connect control client")
+        ControlClient::connect_with(
+            self.login(OPERATOR),
+            "flotilla",
+            self.operator_key(name),
+            WAIT,
+        )
+        .await
+        .expect("connect control client")
     }
 
     /// Waits until the coordinator knows `n` online devices.

@@ -54,6 +54,11 @@ pub const LANE_BYTES: usize = 4 * 1024 * 1024;
 
 const BACKOFF_START: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// How often refused subscriptions are asked for again on one connection (1 s, doubling to
+/// 10 s: about 40 s in all). A NATS cluster refuses a QoS 1 subscription while JetStream
+/// elects leaders after a node's death (decision 0061); an ACL's refusal stays, and after these
+/// tries the link says so once and leaves it.
+const SUBSCRIBE_RETRIES: u32 = 6;
 
 /// What the link reports to its owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,6 +220,11 @@ async fn run(
     } = inboxes;
     let addr = options.connection.describe();
     let mut backoff = BACKOFF_START;
+    // The filters of the SUBSCRIBE in flight (its SubAck's codes follow their order), how often
+    // refused ones were asked for again, and the task that asks.
+    let mut pending: Vec<String> = Vec::new();
+    let mut retries = 0;
+    let mut retry: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let event = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -226,19 +236,50 @@ async fn run(
                 // The retained burst is on its way again: control requests go ahead of it.
                 lane_open.store(true, Ordering::SeqCst);
                 tracing::info!(broker = %addr, client = %options.client_id, "MQTT connected");
-                subscribe(&client, &options.subscriptions);
+                if let Some(task) = retry.take() {
+                    task.abort();
+                }
+                pending = options.subscriptions.clone();
+                retries = 0;
+                subscribe(&client, &pending);
                 Some(LinkEvent::Connected)
             }
             Ok(Event::Incoming(Packet::SubAck(ack))) => {
-                let user = options
-                    .connection
-                    .credentials
-                    .as_ref()
-                    .map(|c| c.username.as_str());
-                if let Some(text) = refused(&options.subscriptions, &ack.return_codes, user) {
-                    tracing::error!(broker = %addr, client = %options.client_id, "{text}");
+                let first = retries == 0;
+                let denied: Vec<String> = pending
+                    .iter()
+                    .zip(&ack.return_codes)
+                    .filter(|(_, code)| matches!(code, rumqttc::SubscribeReasonCode::Failure))
+                    .map(|(filter, _)| filter.clone())
+                    .collect();
+                if !denied.is_empty() && retries < SUBSCRIBE_RETRIES {
+                    let wait =
+                        Duration::from_secs(1 << retries.min(3)).min(Duration::from_secs(10));
+                    retries += 1;
+                    tracing::warn!(broker = %addr, client = %options.client_id,
+                        "the broker refused {} of {} subscriptions ({}); asking again in {wait:?} \
+                         (try {retries} of {SUBSCRIBE_RETRIES})",
+                        denied.len(), pending.len(), denied.join(", "));
+                    pending = denied;
+                    let (client, filters) = (client.clone(), pending.clone());
+                    retry = Some(tokio::spawn(async move {
+                        tokio::time::sleep(wait).await;
+                        subscribe(&client, &filters);
+                    }));
+                } else {
+                    let user = options
+                        .connection
+                        .credentials
+                        .as_ref()
+                        .map(|c| c.username.as_str());
+                    if let Some(text) = refused(&pending, &ack.return_codes, user) {
+                        tracing::error!(broker = %addr, client = %options.client_id, "{text}");
+                    }
                 }
-                Some(LinkEvent::Subscribed)
+                // The owner hears of the first SubAck of a connection only: what it publishes
+                // then (its end-of-retained marker) is queued behind that SubAck's retained
+                // messages.
+                first.then_some(LinkEvent::Subscribed)
             }
             Ok(Event::Incoming(Packet::Publish(p))) => match flotilla_mqtt::dropped(&p) {
                 Some(dropped) => {
@@ -275,6 +316,9 @@ async fn run(
                 break;
             }
         }
+    }
+    if let Some(task) = retry.take() {
+        task.abort();
     }
     tx.close();
     lane.close();
