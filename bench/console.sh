@@ -120,20 +120,46 @@ http_times() {
   done
 }
 
-# The latencies of the probe's reports ($1, "unix-seconds topic" a line) to the next event or
-# redraw after each ($2, unix seconds first on each line): one figure in ms a line, or "missed"
-# when nothing came within 10 s.
+# The latencies of the probe's reports ($2, "unix-seconds topic" a line, as mosquitto_sub
+# received them) to what followed, one figure in ms a line, "missed" when nothing did within 10 s:
+#   sse FILE: the next `rollout` event of the probe (unix seconds a line) on the plain client;
+#   dom FILE: the first redraw (unix seconds, a tab, "device=phase ..." a line) that shows the
+#             reporting device at this report's phase or later. A device reports accepted,
+#             downloading, verified, staged, activated, confirming, ready (fleetsim's agent
+#             phases), and the coordinator sends a rollout's changes once a second, so a redraw
+#             soon after a report may still be the previous report's.
 latencies() {
-  python3 - "$1" "$2" <<'EOF'
-import bisect, sys
-reports = [float(l.split()[0]) for l in open(sys.argv[1]) if l.strip()]
-after = sorted(float(l.split()[0]) for l in open(sys.argv[2]) if l.strip())
-for r in reports:
-    i = bisect.bisect_right(after, r)
-    if i < len(after) and after[i] - r < 10:
-        print("%.1f" % ((after[i] - r) * 1000))
-    else:
-        print("missed")
+  python3 - "$1" "$2" "$3" <<'EOF'
+import bisect, collections, sys
+mode, reports_file, after_file = sys.argv[1:4]
+phases = ["accepted", "downloading", "verified", "staged", "activated", "confirming", "ready"]
+reports, seen = [], collections.Counter()
+for line in open(reports_file):
+    if not line.strip():
+        continue
+    t, topic = line.split()[:2]
+    device = topic.split("/")[-2]
+    reports.append((float(t), device, seen[device]))
+    seen[device] += 1
+if mode == "sse":
+    after = sorted(float(l.split()[0]) for l in open(after_file) if l.strip())
+    for r, _, _ in reports:
+        i = bisect.bisect_right(after, r)
+        print("%.1f" % ((after[i] - r) * 1000) if i < len(after) and after[i] - r < 10 else "missed")
+else:
+    redraws = []
+    for line in open(after_file):
+        t, _, text = line.rstrip("\n").partition("\t")
+        rows = dict(pair.split("=", 1) for pair in text.split() if "=" in pair)
+        redraws.append((float(t), rows))
+    for r, device, k in reports:
+        hit = None
+        for t, rows in redraws:
+            shown = rows.get(device)
+            if r < t < r + 10 and shown in phases and phases.index(shown) >= k:
+                hit = t
+                break
+        print("%.1f" % ((hit - r) * 1000) if hit is not None else "missed")
 EOF
 }
 
@@ -265,8 +291,8 @@ EOF
   wait "$browser_pid" || die "the browser client failed: $(tail -5 "$dir/browser.log")"
   kill "$sub_pid" 2>/dev/null || true
   grep -c . "$dir/reports.times" >/dev/null || die "no probe report was seen"
-  latencies "$dir/reports.times" "$dir/live/sse.times" >"$dir/sse.ms"
-  latencies "$dir/reports.times" "$dir/live/dom.times" >"$dir/dom.ms"
+  latencies sse "$dir/reports.times" "$dir/live/sse.times" >"$dir/sse.ms"
+  latencies dom "$dir/reports.times" "$dir/live/dom.times" >"$dir/dom.ms"
   say "-- a device report to the console, $(wc -l <"$dir/reports.times") reports of $PROBES probe devices (load $(cut -d' ' -f1-3 /proc/loadavg))"
   say "to the SSE event:         $(grep -v missed "$dir/sse.ms" | pcts), missed $(grep -c missed "$dir/sse.ms" || true)"
   say "to the browser's redraw:  $(grep -v missed "$dir/dom.ms" | pcts), missed $(grep -c missed "$dir/dom.ms" || true)"

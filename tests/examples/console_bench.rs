@@ -29,6 +29,17 @@ use flotilla_tests::webdriver::{require_browser, Browser};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// The page's Navigation and Resource Timing, in ms from navigation start: when the HTML was
+/// answered, when the document was parsed and its script ran, and each API read's start-end.
+const TIMING: &str = r#"
+    const nav = performance.getEntriesByType("navigation")[0];
+    const reads = performance.getEntriesByType("resource")
+      .filter((r) => r.name.includes("/api/v1/") && !r.name.includes("/events"))
+      .map((r) => new URL(r.name).pathname.replace("/api/v1/", "") + " " + Math.round(r.startTime) + "-" + Math.round(r.responseEnd));
+    return "html " + Math.round(nav.responseEnd) + ", parsed " + Math.round(nav.domContentLoadedEventEnd) +
+      ", loaded " + Math.round(nav.loadEventEnd) + ", reads " + reads.join(", ") + ", seen " + Math.round(performance.now());
+"#;
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_default();
@@ -195,6 +206,7 @@ fn browser(opts: &Opts) {
     ];
     for (name, url, drawn) in &pages {
         let mut samples = Vec::new();
+        let mut breakdowns = Vec::new();
         for _ in 0..loads {
             browser.goto("about:blank");
             let started = Instant::now();
@@ -209,6 +221,10 @@ fn browser(opts: &Opts) {
                 std::thread::sleep(Duration::from_millis(5));
             }
             samples.push(started.elapsed().as_secs_f64() * 1000.0);
+            // Where the time went, by the page's own clock (ms from navigation start): the
+            // HTML's answer, the script run, the API reads (start-end, server time included).
+            let timing = browser.execute(TIMING);
+            breakdowns.push(timing.as_str().unwrap_or_default().to_owned());
         }
         // What the page shows, as a check that it is the page meant.
         let text = browser
@@ -217,6 +233,13 @@ fn browser(opts: &Opts) {
             .unwrap_or_default();
         println!("{name}_row: {}", text.replace('\n', " "));
         print_figures(name, &samples);
+        let all: Vec<String> = samples.iter().map(|ms| format!("{ms:.0}")).collect();
+        println!("{name}_samples: {}", all.join(" "));
+        // The breakdown of the load nearest the median.
+        let median = percentile(&samples, 50.0);
+        if let Some(i) = samples.iter().position(|ms| *ms == median) {
+            println!("{name}_breakdown: {}", breakdowns[i]);
+        }
     }
 
     if let Some(probe) = opts.opt("live") {
