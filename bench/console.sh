@@ -6,7 +6,8 @@
 #              RESULTS (default bench/results/console-<UTC date>.txt), ROUNDS (requests per
 #              figure, default 20), LOADS (page loads per figure, default 10), PROBES (probe
 #              devices, default 4), PROBE_INSTALL (a probe device's install time, default 7s),
-#              TIMEOUT (the fleet's rollout, default 30m).
+#              TIMEOUT (the fleet's rollout, default 30m), SIM_PROFILE (release, the default, or
+#              fleetsim: the simulator's build).
 #
 # Starts its own Mosquitto (as bench/fleet.sh: the shipped settings on one plain loopback
 # listener), a coordinator (release build unless --debug) with `[http] listen` on a free loopback
@@ -43,7 +44,7 @@ while [ $# -gt 0 ]; do
     --sizes) sizes="$2"; shift 2 ;;
     --with-100k) sizes="$sizes 100000"; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "console.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,7 +62,17 @@ bench=console.sh
 for tool in mosquitto_sub curl python3 /usr/bin/chromium /usr/bin/chromedriver; do
   command -v "$tool" >/dev/null || die "$tool not found (apt-get install mosquitto-clients curl python3 chromium chromium-driver)"
 done
-build_bins -p flotilla-coordinator
+# The coordinator as shipped (release profile), and the simulator in the same profile by default:
+# its signature crates are at opt-level 3 there too (decision 0029), so the devices sign fast
+# enough not to be what is measured, and it reuses the coordinator's compiled dependencies.
+# SIM_PROFILE=fleetsim builds it as bench/fleet.sh does.
+if [ "${SIM_PROFILE:-release}" = fleetsim ] || [ "$profile" = debug ]; then
+  build_bins -p flotilla-coordinator
+else
+  cargo build -q --release -p flotilla-coordinator -p flotilla-fleetsim --bins
+  bin="$CARGO_TARGET_DIR/release"
+  fleetsim="$bin/flotilla-fleetsim"
+fi
 # The browser and MQTT client (tests/examples/console_bench.rs); its own speed is not measured.
 cargo build -q -p flotilla-tests --example console_bench
 client="$CARGO_TARGET_DIR/debug/examples/console_bench"
