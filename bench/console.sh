@@ -6,8 +6,10 @@
 #              RESULTS (default bench/results/console-<UTC date>.txt), ROUNDS (requests per
 #              figure, default 20), LOADS (page loads per figure, default 10), PROBES (probe
 #              devices, default 4), PROBE_INSTALL (a probe device's install time, default 7s),
-#              TIMEOUT (the fleet's rollout, default 30m), SIM_PROFILE (release, the default, or
-#              fleetsim: the simulator's build).
+#              TIMEOUT (the fleet's rollout, default 30m), SIM_PROFILE (release, the default,
+#              fleetsim, or debug: the simulator's build), FLEET_ROLLOUT (run, the default: the
+#              fleet's rollout runs to its end; create: it is only created, its N devices
+#              scheduled, which saves the rollout's time at 100k).
 #
 # Starts its own Mosquitto (as bench/fleet.sh: the shipped settings on one plain loopback
 # listener), a coordinator (release build unless --debug) with `[http] listen` on a free loopback
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --sizes) sizes="$2"; shift 2 ;;
     --with-100k) sizes="$sizes 100000"; shift ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "console.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,6 +70,11 @@ done
 # SIM_PROFILE=fleetsim builds it as bench/fleet.sh does.
 if [ "${SIM_PROFILE:-release}" = fleetsim ] || [ "$profile" = debug ]; then
   build_bins -p flotilla-coordinator
+elif [ "${SIM_PROFILE:-release}" = debug ]; then
+  cargo build -q --release -p flotilla-coordinator --bins
+  cargo build -q -p flotilla-fleetsim --bins
+  bin="$CARGO_TARGET_DIR/release"
+  fleetsim="$CARGO_TARGET_DIR/debug/flotilla-fleetsim"
 else
   cargo build -q --release -p flotilla-coordinator -p flotilla-fleetsim --bins
   bin="$CARGO_TARGET_DIR/release"
@@ -242,9 +249,13 @@ EOF
   # The fleet's rollout to its end: N devices with a history on the rollout page.
   started=$(date +%s.%N)
   cli rollout create --spec "$dir/fleet.toml" >"$dir/create.out" 2>&1 || die "create fleet: $(cat "$dir/create.out")"
-  cli rollout start fleet >"$dir/start.out" 2>&1 || die "start fleet: $(cat "$dir/start.out")"
-  wait "$fleet_pid" || die "the fleet's simulator failed: $(tail -3 "$dir/fleet.log")"
-  say "rollout fleet:            $(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s to its last device; coordinator RSS $(($(kb VmRSS "$coordinator_pid") / 1024)) MiB"
+  if [ "${FLEET_ROLLOUT:-run}" = create ]; then
+    say "rollout fleet:            created, not started: its $n devices scheduled"
+  else
+    cli rollout start fleet >"$dir/start.out" 2>&1 || die "start fleet: $(cat "$dir/start.out")"
+    wait "$fleet_pid" || die "the fleet's simulator failed: $(tail -3 "$dir/fleet.log")"
+    say "rollout fleet:            $(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}') s to its last device; coordinator RSS $(($(kb VmRSS "$coordinator_pid") / 1024)) MiB"
+  fi
   cli rollout create --spec "$dir/probe.toml" >"$dir/create-probe.out" 2>&1 || die "create probe: $(cat "$dir/create-probe.out")"
 
   # 1. The same first pages on both APIs.
