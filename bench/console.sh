@@ -319,9 +319,10 @@ EOF
   say "to the SSE event:         $(grep -v missed "$dir/sse.ms" | pcts), missed $(grep -c missed "$dir/sse.ms" || true)"
   say "to the browser's redraw:  $(grep -v missed "$dir/dom.ms" | pcts), missed $(grep -c missed "$dir/dom.ms" || true)"
   say "coordinator:              RSS $(($(kb VmRSS "$coordinator_pid") / 1024)) MiB, CPU $(awk -v t="$(getconf CLK_TCK)" '{printf "%.1f", ($14 + $15) / t}' "/proc/$coordinator_pid/stat") s user+sys in all"
-  for f in reports.times sse.ms dom.ms browser.txt mqtt.txt; do cp "$dir/$f" "$results.$n.$f" 2>/dev/null || true; done
-  cp "$dir/live/dom.times" "$results.$n.dom.times" 2>/dev/null || true
-  cp "$dir/live/sse.times" "$results.$n.sse.times" 2>/dev/null || true
+  # The raw figures beside the results: the clients' outputs, each report's latencies.
+  { echo "# console_bench browser"; cat "$dir/browser.txt"; echo "# console_bench mqtt"; cat "$dir/mqtt.txt"
+    echo "# report (unix s, topic), to the SSE event (ms), to the redraw (ms)"
+    paste -d' ' "$dir/reports.times" "$dir/sse.ms" "$dir/dom.ms"; } >"$results.$n.raw.txt"
 
   kill "$coordinator_pid" 2>/dev/null || true; wait "$coordinator_pid" 2>/dev/null || true
   kill "$broker_pid" 2>/dev/null || true; wait "$broker_pid" 2>/dev/null || true
