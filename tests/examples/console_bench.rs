@@ -260,7 +260,9 @@ fn live(opts: &Opts, browser: &Browser, console: &str, probe: &str) {
     let base = opts.get("url").trim_end_matches('/').to_owned();
     browser.goto(&format!("{console}#/rollouts/{probe}"));
     browser.wait_text("#rollout-name", WAIT, |t| t == probe);
-    browser.wait_for("#device-rows tr", WAIT).expect("the probe's device rows");
+    browser
+        .wait_for("#device-rows tr", WAIT)
+        .expect("the probe's device rows");
     // Every redraw of the device rows, with what they say (a redraw replaces them all).
     let observer = r#"
         window.__redraws = [];
@@ -287,7 +289,9 @@ fn live(opts: &Opts, browser: &Browser, console: &str, probe: &str) {
         let request = format!(
             "GET /api/v1/events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\nCookie: flotilla_session={cookie}\r\n\r\n"
         );
-        stream.write_all(request.as_bytes()).expect("ask for events");
+        stream
+            .write_all(request.as_bytes())
+            .expect("ask for events");
         let mut file = std::fs::File::create(&sse_out).expect("sse.times");
         let mut lines = BufReader::new(stream).lines();
         let mut kind = String::new();
@@ -301,8 +305,7 @@ fn live(opts: &Opts, browser: &Browser, console: &str, probe: &str) {
             }
             if let Some(k) = line.strip_prefix("event:") {
                 kind = k.trim().to_owned();
-            } else if line.starts_with("data:") && kind == "rollout" && line.contains(&probe_name)
-            {
+            } else if line.starts_with("data:") && kind == "rollout" && line.contains(&probe_name) {
                 let _ = writeln!(file, "{at:.6}");
                 let _ = file.flush();
             }
