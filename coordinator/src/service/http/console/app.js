@@ -370,4 +370,9 @@ $("device-filters").addEventListener("submit", applyFilters);
 $("login-button").addEventListener("click", login);
 $("logout").addEventListener("click", logout);
 window.addEventListener("hashchange", route);
+// A page left for another stays in the browser's back-forward cache with its stream open, and
+// the browser opens at most six connections to one host: close the stream when the page is
+// hidden that way, and follow again when it is shown.
+window.addEventListener("pagehide", () => { if (events) { events.close(); events = null; } });
+window.addEventListener("pageshow", (e) => { if (e.persisted && me) { follow(); refresh(); } });
 start();
