@@ -132,6 +132,7 @@ pub mod fault;
 pub mod fetch;
 pub mod fetch_blocks;
 pub mod health;
+pub mod http_origin;
 pub mod held;
 pub mod identity;
 pub mod link;

@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
-use crate::service::http::{console, reads};
+use crate::service::http::{artifacts, console, reads};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -33,7 +33,7 @@ pub const CONTROL: &str = "/api/v1/control";
 
 /// Every route, as the OpenAPI document must list it: method and path (the OpenAPI form of a
 /// path parameter).
-pub const ROUTES: [(&str, &str); 15] = [
+pub const ROUTES: [(&str, &str); 16] = [
     ("get", METRICS),
     ("get", OPENAPI_PATH),
     ("post", CONTROL),
@@ -49,6 +49,7 @@ pub const ROUTES: [(&str, &str); 15] = [
     ("get", "/console"),
     ("get", "/console/app.js"),
     ("get", "/console/style.css"),
+    ("get", "/artifacts/{sha256}"),
 ];
 
 /// The routes of one listener: `/metrics` always; with `api`, the HTTP API and its document.
@@ -62,6 +63,7 @@ pub fn router(state: Api, api: bool) -> Router {
             .route(CONTROL, post(run_control));
         router = reads::routes(router);
         router = console::routes(router);
+        router = artifacts::routes(router);
     }
     router.fallback(not_found).with_state(state)
 }

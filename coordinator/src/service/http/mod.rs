@@ -5,6 +5,7 @@
 //! - [`slots`]: which connection makes room when all are taken.
 //! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
 //! - [`console`]: the web console: a page and its script, on the API and nothing else.
+//! - [`artifacts`]: `GET /artifacts/{sha256}`, the artifact store with byte ranges (0062).
 //! - [`control`]: an HTTP control request on its way to the service loop and back.
 //! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE).
 //! - [`session`]: the session table and its cookie.
@@ -12,6 +13,7 @@
 //! - [`tls`]: the server's certificate and key.
 
 pub mod api;
+pub mod artifacts;
 pub mod console;
 pub mod control;
 pub mod reads;
@@ -86,6 +88,9 @@ pub async fn start(
             streams: Default::default(),
             secure: tls.is_some(),
             topic_root: config.broker.topic_root.clone(),
+            artifacts: Some(
+                crate::service::releases::ReleaseStore::new(&config.data_dir).artifacts_dir(),
+            ),
         };
         tokio::spawn(server::serve(
             listener,
