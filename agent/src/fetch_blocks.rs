@@ -64,12 +64,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::adaptive;
-use crate::http_origin::{OriginEvent, OriginFetcher};
-use flotilla_protocol::origin::{OriginUrl, HTTP_SOURCE};
 use crate::fetch::{
     self, count_peer, FetchError, FetchInput, FetchRequest, FetchSpec, Progress, Retries,
     REPLY_TIMEOUT,
 };
+use crate::http_origin::{OriginEvent, OriginFetcher};
+use flotilla_protocol::origin::{OriginUrl, HTTP_SOURCE};
 
 /// `Unavailable` answers in a row (no good block between them) from one peer before it is
 /// bypassed for the action.
@@ -424,9 +424,11 @@ impl<'a> Download<'a> {
             coordinator_heard: now,
             whole: sha2::Sha256::new(),
             hashed: 0,
-            origin: job.sources.origin.clone().map(|url| {
-                OriginFetcher::start(url, spec.size, list.block_size(), spec.in_flight)
-            }),
+            origin: job
+                .sources
+                .origin
+                .clone()
+                .map(|url| OriginFetcher::start(url, spec.size, list.block_size(), spec.in_flight)),
         }
     }
 
@@ -636,7 +638,7 @@ impl<'a> Download<'a> {
         let at = block.map(|b| format!(" at block {b}")).unwrap_or_default();
         tracing::warn!(
             artifact = self.spec.name,
-            origin,
+            %origin,
             "bypassing the HTTP origin {origin} for this artifact{at}: {reason}; \
              fetching from the peers or the coordinator"
         );
@@ -657,8 +659,14 @@ impl<'a> Download<'a> {
     fn next_deadline(&self) -> Instant {
         let mut at = self.coordinator_heard + REPLY_TIMEOUT;
         for a in self.asked.values() {
-            if let Source::Peer(_) | Source::Http = a.source {
-                at = at.min(a.at + self.sources.peer_timeout);
+            match a.source {
+                Source::Peer(_) => at = at.min(a.at + self.sources.peer_timeout),
+                // The rate limit's sleeps since it was asked are not the origin's.
+                Source::Http => {
+                    let slept = self.throttled.saturating_sub(a.throttled);
+                    at = at.min(a.at + self.sources.peer_timeout + slept);
+                }
+                Source::Coordinator => {}
             }
         }
         if let Some(due) = self.retries.next_due() {
@@ -823,7 +831,9 @@ impl<'a> Download<'a> {
         let origin_late = self
             .asked
             .iter()
-            .find(|(_, a)| a.source == Source::Http && a.at + self.sources.peer_timeout <= now)
+            .find(|(_, a)| {
+                a.source == Source::Http && self.answer_time(a) >= self.sources.peer_timeout
+            })
             .map(|(b, _)| *b);
         if let Some(block) = origin_late {
             self.bypass_origin(

@@ -241,7 +241,9 @@ async fn range_get(
                 .await
                 .map_err(|e| format!("{what}: {e}"))?;
             if got < data.len() {
-                return Err(format!("{what}: the origin's answer ended after {got} bytes"));
+                return Err(format!(
+                    "{what}: the origin's answer ended after {got} bytes"
+                ));
             }
             if f == (Framing::Length(0)) && !head.close {
                 *conn = Some(c);
@@ -273,9 +275,13 @@ async fn range_get(
 }
 
 /// Hands every block of a `200 OK` body to the fetcher, in order.
-async fn stream_whole(shared: &Shared, c: &mut Conn, mut framing: Framing) -> Result<(), OriginEvent> {
+async fn stream_whole(
+    shared: &Shared,
+    c: &mut Conn,
+    mut framing: Framing,
+) -> Result<(), OriginEvent> {
     tracing::info!(
-        origin = format!("{}:{}{}", shared.url.host, shared.url.port, shared.url.path),
+        origin = %format!("{}:{}{}", shared.url.host, shared.url.port, shared.url.path),
         "the origin ignores range requests: streaming the whole file once"
     );
     let blocks = shared.size.div_ceil(u64::from(shared.block_size.max(1)));

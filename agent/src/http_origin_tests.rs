@@ -60,7 +60,10 @@ async fn connection(
             }
             if let Some(r) = line.strip_prefix("Range: bytes=") {
                 let (a, b) = r.split_once('-').expect("a-b");
-                range = Some((a.parse::<usize>().expect("a"), b.parse::<usize>().expect("b")));
+                range = Some((
+                    a.parse::<usize>().expect("a"),
+                    b.parse::<usize>().expect("b"),
+                ));
             }
         }
         if serves == Serves::Silent {

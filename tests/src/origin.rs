@@ -162,7 +162,13 @@ impl Site {
         let port = crate::free_port();
         let mut command = Command::new("python3");
         command
-            .args(["-m", "http.server", &port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "-m",
+                "http.server",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
             .arg("--directory")
             .arg(dir);
         let process = Process::spawn(command, self.path("python-http.log"));

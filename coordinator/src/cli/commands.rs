@@ -24,8 +24,8 @@ use crate::cli::out::{out, outln};
 use crate::cli::view;
 use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
-use crate::service::release_types;
 use crate::service::origins;
+use crate::service::release_types;
 use crate::service::releases::{self, NewRelease, ReleaseError, ReleaseStore};
 use crate::service::{self, ServiceError};
 

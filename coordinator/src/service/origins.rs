@@ -32,7 +32,9 @@ pub enum OriginsError {
         release: String,
         source: OriginUrlError,
     },
-    #[error("--url {value:?} must look like TARGET=URL (e.g. app=https://cdn.example.com/app.bin)")]
+    #[error(
+        "--url {value:?} must look like TARGET=URL (e.g. app=https://cdn.example.com/app.bin)"
+    )]
     Spec { value: String },
     #[error("release {release} has no artifact for target {target:?} (it has: {known})")]
     Target {
@@ -67,11 +69,9 @@ pub fn origins_path(store: &ReleaseStore, name: &str) -> PathBuf {
 
 /// The locations of release `name`, by target; empty when it has none.
 pub fn load(store: &ReleaseStore, name: &str) -> Result<BTreeMap<String, String>, OriginsError> {
-    flotilla_protocol::validate_id("release name", name).map_err(|source| {
-        ReleaseError::Name {
-            name: name.to_owned(),
-            source,
-        }
+    flotilla_protocol::validate_id("release name", name).map_err(|source| ReleaseError::Name {
+        name: name.to_owned(),
+        source,
     })?;
     let path = origins_path(store, name);
     let text = match std::fs::read_to_string(&path) {
@@ -151,7 +151,12 @@ pub fn write(
 
 fn check(manifest: &Manifest, target: &str, url: Option<&str>) -> Result<(), OriginsError> {
     let release = manifest.release.name.clone();
-    if !manifest.release.artifacts.iter().any(|a| a.target == target) {
+    if !manifest
+        .release
+        .artifacts
+        .iter()
+        .any(|a| a.target == target)
+    {
         let known: Vec<&str> = manifest
             .release
             .artifacts

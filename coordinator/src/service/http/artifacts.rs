@@ -252,22 +252,41 @@ mod tests {
             token.clone(),
         ));
 
-        let (head, body) = split(&get(addr, &format!("/artifacts/{name}"), Some("bytes=65536-131071")).await);
+        let (head, body) = split(
+            &get(
+                addr,
+                &format!("/artifacts/{name}"),
+                Some("bytes=65536-131071"),
+            )
+            .await,
+        );
         assert!(head.starts_with("HTTP/1.1 206"), "{head}");
-        assert!(head.to_ascii_lowercase().contains("content-range: bytes 65536-131071/200000"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-range: bytes 65536-131071/200000"),
+            "{head}"
+        );
         assert_eq!(body, &data[65536..131072]);
 
         let (head, body) = split(&get(addr, &format!("/artifacts/{name}"), None).await);
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         assert_eq!(body, data, "the whole file without a range");
 
-        let (head, _) = split(&get(addr, &format!("/artifacts/{name}"), Some("bytes=200000-")).await);
+        let (head, _) =
+            split(&get(addr, &format!("/artifacts/{name}"), Some("bytes=200000-")).await);
         assert!(head.starts_with("HTTP/1.1 416"), "{head}");
 
-        for bad in ["/artifacts/..%2Fsecret.key", "/artifacts/secret.key", &format!("/artifacts/{}", "AB".repeat(32))] {
+        for bad in [
+            "/artifacts/..%2Fsecret.key",
+            "/artifacts/secret.key",
+            &format!("/artifacts/{}", "AB".repeat(32)),
+        ] {
             let (head, body) = split(&get(addr, bad, None).await);
             assert!(head.starts_with("HTTP/1.1 400"), "{bad}: {head}");
-            assert!(String::from_utf8_lossy(&body).contains("64 lower-case hex digits"), "{bad}");
+            assert!(
+                String::from_utf8_lossy(&body).contains("64 lower-case hex digits"),
+                "{bad}"
+            );
         }
         let (head, _) = split(&get(addr, &format!("/artifacts/{}", "cd".repeat(32)), None).await);
         assert!(head.starts_with("HTTP/1.1 404"), "{head}");
