@@ -4,7 +4,7 @@
 //! A location is not part of the signed release manifest: locations change, and every block a
 //! device fetches from one is checked against the block list the release key signed, so the
 //! source of the bytes does not matter to trust. The coordinator names the locations in the
-//! desired action it signs ([`crate::ActionBody::InstallFromOrigins`]); the agent speaks only
+//! desired action it signs (`ActionBody::InstallFromOrigins`); the agent speaks only
 //! `http` and `https` to them ([`OriginUrl::parse`]) and treats every byte as untrusted.
 //!
 //! ```
@@ -16,13 +16,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::messages::Digest;
-
 /// Most bytes a location may have: a URL longer than this is refused, whoever sends it.
 pub const MAX_URL_LEN: usize = 2048;
 
-/// The name under which bytes from an HTTP origin are counted in
-/// [`ByteCounts::peers`](crate::ByteCounts): not a valid device id (it has parentheses), so it
+/// The name under which bytes from an HTTP origin are counted in `ByteCounts::peers`: not a valid device id (it has parentheses), so it
 /// never collides with a peer, and an older coordinator shows it as one more source instead of
 /// misreading the report.
 pub const HTTP_SOURCE: &str = "(http)";
@@ -30,7 +27,8 @@ pub const HTTP_SOURCE: &str = "(http)";
 /// One artifact's HTTP(S) location, named by the artifact's digest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Origin {
-    pub sha256: Digest,
+    /// The artifact's sha256 (a `Digest`).
+    pub sha256: [u8; 32],
     pub url: String,
 }
 

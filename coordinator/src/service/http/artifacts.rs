@@ -247,7 +247,7 @@ mod tests {
         tokio::spawn(crate::service::http::server::serve(
             listener,
             None,
-            crate::service::http::api::router(state, true),
+            routes(Router::new()).with_state(state),
             16,
             token.clone(),
         ));
