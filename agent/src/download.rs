@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_protocol::{ByteCounts, ReleaseManifest};
+use flotilla_protocol::origin::OriginUrl;
+use flotilla_protocol::{ByteCounts, Digest, ReleaseManifest};
 use flotilla_targets::UpdateTarget;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -50,7 +51,10 @@ pub(crate) async fn download(
         .and_then(|install| trust::manifest_blocks(install.manifest))
         .and_then(|m| m.block_index(index as usize).copied());
     let sources = match block_index {
-        Some(_) => block_sources(env, record, manifest).await,
+        Some(_) => Sources {
+            origin: origin_of(record, &a.sha256),
+            ..block_sources(env, record, manifest).await
+        },
         None => Sources::default(),
     };
     let total: u64 = manifest
@@ -197,6 +201,20 @@ pub(crate) async fn download(
     }
 }
 
+/// The HTTP(S) origin the action names for the artifact `sha256`, if any and if it is an
+/// `http` or `https` URL (anything else is logged and ignored: the coordinator serves it).
+fn origin_of(record: &ActionRecord, sha256: &Digest) -> Option<OriginUrl> {
+    let install = record.action.body.install()?;
+    let origin = install.origins.iter().find(|o| o.sha256 == *sha256)?;
+    match OriginUrl::parse(&origin.url) {
+        Ok(url) => Some(url),
+        Err(e) => {
+            tracing::warn!(action = record.action_id, "not using the HTTP origin: {e}");
+            None
+        }
+    }
+}
+
 /// Where the blocks of a block-indexed artifact may come from: the peers of the action's grant
 /// (when it has one that still verifies) and what the targets hold.
 async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManifest) -> Sources {
@@ -243,5 +261,6 @@ async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManif
         slow_block: env.config.download.peer_slow_block,
         fallback_after: env.config.download.peer_fallback_after,
         local,
+        origin: None,
     }
 }

@@ -7,8 +7,12 @@
 //! local        blocks of <sha256>.part that already verify (a resumed download), then blocks
 //!              copied from what the device holds (crate::adaptive), counted as `local`
 //! peers        each missing block is asked of the grant's peers, in grant order
+//! http         the artifact's HTTP(S) origin, if the action names one (crate::http_origin,
+//!              decision 0062), once the peers delivered nothing for `fallback_after` or every
+//!              peer is bypassed; the origin is bypassed for the artifact on its first bad
+//!              block, error status, broken connection or block unanswered for `peer_timeout`
 //! coordinator  once the peers delivered nothing for `fallback_after`, or every peer is
-//!              bypassed (bad, silent, unable or slow)
+//!              bypassed (bad, silent, unable or slow), and the origin (if any) is bypassed
 //! end          the whole file's sha256 is still checked; <sha256>.part -> <sha256>
 //! ```
 //!
@@ -64,6 +68,8 @@ use crate::fetch::{
     self, count_peer, FetchError, FetchInput, FetchRequest, FetchSpec, Progress, Retries,
     REPLY_TIMEOUT,
 };
+use crate::http_origin::{OriginEvent, OriginFetcher};
+use flotilla_protocol::origin::{OriginUrl, HTTP_SOURCE};
 
 /// `Unavailable` answers in a row (no good block between them) from one peer before it is
 /// bypassed for the action.
@@ -97,6 +103,8 @@ pub struct Sources {
     /// Files the device holds that may share blocks (target contents, A/B slots); read up to
     /// the artifact's size. Verified artifacts in the download directory are added.
     pub local: Vec<PathBuf>,
+    /// The artifact's HTTP(S) origin, asked after the peers and before the coordinator.
+    pub origin: Option<OriginUrl>,
 }
 
 /// Where a block list is kept once verified: `<dir>/<artifact sha256>.blocks`.
@@ -191,6 +199,8 @@ enum Source {
     Coordinator,
     /// Index into `Sources::peers`.
     Peer(usize),
+    /// The artifact's HTTP(S) origin.
+    Http,
 }
 
 /// What to do with a block that is to be asked for.
@@ -360,6 +370,8 @@ struct Download<'a> {
     /// The whole file's sha256 over its first `hashed` bytes.
     whole: sha2::Sha256,
     hashed: u64,
+    /// The origin's workers while it is in use; `None` without one or once it is bypassed.
+    origin: Option<OriginFetcher>,
 }
 
 impl<'a> Download<'a> {
@@ -412,6 +424,11 @@ impl<'a> Download<'a> {
             coordinator_heard: now,
             whole: sha2::Sha256::new(),
             hashed: 0,
+            origin: job
+                .sources
+                .origin
+                .clone()
+                .map(|url| OriginFetcher::start(url, spec.size, list.block_size(), spec.in_flight)),
         }
     }
 
@@ -454,8 +471,13 @@ impl<'a> Download<'a> {
     /// in use not yet tried for it, or (every one of them answered `Unavailable`) the peers
     /// again after [`PEER_RETRY`]. Otherwise the coordinator.
     fn source_for(&self, block: u64) -> Choice {
+        let after_peers = if self.origin.is_some() {
+            Source::Http
+        } else {
+            Source::Coordinator
+        };
         if self.peer_heard.elapsed() >= self.sources.fallback_after {
-            return Choice::Ask(Source::Coordinator);
+            return Choice::Ask(after_peers);
         }
         let tried = self.tried.get(&block);
         let mut in_use = false;
@@ -470,7 +492,7 @@ impl<'a> Download<'a> {
         if in_use {
             Choice::Later
         } else {
-            Choice::Ask(Source::Coordinator)
+            Choice::Ask(after_peers)
         }
     }
 
@@ -502,7 +524,26 @@ impl<'a> Download<'a> {
                     },
                 }
             }
+            (Source::Http, _) => match &self.origin {
+                Some(origin) => {
+                    origin.ask(request.offset, request.length);
+                    self.asked.insert(
+                        block,
+                        Asked {
+                            source,
+                            at: Instant::now(),
+                            throttled: self.throttled,
+                        },
+                    );
+                    return Ok(());
+                }
+                None => FetchRequest::Coordinator(request),
+            },
             _ => FetchRequest::Coordinator(request),
+        };
+        let source = match source {
+            Source::Http => Source::Coordinator, // the origin was bypassed meanwhile
+            other => other,
         };
         fetch::ask(requests, message, &self.spec.name, cancel).await?;
         self.asked.insert(
@@ -582,13 +623,50 @@ impl<'a> Download<'a> {
         }
     }
 
+    /// Stops using the origin for this artifact (its workers stop); the blocks asked of it go
+    /// back to the front of the queue, for the peers' time left or the coordinator.
+    fn bypass_origin(&mut self, block: Option<u64>, reason: String) {
+        if self.origin.take().is_none() {
+            return;
+        }
+        let origin = self
+            .sources
+            .origin
+            .as_ref()
+            .map(|u| format!("{}:{}{}", u.host, u.port, u.path))
+            .unwrap_or_default();
+        let at = block.map(|b| format!(" at block {b}")).unwrap_or_default();
+        tracing::warn!(
+            artifact = self.spec.name,
+            %origin,
+            "bypassing the HTTP origin {origin} for this artifact{at}: {reason}; \
+             fetching from the peers or the coordinator"
+        );
+        let theirs: Vec<u64> = self
+            .asked
+            .iter()
+            .filter(|(_, a)| a.source == Source::Http)
+            .map(|(b, _)| *b)
+            .collect();
+        for block in theirs.into_iter().rev() {
+            self.asked.remove(&block);
+            self.queue.push_front(block);
+        }
+    }
+
     /// When the loop must wake up without a reply: the earliest peer timeout, retry, or
     /// coordinator idle time.
     fn next_deadline(&self) -> Instant {
         let mut at = self.coordinator_heard + REPLY_TIMEOUT;
         for a in self.asked.values() {
-            if let Source::Peer(_) = a.source {
-                at = at.min(a.at + self.sources.peer_timeout);
+            match a.source {
+                Source::Peer(_) => at = at.min(a.at + self.sources.peer_timeout),
+                // The rate limit's sleeps since it was asked are not the origin's.
+                Source::Http => {
+                    let slept = self.throttled.saturating_sub(a.throttled);
+                    at = at.min(a.at + self.sources.peer_timeout + slept);
+                }
+                Source::Coordinator => {}
             }
         }
         if let Some(due) = self.retries.next_due() {
@@ -632,9 +710,25 @@ impl<'a> Download<'a> {
             }
 
             let deadline = self.next_deadline();
-            let input = tokio::select! {
+            let (from_origin, input) = tokio::select! {
                 _ = cancel.cancelled() => return Err(FetchError::Canceled),
-                input = tokio::time::timeout_at(deadline, inputs.recv()) => input,
+                input = tokio::time::timeout_at(deadline, inputs.recv()) => (None, input),
+                event = next_origin(&mut self.origin) => match event {
+                    Some(OriginEvent::Block { offset, data }) => {
+                        let sha256 = self.spec.sha256;
+                        let reply = BlockReply::Data { sha256, offset, data };
+                        (Some(Source::Http), Ok(Some(FetchInput::Reply(reply))))
+                    }
+                    Some(OriginEvent::Failed { offset, reason }) => {
+                        let block = self.list.index_at(offset);
+                        self.bypass_origin(block, reason);
+                        continue;
+                    }
+                    None => {
+                        self.bypass_origin(None, "its workers stopped".to_owned());
+                        continue;
+                    }
+                },
             };
             let (source, reply) = match input {
                 Err(_) => {
@@ -645,15 +739,21 @@ impl<'a> Download<'a> {
                 Ok(Some(FetchInput::Reconnected)) => {
                     tracing::debug!(artifact, "reconnected: asking for outstanding blocks again");
                     self.retries.asking_all_again();
-                    let outstanding: Vec<(u64, Source)> =
-                        self.asked.iter().map(|(b, a)| (*b, a.source)).collect();
+                    let outstanding: Vec<(u64, Source)> = self
+                        .asked
+                        .iter()
+                        .filter(|(_, a)| a.source != Source::Http)
+                        .map(|(b, a)| (*b, a.source))
+                        .collect();
                     for (block, source) in outstanding {
                         self.ask(block, source, requests, cancel).await?;
                     }
                     self.coordinator_heard = Instant::now();
                     continue;
                 }
-                Ok(Some(FetchInput::Reply(reply))) => (Source::Coordinator, reply),
+                Ok(Some(FetchInput::Reply(reply))) => {
+                    (from_origin.unwrap_or(Source::Coordinator), reply)
+                }
                 Ok(Some(FetchInput::PeerReply { peer, reply })) => {
                     match self.sources.peers.iter().position(|p| *p == peer) {
                         Some(i) if i < self.peers.len() => (Source::Peer(i), reply),
@@ -691,6 +791,7 @@ impl<'a> Download<'a> {
             coordinator = counts.coordinator,
             local = counts.local,
             peers = counts.from_peers(),
+            http = counts.from_http(),
             bypassed = bypassed.len(),
             "every block verified{}",
             if bypassed.is_empty() {
@@ -725,6 +826,19 @@ impl<'a> Download<'a> {
                     "no answer for block {block} within {:?}",
                     self.sources.peer_timeout
                 ),
+            );
+        }
+        let origin_late = self
+            .asked
+            .iter()
+            .find(|(_, a)| {
+                a.source == Source::Http && self.answer_time(a) >= self.sources.peer_timeout
+            })
+            .map(|(b, _)| *b);
+        if let Some(block) = origin_late {
+            self.bypass_origin(
+                Some(block),
+                format!("no answer within {:?}", self.sources.peer_timeout),
             );
         }
         let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.peer_retries)
@@ -807,7 +921,7 @@ impl<'a> Download<'a> {
             return Ok(None); // a duplicate
         }
         if !self.list.verify(block, &data) {
-            if asked_here {
+            if asked_here || source == Source::Http {
                 self.bad_block(block, source, data.len())?;
             }
             return Ok(None);
@@ -823,6 +937,7 @@ impl<'a> Download<'a> {
         let n = data.len() as u64;
         match source {
             Source::Coordinator => counts.coordinator += n,
+            Source::Http => count_peer(counts, HTTP_SOURCE, n),
             Source::Peer(i) => {
                 count_peer(counts, &self.sources.peers[i], n);
                 self.peer_heard = Instant::now();
@@ -855,6 +970,10 @@ impl<'a> Download<'a> {
                 }
                 Ok(())
             }
+            Source::Http => {
+                self.bypass_origin(Some(block), reason);
+                Ok(())
+            }
             Source::Coordinator => {
                 let (offset, length) = block_range(block, self.spec.size, self.list.block_size());
                 self.retries.bad_reply(
@@ -874,6 +993,13 @@ impl<'a> Download<'a> {
                 self.bypass(
                     i,
                     format!("it served block {block} ({len} bytes), which fails its signed hash"),
+                );
+                Ok(())
+            }
+            Source::Http => {
+                self.bypass_origin(
+                    Some(block),
+                    format!("it served {len} bytes that fail the block's signed hash"),
                 );
                 Ok(())
             }
@@ -952,6 +1078,14 @@ impl<'a> Download<'a> {
             }
         })?;
         Ok(final_path)
+    }
+}
+
+/// The origin's next event; never, without an origin in use.
+async fn next_origin(origin: &mut Option<OriginFetcher>) -> Option<OriginEvent> {
+    match origin {
+        Some(origin) => origin.next().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -1126,6 +1260,7 @@ mod tests {
             slow_block: Duration::from_secs(1),
             fallback_after: Duration::from_secs(30),
             local: Vec::new(),
+            origin: None,
         }
     }
 
@@ -1702,5 +1837,43 @@ mod tests {
         .await
         .expect_err("refused");
         assert!(err.to_string().contains("sha256 mismatch"), "{err}");
+    }
+
+    /// With an origin and no peers: the origin serves, the coordinator is the fallback.
+    async fn with_origin(serves: crate::http_origin::tests::Serves) -> (ByteCounts, u64) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = image(24);
+        let spec = spec(dir.path(), &data);
+        let (tx, rx, _) = network(data.clone(), Serves::Good, &[]);
+        let sources = Sources {
+            origin: Some(crate::http_origin::tests::serve(data.clone(), serves).await),
+            peer_timeout: Duration::from_millis(300),
+            ..sources(&[])
+        };
+        let counts = run(&spec, &data, &sources, (tx, rx)).await;
+        (counts, data.len() as u64)
+    }
+
+    #[tokio::test]
+    async fn an_origin_serves_every_block_counted_as_http() {
+        use crate::http_origin::tests::Serves as Origin;
+        for serves in [Origin::Ranges, Origin::Whole] {
+            let (counts, size) = with_origin(serves).await;
+            assert_eq!(counts.from_http(), size, "{serves:?}: {counts:?}");
+            assert_eq!(counts.coordinator, 0, "{serves:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_silent_or_failing_origin_is_bypassed_and_the_coordinator_serves() {
+        use crate::http_origin::tests::Serves as Origin;
+        for serves in [Origin::Corrupt, Origin::Silent, Origin::NotFoundAfter(5)] {
+            let (counts, size) = with_origin(serves).await;
+            assert_eq!(counts.total(), size, "{serves:?}");
+            assert!(counts.coordinator > 0, "{serves:?}: {counts:?}");
+            if serves == Origin::Corrupt || serves == Origin::Silent {
+                assert_eq!(counts.from_http(), 0, "{serves:?}: {counts:?}");
+            }
+        }
     }
 }

@@ -133,6 +133,7 @@ pub mod fetch;
 pub mod fetch_blocks;
 pub mod health;
 pub mod held;
+pub mod http_origin;
 pub mod identity;
 pub mod link;
 pub mod log_filter;

@@ -600,7 +600,8 @@ impl Sim {
         match action.body {
             ActionBody::Nothing
             | ActionBody::Install { .. }
-            | ActionBody::InstallWithPeers { .. } => {}
+            | ActionBody::InstallWithPeers { .. }
+            | ActionBody::InstallFromOrigins { .. } => {}
             ActionBody::Cancel { action_id } => {
                 lock(&self.slots[slot]).cancel = Some(action_id);
             }

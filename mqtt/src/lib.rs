@@ -28,6 +28,7 @@
 //! ```
 
 mod guard;
+pub mod https;
 mod oversize;
 
 pub use guard::{

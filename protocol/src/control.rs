@@ -503,6 +503,9 @@ pub struct SourceBytes {
     pub coordinator: u64,
     pub peers: u64,
     pub local: u64,
+    /// From HTTP(S) origins (decision 0062).
+    #[serde(default)]
+    pub http: u64,
 }
 
 impl SourceBytes {
@@ -516,6 +519,7 @@ impl SourceBytes {
             coordinator: counts.coordinator,
             peers: counts.from_peers(),
             local: counts.local,
+            http: counts.from_http(),
         }
     }
 
@@ -523,12 +527,14 @@ impl SourceBytes {
         self.coordinator = self.coordinator.saturating_add(other.coordinator);
         self.peers = self.peers.saturating_add(other.peers);
         self.local = self.local.saturating_add(other.local);
+        self.http = self.http.saturating_add(other.http);
     }
 
     pub fn sub(&mut self, other: &SourceBytes) {
         self.coordinator = self.coordinator.saturating_sub(other.coordinator);
         self.peers = self.peers.saturating_sub(other.peers);
         self.local = self.local.saturating_sub(other.local);
+        self.http = self.http.saturating_sub(other.http);
     }
 }
 
@@ -538,7 +544,11 @@ impl std::fmt::Display for SourceBytes {
             f,
             "{} from the coordinator, {} from peers, {} local",
             self.coordinator, self.peers, self.local
-        )
+        )?;
+        if self.http > 0 {
+            write!(f, ", {} from http", self.http)?;
+        }
+        Ok(())
     }
 }
 

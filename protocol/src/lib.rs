@@ -39,6 +39,7 @@ pub mod keys;
 pub mod manifest;
 pub mod messages;
 pub mod operator;
+pub mod origin;
 pub mod raw_bytes;
 pub mod signing;
 pub mod topics;

@@ -81,6 +81,19 @@ pub enum ActionBody {
         window: Option<TimeWindow>,
         grant: SignedBlob,
     },
+    /// Install a release, fetching blocks from HTTP(S) origins too (decision 0062): `origins`
+    /// names, per artifact digest, a URL the device may fetch that artifact's blocks from with
+    /// range requests, each block checked against the signed block list as a peer's is.
+    /// `grant` is the peer grant, when the rollout shares between peers. Locations are not in
+    /// the release's signed manifest (they change); this action is signed by the coordinator.
+    /// An older agent refuses this variant as malformed instead of misreading it.
+    InstallFromOrigins {
+        manifest: SignedBlob,
+        kind: ActionKind,
+        window: Option<TimeWindow>,
+        grant: Option<SignedBlob>,
+        origins: Vec<crate::origin::Origin>,
+    },
 }
 
 /// The parts of an install, whichever variant carries it.
@@ -91,6 +104,8 @@ pub struct InstallRef<'a> {
     pub window: Option<TimeWindow>,
     /// The peer grant, for [`ActionBody::InstallWithPeers`].
     pub grant: Option<&'a SignedBlob>,
+    /// HTTP(S) locations of its artifacts, for [`ActionBody::InstallFromOrigins`].
+    pub origins: &'a [crate::origin::Origin],
 }
 
 impl ActionBody {
@@ -106,6 +121,7 @@ impl ActionBody {
                 kind: *kind,
                 window: *window,
                 grant: None,
+                origins: &[],
             }),
             ActionBody::InstallWithPeers {
                 manifest,
@@ -117,6 +133,20 @@ impl ActionBody {
                 kind: *kind,
                 window: *window,
                 grant: Some(grant),
+                origins: &[],
+            }),
+            ActionBody::InstallFromOrigins {
+                manifest,
+                kind,
+                window,
+                grant,
+                origins,
+            } => Some(InstallRef {
+                manifest,
+                kind: *kind,
+                window: *window,
+                grant: grant.as_ref(),
+                origins,
             }),
             _ => None,
         }
@@ -125,9 +155,9 @@ impl ActionBody {
     /// The action kind of an install, to change it in place (tests, time-forced promotion).
     pub fn install_kind_mut(&mut self) -> Option<&mut ActionKind> {
         match self {
-            ActionBody::Install { kind, .. } | ActionBody::InstallWithPeers { kind, .. } => {
-                Some(kind)
-            }
+            ActionBody::Install { kind, .. }
+            | ActionBody::InstallWithPeers { kind, .. }
+            | ActionBody::InstallFromOrigins { kind, .. } => Some(kind),
             _ => None,
         }
     }
@@ -164,7 +194,8 @@ pub struct ByteCounts {
     /// Bytes copied from what the device already held (an installed release, the other slot,
     /// an earlier download).
     pub local: u64,
-    /// Bytes fetched from each peer, by device id.
+    /// Bytes fetched from each peer, by device id, and from HTTP(S) origins under the name
+    /// [`HTTP_SOURCE`](crate::origin::HTTP_SOURCE) (decision 0062).
     pub peers: Vec<(String, u64)>,
 }
 
@@ -177,14 +208,27 @@ pub struct BypassedPeer {
 }
 
 impl ByteCounts {
-    /// Bytes fetched from peers, all together.
+    /// Bytes fetched from peers, all together (HTTP origins left out).
     pub fn from_peers(&self) -> u64 {
-        self.peers.iter().map(|(_, n)| n).sum()
+        self.peers
+            .iter()
+            .filter(|(name, _)| name != crate::origin::HTTP_SOURCE)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Bytes fetched from HTTP(S) origins.
+    pub fn from_http(&self) -> u64 {
+        self.peers
+            .iter()
+            .filter(|(name, _)| name == crate::origin::HTTP_SOURCE)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Every byte counted, whatever its source.
     pub fn total(&self) -> u64 {
-        self.coordinator + self.local + self.from_peers()
+        self.coordinator + self.local + self.from_peers() + self.from_http()
     }
 }
 

@@ -27,6 +27,7 @@ pub mod coordinators;
 pub mod disk;
 pub mod mqtt;
 pub mod nats;
+pub mod origin;
 pub mod postgres;
 pub mod rauc;
 pub mod secure;

@@ -441,6 +441,7 @@ async fn a_site_sharing_blocks_takes_about_one_copy_from_the_coordinator() {
         coordinator,
         peers: peer,
         local,
+        http: 0,
     };
     assert_eq!(status.bytes, by_source, "the rollout's bytes by source");
     assert_eq!(status.site_count, 1, "{:#?}", status.sites);

@@ -301,6 +301,24 @@ pub enum ReleaseCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Set where devices may fetch an artifact of a release over HTTP(S), after signing: a CDN,
+    /// an object store's URL, a plain web server that holds the same file. Not signed: every
+    /// block is checked against the release's signed block list. The next desired actions
+    /// carry it (decision 0062).
+    Locate {
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Release name.
+        name: String,
+        /// The artifact's target.
+        target: String,
+        /// An http:// or https:// URL (omit with --remove).
+        #[arg(required_unless_present = "remove")]
+        url: Option<String>,
+        /// Remove the target's location: devices fetch it from peers and the coordinator.
+        #[arg(long, conflicts_with = "url")]
+        remove: bool,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -345,6 +363,11 @@ pub struct ReleaseCreateArgs {
     /// (decision 0024); devices then check only each artifact's whole-file digest.
     #[arg(long, conflicts_with = "block_size")]
     pub no_blocks: bool,
+    /// TARGET=URL (repeatable): an http:// or https:// location devices may fetch TARGET's
+    /// artifact from with range requests, each block checked against the signed block list.
+    /// Not part of the signed manifest; `release locate` changes it later (decision 0062).
+    #[arg(long, value_name = "TARGET=URL", conflicts_with = "no_blocks")]
+    pub url: Vec<String>,
 }
 
 /// Where `serve` takes each setting from, first match wins. Shown by `flotilla serve --help`

@@ -24,6 +24,7 @@ use crate::cli::out::{out, outln};
 use crate::cli::view;
 use crate::service::config::{self, BrokerOverrides, Config, ConfigError, Given};
 use crate::service::keys::{self, KeysError};
+use crate::service::origins;
 use crate::service::release_types;
 use crate::service::releases::{self, NewRelease, ReleaseError, ReleaseStore};
 use crate::service::{self, ServiceError};
@@ -35,6 +36,8 @@ pub enum CliError {
     Keys(#[from] KeysError),
     #[error(transparent)]
     Release(#[from] ReleaseError),
+    #[error(transparent)]
+    Origins(#[from] crate::service::origins::OriginsError),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
@@ -694,6 +697,19 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 })?;
             let key = keys::load_secret_key(&args.key)?;
             let store = ReleaseStore::new(&args.data_dir);
+            // Locations are checked before anything is written: a release name is never reused.
+            for value in &args.url {
+                let url = value.split_once('=').map(|(_, url)| url);
+                let url = url.ok_or_else(|| origins::OriginsError::Spec {
+                    value: value.clone(),
+                })?;
+                flotilla_protocol::origin::OriginUrl::parse(url).map_err(|source| {
+                    origins::OriginsError::Url {
+                        release: args.name.clone(),
+                        source,
+                    }
+                })?;
+            }
             let new = NewRelease {
                 name: args.name,
                 version: args.version,
@@ -705,6 +721,10 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 block_size: (!args.no_blocks).then_some(args.block_size),
             };
             let manifest = store.create(&new, &key, now())?;
+            if !args.url.is_empty() {
+                let located = origins::parse_specs(&manifest, &args.url)?;
+                origins::write(&store, &manifest.release.name, &located)?;
+            }
             for line in releases::block_list_overheads(&manifest) {
                 eprintln!("warning: {line}");
             }
@@ -756,6 +776,22 @@ fn release(cmd: ReleaseCmd) -> Result<i32, CliError> {
                 manifest.release.artifacts.len(),
                 if manifest.blocks.is_some() { ", block lists match" } else { "" }
             );
+            Ok(0)
+        }
+        ReleaseCmd::Locate {
+            data_dir,
+            name,
+            target,
+            url,
+            remove,
+        } => {
+            let store = ReleaseStore::new(&data_dir);
+            let url = if remove { None } else { url };
+            origins::set(&store, &name, &target, url.as_deref())?;
+            match url {
+                Some(url) => outln!("release {name}: target {target} located at {url}"),
+                None => outln!("release {name}: target {target} has no HTTP location"),
+            }
             Ok(0)
         }
         ReleaseCmd::List { data_dir, json } => {

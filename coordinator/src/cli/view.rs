@@ -757,6 +757,7 @@ mod tests {
                 coordinator: 1_000,
                 peers: 15_000,
                 local: 24,
+                http: 0,
             },
             sites: vec![SiteStatus {
                 name: "harbour".into(),

@@ -60,6 +60,8 @@ impl Service {
                     // The maintenance window the attempt was sent in, in UTC: the agent holds
                     // to it too, so an action it receives late waits for its window.
                     let window = self.engine.install_window(&rollout, &device);
+                    let origins =
+                        crate::service::origins::for_action(&self.releases, &release, &manifest);
                     let install = grants::Install {
                         device: &device,
                         action_id: &action_id,
@@ -69,6 +71,7 @@ impl Service {
                         window,
                         peers: &peers,
                         digests: &digests,
+                        origins,
                     };
                     let key = self.key.clone();
                     let body = move |expires_at| grants::install_body(&key, install, expires_at);

@@ -8,6 +8,7 @@
 //! each block list) and the action's expiry. The device shows the grant to those peers; a peer
 //! serves only what the grant covers and answers on the topic of the device the grant names.
 
+use flotilla_protocol::origin::Origin;
 use flotilla_protocol::{
     envelope, ActionBody, ActionKind, Digest, PeerGrant, SignedBlob, SigningKey, TimeWindow,
     UnixTime,
@@ -26,30 +27,46 @@ pub struct Install<'a> {
     pub peers: &'a [String],
     /// Every digest of the release: artifacts and block lists.
     pub digests: &'a [Digest],
+    /// HTTP(S) locations of the release's artifacts (decision 0062); empty for none.
+    pub origins: Vec<Origin>,
 }
 
 /// The action body for `install`, given the action's expiry (the grant's too).
+/// With HTTP locations it is an `InstallFromOrigins`, which carries the grant too (when there
+/// are peers); without, the older variants, which older agents read.
 pub fn install_body(key: &SigningKey, install: Install<'_>, expires_at: UnixTime) -> ActionBody {
-    if install.peers.is_empty() {
-        return ActionBody::Install {
+    let grant = (!install.peers.is_empty()).then(|| {
+        let grant = PeerGrant {
+            device_id: install.device.to_owned(),
+            action_id: install.action_id.to_owned(),
+            rollout_id: install.rollout.to_owned(),
+            sources: install.peers.to_vec(),
+            digests: install.digests.to_vec(),
+            expires_at,
+        };
+        SignedBlob::sign(key, envelope::to_bytes(&grant))
+    });
+    if !install.origins.is_empty() {
+        return ActionBody::InstallFromOrigins {
             manifest: install.manifest,
             kind: install.kind,
             window: install.window,
+            grant,
+            origins: install.origins,
         };
     }
-    let grant = PeerGrant {
-        device_id: install.device.to_owned(),
-        action_id: install.action_id.to_owned(),
-        rollout_id: install.rollout.to_owned(),
-        sources: install.peers.to_vec(),
-        digests: install.digests.to_vec(),
-        expires_at,
-    };
-    ActionBody::InstallWithPeers {
-        manifest: install.manifest,
-        kind: install.kind,
-        window: install.window,
-        grant: SignedBlob::sign(key, envelope::to_bytes(&grant)),
+    match grant {
+        None => ActionBody::Install {
+            manifest: install.manifest,
+            kind: install.kind,
+            window: install.window,
+        },
+        Some(grant) => ActionBody::InstallWithPeers {
+            manifest: install.manifest,
+            kind: install.kind,
+            window: install.window,
+            grant,
+        },
     }
 }
 
@@ -82,6 +99,7 @@ mod tests {
                 window: None,
                 peers,
                 digests: &[[1; 32], [2; 32]],
+                origins: Vec::new(),
             },
             5_000,
         )

@@ -358,7 +358,7 @@ impl Metrics {
         let device_bytes = Family::default();
         registry.register(
             "flotilla_device_bytes",
-            "Bytes devices reported for their finished actions, by source (coordinator, peer, local)",
+            "Bytes devices reported for their finished actions, by source (coordinator, peer, local, http)",
             device_bytes.clone(),
         );
         let connects = Counter::default();
@@ -534,6 +534,7 @@ impl Metrics {
             ("coordinator", bytes.coordinator),
             ("peer", bytes.from_peers()),
             ("local", bytes.local),
+            ("http", bytes.from_http()),
         ] {
             self.device_bytes
                 .get_or_create(&[("source", source)])

@@ -77,6 +77,7 @@ pub mod metrics_leader;
 pub mod metrics_limits;
 pub mod mqtt;
 pub mod operators;
+pub mod origins;
 pub mod page;
 pub mod rate;
 pub mod release_types;

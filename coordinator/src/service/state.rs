@@ -189,7 +189,8 @@ impl Service {
         self.bytes_counted
             .insert(device.to_owned(), action_id.to_owned());
         tracing::debug!(%device, %action_id, coordinator = bytes.coordinator,
-            peers = bytes.from_peers(), local = bytes.local, "bytes by source");
+            peers = bytes.from_peers(), local = bytes.local, http = bytes.from_http(),
+            "bytes by source");
         self.metrics.device_bytes(bytes);
         self.engine.observe_bytes(device, action_id, bytes.clone());
         self.engine

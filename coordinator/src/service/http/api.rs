@@ -18,7 +18,7 @@ use tokio::sync::oneshot;
 
 use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
-use crate::service::http::{commands, console, reads, reads_devices};
+use crate::service::http::{artifacts, commands, console, reads, reads_devices};
 use crate::service::metrics::CONTENT_TYPE;
 
 /// The OpenAPI document, served as it is.
@@ -33,7 +33,7 @@ pub const CONTROL: &str = "/api/v1/control";
 
 /// Every route, as the OpenAPI document must list it: method and path (the OpenAPI form of a
 /// path parameter).
-pub const ROUTES: [(&str, &str); 20] = [
+pub const ROUTES: [(&str, &str); 21] = [
     ("get", METRICS),
     ("get", OPENAPI_PATH),
     ("post", CONTROL),
@@ -54,6 +54,7 @@ pub const ROUTES: [(&str, &str); 20] = [
     ("get", "/console/queues.js"),
     ("get", "/console/releases.js"),
     ("get", "/console/style.css"),
+    ("get", "/artifacts/{sha256}"),
 ];
 
 /// The routes of one listener: `/metrics` always; with `api`, the HTTP API and its document.
@@ -69,6 +70,7 @@ pub fn router(state: Api, api: bool) -> Router {
         router = reads_devices::routes(router);
         router = commands::routes(router);
         router = console::routes(router);
+        router = artifacts::routes(router);
     }
     router.fallback(not_found).with_state(state)
 }

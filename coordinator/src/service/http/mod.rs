@@ -6,13 +6,16 @@
 //! - [`api`]: the routes: `/metrics`, `/api/openapi.json`, `POST /api/v1/control`.
 //! - [`commands`]: `POST /api/v1/commands/{command}`, one path per control command.
 //! - [`console`]: the web console: a page and its script, on the API and nothing else.
+//! - [`artifacts`]: `GET /artifacts/{sha256}`, the artifact store with byte ranges (0062).
 //! - [`control`]: an HTTP control request on its way to the service loop and back.
-//! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE).
+//! - [`reads`]: browser sessions, paged reads in a session's name, live events (SSE);
+//!   [`reads_devices`]: the device pages' reads (one device, the enrollment queue).
 //! - [`session`]: the session table and its cookie.
 //! - [`state`]: what the routes share; bounded bodies; asking the service loop.
 //! - [`tls`]: the server's certificate and key.
 
 pub mod api;
+pub mod artifacts;
 pub mod commands;
 pub mod console;
 pub mod control;
@@ -97,6 +100,9 @@ pub async fn start(
             streams: Default::default(),
             secure: tls.is_some(),
             topic_root: config.broker.topic_root.clone(),
+            artifacts: Some(
+                crate::service::releases::ReleaseStore::new(&config.data_dir).artifacts_dir(),
+            ),
         };
         tokio::spawn(server::serve(
             listener,

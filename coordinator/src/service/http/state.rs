@@ -45,6 +45,8 @@ pub struct Api {
     pub secure: bool,
     /// The MQTT topic root, which the console's signed requests name in their reply topics.
     pub topic_root: String,
+    /// The artifact store served at `/artifacts/{sha256}`; `None` serves none.
+    pub artifacts: Option<std::path::PathBuf>,
 }
 
 impl Api {
@@ -59,6 +61,7 @@ impl Api {
             streams: Arc::default(),
             secure: false,
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.to_owned(),
+            artifacts: None,
         }
     }
 

@@ -198,7 +198,7 @@ async function drawRollout(name) {
   $("rollout-summary").replaceChildren(
     el("span", { class: "state-" + r.state, id: "rollout-state" }, r.state), " · release " + r.release + " · " + r.strategy +
     " · " + t.ready + " ready, " + t.failed + " failed, " + t.in_progress + " running of " + t.total +
-    (r.bytes ? " · bytes " + r.bytes.coordinator + " from the coordinator, " + r.bytes.peers + " from peers, " + r.bytes.local + " local" : ""));
+    (r.bytes ? " · bytes " + r.bytes.coordinator + " from the coordinator, " + r.bytes.peers + " from peers, " + r.bytes.local + " local" + (r.bytes.http ? ", " + r.bytes.http + " from http" : "") : ""));
   $("rollout-waiting").textContent = r.waiting ? "waiting: " + r.waiting : "";
   const actions = $("rollout-actions");
   actions.replaceChildren();

@@ -1,0 +1,213 @@
+use super::*;
+use std::net::SocketAddr;
+use tokio::net::TcpListener;
+
+/// How the test origin answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Serves {
+    /// `206` with the range asked for, on a kept connection.
+    Ranges,
+    /// `206` with the range, in chunked encoding.
+    Chunked,
+    /// `200` with the whole file, ignoring `Range`, then closes (as Python's `http.server`).
+    Whole,
+    /// Ranges with one byte flipped in each.
+    Corrupt,
+    /// Serves this many ranges, then `404 Not Found`.
+    NotFoundAfter(usize),
+    /// Accepts connections and never answers.
+    Silent,
+}
+
+/// Starts an origin serving `data` on a free loopback port; returns its URL.
+pub(crate) async fn serve(data: Vec<u8>, serves: Serves) -> OriginUrl {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr: SocketAddr = listener.local_addr().expect("addr");
+    let data = Arc::new(data);
+    let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn(async move {
+        loop {
+            let Ok((sock, _)) = listener.accept().await else {
+                return;
+            };
+            let data = data.clone();
+            let served = served.clone();
+            tokio::spawn(async move {
+                let _ = connection(sock, &data, serves, &served).await;
+            });
+        }
+    });
+    OriginUrl::parse(&format!("http://{addr}/artifact.bin")).expect("url")
+}
+
+async fn connection(
+    sock: TcpStream,
+    data: &[u8],
+    serves: Serves,
+    served: &std::sync::atomic::AtomicUsize,
+) -> std::io::Result<()> {
+    let mut c = BufReader::new(sock);
+    loop {
+        let mut range = None;
+        loop {
+            let mut line = String::new();
+            if c.read_line(&mut line).await? == 0 {
+                return Ok(());
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some(r) = line.strip_prefix("Range: bytes=") {
+                let (a, b) = r.split_once('-').expect("a-b");
+                range = Some((
+                    a.parse::<usize>().expect("a"),
+                    b.parse::<usize>().expect("b"),
+                ));
+            }
+        }
+        if serves == Serves::Silent {
+            std::future::pending::<()>().await;
+        }
+        let n = served.fetch_add(1, Ordering::SeqCst);
+        let (a, b) = range.expect("a Range header");
+        let out = c.get_mut();
+        match serves {
+            Serves::NotFoundAfter(k) if n >= k => {
+                out.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    .await?;
+            }
+            Serves::Whole => {
+                let head = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", data.len());
+                out.write_all(head.as_bytes()).await?;
+                out.write_all(data).await?;
+                return Ok(());
+            }
+            Serves::Chunked => {
+                let body = &data[a..=b];
+                let (x, y) = body.split_at(body.len() / 2);
+                let head = format!(
+                    "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\n\
+                     Transfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+                    data.len(),
+                    x.len()
+                );
+                out.write_all(head.as_bytes()).await?;
+                out.write_all(x).await?;
+                out.write_all(format!("\r\n{:x}\r\n", y.len()).as_bytes())
+                    .await?;
+                out.write_all(y).await?;
+                out.write_all(b"\r\n0\r\n\r\n").await?;
+            }
+            _ => {
+                let mut body = data[a..=b].to_vec();
+                if serves == Serves::Corrupt {
+                    body[0] ^= 1;
+                }
+                let head = format!(
+                    "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\n\
+                     Content-Length: {}\r\n\r\n",
+                    data.len(),
+                    body.len()
+                );
+                out.write_all(head.as_bytes()).await?;
+                out.write_all(&body).await?;
+            }
+        }
+    }
+}
+
+fn data(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 7 % 251) as u8).collect()
+}
+
+/// Asks for every block of `data` and collects what comes back, by offset.
+async fn fetch_all(url: OriginUrl, data: &[u8], bs: u32) -> Vec<OriginEvent> {
+    let mut f = OriginFetcher::start(url, data.len() as u64, bs, 3);
+    let blocks = (data.len() as u64).div_ceil(u64::from(bs));
+    for b in 0..blocks {
+        let (offset, length) = block_range(b, data.len() as u64, bs);
+        f.ask(offset, length);
+    }
+    let mut events = Vec::new();
+    let mut got = 0;
+    while got < blocks {
+        let e = f.next().await.expect("an event");
+        got += 1;
+        let failed = matches!(e, OriginEvent::Failed { .. });
+        events.push(e);
+        if failed {
+            break;
+        }
+    }
+    events.sort_by_key(|e| match e {
+        OriginEvent::Block { offset, .. } | OriginEvent::Failed { offset, .. } => *offset,
+    });
+    events
+}
+
+fn blocks_of(data: &[u8], bs: u32) -> Vec<OriginEvent> {
+    data.chunks(bs as usize)
+        .enumerate()
+        .map(|(i, c)| OriginEvent::Block {
+            offset: (i * bs as usize) as u64,
+            data: c.to_vec(),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn range_requests_return_each_block_on_kept_connections() {
+    let d = data(10_000);
+    for serves in [Serves::Ranges, Serves::Chunked] {
+        let url = serve(d.clone(), serves).await;
+        assert_eq!(
+            fetch_all(url, &d, 1024).await,
+            blocks_of(&d, 1024),
+            "{serves:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_origin_that_ignores_ranges_is_streamed_once_whole() {
+    let d = data(10_000);
+    let url = serve(d.clone(), Serves::Whole).await;
+    assert_eq!(fetch_all(url, &d, 1024).await, blocks_of(&d, 1024));
+}
+
+#[tokio::test]
+async fn a_404_is_a_failure_naming_the_range_and_the_status() {
+    let d = data(4096);
+    let url = serve(d.clone(), Serves::NotFoundAfter(0)).await;
+    let events = fetch_all(url, &d, 1024).await;
+    let reason = events
+        .iter()
+        .find_map(|e| match e {
+            OriginEvent::Failed { reason, .. } => Some(reason.clone()),
+            _ => None,
+        })
+        .expect("a failure");
+    assert!(reason.contains("HTTP 404 Not Found"), "{reason}");
+    assert!(reason.contains("bytes "), "{reason}");
+}
+
+#[tokio::test]
+async fn a_hostile_head_is_refused_not_read_forever() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.expect("accept");
+        let mut buf = [0; 1024];
+        let _ = sock.read(&mut buf).await;
+        let _ = sock.write_all(b"HTTP/1.1 206 OK\r\nX: ").await;
+        let _ = sock.write_all(&vec![b'a'; MAX_HEAD * 2]).await;
+    });
+    let url = OriginUrl::parse(&format!("http://{addr}/x")).expect("url");
+    let mut f = OriginFetcher::start(url, 100, 100, 1);
+    f.ask(0, 100);
+    match f.next().await.expect("an event") {
+        OriginEvent::Failed { reason, .. } => assert!(reason.contains("over"), "{reason}"),
+        other => panic!("not refused: {other:?}"),
+    }
+}
