@@ -1,6 +1,7 @@
 //! The web console in a real browser (Debian's headless Chromium through ChromeDriver), against
 //! a real coordinator with real agents: log in with an operator key file, watch a rollout move
-//! without reloading, approve and deny from the page, and a viewer who gets no buttons.
+//! without reloading, pause and resume it, approve and deny from the page, and a viewer who gets
+//! no buttons.
 //! Screenshots of the pages go to `target/screenshots/`.
 
 use std::time::Duration;
@@ -68,6 +69,11 @@ async fn an_operator_follows_approves_and_denies_in_the_console_and_a_viewer_onl
         browser.goto(&format!("{url}#/rollouts/ok"));
         browser.wait_text("[data-approval=ok-canary]", WAIT, |t| t.contains("pending"));
         browser.screenshot(&shots.join("console-approval.png"));
+        // Paused and resumed from the page's buttons, signed in the browser.
+        browser.click_text("#rollout-actions button", "Pause", WAIT);
+        browser.wait_text("#rollout-state", WAIT, |t| t == "paused");
+        browser.click_text("#rollout-actions button", "Resume", WAIT);
+        browser.wait_text("#rollout-state", WAIT, |t| t == "running");
         browser.click_text("[data-approval=ok-canary] button", "Approve", WAIT);
         // Finished without a reload: live events moved the page.
         browser.wait_text("#rollout-state", WAIT, |t| t == "finished");
