@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The coordinator's device-signature check, one by one against batches (decision 0064):
+# The coordinator's device-signature check, one by one against batches (decision 0063):
 # instructions per signature under callgrind (the same on a busy or an idle machine) and wall
 # time per signature. Usage: bench/sig-batch.sh [COUNT]; writes bench/results/sig-batch-<date>.txt.
 set -euo pipefail

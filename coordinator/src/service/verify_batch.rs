@@ -1,4 +1,4 @@
-//! Device signatures checked in batches on the verify-ahead workers (decision 0064).
+//! Device signatures checked in batches on the verify-ahead workers (decision 0063).
 //!
 //! A worker takes what is waiting in its queue, up to [`MAX_BATCH`] events, and checks the
 //! signatures of the device messages among them with one ed25519 batch verification
