@@ -13,6 +13,7 @@ use flotilla_targets::UpdateTarget;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::block_list_fetch;
 use crate::fetch::{self, FetchError, FetchSpec};
 use crate::fetch_blocks::{self, BlockFetch, Sources};
 use crate::record::{ActionRecord, State};
@@ -120,7 +121,7 @@ pub(crate) async fn download(
         let fetch_fut = async move {
             match block_index {
                 Some(block_index) => {
-                    let list = fetch_blocks::fetch_block_list(
+                    let list = block_list_fetch::fetch_block_list(
                         spec,
                         &block_index,
                         counts,
@@ -194,7 +195,7 @@ pub(crate) async fn download(
         }
         Err(FetchError::Canceled) => {
             // Never resumed: nothing of it stays behind (a shutdown keeps it, above).
-            fetch_blocks::discard_partial(&spec, block_index.as_ref());
+            block_list_fetch::discard_partial(&spec, block_index.as_ref());
             Next::State(State::Canceled)
         }
         Err(e) => failed(e.to_string(), false),

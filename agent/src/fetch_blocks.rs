@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! block list   <sha256>.blocks, checked against the manifest's BlockIndexRef (fetched first,
-//!              from the coordinator, by its own digest: see fetch_block_list)
+//!              from the coordinator, by its own digest: see crate::block_list_fetch)
 //! local        blocks of <sha256>.part that already verify (a resumed download), then blocks
 //!              copied from what the device holds (crate::adaptive), counted as `local`
 //! peers        each missing block is asked of the grant's peers, in grant order
@@ -51,19 +51,20 @@
 //!   not hashed yet instead of the whole artifact.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_protocol::blocks::{block_range, list_size, BlockIndexRef, BlockList};
-use flotilla_protocol::{hex, BlockReply, BlockRequest, ByteCounts, PeerFetch, SignedBlob};
+use flotilla_protocol::blocks::{block_range, BlockList};
+use flotilla_protocol::{BlockReply, BlockRequest, ByteCounts, PeerFetch, SignedBlob};
 use sha2::Digest as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::adaptive;
+use crate::block_list_fetch;
 use crate::fetch::{
     self, count_peer, FetchError, FetchInput, FetchRequest, FetchSpec, Progress, Retries,
     REPLY_TIMEOUT,
@@ -105,92 +106,6 @@ pub struct Sources {
     pub local: Vec<PathBuf>,
     /// The artifact's HTTP(S) origin, asked after the peers and before the coordinator.
     pub origin: Option<OriginUrl>,
-}
-
-/// Where a block list is kept once verified: `<dir>/<artifact sha256>.blocks`.
-pub fn list_path(spec: &FetchSpec) -> PathBuf {
-    spec.dir
-        .join(format!("{}.blocks", hex::encode(&spec.sha256)))
-}
-
-/// Removes the partial files a download of `spec` keeps to resume from: the artifact's `.part`
-/// and, for a block-indexed artifact, its block list's. For a download that will not be
-/// resumed (its action was canceled); the verified list, `<sha256>.blocks`, stays.
-pub fn discard_partial(spec: &FetchSpec, index: Option<&BlockIndexRef>) {
-    let list_part = index.map(|index| {
-        FetchSpec {
-            sha256: index.sha256,
-            ..spec.clone()
-        }
-        .part_path()
-    });
-    for part in std::iter::once(spec.part_path()).chain(list_part) {
-        if let Err(e) = std::fs::remove_file(&part) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!("cannot remove the partial download {}: {e}", part.display());
-            }
-        }
-    }
-}
-
-/// Returns the verified block list of `spec`'s artifact: the stored one if it still checks,
-/// or one fetched from the coordinator by its digest (through the streaming fetcher, which
-/// checks the digest), checked against `index`, then stored as `<sha256>.blocks`.
-pub async fn fetch_block_list(
-    spec: &FetchSpec,
-    index: &BlockIndexRef,
-    counts: &mut ByteCounts,
-    requests: &mpsc::Sender<FetchRequest>,
-    inputs: &mut mpsc::Receiver<FetchInput>,
-    cancel: &CancellationToken,
-) -> Result<BlockList, FetchError> {
-    let path = list_path(spec);
-    let refused = |reason: String| {
-        FetchError::Digest(crate::trust::Refusal(format!(
-            "artifact {}: block list refused: {reason}",
-            spec.name
-        )))
-    };
-    if let Ok(bytes) = std::fs::read(&path) {
-        if let Ok(list) = BlockList::from_bytes(&bytes, index, spec.size) {
-            return Ok(list);
-        }
-    }
-    let list_spec = FetchSpec {
-        name: format!("{} (block list)", spec.name),
-        sha256: index.sha256,
-        size: list_size(spec.size, index.block_size),
-        block_size: spec.block_size,
-        ..spec.clone()
-    };
-    let fetched = fetch::fetch(
-        &list_spec,
-        0,
-        counts,
-        requests,
-        inputs,
-        &mut |_, _| {},
-        cancel,
-    )
-    .await?;
-    let read_err = |source| FetchError::ReadPart {
-        artifact: list_spec.name.clone(),
-        path: fetched.clone(),
-        source,
-    };
-    let bytes = std::fs::read(&fetched).map_err(read_err)?;
-    let list =
-        BlockList::from_bytes(&bytes, index, spec.size).map_err(|e| refused(e.to_string()))?;
-    flotilla_targets::fs::atomic_write(&path, list.as_bytes()).map_err(|source| {
-        FetchError::WritePart {
-            artifact: spec.name.clone(),
-            path: path.clone(),
-            source,
-        }
-    })?;
-    // Kept only under the artifact's name, where the block server looks for it.
-    let _ = std::fs::remove_file(&fetched);
-    Ok(list)
 }
 
 /// Where a request went.
@@ -278,13 +193,15 @@ pub async fn fetch_blocks(
         let size = spec.size;
         let mut candidates = adaptive::downloaded_artifacts(&spec.dir, &spec.sha256);
         candidates.extend(job.sources.local.iter().cloned());
-        tokio::task::spawn_blocking(move || prepare(&part, &list, size, &candidates))
-            .await
-            .map_err(|e| FetchError::ReadPart {
-                artifact: artifact.clone(),
-                path: spec.part_path(),
-                source: std::io::Error::other(e.to_string()),
-            })?
+        tokio::task::spawn_blocking(move || {
+            block_list_fetch::prepare(&part, &list, size, &candidates)
+        })
+        .await
+        .map_err(|e| FetchError::ReadPart {
+            artifact: artifact.clone(),
+            path: spec.part_path(),
+            source: std::io::Error::other(e.to_string()),
+        })?
     };
     let result = match prepared {
         Ok((file, present, copied)) => {
@@ -311,31 +228,6 @@ pub async fn fetch_blocks(
         let _ = std::fs::remove_file(spec.part_path());
     }
     result
-}
-
-/// Opens (or creates) the part file at the artifact's size, finds its verified blocks, and
-/// copies in what the candidates hold. Returns the file, which blocks are present, and the
-/// bytes copied.
-fn prepare(
-    part: &Path,
-    list: &BlockList,
-    size: u64,
-    candidates: &[PathBuf],
-) -> std::io::Result<(File, Vec<bool>, u64)> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(part)?;
-    let mut present = adaptive::verify_part(&file, list, size)?;
-    file.set_len(size)?;
-    let limit = size.div_ceil(u64::from(list.block_size())) * u64::from(list.block_size());
-    let copied = adaptive::copy_local(&file, list, size, &mut present, candidates, limit)?;
-    if copied > 0 {
-        file.sync_data()?;
-    }
-    Ok((file, present, copied))
 }
 
 /// The state of one block-indexed download.
@@ -1092,7 +984,11 @@ async fn next_origin(origin: &mut Option<OriginFetcher>) -> Option<OriginEvent> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block_list_fetch::{fetch_block_list, list_path};
     use crate::fetch::tests::{block, part_file_on_full_disk};
+    use flotilla_protocol::blocks::BlockIndexRef;
+    use flotilla_protocol::hex;
+    use std::path::Path;
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 

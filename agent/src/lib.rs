@@ -46,7 +46,8 @@
 //! - [`env`]: what the machine works with: [`env::Env`] (config, store, trust state, link,
 //!   targets), the channels of one running action ([`env::ActionIo`]), a step's outcome.
 //! - [`fetch_blocks`]: the block-verified, multi-source fetcher (local copies, peers, the
-//!   coordinator) for artifacts whose manifest signs a block list.
+//!   HTTP origin, the coordinator) for artifacts whose manifest signs a block list;
+//!   [`block_list_fetch`]: that block list, fetched, checked and kept.
 //! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
 //! - [`adaptive`]: finding blocks the device already holds.
 //! - [`peer_serve`]: answers peers' block requests (grant checks, bounded work).
@@ -123,6 +124,7 @@
 
 pub mod adaptive;
 pub mod agent;
+pub mod block_list_fetch;
 pub mod config;
 pub mod consent;
 pub mod download;

@@ -11,7 +11,8 @@
 //! - [`blocks`]: per-block hashes: block lists and how blocks are cut.
 //! - [`signing`]: ed25519 signatures over the exact bytes received.
 //! - [`keys`]: key rotation: the keys document signed by a threshold of root keys.
-//! - [`control`]: the JSON control requests, replies and status documents.
+//! - [`control`]: the JSON control requests, replies and status documents; [`trace`]: the
+//!   decision trace entries they carry.
 //! - [`device_view`]: one device in detail, as `show_device` answers it.
 //! - [`operator`]: signed control requests, operator roles, the checks on `reply_to`.
 //! - [`ids`]: the safe character set for ids that appear in topics.
@@ -43,6 +44,7 @@ pub mod origin;
 pub mod raw_bytes;
 pub mod signing;
 pub mod topics;
+pub mod trace;
 
 pub use device::DeviceMessageError;
 pub use envelope::{
