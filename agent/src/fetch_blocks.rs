@@ -988,8 +988,8 @@ mod tests {
     use crate::fetch::tests::{block, part_file_on_full_disk};
     use flotilla_protocol::blocks::BlockIndexRef;
     use flotilla_protocol::hex;
-    use std::path::Path;
     use std::collections::HashMap;
+    use std::path::Path;
     use std::sync::{Arc, Mutex};
 
     const BS: u32 = 1024;

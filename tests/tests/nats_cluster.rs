@@ -177,7 +177,11 @@ async fn killing_the_coordinators_node_mid_rollout_still_installs_every_device_o
     if !twice.is_empty() {
         eprintln!("delivered more than once (same action id, installed once): {twice:?}");
     }
-    assert_eq!(seen.len(), DEVICES.len(), "one action id per device: {seen:?}");
+    assert_eq!(
+        seen.len(),
+        DEVICES.len(),
+        "one action id per device: {seen:?}"
+    );
 
     // The coordinator and the agents of the dead node went on to another node.
     let coordinator = fs::read_to_string(site.path("coordinator.log")).expect("coordinator log");

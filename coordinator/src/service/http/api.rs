@@ -13,10 +13,8 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use tokio::sync::oneshot;
+use axum::Router;
 
-use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
 use crate::service::http::{artifacts, commands, console, reads, reads_devices};
 use crate::service::metrics::CONTENT_TYPE;
@@ -118,15 +116,7 @@ async fn run_control(State(api): State<Api>, headers: HeaderMap, body: Body) -> 
         Ok(bytes) => bytes,
         Err(answer) => return answer,
     };
-    let (answer, answered) = oneshot::channel();
-    let request = HttpControl::Signed {
-        payload: payload.to_vec(),
-        answer,
-    };
-    match api.ask(request, answered).await {
-        Ok(HttpAnswer { status, reply }) => (status, Json(reply)).into_response(),
-        Err(answer) => answer,
-    }
+    api.run_signed(&payload).await
 }
 
 #[cfg(test)]

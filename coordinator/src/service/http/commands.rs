@@ -7,13 +7,11 @@
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::post;
-use axum::{Json, Router};
+use axum::Router;
 use flotilla_protocol::operator::SignedRequest;
-use tokio::sync::oneshot;
 
-use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::state::{is_json, read_body, refused, Api};
 
 /// Where the per-command paths start; the command's wire name follows.
@@ -62,15 +60,7 @@ async fn run(
     if let Err(why) = agrees(&command, &payload) {
         return refused(StatusCode::BAD_REQUEST, why);
     }
-    let (answer, answered) = oneshot::channel();
-    let request = HttpControl::Signed {
-        payload: payload.to_vec(),
-        answer,
-    };
-    match api.ask(request, answered).await {
-        Ok(HttpAnswer { status, reply }) => (status, Json(reply)).into_response(),
-        Err(answer) => answer,
-    }
+    api.run_signed(&payload).await
 }
 
 #[cfg(test)]

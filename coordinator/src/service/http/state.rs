@@ -13,7 +13,7 @@ use flotilla_protocol::control::ControlReply;
 use http_body_util::{BodyExt, Limited};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::service::http::control::HttpControl;
+use crate::service::http::control::{HttpAnswer, HttpControl};
 use crate::service::http::session::Sessions;
 use crate::service::metrics::Endpoint;
 
@@ -62,6 +62,20 @@ impl Api {
             secure: false,
             topic_root: flotilla_protocol::topics::DEFAULT_ROOT.to_owned(),
             artifacts: None,
+        }
+    }
+
+    /// Runs a signed control request (the envelope's bytes) through the service loop's
+    /// operator gate: its answer as JSON with its status, or why there is none.
+    pub async fn run_signed(&self, payload: &[u8]) -> Response {
+        let (answer, answered) = oneshot::channel();
+        let request = HttpControl::Signed {
+            payload: payload.to_vec(),
+            answer,
+        };
+        match self.ask(request, answered).await {
+            Ok(HttpAnswer { status, reply }) => (status, Json(reply)).into_response(),
+            Err(answer) => answer,
         }
     }
 
