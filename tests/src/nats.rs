@@ -99,6 +99,25 @@ pub struct Node {
 pub struct Cluster {
     dir: PathBuf,
     pub nodes: Vec<Node>,
+    /// One cluster at a time on this machine (see [`one_cluster_at_a_time`]); released after
+    /// the nodes are killed.
+    _lock: fs::File,
+}
+
+/// Waits until no other test on this machine runs a NATS cluster, and keeps it that way until
+/// the returned file is dropped. Three clusters at once (nine JetStream nodes electing leaders
+/// on a 2-core machine) starve each other: nodes dropped their MQTT clients for seconds after
+/// a start or a node's death, and rollouts that take 20 s alone ran past a minute.
+fn one_cluster_at_a_time() -> fs::File {
+    let path = std::env::temp_dir().join("flotilla-nats-cluster-tests.lock");
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .expect("the NATS cluster test lock file");
+    file.lock().expect("lock the NATS cluster test lock file");
+    file
 }
 
 impl Drop for Cluster {
@@ -130,6 +149,7 @@ impl Cluster {
             binary().is_some(),
             "nats-server is not installed; .ci/run installs it (apt-get install nats-server)"
         );
+        let lock = one_cluster_at_a_time();
         let deploy = deploy_dir();
         let script = |name: &str| deploy.join(name).to_string_lossy().into_owned();
         let ca = dir.join("ca");
@@ -215,6 +235,7 @@ impl Cluster {
         let mut cluster = Cluster {
             dir: dir.to_owned(),
             nodes,
+            _lock: lock,
         };
         for i in 0..3 {
             cluster.spawn(i);
@@ -229,6 +250,9 @@ impl Cluster {
                 "the NATS cluster elected no JetStream leader within 30s"
             );
             std::thread::sleep(Duration::from_millis(50));
+        }
+        for i in 0..3 {
+            cluster.wait_mqtt_ready(i);
         }
         cluster
     }
@@ -252,6 +276,48 @@ impl Cluster {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Waits until node `i` keeps an MQTT session: grants a subscription and acknowledges a
+    /// retained message (an empty one, which stores nothing). A listening node whose JetStream
+    /// is not ready yet accepts the TCP connection and then drops the client, so clients started
+    /// too early spend their first seconds reconnecting.
+    fn wait_mqtt_ready(&self, i: usize) {
+        let port = self.nodes[i].mqtt_port;
+        let mut connection = self.login(crate::secure::COORDINATOR, i);
+        connection.alternates.clear();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = String::new();
+        let ready = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime for the readiness check");
+                    runtime.block_on(async {
+                        while Instant::now() < deadline {
+                            let client_id = format!("ready-check-{i}");
+                            let check = mqtt_round_trip(&connection, &client_id);
+                            match tokio::time::timeout(Duration::from_secs(10), check).await {
+                                Ok(Ok(())) => return true,
+                                Ok(Err(e)) => last = e,
+                                Err(_) => last = "no answer within 10s".to_owned(),
+                            }
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        false
+                    })
+                })
+                .join()
+                .expect("the readiness check")
+        });
+        assert!(
+            ready,
+            "NATS node {} (MQTT on {port}) kept no MQTT session within 60s: {last}\n{}",
+            i + 1,
+            self.log(i)
+        );
     }
 
     /// The MQTT ports of the nodes, node 1 first.
@@ -285,6 +351,7 @@ impl Cluster {
         assert!(self.nodes[i].process.is_none(), "node {} is running", i + 1);
         self.spawn(i);
         self.wait_listening(i);
+        self.wait_mqtt_ready(i);
     }
 
     /// The CA certificate clients check the nodes against.
@@ -376,4 +443,46 @@ impl Site {
             .as_mut()
             .expect("a BrokerKind::NatsCluster site")
     }
+}
+
+/// Connects as `client_id`, subscribes at QoS 1 and publishes an empty retained message at QoS 1;
+/// `Ok` once the broker has acknowledged both.
+async fn mqtt_round_trip(
+    connection: &flotilla_mqtt::Connection,
+    client_id: &str,
+) -> Result<(), String> {
+    use rumqttc::{Event, Packet, QoS};
+    let (client, mut eventloop) = flotilla_mqtt::client(connection.options(client_id), 10);
+    let (mut subscribed, mut stored) = (false, false);
+    while !(subscribed && stored) {
+        match eventloop.poll().await.map_err(|e| e.to_string())? {
+            Event::Incoming(Packet::ConnAck(ack)) => {
+                if ack.code != rumqttc::ConnectReturnCode::Success {
+                    return Err(format!("connection refused: {:?}", ack.code));
+                }
+                client
+                    .subscribe("flotilla/v1/devices/+/state", QoS::AtLeastOnce)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                client
+                    .publish("flotilla/v1/ready-check", QoS::AtLeastOnce, true, Vec::new())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Event::Incoming(Packet::SubAck(ack)) => {
+                if ack
+                    .return_codes
+                    .iter()
+                    .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
+                {
+                    return Err("the subscription was refused".to_owned());
+                }
+                subscribed = true;
+            }
+            Event::Incoming(Packet::PubAck(_)) => stored = true,
+            _ => {}
+        }
+    }
+    let _ = client.try_disconnect();
+    Ok(())
 }

@@ -187,6 +187,11 @@ impl Drop for Site {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.dump_logs();
+            // FLOTILLA_KEEP_FAILED=1 keeps a failed test's directory (logs, stores) to read.
+            if std::env::var_os("FLOTILLA_KEEP_FAILED").is_some() {
+                self.dir.disable_cleanup(true);
+                eprintln!("---- kept {}", self.dir.path().display());
+            }
         }
         for p in self.agents.values_mut() {
             p.kill();
