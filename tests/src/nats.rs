@@ -465,7 +465,12 @@ async fn mqtt_round_trip(
                     .await
                     .map_err(|e| e.to_string())?;
                 client
-                    .publish("flotilla/v1/ready-check", QoS::AtLeastOnce, true, Vec::new())
+                    .publish(
+                        "flotilla/v1/ready-check",
+                        QoS::AtLeastOnce,
+                        true,
+                        Vec::new(),
+                    )
                     .await
                     .map_err(|e| e.to_string())?;
             }

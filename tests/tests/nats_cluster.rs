@@ -167,9 +167,17 @@ async fn killing_the_coordinators_node_mid_rollout_still_installs_every_device_o
     // about 10 s here, longer on a busy machine); everyone reconnects with backoff. A minute is
     // tight for that on two busy cores: allow three.
     let status = site
-        .wait_status("crash", "the rollout to end after node 1's death", WAIT * 3, |s| {
-            matches!(s.state.as_str(), "finished" | "paused" | "failed" | "stopped")
-        })
+        .wait_status(
+            "crash",
+            "the rollout to end after node 1's death",
+            WAIT * 3,
+            |s| {
+                matches!(
+                    s.state.as_str(),
+                    "finished" | "paused" | "failed" | "stopped"
+                )
+            },
+        )
         .await;
     every_device_installed_once(&site, &status);
     let mut seen = std::collections::BTreeMap::new();

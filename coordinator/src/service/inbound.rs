@@ -352,6 +352,7 @@ impl Service {
                 self.apply(effects).await
             }
             DeviceMessage::Report(report) => {
+                self.note_live_report(&report.rollout_id);
                 let effects = self.engine.observe_report(report, now);
                 self.apply(effects).await
             }
@@ -361,6 +362,7 @@ impl Service {
                 bypassed,
             } => {
                 // The bytes first, so the status the report publishes counts them.
+                self.note_live_report(&report.rollout_id);
                 let mut effects =
                     self.observe_bytes(id.as_str(), &report.action_id, &bytes, &bypassed, now);
                 effects.extend(self.engine.observe_report(report, now));

@@ -65,6 +65,7 @@ use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::http;
 use crate::service::leadership::{Leadership, Role};
+use crate::service::live;
 use crate::service::loading::{self, Loading};
 use crate::service::metrics::Metrics;
 use crate::service::metrics_leader::LeaderCollector;
@@ -255,6 +256,7 @@ pub(super) async fn lead(
         fenced: false,
         unsaved: Default::default(),
         live,
+        live_changes: Default::default(),
     };
     if let Some(kept) = kept {
         service.take_over(kept).await?;
@@ -263,6 +265,8 @@ pub(super) async fn lead(
 
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut live_ticker = tokio::time::interval(live::LIVE_EVERY);
+    live_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let result = loop {
         // Far enough never to fire when no marker is awaited (the branch is disabled then).
         let marker_due = service.loading.deadline();
@@ -322,6 +326,11 @@ pub(super) async fn lead(
                     },
                     Err(e) => Err(e),
                 }
+            }
+            // Between ticks, only while someone follows the event streams.
+            _ = live_ticker.tick(), if service.live.receiver_count() > 0 => {
+                service.tell_live_changes();
+                Ok(())
             }
         };
         if let Err(e) = step {
@@ -617,6 +626,7 @@ mod tests {
             fenced: false,
             unsaved: Default::default(),
             live: tokio::sync::broadcast::channel(1).0,
+            live_changes: Default::default(),
         };
         service
             .apply(vec![Effect::Forget {

@@ -71,6 +71,7 @@ pub mod keys;
 pub mod lead;
 pub mod leadership;
 mod lists;
+mod live;
 pub mod loading;
 pub mod metrics;
 pub mod metrics_leader;

@@ -104,6 +104,8 @@ pub(super) struct Service {
     /// Live events for the HTTP API's event streams; sending never waits (nobody listening,
     /// or a listener behind, costs nothing here).
     pub(super) live: tokio::sync::broadcast::Sender<LiveEvent>,
+    /// Rollouts reported on since live events were last sent (`live.rs`).
+    pub(super) live_changes: crate::service::live::LiveChanges,
 }
 
 /// Enrollment records and used tokens waiting for the next batch write: one durable write per

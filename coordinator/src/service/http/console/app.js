@@ -254,10 +254,11 @@ async function refresh() {
   await (pages[view.name] || drawList)();
 }
 
-// Many events in a burst make one redraw.
+// Many events in a burst make one redraw. The coordinator sends a changed rollout at most every
+// 200 ms, so a short wait is enough to gather what comes together (a rollout and its trace).
 function soon() {
   if (refreshTimer) return;
-  refreshTimer = setTimeout(() => { refreshTimer = null; refresh(); }, 250);
+  refreshTimer = setTimeout(() => { refreshTimer = null; refresh(); }, 50);
 }
 
 // ---- login, routing, live events -----------------------------------------------------------
