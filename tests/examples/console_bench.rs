@@ -186,11 +186,7 @@ fn browser(opts: &Opts) {
     let browser = Browser::start();
 
     // Log in as a person does: the key file chosen in the form, signed in the page.
-    browser.goto(&console);
-    let file = browser.wait_for("#keyfile", WAIT).expect("the login form");
-    browser.send_keys(&file, &key);
-    browser.click_text("#login-button", "Log in", WAIT);
-    browser.wait_text("#who", WAIT, |t| !t.is_empty());
+    browser.log_in(&console, std::path::Path::new(&key), "", WAIT);
 
     let pages = [
         (

@@ -148,6 +148,17 @@ impl Browser {
         self.call("POST", &self.session_path("/url"), &json!({ "url": url }));
     }
 
+    /// Logs in to the console at `url` as a person does: `key_file` chosen in the form, the
+    /// login signed in the page; returns once the header names an operator starting with
+    /// `operator`.
+    pub fn log_in(&self, url: &str, key_file: &Path, operator: &str, within: Duration) {
+        self.goto(url);
+        let file = self.wait_for("#keyfile", within).expect("the login form");
+        self.send_keys(&file, &key_file.to_string_lossy());
+        self.click_text("#login-button", "Log in", within);
+        self.wait_text("#who", within, |t| t.starts_with(operator));
+    }
+
     /// The first element matching `css`, if there is one now.
     pub fn find(&self, css: &str) -> Option<Element> {
         let found = self.call(

@@ -18,11 +18,7 @@ const SPEC: &str = "name = \"fw2\"\nrelease = \"fw-2\"\n\
 
 /// Logs in on the console at `url` with the key file of `operator`.
 fn log_in(browser: &Browser, site: &Site, url: &str, operator: &str) {
-    browser.goto(url);
-    let file = browser.wait_for("#keyfile", WAIT).expect("the login form");
-    browser.send_keys(&file, &site.operator_key_file(operator).to_string_lossy());
-    browser.click_text("#login-button", "Log in", WAIT);
-    browser.wait_text("#who", WAIT, |t| t.starts_with(operator));
+    browser.log_in(url, &site.operator_key_file(operator), operator, WAIT);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,11 +38,7 @@ async fn the_console_survives_a_coordinator_restart_without_a_new_login() {
     let shots = screenshot_dir();
     let browser = tokio::task::block_in_place(Browser::start);
     tokio::task::block_in_place(|| {
-        browser.goto(&url);
-        let file = browser.wait_for("#keyfile", WAIT).expect("the login form");
-        browser.send_keys(&file, &site.operator_key_file("olga").to_string_lossy());
-        browser.click_text("#login-button", "Log in", WAIT);
-        browser.wait_text("#who", WAIT, |t| t.starts_with("olga"));
+        browser.log_in(&url, &site.operator_key_file("olga"), "olga", WAIT);
         browser.goto(&format!("{url}#/rollouts/rs"));
         browser.wait_text("[data-approval=rs-canary]", WAIT, |t| t.contains("pending"));
         browser.wait_text("#live", WAIT, |t| t == "live");
