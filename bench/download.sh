@@ -3,7 +3,7 @@
 #
 # Usage (from anywhere): bench/download.sh [--size BYTES] [--runs N] [--debug]
 # Environment: SIZE (artifact bytes, default 134217728 = 128 MiB), RUNS (rollouts of each kind,
-#              default 1), MODES (default "blocks no-blocks"), IN_FLIGHT (the agent's
+#              default 1), MODES (default "blocks no-blocks http"), IN_FLIGHT (the agent's
 #              download.in_flight; default: the agent's own default), PERF=1 (profile the agent
 #              and the coordinator with perf during the first download, both built in the
 #              fleetsim profile for their symbols; bench/results/download-<date>.txt.<who>.perf.txt),
@@ -17,6 +17,9 @@
 # and one real agent with a file target (release builds unless --debug), and for each mode:
 #   - blocks:    a release made by `flotilla release create` (block lists, the default);
 #   - no-blocks: one made with `--no-blocks` (the streaming fetcher, whole-file digest only);
+#   - http:      one with block lists and `--url`: the artifact's location on an HTTP origin, the
+#                coordinator's own `GET /artifacts/{sha256}` on its `[http] listen` (range
+#                requests, decision 0062), so the agent fetches every block over HTTP;
 # runs a one-device rollout of a fresh random artifact of SIZE bytes and prints, as
 # flotilla-fleetsim --watch-device sees the device's topics: the desired action's publish to the
 # first Downloading report, to Verified (every block fetched, written and checked, the whole
@@ -28,6 +31,8 @@
 # Baseline, in the same run and through the same broker: flotilla-fleetsim --stream-bytes SIZE,
 # the same bytes as block replies of the artifact server's size (64 KiB of data), QoS 1, from
 # one publisher to one subscriber. The ratio is download MB/s over baseline MB/s (goal >= 0.5).
+# For the http mode the baseline is `curl` fetching the same file from the same origin (the
+# physical limit of that path on this machine; goal >= 0.8), the broker's beside it.
 # Nothing here passes or fails on a number; docs/performance.md has the figures.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -37,7 +42,7 @@ export CARGO_TERM_COLOR=never
 export PATH="$PATH:/usr/sbin"
 SIZE="${SIZE:-134217728}"
 RUNS="${RUNS:-1}"
-MODES="${MODES:-blocks no-blocks}"
+MODES="${MODES:-blocks no-blocks http}"
 TIMEOUT="${TIMEOUT:-10m}"
 profile=release
 while [ $# -gt 0 ]; do
@@ -45,7 +50,7 @@ while [ $# -gt 0 ]; do
     --size) SIZE="$2"; shift 2 ;;
     --runs) RUNS="$2"; shift 2 ;;
     --debug) profile=debug; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "download.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -122,10 +127,13 @@ EOF
 device_key=$("$agent" identity --config "$dir/agent/agent.toml" | tr -d '[:space:]')
 echo "$device_key $device" >"$dir/authorized_devices"
 coordinator_conf "$dir" "$port"
+http_port=$(free_port)
+printf '[http]\nlisten = "127.0.0.1:%s"\n' "$http_port" >>"$dir/coordinator.toml"
 
 # One release per rollout, each a fresh random artifact (nothing the device holds to copy).
 counter=1
 declare -a rollouts=()
+declare -A urls=()
 for r in $(seq "$RUNS"); do
   for mode in $MODES; do
     counter=$((counter + 1))
@@ -133,6 +141,10 @@ for r in $(seq "$RUNS"); do
     head -c "$SIZE" /dev/urandom >"$dir/$name.bin"
     flags=()
     [ "$mode" = no-blocks ] && flags=(--no-blocks)
+    if [ "$mode" = http ]; then
+      urls[$name]="http://127.0.0.1:$http_port/artifacts/$(sha256sum "$dir/$name.bin" | cut -d' ' -f1)"
+      flags=(--url "app=${urls[$name]}")
+    fi
     "$flotilla" release create --data-dir "$dir/coordinator" --key "$dir/keys/release.key" \
       --name "$name" --version "2.0.$counter" --counter "$counter" --hardware bench-board \
       --artifact "app=$dir/$name.bin" "${flags[@]}" >/dev/null
@@ -172,9 +184,18 @@ stream() {
   field stream_mb_s "$dir/stream.txt"
 }
 
+# curl's rate for the same file from the same origin, MB/s.
+curl_rate() {
+  curl -sS -o /dev/null -w '%{speed_download}' "$1" | awk '{printf "%.1f", $1 / 1e6}'
+}
+
 first=1
 for name in "${rollouts[@]}"; do
   base=$(stream)
+  mqtt_base="$base"
+  if [ -n "${urls[$name]:-}" ]; then
+    base=$(curl_rate "${urls[$name]}")
+  fi
   watch="$dir/$name.watch"
   "$fleetsim" --broker "127.0.0.1:$port" --watch-device "$device" --device-key "$device_key" \
     --timeout "$TIMEOUT" >"$watch" 2>"$watch.log" &
@@ -207,7 +228,10 @@ for name in "${rollouts[@]}"; do
     "$(field desired_to_first_downloading_s "$watch")" "$verified" "$(field desired_to_end_s "$watch")" \
     "$(awk -v a="$started" -v b="$(field end_unix "$watch")" 'BEGIN {printf "%.3f", b - a}')" \
     "$mbs" "$base" "$(awk -v a="$mbs" -v b="$base" 'BEGIN {printf "%.2f", a / b}')" | tee -a "$results"
-  echo "  $name: coordinator bytes $(field coordinator_bytes "$watch") (device's count), block bytes served $(( $(served) - served_before )) (coordinator's metric), baseline $(field stream_s "$dir/stream.txt") s for $(field stream_messages "$dir/stream.txt") messages of $(field stream_message_bytes "$dir/stream.txt") bytes" | tee -a "$results"
+  echo "  $name: coordinator bytes $(field coordinator_bytes "$watch"), http bytes $(field http_bytes "$watch") (device's counts), block bytes served $(( $(served) - served_before )) (coordinator's metric), broker baseline $mqtt_base MB/s ($(field stream_s "$dir/stream.txt") s for $(field stream_messages "$dir/stream.txt") messages of $(field stream_message_bytes "$dir/stream.txt") bytes)" | tee -a "$results"
+  if [ -n "${urls[$name]:-}" ]; then
+    echo "  $name: baseline is curl from the same origin: $base MB/s" | tee -a "$results"
+  fi
 done
 drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 say ""

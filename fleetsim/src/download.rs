@@ -202,6 +202,8 @@ pub struct WatchFigures {
     pub end_phase: Option<String>,
     /// Bytes the device says it fetched from the coordinator (its final report).
     pub coordinator_bytes: Option<u64>,
+    /// Bytes it says it fetched from HTTP(S) origins (its final report).
+    pub http_bytes: Option<u64>,
 }
 
 impl WatchFigures {
@@ -214,6 +216,14 @@ impl WatchFigures {
         };
         if let Some(bytes) = bytes {
             self.coordinator_bytes = Some(bytes.coordinator);
+            self.http_bytes = Some(
+                bytes
+                    .peers
+                    .iter()
+                    .filter(|(source, _)| source == flotilla_protocol::origin::HTTP_SOURCE)
+                    .map(|(_, n)| n)
+                    .sum(),
+            );
         }
         match &report.phase {
             Phase::Downloading { .. } => {
@@ -278,12 +288,9 @@ impl std::fmt::Display for WatchFigures {
             "end_phase: {}",
             self.end_phase.as_deref().unwrap_or("none")
         )?;
-        writeln!(
-            f,
-            "coordinator_bytes: {}",
-            self.coordinator_bytes
-                .map_or("none".to_owned(), |b| b.to_string())
-        )
+        let count = |b: Option<u64>| b.map_or("none".to_owned(), |b| b.to_string());
+        writeln!(f, "coordinator_bytes: {}", count(self.coordinator_bytes))?;
+        writeln!(f, "http_bytes: {}", count(self.http_bytes))
     }
 }
 
@@ -401,6 +408,7 @@ mod tests {
             },
             bytes: ByteCounts {
                 coordinator: 42,
+                peers: vec![(flotilla_protocol::origin::HTTP_SOURCE.to_owned(), 7)],
                 ..ByteCounts::default()
             },
             bypassed: Vec::new(),
@@ -413,6 +421,7 @@ mod tests {
             "desired_to_end_s: 10.000000",
             "end_phase: Ready",
             "coordinator_bytes: 42",
+            "http_bytes: 7",
         ] {
             assert!(text.contains(line), "{line} not in {text}");
         }
