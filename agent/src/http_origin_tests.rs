@@ -123,7 +123,7 @@ fn data(n: usize) -> Vec<u8> {
 
 /// Asks for every block of `data` and collects what comes back, by offset.
 async fn fetch_all(url: OriginUrl, data: &[u8], bs: u32) -> Vec<OriginEvent> {
-    let mut f = OriginFetcher::start(url, data.len() as u64, bs, 3);
+    let mut f = OriginFetcher::start(url, OriginTls::default(), data.len() as u64, bs, 3);
     let blocks = (data.len() as u64).div_ceil(u64::from(bs));
     for b in 0..blocks {
         let (offset, length) = block_range(b, data.len() as u64, bs);
@@ -204,10 +204,114 @@ async fn a_hostile_head_is_refused_not_read_forever() {
         let _ = sock.write_all(&vec![b'a'; MAX_HEAD * 2]).await;
     });
     let url = OriginUrl::parse(&format!("http://{addr}/x")).expect("url");
-    let mut f = OriginFetcher::start(url, 100, 100, 1);
+    let mut f = OriginFetcher::start(url, OriginTls::default(), 100, 100, 1);
     f.ask(0, 100);
     match f.next().await.expect("an event") {
         OriginEvent::Failed { reason, .. } => assert!(reason.contains("over"), "{reason}"),
         other => panic!("not refused: {other:?}"),
     }
+}
+
+/// Starts a server answering every request with `status` and a `Location` made by `location`
+/// from its own address; returns its URL and how many requests it answered.
+async fn redirector(
+    status: u16,
+    location: impl Fn(SocketAddr) -> String + Send + Sync + 'static,
+) -> (OriginUrl, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (location, counter) = (Arc::new(location(addr)), answered.clone());
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let (location, counter) = (location.clone(), counter.clone());
+            tokio::spawn(async move {
+                let mut c = BufReader::new(sock);
+                loop {
+                    let mut line = String::new();
+                    match c.read_line(&mut line).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) if line.trim_end().is_empty() => {
+                            counter.fetch_add(1, Ordering::SeqCst);
+                            let head = format!(
+                                "HTTP/1.1 {status} Moved\r\nLocation: {location}\r\n\
+                                 Content-Length: 5\r\n\r\nmoved"
+                            );
+                            if c.get_mut().write_all(head.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                    }
+                }
+            });
+        }
+    });
+    let url = OriginUrl::parse(&format!("http://{addr}/artifact.bin")).expect("url");
+    (url, answered)
+}
+
+fn failure(events: &[OriginEvent]) -> String {
+    events
+        .iter()
+        .find_map(|e| match e {
+            OriginEvent::Failed { reason, .. } => Some(reason.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no failure in {events:?}"))
+}
+
+#[tokio::test]
+async fn a_redirect_is_followed_and_its_end_asked_directly_from_then_on() {
+    let d = data(20_000);
+    let target = serve(d.clone(), Serves::Ranges).await;
+    for status in [301, 302, 303, 307, 308] {
+        let to = format!("http://{}:{}/artifact.bin", target.host, target.port);
+        let (url, answered) = redirector(status, move |_| to.clone()).await;
+        assert_eq!(
+            fetch_all(url, &d, 1024).await,
+            blocks_of(&d, 1024),
+            "{status}"
+        );
+        // 20 blocks on 3 connections: each worker is redirected once at most, then asks where
+        // the redirect led.
+        let redirected = answered.load(Ordering::SeqCst);
+        assert!(
+            (1..=3).contains(&redirected),
+            "{status}: {redirected} redirects"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_redirect_loop_or_too_many_hops_fails_the_block_naming_why() {
+    let d = data(4096);
+    // A URL that redirects to itself.
+    let (url, _) = redirector(302, |addr| format!("http://{addr}/artifact.bin")).await;
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(reason.contains("a redirect loop"), "{reason}");
+    assert!(reason.contains("bytes "), "the block is named: {reason}");
+
+    // Four servers in a row, each redirecting to the next: the fourth redirect is refused.
+    let last = serve(d.clone(), Serves::Ranges).await;
+    let mut next = format!("http://{}:{}/artifact.bin", last.host, last.port);
+    for _ in 0..4 {
+        let to = next.clone();
+        let (url, _) = redirector(307, move |_| to.clone()).await;
+        next = format!("http://{}:{}/artifact.bin", url.host, url.port);
+    }
+    let url = OriginUrl::parse(&next).expect("url");
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(reason.contains("more than 3 redirects"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_redirect_to_another_scheme_fails_the_block_naming_it() {
+    let d = data(4096);
+    let (url, _) = redirector(301, |_| "file:///etc/passwd".to_owned()).await;
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(
+        reason.contains("file:///etc/passwd") && reason.contains("only http:// and https://"),
+        "{reason}"
+    );
 }
