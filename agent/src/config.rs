@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use flotilla_mqtt::https::OriginTls;
 use flotilla_mqtt::{BrokerOrder, Connection, ConnectionSpec, Credentials, RawTls, Tls};
 use flotilla_protocol::{signing, DeviceId, VerifyingKey};
 use flotilla_targets::{AbConfig, MenderModuleConfig, RaucConfig, ScriptConfig, SwupdateConfig};
@@ -63,6 +64,7 @@ pub struct Config {
     pub download: DownloadConfig,
     pub store: StoreConfig,
     pub peers: PeersConfig,
+    pub origins: OriginsConfig,
 }
 
 #[derive(Debug, Clone)]
@@ -187,6 +189,16 @@ impl Default for PeersConfig {
     }
 }
 
+/// HTTP(S) origins a release names for its artifacts (`[origins]`, decision 0064).
+#[derive(Debug, Clone, Default)]
+pub struct OriginsConfig {
+    /// A PEM file of the private CA an HTTPS origin's certificate may chain to, trusted beside
+    /// the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// The certificates an HTTPS origin's must chain to, built from `ca_file` at load time.
+    pub tls: OriginTls,
+}
+
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     pub cache_bytes: u64,
@@ -240,6 +252,8 @@ struct RawConfig {
     store: RawStore,
     #[serde(default)]
     peers: RawPeers,
+    #[serde(default)]
+    origins: RawOrigins,
 }
 
 #[derive(Debug, Deserialize)]
@@ -379,6 +393,12 @@ fn default_block_size() -> u32 {
 }
 fn default_in_flight() -> usize {
     4
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOrigins {
+    ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -703,6 +723,16 @@ impl TryFrom<RawConfig> for Config {
             ));
         }
 
+        // Relative paths resolve against the working directory, like data_dir.
+        let origins = match raw.origins.ca_file {
+            None => OriginsConfig::default(),
+            Some(path) => OriginsConfig {
+                tls: OriginTls::with_ca_file(&path)
+                    .map_err(|e| invalid("origins.ca_file", e.to_string()))?,
+                ca_file: Some(path),
+            },
+        };
+
         Ok(Config {
             device_id,
             hardware_id: raw.hardware_id,
@@ -734,6 +764,7 @@ impl TryFrom<RawConfig> for Config {
                 max_bytes_per_sec: p.max_bytes_per_sec,
                 keep_bytes: p.keep_bytes,
             },
+            origins,
         })
     }
 }
@@ -837,6 +868,51 @@ mod tests {
         assert!(e.contains("keep_bytes"), "{e}");
         let e = err("[peers]", "[peers]\nserv = true");
         assert!(e.contains("serv"), "{e}");
+    }
+
+    #[test]
+    fn an_origin_ca_file_is_read_at_load_and_a_bad_one_is_refused_naming_it() {
+        let c = Config::from_toml(DEFAULT_CONFIG).expect("default config parses");
+        assert_eq!(
+            c.origins.ca_file, None,
+            "the system's roots alone by default"
+        );
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let origins = |path: &Path| format!("[origins]\nca_file = {:?}", path);
+        let missing = dir.path().join("missing.pem");
+        let e = err("[origins]", &origins(&missing));
+        assert!(
+            e.starts_with(&format!(
+                "origins.ca_file: {}: cannot read",
+                missing.display()
+            )),
+            "{e}"
+        );
+        let junk = dir.path().join("junk.pem");
+        std::fs::write(&junk, "not a certificate\n").expect("write");
+        let e = err("[origins]", &origins(&junk));
+        assert!(
+            e.starts_with(&format!(
+                "origins.ca_file: {}: holds no PEM",
+                junk.display()
+            )),
+            "{e}"
+        );
+
+        // A CA made as an operator would, with the shipped script (openssl must be installed).
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/mosquitto/make-certs.sh");
+        let out = std::process::Command::new("sh")
+            .arg(&script)
+            .arg(dir.path().join("ca"))
+            .arg("ca")
+            .output()
+            .expect("run make-certs.sh");
+        assert!(out.status.success(), "make-certs.sh: {out:?}");
+        let ca = dir.path().join("ca/ca.crt");
+        let c = with("[origins]", &origins(&ca)).expect("a readable CA");
+        assert_eq!(c.origins.ca_file, Some(ca));
     }
 
     #[test]

@@ -263,5 +263,6 @@ async fn block_sources(env: &Env, record: &ActionRecord, manifest: &ReleaseManif
         fallback_after: env.config.download.peer_fallback_after,
         local,
         origin: None,
+        origin_tls: env.config.origins.tls.clone(),
     }
 }

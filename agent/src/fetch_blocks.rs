@@ -70,6 +70,7 @@ use crate::fetch::{
     REPLY_TIMEOUT,
 };
 use crate::http_origin::{OriginEvent, OriginFetcher};
+use flotilla_mqtt::https::OriginTls;
 use flotilla_protocol::origin::{OriginUrl, HTTP_SOURCE};
 
 /// `Unavailable` answers in a row (no good block between them) from one peer before it is
@@ -106,6 +107,8 @@ pub struct Sources {
     pub local: Vec<PathBuf>,
     /// The artifact's HTTP(S) origin, asked after the peers and before the coordinator.
     pub origin: Option<OriginUrl>,
+    /// The certificates an HTTPS origin's must chain to (`[origins] ca_file`).
+    pub origin_tls: OriginTls,
 }
 
 /// Where a request went.
@@ -316,11 +319,15 @@ impl<'a> Download<'a> {
             coordinator_heard: now,
             whole: sha2::Sha256::new(),
             hashed: 0,
-            origin: job
-                .sources
-                .origin
-                .clone()
-                .map(|url| OriginFetcher::start(url, spec.size, list.block_size(), spec.in_flight)),
+            origin: job.sources.origin.clone().map(|url| {
+                OriginFetcher::start(
+                    url,
+                    job.sources.origin_tls.clone(),
+                    spec.size,
+                    list.block_size(),
+                    spec.in_flight,
+                )
+            }),
         }
     }
 
@@ -1157,6 +1164,7 @@ mod tests {
             fallback_after: Duration::from_secs(30),
             local: Vec::new(),
             origin: None,
+            origin_tls: OriginTls::default(),
         }
     }
 

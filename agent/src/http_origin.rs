@@ -13,9 +13,16 @@
 //!   block and its length must be the block's. `200 OK` means the origin ignores `Range` (a plain
 //!   static server such as Python's `http.server`): the first worker to see it streams the whole
 //!   file once, handing every block to the fetcher as it passes, and every other worker drops
-//!   its requests, since the stream will deliver them. Any other status (404, 5xx, a redirect),
-//!   a short body or a broken connection is an [`OriginEvent::Failed`] naming the block and the
-//!   status; the fetcher then stops using the origin for the action.
+//!   its requests, since the stream will deliver them. Any other status (404, 5xx), a short
+//!   body or a broken connection is an [`OriginEvent::Failed`] naming the block and the status;
+//!   the fetcher then stops using the origin for the action.
+//! - A redirect (301, 302, 303, 307, 308) is followed by the rules of [`crate::http_redirect`]
+//!   (at most 3 hops, http or https only, never https to http, no loop); one it refuses is a
+//!   failure of the block. Where a chain ends is remembered: the following requests for the
+//!   artifact go there directly, until the fetcher is dropped (a restart starts again from the
+//!   location the action names).
+//! - HTTPS is checked against the system's roots and the device's `[origins] ca_file`
+//!   ([`OriginTls`]).
 //! - No timeouts here: the fetcher times every block it asked for, and aborts the workers (by
 //!   dropping the [`OriginFetcher`]) when it stops using the origin.
 //! - Bodies are read by `Content-Length`, `Transfer-Encoding: chunked`, or to the end of the
@@ -24,12 +31,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use flotilla_mqtt::https::OriginTls;
 use flotilla_protocol::blocks::block_range;
 use flotilla_protocol::origin::OriginUrl;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
 use tokio::task::JoinHandle;
+
+use crate::http_redirect::{self, Redirects};
 
 /// Most bytes a response head (status line and headers) may take.
 pub const MAX_HEAD: usize = 16 * 1024;
@@ -63,7 +73,9 @@ impl Drop for OriginFetcher {
 
 /// What the workers share.
 struct Shared {
-    url: OriginUrl,
+    /// Where requests go: the action's location, or where its redirects led.
+    location: std::sync::Mutex<OriginUrl>,
+    tls: OriginTls,
     /// The artifact's size and its block list's block size (for a range-less stream).
     size: u64,
     block_size: u32,
@@ -75,13 +87,21 @@ struct Shared {
 
 impl OriginFetcher {
     /// Starts `connections` workers (at least one, at most [`MAX_CONNECTIONS`]) for the artifact
-    /// of `size` bytes at `url`, whose block list has blocks of `block_size`.
-    pub fn start(url: OriginUrl, size: u64, block_size: u32, connections: usize) -> Self {
+    /// of `size` bytes at `url`, whose block list has blocks of `block_size`; `tls` checks an
+    /// HTTPS origin's certificate.
+    pub fn start(
+        url: OriginUrl,
+        tls: OriginTls,
+        size: u64,
+        block_size: u32,
+        connections: usize,
+    ) -> Self {
         let (requests, requests_rx) = mpsc::unbounded_channel();
         let connections = connections.clamp(1, MAX_CONNECTIONS);
         let (events_tx, events) = mpsc::channel(connections * 2);
         let shared = Arc::new(Shared {
-            url,
+            location: std::sync::Mutex::new(url),
+            tls,
             size,
             block_size,
             requests: Mutex::new(requests_rx),
@@ -114,8 +134,32 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
 type Conn = BufReader<Box<dyn Stream>>;
 
+/// A kept connection and the scheme, host and port it is open to.
+type Kept = Option<((bool, String, u16), Conn)>;
+
+impl Shared {
+    fn location(&self) -> OriginUrl {
+        self.location
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_else(|poisoned| poisoned.into_inner().clone())
+    }
+
+    fn remember(&self, url: &OriginUrl) {
+        if let Ok(mut location) = self.location.lock() {
+            if *location != *url {
+                tracing::info!(
+                    to = %http_redirect::url_text(url),
+                    "the HTTP origin redirects: asking there from now on"
+                );
+                *location = url.clone();
+            }
+        }
+    }
+}
+
 async fn worker(shared: Arc<Shared>) {
-    let mut conn: Option<Conn> = None;
+    let mut conn: Kept = None;
     loop {
         let Some((offset, length)) = shared.requests.lock().await.recv().await else {
             return;
@@ -168,44 +212,78 @@ struct Head {
     chunked: bool,
     /// The first byte of `Content-Range`.
     range_start: Option<u64>,
+    /// `Location`, of a redirect.
+    location: Option<String>,
     close: bool,
 }
 
-async fn connect(url: &OriginUrl) -> std::io::Result<Conn> {
+async fn connect(url: &OriginUrl, tls: &OriginTls) -> std::io::Result<Conn> {
     let tcp = TcpStream::connect((url.host.as_str(), url.port)).await?;
     tcp.set_nodelay(true)?;
     let stream: Box<dyn Stream> = if url.https {
-        Box::new(flotilla_mqtt::https::connect(&url.host, tcp).await?)
+        Box::new(tls.connect(&url.host, tcp).await?)
     } else {
         Box::new(tcp)
     };
     Ok(BufReader::with_capacity(64 * 1024, stream))
 }
 
-/// One range request, on the kept connection when there is one (once more on a fresh one if a
-/// kept connection turns out closed).
+/// One range request for `length` bytes at `offset`, following redirects.
 async fn range_get(
     shared: &Shared,
-    conn: &mut Option<Conn>,
+    conn: &mut Kept,
     offset: u64,
     length: u32,
 ) -> Result<Reply, String> {
-    let url = &shared.url;
     let last = offset + u64::from(length).max(1) - 1;
     let what = format!("bytes {offset}-{last}");
+    let mut hops = Redirects::new(shared.location());
+    let (c, head) = loop {
+        let (c, head) = send(shared, conn, hops.current(), offset, last)
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        if !http_redirect::is_redirect(head.status) {
+            break (c, head);
+        }
+        // The redirect's body is not read: its connection is dropped.
+        hops.follow(head.status, head.location.as_deref())
+            .map_err(|e| format!("{what}: {e}"))?;
+    };
+    if hops.followed() && matches!(head.status, 200 | 206) {
+        shared.remember(hops.current());
+    }
+    let url = hops.current();
+    let endpoint = (url.https, url.host.clone(), url.port);
+    answer(shared, conn, endpoint, c, head, offset, length).await
+}
+
+/// Sends the range request to `url`, on the kept connection when it is open to the same place
+/// (once more on a fresh one if a kept connection turns out closed); the connection and the
+/// response head.
+async fn send(
+    shared: &Shared,
+    conn: &mut Kept,
+    url: &OriginUrl,
+    offset: u64,
+    last: u64,
+) -> Result<(Conn, Head), String> {
     let request = format!(
         "GET {} HTTP/1.1\r\nHost: {}\r\nRange: bytes={offset}-{last}\r\n\
          Accept-Encoding: identity\r\nUser-Agent: flotilla-agent\r\n\r\n",
         url.path,
         url.host_header()
     );
+    let endpoint = (url.https, url.host.clone(), url.port);
+    if conn.as_ref().is_some_and(|(to, _)| *to != endpoint) {
+        *conn = None;
+    }
     let mut attempt = 0;
-    let (mut c, head) = loop {
+    loop {
         attempt += 1;
         let reused = conn.is_some();
         let mut c = match conn.take() {
-            Some(c) => c,
-            None => connect(url)
+            Some((_, c)) => c,
+            None => connect(url, &shared.tls)
                 .await
                 .map_err(|e| format!("cannot connect to {}:{}: {e}", url.host, url.port))?,
         };
@@ -215,11 +293,25 @@ async fn range_get(
             Err(e) => Err(e.to_string()),
         };
         match head {
-            Ok(head) => break (c, head),
+            Ok(head) => return Ok((c, head)),
             Err(_) if reused && attempt == 1 => continue,
-            Err(e) => return Err(format!("{what}: {e}")),
+            Err(e) => return Err(e),
         }
-    };
+    }
+}
+
+/// Reads the answer to a range request that was not a redirect; `c` is open to `endpoint`, and
+/// kept there for the next request when the answer allows.
+async fn answer(
+    shared: &Shared,
+    conn: &mut Kept,
+    endpoint: (bool, String, u16),
+    mut c: Conn,
+    head: Head,
+    offset: u64,
+    length: u32,
+) -> Result<Reply, String> {
+    let what = format!("bytes {offset}-{}", offset + u64::from(length).max(1) - 1);
     let framing = framing(&head);
     match head.status {
         206 => {
@@ -246,12 +338,12 @@ async fn range_get(
                 ));
             }
             if f == (Framing::Length(0)) && !head.close {
-                *conn = Some(c);
+                *conn = Some((endpoint, c));
             } else if matches!(f, Framing::Chunked { .. }) {
                 // Read the end of the chunked body so the connection can be kept.
                 let mut rest = [0; 1];
                 if matches!(fill(&mut c, &mut f, &mut rest).await, Ok(0)) && !head.close {
-                    *conn = Some(c);
+                    *conn = Some((endpoint, c));
                 }
             }
             Ok(Reply::Block(data))
@@ -280,8 +372,9 @@ async fn stream_whole(
     c: &mut Conn,
     mut framing: Framing,
 ) -> Result<(), OriginEvent> {
+    let url = shared.location();
     tracing::info!(
-        origin = %format!("{}:{}{}", shared.url.host, shared.url.port, shared.url.path),
+        origin = %format!("{}:{}{}", url.host, url.port, url.path),
         "the origin ignores range requests: streaming the whole file once"
     );
     let blocks = shared.size.div_ceil(u64::from(shared.block_size.max(1)));
@@ -389,6 +482,7 @@ async fn read_head(c: &mut Conn) -> Result<Head, String> {
                 "keep-alive" => head.close = false,
                 _ => {}
             },
+            "location" => head.location = Some(value.to_owned()),
             "content-range" => {
                 head.range_start = value
                     .strip_prefix("bytes ")

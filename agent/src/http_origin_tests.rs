@@ -17,14 +17,26 @@ pub(crate) enum Serves {
     NotFoundAfter(usize),
     /// Accepts connections and never answers.
     Silent,
+    /// `302 Found` to `http://127.0.0.1:{port}/artifact.bin`.
+    RedirectTo(u16),
 }
 
 /// Starts an origin serving `data` on a free loopback port; returns its URL.
 pub(crate) async fn serve(data: Vec<u8>, serves: Serves) -> OriginUrl {
+    serve_with(data, serves, None).await
+}
+
+/// As [`serve`], over TLS when `tls` is given.
+async fn serve_with(
+    data: Vec<u8>,
+    serves: Serves,
+    tls: Option<rumqttc::tokio_rustls::TlsAcceptor>,
+) -> OriginUrl {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr: SocketAddr = listener.local_addr().expect("addr");
     let data = Arc::new(data);
     let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let scheme = if tls.is_some() { "https" } else { "http" };
     tokio::spawn(async move {
         loop {
             let Ok((sock, _)) = listener.accept().await else {
@@ -32,16 +44,23 @@ pub(crate) async fn serve(data: Vec<u8>, serves: Serves) -> OriginUrl {
             };
             let data = data.clone();
             let served = served.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
-                let _ = connection(sock, &data, serves, &served).await;
+                let _ = match tls {
+                    None => connection(sock, &data, serves, &served).await,
+                    Some(tls) => match tls.accept(sock).await {
+                        Ok(sock) => connection(sock, &data, serves, &served).await,
+                        Err(e) => Err(e),
+                    },
+                };
             });
         }
     });
-    OriginUrl::parse(&format!("http://{addr}/artifact.bin")).expect("url")
+    OriginUrl::parse(&format!("{scheme}://{addr}/artifact.bin")).expect("url")
 }
 
 async fn connection(
-    sock: TcpStream,
+    sock: impl AsyncRead + AsyncWrite + Unpin,
     data: &[u8],
     serves: Serves,
     served: &std::sync::atomic::AtomicUsize,
@@ -73,6 +92,13 @@ async fn connection(
         let (a, b) = range.expect("a Range header");
         let out = c.get_mut();
         match serves {
+            Serves::RedirectTo(port) => {
+                let head = format!(
+                    "HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:{port}/artifact.bin\r\n\
+                     Content-Length: 0\r\n\r\n"
+                );
+                out.write_all(head.as_bytes()).await?;
+            }
             Serves::NotFoundAfter(k) if n >= k => {
                 out.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     .await?;
@@ -123,7 +149,12 @@ fn data(n: usize) -> Vec<u8> {
 
 /// Asks for every block of `data` and collects what comes back, by offset.
 async fn fetch_all(url: OriginUrl, data: &[u8], bs: u32) -> Vec<OriginEvent> {
-    let mut f = OriginFetcher::start(url, data.len() as u64, bs, 3);
+    fetch_all_with(url, OriginTls::default(), data, bs).await
+}
+
+/// As [`fetch_all`], checking an HTTPS origin's certificate with `tls`.
+async fn fetch_all_with(url: OriginUrl, tls: OriginTls, data: &[u8], bs: u32) -> Vec<OriginEvent> {
+    let mut f = OriginFetcher::start(url, tls, data.len() as u64, bs, 3);
     let blocks = (data.len() as u64).div_ceil(u64::from(bs));
     for b in 0..blocks {
         let (offset, length) = block_range(b, data.len() as u64, bs);
@@ -204,10 +235,180 @@ async fn a_hostile_head_is_refused_not_read_forever() {
         let _ = sock.write_all(&vec![b'a'; MAX_HEAD * 2]).await;
     });
     let url = OriginUrl::parse(&format!("http://{addr}/x")).expect("url");
-    let mut f = OriginFetcher::start(url, 100, 100, 1);
+    let mut f = OriginFetcher::start(url, OriginTls::default(), 100, 100, 1);
     f.ask(0, 100);
     match f.next().await.expect("an event") {
         OriginEvent::Failed { reason, .. } => assert!(reason.contains("over"), "{reason}"),
         other => panic!("not refused: {other:?}"),
     }
+}
+
+/// Starts a server answering every request with `status` and a `Location` made by `location`
+/// from its own address; returns its URL and how many requests it answered.
+async fn redirector(
+    status: u16,
+    location: impl Fn(SocketAddr) -> String + Send + Sync + 'static,
+) -> (OriginUrl, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (location, counter) = (Arc::new(location(addr)), answered.clone());
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let (location, counter) = (location.clone(), counter.clone());
+            tokio::spawn(async move {
+                let mut c = BufReader::new(sock);
+                loop {
+                    let mut line = String::new();
+                    match c.read_line(&mut line).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) if line.trim_end().is_empty() => {
+                            counter.fetch_add(1, Ordering::SeqCst);
+                            let head = format!(
+                                "HTTP/1.1 {status} Moved\r\nLocation: {location}\r\n\
+                                 Content-Length: 5\r\n\r\nmoved"
+                            );
+                            if c.get_mut().write_all(head.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                    }
+                }
+            });
+        }
+    });
+    let url = OriginUrl::parse(&format!("http://{addr}/artifact.bin")).expect("url");
+    (url, answered)
+}
+
+fn failure(events: &[OriginEvent]) -> String {
+    events
+        .iter()
+        .find_map(|e| match e {
+            OriginEvent::Failed { reason, .. } => Some(reason.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no failure in {events:?}"))
+}
+
+#[tokio::test]
+async fn a_redirect_is_followed_and_its_end_asked_directly_from_then_on() {
+    let d = data(20_000);
+    let target = serve(d.clone(), Serves::Ranges).await;
+    for status in [301, 302, 303, 307, 308] {
+        let to = format!("http://{}:{}/artifact.bin", target.host, target.port);
+        let (url, answered) = redirector(status, move |_| to.clone()).await;
+        assert_eq!(
+            fetch_all(url, &d, 1024).await,
+            blocks_of(&d, 1024),
+            "{status}"
+        );
+        // 20 blocks on 3 connections: each worker is redirected once at most, then asks where
+        // the redirect led.
+        let redirected = answered.load(Ordering::SeqCst);
+        assert!(
+            (1..=3).contains(&redirected),
+            "{status}: {redirected} redirects"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_redirect_loop_or_too_many_hops_fails_the_block_naming_why() {
+    let d = data(4096);
+    // A URL that redirects to itself.
+    let (url, _) = redirector(302, |addr| format!("http://{addr}/artifact.bin")).await;
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(reason.contains("a redirect loop"), "{reason}");
+    assert!(reason.contains("bytes "), "the block is named: {reason}");
+
+    // Four servers in a row, each redirecting to the next: the fourth redirect is refused.
+    let last = serve(d.clone(), Serves::Ranges).await;
+    let mut next = format!("http://{}:{}/artifact.bin", last.host, last.port);
+    for _ in 0..4 {
+        let to = next.clone();
+        let (url, _) = redirector(307, move |_| to.clone()).await;
+        next = format!("http://{}:{}/artifact.bin", url.host, url.port);
+    }
+    let url = OriginUrl::parse(&next).expect("url");
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(reason.contains("more than 3 redirects"), "{reason}");
+}
+
+#[tokio::test]
+async fn a_redirect_to_another_scheme_fails_the_block_naming_it() {
+    let d = data(4096);
+    let (url, _) = redirector(301, |_| "file:///etc/passwd".to_owned()).await;
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(
+        reason.contains("file:///etc/passwd") && reason.contains("only http:// and https://"),
+        "{reason}"
+    );
+}
+
+/// A private CA (`ca.crt`) and a certificate it signed for 127.0.0.1, made in `dir` by the
+/// shipped `make-certs.sh` (openssl must be installed), and a TLS acceptor serving with it.
+fn private_ca(dir: &std::path::Path) -> rumqttc::tokio_rustls::TlsAcceptor {
+    use rumqttc::tokio_rustls::rustls;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/mosquitto/make-certs.sh");
+    for args in [&["ca"][..], &["server", "origin", "IP:127.0.0.1"]] {
+        let out = std::process::Command::new("sh")
+            .arg(&script)
+            .arg(dir)
+            .args(args)
+            .output()
+            .expect("run make-certs.sh");
+        assert!(out.status.success(), "make-certs.sh {args:?}: {out:?}");
+    }
+    let certs = CertificateDer::pem_file_iter(dir.join("origin.crt"))
+        .and_then(|c| c.collect::<Result<Vec<_>, _>>())
+        .expect("certificate");
+    let key = PrivateKeyDer::from_pem_file(dir.join("origin.key")).expect("key");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .expect("server config");
+    rumqttc::tokio_rustls::TlsAcceptor::from(Arc::new(config))
+}
+
+#[tokio::test]
+async fn an_https_origin_is_trusted_with_its_private_ca_and_refused_without() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let acceptor = private_ca(dir.path());
+    let with_ca = OriginTls::with_ca_file(&dir.path().join("ca.crt")).expect("the CA");
+    let d = data(10_000);
+    let url = serve_with(d.clone(), Serves::Ranges, Some(acceptor)).await;
+    assert!(url.https);
+    assert_eq!(
+        fetch_all_with(url.clone(), with_ca, &d, 1024).await,
+        blocks_of(&d, 1024)
+    );
+    let reason = failure(&fetch_all(url, &d, 1024).await);
+    assert!(
+        reason.contains("invalid peer certificate") && reason.contains("UnknownIssuer"),
+        "{reason}"
+    );
+}
+
+#[tokio::test]
+async fn a_redirect_from_https_to_plain_http_is_refused_as_a_downgrade() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let acceptor = private_ca(dir.path());
+    let with_ca = OriginTls::with_ca_file(&dir.path().join("ca.crt")).expect("the CA");
+    let d = data(4096);
+    let plain = serve(d.clone(), Serves::Ranges).await;
+    let url = serve_with(d.clone(), Serves::RedirectTo(plain.port), Some(acceptor)).await;
+    let reason = failure(&fetch_all_with(url, with_ca, &d, 1024).await);
+    assert!(
+        reason.contains("downgrade from https to plain http")
+            && reason.contains(&format!("http://127.0.0.1:{}/artifact.bin", plain.port)),
+        "{reason}"
+    );
 }

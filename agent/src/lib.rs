@@ -136,6 +136,7 @@ pub mod fetch_blocks;
 pub mod health;
 pub mod held;
 pub mod http_origin;
+pub mod http_redirect;
 pub mod identity;
 pub mod link;
 pub mod log_filter;

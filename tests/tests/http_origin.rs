@@ -1,14 +1,16 @@
-//! Artifacts from an HTTP(S) origin (decision 0062): a release names where its artifact can be
-//! fetched over HTTP (`release create --url`, `release locate`); devices fetch its blocks with
-//! range requests from there, check each against the signed block list, and fall back to the
-//! coordinator when the origin serves bad bytes, goes silent or fails. Bytes by source show
-//! `http` in the rollout's status, as `flotilla rollout status` prints it.
+//! Artifacts from an HTTP(S) origin (decisions 0062, 0064): a release names where its artifact
+//! can be fetched over HTTP (`release create --url`, `release locate`); devices fetch its blocks
+//! with range requests from there, check each against the signed block list, and fall back to
+//! the coordinator when the origin serves bad bytes, goes silent or fails. An HTTPS origin with
+//! a private CA serves the devices that name the CA (`[origins] ca_file`); a redirect is
+//! followed within bounds. Bytes by source show `http` in the rollout's status, as
+//! `flotilla rollout status` prints it.
 
 use std::fs;
 
 use flotilla_protocol::control::RolloutStatus;
 use flotilla_protocol::{Phase, Topics};
-use flotilla_tests::origin::{Origin, Serves};
+use flotilla_tests::origin::{Origin, OriginCerts, Serves};
 use flotilla_tests::{AgentOptions, BrokerKind, Site, Watcher, WAIT};
 
 /// An artifact of `kib` KiB that shares no block with another `seed`'s (nor with the factory
@@ -64,7 +66,118 @@ async fn roll_out(site: &Site, rollout: &str, release: &str, content: &[u8]) -> 
 }
 
 fn agent_log(site: &Site) -> String {
-    fs::read_to_string(site.path("agents/dev-1/agent.log")).expect("agent log")
+    log_of(site, "dev-1")
+}
+
+fn log_of(site: &Site, id: &str) -> String {
+    fs::read_to_string(site.path(&format!("agents/{id}/agent.log"))).expect("agent log")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_origin_with_a_private_ca_serves_the_devices_that_name_the_ca() {
+    let mut site = Site::new(BrokerKind::Embedded);
+    site.start_coordinator();
+    let certs_dir = site.path("origin-tls");
+    fs::create_dir_all(&certs_dir).expect("certs dir");
+    let certs = OriginCerts::make(&certs_dir);
+    let with_ca = AgentOptions {
+        extra_config: Some(format!(
+            "peer_timeout = \"1s\"\n[origins]\nca_file = {:?}",
+            certs.ca
+        )),
+        ..AgentOptions::default()
+    };
+    let without_ca = AgentOptions {
+        extra_config: Some("peer_timeout = \"1s\"".to_owned()),
+        ..AgentOptions::default()
+    };
+    site.add_agent("dev-1", &[("env", "test")], with_ca);
+    site.add_agent("dev-2", &[("env", "test")], without_ca);
+    site.wait_devices(2).await;
+
+    let origin = Origin::start_tls(site.path(""), Serves::Ranges, &certs);
+    let fw2 = artifact(512, 2);
+    let url = origin.url("fw-2.bin");
+    assert!(url.starts_with("https://"), "{url}");
+    site.release_with("fw-2", 2, &fw2, &["--url", &format!("app={url}")]);
+    site.create_and_start(&one_group("private-ca", "fw-2"))
+        .await;
+    let size = fw2.len() as u64;
+    let status = site
+        .wait_status("private-ca", "both devices to finish", WAIT, |s| {
+            s.state == "finished" && s.bytes.coordinator + s.bytes.http >= 2 * size
+        })
+        .await;
+    for id in ["dev-1", "dev-2"] {
+        assert_eq!(
+            fs::read(site.target_file(id)).expect("target"),
+            fw2,
+            "{id} holds the release"
+        );
+    }
+    // dev-2 cannot use the origin at all, so every byte from http is dev-1's: all of them.
+    assert_eq!(status.bytes.http, size, "{:?}", status.bytes);
+    assert!(
+        status.bytes.coordinator >= size,
+        "the coordinator served dev-2: {:?}",
+        status.bytes
+    );
+    assert!(
+        !log_of(&site, "dev-1").contains("bypassing the HTTP origin"),
+        "dev-1 trusts the origin's certificate"
+    );
+    let log = log_of(&site, "dev-2");
+    let line = log
+        .lines()
+        .find(|l| l.contains("bypassing the HTTP origin"))
+        .unwrap_or_else(|| panic!("dev-2 bypasses the origin: {log}"));
+    assert!(
+        line.contains("invalid peer certificate") && line.contains("UnknownIssuer"),
+        "the log names the certificate failure: {line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redirect_to_another_origin_is_followed_and_a_redirect_loop_falls_back() {
+    let site = site_with_device(AgentOptions::default(), "1s").await;
+
+    // The release names the first origin, which answers 302 to the same path on the second.
+    let store = Origin::start(site.path(""), Serves::Ranges);
+    let front = Origin::start(site.path(""), Serves::RedirectTo(store.port));
+    let fw2 = artifact(1024, 2);
+    let url = format!("app={}", front.url("fw-2.bin"));
+    site.release_with("fw-2", 2, &fw2, &["--url", &url]);
+    let status = roll_out(&site, "redirected", "fw-2", &fw2).await;
+    assert_eq!(status.bytes.http, fw2.len() as u64, "{:?}", status.bytes);
+    let blocks = store.ranges().len();
+    assert!(
+        blocks >= 16,
+        "the second origin served every block: {blocks}"
+    );
+    // Where the redirect led is remembered: one redirect per connection (4 at most), not one
+    // per block.
+    let redirects = front.redirects();
+    assert!(
+        (1..=4).contains(&redirects),
+        "{redirects} redirects for {blocks} blocks"
+    );
+
+    // An origin that redirects to itself: the device falls back to the coordinator.
+    let looping = Origin::start(site.path(""), Serves::RedirectLoop);
+    let fw3 = artifact(256, 3);
+    let url = format!("app={}", looping.url("fw-3.bin"));
+    site.release_with("fw-3", 3, &fw3, &["--url", &url]);
+    let status = roll_out(&site, "loop", "fw-3", &fw3).await;
+    assert_eq!(status.bytes.http, 0, "{:?}", status.bytes);
+    let log = agent_log(&site);
+    let line = log
+        .lines()
+        .find(|l| l.contains("a redirect loop"))
+        .unwrap_or_else(|| panic!("the log names the loop: {log}"));
+    assert!(
+        line.contains(&format!("127.0.0.1:{}/fw-3.bin", looping.port)),
+        "{line}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
