@@ -8,7 +8,6 @@ use clap::{Parser, Subcommand};
 use flotilla_agent::log_filter;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::util::SubscriberInitExt as _;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -75,7 +74,7 @@ enum KeysCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (filter, warning) = log_filter::parse(std::env::var("RUST_LOG").ok().as_deref());
-    tracing_subscriber::fmt()
+    let subscriber = tracing_subscriber::fmt()
         // The builder's own level (INFO by default) would hide what `RUST_LOG` enables below
         // it: the filter decides alone.
         .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
@@ -83,8 +82,13 @@ fn main() -> ExitCode {
         // Colour codes only for a person at a terminal, not in journald or log files.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .finish()
-        .with(filter)
-        .init();
+        .with(filter);
+    // Not `.init()`: where tracing-subscriber's `tracing-log` feature is on (a build together
+    // with the coordinator, whose embedded broker asks for it), `init` also installs the bridge
+    // from the `log` crate, and the agent would differ by how it was built
+    // (docs/decisions/0065-one-agent-binary.md). The first and only global subscriber.
+    tracing::subscriber::set_global_default(subscriber)
+        .expect("no other global subscriber is set before this one");
     if let Some(warning) = warning {
         tracing::warn!("{warning}");
     }
