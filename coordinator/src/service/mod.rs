@@ -72,6 +72,7 @@ pub mod lead;
 pub mod leadership;
 mod lists;
 mod live;
+mod live_changes;
 pub mod loading;
 pub mod metrics;
 pub mod metrics_leader;

@@ -105,7 +105,7 @@ pub(super) struct Service {
     /// or a listener behind, costs nothing here).
     pub(super) live: tokio::sync::broadcast::Sender<LiveEvent>,
     /// Rollouts reported on since live events were last sent (`live.rs`).
-    pub(super) live_changes: crate::service::live::LiveChanges,
+    pub(super) live_changes: crate::service::live_changes::LiveChanges,
 }
 
 /// Enrollment records and used tokens waiting for the next batch write: one durable write per
