@@ -170,3 +170,19 @@ pub fn broker_kinds() -> Vec<BrokerKind> {
     }
     kinds
 }
+
+/// Waits until no other test on this machine holds the lock `name` (a file in the temporary
+/// directory), and keeps it until the returned file is dropped: for what one machine can run
+/// only once at a time (SWUpdate's abstract socket, a NATS cluster's CPU).
+pub fn machine_lock(name: &str) -> std::fs::File {
+    let path = std::env::temp_dir().join(format!("flotilla-{name}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("the lock file {}: {e}", path.display()));
+    file.lock()
+        .unwrap_or_else(|e| panic!("lock {}: {e}", path.display()));
+    file
+}

@@ -109,15 +109,7 @@ pub struct Cluster {
 /// on a 2-core machine) starve each other: nodes dropped their MQTT clients for seconds after
 /// a start or a node's death, and rollouts that take 20 s alone ran past a minute.
 fn one_cluster_at_a_time() -> fs::File {
-    let path = std::env::temp_dir().join("flotilla-nats-cluster-tests.lock");
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .expect("the NATS cluster test lock file");
-    file.lock().expect("lock the NATS cluster test lock file");
-    file
+    crate::machine_lock("nats-cluster-tests")
 }
 
 impl Drop for Cluster {

@@ -13,15 +13,7 @@ use std::time::{Duration, Instant};
 /// Waits until no other test on this machine runs SWUpdate (the conformance suite takes the same
 /// lock file), and keeps it that way until the returned file is dropped.
 pub fn swupdate_lock() -> fs::File {
-    let path = std::env::temp_dir().join("flotilla-swupdate-tests.lock");
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .expect("the SWUpdate test lock file");
-    file.lock().expect("lock the SWUpdate test lock file");
-    file
+    crate::machine_lock("swupdate-tests")
 }
 
 /// A running SWUpdate daemon (`swupdate` without `-i`), as on a device that keeps it for its web
