@@ -232,6 +232,11 @@ for name in "${rollouts[@]}"; do
   if [ -n "${urls[$name]:-}" ]; then
     echo "  $name: baseline is curl from the same origin: $base MB/s" | tee -a "$results"
   fi
+  # The transfer alone, as curl's figure is: from the first Downloading report (the block list
+  # fetched, the first blocks asked) to Verified.
+  transfer=$(awk -v v="$verified" -v f="$(field desired_to_first_downloading_s "$watch")" 'BEGIN {printf "%.3f", v - f}')
+  transfer_mbs=$(awk -v b="$SIZE" -v s="$transfer" 'BEGIN {printf "%.1f", b / 1e6 / s}')
+  echo "  $name: first Downloading -> Verified $transfer s, $transfer_mbs MB/s, $(awk -v a="$transfer_mbs" -v b="$base" 'BEGIN {printf "%.2f", a / b}')x the baseline" | tee -a "$results"
 done
 drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 say ""

@@ -7,10 +7,15 @@
 //! ```
 //!
 //! - Only `http` and `https` are spoken ([`OriginUrl::parse`]); nothing else of the URL is
-//!   trusted either: every byte that comes back is checked by the fetcher against the signed
-//!   block list before it is written, exactly as a peer's.
-//! - `206 Partial Content` carries the block asked for: its `Content-Range` must start at the
-//!   block and its length must be the block's. `200 OK` means the origin ignores `Range` (a plain
+//!   trusted either: every block that comes back is checked against the signed block list by
+//!   the worker that read it, on its own thread, before it is handed to the fetcher. A block
+//!   that fails its hash is an [`OriginEvent::Failed`]; an [`OriginEvent::Block`] has matched.
+//! - Blocks asked one after another are asked in one range request, a *run* of at most
+//!   [`RUN_BYTES`] (a worker takes every request waiting in the queue that continues its run):
+//!   one request per megabyte instead of one per block. The body is split into blocks as it
+//!   arrives, each handed to the fetcher as soon as its last byte is read.
+//! - `206 Partial Content` carries the run asked for: its `Content-Range` must start at the
+//!   run's first byte and its length must be the run's. `200 OK` means the origin ignores `Range` (a plain
 //!   static server such as Python's `http.server`): the first worker to see it streams the whole
 //!   file once, handing every block to the fetcher as it passes, and every other worker drops
 //!   its requests, since the stream will deliver them. Any other status (404, 5xx), a short
@@ -32,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use flotilla_mqtt::https::OriginTls;
-use flotilla_protocol::blocks::block_range;
+use flotilla_protocol::blocks::{block_range, BlockList};
 use flotilla_protocol::origin::OriginUrl;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -47,12 +52,16 @@ pub const MAX_HEAD: usize = 16 * 1024;
 /// Most connections to one origin at a time.
 pub const MAX_CONNECTIONS: usize = 4;
 
+/// Most bytes asked in one range request: a run of consecutive blocks.
+pub const RUN_BYTES: u64 = 1024 * 1024;
+
 /// What a worker tells the fetcher.
 #[derive(Debug, PartialEq, Eq)]
 pub enum OriginEvent {
-    /// Bytes the origin served for the block at `offset` (not yet checked).
+    /// The block at `offset`, as the origin served it; it matched its signed hash.
     Block { offset: u64, data: Vec<u8> },
-    /// The origin could not serve the block at `offset`, or broke off its stream.
+    /// The origin could not serve the block at `offset`, broke off its stream, or served bytes
+    /// that fail the block's signed hash.
     Failed { offset: u64, reason: String },
 }
 
@@ -76,10 +85,10 @@ struct Shared {
     /// Where requests go: the action's location, or where its redirects led.
     location: std::sync::Mutex<OriginUrl>,
     tls: OriginTls,
-    /// The artifact's size and its block list's block size (for a range-less stream).
+    /// The artifact's size (for a range-less stream) and its signed block list.
     size: u64,
-    block_size: u32,
-    requests: Mutex<mpsc::UnboundedReceiver<(u64, u32)>>,
+    list: Arc<BlockList>,
+    requests: Mutex<Requests>,
     events: mpsc::Sender<OriginEvent>,
     /// Set once the origin answered a range request with the whole file.
     streaming: AtomicBool,
@@ -87,13 +96,13 @@ struct Shared {
 
 impl OriginFetcher {
     /// Starts `connections` workers (at least one, at most [`MAX_CONNECTIONS`]) for the artifact
-    /// of `size` bytes at `url`, whose block list has blocks of `block_size`; `tls` checks an
-    /// HTTPS origin's certificate.
+    /// of `size` bytes at `url`, whose blocks must match `list`; `tls` checks an HTTPS origin's
+    /// certificate.
     pub fn start(
         url: OriginUrl,
         tls: OriginTls,
         size: u64,
-        block_size: u32,
+        list: Arc<BlockList>,
         connections: usize,
     ) -> Self {
         let (requests, requests_rx) = mpsc::unbounded_channel();
@@ -103,8 +112,11 @@ impl OriginFetcher {
             location: std::sync::Mutex::new(url),
             tls,
             size,
-            block_size,
-            requests: Mutex::new(requests_rx),
+            list,
+            requests: Mutex::new(Requests {
+                queue: requests_rx,
+                held: None,
+            }),
             events: events_tx,
             streaming: AtomicBool::new(false),
         });
@@ -145,6 +157,24 @@ impl Shared {
             .unwrap_or_else(|poisoned| poisoned.into_inner().clone())
     }
 
+    /// The event for `data`, read for the block at `offset`: the block if it matches its
+    /// signed hash, else a failure naming it.
+    fn checked(&self, offset: u64, data: Vec<u8>) -> OriginEvent {
+        let matches = self
+            .list
+            .index_at(offset)
+            .is_some_and(|block| self.list.verify(block, &data));
+        if matches {
+            OriginEvent::Block { offset, data }
+        } else {
+            let reason = format!(
+                "it served {} bytes that fail the block's signed hash",
+                data.len()
+            );
+            OriginEvent::Failed { offset, reason }
+        }
+    }
+
     fn remember(&self, url: &OriginUrl) {
         if let Ok(mut location) = self.location.lock() {
             if *location != *url {
@@ -158,17 +188,60 @@ impl Shared {
     }
 }
 
+/// The blocks asked of the origin, in the order asked.
+struct Requests {
+    queue: mpsc::UnboundedReceiver<(u64, u32)>,
+    /// A request taken from the queue that did not continue the run being gathered.
+    held: Option<(u64, u32)>,
+}
+
+impl Requests {
+    /// The next request and every waiting one that continues it, up to [`RUN_BYTES`] in all:
+    /// `(offset, length)` of each block, in order. `None` once the fetcher is gone.
+    async fn next_run(&mut self) -> Option<Vec<(u64, u32)>> {
+        let first = match self.held.take() {
+            Some(request) => request,
+            None => self.queue.recv().await?,
+        };
+        let mut run = vec![first];
+        let mut end = first.0 + u64::from(first.1);
+        let mut bytes = u64::from(first.1);
+        while let Ok(next) = self.queue.try_recv() {
+            if next.0 != end || bytes + u64::from(next.1) > RUN_BYTES {
+                self.held = Some(next);
+                break;
+            }
+            run.push(next);
+            end += u64::from(next.1);
+            bytes += u64::from(next.1);
+        }
+        Some(run)
+    }
+}
+
 async fn worker(shared: Arc<Shared>) {
     let mut conn: Kept = None;
     loop {
-        let Some((offset, length)) = shared.requests.lock().await.recv().await else {
+        let Some(run) = shared.requests.lock().await.next_run().await else {
             return;
         };
         if shared.streaming.load(Ordering::Acquire) {
             continue; // the stream delivers it
         }
-        let event = match range_get(&shared, &mut conn, offset, length).await {
-            Ok(Reply::Block(data)) => OriginEvent::Block { offset, data },
+        let offset = run[0].0;
+        let length: u64 = run.iter().map(|(_, n)| u64::from(*n)).sum();
+        match range_get(&shared, &mut conn, offset, length).await {
+            Ok(Reply::Range(c, framing, keep)) => match read_run(&shared, c, framing, &run).await {
+                Ok(Some(c)) => conn = keep.map(|to| (to, c)),
+                Ok(None) => conn = None,
+                Err(Stop::Failed(event)) => {
+                    conn = None;
+                    if shared.events.send(event).await.is_err() {
+                        return;
+                    }
+                }
+                Err(Stop::Gone) => return,
+            },
             Ok(Reply::Whole(mut whole, framing)) => {
                 if shared.streaming.swap(true, Ordering::AcqRel) {
                     continue; // another worker streams the file
@@ -180,12 +253,64 @@ async fn worker(shared: Arc<Shared>) {
             }
             Err(reason) => {
                 conn = None;
-                OriginEvent::Failed { offset, reason }
+                if shared
+                    .events
+                    .send(OriginEvent::Failed { offset, reason })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
             }
-        };
-        if shared.events.send(event).await.is_err() {
-            return;
         }
+    }
+}
+
+/// Why a run's body stopped being read.
+enum Stop {
+    /// The origin broke off: the event names the block.
+    Failed(OriginEvent),
+    /// The fetcher is gone.
+    Gone,
+}
+
+/// Reads a `206` body of the blocks of `run`, handing each to the fetcher as it completes; the
+/// connection, if its body ended where the run does and it can be kept.
+async fn read_run(
+    shared: &Shared,
+    mut c: Conn,
+    mut framing: Framing,
+    run: &[(u64, u32)],
+) -> Result<Option<Conn>, Stop> {
+    for &(offset, length) in run {
+        let what = format!("bytes {offset}-{}", offset + u64::from(length).max(1) - 1);
+        let failed = |reason: String| Stop::Failed(OriginEvent::Failed { offset, reason });
+        let mut data = vec![0; length as usize];
+        let got = fill(&mut c, &mut framing, &mut data)
+            .await
+            .map_err(|e| failed(format!("{what}: {e}")))?;
+        if got < data.len() {
+            return Err(failed(format!(
+                "{what}: the origin's answer ended after {got} bytes of the block"
+            )));
+        }
+        match shared.checked(offset, data) {
+            event @ OriginEvent::Block { .. } => {
+                if shared.events.send(event).await.is_err() {
+                    return Err(Stop::Gone);
+                }
+            }
+            failed => return Err(Stop::Failed(failed)),
+        }
+    }
+    match framing {
+        Framing::Length(0) => Ok(Some(c)),
+        Framing::Chunked { .. } => {
+            // Read the end of the chunked body so the connection can be kept.
+            let mut rest = [0; 1];
+            Ok(matches!(fill(&mut c, &mut framing, &mut rest).await, Ok(0)).then_some(c))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -198,7 +323,9 @@ enum Framing {
 }
 
 enum Reply {
-    Block(Vec<u8>),
+    /// A `206` for the range asked: its body follows on this connection, which is kept
+    /// afterwards (open to this scheme, host and port) if the answer allows.
+    Range(Conn, Framing, Option<(bool, String, u16)>),
     /// A `200 OK`: the whole file follows on this connection.
     Whole(Conn, Framing),
 }
@@ -233,9 +360,9 @@ async fn range_get(
     shared: &Shared,
     conn: &mut Kept,
     offset: u64,
-    length: u32,
+    length: u64,
 ) -> Result<Reply, String> {
-    let last = offset + u64::from(length).max(1) - 1;
+    let last = offset + length.max(1) - 1;
     let what = format!("bytes {offset}-{last}");
     let mut hops = Redirects::new(shared.location());
     let (c, head) = loop {
@@ -254,7 +381,7 @@ async fn range_get(
     }
     let url = hops.current();
     let endpoint = (url.https, url.host.clone(), url.port);
-    answer(shared, conn, endpoint, c, head, offset, length).await
+    answer(shared, endpoint, c, head, offset, length)
 }
 
 /// Sends the range request to `url`, on the kept connection when it is open to the same place
@@ -300,18 +427,17 @@ async fn send(
     }
 }
 
-/// Reads the answer to a range request that was not a redirect; `c` is open to `endpoint`, and
-/// kept there for the next request when the answer allows.
-async fn answer(
+/// Checks the head of the answer to a range request that was not a redirect; `c` is open to
+/// `endpoint`, and may be kept there once the body is read.
+fn answer(
     shared: &Shared,
-    conn: &mut Kept,
     endpoint: (bool, String, u16),
-    mut c: Conn,
+    c: Conn,
     head: Head,
     offset: u64,
-    length: u32,
+    length: u64,
 ) -> Result<Reply, String> {
-    let what = format!("bytes {offset}-{}", offset + u64::from(length).max(1) - 1);
+    let what = format!("bytes {offset}-{}", offset + length.max(1) - 1);
     let framing = framing(&head);
     match head.status {
         206 => {
@@ -321,32 +447,13 @@ async fn answer(
                     head.range_start.unwrap_or_default()
                 ));
             }
-            if head.length.is_some_and(|n| n != u64::from(length)) {
+            if head.length.is_some_and(|n| n != length) {
                 return Err(format!(
                     "{what}: the origin answered with {} bytes",
                     head.length.unwrap_or_default()
                 ));
             }
-            let mut f = framing;
-            let mut data = vec![0; length as usize];
-            let got = fill(&mut c, &mut f, &mut data)
-                .await
-                .map_err(|e| format!("{what}: {e}"))?;
-            if got < data.len() {
-                return Err(format!(
-                    "{what}: the origin's answer ended after {got} bytes"
-                ));
-            }
-            if f == (Framing::Length(0)) && !head.close {
-                *conn = Some((endpoint, c));
-            } else if matches!(f, Framing::Chunked { .. }) {
-                // Read the end of the chunked body so the connection can be kept.
-                let mut rest = [0; 1];
-                if matches!(fill(&mut c, &mut f, &mut rest).await, Ok(0)) && !head.close {
-                    *conn = Some((endpoint, c));
-                }
-            }
-            Ok(Reply::Block(data))
+            Ok(Reply::Range(c, framing, (!head.close).then_some(endpoint)))
         }
         200 => {
             if head.length.is_some_and(|n| n != shared.size) {
@@ -377,9 +484,10 @@ async fn stream_whole(
         origin = %format!("{}:{}{}", url.host, url.port, url.path),
         "the origin ignores range requests: streaming the whole file once"
     );
-    let blocks = shared.size.div_ceil(u64::from(shared.block_size.max(1)));
+    let block_size = shared.list.block_size();
+    let blocks = shared.size.div_ceil(u64::from(block_size.max(1)));
     for block in 0..blocks {
-        let (offset, length) = block_range(block, shared.size, shared.block_size);
+        let (offset, length) = block_range(block, shared.size, block_size);
         let mut data = vec![0; length as usize];
         let failed = |reason: String| OriginEvent::Failed { offset, reason };
         let got = fill(c, &mut framing, &mut data)
@@ -391,13 +499,13 @@ async fn stream_whole(
                 offset + got as u64
             )));
         }
-        if shared
-            .events
-            .send(OriginEvent::Block { offset, data })
-            .await
-            .is_err()
-        {
-            return Ok(());
+        match shared.checked(offset, data) {
+            event @ OriginEvent::Block { .. } => {
+                if shared.events.send(event).await.is_err() {
+                    return Ok(());
+                }
+            }
+            failed => return Err(failed),
         }
     }
     Ok(())

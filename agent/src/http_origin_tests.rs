@@ -13,30 +13,35 @@ pub(crate) enum Serves {
     Whole,
     /// Ranges with one byte flipped in each.
     Corrupt,
+    /// As `Whole`, with the first byte flipped.
+    WholeCorrupt,
     /// Serves this many ranges, then `404 Not Found`.
     NotFoundAfter(usize),
     /// Accepts connections and never answers.
     Silent,
     /// `302 Found` to `http://127.0.0.1:{port}/artifact.bin`.
     RedirectTo(u16),
+    /// Ranges whose body breaks off (the connection closed) after this many bytes.
+    CutAfter(usize),
 }
 
 /// Starts an origin serving `data` on a free loopback port; returns its URL.
 pub(crate) async fn serve(data: Vec<u8>, serves: Serves) -> OriginUrl {
-    serve_with(data, serves, None).await
+    serve_with(data, serves, None).await.0
 }
 
-/// As [`serve`], over TLS when `tls` is given.
+/// As [`serve`], over TLS when `tls` is given; also how many requests it answered.
 async fn serve_with(
     data: Vec<u8>,
     serves: Serves,
     tls: Option<rumqttc::tokio_rustls::TlsAcceptor>,
-) -> OriginUrl {
+) -> (OriginUrl, Arc<std::sync::atomic::AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr: SocketAddr = listener.local_addr().expect("addr");
     let data = Arc::new(data);
     let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let scheme = if tls.is_some() { "https" } else { "http" };
+    let counted = served.clone();
     tokio::spawn(async move {
         loop {
             let Ok((sock, _)) = listener.accept().await else {
@@ -56,7 +61,8 @@ async fn serve_with(
             });
         }
     });
-    OriginUrl::parse(&format!("{scheme}://{addr}/artifact.bin")).expect("url")
+    let url = OriginUrl::parse(&format!("{scheme}://{addr}/artifact.bin")).expect("url");
+    (url, counted)
 }
 
 async fn connection(
@@ -103,10 +109,14 @@ async fn connection(
                 out.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     .await?;
             }
-            Serves::Whole => {
+            Serves::Whole | Serves::WholeCorrupt => {
                 let head = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", data.len());
                 out.write_all(head.as_bytes()).await?;
-                out.write_all(data).await?;
+                let mut body = data.to_vec();
+                if serves == Serves::WholeCorrupt {
+                    body[0] ^= 1;
+                }
+                out.write_all(&body).await?;
                 return Ok(());
             }
             Serves::Chunked => {
@@ -124,6 +134,17 @@ async fn connection(
                     .await?;
                 out.write_all(y).await?;
                 out.write_all(b"\r\n0\r\n\r\n").await?;
+            }
+            Serves::CutAfter(n) => {
+                let head = format!(
+                    "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\n\
+                     Content-Length: {}\r\n\r\n",
+                    data.len(),
+                    b + 1 - a
+                );
+                out.write_all(head.as_bytes()).await?;
+                out.write_all(&data[a..=b.min(a + n - 1)]).await?;
+                return Ok(());
             }
             _ => {
                 let mut body = data[a..=b].to_vec();
@@ -147,6 +168,11 @@ fn data(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 7 % 251) as u8).collect()
 }
 
+/// The block list of `data` in blocks of `bs`, as a release signs it.
+fn list_of(data: &[u8], bs: u32) -> Arc<BlockList> {
+    Arc::new(BlockList::compute(data, bs).expect("a block list"))
+}
+
 /// Asks for every block of `data` and collects what comes back, by offset.
 async fn fetch_all(url: OriginUrl, data: &[u8], bs: u32) -> Vec<OriginEvent> {
     fetch_all_with(url, OriginTls::default(), data, bs).await
@@ -154,7 +180,7 @@ async fn fetch_all(url: OriginUrl, data: &[u8], bs: u32) -> Vec<OriginEvent> {
 
 /// As [`fetch_all`], checking an HTTPS origin's certificate with `tls`.
 async fn fetch_all_with(url: OriginUrl, tls: OriginTls, data: &[u8], bs: u32) -> Vec<OriginEvent> {
-    let mut f = OriginFetcher::start(url, tls, data.len() as u64, bs, 3);
+    let mut f = OriginFetcher::start(url, tls, data.len() as u64, list_of(data, bs), 3);
     let blocks = (data.len() as u64).div_ceil(u64::from(bs));
     for b in 0..blocks {
         let (offset, length) = block_range(b, data.len() as u64, bs);
@@ -201,6 +227,65 @@ async fn range_requests_return_each_block_on_kept_connections() {
 }
 
 #[tokio::test]
+async fn blocks_asked_in_a_row_are_asked_in_runs_of_a_megabyte() {
+    const BS: u32 = 64 * 1024;
+    // 49 blocks, the last one short.
+    let d = data(3 * RUN_BYTES as usize + 100);
+    let (url, served) = serve_with(d.clone(), Serves::Ranges, None).await;
+    assert_eq!(fetch_all(url, &d, BS).await, blocks_of(&d, BS));
+    // 16 blocks a request: 16 + 16 + 16 + 1.
+    assert_eq!(served.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn a_run_broken_off_delivers_its_whole_blocks_and_names_the_broken_one() {
+    let d = data(10 * 1024);
+    let url = serve(d.clone(), Serves::CutAfter(2500)).await;
+    let list = list_of(&d, 1024);
+    let mut f = OriginFetcher::start(url, OriginTls::default(), d.len() as u64, list, 1);
+    for b in 0..10 {
+        f.ask(b * 1024, 1024);
+    }
+    let mut events = Vec::new();
+    while let Some(e) = f.next().await {
+        let failed = matches!(e, OriginEvent::Failed { .. });
+        events.push(e);
+        if failed {
+            break;
+        }
+    }
+    assert_eq!(events[..2], blocks_of(&d[..2048], 1024)[..]);
+    match &events[2] {
+        OriginEvent::Failed { offset, reason } => {
+            assert_eq!(*offset, 2048);
+            assert!(reason.contains("bytes 2048-3071"), "{reason}");
+            assert!(reason.contains("closed the connection"), "{reason}");
+        }
+        other => panic!("not a failure: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_block_failing_its_signed_hash_is_a_failure_naming_it_not_a_block() {
+    let d = data(4096);
+    for serves in [Serves::Corrupt, Serves::WholeCorrupt] {
+        let url = serve(d.clone(), serves).await;
+        let events = fetch_all(url, &d, 1024).await;
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, OriginEvent::Block { offset: 0, .. })),
+            "{serves:?}: a corrupt block was handed over"
+        );
+        let reason = failure(&events);
+        assert!(
+            reason.contains("fail the block's signed hash"),
+            "{serves:?}: {reason}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn an_origin_that_ignores_ranges_is_streamed_once_whole() {
     let d = data(10_000);
     let url = serve(d.clone(), Serves::Whole).await;
@@ -235,8 +320,9 @@ async fn a_hostile_head_is_refused_not_read_forever() {
         let _ = sock.write_all(&vec![b'a'; MAX_HEAD * 2]).await;
     });
     let url = OriginUrl::parse(&format!("http://{addr}/x")).expect("url");
-    let mut f = OriginFetcher::start(url, OriginTls::default(), 100, 100, 1);
-    f.ask(0, 100);
+    let list = list_of(&[0; 1024], 1024);
+    let mut f = OriginFetcher::start(url, OriginTls::default(), 1024, list, 1);
+    f.ask(0, 1024);
     match f.next().await.expect("an event") {
         OriginEvent::Failed { reason, .. } => assert!(reason.contains("over"), "{reason}"),
         other => panic!("not refused: {other:?}"),
@@ -384,7 +470,9 @@ async fn an_https_origin_is_trusted_with_its_private_ca_and_refused_without() {
     let acceptor = private_ca(dir.path());
     let with_ca = OriginTls::with_ca_file(&dir.path().join("ca.crt")).expect("the CA");
     let d = data(10_000);
-    let url = serve_with(d.clone(), Serves::Ranges, Some(acceptor)).await;
+    let url = serve_with(d.clone(), Serves::Ranges, Some(acceptor))
+        .await
+        .0;
     assert!(url.https);
     assert_eq!(
         fetch_all_with(url.clone(), with_ca, &d, 1024).await,
@@ -404,7 +492,9 @@ async fn a_redirect_from_https_to_plain_http_is_refused_as_a_downgrade() {
     let with_ca = OriginTls::with_ca_file(&dir.path().join("ca.crt")).expect("the CA");
     let d = data(4096);
     let plain = serve(d.clone(), Serves::Ranges).await;
-    let url = serve_with(d.clone(), Serves::RedirectTo(plain.port), Some(acceptor)).await;
+    let url = serve_with(d.clone(), Serves::RedirectTo(plain.port), Some(acceptor))
+        .await
+        .0;
     let reason = failure(&fetch_all_with(url, with_ca, &d, 1024).await);
     assert!(
         reason.contains("downgrade from https to plain http")

@@ -21,8 +21,8 @@ use crate::WAIT;
 pub enum Serves {
     /// `206` with the bytes asked for.
     Ranges,
-    /// `206` with the range asked for, one byte flipped in every range that starts at or
-    /// after this offset.
+    /// `206` with the range asked for, one byte flipped in every 64 KiB block of it that
+    /// starts at or after this offset (the agent asks for runs of blocks in one range).
     CorruptFrom(u64),
     /// Reads the request and never answers.
     Silent,
@@ -178,6 +178,11 @@ impl Origin {
     pub fn ranges(&self) -> Vec<(u64, u64)> {
         self.ranges.lock().expect("ranges").clone()
     }
+
+    /// The bytes the ranges asked for so far cover, all told.
+    pub fn bytes_asked(&self) -> u64 {
+        self.ranges().iter().map(|(a, b)| b + 1 - a).sum()
+    }
 }
 
 /// What an origin's connections count.
@@ -266,8 +271,10 @@ fn connection(
         let end = b.min(data.len() as u64 - 1);
         let mut body = data[a as usize..=end as usize].to_vec();
         if let Serves::CorruptFrom(from) = serves {
-            if a >= from {
-                body[0] ^= 0xff;
+            const BLOCK: u64 = 65536;
+            let first = a.max(from).div_ceil(BLOCK) * BLOCK;
+            for block in (first..=end).step_by(BLOCK as usize) {
+                body[(block - a) as usize] ^= 0xff;
             }
         }
         let head = format!(

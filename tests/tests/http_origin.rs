@@ -151,15 +151,16 @@ async fn a_redirect_to_another_origin_is_followed_and_a_redirect_loop_falls_back
     assert_eq!(status.bytes.http, fw2.len() as u64, "{:?}", status.bytes);
     let blocks = store.ranges().len();
     assert!(
-        blocks >= 16,
-        "the second origin served every block: {blocks}"
+        store.bytes_asked() >= fw2.len() as u64,
+        "the second origin served every block: {:?}",
+        store.ranges()
     );
     // Where the redirect led is remembered: one redirect per connection (4 at most), not one
     // per block.
     let redirects = front.redirects();
     assert!(
         (1..=4).contains(&redirects),
-        "{redirects} redirects for {blocks} blocks"
+        "{redirects} redirects for {blocks} requests"
     );
 
     // An origin that redirects to itself: the device falls back to the coordinator.
@@ -270,15 +271,16 @@ async fn an_origin_that_times_out_or_answers_404_mid_transfer_falls_back_to_the_
         "the log says the origin did not answer"
     );
 
-    // Four blocks served, then 404: the device keeps what verified and fetches the rest from
-    // the coordinator.
+    // Four requests served, then 404: the device keeps what verified and fetches the rest from
+    // the coordinator. The first four requests ask for at most the 4 MiB the device keeps
+    // outstanding at an origin (in runs of blocks), so a 6 MiB artifact needs a fifth.
     let failing = Origin::start(site.path(""), Serves::NotFoundAfter(4));
-    let fw3 = artifact(512, 3);
+    let fw3 = artifact(6 * 1024, 3);
     let url = format!("app={}", failing.url("fw-3.bin"));
     site.release_with("fw-3", 3, &fw3, &["--url", &url]);
     let status = roll_out(&site, "not-found", "fw-3", &fw3).await;
     assert!(status.bytes.http > 0, "{:?}", status.bytes);
-    assert!(status.bytes.http <= 4 * 65536, "{:?}", status.bytes);
+    assert!(status.bytes.http <= 4 << 20, "{:?}", status.bytes);
     assert!(status.bytes.coordinator > 0, "{:?}", status.bytes);
     assert!(
         agent_log(&site).contains("HTTP 404 Not Found"),
@@ -315,19 +317,21 @@ async fn a_device_killed_mid_download_from_http_resumes_without_refetching() {
     let last = watcher.final_report("dev-1", WAIT).await;
     assert_eq!(last.phase, Phase::Ready, "{last:?}");
     assert_eq!(fs::read(site.target_file("dev-1")).expect("target"), fw2);
-    // Blocks verify out of order (four in flight), so `done` is a count, not a prefix: what
-    // the restarted agent asks for is at most what was missing plus what was in flight.
-    let blocks = fw2.len() as u64 / 65536;
+    // Blocks verify out of order (runs on several connections), so `done` is a count, not a
+    // prefix: what the restarted agent asks for is at most what was missing, plus a few blocks
+    // of slack for blocks written between the report and the kill that did not make the part
+    // file.
     let after = &origin.ranges()[asked_before..];
+    let asked_after: u64 = after.iter().map(|(a, b)| b + 1 - a).sum();
     assert!(
         !after.is_empty(),
         "the rest came from the origin after the restart"
     );
     assert!(
-        (after.len() as u64) <= blocks - done_before_kill / 65536 + 4,
-        "{} of {blocks} blocks fetched again after the restart, with {done_before_kill} bytes \
+        asked_after <= fw2.len() as u64 - done_before_kill + 4 * 65536,
+        "{asked_after} of {} bytes asked again after the restart, with {done_before_kill} bytes \
          verified before the kill: {after:?}",
-        after.len()
+        fw2.len()
     );
 }
 
