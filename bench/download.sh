@@ -184,6 +184,9 @@ stream() {
   field stream_mb_s "$dir/stream.txt"
 }
 
+# A process's CPU time (user + system) so far, seconds.
+cpu_s() { awk -v t="$(getconf CLK_TCK)" '{printf "%.3f", ($14 + $15) / t}' "/proc/$1/stat"; }
+
 # curl's rate for the same file from the same origin, MB/s.
 curl_rate() {
   curl -sS -o /dev/null -w '%{speed_download}' "$1" | awk '{printf "%.1f", $1 / 1e6}'
@@ -205,14 +208,17 @@ for name in "${rollouts[@]}"; do
   cli rollout create --spec "$dir/$name.toml" >"$dir/$name.create" 2>&1 || die "rollout create: $(cat "$dir/$name.create")"
   served_before=$(served)
   if [ -n "${PERF:-}" ] && [ "$first" = 1 ]; then
-    perf record -F 999 -g -p "$agent_pid" -o "$dir/agent.perf" >/dev/null 2>&1 &
+    perf record -F "${PERF_FREQ:-999}" -g -p "$agent_pid" -o "$dir/agent.perf" >/dev/null 2>&1 &
     perf_agent=$!
-    perf record -F 999 -g -p "$coordinator_pid" -o "$dir/coordinator.perf" >/dev/null 2>&1 &
+    perf record -F "${PERF_FREQ:-999}" -g -p "$coordinator_pid" -o "$dir/coordinator.perf" >/dev/null 2>&1 &
     perf_coordinator=$!
   fi
+  agent_cpu=$(cpu_s "$agent_pid"); coordinator_cpu=$(cpu_s "$coordinator_pid")
   started=$(date +%s.%N)
   cli rollout start "$name" >"$dir/$name.start" 2>&1 || die "rollout start: $(cat "$dir/$name.start")"
   wait "$watch_pid" || die "watcher failed: $(tail -3 "$watch.log")"
+  agent_cpu=$(awk -v a="$(cpu_s "$agent_pid")" -v b="$agent_cpu" 'BEGIN {printf "%.2f", a - b}')
+  coordinator_cpu=$(awk -v a="$(cpu_s "$coordinator_pid")" -v b="$coordinator_cpu" 'BEGIN {printf "%.2f", a - b}')
   if [ -n "${PERF:-}" ] && [ "$first" = 1 ]; then
     kill -INT "$perf_agent" "$perf_coordinator"; wait "$perf_agent" "$perf_coordinator" 2>/dev/null || true
     for who in agent coordinator; do
@@ -237,6 +243,7 @@ for name in "${rollouts[@]}"; do
   transfer=$(awk -v v="$verified" -v f="$(field desired_to_first_downloading_s "$watch")" 'BEGIN {printf "%.3f", v - f}')
   transfer_mbs=$(awk -v b="$SIZE" -v s="$transfer" 'BEGIN {printf "%.1f", b / 1e6 / s}')
   echo "  $name: first Downloading -> Verified $transfer s, $transfer_mbs MB/s, $(awk -v a="$transfer_mbs" -v b="$base" 'BEGIN {printf "%.2f", a / b}')x the baseline" | tee -a "$results"
+  echo "  $name: CPU from rollout start to Ready: agent $agent_cpu s, coordinator $coordinator_cpu s (user+sys)" | tee -a "$results"
 done
 drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 say ""

@@ -24,8 +24,9 @@ use crate::service::http::state::Api;
 /// The route, in axum's form.
 pub const ROUTE: &str = "/artifacts/:sha256";
 
-/// Bytes read from the file per chunk of the body.
-const CHUNK: usize = 64 * 1024;
+/// Bytes read from the file per chunk of the body: each read is a hop to tokio's blocking
+/// pool, so a device asking for runs of a megabyte (decision 0068) costs 4 hops, not 16.
+const CHUNK: usize = 256 * 1024;
 
 /// The artifact route, added to `router`.
 pub fn routes(router: Router<Api>) -> Router<Api> {
