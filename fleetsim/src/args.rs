@@ -112,7 +112,12 @@ pub struct Args {
     /// Play no devices: send COUNT --probe-key requests one at a time (the next 20 ms after
     /// the previous answer), print their round trips (p50, p99, max) and exit: an idle
     /// coordinator's, when run before the fleet registers. --timeout bounds each request (5s).
-    #[arg(long, value_name = "COUNT", requires = "probe_key", conflicts_with = "first_answer")]
+    #[arg(
+        long,
+        value_name = "COUNT",
+        requires = "probe_key",
+        conflicts_with = "first_answer"
+    )]
     pub idle_probes: Option<usize>,
     /// Prepare the costly half of every signature the devices send for one install each (a
     /// report and a state per phase) before connecting: signing a message then costs a hash

@@ -159,7 +159,10 @@ pub async fn idle(
                     Some(LinkEvent::Publish { topic, payload, .. }) if topic == reply_topic => {
                         let reply = serde_json::from_slice::<ControlReply>(&payload);
                         if reply.as_ref().is_ok_and(|r| r.id == id) {
-                            if let Ok(ControlReply { ok: false, error, .. }) = reply {
+                            if let Ok(ControlReply {
+                                ok: false, error, ..
+                            }) = reply
+                            {
                                 tracing::warn!(?error, "idle probe refused");
                             }
                             return true;
