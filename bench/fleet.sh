@@ -3,12 +3,16 @@
 #
 # Usage (from anywhere): bench/fleet.sh [--sizes "1000 10000"] [--with-100k] [--debug]
 #                                       [--stores "sled postgres"] [--no-failover]
+# Headline: the coordinator's CPU per 1,000 devices rolled out (ms), with Mosquitto's and the
+# simulator's for the same span.
 # Environment: COORDINATOR_PROFILE (release, as shipped, or fleetsim: opt-level 3), PERF=1 (profile
 #              the coordinator with perf; implies the fleetsim profile), KEEP=1 (keep the work
 #              directory), DATA_ON_DISK=1 (data directories on disk instead of tmpfs),
 #              CARGO_TARGET_DIR (default: <repo>/target), RESULTS (default
-#              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 5), PHASES (agent|short,
-#              default agent), TIMEOUT (per run, default 20m), MALLOC_STATS=1 (glibc's
+#              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 21: 20 transitions),
+#              PHASES (agent|short, default agent), TIMEOUT (per run, default 20m), IDLE_PROBES
+#              (default 200), SIGN_AHEAD (default 1; 0: the simulator signs as it sends),
+#              MALLOC_STATS=1 (glibc's
 #              per-arena figures after the rollout, via gdb: <results>.<n>.<store>.malloc.txt),
 #              HEAPTRACK=1 (the heap profile of the coordinator on sled until the restart:
 #              <results>.<n>.heaptrack.txt).
@@ -27,23 +31,34 @@
 # Starts its own Mosquitto (deploy/mosquitto/mosquitto.conf with its TLS listeners, passwords and
 # ACL replaced by one plain loopback listener), a coordinator (release build unless --debug) and
 # flotilla-fleetsim, and for each fleet size prints:
-#   - rollout wall time (first desired action to last final report, a 5-group [groups]
-#     rollout, instant installs) beside the broker-only run moving the same desired actions,
-#     reports and states through the same broker (fleetsim --baseline-groups);
+#   - the headline: the coordinator's CPU (user + system) per 1,000 devices rolled out, from the
+#     moment it has read every device's state to the end of the rollout, over n/1000, with the
+#     broker's (Mosquitto's) and the simulator's CPU for the same span beside it (the simulator
+#     prepares its signatures before connecting, fleetsim --sign-ahead, so that its share of
+#     the two cores is small; SIGN_AHEAD=0 signs the ordinary way, for comparison);
+#   - rollout wall time (first desired action to last final report, a FLEET_GROUPS-group
+#     [groups] rollout, instant installs) beside the broker-only run moving the same desired
+#     actions, reports and states through the same broker (fleetsim --baseline-groups), and
+#     that run's simulator and Mosquitto CPU;
 #   - group transition latency p50/p99 (last final report of a group to the next group's first
-#     desired action, as the devices see them) beside the baseline's;
+#     desired action, as the devices see them) and how many transitions it is over
+#     (FLEET_GROUPS - 1: 20 by default), beside the baseline's;
 #   - desired actions received per second while a group starts, beside the baseline's;
 #   - coordinator RSS per managed device (VmRSS after the rollout, minus an empty
 #     coordinator's, over the device count; VmHWM too);
-#   - control request round trips (signed list_releases, every 200 ms) p50/p99 on the idle
-#     coordinator and during the rollout;
+#   - control request round trips (a signed list_releases), each with its p50/p99 and count:
+#     idle (IDLE_PROBES requests one at a time, before the fleet registers: the coordinator has
+#     nothing else to do), while registering (every 200 ms from the simulator's start until the
+#     first desired action: the coordinator is reading the fleet's states) and busy (every
+#     200 ms during the rollout);
 #   - link drops (coordinator log "MQTT connection lost") and desired actions sent twice;
-#   - the coordinator's CPU time (user + system) for the rollout and its whole life, and the
-#     load average when each size starts (the machine may be shared);
+#   - the load average when each size starts and after each figure (the machine may be shared);
 #   - restart with every state retained: time to the first answered control request, to the
 #     coordinator's end-of-retained marker coming back (`flotilla_registry_loading` 0), and to a
 #     complete registry (the coordinator's `flotilla_messages_received_total{topic="state"}`
-#     reaching the device count: every retained state read).
+#     reaching the device count: every retained state read), beside a plain `mosquitto_sub`
+#     reading the same retained states from the same broker (the coordinator stopped).
+# At the end, a table of the headline and the probe and transition percentiles per size.
 # Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -62,13 +77,17 @@ while [ $# -gt 0 ]; do
     --debug) profile=debug; shift ;;
     --stores) stores="$2"; shift 2 ;;
     --no-failover) failover=""; shift ;;
-    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "fleet.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-FLEET_GROUPS="${FLEET_GROUPS:-5}"
+FLEET_GROUPS="${FLEET_GROUPS:-21}"
 PHASES="${PHASES:-agent}"
 TIMEOUT="${TIMEOUT:-20m}"
+IDLE_PROBES="${IDLE_PROBES:-200}"
+SIGN_AHEAD="${SIGN_AHEAD:-1}"
+sign_ahead=()
+if [ "$SIGN_AHEAD" = 1 ]; then sign_ahead=(--sign-ahead); fi
 mkdir -p "$repo/bench/results"
 results="${RESULTS:-$repo/bench/results/fleet-$(date -u +%Y-%m-%d).txt}"
 
@@ -154,7 +173,7 @@ start_fleet() {
   local dir="$1" n="$2"
   shift 2
   "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
-    --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" "$@" \
+    --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" "${sign_ahead[@]}" "$@" \
     --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
     >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
   sim_pid=$!
@@ -172,8 +191,24 @@ stop_coordinator() {
   for _ in $(seq 600); do kill -0 "$coordinator_pid" 2>/dev/null || return 0; sleep 0.05; done
 }
 
-# User + system CPU seconds of a process so far.
-cpu_s() { awk -v t="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / t}' "/proc/$1/stat"; }
+# User + system CPU seconds of a process so far (after the command name, which may hold spaces).
+cpu_s() { sed 's/^.*) //' "/proc/$1/stat" | awk -v t="$(getconf CLK_TCK)" '{printf "%.2f", ($12 + $13) / t}'; }
+# CPU milliseconds per 1,000 devices: seconds $1 over $2 devices.
+per_k() { awk -v c="$1" -v n="$2" 'BEGIN {printf "%.0f", c * 1000 * 1000 / n}'; }
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+
+# Seconds for a plain mosquitto_sub to read every device's retained state ($1 of them) from the
+# broker on $port: the yardstick for the coordinator's "registry complete".
+mosquitto_sub_s() {
+  local want="$1" t0
+  t0=$(date +%s.%N)
+  if timeout 300 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -t 'flotilla/v1/devices/+/state' \
+    -C "$want" >/dev/null 2>&1; then
+    awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
+  else
+    echo "more than 300"
+  fi
+}
 
 # Seconds from $1 (date +%s.%N) until the coordinator has read $2 retained states.
 until_registry() {
@@ -217,18 +252,28 @@ until_answer() {
     --timeout 5m 2>/dev/null | awk '{print $2}'
 }
 
-say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1), stores: $stores"
+# Round trips to the idle coordinator: IDLE_PROBES requests one at a time, into $dir/idle.txt.
+idle_probes() {
+  "$fleetsim" --broker "127.0.0.1:$port" --probe-key "$dir/keys/admin.key" \
+    --idle-probes "$IDLE_PROBES" --timeout 5s >"$dir/idle.txt" 2>>"$dir/idle.log" || true
+}
+
+say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(load), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1), stores: $stores, simulator signs $([ "$SIGN_AHEAD" = 1 ] && echo "ahead (--sign-ahead)" || echo "as it sends")"
 say "$(mosquitto -h 2>/dev/null | head -1)"
 case " $stores " in *" postgres "*) say "$(pg_tool postgres --version) (private cluster, fsync on, default lease ttl 15 s, renew 5 s, margin 3 s)" ;; esac
 say ""
 
 # The figures of each store at the current size, for the side-by-side table: fig[store.name].
 declare -A fig
+# The headline rows of every size and store, printed again at the end.
+headlines=()
 
 # One rollout of N devices on STORE (sled or postgres), through a fresh broker, with its restart.
 run_store() {
   local store="$1" n="$2"
   local empty_rss registered_s registered_rss registered_cpu after_rss after_cpu hwm sim drops
+  local broker_registered broker_after sim_registered sim_after span_cpu broker_span sim_span idle
+  local sub_s
   local pg_after_pss="" pg_after_rss=""
   say "-- $store"
   if [ "$store" = sled ]; then dir="$work/site-$n"; else dir="$work/pg-$n"; fi
@@ -241,13 +286,20 @@ run_store() {
   fi
   start_coordinator "$dir"
   until_answer >/dev/null
+  # The idle probe: before the fleet registers, nothing else for the coordinator to do.
+  idle_probes
+  idle="$dir/idle.txt"
   empty_rss=$(kb VmRSS "$coordinator_pid")
   # Registration: wait until the broker has taken every state and the coordinator has read
   # them all (create plans over the registered fleet; a partial registry is a partial rollout).
   start_fleet "$dir" "$n" --probe-key "$dir/keys/admin.key"
   registered_s=$(until_registry "$(date +%s.%N)" "$n")
+  # The timed span starts here: the coordinator has read every state, the simulator has
+  # prepared its signatures and registered, the broker holds the states.
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
+  broker_registered=$(cpu_s "$broker_pid")
+  sim_registered=$(cpu_s "$sim_pid" 2>/dev/null || echo "")
   if [ -n "${PERF:-}" ]; then
     # A profile of the coordinator during the rollout (PERF=1): <results>.<n>.<store>.perf.txt.
     perf record -F 499 -g -p "$coordinator_pid" -o "$dir/perf.data" >/dev/null 2>&1 &
@@ -274,24 +326,34 @@ run_store() {
       >"$results.$n.$store.malloc.txt" 2>/dev/null || true
   fi
   after_cpu=$(cpu_s "$coordinator_pid")
+  broker_after=$(cpu_s "$broker_pid")
   hwm=$(kb VmHWM "$coordinator_pid")
   sim="$dir/summary.txt"
+  # The simulator has exited: its CPU at the end is in its summary (its whole life).
+  sim_after=$(field cpu_s "$sim")
+  span_cpu=$(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.2f", a - r}')
+  broker_span=$(awk -v a="$broker_after" -v r="$broker_registered" 'BEGIN {printf "%.2f", a - r}')
+  sim_span=$(awk -v a="$sim_after" -v r="$sim_registered" 'BEGIN {if (a == "" || a == "-" || r == "") print "-"; else printf "%.2f", a - r}')
   drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 
+  say "HEADLINE coordinator CPU: $(per_k "$span_cpu" "$n") ms per 1,000 devices rolled out ($span_cpu s user+sys, registration to the end of the rollout); same span: Mosquitto $(per_k "$broker_span" "$n") ms ($broker_span s), simulator $([ "$sim_span" = - ] && echo "-" || per_k "$sim_span" "$n") ms ($sim_span s); load $(load)"
   say "registration:             the coordinator read every state $registered_s s after the broker had them all"
   say "rollout wall time:        $(field rollout_s "$sim") s   (broker-only $(field rollout_s "$base") s, ratio $(awk -v a="$(field rollout_s "$sim")" -v b="$(field rollout_s "$base")" 'BEGIN {printf "%.1f", a / b}')x)"
-  say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim")   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms)"
+  say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim") transitions, max $(field transition_max_ms "$sim") ms   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms over $(field transitions "$base"))"
   say "desired actions/s:        $(field desired_per_s "$sim")   (broker-only $(field desired_per_s "$base"))"
   say "coordinator RSS:          empty $((empty_rss / 1024)) MiB, registered $((registered_rss / 1024)) MiB, after the rollout $((after_rss / 1024)) MiB (peak $((hwm / 1024)) MiB)"
   say "  per managed device:     $(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB after the rollout, $(awk -v a="$registered_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) * 1024 / n / 1024}') KiB registered"
   if [ "$store" = postgres ]; then
     say "PostgreSQL memory:        $((pg_after_pss / 1024)) MiB PSS (every server process, shared buffers once), $((pg_after_rss / 1024)) MiB RSS summed, after the rollout; database $(pg_db_size)"
   fi
-  say "coordinator CPU:          $(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.2f", a - r}') s user+sys from registration to the end of the rollout, $after_cpu s in all; load now $(cut -d' ' -f1-3 /proc/loadavg)"
+  say "coordinator CPU:          $span_cpu s user+sys from registration to the end of the rollout, $after_cpu s in all; load now $(load)"
+  say "simulator:                $(field cpu_s "$sim") s CPU in all ($sim_registered s before the span: keys, $(field nonces_prepared "$sim") nonces prepared, registration); $(field signed_ahead "$sim") messages signed ahead"
   if [ "$store" = postgres ]; then
     say "PostgreSQL CPU:           $(pg_cpu_s) s user+sys, every server process still running, since the cluster started"
   fi
-  say "control round trip p50/p99: idle $(field probe_idle_p50_ms "$sim") / $(field probe_idle_p99_ms "$sim") ms ($(field probe_idle "$sim")), during the rollout $(field probe_rollout_p50_ms "$sim") / $(field probe_rollout_p99_ms "$sim") ms ($(field probe_rollout "$sim")), unanswered $(field probe_unanswered "$sim")"
+  say "control round trip, idle (before the fleet registers): p50/p99 $(field probe_idle_p50_ms "$idle") / $(field probe_idle_p99_ms "$idle") ms over $(field probe_idle "$idle") requests one at a time (max $(field probe_idle_max_ms "$idle") ms, unanswered $(field probe_idle_unanswered "$idle"))"
+  say "control round trip, busy (during the rollout): p50/p99 $(field probe_rollout_p50_ms "$sim") / $(field probe_rollout_p99_ms "$sim") ms over $(field probe_rollout "$sim") requests, one every 200 ms; unanswered $(field probe_unanswered "$sim") (every phase)"
+  say "control round trip, while registering:         p50/p99 $(field probe_registering_p50_ms "$sim") / $(field probe_registering_p99_ms "$sim") ms over $(field probe_registering "$sim") requests (the fleet connecting and the coordinator reading its states)"
   say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice $(field desired_duplicates "$sim"), refused $(field refused "$sim")"
   say "link drops:               coordinator $drops, simulator $(field connections_lost "$sim")"
   say "create/start replies:     $(head -c 120 "$dir/create.out" | tr '\n' ' ') / $(head -c 120 "$dir/start.out" | tr '\n' ' ')"
@@ -300,6 +362,7 @@ run_store() {
   fig[$store.p99]=$(field transition_p99_ms "$sim")
   fig[$store.kib]=$(awk -v a="$after_rss" -v e="$empty_rss" -v n="$n" 'BEGIN {printf "%.2f", (a - e) / n}')
   fig[$store.cpu]=$(awk -v a="$after_cpu" -v r="$registered_cpu" 'BEGIN {printf "%.1f", a - r}')
+  fig[$store.cpu_k]=$(per_k "$span_cpu" "$n")
   fig[$store.twice]=$(field desired_duplicates "$sim")
   fig[$store.pg_mib]=$([ -n "$pg_after_pss" ] && echo "$((pg_after_pss / 1024))" || echo "-")
 
@@ -313,6 +376,8 @@ run_store() {
       --print-leaks 0 --print-temporary 0 2>/dev/null | grep -v '^\s*$' | head -200 \
       >"$results.$n.heaptrack.txt" || true
   fi
+  # The yardstick for the restart: a plain mosquitto_sub reading the same retained states.
+  sub_s=$(mosquitto_sub_s "$n")
   restarted=1
   restart_at=$(date +%s.%N)
   start_coordinator "$dir"
@@ -323,17 +388,24 @@ run_store() {
   first=$(until_answer)
   wait "$registry_pid" || true
   wait "$loaded_pid" || true
-  say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s); marker back (changes accepted) after $(cat "$dir/loaded.out") s"
+  say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s), mosquitto_sub read the same states in $sub_s s ($(awk -v a="$(cat "$dir/registry.out")" -v b="$sub_s" 'BEGIN {if (b + 0 > 0) printf "%.1fx", a / b; else print "-"}')); marker back (changes accepted) after $(cat "$dir/loaded.out") s; load $(load)"
   # Where the restart's time went before the coordinator connected (its start-up log line).
   say "restart before connecting: $(grep 'coordinator starting' "$dir/coordinator.log" | tail -1 |
     grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
   fig[$store.first]=$first
   fig[$store.registry]=$(cat "$dir/registry.out")
+  headlines+=("$(printf '%-8s %-8s %14s %10s %10s %16s %16s %14s %18s %8s %14s %s' "$n" "$store" \
+    "$(per_k "$span_cpu" "$n")" "$(per_k "$broker_span" "$n")" "$([ "$sim_span" = - ] && echo - || per_k "$sim_span" "$n")" \
+    "$(field probe_idle_p50_ms "$idle")/$(field probe_idle_p99_ms "$idle")" \
+    "$(field probe_rollout_p50_ms "$sim")/$(field probe_rollout_p99_ms "$sim")" \
+    "$(field transition_p50_ms "$sim")/$(field transition_p99_ms "$sim")" "$(field transitions "$sim")" \
+    "$first" "$(cat "$dir/registry.out")/$sub_s" "$(load)")")
   stop_coordinator
   restarted=""
   [ "$store" = postgres ] && stop_pg
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
   cp "$sim" "$results.$n.$store.fleetsim.txt"
+  cp "$idle" "$results.$n.$store.idle.txt" 2>/dev/null || true
   say ""
 }
 
@@ -350,6 +422,7 @@ side_by_side() {
   row "coordinator KiB/device after" "${fig[sled.kib]}" "${fig[postgres.kib]}" "$(ratio "${fig[postgres.kib]}" "${fig[sled.kib]}")"
   row "PostgreSQL server PSS (MiB)" "-" "${fig[postgres.pg_mib]}" ""
   row "coordinator CPU, rollout (s)" "${fig[sled.cpu]}" "${fig[postgres.cpu]}" "$(ratio "${fig[postgres.cpu]}" "${fig[sled.cpu]}")"
+  row "coordinator CPU per 1,000 (ms)" "${fig[sled.cpu_k]}" "${fig[postgres.cpu_k]}" "$(ratio "${fig[postgres.cpu_k]}" "${fig[sled.cpu_k]}")"
   row "restart: first answer (s)" "${fig[sled.first]}" "${fig[postgres.first]}" "$(ratio "${fig[postgres.first]}" "${fig[sled.first]}")"
   row "restart: registry complete (s)" "${fig[sled.registry]}" "${fig[postgres.registry]}" "$(ratio "${fig[postgres.registry]}" "${fig[sled.registry]}")"
   row "desired actions sent twice" "${fig[sled.twice]}" "${fig[postgres.twice]}" ""
@@ -437,10 +510,12 @@ for n in $sizes; do
   dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
   start_broker "$dir" "$port"
   "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
-    --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
+    "${sign_ahead[@]}" --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
     || die "baseline run failed: $(tail -3 "$dir/fleetsim.log")"
+  base_broker_cpu=$(cpu_s "$broker_pid")
   kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
   base="$dir/summary.txt"
+  say "broker-only run:          rollout $(field rollout_s "$base") s; CPU of its whole life: simulator $(field cpu_s "$base") s (the devices and the stand-in coordinator, $(field nonces_prepared "$base") nonces prepared ahead), Mosquitto $base_broker_cpu s; load $(load)"
   cp "$base" "$results.$n.baseline.txt"
 
   fig=()
@@ -450,4 +525,8 @@ for n in $sizes; do
     *" postgres "*) [ -n "$failover" ] && [ "$n" = "$largest" ] && run_failover "$n" ;;
   esac
 done
+say "== headline per size and store (CPU in ms per 1,000 devices rolled out, registration to the end of the rollout; round trips and transitions p50/p99 in ms; restart in s)"
+say "$(printf '%-8s %-8s %14s %10s %10s %16s %16s %14s %18s %8s %14s %s' devices store coordinator broker simulator "idle probe" "busy probe" transition "(transitions)" "1st answer" "registry/sub" "load at the end")"
+for h in "${headlines[@]}"; do say "$h"; done
+say ""
 say "results: $results"

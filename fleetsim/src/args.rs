@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub first: u64,
     /// How many devices, from --first on.
-    #[arg(long, required_unless_present_any = ["first_answer", "stream_bytes", "watch_device"])]
+    #[arg(long, required_unless_present_any = ["first_answer", "idle_probes", "stream_bytes", "watch_device"])]
     pub count: Option<u64>,
     /// Digits of the index in the id.
     #[arg(long, default_value_t = 6)]
@@ -109,6 +109,22 @@ pub struct Args {
     /// print how long that took and exit (how soon a restarted coordinator answers).
     #[arg(long, requires = "probe_key")]
     pub first_answer: bool,
+    /// Play no devices: send COUNT --probe-key requests one at a time (the next 20 ms after
+    /// the previous answer), print their round trips (p50, p99, max) and exit: an idle
+    /// coordinator's, when run before the fleet registers. --timeout bounds each request (5s).
+    #[arg(
+        long,
+        value_name = "COUNT",
+        requires = "probe_key",
+        conflicts_with = "first_answer"
+    )]
+    pub idle_probes: Option<usize>,
+    /// Prepare the costly half of every signature the devices send for one install each (a
+    /// report and a state per phase) before connecting: signing a message then costs a hash
+    /// instead of a point multiplication, so the simulator spends its CPU before the rollout,
+    /// not during it (64 bytes a signature: 90 MB at 100,000 devices with the agent's phases).
+    #[arg(long)]
+    pub sign_ahead: bool,
     /// Play no devices: stream this many bytes of block replies (--stream-block each, QoS 1)
     /// from one connection to another through the broker, print how long it took and exit
     /// (the baseline of one agent's download, bench/download.sh).
@@ -339,6 +355,7 @@ impl Args {
                 groups => groups,
             },
             summary: self.summary.clone(),
+            sign_ahead: self.sign_ahead,
         })
     }
 }

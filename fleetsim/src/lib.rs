@@ -13,7 +13,9 @@
 //!
 //! Layout: `args.rs` (the command line, validated into [`sim::Options`]), `fleet.rs` (who the
 //! devices are and how they behave; pure), `sim.rs` (the run), `link.rs` (the MQTT event loop),
-//! `baseline.rs` (the broker-only baseline's stand-in coordinator), `download.rs` (one real
+//! `baseline.rs` (the broker-only baseline's stand-in coordinator), `sign_ahead.rs` (device
+//! signatures with their costly half prepared before connecting), `probe.rs` (control round
+//! trips without a fleet: a restart's first answer, an idle coordinator's), `download.rs` (one real
 //! agent's download timed from outside, and the same bytes streamed through the broker alone,
 //! for `bench/download.sh`).
 //!
@@ -30,4 +32,6 @@ pub mod baseline;
 pub mod download;
 pub mod fleet;
 pub mod link;
+pub mod probe;
+pub mod sign_ahead;
 pub mod sim;

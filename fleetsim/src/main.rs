@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use flotilla_fleetsim::{args::Args, baseline, download, sim};
+use flotilla_fleetsim::{args::Args, baseline, download, probe, sim};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
@@ -37,7 +37,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
-        let took = runtime.block_on(sim::first_answer(
+        let took = runtime.block_on(probe::first_answer(
             &connection,
             &args.topic_root,
             &key,
@@ -45,6 +45,29 @@ fn run(args: Args) -> anyhow::Result<()> {
         ));
         let took = took.ok_or_else(|| anyhow::anyhow!("no answer within --timeout {timeout:?}"))?;
         println!("first_answer_s: {:.3}", took.as_secs_f64());
+        return Ok(());
+    }
+    if let Some(count) = args.idle_probes {
+        let connection = args.connection()?;
+        let key = args
+            .probe_key()?
+            .ok_or_else(|| anyhow::anyhow!("--idle-probes needs --probe-key"))?;
+        let each = match &args.timeout {
+            Some(t) => flotilla_fleetsim::args::parse_duration("--timeout", t)?,
+            None => std::time::Duration::from_secs(5),
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        let figures = runtime.block_on(probe::idle(
+            &connection,
+            &args.topic_root,
+            &key,
+            count,
+            std::time::Duration::from_millis(20),
+            each,
+        ))?;
+        print!("{figures}");
         return Ok(());
     }
     if args.stream_bytes.is_some() || args.watch_device.is_some() {

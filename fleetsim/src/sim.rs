@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::fleet::{install_phases, percentile, Fleet, Phases};
 use crate::link::{self, LinkCounters, LinkEvent};
+use crate::sign_ahead::{DeviceSigner, Nonces};
 
 /// Everything a run needs, validated ([`crate::args`]).
 #[derive(Debug, Clone)]
@@ -62,6 +63,9 @@ pub struct Options {
     /// devices in id order.
     pub groups: Option<usize>,
     pub summary: Option<PathBuf>,
+    /// Prepare the costly half of the signatures one install per device sends before
+    /// connecting ([`crate::sign_ahead`]).
+    pub sign_ahead: bool,
 }
 
 /// Control round trips measured with a read-only request signed by an operator key.
@@ -127,15 +131,23 @@ pub struct Summary {
     pub transition_p50_ms: Option<f64>,
     pub transition_p99_ms: Option<f64>,
     pub transition_max_ms: Option<f64>,
-    /// Control round trips before the first desired action (an idle coordinator).
-    pub probe_idle: usize,
-    pub probe_idle_p50_ms: Option<f64>,
-    pub probe_idle_p99_ms: Option<f64>,
-    /// Control round trips while the rollout ran.
+    /// Control round trips sent before the first desired action: while the fleet registers
+    /// and the coordinator reads it (not idle; `--idle-probes` times an idle coordinator).
+    pub probe_registering: usize,
+    pub probe_registering_p50_ms: Option<f64>,
+    pub probe_registering_p99_ms: Option<f64>,
+    /// Control round trips sent while the rollout ran (first desired action to last final
+    /// report).
     pub probe_rollout: usize,
     pub probe_rollout_p50_ms: Option<f64>,
     pub probe_rollout_p99_ms: Option<f64>,
     pub probe_unanswered: usize,
+    /// Device messages signed with a nonce prepared before connecting (`--sign-ahead`), and
+    /// how many were prepared.
+    pub signed_ahead: u64,
+    pub nonces_prepared: u64,
+    /// The simulator's own CPU time, user + system, its whole life (from /proc/self/stat).
+    pub cpu_s: Option<f64>,
 }
 
 impl std::fmt::Display for Summary {
@@ -160,6 +172,7 @@ impl std::fmt::Display for Summary {
 struct Slot {
     id: DeviceId,
     key: SigningKey,
+    signer: DeviceSigner,
     enrollment: Option<Digest>,
     offline: bool,
     seq: u64,
@@ -186,6 +199,7 @@ struct Counters {
     reports: AtomicU64,
     states: AtomicU64,
     published: AtomicU64,
+    signed_ahead: AtomicU64,
 }
 
 /// When one group's desired actions came and its devices finished.
@@ -197,6 +211,17 @@ struct GroupTimes {
     last_final: Option<Instant>,
 }
 
+/// When a probe was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ProbeWhen {
+    /// Before the first desired action: the fleet registering.
+    Registering,
+    /// From the first desired action until every online device finished.
+    Rollout,
+    /// After the rollout (not counted).
+    After,
+}
+
 #[derive(Debug, Default)]
 struct Timeline {
     in_progress: u64,
@@ -205,8 +230,8 @@ struct Timeline {
     last_final: Option<Instant>,
     /// Per group of `--groups` (one group for the whole range without it).
     groups: Vec<GroupTimes>,
-    probe_pending: HashMap<String, (Instant, bool)>,
-    probe_idle_ms: Vec<f64>,
+    probe_pending: HashMap<String, (Instant, ProbeWhen)>,
+    probe_registering_ms: Vec<f64>,
     probe_rollout_ms: Vec<f64>,
 }
 
@@ -220,9 +245,12 @@ struct Sim {
     link: Arc<LinkCounters>,
     timeline: Mutex<Timeline>,
     online: u64,
+    /// The probe's link and where the coordinator answers it.
+    probe_client_id: String,
     reply_topic: String,
     /// The group of each slot under `--groups` (all 0 without it).
     group_of: Vec<usize>,
+    nonces: Nonces,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -238,6 +266,18 @@ fn unix_now() -> u64 {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// This process's CPU time so far, user + system, in seconds: fields 14 and 15 of
+/// `/proc/self/stat`, in the kernel's USER_HZ (100 on Linux). `None` where there is no /proc.
+pub fn own_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
 }
 
 /// Limits the warnings about refused desired actions: the first few, then a count at the end.
@@ -267,6 +307,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
             Mutex::new(Slot {
                 offline: fleet.is_offline(slot, opts.offline_share),
                 id,
+                signer: DeviceSigner::new(&key),
                 key,
                 enrollment,
                 seq: 0,
@@ -294,10 +335,24 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
         groups: vec![GroupTimes::default(); groups.len()],
         ..Timeline::default()
     };
+    let keys_s = started.elapsed().as_secs_f64();
+    // One install per online device: a report and a state per phase.
+    let nonces = if opts.sign_ahead {
+        let per_device = 2 * install_phases(opts.phases, 0, false).len();
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let count = online as usize * per_device;
+        tokio::task::spawn_blocking(move || Nonces::prepare(count, threads))
+            .await
+            .unwrap_or_else(|_| Nonces::none())
+    } else {
+        Nonces::none()
+    };
     tracing::info!(
         devices = fleet.len(),
         online,
-        keys_s = started.elapsed().as_secs_f64(),
+        keys_s,
+        nonces = nonces.len(),
+        nonces_s = started.elapsed().as_secs_f64() - keys_s,
         "fleet ready"
     );
     let stop = shutdown.child_token();
@@ -310,7 +365,10 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
     let (client, mut events, link_counters) =
         link::start(&opts.connection, &client_id, opts.inflight, stop.clone());
     let topics = Topics::new(&opts.topic_root);
-    let reply_topic = topics.control_reply(&client_id);
+    // The probe has a connection of its own, as an operator's command line would: its requests
+    // do not queue behind the devices' messages in the simulator.
+    let probe_client_id = format!("{client_id}-probe");
+    let reply_topic = topics.control_reply(&probe_client_id);
     let sim = Arc::new(Sim {
         opts,
         topics,
@@ -320,8 +378,10 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
         link: link_counters,
         timeline: Mutex::new(timeline),
         online,
+        probe_client_id,
         reply_topic,
         group_of,
+        nonces,
     });
 
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -351,11 +411,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
                 }
                 Some(LinkEvent::Subscribed) => {}
                 Some(LinkEvent::Publish { topic, payload, retain }) => {
-                    if topic == sim.reply_topic {
-                        sim.on_reply(&payload);
-                    } else {
-                        sim.on_desired(&topic, &payload, retain);
-                    }
+                    sim.on_desired(&topic, &payload, retain);
                 }
             },
             _ = tick.tick() => {
@@ -408,14 +464,9 @@ fn unreachable_id() -> DeviceId {
 
 impl Sim {
     async fn subscribe(&self) {
-        let mut filters = vec![self.topics.desired_filter()];
-        if self.opts.probe.is_some() {
-            filters.push(self.reply_topic.clone());
-        }
-        for filter in filters {
-            if let Err(e) = self.client.subscribe(filter, QoS::AtLeastOnce).await {
-                tracing::warn!("cannot subscribe: {e}");
-            }
+        let filter = self.topics.desired_filter();
+        if let Err(e) = self.client.subscribe(filter, QoS::AtLeastOnce).await {
+            tracing::warn!("cannot subscribe: {e}");
         }
     }
 
@@ -431,7 +482,7 @@ impl Sim {
             handles.push(tokio::spawn(async move {
                 let end = ((part + 1) * chunk).min(sim.slots.len());
                 for slot in part * chunk..end {
-                    sim.publish_state(slot).await;
+                    sim.publish_state(slot, false).await;
                 }
             }));
         }
@@ -458,42 +509,58 @@ impl Sim {
         }
     }
 
-    async fn publish_state(&self, slot: usize) {
-        let (key, id, message) = {
+    /// Publishes the device's signed retained state. The first one (registration, before any
+    /// rollout) is signed the ordinary way; later ones take a prepared nonce if there is one.
+    async fn publish_state(&self, slot: usize, ahead: bool) {
+        let (id, blob) = {
             let s = lock(&self.slots[slot]);
             let message = DeviceMessage::State {
                 state: self.state_of(&s),
                 enrollment: s.enrollment,
             };
-            (s.key.clone(), s.id.clone(), message)
+            let blob = if ahead {
+                self.sign(&s, &message)
+            } else {
+                device::sign(&s.key, &message)
+            };
+            (s.id.clone(), blob)
         };
         self.counters.states.fetch_add(1, Relaxed);
-        self.publish(self.topics.state(&id), true, &key, &message)
+        self.publish(self.topics.state(&id), true, "state", blob)
             .await;
+    }
+
+    /// Signs a device message, with a prepared nonce while there are any.
+    fn sign(&self, slot: &Slot, message: &DeviceMessage) -> flotilla_protocol::SignedBlob {
+        let (blob, ahead) = self.nonces.sign(&slot.key, &slot.signer, message);
+        if ahead {
+            self.counters.signed_ahead.fetch_add(1, Relaxed);
+        }
+        blob
     }
 
     async fn publish(
         &self,
         topic: String,
         retain: bool,
-        key: &SigningKey,
-        message: &DeviceMessage,
+        what: &str,
+        blob: flotilla_protocol::SignedBlob,
     ) {
-        let payload = envelope::encode(&Message::Device(device::sign(key, message)));
+        let payload = envelope::encode(&Message::Device(blob));
         self.counters.published.fetch_add(1, Relaxed);
         if let Err(e) = self
             .client
             .publish(topic, QoS::AtLeastOnce, retain, payload)
             .await
         {
-            tracing::warn!("cannot queue {}: {e}", message.name());
+            tracing::warn!("cannot queue a {what}: {e}");
         }
     }
 
     /// Reports `phase` for the device's current action, then publishes its state, as the agent
     /// does after every step.
     async fn report(&self, slot: usize, phase: Phase) {
-        let (key, id, report) = {
+        let (id, blob) = {
             let mut s = lock(&self.slots[slot]);
             let Some(current) = s.current.as_mut() else {
                 return;
@@ -509,17 +576,13 @@ impl Sim {
                 phase,
                 at: unix_now(),
             };
-            (s.key.clone(), s.id.clone(), report)
+            let blob = self.sign(&s, &DeviceMessage::Report(report));
+            (s.id.clone(), blob)
         };
         self.counters.reports.fetch_add(1, Relaxed);
-        self.publish(
-            self.topics.report(&id),
-            false,
-            &key,
-            &DeviceMessage::Report(report),
-        )
-        .await;
-        self.publish_state(slot).await;
+        self.publish(self.topics.report(&id), false, "report", blob)
+            .await;
+        self.publish_state(slot, true).await;
     }
 
     fn refuse(&self, id: &str, reason: &str) {
@@ -702,14 +765,45 @@ impl Sim {
         }
     }
 
-    /// Sends a read-only control request every `probe.every` and times the answers.
+    /// Sends a read-only control request every `probe.every` on a connection of its own and
+    /// times the answers: while the fleet registers, then during the rollout.
     async fn probe(self: Arc<Self>, probe: Probe, stop: CancellationToken) {
+        let (client, mut events, _) = link::start(
+            &self.opts.connection,
+            &self.probe_client_id,
+            100,
+            stop.clone(),
+        );
+        let mut subscribed = false;
         let mut n = 0u64;
         let mut every = tokio::time::interval(probe.every);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = every.tick() => {}
+                event = events.recv() => match event {
+                    None => return,
+                    Some(LinkEvent::Connected) => {
+                        if let Err(e) = client.subscribe(&self.reply_topic, QoS::AtLeastOnce).await {
+                            tracing::warn!("probe: cannot subscribe: {e}");
+                        }
+                        continue;
+                    }
+                    Some(LinkEvent::Subscribed) => {
+                        subscribed = true;
+                        continue;
+                    }
+                    Some(LinkEvent::Publish { topic, payload, .. }) => {
+                        if topic == self.reply_topic {
+                            self.on_reply(&payload);
+                        }
+                        continue;
+                    }
+                    Some(LinkEvent::Lost(reason)) => {
+                        tracing::warn!("probe: MQTT connection lost: {reason}");
+                        continue;
+                    }
+                },
+                _ = every.tick(), if subscribed => {}
             }
             n += 1;
             let id = format!("fleetsim-probe-{n}");
@@ -725,13 +819,18 @@ impl Sim {
             let signed = SignedRequest::sign(&probe.key, &request);
             let payload = serde_json::to_vec(&signed).unwrap_or_default();
             {
+                // During the rollout: from the first desired action until every online device
+                // finished.
+                let done = self.counters.finished_devices.load(Relaxed) >= self.online;
                 let mut t = lock(&self.timeline);
-                let during = t.first_desired.is_some();
-                t.probe_pending.insert(id, (Instant::now(), during));
+                let when = match (t.first_desired.is_some(), done) {
+                    (false, _) => ProbeWhen::Registering,
+                    (true, false) => ProbeWhen::Rollout,
+                    (true, true) => ProbeWhen::After,
+                };
+                t.probe_pending.insert(id, (Instant::now(), when));
             }
-            self.counters.published.fetch_add(1, Relaxed);
-            if let Err(e) = self
-                .client
+            if let Err(e) = client
                 .publish(
                     self.topics.control_request(),
                     QoS::AtLeastOnce,
@@ -754,12 +853,12 @@ impl Sim {
             tracing::warn!(error = ?reply.error, "control probe refused");
         }
         let mut t = lock(&self.timeline);
-        if let Some((sent, during)) = t.probe_pending.remove(&reply.id) {
+        if let Some((sent, when)) = t.probe_pending.remove(&reply.id) {
             let took = ms(sent.elapsed());
-            if during {
-                t.probe_rollout_ms.push(took);
-            } else {
-                t.probe_idle_ms.push(took);
+            match when {
+                ProbeWhen::Registering => t.probe_registering_ms.push(took),
+                ProbeWhen::Rollout => t.probe_rollout_ms.push(took),
+                ProbeWhen::After => {}
             }
         }
     }
@@ -812,7 +911,7 @@ impl Sim {
             .fold((0, Duration::ZERO), |(n, d), (bn, bd)| (n + bn, d + bd));
         for v in [
             &mut transitions_ms,
-            &mut t.probe_idle_ms,
+            &mut t.probe_registering_ms,
             &mut t.probe_rollout_ms,
         ] {
             v.sort_by(f64::total_cmp);
@@ -839,68 +938,20 @@ impl Sim {
             transition_p50_ms: percentile(&transitions_ms, 50.0),
             transition_p99_ms: percentile(&transitions_ms, 99.0),
             transition_max_ms: transitions_ms.last().copied(),
-            probe_idle: t.probe_idle_ms.len(),
-            probe_idle_p50_ms: percentile(&t.probe_idle_ms, 50.0),
-            probe_idle_p99_ms: percentile(&t.probe_idle_ms, 99.0),
+            probe_registering: t.probe_registering_ms.len(),
+            probe_registering_p50_ms: percentile(&t.probe_registering_ms, 50.0),
+            probe_registering_p99_ms: percentile(&t.probe_registering_ms, 99.0),
             probe_rollout: t.probe_rollout_ms.len(),
             probe_rollout_p50_ms: percentile(&t.probe_rollout_ms, 50.0),
             probe_rollout_p99_ms: percentile(&t.probe_rollout_ms, 99.0),
-            probe_unanswered: t.probe_pending.len(),
+            probe_unanswered: t
+                .probe_pending
+                .values()
+                .filter(|(_, when)| *when != ProbeWhen::After)
+                .count(),
+            signed_ahead: c.signed_ahead.load(Relaxed),
+            nonces_prepared: self.nonces.len() as u64,
+            cpu_s: own_cpu_s(),
         }
     }
-}
-
-/// How long until the coordinator answers a control request: one signed `list_releases` every
-/// 20 ms, from the first connection to the first answer, or `None` after `timeout`.
-pub async fn first_answer(
-    connection: &flotilla_mqtt::Connection,
-    topic_root: &str,
-    key: &SigningKey,
-    timeout: Duration,
-) -> Option<Duration> {
-    let started = Instant::now();
-    let stop = CancellationToken::new();
-    let client_id = format!("fleetsim-first-answer-{}", std::process::id());
-    let (client, mut events, _) = link::start(connection, &client_id, 100, stop.clone());
-    let topics = Topics::new(topic_root);
-    let reply_topic = topics.control_reply(&client_id);
-    let mut every = tokio::time::interval(Duration::from_millis(20));
-    let mut subscribed = false;
-    let answered = tokio::time::timeout(timeout, async {
-        loop {
-            tokio::select! {
-                event = events.recv() => match event {
-                    None => return false,
-                    Some(LinkEvent::Connected) => {
-                        subscribed = client.subscribe(&reply_topic, QoS::AtLeastOnce).await.is_ok();
-                    }
-                    Some(LinkEvent::Publish { topic, payload, .. }) if topic == reply_topic => {
-                        if serde_json::from_slice::<ControlReply>(&payload).is_ok_and(|r| r.ok) {
-                            return true;
-                        }
-                    }
-                    Some(_) => {}
-                },
-                _ = every.tick(), if subscribed => {
-                    let request = ControlRequest::new(
-                        format!("fleetsim-first-{}", new_nonce()),
-                        reply_topic.clone(),
-                        unix_now(),
-                        new_nonce(),
-                        Command::ListReleases {
-                    page: Default::default(),
-                },
-                    );
-                    let payload =
-                        serde_json::to_vec(&SignedRequest::sign(key, &request)).unwrap_or_default();
-                    let _ = client
-                        .publish(topics.control_request(), QoS::AtLeastOnce, false, payload)
-                        .await;
-                }
-            }
-        }
-    })
-    .await;
-    stop.cancel();
-    matches!(answered, Ok(true)).then(|| started.elapsed())
 }
