@@ -17,10 +17,13 @@
 //! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
 //! command into the engine, whose trace says who did what.
 //!
-//! After every (re)connect the service is *loading* until its end-of-retained marker comes back
-//! (`loading.rs`, decision 0033): control requests are then read ahead of the retained burst
-//! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
-//! other command is held, in order and bounded, until every retained state is read.
+//! Control requests arrive on an MQTT connection of their own (`control_link.rs`, decision
+//! 0066) and are read ahead of device traffic, and their replies go out on it. After every
+//! (re)connect the service is *loading* until its end-of-retained marker comes back
+//! (`loading.rs`, decision 0033): reads are answered at once marked `loading`, and every other
+//! command is held, in order and bounded, until every retained state is read. A coordinator
+//! that logs in by certificate alone has no second login: its control requests take the main
+//! link's lane (`mqtt.rs`) while loading, and their place in arrival order afterwards.
 //!
 //! Nothing a device sends reaches the engine unverified: states, reports and block requests are
 //! signed device messages, checked against the device's enrolled key by the enrollment
@@ -61,6 +64,7 @@ use crate::service::state::{now, Held, Service, Unsaved};
 
 use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
+use crate::service::control_link;
 use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::http;
@@ -203,14 +207,16 @@ pub(super) async fn lead(
     let mut http_open = true;
     let (link, kept) = match handover.map(|h| *h) {
         Some(Handover { link, kept }) => (link, Some(kept)),
-        None => (open_link(config, &topics)?, None),
+        None => (open_link(config, &topics).await?, None),
     };
     let LeaderLink {
         client: link_client,
         mut incoming,
         mut control,
+        replies,
         lane_open,
         task: link_task,
+        control_task,
         inbox,
         token: link_token,
         loading,
@@ -231,6 +237,7 @@ pub(super) async fn lead(
         sequence: ActionSequence::new(issued),
         topics,
         client: link_client,
+        replies,
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
@@ -274,9 +281,10 @@ pub(super) async fn lead(
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
-            // Control requests first: they must not wait behind a burst of device traffic. At
-            // most LANE_STREAK in a row, so a flood of them cannot stall the device messages
-            // (and the marker) behind them.
+            // Control requests first: they must not wait behind a burst of device traffic (on
+            // their own connection always, decision 0066; in the main link's lane while loading
+            // otherwise). At most LANE_STREAK in a row, so a flood of them cannot stall the
+            // device messages (and the marker) behind them.
             request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
                 Some(LinkEvent::Publish { topic, payload }) => {
                     lane_streak += 1;
@@ -349,6 +357,9 @@ pub(super) async fn lead(
     }
     link_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
+    if let Some(task) = control_task {
+        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    }
     if service.health.is_failing() && store_is_sled {
         // Closing a sled instance after a failed write can wait forever on a full disk; what
         // it acknowledged is on disk already.
@@ -374,10 +385,15 @@ pub(super) async fn lead(
 pub(super) struct LeaderLink {
     pub(super) client: AsyncClient,
     pub(super) incoming: Pipeline,
-    /// Control requests read ahead of the retained burst while loading (`mqtt.rs`).
+    /// Control requests, read ahead of device traffic: from the control connection
+    /// (`control_link.rs`), or without one from the main link's lane while loading (`mqtt.rs`).
     pub(super) control: Events,
+    /// Where control replies go out: the control connection's client, or the main one's.
+    pub(super) replies: AsyncClient,
     pub(super) lane_open: Arc<AtomicBool>,
     pub(super) task: JoinHandle<()>,
+    /// The control connection's poll loop, when there is one.
+    pub(super) control_task: Option<JoinHandle<()>>,
     pub(super) inbox: InboxStats,
     /// The link's own token: on shutdown the final effects must still be published.
     pub(super) token: CancellationToken,
@@ -389,6 +405,9 @@ impl LeaderLink {
     pub(super) async fn close(self) {
         self.token.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.task).await;
+        if let Some(task) = self.control_task {
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
     }
 }
 
@@ -400,14 +419,22 @@ pub(super) struct Handover {
 }
 
 /// Connects to the broker with everything a leader subscribes to: device messages, retained
-/// desired actions, control requests (with a lane of their own) and the marker.
-pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, ServiceError> {
+/// desired actions and the marker on the main connection; control requests on a connection of
+/// their own (`control_link.rs`), or where there can be none, in a lane of the main one.
+pub(super) async fn open_link(
+    config: &Config,
+    topics: &Topics,
+) -> Result<LeaderLink, ServiceError> {
     let token = CancellationToken::new();
+    let control_options = control_link::options(config, topics);
     // A stable client id, so the broker's ACL can name the coordinator (and a second
     // coordinator started by mistake takes the connection over instead of running beside it).
     let mut filters = topics.coordinator_filters();
+    if control_options.is_ok() {
+        filters.retain(|f| *f != topics.control_request());
+    }
     filters.push(topics.desired_filter());
-    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
+    // The coordinator's own marker (`loading.rs`).
     filters.push(topics.marker());
     // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
     // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
@@ -419,14 +446,37 @@ pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, 
              connection of a client that subscribes to $SYS"
         );
     }
-    let options = LinkOptions::with_connection(
+    // The control connection first: once the main one has subscribed (and a client sees the
+    // coordinator's marker), a control request is read, not lost.
+    let control = match control_options {
+        Ok(options) => {
+            tracing::info!(client = %options.client_id,
+                user = options.connection.login_name().unwrap_or_default(),
+                "control requests on a connection of their own");
+            let mut link = mqtt::start(options, token.clone());
+            control_link::subscribed(&mut link.events).await;
+            Some(link)
+        }
+        Err(why) => {
+            tracing::info!("control requests share the main connection, ahead of device traffic \
+                only while the retained states load: {why}");
+            None
+        }
+    };
+    let mut options = LinkOptions::with_connection(
         config.connection(),
         config.broker.client_id.clone(),
         filters,
-    )
-    .with_lane(topics.control_request());
+    );
+    if control.is_none() {
+        options = options.with_lane(topics.control_request());
+    }
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let link = mqtt::start(options, token.clone());
+    let (control, replies, control_task) = match control {
+        Some(control) => (control.events, control.client, Some(control.task)),
+        None => (link.lane, link.client.clone(), None),
+    };
     let inbox = link.events.stats();
     // Device signatures are checked on worker threads; the loop gets the events in order.
     let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
@@ -442,9 +492,11 @@ pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, 
     Ok(LeaderLink {
         client: link.client,
         incoming,
-        control: link.lane,
+        control,
+        replies,
         lane_open: link.lane_open,
         task: link.task,
+        control_task,
         inbox,
         token,
         loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
@@ -601,6 +653,7 @@ mod tests {
             sequence: ActionSequence::default(),
             topics: topics.clone(),
             client: link.client.clone(),
+            replies: link.client.clone(),
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,

@@ -53,6 +53,9 @@ pub(super) struct Service {
     pub(super) blocks: BlockServer,
     pub(super) topics: Topics,
     pub(super) client: AsyncClient,
+    /// Where control replies go out: the control connection (`control_link.rs`), so a reply
+    /// does not queue behind desired actions; the main client where there is none.
+    pub(super) replies: AsyncClient,
     pub(super) validity: u64,
     pub(super) addr: String,
     pub(super) malformed: u64,
@@ -92,7 +95,8 @@ pub(super) struct Service {
     pub(super) confirmed: Option<HashMap<String, (String, u64)>>,
     /// Whether the retained states cover the accepted devices (`coverage.rs`).
     pub(super) coverage: Coverage,
-    /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
+    /// Without a control connection (`control_link.rs`), whether control requests take the
+    /// main link's lane ahead of device traffic (`mqtt.rs`): while
     /// loading. Afterwards they are read in arrival order with everything else.
     pub(super) lane_open: Arc<std::sync::atomic::AtomicBool>,
     /// Whether this coordinator leads (always, on sled; by the lease, on a shared store).
