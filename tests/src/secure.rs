@@ -219,6 +219,34 @@ impl SecureBroker {
         }
     }
 
+    /// Removes `user` from the password file and has the broker read it again (SIGHUP), as an
+    /// operator would: from then on that login is refused.
+    pub fn remove_login(&self, user: &str) {
+        let passwords = self.dir.join("passwords");
+        run(
+            "mosquitto_passwd",
+            &["-D", &passwords.to_string_lossy(), user],
+            "remove a broker user",
+        );
+        run(
+            "kill",
+            &["-HUP", &self.process.id().to_string()],
+            "have the broker reload its password file",
+        );
+    }
+
+    /// Whether `user` with `password` gets in (a one-off `mosquitto_pub` over TLS).
+    pub fn logs_in(&self, user: &str, password: &str) -> bool {
+        Command::new("mosquitto_pub")
+            .args(["-h", "127.0.0.1", "-p", &self.tls_port.to_string(), "--cafile"])
+            .arg(self.ca_file())
+            .args(["-u", user, "-P", password, "-i", user, "-t", "flotilla/v1/probe"])
+            .args(["-m", "x", "-q", "1"])
+            .output()
+            .map(|out| out.status.success())
+            .unwrap_or(false)
+    }
+
     /// What the broker logged so far (its connections and the ones it closed).
     pub fn log(&self) -> String {
         fs::read_to_string(&self.process.log).unwrap_or_default()

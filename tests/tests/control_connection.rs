@@ -145,3 +145,50 @@ async fn both_logins_stay_connected_and_a_request_during_the_retained_burst_is_a
         "no login took another connection over:\n{broker}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_without_the_control_login_still_gets_every_request_answered() {
+    if !flotilla_tests::require_mosquitto(module_path!()) {
+        return;
+    }
+    let mut site = Site::new(BrokerKind::Secure);
+    // A broker set up before the control connection existed: no such login.
+    let password =
+        std::fs::read_to_string(site.secure().password_file(COORDINATOR)).expect("password");
+    assert!(site.secure().logs_in(COORDINATOR_CONTROL, password.trim()));
+    site.secure().remove_login(COORDINATOR_CONTROL);
+    let mut refused = false;
+    for _ in 0..100 {
+        if !site.secure().logs_in(COORDINATOR_CONTROL, password.trim()) {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(refused, "the broker refuses the control login once it is removed");
+
+    let client = site.client().await;
+    site.start_coordinator();
+    let read = Command::ListDevices {
+        page: PageQuery::default(),
+    };
+    // Asked until answered (a request sent before the coordinator subscribed is lost).
+    let mut answered = None;
+    for _ in 0..60 {
+        if let Ok(reply) = client.request_reply(read.clone(), Duration::from_secs(1)).await {
+            answered = Some(reply);
+            break;
+        }
+    }
+    let reply = answered.expect("answered on the main connection");
+    assert!(reply.ok, "{reply:?}");
+    for _ in 0..3 {
+        let again = client.request_reply(read.clone(), WAIT).await.expect("answered");
+        assert!(again.ok, "{again:?}");
+    }
+    let log = std::fs::read_to_string(site.path("coordinator.log")).expect("log");
+    assert!(
+        log.contains("the control connection is not up"),
+        "the coordinator says what to check:\n{log}"
+    );
+}

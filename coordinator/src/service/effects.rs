@@ -269,9 +269,9 @@ impl Service {
             return Ok(());
         }
         self.metrics.published(&self.topics, &topic);
-        let client = match via {
-            Via::Main => &self.client,
-            Via::Replies => &self.replies,
+        let client = match (via, &self.replies) {
+            (Via::Replies, Some(replies)) if self.replies_up => replies,
+            _ => &self.client,
         };
         client
             .publish(topic, QoS::AtLeastOnce, retain, payload)
@@ -329,7 +329,7 @@ impl Service {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Via {
     Main,
-    /// The control connection's, for control replies (`control_link.rs`).
+    /// The control connection's while it is up, for control replies (`control_link.rs`).
     Replies,
 }
 

@@ -64,7 +64,7 @@ use crate::service::state::{now, Held, Service, Unsaved};
 
 use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
-use crate::service::control_link;
+use crate::service::control_link::{self, Side, Twins};
 use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::http;
@@ -205,24 +205,35 @@ pub(super) async fn lead(
     )
     .await?;
     let mut http_open = true;
-    let (link, kept) = match handover.map(|h| *h) {
-        Some(Handover { link, kept }) => (link, Some(kept)),
-        None => (open_link(config, &topics).await?, None),
+    // The control connection first (`control_link.rs`): once the main one has subscribed (and
+    // a client sees the coordinator's marker), a request on it is read.
+    let (link, kept, direct) = match handover.map(|h| *h) {
+        Some(Handover { link, kept }) => {
+            let direct = control_link::open(config, &topics, link.token.clone()).await;
+            (link, Some(kept), direct)
+        }
+        None => {
+            let token = CancellationToken::new();
+            let direct = control_link::open(config, &topics, token.clone()).await;
+            (open_link_on(config, &topics, token)?, None, direct)
+        }
     };
     let LeaderLink {
         client: link_client,
         mut incoming,
         mut control,
-        replies,
         lane_open,
         task: link_task,
-        control_task,
         inbox,
         token: link_token,
         loading,
     } = link;
     metrics.attach(inbox.clone());
     let mut control_open = true;
+    let (mut direct, direct_task) = match direct {
+        Some(d) => (Some(d.events), Some(d.task)),
+        None => (None, None),
+    };
     let mut lane_streak = 0u32;
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
@@ -236,8 +247,10 @@ pub(super) async fn lead(
         manifests: HashMap::new(),
         sequence: ActionSequence::new(issued),
         topics,
+        replies: direct.as_ref().map(|d| d.client.clone()),
+        replies_up: direct.as_ref().is_some_and(|d| d.up),
+        twins: direct.as_ref().map(|_| Twins::default()),
         client: link_client,
-        replies,
         validity: config.action_validity,
         addr: config.broker_addr(),
         malformed: 0,
@@ -285,6 +298,26 @@ pub(super) async fn lead(
             // their own connection always, decision 0066; in the main link's lane while loading
             // otherwise). At most LANE_STREAK in a row, so a flood of them cannot stall the
             // device messages (and the marker) behind them.
+            request = next(&mut direct), if lane_streak < LANE_STREAK => match request {
+                Some(LinkEvent::Publish { topic, payload }) => {
+                    lane_streak += 1;
+                    service.on_publish_via(Side::Control, &topic, &payload, None).await
+                }
+                Some(LinkEvent::Connected) => {
+                    service.replies_up = true;
+                    Ok(())
+                }
+                Some(LinkEvent::Disconnected { .. }) => {
+                    service.replies_up = false;
+                    Ok(())
+                }
+                Some(LinkEvent::Subscribed) => Ok(()),
+                None => {
+                    direct = None;
+                    service.replies_up = false;
+                    Ok(())
+                }
+            },
             request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
                 Some(LinkEvent::Publish { topic, payload }) => {
                     lane_streak += 1;
@@ -357,7 +390,7 @@ pub(super) async fn lead(
     }
     link_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
-    if let Some(task) = control_task {
+    if let Some(task) = direct_task {
         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
     }
     if service.health.is_failing() && store_is_sled {
@@ -380,20 +413,24 @@ pub(super) async fn lead(
     result
 }
 
+/// The next event of the control connection; never, without one.
+async fn next(direct: &mut Option<Events>) -> Option<LinkEvent> {
+    match direct {
+        Some(events) => events.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The leader's connection to the broker: the link, with device signatures checked ahead of
 /// the loop ([`verify`]), and whether the retained messages it delivered are read yet.
 pub(super) struct LeaderLink {
     pub(super) client: AsyncClient,
     pub(super) incoming: Pipeline,
-    /// Control requests, read ahead of device traffic: from the control connection
-    /// (`control_link.rs`), or without one from the main link's lane while loading (`mqtt.rs`).
+    /// Control requests read ahead of the retained burst while loading (`mqtt.rs`). A leader
+    /// reads them on a connection of its own too (`control_link.rs`).
     pub(super) control: Events,
-    /// Where control replies go out: the control connection's client, or the main one's.
-    pub(super) replies: AsyncClient,
     pub(super) lane_open: Arc<AtomicBool>,
     pub(super) task: JoinHandle<()>,
-    /// The control connection's poll loop, when there is one.
-    pub(super) control_task: Option<JoinHandle<()>>,
     pub(super) inbox: InboxStats,
     /// The link's own token: on shutdown the final effects must still be published.
     pub(super) token: CancellationToken,
@@ -405,9 +442,6 @@ impl LeaderLink {
     pub(super) async fn close(self) {
         self.token.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.task).await;
-        if let Some(task) = self.control_task {
-            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
-        }
     }
 }
 
@@ -419,22 +453,24 @@ pub(super) struct Handover {
 }
 
 /// Connects to the broker with everything a leader subscribes to: device messages, retained
-/// desired actions and the marker on the main connection; control requests on a connection of
-/// their own (`control_link.rs`), or where there can be none, in a lane of the main one.
-pub(super) async fn open_link(
+/// desired actions, control requests (with a lane of their own) and the marker.
+pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, ServiceError> {
+    open_link_on(config, topics, CancellationToken::new())
+}
+
+/// [`open_link`], stopped by `token`.
+fn open_link_on(
     config: &Config,
     topics: &Topics,
+    token: CancellationToken,
 ) -> Result<LeaderLink, ServiceError> {
-    let token = CancellationToken::new();
-    let control_options = control_link::options(config, topics);
     // A stable client id, so the broker's ACL can name the coordinator (and a second
     // coordinator started by mistake takes the connection over instead of running beside it).
+    // Control requests stay among its subscriptions beside the control connection's
+    // (`control_link.rs`): a broker that refuses that login costs the head start, not the answers.
     let mut filters = topics.coordinator_filters();
-    if control_options.is_ok() {
-        filters.retain(|f| *f != topics.control_request());
-    }
     filters.push(topics.desired_filter());
-    // The coordinator's own marker (`loading.rs`).
+    // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
     filters.push(topics.marker());
     // What the broker says it dropped, where it says so (Mosquitto; `coverage.rs`). Only when
     // asked: rumqttd, for one, closes the connection of a client that subscribes to `$SYS`.
@@ -446,37 +482,14 @@ pub(super) async fn open_link(
              connection of a client that subscribes to $SYS"
         );
     }
-    // The control connection first: once the main one has subscribed (and a client sees the
-    // coordinator's marker), a control request is read, not lost.
-    let control = match control_options {
-        Ok(options) => {
-            tracing::info!(client = %options.client_id,
-                user = options.connection.login_name().unwrap_or_default(),
-                "control requests on a connection of their own");
-            let mut link = mqtt::start(options, token.clone());
-            control_link::subscribed(&mut link.events).await;
-            Some(link)
-        }
-        Err(why) => {
-            tracing::info!("control requests share the main connection, ahead of device traffic \
-                only while the retained states load: {why}");
-            None
-        }
-    };
-    let mut options = LinkOptions::with_connection(
+    let options = LinkOptions::with_connection(
         config.connection(),
         config.broker.client_id.clone(),
         filters,
-    );
-    if control.is_none() {
-        options = options.with_lane(topics.control_request());
-    }
+    )
+    .with_lane(topics.control_request());
     tracing::info!(broker = %options.connection.describe(), client = %options.client_id, "connecting to the MQTT broker");
     let link = mqtt::start(options, token.clone());
-    let (control, replies, control_task) = match control {
-        Some(control) => (control.events, control.client, Some(control.task)),
-        None => (link.lane, link.client.clone(), None),
-    };
     let inbox = link.events.stats();
     // Device signatures are checked on worker threads; the loop gets the events in order.
     let keys = Arc::new(KeyCache::new(verify::KEY_CACHE_CAPACITY));
@@ -492,11 +505,9 @@ pub(super) async fn open_link(
     Ok(LeaderLink {
         client: link.client,
         incoming,
-        control,
-        replies,
+        control: link.lane,
         lane_open: link.lane_open,
         task: link.task,
-        control_task,
         inbox,
         token,
         loading: Loading::new(loading::MAX_HELD, config.marker_timeout),
@@ -653,7 +664,9 @@ mod tests {
             sequence: ActionSequence::default(),
             topics: topics.clone(),
             client: link.client.clone(),
-            replies: link.client.clone(),
+            replies: None,
+            replies_up: false,
+            twins: None,
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,

@@ -111,7 +111,7 @@ pub(super) async fn standby(
     let mut warm = Warm::new(&reader.read().await.unwrap_or_default(), window);
     let mut refresh = tokio::time::interval(REFRESH_EVERY);
     refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut link = open_link(config, &topics).await?;
+    let mut link = open_link(config, &topics)?;
     let outcome = loop {
         let lane_open = link.lane_open.load(std::sync::atomic::Ordering::SeqCst);
         let (topic, payload, checked) = tokio::select! {
@@ -149,7 +149,7 @@ pub(super) async fn standby(
                         "the standby's view of the fleet fell behind: reading the broker's retained messages again");
                     link.close().await;
                     warm = Warm::new(&enrollments, window);
-                    link = open_link(config, &topics).await?;
+                    link = open_link(config, &topics)?;
                 } else {
                     warm.refresh(&enrollments);
                 }
@@ -176,7 +176,7 @@ pub(super) async fn standby(
                     link.close().await;
                     tokio::time::sleep(Duration::from_secs(1)).await;
                     warm = Warm::new(&reader.read().await.unwrap_or_default(), window);
-                    link = open_link(config, &topics).await?;
+                    link = open_link(config, &topics)?;
                     continue;
                 }
             },
@@ -271,7 +271,7 @@ async fn answer(
     };
     let bytes = serde_json::to_vec(&reply).unwrap_or_default();
     let _ = link
-        .replies
+        .client
         .publish(reply_to, QoS::AtLeastOnce, false, bytes)
         .await;
 }

@@ -53,9 +53,14 @@ pub(super) struct Service {
     pub(super) blocks: BlockServer,
     pub(super) topics: Topics,
     pub(super) client: AsyncClient,
-    /// Where control replies go out: the control connection (`control_link.rs`), so a reply
-    /// does not queue behind desired actions; the main client where there is none.
-    pub(super) replies: AsyncClient,
+    /// The control connection's client (`control_link.rs`): control replies go out on it
+    /// while it is up (`replies_up`), so they do not queue behind desired actions; on the main
+    /// client otherwise.
+    pub(super) replies: Option<AsyncClient>,
+    pub(super) replies_up: bool,
+    /// Control requests taken from one connection whose copy on the other is still to come
+    /// (`None` without a control connection).
+    pub(super) twins: Option<crate::service::control_link::Twins>,
     pub(super) validity: u64,
     pub(super) addr: String,
     pub(super) malformed: u64,
