@@ -230,6 +230,11 @@ pub(super) async fn lead(
     } = link;
     metrics.attach(inbox.clone());
     let mut control_open = true;
+    let (replies, replies_up) = match &direct {
+        Some(d) => (Some(d.client.clone()), d.up),
+        None => (None, false),
+    };
+    let twins = direct.as_ref().map(|_| Twins::default());
     let (mut direct, direct_task) = match direct {
         Some(d) => (Some(d.events), Some(d.task)),
         None => (None, None),
@@ -247,9 +252,9 @@ pub(super) async fn lead(
         manifests: HashMap::new(),
         sequence: ActionSequence::new(issued),
         topics,
-        replies: direct.as_ref().map(|d| d.client.clone()),
-        replies_up: direct.as_ref().is_some_and(|d| d.up),
-        twins: direct.as_ref().map(|_| Twins::default()),
+        replies,
+        replies_up,
+        twins,
         client: link_client,
         validity: config.action_validity,
         addr: config.broker_addr(),
