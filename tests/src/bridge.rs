@@ -293,7 +293,10 @@ fn write_password_file(file: &Path, dir: &Path, users: &[&str]) {
                 .args([crate::secure::COORDINATOR_CONTROL, &password])
                 .status()
                 .expect("mosquitto_passwd");
-            assert!(status.success(), "mosquitto_passwd failed for the control login");
+            assert!(
+                status.success(),
+                "mosquitto_passwd failed for the control login"
+            );
         }
     }
 }

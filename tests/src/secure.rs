@@ -238,9 +238,24 @@ impl SecureBroker {
     /// Whether `user` with `password` gets in (a one-off `mosquitto_pub` over TLS).
     pub fn logs_in(&self, user: &str, password: &str) -> bool {
         Command::new("mosquitto_pub")
-            .args(["-h", "127.0.0.1", "-p", &self.tls_port.to_string(), "--cafile"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.tls_port.to_string(),
+                "--cafile",
+            ])
             .arg(self.ca_file())
-            .args(["-u", user, "-P", password, "-i", user, "-t", "flotilla/v1/probe"])
+            .args([
+                "-u",
+                user,
+                "-P",
+                password,
+                "-i",
+                user,
+                "-t",
+                "flotilla/v1/probe",
+            ])
             .args(["-m", "x", "-q", "1"])
             .output()
             .map(|out| out.status.success())

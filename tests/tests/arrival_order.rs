@@ -128,7 +128,14 @@ async fn a_burst_of_states_is_read_in_order_and_a_request_after_it_does_not_wait
     let burst: std::collections::BTreeSet<String> = (0..DEVICES).map(id).collect();
     let mut asked = 0;
     loop {
-        let listed = ask(&sender, &mut eventloop, &site.operator_key(ADMIN), &reply_to, asked).await;
+        let listed = ask(
+            &sender,
+            &mut eventloop,
+            &site.operator_key(ADMIN),
+            &reply_to,
+            asked,
+        )
+        .await;
         asked += 1;
         assert!(
             listed.iter().all(|d| burst.contains(&d.id)),
@@ -141,7 +148,11 @@ async fn a_burst_of_states_is_read_in_order_and_a_request_after_it_does_not_wait
         if listed.len() == DEVICES as usize {
             break;
         }
-        assert!(asked < 600, "the burst is never read whole: {} listed", listed.len());
+        assert!(
+            asked < 600,
+            "the burst is never read whole: {} listed",
+            listed.len()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -165,7 +165,10 @@ async fn a_broker_without_the_control_login_still_gets_every_request_answered() 
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(refused, "the broker refuses the control login once it is removed");
+    assert!(
+        refused,
+        "the broker refuses the control login once it is removed"
+    );
 
     let client = site.client().await;
     site.start_coordinator();
@@ -175,7 +178,10 @@ async fn a_broker_without_the_control_login_still_gets_every_request_answered() 
     // Asked until answered (a request sent before the coordinator subscribed is lost).
     let mut answered = None;
     for _ in 0..60 {
-        if let Ok(reply) = client.request_reply(read.clone(), Duration::from_secs(1)).await {
+        if let Ok(reply) = client
+            .request_reply(read.clone(), Duration::from_secs(1))
+            .await
+        {
             answered = Some(reply);
             break;
         }
@@ -183,7 +189,10 @@ async fn a_broker_without_the_control_login_still_gets_every_request_answered() 
     let reply = answered.expect("answered on the main connection");
     assert!(reply.ok, "{reply:?}");
     for _ in 0..3 {
-        let again = client.request_reply(read.clone(), WAIT).await.expect("answered");
+        let again = client
+            .request_reply(read.clone(), WAIT)
+            .await
+            .expect("answered");
         assert!(again.ok, "{again:?}");
     }
     let log = std::fs::read_to_string(site.path("coordinator.log")).expect("log");

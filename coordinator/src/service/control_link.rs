@@ -106,8 +106,10 @@ pub fn connection(main: Connection) -> Result<Connection, &'static str> {
         .as_ref()
         .is_some_and(|tls| tls.client_cert.is_some());
     if main.credentials.is_none() && certificate_login {
-        return Err("the coordinator logs in by client certificate alone, and a second \
-                    connection with the same certificate would be the same login");
+        return Err(
+            "the coordinator logs in by client certificate alone, and a second \
+                    connection with the same certificate would be the same login",
+        );
     }
     let credentials = main.credentials.map(|c| Credentials {
         username: format!("{}{CONTROL_SUFFIX}", c.username),
@@ -137,7 +139,9 @@ pub async fn subscribed(events: &mut Events) -> bool {
             }
         }
     };
-    let up = tokio::time::timeout(FIRST_WAIT, wait).await.unwrap_or(false);
+    let up = tokio::time::timeout(FIRST_WAIT, wait)
+        .await
+        .unwrap_or(false);
     if !up {
         tracing::warn!(
             "the control connection is not up; control requests are read on the main \
@@ -233,14 +237,23 @@ mod tests {
         assert_eq!(login.password.expose(), "secret");
         assert_eq!(control.brokers(), main.brokers(), "the same failover list");
         assert_eq!(control.tls, main.tls);
-        assert_eq!(client_id("flotilla-coordinator"), "flotilla-coordinator-control");
+        assert_eq!(
+            client_id("flotilla-coordinator"),
+            "flotilla-coordinator-control"
+        );
     }
 
     #[test]
     fn a_request_is_taken_once_from_whichever_connection_brings_it_first() {
         let mut twins = Twins::default();
-        assert!(!twins.is_twin(Side::Control, b"a"), "the first copy is taken");
-        assert!(twins.is_twin(Side::Main, b"a"), "its copy on the main connection is not");
+        assert!(
+            !twins.is_twin(Side::Control, b"a"),
+            "the first copy is taken"
+        );
+        assert!(
+            twins.is_twin(Side::Main, b"a"),
+            "its copy on the main connection is not"
+        );
         assert!(!twins.is_twin(Side::Main, b"b"), "main first: taken");
         assert!(twins.is_twin(Side::Control, b"b"));
         // Published twice (a replay): each publish is taken once.
@@ -248,7 +261,10 @@ mod tests {
         assert!(!twins.is_twin(Side::Control, b"c"));
         assert!(twins.is_twin(Side::Main, b"c"));
         assert!(twins.is_twin(Side::Main, b"c"));
-        assert!(!twins.is_twin(Side::Main, b"c"), "a third publish is taken again");
+        assert!(
+            !twins.is_twin(Side::Main, b"c"),
+            "a third publish is taken again"
+        );
         // A control connection that is down: the main copies are taken, and forgotten in time.
         for n in 0..TWINS_KEPT * 2 {
             assert!(!twins.is_twin(Side::Main, n.to_string().as_bytes()));
