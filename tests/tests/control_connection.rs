@@ -36,8 +36,7 @@ async fn retained_states(site: &Site) {
                 acked += 1;
             }
         }
-        // Leaves, so the coordinator's login is free again.
-        let _ = eventloop.poll().await;
+        eventloop
     });
     for n in 0..DEVICES {
         let state = DeviceMessage::State {
@@ -64,11 +63,21 @@ async fn retained_states(site: &Site) {
             .await
             .expect("queue");
     }
-    tokio::time::timeout(WAIT, acks)
+    let mut eventloop = tokio::time::timeout(WAIT, acks)
         .await
         .expect("the broker took every state")
         .expect("the sender's event loop");
+    // Leaves, so the coordinator's login is free again before it starts.
     sender.disconnect().await.expect("disconnect");
+    tokio::time::timeout(WAIT, async {
+        while let Ok(event) = eventloop.poll().await {
+            if matches!(event, Event::Outgoing(rumqttc::Outgoing::Disconnect)) {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("disconnected");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
