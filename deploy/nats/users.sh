@@ -7,7 +7,9 @@
 # Each NAME without a password file gets a new random one first (give that file to the device
 # or person). The role comes from the name, as in the Mosquitto ACL (deploy/mosquitto/acl):
 #
-#   flotilla-coordinator    every flotilla topic
+#   flotilla-coordinator    every flotilla topic; and flotilla-coordinator-control, with the
+#                           same password, for its control connection (decision 0066): reads
+#                           control requests, writes control replies
 #   flotilla-operator*      control requests, its own login's control replies, the events
 #   flotilla-observer*      the events, read only
 #   flotilla-monitor*       every flotilla topic, read only
@@ -75,6 +77,13 @@ for file in "$secrets"/*.password; do
     flotilla-coordinator)
       user "$name" "$password" "{ allow: [\"$root.>\"] }" \
         "{ allow: [\"$root\", \"$root.>\", $sub_qos1] }"
+      # Its control connection (decision 0066): the same password, requests in, replies out.
+      user "$name-control" "$password" "{ allow: [\"$root.control.reply.>\"] }" \
+        "{ allow: [\"$root.control.request\", $sub_qos1] }"
+      ;;
+    flotilla-coordinator-control)
+      echo "$0: $file: flotilla-coordinator-control is made from flotilla-coordinator's password; remove this file" >&2
+      exit 1
       ;;
     flotilla-operator*)
       user "$name" "$password" "{ allow: [\"$root.control.request\"] }" \

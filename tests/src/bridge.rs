@@ -285,6 +285,19 @@ fn write_password_file(file: &Path, dir: &Path, users: &[&str]) {
             .status()
             .expect("mosquitto_passwd (from the mosquitto package) must be installed");
         assert!(status.success(), "mosquitto_passwd failed for {user}");
+        // The coordinator's control connection logs in with its password (decision 0066).
+        if *user == crate::secure::COORDINATOR {
+            let status = Command::new("mosquitto_passwd")
+                .arg("-b")
+                .arg(file)
+                .args([crate::secure::COORDINATOR_CONTROL, &password])
+                .status()
+                .expect("mosquitto_passwd");
+            assert!(
+                status.success(),
+                "mosquitto_passwd failed for the control login"
+            );
+        }
     }
 }
 

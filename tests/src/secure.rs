@@ -20,6 +20,9 @@ use crate::{free_port, mosquitto_binary};
 
 /// The broker's user names for the roles of the shipped ACL.
 pub const COORDINATOR: &str = "flotilla-coordinator";
+/// The coordinator's control connection (decision 0066): its login is the coordinator's with
+/// this suffix, with the coordinator's password.
+pub const COORDINATOR_CONTROL: &str = "flotilla-coordinator-control";
 pub const OPERATOR: &str = "flotilla-operator";
 pub const OBSERVER: &str = "flotilla-observer";
 /// Reads every flotilla topic, writes nothing: what tests watch with, since the broker keeps
@@ -151,6 +154,19 @@ impl SecureBroker {
                 &["-b", &passwords.to_string_lossy(), user, &password],
                 "add a broker user",
             );
+            // As docs/operations.md says: the control connection's login, the same password.
+            if *user == COORDINATOR {
+                run(
+                    "mosquitto_passwd",
+                    &[
+                        "-b",
+                        &passwords.to_string_lossy(),
+                        COORDINATOR_CONTROL,
+                        &password,
+                    ],
+                    "add the coordinator's control login",
+                );
+            }
         }
         let (tls_port, mtls_port) = (free_port(), free_port());
         let config_path = dir.join("mosquitto.conf");
@@ -201,6 +217,54 @@ impl SecureBroker {
             mtls_port,
             process,
         }
+    }
+
+    /// Removes `user` from the password file and has the broker read it again (SIGHUP), as an
+    /// operator would: from then on that login is refused.
+    pub fn remove_login(&self, user: &str) {
+        let passwords = self.dir.join("passwords");
+        run(
+            "mosquitto_passwd",
+            &["-D", &passwords.to_string_lossy(), user],
+            "remove a broker user",
+        );
+        run(
+            "kill",
+            &["-HUP", &self.process.id().to_string()],
+            "have the broker reload its password file",
+        );
+    }
+
+    /// Whether `user` with `password` gets in (a one-off `mosquitto_pub` over TLS).
+    pub fn logs_in(&self, user: &str, password: &str) -> bool {
+        Command::new("mosquitto_pub")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.tls_port.to_string(),
+                "--cafile",
+            ])
+            .arg(self.ca_file())
+            .args([
+                "-u",
+                user,
+                "-P",
+                password,
+                "-i",
+                user,
+                "-t",
+                "flotilla/v1/probe",
+            ])
+            .args(["-m", "x", "-q", "1"])
+            .output()
+            .map(|out| out.status.success())
+            .unwrap_or(false)
+    }
+
+    /// What the broker logged so far (its connections and the ones it closed).
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.process.log).unwrap_or_default()
     }
 
     /// Where the broker keeps its persistence file (`mosquitto.db`) with a main file.

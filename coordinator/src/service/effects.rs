@@ -241,6 +241,16 @@ impl Service {
         retain: bool,
         payload: Vec<u8>,
     ) -> Result<(), ServiceError> {
+        self.publish_on(Via::Main, topic, retain, payload).await
+    }
+
+    pub(super) async fn publish_on(
+        &mut self,
+        via: Via,
+        topic: String,
+        retain: bool,
+        payload: Vec<u8>,
+    ) -> Result<(), ServiceError> {
         // The last moment to find out that another coordinator may lead by now: a deposed
         // leader (stopped, or cut off from the database) publishes nothing after it wakes.
         if self.fenced {
@@ -259,7 +269,11 @@ impl Service {
             return Ok(());
         }
         self.metrics.published(&self.topics, &topic);
-        self.client
+        let client = match (via, &self.replies) {
+            (Via::Replies, Some(replies)) if self.replies_up => replies,
+            _ => &self.client,
+        };
+        client
             .publish(topic, QoS::AtLeastOnce, retain, payload)
             .await
             .map_err(|_| ServiceError::LinkClosed {
@@ -307,8 +321,16 @@ impl Service {
             };
             bytes = serde_json::to_vec(&too_large).unwrap_or_default();
         }
-        self.publish(reply_to, false, bytes).await
+        self.publish_on(Via::Replies, reply_to, false, bytes).await
     }
+}
+
+/// Which connection a publish goes out on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Via {
+    Main,
+    /// The control connection's while it is up, for control replies (`control_link.rs`).
+    Replies,
 }
 
 /// The action id an effect publishes on a device's `desired` topic.

@@ -14,6 +14,7 @@ use crate::service::effects::{effect_action_id, effect_device};
 use crate::service::error::ServiceError;
 use crate::service::state::{now, Held, Service};
 
+use crate::service::control_link::Side;
 use crate::service::coverage::{self, LoadEnd};
 use crate::service::enrollment::{Ignored, Verdict};
 use crate::service::http::control::{refusal_status, HttpAnswer, HttpControl, Replier};
@@ -272,6 +273,27 @@ impl Service {
         payload: &[u8],
         checked: Option<Checked>,
     ) -> Result<(), ServiceError> {
+        self.on_publish_via(Side::Main, topic, payload, checked)
+            .await
+    }
+
+    /// [`Self::on_publish`] for a publish that came in on `side`: a control request whose copy
+    /// from the other connection was taken already is dropped (`control_link.rs`).
+    pub(super) async fn on_publish_via(
+        &mut self,
+        side: Side,
+        topic: &str,
+        payload: &[u8],
+        checked: Option<Checked>,
+    ) -> Result<(), ServiceError> {
+        if let Some(twins) = &mut self.twins {
+            if topic.ends_with("/control/request")
+                && topic == self.topics.control_request()
+                && twins.is_twin(side, payload)
+            {
+                return Ok(());
+            }
+        }
         let _timing = self.metrics.received(&self.topics, topic);
         if payload.len() > BROKER_PACKET_LIMIT {
             let reason = format!(

@@ -17,10 +17,13 @@
 //! is answered with its reason on a valid `reply_to`; the operator's name goes with an accepted
 //! command into the engine, whose trace says who did what.
 //!
-//! After every (re)connect the service is *loading* until its end-of-retained marker comes back
-//! (`loading.rs`, decision 0033): control requests are then read ahead of the retained burst
-//! (the link's control lane, `mqtt.rs`), reads are answered at once marked `loading`, and every
-//! other command is held, in order and bounded, until every retained state is read.
+//! Control requests arrive on an MQTT connection of their own (`control_link.rs`, decision
+//! 0066) and are read ahead of device traffic, and their replies go out on it. After every
+//! (re)connect the service is *loading* until its end-of-retained marker comes back
+//! (`loading.rs`, decision 0033): reads are answered at once marked `loading`, and every other
+//! command is held, in order and bounded, until every retained state is read. A coordinator
+//! that logs in by certificate alone has no second login: its control requests take the main
+//! link's lane (`mqtt.rs`) while loading, and their place in arrival order afterwards.
 //!
 //! Nothing a device sends reaches the engine unverified: states, reports and block requests are
 //! signed device messages, checked against the device's enrolled key by the enrollment
@@ -61,6 +64,7 @@ use crate::service::state::{now, Held, Service, Unsaved};
 
 use crate::service::artifacts::BlockServer;
 use crate::service::config::Config;
+use crate::service::control_link::{self, Side, Twins};
 use crate::service::coverage::{self, Coverage};
 use crate::service::enrollment::{self, IgnoredLog, Registry};
 use crate::service::http;
@@ -201,9 +205,18 @@ pub(super) async fn lead(
     )
     .await?;
     let mut http_open = true;
-    let (link, kept) = match handover.map(|h| *h) {
-        Some(Handover { link, kept }) => (link, Some(kept)),
-        None => (open_link(config, &topics)?, None),
+    // The control connection first (`control_link.rs`): once the main one has subscribed (and
+    // a client sees the coordinator's marker), a request on it is read.
+    let (link, kept, direct) = match handover.map(|h| *h) {
+        Some(Handover { link, kept }) => {
+            let direct = control_link::open(config, &topics, link.token.clone()).await;
+            (link, Some(kept), direct)
+        }
+        None => {
+            let token = CancellationToken::new();
+            let direct = control_link::open(config, &topics, token.clone()).await;
+            (open_link_on(config, &topics, token)?, None, direct)
+        }
     };
     let LeaderLink {
         client: link_client,
@@ -217,6 +230,15 @@ pub(super) async fn lead(
     } = link;
     metrics.attach(inbox.clone());
     let mut control_open = true;
+    let (replies, replies_up) = match &direct {
+        Some(d) => (Some(d.client.clone()), d.up),
+        None => (None, false),
+    };
+    let twins = direct.as_ref().map(|_| Twins::default());
+    let (mut direct, direct_task) = match direct {
+        Some(d) => (Some(d.events), Some(d.task)),
+        None => (None, None),
+    };
     let mut lane_streak = 0u32;
     let releases = ReleaseStore::new(&config.data_dir);
     let mut service = Service {
@@ -230,6 +252,9 @@ pub(super) async fn lead(
         manifests: HashMap::new(),
         sequence: ActionSequence::new(issued),
         topics,
+        replies,
+        replies_up,
+        twins,
         client: link_client,
         validity: config.action_validity,
         addr: config.broker_addr(),
@@ -274,9 +299,30 @@ pub(super) async fn lead(
         let step = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break Ok(()),
-            // Control requests first: they must not wait behind a burst of device traffic. At
-            // most LANE_STREAK in a row, so a flood of them cannot stall the device messages
-            // (and the marker) behind them.
+            // Control requests first: they must not wait behind a burst of device traffic (on
+            // their own connection always, decision 0066; in the main link's lane while loading
+            // otherwise). At most LANE_STREAK in a row, so a flood of them cannot stall the
+            // device messages (and the marker) behind them.
+            request = next(&mut direct), if lane_streak < LANE_STREAK => match request {
+                Some(LinkEvent::Publish { topic, payload }) => {
+                    lane_streak += 1;
+                    service.on_publish_via(Side::Control, &topic, &payload, None).await
+                }
+                Some(LinkEvent::Connected) => {
+                    service.replies_up = true;
+                    Ok(())
+                }
+                Some(LinkEvent::Disconnected { .. }) => {
+                    service.replies_up = false;
+                    Ok(())
+                }
+                Some(LinkEvent::Subscribed) => Ok(()),
+                None => {
+                    direct = None;
+                    service.replies_up = false;
+                    Ok(())
+                }
+            },
             request = control.recv(), if control_open && lane_streak < LANE_STREAK => match request {
                 Some(LinkEvent::Publish { topic, payload }) => {
                     lane_streak += 1;
@@ -349,6 +395,9 @@ pub(super) async fn lead(
     }
     link_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(2), link_task).await;
+    if let Some(task) = direct_task {
+        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    }
     if service.health.is_failing() && store_is_sled {
         // Closing a sled instance after a failed write can wait forever on a full disk; what
         // it acknowledged is on disk already.
@@ -369,12 +418,21 @@ pub(super) async fn lead(
     result
 }
 
+/// The next event of the control connection; never, without one.
+async fn next(direct: &mut Option<Events>) -> Option<LinkEvent> {
+    match direct {
+        Some(events) => events.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The leader's connection to the broker: the link, with device signatures checked ahead of
 /// the loop ([`verify`]), and whether the retained messages it delivered are read yet.
 pub(super) struct LeaderLink {
     pub(super) client: AsyncClient,
     pub(super) incoming: Pipeline,
-    /// Control requests read ahead of the retained burst while loading (`mqtt.rs`).
+    /// Control requests read ahead of the retained burst while loading (`mqtt.rs`). A leader
+    /// reads them on a connection of its own too (`control_link.rs`).
     pub(super) control: Events,
     pub(super) lane_open: Arc<AtomicBool>,
     pub(super) task: JoinHandle<()>,
@@ -402,9 +460,19 @@ pub(super) struct Handover {
 /// Connects to the broker with everything a leader subscribes to: device messages, retained
 /// desired actions, control requests (with a lane of their own) and the marker.
 pub(super) fn open_link(config: &Config, topics: &Topics) -> Result<LeaderLink, ServiceError> {
-    let token = CancellationToken::new();
+    open_link_on(config, topics, CancellationToken::new())
+}
+
+/// [`open_link`], stopped by `token`.
+fn open_link_on(
+    config: &Config,
+    topics: &Topics,
+    token: CancellationToken,
+) -> Result<LeaderLink, ServiceError> {
     // A stable client id, so the broker's ACL can name the coordinator (and a second
     // coordinator started by mistake takes the connection over instead of running beside it).
+    // Control requests stay among its subscriptions beside the control connection's
+    // (`control_link.rs`): a broker that refuses that login costs the head start, not the answers.
     let mut filters = topics.coordinator_filters();
     filters.push(topics.desired_filter());
     // The coordinator's own marker (`loading.rs`) and a lane of its own for control requests.
@@ -601,6 +669,9 @@ mod tests {
             sequence: ActionSequence::default(),
             topics: topics.clone(),
             client: link.client.clone(),
+            replies: None,
+            replies_up: false,
+            twins: None,
             validity: 60,
             addr: format!("127.0.0.1:{port}"),
             malformed: 0,

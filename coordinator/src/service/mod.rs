@@ -59,6 +59,7 @@ pub mod broker;
 pub mod config;
 pub mod config_http;
 pub mod config_store;
+pub mod control_link;
 pub mod coverage;
 mod dispatch;
 mod effects;

@@ -53,6 +53,14 @@ pub(super) struct Service {
     pub(super) blocks: BlockServer,
     pub(super) topics: Topics,
     pub(super) client: AsyncClient,
+    /// The control connection's client (`control_link.rs`): control replies go out on it
+    /// while it is up (`replies_up`), so they do not queue behind desired actions; on the main
+    /// client otherwise.
+    pub(super) replies: Option<AsyncClient>,
+    pub(super) replies_up: bool,
+    /// Control requests taken from one connection whose copy on the other is still to come
+    /// (`None` without a control connection).
+    pub(super) twins: Option<crate::service::control_link::Twins>,
     pub(super) validity: u64,
     pub(super) addr: String,
     pub(super) malformed: u64,
@@ -92,7 +100,8 @@ pub(super) struct Service {
     pub(super) confirmed: Option<HashMap<String, (String, u64)>>,
     /// Whether the retained states cover the accepted devices (`coverage.rs`).
     pub(super) coverage: Coverage,
-    /// Whether control requests take the lane ahead of device traffic (`mqtt.rs`): while
+    /// Without a control connection (`control_link.rs`), whether control requests take the
+    /// main link's lane ahead of device traffic (`mqtt.rs`): while
     /// loading. Afterwards they are read in arrival order with everything else.
     pub(super) lane_open: Arc<std::sync::atomic::AtomicBool>,
     /// Whether this coordinator leads (always, on sled; by the lease, on a shared store).
