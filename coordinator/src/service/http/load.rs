@@ -134,8 +134,13 @@ async fn open_stream(
     }
     let mut buf = vec![0u8; 2048];
     let mut got = Vec::new();
-    // Long enough for any answer under this load; a client still waiting then is a hang.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    // Long enough for any answer under this load; a client still waiting then is a hang. Past
+    // the listen backlog (10,000 clients at once overflow it) the kernel drops the client's
+    // handshake ACK and keeps the connection half-open while it retries its SYN-ACK, for about
+    // 63 s, then forgets it; the client, which took itself for connected, learns so by a reset
+    // when it next resends its request (about 100 s after the first send): a cut off. The bound
+    // waits that out, so the kernel of a busy machine is not taken for the server hanging.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(150);
     loop {
         match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
             Err(_) => {
