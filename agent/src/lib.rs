@@ -125,6 +125,7 @@
 pub mod adaptive;
 pub mod agent;
 pub mod block_list_fetch;
+pub mod block_sources;
 pub mod config;
 pub mod consent;
 pub mod download;
