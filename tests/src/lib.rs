@@ -125,6 +125,21 @@ pub fn numbered_key(family: u8, n: u32) -> flotilla_protocol::SigningKey {
     flotilla_protocol::SigningKey::from_bytes(&seed)
 }
 
+/// An authorized-keys file's text for devices `0..count`: device `n` is `id(n)` with the key
+/// `key_of(n)`, one `<public key hex> <id>` line each.
+pub fn authorized_keys(
+    count: u32,
+    key_of: impl Fn(u32) -> flotilla_protocol::SigningKey,
+    id: impl Fn(u32) -> String,
+) -> String {
+    (0..count)
+        .map(|n| {
+            let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
+            format!("{public} {}\n", id(n))
+        })
+        .collect()
+}
+
 /// The text a coordinator's metrics endpoint on `port` answers `GET /metrics` with (headers
 /// included).
 pub async fn scrape_metrics(port: u16) -> String {

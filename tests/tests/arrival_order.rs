@@ -48,11 +48,7 @@ async fn a_burst_of_states_is_read_in_order_and_a_request_after_it_does_not_wait
         return;
     }
     let mut site = Site::new(BrokerKind::Mosquitto);
-    let mut authorized = String::new();
-    for n in 0..DEVICES {
-        let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
-        authorized.push_str(&format!("{public} {}\n", id(n)));
-    }
+    let authorized = flotilla_tests::authorized_keys(DEVICES, key_of, id);
     std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
     site.start_coordinator();
     // Answers once subscribed; from here on nothing this test sends is lost.

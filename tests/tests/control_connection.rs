@@ -86,11 +86,7 @@ async fn both_logins_stay_connected_and_a_request_during_the_retained_burst_is_a
         return;
     }
     let mut site = Site::new(BrokerKind::Secure);
-    let mut authorized = String::new();
-    for n in 0..DEVICES {
-        let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
-        authorized.push_str(&format!("{public} {}\n", id(n)));
-    }
+    let authorized = flotilla_tests::authorized_keys(DEVICES, key_of, id);
     std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
     site.release("fw-1", 1, b"firmware one\n");
     retained_states(&site).await;

@@ -33,11 +33,7 @@ async fn fleet_with_retained_states(site: &mut Site, devices: u32) {
 /// [`fleet_with_retained_states`], waiting for the coordinator to list each `chunk` of devices
 /// before publishing the next (a debug build enrolls a few hundred devices a second).
 async fn fleet_with_retained_states_in(site: &mut Site, devices: u32, chunk: u32) {
-    let mut authorized = String::new();
-    for n in 0..devices {
-        let public = flotilla_protocol::hex::encode(key_of(n).verifying_key().as_bytes());
-        authorized.push_str(&format!("{public} {}\n", id(n)));
-    }
+    let authorized = flotilla_tests::authorized_keys(devices, key_of, id);
     std::fs::write(site.authorized_keys_file(), authorized).expect("authorized keys");
     site.release("fw-1", 1, b"firmware one\n");
     site.start_coordinator();
