@@ -904,13 +904,9 @@ impl<'a> Download<'a> {
                 );
                 Ok(())
             }
-            Source::Http => {
-                self.bypass_origin(
-                    Some(block),
-                    format!("it served {len} bytes that fail the block's signed hash"),
-                );
-                Ok(())
-            }
+            // Never here: the origin's workers check its blocks (`http_origin`), and one that
+            // fails comes as `OriginEvent::Failed`, which bypasses the origin.
+            Source::Http => Ok(()),
             Source::Coordinator => {
                 tracing::warn!(
                     artifact = self.spec.name,
