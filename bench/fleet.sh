@@ -12,10 +12,16 @@
 #              bench/results/fleet-<UTC date>.txt), FLEET_GROUPS (default 21: 20 transitions),
 #              PHASES (agent|short, default agent), TIMEOUT (per run, default 20m), IDLE_PROBES
 #              (default 200), SIGN_AHEAD (default 1; 0: the simulator signs as it sends),
+#              PERF_RESTART=1 (profile the coordinator's restart, from its start to a complete
+#              registry: <results>.<n>.<store>.restart.perf.txt; implies the fleetsim profile),
 #              MALLOC_STATS=1 (glibc's
 #              per-arena figures after the rollout, via gdb: <results>.<n>.<store>.malloc.txt),
 #              HEAPTRACK=1 (the heap profile of the coordinator on sled until the restart:
-#              <results>.<n>.heaptrack.txt).
+#              <results>.<n>.heaptrack.txt),
+#              BROKER (mosquitto, the default, or nats: a three-node NATS cluster, below),
+#              BASELINE=0 (skip the broker-only run; its figures print empty),
+#              COORDINATOR_ARENAS (glibc malloc arenas of the coordinator: 2, as its systemd
+#              unit sets them, by default; a number, or default for glibc's own; bench/lib.sh).
 #
 # --stores "sled postgres" (default: sled) runs each size once per store, one after the other
 # against the same broker settings and the same baseline, and prints the stores side by side.
@@ -59,7 +65,35 @@
 #     reaching the device count: every retained state read), beside a plain `mosquitto_sub`
 #     reading the same retained states from the same broker (the coordinator stopped).
 # At the end, a table of the headline and the probe and transition percentiles per size.
+#
+# BROKER=nats runs the same against a three-node NATS cluster (bench/nats.sh) instead of
+# Mosquitto: each node from the shipped deploy/nats files, its TLS and users replaced by a plain
+# loopback MQTT listener without logins, JetStream and `stream_replicas` as shipped, its store in
+# the work directory. The coordinator and the CLI use node 1, the simulator (and the broker-only
+# baseline, both its connections) node 2, the restart's mosquitto_sub node 3. The broker's CPU
+# is the three nodes' summed; each size also prints each node's RSS, CPU, store and log counts,
+# and a failed run leaves <results>.nats-failure.txt (and .logs: the nodes' warnings by kind).
+# Run with the sled store only so far; postgres and the failover use node 1 throughout.
 # Nothing here passes or fails on a number; docs/performance.md has the figures and the goals.
+#
+# Bytes mode (issue 23): BYTES="mqtt http" (environment; any of none, mqtt, http) replaces the
+# runs above: for each size (use --sizes 10000) and each mode, one rollout through a fresh broker
+# and coordinator of a release whose one artifact is ARTIFACT_SIZE random bytes (default 262144,
+# 256 KiB, 4 blocks), every simulated device downloading it before it reports Verified
+# (fleetsim --download MODE, at most DOWNLOAD_AT_ONCE devices at a time, default 64):
+#   - mqtt: signed block requests to the coordinator, blocks back through the broker;
+#   - http: the release made with --url, the artifact's location on the coordinator's own
+#     `GET /artifacts/{sha256}` ([http] listen on a free port), range requests from each device
+#     (the block list, 128 bytes, still comes over MQTT, as the agent fetches it);
+#   - none: no download (the ordinary run's instant installs), for reference.
+# It prints, per mode and side by side: the coordinator's CPU and Mosquitto's from registration
+# to the end of the rollout, the bytes through the broker in that span (Mosquitto's
+# $SYS/broker/bytes/received and sent, sys_interval 1 s), block bytes the coordinator served over
+# MQTT (flotilla_artifact_block_bytes_served_total), the bytes the coordinator's HTTP origin
+# sent (flotilla_artifact_http_bytes_served_total), the bytes the devices reported from HTTP
+# (flotilla_device_bytes_total{source="http"}; the simulator's own count of HTTP body bytes
+# beside it), and the rollout's wall time.
+# Results: RESULTS (default bench/results/fleet-<UTC date>-bytes.txt).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -86,17 +120,26 @@ PHASES="${PHASES:-agent}"
 TIMEOUT="${TIMEOUT:-20m}"
 IDLE_PROBES="${IDLE_PROBES:-200}"
 SIGN_AHEAD="${SIGN_AHEAD:-1}"
+BROKER="${BROKER:-mosquitto}"
+case "$BROKER" in mosquitto|nats) ;; *) echo "fleet.sh: unknown BROKER $BROKER (mosquitto or nats)" >&2; exit 2 ;; esac
 sign_ahead=()
 if [ "$SIGN_AHEAD" = 1 ]; then sign_ahead=(--sign-ahead); fi
 mkdir -p "$repo/bench/results"
 results="${RESULTS:-$repo/bench/results/fleet-$(date -u +%Y-%m-%d).txt}"
+BYTES="${BYTES:-}"
+ARTIFACT_SIZE="${ARTIFACT_SIZE:-262144}"
+DOWNLOAD_AT_ONCE="${DOWNLOAD_AT_ONCE:-64}"
+for m in $BYTES; do
+  case "$m" in none|mqtt|http) ;; *) echo "fleet.sh: unknown BYTES mode $m (none, mqtt or http)" >&2; exit 2 ;; esac
+done
+if [ -n "$BYTES" ]; then results="${RESULTS:-$repo/bench/results/fleet-$(date -u +%Y-%m-%d)-bytes.txt}"; fi
 
 bench=fleet.sh
 # The coordinator as shipped (release profile). COORDINATOR_PROFILE=fleetsim (and PERF=1, which
 # profiles the coordinator) build it with the fleetsim profile instead: opt-level 3 everywhere,
 # thin LTO and symbols (the release profile builds the signature crates and the coordinator's own
 # at opt-level 3 too, decision 0029).
-if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
+if [ "$profile" = release ] && { [ -n "${PERF:-}" ] || [ -n "${PERF_RESTART:-}" ] || [ "${COORDINATOR_PROFILE:-release}" = fleetsim ]; }; then
   profile=fleetsim
 fi
 for s in $stores; do
@@ -106,6 +149,12 @@ done
 . "$repo/bench/lib.sh"
 # shellcheck source=bench/pg.sh
 . "$repo/bench/pg.sh"
+broker_name=Mosquitto
+if [ "$BROKER" = nats ]; then
+  # shellcheck source=bench/nats.sh
+  . "$repo/bench/nats.sh"
+  broker_name="NATS (3 nodes summed)"
+fi
 case " $stores " in
   *" postgres "*)
     pg_bin=$(pg_bin_dir)
@@ -119,6 +168,7 @@ kb() { awk -v k="$1:" '$1 == k {print $2}' "/proc/$2/status"; }
 
 start_broker() {
   local dir="$1" port="$2"
+  if [ "$BROKER" = nats ]; then start_nats "$dir" "$port"; return; fi
   broker_conf "$port" >"$dir/mosquitto.conf"
   mosquitto -c "$dir/mosquitto.conf" >"$dir/mosquitto.log" 2>&1 &
   broker_pid=$!
@@ -126,15 +176,46 @@ start_broker() {
   wait_port "$port"
 }
 
+# The broker's CPU so far (user + system seconds): Mosquitto's, or the NATS nodes' summed.
+broker_cpu_s() {
+  if [ "$BROKER" = nats ]; then nats_cpu_s; else cpu_s "$broker_pid"; fi
+}
+
+stop_broker() {
+  if [ "$BROKER" = nats ]; then stop_nats; return; fi
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+}
+
+# The MQTT port of the simulator (and the broker-only baseline), and of the restart's
+# mosquitto_sub: the broker's, or NATS nodes 2 and 3 (the coordinator uses node 1).
+fleet_port() {
+  if [ "$BROKER" = nats ]; then echo "${nats_ports[2]}"; else echo "$port"; fi
+}
+sub_port() {
+  if [ "$BROKER" = nats ]; then echo "${nats_ports[3]}"; else echo "$port"; fi
+}
+
+# The broker-only run's simulator. BASELINE=0 skips it (its figures print empty): for a size
+# where the broker alone takes longer than the time at hand (the NATS cluster at 100k).
+baseline_fleetsim() {
+  if [ "${BASELINE:-1}" = 0 ]; then echo "skipped (BASELINE=0)" >&2; return 0; fi
+  "$fleetsim" "$@"
+}
+
 # One site: keys, a release, an operator, the simulator's authorized keys, a coordinator config.
+# Optional: $4, the artifact's size (default 4096); $5, a port on which the coordinator's own
+# HTTP origin will listen, which the release then names as its artifact's location.
 make_site() {
-  local dir="$1" port="$2" n="$3"
+  local dir="$1" port="$2" n="$3" size="${4:-4096}" origin="${5:-}" flags=()
   mkdir -p "$dir/keys"
   "$flotilla" keygen --out "$dir/keys" >/dev/null
   "$flotilla" operator keygen --out "$dir/keys" --name admin >/dev/null
-  head -c 4096 /dev/urandom >"$dir/app.bin"
+  head -c "$size" /dev/urandom >"$dir/app.bin"
+  if [ -n "$origin" ]; then
+    flags=(--url "app=http://127.0.0.1:$origin/artifacts/$(sha256sum "$dir/app.bin" | cut -d' ' -f1)")
+  fi
   "$flotilla" release create --data-dir "$dir/coordinator" --key "$dir/keys/release.key" \
-    --name fw-2 --version 2.0.0 --counter 2 --hardware sim-board --artifact "app=$dir/app.bin" >/dev/null
+    --name fw-2 --version 2.0.0 --counter 2 --hardware sim-board --artifact "app=$dir/app.bin" "${flags[@]}" >/dev/null
   "$fleetsim" --count "$n" --write-authorized-keys "$dir/authorized_devices" >/dev/null
   coordinator_conf "$dir" "$port"
   cat >"$dir/spec.toml" <<EOF
@@ -151,7 +232,7 @@ start_coordinator() {
   if [ -n "${HEAPTRACK:-}" ] && [ "$dir" = "$work/site-$n" ] && [ -z "${restarted:-}" ]; then
     # The first coordinator of each size under heaptrack (HEAPTRACK=1): its heap profile goes to
     # <results>.<n>.heaptrack.zst, and the largest consumers to <results>.<n>.heaptrack.txt.
-    RUST_LOG=info heaptrack -o "$results.$n.heaptrack" "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
+    RUST_LOG=info env "${coordinator_env[@]}" heaptrack -o "$results.$n.heaptrack" "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
     pids+=("$!")
     coordinator_pid=""
     for _ in $(seq 200); do
@@ -161,7 +242,7 @@ start_coordinator() {
     done
     [ -n "$coordinator_pid" ] || die "the coordinator did not start under heaptrack"
   else
-    RUST_LOG=info "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
+    RUST_LOG=info env "${coordinator_env[@]}" "$flotilla" serve --config "$dir/coordinator.toml" >>"$dir/coordinator.log" 2>&1 &
     coordinator_pid=$!
   fi
   pids+=("$coordinator_pid")
@@ -172,7 +253,7 @@ start_coordinator() {
 start_fleet() {
   local dir="$1" n="$2"
   shift 2
-  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" \
+  "$fleetsim" --broker "127.0.0.1:$(fleet_port)" --count "$n" --phases "$PHASES" \
     --coordinator-key "$dir/keys/coordinator.pub" --groups "$FLEET_GROUPS" "${sign_ahead[@]}" "$@" \
     --until-done --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" \
     >"$dir/summary.txt" 2>"$dir/fleetsim.log" &
@@ -202,7 +283,7 @@ load() { cut -d' ' -f1-3 /proc/loadavg; }
 mosquitto_sub_s() {
   local want="$1" t0
   t0=$(date +%s.%N)
-  if timeout 300 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -t 'flotilla/v1/devices/+/state' \
+  if timeout 300 mosquitto_sub -h 127.0.0.1 -p "$(sub_port)" -q 1 -t 'flotilla/v1/devices/+/state' \
     -C "$want" >/dev/null 2>&1; then
     awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.3f", b - a}'
   else
@@ -258,8 +339,12 @@ idle_probes() {
     --idle-probes "$IDLE_PROBES" --timeout 5s >"$dir/idle.txt" 2>>"$dir/idle.log" || true
 }
 
-say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(load), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1), stores: $stores, simulator signs $([ "$SIGN_AHEAD" = 1 ] && echo "ahead (--sign-ahead)" || echo "as it sends")"
+say "flotilla fleet benchmark, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, load $(load), $profile build, $FLEET_GROUPS groups, phases $PHASES, data in $(df --output=fstype "$work" | tail -1), stores: $stores, simulator signs $([ "$SIGN_AHEAD" = 1 ] && echo "ahead (--sign-ahead)" || echo "as it sends"), coordinator ${coordinator_env[*]}"
+if [ "$BROKER" = nats ]; then
+  say "nats-server $(nats-server --version | awk '{print $NF}'): three nodes on loopback from deploy/nats (no TLS, no logins), JetStream stream_replicas $(awk '/stream_replicas/ {print $2}' deploy/nats/cluster.conf); coordinator on node 1, simulator on node 2, restart's mosquitto_sub on node 3; broker CPU is the three nodes' summed"
+else
 say "$(mosquitto -h 2>/dev/null | head -1)"
+fi
 case " $stores " in *" postgres "*) say "$(pg_tool postgres --version) (private cluster, fsync on, default lease ttl 15 s, renew 5 s, margin 3 s)" ;; esac
 say ""
 
@@ -298,7 +383,7 @@ run_store() {
   # prepared its signatures and registered, the broker holds the states.
   registered_rss=$(kb VmRSS "$coordinator_pid")
   registered_cpu=$(cpu_s "$coordinator_pid")
-  broker_registered=$(cpu_s "$broker_pid")
+  broker_registered=$(broker_cpu_s)
   sim_registered=$(cpu_s "$sim_pid" 2>/dev/null || echo "")
   if [ -n "${PERF:-}" ]; then
     # A profile of the coordinator during the rollout (PERF=1): <results>.<n>.<store>.perf.txt.
@@ -326,7 +411,7 @@ run_store() {
       >"$results.$n.$store.malloc.txt" 2>/dev/null || true
   fi
   after_cpu=$(cpu_s "$coordinator_pid")
-  broker_after=$(cpu_s "$broker_pid")
+  broker_after=$(broker_cpu_s)
   hwm=$(kb VmHWM "$coordinator_pid")
   sim="$dir/summary.txt"
   # The simulator has exited: its CPU at the end is in its summary (its whole life).
@@ -336,7 +421,7 @@ run_store() {
   sim_span=$(awk -v a="$sim_after" -v r="$sim_registered" 'BEGIN {if (a == "" || a == "-" || r == "") print "-"; else printf "%.2f", a - r}')
   drops=$(grep -c "MQTT connection lost" "$dir/coordinator.log" || true)
 
-  say "HEADLINE coordinator CPU: $(per_k "$span_cpu" "$n") ms per 1,000 devices rolled out ($span_cpu s user+sys, registration to the end of the rollout); same span: Mosquitto $(per_k "$broker_span" "$n") ms ($broker_span s), simulator $([ "$sim_span" = - ] && echo "-" || per_k "$sim_span" "$n") ms ($sim_span s); load $(load)"
+  say "HEADLINE coordinator CPU: $(per_k "$span_cpu" "$n") ms per 1,000 devices rolled out ($span_cpu s user+sys, registration to the end of the rollout); same span: $broker_name $(per_k "$broker_span" "$n") ms ($broker_span s), simulator $([ "$sim_span" = - ] && echo "-" || per_k "$sim_span" "$n") ms ($sim_span s); load $(load)"
   say "registration:             the coordinator read every state $registered_s s after the broker had them all"
   say "rollout wall time:        $(field rollout_s "$sim") s   (broker-only $(field rollout_s "$base") s, ratio $(awk -v a="$(field rollout_s "$sim")" -v b="$(field rollout_s "$base")" 'BEGIN {printf "%.1f", a / b}')x)"
   say "group transition p50/p99: $(field transition_p50_ms "$sim") / $(field transition_p99_ms "$sim") ms over $(field transitions "$sim") transitions, max $(field transition_max_ms "$sim") ms   (broker-only $(field transition_p50_ms "$base") / $(field transition_p99_ms "$base") ms over $(field transitions "$base"))"
@@ -356,6 +441,10 @@ run_store() {
   say "control round trip, while registering:         p50/p99 $(field probe_registering_p50_ms "$sim") / $(field probe_registering_p99_ms "$sim") ms over $(field probe_registering "$sim") requests (the fleet connecting and the coordinator reading its states)"
   say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice $(field desired_duplicates "$sim"), refused $(field refused "$sim")"
   say "link drops:               coordinator $drops, simulator $(field connections_lost "$sim")"
+  if [ "$BROKER" = nats ]; then
+    nats_nodes | while read -r line; do say "NATS $line"; done
+    nats_log_summary "$results.$n.$store.nats-logs.txt"
+  fi
   say "create/start replies:     $(head -c 120 "$dir/create.out" | tr '\n' ' ') / $(head -c 120 "$dir/start.out" | tr '\n' ' ')"
   fig[$store.rollout]=$(field rollout_s "$sim")
   fig[$store.per_s]=$(field desired_per_s "$sim")
@@ -381,6 +470,12 @@ run_store() {
   restarted=1
   restart_at=$(date +%s.%N)
   start_coordinator "$dir"
+  if [ -n "${PERF_RESTART:-}" ]; then
+    # A profile of the restarted coordinator until its registry is complete (PERF_RESTART=1):
+    # <results>.<n>.<store>.restart.perf.txt.
+    perf record -F 999 -g -p "$coordinator_pid" -o "$dir/restart.perf.data" >/dev/null 2>&1 &
+    perf_pid=$!
+  fi
   until_registry "$restart_at" "$n" >"$dir/registry.out" &
   registry_pid=$!
   until_loaded "$restart_at" >"$dir/loaded.out" &
@@ -388,10 +483,15 @@ run_store() {
   first=$(until_answer)
   wait "$registry_pid" || true
   wait "$loaded_pid" || true
+  if [ -n "${PERF_RESTART:-}" ]; then
+    kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
+    perf report -i "$dir/restart.perf.data" --no-children --percent-limit 1 --stdio 2>/dev/null \
+      | grep -v '^$' | head -150 >"$results.$n.$store.restart.perf.txt" || true
+  fi
   say "restart to first answer:  $first s with $n retained states; registry complete after $(cat "$dir/registry.out") s (CPU $(cpu_s "$coordinator_pid") s), mosquitto_sub read the same states in $sub_s s ($(awk -v a="$(cat "$dir/registry.out")" -v b="$sub_s" 'BEGIN {if (b + 0 > 0) printf "%.1fx", a / b; else print "-"}')); marker back (changes accepted) after $(cat "$dir/loaded.out") s; load $(load)"
   # Where the restart's time went before the coordinator connected (its start-up log line).
   say "restart before connecting: $(grep 'coordinator starting' "$dir/coordinator.log" | tail -1 |
-    grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
+    grep -oE '(store_open_ms|rollouts_ms|authorized_keys_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
   fig[$store.first]=$first
   fig[$store.registry]=$(cat "$dir/registry.out")
   headlines+=("$(printf '%-8s %-8s %14s %10s %10s %16s %16s %14s %18s %8s %14s %s' "$n" "$store" \
@@ -403,7 +503,7 @@ run_store() {
   stop_coordinator
   restarted=""
   [ "$store" = postgres ] && stop_pg
-  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  stop_broker
   cp "$sim" "$results.$n.$store.fleetsim.txt"
   cp "$idle" "$results.$n.$store.idle.txt" 2>/dev/null || true
   say ""
@@ -450,7 +550,7 @@ run_failover() {
     "$dir/coordinator.toml" >"$dir/standby.toml"
   start_coordinator "$dir"
   until_answer >/dev/null
-  RUST_LOG=info "$flotilla" serve --config "$dir/standby.toml" >>"$dir/standby.log" 2>&1 &
+  RUST_LOG=info env "${coordinator_env[@]}" "$flotilla" serve --config "$dir/standby.toml" >>"$dir/standby.log" 2>&1 &
   standby_pid=$!
   pids+=("$standby_pid")
   # Every live (not retained) desired action, timestamped as the subscriber receives it.
@@ -491,17 +591,109 @@ run_failover() {
   say "rollout wall time:        $(field rollout_s "$sim") s with the failover; desired actions/s $(field desired_per_s "$sim")"
   say "devices ready/failed:     $(field ready "$sim") / $(field failed "$sim") of $n; desired $(field desired "$sim"), sent twice (same action id) $(field desired_duplicates "$sim"), refused $(field refused "$sim"); live desired messages seen $(wc -l <"$dir/desired.times")"
   say "new leader's start:       $(grep 'coordinator starting' "$dir/standby.log" | tail -1 |
-    grep -oE '(store_open_ms|rollouts_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
+    grep -oE '(store_open_ms|rollouts_ms|authorized_keys_ms|other_records_ms|engine_ms)=[0-9]+' | tr '\n' ' ')"
   fig[failover.lease]=$took_lease
   fig[failover.desired]=${first_desired:-none}
   fig[failover.answer]=$answer
   kill "$standby_pid" 2>/dev/null || true; wait "$standby_pid" 2>/dev/null || true
   stop_pg
-  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  stop_broker
   cp "$sim" "$results.$n.failover.fleetsim.txt"
   cp "$dir/standby.log" "$results.$n.failover.standby.log" 2>/dev/null || true
   say ""
 }
+
+# Bytes mode (BYTES="mqtt http"): one rollout of N devices that download, per mode.
+bytes_site() {
+  local dir="$1" port="$2" n="$3" mode="$4" origin=""
+  http_port=$(free_port)
+  if [ "$mode" = http ]; then origin="$http_port"; fi
+  make_site "$dir" "$port" "$n" "$ARTIFACT_SIZE" "$origin"
+  printf '[http]\nlisten = "127.0.0.1:%s"\n' "$http_port" >>"$dir/coordinator.toml"
+}
+
+# Mosquitto's $SYS byte counters ("received sent"), as it last published them.
+broker_bytes() {
+  timeout 5 mosquitto_sub -h 127.0.0.1 -p "$port" -C 2 -v \
+    -t '$SYS/broker/bytes/received' -t '$SYS/broker/bytes/sent' 2>/dev/null |
+    awk '$1 ~ /received$/ {r = $2} $1 ~ /sent$/ {s = $2} END {printf "%d %d", r, s}'
+}
+# The sum of the coordinator's /metrics lines that start with $1.
+metric() {
+  curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |
+    awk -v m="$1" 'index($0, m) == 1 {s += $NF} END {printf "%d", s}'
+}
+
+run_bytes() {
+  local n="$1" mode="$2" cpu0 broker0 bytes0 served0 origin0 http0 cpu1 broker1 bytes1 sim
+  dir="$work/bytes-$mode-$n"; mkdir -p "$dir"; port=$(free_port)
+  broker_conf "$port" >"$dir/mosquitto.conf"
+  echo "sys_interval 1" >>"$dir/mosquitto.conf"
+  mosquitto -c "$dir/mosquitto.conf" >"$dir/mosquitto.log" 2>&1 &
+  broker_pid=$!
+  pids+=("$broker_pid")
+  wait_port "$port"
+  bytes_site "$dir" "$port" "$n" "$mode"
+  start_coordinator "$dir"
+  until_answer >/dev/null
+  start_fleet "$dir" "$n" --download "$mode" --download-at-once "$DOWNLOAD_AT_ONCE"
+  until_registry "$(date +%s.%N)" "$n" >/dev/null
+  sleep 1.5
+  cpu0=$(cpu_s "$coordinator_pid"); broker0=$(cpu_s "$broker_pid"); bytes0=$(broker_bytes)
+  served0=$(metric flotilla_artifact_block_bytes_served_total); origin0=$(metric flotilla_artifact_http_bytes_served_total); http0=$(metric 'flotilla_device_bytes_total{source="http"}')
+  cli rollout create --spec "$dir/spec.toml" >"$dir/create.out" 2>&1 || true
+  cli rollout start fleet >"$dir/start.out" 2>&1 || true
+  wait "$sim_pid" || die "simulator failed at $n devices, --download $mode: $(tail -3 "$dir/fleetsim.log")"
+  cpu1=$(cpu_s "$coordinator_pid"); broker1=$(cpu_s "$broker_pid")
+  sleep 1.5
+  bytes1=$(broker_bytes)
+  sim="$dir/summary.txt"
+  fig[$mode.coordinator]=$(awk -v a="$cpu1" -v b="$cpu0" 'BEGIN {printf "%.2f", a - b}')
+  fig[$mode.broker]=$(awk -v a="$broker1" -v b="$broker0" 'BEGIN {printf "%.2f", a - b}')
+  fig[$mode.received]=$(awk -v a="${bytes1% *}" -v b="${bytes0% *}" 'BEGIN {printf "%.1f", (a - b) / 1e6}')
+  fig[$mode.sent]=$(awk -v a="${bytes1#* }" -v b="${bytes0#* }" 'BEGIN {printf "%.1f", (a - b) / 1e6}')
+  fig[$mode.served]=$(awk -v a="$(metric flotilla_artifact_block_bytes_served_total)" -v b="$served0" 'BEGIN {printf "%.1f", (a - b) / 1e6}')
+  fig[$mode.origin]=$(awk -v a="$(metric flotilla_artifact_http_bytes_served_total)" -v b="$origin0" 'BEGIN {printf "%.1f", (a - b) / 1e6}')
+  fig[$mode.http]=$(awk -v a="$(metric 'flotilla_device_bytes_total{source="http"}')" -v b="$http0" 'BEGIN {printf "%.1f", (a - b) / 1e6}')
+  fig[$mode.sim_mqtt]=$(awk -v a="$(field download_mqtt_bytes "$sim")" 'BEGIN {printf "%.1f", a / 1e6}')
+  fig[$mode.sim_http]=$(awk -v a="$(field download_http_bytes "$sim")" 'BEGIN {printf "%.1f", a / 1e6}')
+  fig[$mode.rollout]=$(field rollout_s "$sim")
+  fig[$mode.simcpu]=$(field cpu_s "$sim")
+  fig[$mode.ready]="$(field ready "$sim")/$(field failed "$sim")"
+  say "-- $n devices, --download $mode: ready/failed $(field ready "$sim")/$(field failed "$sim"), downloads failed $(field download_failed "$sim"), rollout $(field rollout_s "$sim") s, coordinator CPU ${fig[$mode.coordinator]} s, Mosquitto ${fig[$mode.broker]} s, broker bytes in/out ${fig[$mode.received]}/${fig[$mode.sent]} MB, link drops $(grep -c 'MQTT connection lost' "$dir/coordinator.log" || true)/$(field connections_lost "$sim"); load $(load)"
+  # The simulator's first warnings (a refused block names it), if any.
+  { grep -m3 ' WARN \| ERROR ' "$dir/fleetsim.log" || true; } | sed 's/^/   fleetsim: /' | tee -a "$results"
+  stop_coordinator
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  cp "$sim" "$results.$n.$mode.fleetsim.txt"
+}
+
+# The modes side by side at N devices.
+bytes_table() {
+  local n="$1" m f row
+  say "== $n devices, artifact $ARTIFACT_SIZE bytes, $FLEET_GROUPS groups, at most $DOWNLOAD_AT_ONCE devices downloading at once (load $(load))"
+  row="$(printf '%-44s' "")"; for m in $BYTES; do row="$row$(printf ' %12s' "$m")"; done; say "$row"
+  for f in "rollout wall time (s)|rollout" "coordinator CPU, rollout (s)|coordinator" "Mosquitto CPU, rollout (s)|broker" \
+    "broker bytes received (MB)|received" "broker bytes sent (MB)|sent" "coordinator MQTT block bytes (MB)|served" "coordinator HTTP origin bytes (MB)|origin" \
+    "HTTP bytes, devices' reports (MB)|http" "simulator: MQTT block bytes (MB)|sim_mqtt" "simulator: HTTP body bytes (MB)|sim_http" \
+    "simulator CPU, whole life (s)|simcpu" "devices ready/failed|ready"; do
+    row="$(printf '%-44s' "${f%%|*}")"
+    for m in $BYTES; do row="$row$(printf ' %12s' "${fig[$m.${f##*|}]}")"; done
+    say "$row"
+  done
+  say ""
+}
+
+if [ -n "$BYTES" ]; then
+  declare -A fig
+  for n in $sizes; do
+    fig=()
+    for mode in $BYTES; do run_bytes "$n" "$mode"; done
+    bytes_table "$n"
+  done
+  say "results: $results"
+  exit 0
+fi
 
 largest=$(echo "$sizes" | tr ' ' '\n' | sort -n | tail -1)
 for n in $sizes; do
@@ -509,13 +701,16 @@ for n in $sizes; do
   # The broker-only baseline: the same messages through a fresh broker of the same settings.
   dir="$work/base-$n"; mkdir -p "$dir"; port=$(free_port)
   start_broker "$dir" "$port"
-  "$fleetsim" --broker "127.0.0.1:$port" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
+  baseline_fleetsim --broker "127.0.0.1:$(fleet_port)" --count "$n" --phases "$PHASES" --baseline-groups "$FLEET_GROUPS" \
     "${sign_ahead[@]}" --timeout "$TIMEOUT" --progress 10s --summary "$dir/summary.json" >"$dir/summary.txt" 2>"$dir/fleetsim.log" \
     || die "baseline run failed: $(tail -3 "$dir/fleetsim.log")"
-  base_broker_cpu=$(cpu_s "$broker_pid")
-  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  base_broker_cpu=$(broker_cpu_s)
+  if [ "$BROKER" = nats ]; then
+    nats_nodes | while read -r line; do say "broker-only NATS $line"; done
+  fi
+  stop_broker
   base="$dir/summary.txt"
-  say "broker-only run:          rollout $(field rollout_s "$base") s; CPU of its whole life: simulator $(field cpu_s "$base") s (the devices and the stand-in coordinator, $(field nonces_prepared "$base") nonces prepared ahead), Mosquitto $base_broker_cpu s; load $(load)"
+  say "broker-only run:          rollout $(field rollout_s "$base") s; CPU of its whole life: simulator $(field cpu_s "$base") s (the devices and the stand-in coordinator, $(field nonces_prepared "$base") nonces prepared ahead), $broker_name $base_broker_cpu s; load $(load)"
   cp "$base" "$results.$n.baseline.txt"
 
   fig=()

@@ -6,6 +6,16 @@ die() { echo "$bench: $*" >&2; exit 1; }
 
 command -v mosquitto >/dev/null || die "mosquitto not found (apt-get install mosquitto)"
 
+# The coordinator's environment as its systemd unit sets it (coordinator/flotilla.service):
+# MALLOC_ARENA_MAX=2, two glibc malloc arenas (decision 0071). COORDINATOR_ARENAS=N sets another
+# count, COORDINATOR_ARENAS=default leaves glibc's own (eight a core). Start the coordinator as
+# `env "${coordinator_env[@]}" "$flotilla" serve ...`: env execs it, so $! is its pid.
+case "${COORDINATOR_ARENAS:-2}" in
+  default) coordinator_env=(-u MALLOC_ARENA_MAX) ;;
+  *[!0-9]*) die "COORDINATOR_ARENAS is a number or default, not ${COORDINATOR_ARENAS}" ;;
+  *) coordinator_env=("MALLOC_ARENA_MAX=${COORDINATOR_ARENAS:-2}") ;;
+esac
+
 # Builds PACKAGES in $profile and the simulator with fast signing (Cargo.toml, profile.fleetsim)
 # so that the devices are not what is measured; sets $bin (the profile's binaries) and $fleetsim.
 build_bins() {
@@ -36,6 +46,9 @@ make_work() {
   trap cleanup EXIT
 }
 cleanup() {
+  local status=$?
+  # A NATS cluster (bench/nats.sh) records what it got to before it is killed.
+  if declare -F nats_cleanup >/dev/null; then nats_cleanup "$status"; fi
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   # PostgreSQL clusters started by bench/pg.sh are not this shell's children.

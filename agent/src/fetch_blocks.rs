@@ -47,10 +47,10 @@
 //!   rate limit counts the bytes fetched over the network (not local copies).
 //! - Resumable: the part file is the state. After a kill, its blocks are hashed again and only
 //!   the ones that fail are fetched.
-//! - The whole file's sha256 is computed on the way: each verified block that extends the
-//!   hashed prefix is fed to it as it is written (blocks that arrived ahead of a gap are read
-//!   back from the part file once the gap fills), so the check at the end reads only what was
-//!   not hashed yet instead of the whole artifact.
+//! - The whole file's sha256 is computed on the way, in file order, on a thread of its own
+//!   (crate::whole_hash): blocks that arrive ahead of a gap are held in memory up to a bound,
+//!   past it read back from the part file once the gap fills, so the check at the end reads
+//!   only what was not hashed yet instead of the whole artifact.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
@@ -60,7 +60,6 @@ use std::time::Duration;
 
 use flotilla_protocol::blocks::{block_range, BlockList};
 use flotilla_protocol::{BlockReply, BlockRequest, ByteCounts, PeerFetch};
-use sha2::Digest as _;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -72,6 +71,7 @@ use crate::fetch::{
     REPLY_TIMEOUT,
 };
 use crate::http_origin::{OriginEvent, OriginFetcher};
+use crate::whole_hash::WholeHash;
 use flotilla_protocol::origin::HTTP_SOURCE;
 
 pub use crate::block_sources::{
@@ -232,9 +232,8 @@ struct Download<'a> {
     /// Last time the coordinator answered or was asked again: when it has been idle for
     /// [`REPLY_TIMEOUT`], its outstanding blocks are asked for again.
     coordinator_heard: Instant,
-    /// The whole file's sha256 over its first `hashed` bytes.
-    whole: sha2::Sha256,
-    hashed: u64,
+    /// The whole file's sha256, on a thread of its own; taken at the end.
+    whole: Option<WholeHash>,
     /// The origin's workers while it is in use; `None` without one or once it is bypassed.
     origin: Option<OriginFetcher>,
     /// When the origin last delivered a block, or was asked with nothing outstanding; and
@@ -291,8 +290,7 @@ impl<'a> Download<'a> {
             peer_heard: now,
             coordinator_heard: now,
             origin_heard: (now, Duration::ZERO),
-            whole: sha2::Sha256::new(),
-            hashed: 0,
+            whole: Some(WholeHash::new(spec.size, list.block_size())),
             origin: job.sources.origin.clone().map(|url| {
                 OriginFetcher::start(
                     url,
@@ -303,37 +301,6 @@ impl<'a> Download<'a> {
                 )
             }),
         }
-    }
-
-    /// Feeds the whole-file hash with `data`, just written at `offset`, if it extends the
-    /// hashed prefix, then with every present block that follows (read back from the part
-    /// file). A block written ahead of a gap waits until the gap fills.
-    fn extend_hash(&mut self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-        if offset != self.hashed {
-            return Ok(());
-        }
-        self.whole.update(data);
-        self.hashed += data.len() as u64;
-        self.hash_present(false)
-    }
-
-    /// Feeds the whole-file hash from the part file: the present blocks from the hashed prefix
-    /// on, or (`to_end`, once every block verified) everything not hashed yet.
-    fn hash_present(&mut self, to_end: bool) -> std::io::Result<()> {
-        let bs = self.list.block_size();
-        let mut buf = Vec::new();
-        while self.hashed < self.spec.size {
-            let block = self.hashed / u64::from(bs);
-            if !to_end && !self.present.get(block as usize).copied().unwrap_or(false) {
-                break;
-            }
-            let (offset, length) = block_range(block, self.spec.size, bs);
-            buf.resize(length as usize, 0);
-            self.file.read_exact_at(&mut buf, offset)?;
-            self.whole.update(&buf);
-            self.hashed = offset + u64::from(length);
-        }
-        Ok(())
     }
 
     fn peer_name(&self, i: usize) -> &str {
@@ -835,11 +802,14 @@ impl<'a> Download<'a> {
             .write_all_at(&data, offset)
             .map_err(|source| self.write_err(source))?;
         self.present[block as usize] = true;
-        self.extend_hash(offset, &data)
-            .map_err(|source| self.read_err(source))?;
+        let n = data.len() as u64;
+        let hashed = match self.whole.as_mut() {
+            Some(whole) => whole.written(offset, data, &self.file, &self.present),
+            None => Ok(()),
+        };
+        hashed.map_err(|source| self.read_err(source))?;
         self.asked.remove(&block);
         self.tried.remove(&block);
-        let n = data.len() as u64;
         match source {
             Source::Coordinator => counts.coordinator += n,
             Source::Http => {
@@ -965,9 +935,13 @@ impl<'a> Download<'a> {
             .map_err(|source| self.write_err(source))?;
         let part = self.spec.part_path();
         let final_path = self.spec.final_path();
-        self.hash_present(true)
-            .map_err(|source| self.read_err(source))?;
-        let got: flotilla_protocol::Digest = std::mem::take(&mut self.whole).finalize().into();
+        let got = match self.whole.take() {
+            Some(whole) => whole.finish(&self.file),
+            None => Err(std::io::Error::other(
+                "the whole-file hash was finished already",
+            )),
+        }
+        .map_err(|source| self.read_err(source))?;
         if let Err(refusal) = crate::trust::check_digest(&self.spec.name, &self.spec.sha256, &got) {
             // Every block matched a list the release key signed, so the release itself is
             // inconsistent: fetching again cannot help.

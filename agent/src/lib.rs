@@ -30,7 +30,8 @@
 //! machine                            one action, state by state
 //! download  env                      the download step; what a step works with (Env, ActionIo, Next)
 //! fetch_blocks  health  link  consent   what a step uses: blocks, health checks, MQTT, consent
-//! fetch   adaptive                   the streaming fetcher and channel types; local blocks
+//! fetch   adaptive   whole_hash      the streaming fetcher and channel types; local blocks;
+//!                                    the block fetcher's whole-file hash, on its own thread
 //! held                               verified downloads served to peers, and how many are kept
 //! resume                             whether a stored action may go on, verified again
 //! trust   status   error             trust checks, keys install; status view; AgentError
@@ -50,6 +51,8 @@
 //!   [`block_list_fetch`]: that block list, fetched, checked and kept.
 //! - [`fetch`]: the pipelined, resumable streaming fetcher, for artifacts without one.
 //! - [`adaptive`]: finding blocks the device already holds.
+//! - [`whole_hash`]: the whole file's sha256 of a block download, in file order on a thread of
+//!   its own, whatever order the blocks arrive in.
 //! - [`peer_serve`]: answers peers' block requests (grant checks, bounded work).
 //! - [`held`]: the verified downloads a device serves from, re-checked per block; [`held::prune`]
 //!   bounds what is kept.
@@ -150,6 +153,7 @@ pub mod status;
 pub mod store;
 pub mod trust;
 mod trust_state;
+pub mod whole_hash;
 
 pub use agent::run;
 pub use config::{Config, ConfigError, DEFAULT_CONFIG};

@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 use flotilla_mqtt::{ConnectionSpec, RawTls};
 
+use crate::device_fetch::DownloadMode;
 use crate::fleet::{Fleet, Phases};
 use crate::sim::{Options, Probe};
 
@@ -125,6 +126,21 @@ pub struct Args {
     /// not during it (64 bytes a signature: 90 MB at 100,000 devices with the agent's phases).
     #[arg(long)]
     pub sign_ahead: bool,
+    /// Where each device gets the bytes of the release it installs, between `Accepted` and
+    /// `Verified`: `none` (installs are instant), `mqtt` (signed block requests to the
+    /// coordinator, as the agent sends them) or `http` (range requests to the origin URL the
+    /// desired action names); every block is checked against the signed block list.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "none",
+        conflicts_with = "baseline_groups"
+    )]
+    pub download: DownloadMode,
+    /// With --download: at most this many devices download at a time; the others wait, after
+    /// `Accepted`, for a turn.
+    #[arg(long, value_name = "DEVICES", default_value_t = 64)]
+    pub download_at_once: usize,
     /// Play no devices: stream this many bytes of block replies (--stream-block each, QoS 1)
     /// from one connection to another through the broker, print how long it took and exit
     /// (the baseline of one agent's download, bench/download.sh).
@@ -356,6 +372,11 @@ impl Args {
             },
             summary: self.summary.clone(),
             sign_ahead: self.sign_ahead,
+            download: self.download,
+            download_at_once: match self.download_at_once {
+                0 => return Err(arg_error("--download-at-once", 0, "must be at least 1")),
+                n => n,
+            },
         })
     }
 }
@@ -406,6 +427,57 @@ mod tests {
             .options(a.fleet().expect("fleet"))
             .expect_err("key required");
         assert!(err.reason.contains("required"), "{err}");
+    }
+
+    #[test]
+    fn devices_download_nothing_unless_told() {
+        let key = tempfile::NamedTempFile::new().expect("temp file");
+        let fleet = args(&[]).fleet().expect("fleet");
+        let public = crate::baseline::coordinator_key(&fleet).verifying_key();
+        std::fs::write(
+            key.path(),
+            flotilla_protocol::hex::encode(public.as_bytes()),
+        )
+        .expect("writes");
+        let path = key.path().to_str().expect("utf-8 path");
+        let a = args(&["--coordinator-key", path]);
+        let o = a.options(a.fleet().expect("fleet")).expect("options");
+        assert_eq!((o.download, o.download_at_once), (DownloadMode::None, 64));
+        let a = args(&[
+            "--coordinator-key",
+            path,
+            "--download",
+            "http",
+            "--download-at-once",
+            "8",
+        ]);
+        let o = a.options(a.fleet().expect("fleet")).expect("options");
+        assert_eq!((o.download, o.download_at_once), (DownloadMode::Http, 8));
+        let a = args(&[
+            "--coordinator-key",
+            path,
+            "--download",
+            "mqtt",
+            "--download-at-once",
+            "0",
+        ]);
+        let err = a
+            .options(a.fleet().expect("fleet"))
+            .expect_err("none at once");
+        assert_eq!(err.flag, "--download-at-once");
+        let both = [
+            "flotilla-fleetsim",
+            "--count",
+            "3",
+            "--baseline-groups",
+            "2",
+            "--download",
+            "mqtt",
+        ];
+        assert!(
+            Args::try_parse_from(both).is_err(),
+            "the baseline serves no blocks"
+        );
     }
 
     #[test]

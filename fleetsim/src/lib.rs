@@ -12,12 +12,14 @@
 //! operator can point at a staging coordinator to try a spec (`docs/fleetsim.md`).
 //!
 //! Layout: `args.rs` (the command line, validated into [`sim::Options`]), `fleet.rs` (who the
-//! devices are and how they behave; pure), `sim.rs` (the run), `link.rs` (the MQTT event loop),
-//! `baseline.rs` (the broker-only baseline's stand-in coordinator), `sign_ahead.rs` (device
+//! devices are and how they behave; pure), `sim.rs` (the run), `summary.rs` (its figures),
+//! `link.rs` (the MQTT event loop), `baseline.rs` (the broker-only baseline's stand-in coordinator), `sign_ahead.rs` (device
 //! signatures with their costly half prepared before connecting), `probe.rs` (control round
 //! trips without a fleet: a restart's first answer, an idle coordinator's), `download.rs` (one real
 //! agent's download timed from outside, and the same bytes streamed through the broker alone,
-//! for `bench/download.sh`).
+//! for `bench/download.sh`), `device_fetch.rs` (devices that download, `--download mqtt|http`),
+//! `artifact_check.rs` (their blocks checked against the signed block list) and `http_range.rs`
+//! (a minimal range-request client for an `http://` origin).
 //!
 //! ```
 //! use flotilla_fleetsim::fleet::Fleet;
@@ -28,10 +30,14 @@
 //! ```
 
 pub mod args;
+pub mod artifact_check;
 pub mod baseline;
+pub mod device_fetch;
 pub mod download;
 pub mod fleet;
+pub mod http_range;
 pub mod link;
 pub mod probe;
 pub mod sign_ahead;
 pub mod sim;
+pub mod summary;

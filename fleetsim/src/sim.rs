@@ -7,7 +7,8 @@
 //! counted and refused, never acted on. An install then runs as a task: each phase
 //! ([`install_phases`]) is reported (a signed [`Report`] with the device's next `seq`) and
 //! followed by the device's signed retained state, as the agent does, spread over the install
-//! time (none by default: instant installs).
+//! time (none by default: instant installs). With `--download` the task fetches and checks the
+//! release's artifacts before it reports `Downloading` ([`crate::device_fetch`]).
 //!
 //! What it measures on the way ([`Summary`]): desired actions received and how many arrived
 //! twice live (a retained copy delivered on subscribing is not a second send), the rollout's wall
@@ -25,13 +26,14 @@ use flotilla_protocol::control::{Command, ControlReply, ControlRequest};
 use flotilla_protocol::manifest::Manifest;
 use flotilla_protocol::operator::{new_nonce, SignedRequest};
 use flotilla_protocol::{
-    device, envelope, ActionBody, CurrentAction, DesiredAction, DeviceId, DeviceMessage,
-    DeviceState, Digest, InstalledRelease, Message, Phase, Report, SigningKey, Topic, Topics,
-    VerifyingKey,
+    device, envelope, ActionBody, ByteCounts, CurrentAction, DesiredAction, DeviceId,
+    DeviceMessage, DeviceState, Digest, InstalledRelease, Message, Phase, Report, SigningKey,
+    Topic, Topics, VerifyingKey,
 };
 use rumqttc::{AsyncClient, QoS};
 use tokio_util::sync::CancellationToken;
 
+use crate::device_fetch::{self, ArtifactJob, DownloadMode, Fetcher};
 use crate::fleet::{install_phases, percentile, Fleet, Phases};
 use crate::link::{self, LinkCounters, LinkEvent};
 use crate::sign_ahead::{DeviceSigner, Nonces};
@@ -66,6 +68,9 @@ pub struct Options {
     /// Prepare the costly half of the signatures one install per device sends before
     /// connecting ([`crate::sign_ahead`]).
     pub sign_ahead: bool,
+    /// Where devices get their bytes, and how many download at once ([`crate::device_fetch`]).
+    pub download: DownloadMode,
+    pub download_at_once: usize,
 }
 
 /// Control round trips measured with a read-only request signed by an operator key.
@@ -101,72 +106,7 @@ pub enum SimError {
     },
 }
 
-/// The figures of a run; printed as `name: value` lines and written as JSON with `--summary`.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct Summary {
-    pub devices: u64,
-    pub online: u64,
-    /// Install actions taken up (one per device and action id).
-    pub desired: u64,
-    /// Desired actions that arrived again, live, with an action id the device already had.
-    pub desired_duplicates: u64,
-    /// Desired actions refused: bad signature, another device's, expired, undecodable.
-    pub refused: u64,
-    pub ready: u64,
-    pub failed: u64,
-    pub canceled: u64,
-    /// Online devices that finished at least one install.
-    pub finished_devices: u64,
-    pub reports: u64,
-    pub states: u64,
-    pub published: u64,
-    pub acked: u64,
-    pub connections_lost: u64,
-    /// First desired action received to the last final report sent.
-    pub rollout_s: Option<f64>,
-    /// Desired actions received per second while a group's arrive: over each group's span,
-    /// first to last, summed (the whole run is one group without `--groups`).
-    pub desired_per_s: Option<f64>,
-    pub transitions: usize,
-    pub transition_p50_ms: Option<f64>,
-    pub transition_p99_ms: Option<f64>,
-    pub transition_max_ms: Option<f64>,
-    /// Control round trips sent before the first desired action: while the fleet registers
-    /// and the coordinator reads it (not idle; `--idle-probes` times an idle coordinator).
-    pub probe_registering: usize,
-    pub probe_registering_p50_ms: Option<f64>,
-    pub probe_registering_p99_ms: Option<f64>,
-    /// Control round trips sent while the rollout ran (first desired action to last final
-    /// report).
-    pub probe_rollout: usize,
-    pub probe_rollout_p50_ms: Option<f64>,
-    pub probe_rollout_p99_ms: Option<f64>,
-    pub probe_unanswered: usize,
-    /// Device messages signed with a nonce prepared before connecting (`--sign-ahead`), and
-    /// how many were prepared.
-    pub signed_ahead: u64,
-    pub nonces_prepared: u64,
-    /// The simulator's own CPU time, user + system, its whole life (from /proc/self/stat).
-    pub cpu_s: Option<f64>,
-}
-
-impl std::fmt::Display for Summary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let value = serde_json::to_value(self).map_err(|_| std::fmt::Error)?;
-        if let serde_json::Value::Object(map) = value {
-            for (k, v) in map {
-                match v {
-                    serde_json::Value::Null => writeln!(f, "{k}: -")?,
-                    serde_json::Value::Number(n) if n.is_f64() => {
-                        writeln!(f, "{k}: {:.3}", n.as_f64().unwrap_or_default())?
-                    }
-                    other => writeln!(f, "{k}: {other}")?,
-                }
-            }
-        }
-        Ok(())
-    }
-}
+pub use crate::summary::Summary;
 
 /// One simulated device.
 struct Slot {
@@ -185,6 +125,8 @@ struct Slot {
     /// The action a signed cancel named.
     cancel: Option<String>,
     finished: bool,
+    /// What the current action downloaded, by source, for its final report.
+    bytes: Option<ByteCounts>,
 }
 
 #[derive(Debug, Default)]
@@ -251,6 +193,7 @@ struct Sim {
     /// The group of each slot under `--groups` (all 0 without it).
     group_of: Vec<usize>,
     nonces: Nonces,
+    fetcher: Option<Fetcher>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -317,6 +260,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
                 seen: Vec::new(),
                 cancel: None,
                 finished: false,
+                bytes: None,
             })
         })
         .collect();
@@ -365,6 +309,14 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
     let (client, mut events, link_counters) =
         link::start(&opts.connection, &client_id, opts.inflight, stop.clone());
     let topics = Topics::new(&opts.topic_root);
+    let fetcher = (opts.download != DownloadMode::None).then(|| {
+        Fetcher::new(
+            opts.download,
+            topics.clone(),
+            client.clone(),
+            opts.download_at_once,
+        )
+    });
     // The probe has a connection of its own, as an operator's command line would: its requests
     // do not queue behind the devices' messages in the simulator.
     let probe_client_id = format!("{client_id}-probe");
@@ -382,6 +334,7 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
         reply_topic,
         group_of,
         nonces,
+        fetcher,
     });
 
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -411,7 +364,9 @@ pub async fn run(opts: Options, shutdown: CancellationToken) -> Result<Summary, 
                 }
                 Some(LinkEvent::Subscribed) => {}
                 Some(LinkEvent::Publish { topic, payload, retain }) => {
-                    sim.on_desired(&topic, &payload, retain);
+                    if !sim.fetcher.as_ref().is_some_and(|f| f.on_block(&topic, &payload)) {
+                        sim.on_desired(&topic, &payload, retain);
+                    }
                 }
             },
             _ = tick.tick() => {
@@ -464,9 +419,11 @@ fn unreachable_id() -> DeviceId {
 
 impl Sim {
     async fn subscribe(&self) {
-        let filter = self.topics.desired_filter();
-        if let Err(e) = self.client.subscribe(filter, QoS::AtLeastOnce).await {
-            tracing::warn!("cannot subscribe: {e}");
+        let blocks = self.fetcher.as_ref().map(Fetcher::block_filter);
+        for filter in std::iter::once(self.topics.desired_filter()).chain(blocks) {
+            if let Err(e) = self.client.subscribe(filter, QoS::AtLeastOnce).await {
+                tracing::warn!("cannot subscribe: {e}");
+            }
         }
     }
 
@@ -568,6 +525,11 @@ impl Sim {
             current.phase = phase.clone();
             let (action_id, rollout_id) = (current.action_id.clone(), current.rollout_id.clone());
             s.seq += 1;
+            let bytes = if phase.is_terminal() {
+                s.bytes.take()
+            } else {
+                None
+            };
             let report = Report {
                 device_id: s.id.to_string(),
                 seq: s.seq,
@@ -576,7 +538,15 @@ impl Sim {
                 phase,
                 at: unix_now(),
             };
-            let blob = self.sign(&s, &DeviceMessage::Report(report));
+            let message = match bytes {
+                Some(bytes) => DeviceMessage::ReportWithBytes {
+                    report,
+                    bytes,
+                    bypassed: Vec::new(),
+                },
+                None => DeviceMessage::Report(report),
+            };
+            let blob = self.sign(&s, &message);
             (s.id.clone(), blob)
         };
         self.counters.reports.fetch_add(1, Relaxed);
@@ -641,8 +611,8 @@ impl Sim {
         if let Some(install) = action.body.install() {
             // The release key's signature is the agent's business; the simulator only needs
             // the release's name, version and size.
-            let manifest = match Manifest::decode(&install.manifest.payload) {
-                Ok(m) => m.release,
+            let (jobs, manifest) = match Manifest::decode(&install.manifest.payload) {
+                Ok(m) => (device_fetch::jobs(&m, install.origins), m.release),
                 Err(e) => return self.refuse(id.as_str(), &e.to_string()),
             };
             let total = manifest.artifacts.iter().map(|a| a.size).sum();
@@ -657,7 +627,7 @@ impl Sim {
                 .fleet
                 .fails(slot, &action.action_id, self.opts.fail_rate);
             let phases = install_phases(self.opts.phases, total, fails);
-            tokio::spawn(self.clone().play(slot, phases, Some(release)));
+            tokio::spawn(self.clone().play(slot, phases, Some(release), jobs));
             return;
         }
         match action.body {
@@ -672,7 +642,7 @@ impl Sim {
                 self.begin(slot, &action.action_id, &action.rollout_id);
                 let back = lock(&self.slots[slot]).previous.clone();
                 let phases = vec![Phase::Accepted, Phase::Ready];
-                tokio::spawn(self.clone().play(slot, phases, back));
+                tokio::spawn(self.clone().play(slot, phases, back, Vec::new()));
             }
         }
     }
@@ -708,6 +678,7 @@ impl Sim {
         slot: usize,
         phases: Vec<Phase>,
         release: Option<InstalledRelease>,
+        jobs: Vec<ArtifactJob>,
     ) {
         let steps = phases.len().saturating_sub(1).max(1) as u32;
         let pause = self.opts.install_time / steps;
@@ -730,6 +701,20 @@ impl Sim {
                 last = Phase::Canceled;
                 self.report(slot, Phase::Canceled).await;
                 break;
+            }
+            if let (Some(f), Phase::Downloading { .. }) = (&self.fetcher, &phase) {
+                let (id, key) = {
+                    let s = lock(&self.slots[slot]);
+                    (s.id.clone(), s.key.clone())
+                };
+                match f.download(&id, &key, &jobs).await {
+                    Ok(bytes) => lock(&self.slots[slot]).bytes = Some(bytes),
+                    Err(e) => {
+                        last = device_fetch::failed(&e);
+                        self.report(slot, last.clone()).await;
+                        break;
+                    }
+                }
             }
             if phase == Phase::Ready {
                 let mut s = lock(&self.slots[slot]);
@@ -909,6 +894,7 @@ impl Sim {
                 _ => None,
             })
             .fold((0, Duration::ZERO), |(n, d), (bn, bd)| (n + bn, d + bd));
+        let downloads = self.fetcher.as_ref().map_or((0, 0, 0), Fetcher::totals);
         for v in [
             &mut transitions_ms,
             &mut t.probe_registering_ms,
@@ -952,6 +938,9 @@ impl Sim {
             signed_ahead: c.signed_ahead.load(Relaxed),
             nonces_prepared: self.nonces.len() as u64,
             cpu_s: own_cpu_s(),
+            download_mqtt_bytes: downloads.0,
+            download_http_bytes: downloads.1,
+            download_failed: downloads.2,
         }
     }
 }

@@ -56,22 +56,28 @@ impl Watcher {
         );
         options.set_keep_alive(Duration::from_secs(30));
         let (client, mut eventloop) = flotilla_mqtt::client(options, 1000);
-        for filter in filters {
-            client
-                .subscribe(filter.clone(), QoS::AtLeastOnce)
-                .await
-                .expect("queue subscribe");
-        }
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (acked_tx, acked_rx) = tokio::sync::oneshot::channel();
         let record = seen.clone();
+        let filters = filters.to_vec();
         let expected = filters.len();
         let task = tokio::spawn(async move {
-            let _client = client; // keeps the request channel open
             let mut acks = 0;
             let mut acked_tx = Some(acked_tx);
             loop {
                 match eventloop.poll().await {
+                    // Subscribed on every connection: a clean session forgets subscriptions
+                    // queued before a connection that dropped before its SubAck, and the
+                    // watcher would stay deaf.
+                    Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                        acks = 0;
+                        for filter in &filters {
+                            client
+                                .subscribe(filter.clone(), QoS::AtLeastOnce)
+                                .await
+                                .expect("queue subscribe");
+                        }
+                    }
                     Ok(Event::Incoming(Packet::Publish(p))) => {
                         record.lock().expect("watcher lock").push(WatchedMessage {
                             topic: p.topic.clone(),
@@ -184,4 +190,23 @@ impl Watcher {
         })
         .await
     }
+}
+
+/// Drives a test client's event loop for as long as the test runs, reconnecting after any error.
+///
+/// A loop that stops at the first error drops the event loop, and every later publish on its
+/// client fails with a closed request queue: a broker that drops a flooding client for a moment
+/// (rumqttd may) would fail the test on the test's own side. Errors are printed, not hidden.
+pub fn keep_polling(
+    name: &'static str,
+    mut eventloop: rumqttc::EventLoop,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = eventloop.poll().await {
+                eprintln!("{name}: MQTT connection: {e}; reconnecting");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    })
 }

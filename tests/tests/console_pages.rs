@@ -95,6 +95,16 @@ async fn devices_are_filtered_a_failed_one_says_why_and_only_an_admin_accepts_a_
         let site_filter = browser.wait_for("#filter-site", WAIT).expect("site filter");
         browser.send_keys(&site_filter, "paris");
         browser.execute("document.getElementById('filter-phase').value = 'failed';");
+        // A live event redraws the list while the operator types: what was typed stays.
+        let typed = browser.execute(
+            "return refresh().then(() => document.getElementById('filter-site').value + ' ' \
+             + document.getElementById('filter-phase').value)",
+        );
+        assert_eq!(
+            typed.as_str(),
+            Some("paris failed"),
+            "a redraw of the devices list wiped the filters being typed"
+        );
         browser.click_text("#filter-apply", "Filter", WAIT);
         browser.wait_text("#devices-rows", WAIT, |t| {
             t.contains("dev-02") && !t.contains("dev-01") && !t.contains("dev-03")

@@ -38,8 +38,9 @@ async fn floods_of_forged_messages_stop_neither_agent_nor_coordinator() {
     // claiming fresh action ids) and junk on the control topic, as fast as the broker takes them.
     let mut options = MqttOptions::new("attacker", "127.0.0.1", site.port);
     options.set_max_packet_size(1 << 20, 1 << 20);
-    let (attacker, mut eventloop) = AsyncClient::new(options, 10_000);
-    let poller = tokio::spawn(async move { while eventloop.poll().await.is_ok() {} });
+    let (attacker, eventloop) = AsyncClient::new(options, 10_000);
+    // A broker may drop a client that floods it; the attacker reconnects and goes on.
+    let poller = flotilla_tests::mqtt::keep_polling("attacker", eventloop);
     let topics = Topics::default();
     let desired = topics.desired(&DeviceId::new(ID).expect("id"));
     let rogue = generate_key();

@@ -200,7 +200,7 @@ async fn without_its_marker_the_coordinator_stays_loading_until_the_timeout_and_
     // A marker from another client, with a nonce of its own: counted, ignored.
     let mut options = site.connection().options("marker".to_owned());
     options.set_max_packet_size(1 << 20, 1 << 20);
-    let (forger, mut forger_loop) = flotilla_mqtt::client(options, 10);
+    let (forger, forger_loop) = flotilla_mqtt::client(options, 10);
     forger
         .publish(
             Topics::default().marker(),
@@ -210,7 +210,7 @@ async fn without_its_marker_the_coordinator_stays_loading_until_the_timeout_and_
         )
         .await
         .expect("queue");
-    tokio::spawn(async move { while forger_loop.poll().await.is_ok() {} });
+    flotilla_tests::mqtt::keep_polling("marker forger", forger_loop);
     let counted = async {
         loop {
             let text = flotilla_tests::scrape_metrics(metrics_port).await;

@@ -47,8 +47,8 @@ async fn fleet_site() -> Site {
 
     let mut options = site.connection().options("fleet-publisher");
     options.set_max_packet_size(1 << 20, 1 << 20);
-    let (client, mut eventloop) = flotilla_mqtt::client(options, DEVICES + 10);
-    let poller = tokio::spawn(async move { while eventloop.poll().await.is_ok() {} });
+    let (client, eventloop) = flotilla_mqtt::client(options, DEVICES + 10);
+    let poller = flotilla_tests::mqtt::keep_polling("fleet-publisher", eventloop);
     let topics = Topics::default();
     for (i, key) in keys.iter().enumerate() {
         let id = device_id(i);

@@ -50,6 +50,7 @@
 
 use flotilla_rollout::zoneinfo::SystemZones;
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,6 +107,10 @@ pub(super) async fn lead(
     let db = store.describe();
     let store_is_sled = store.sled_path().is_some();
     let opened_ms = opening.elapsed().as_millis();
+    // The authorized keys file is parsed on a thread of its own while the store's records load:
+    // each key is a point decompression, about 0.4 s for a file of 100k keys, as long as the
+    // rest of the records together (docs/performance.md, "Where a restart's first second goes").
+    let authorized = parse_authorized_keys_aside(config.enrollment.authorized_keys.clone());
     let rollouts = store
         .load_rollouts()
         .map_err(|source| ServiceError::LoadRollouts {
@@ -125,16 +130,7 @@ pub(super) async fn lead(
             store: db.clone(),
             source,
         })?;
-    let authorized = match &config.enrollment.authorized_keys {
-        None => Vec::new(),
-        Some(path) => std::fs::read_to_string(path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| enrollment::parse_authorized_keys(&text))
-            .map_err(|reason| ServiceError::AuthorizedKeys {
-                path: path.clone(),
-                reason,
-            })?,
-    };
+    let (authorized, authorized_keys_ms) = authorized.wait()?;
     let load_enrollments = |source| ServiceError::LoadEnrollments {
         store: db.clone(),
         source,
@@ -165,7 +161,7 @@ pub(super) async fn lead(
     }
     // Where a restart's time goes before the coordinator connects (docs/performance.md).
     tracing::info!(rollouts = rollout_count, device_groups = group_count, enrollments = registry.all().count(),
-        store = %db, epoch = leadership.epoch(), store_open_ms = opened_ms, rollouts_ms,
+        store = %db, epoch = leadership.epoch(), store_open_ms = opened_ms, rollouts_ms, authorized_keys_ms,
         other_records_ms = loaded_ms - opened_ms - rollouts_ms, engine_ms = opening.elapsed().as_millis() - loaded_ms,
         "coordinator starting");
 
@@ -519,6 +515,54 @@ fn open_link_on(
     })
 }
 
+/// The authorized keys file being parsed beside the store's records ([`lead`]).
+enum AuthorizedKeysParse {
+    /// Parsed already: no file configured, or no thread could be started.
+    Ready(AuthorizedKeysParsed),
+    Aside(std::thread::JoinHandle<AuthorizedKeysParsed>),
+}
+
+type AuthorizedKeysParsed = Result<(Vec<enrollment::AuthorizedKey>, u128), ServiceError>;
+
+fn parse_authorized_keys_file(path: &Path) -> AuthorizedKeysParsed {
+    let started = std::time::Instant::now();
+    let keys = std::fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|text| enrollment::parse_authorized_keys(&text))
+        .map_err(|reason| ServiceError::AuthorizedKeys {
+            path: path.to_owned(),
+            reason,
+        })?;
+    Ok((keys, started.elapsed().as_millis()))
+}
+
+/// Starts parsing the authorized keys file at `path` on a thread of its own.
+fn parse_authorized_keys_aside(path: Option<PathBuf>) -> AuthorizedKeysParse {
+    let Some(path) = path else {
+        return AuthorizedKeysParse::Ready(Ok((Vec::new(), 0)));
+    };
+    let aside = path.clone();
+    match std::thread::Builder::new()
+        .name("flotilla-authorized-keys".to_owned())
+        .spawn(move || parse_authorized_keys_file(&aside))
+    {
+        Ok(handle) => AuthorizedKeysParse::Aside(handle),
+        Err(_) => AuthorizedKeysParse::Ready(parse_authorized_keys_file(&path)),
+    }
+}
+
+impl AuthorizedKeysParse {
+    /// The parsed keys and how long the parse took (ms), or why the file is refused.
+    fn wait(self) -> AuthorizedKeysParsed {
+        match self {
+            AuthorizedKeysParse::Ready(parsed) => parsed,
+            AuthorizedKeysParse::Aside(handle) => handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -533,6 +577,54 @@ mod tests {
     use std::collections::BTreeMap;
 
     const WAIT: Duration = Duration::from_secs(20);
+
+    #[test]
+    fn the_authorized_keys_parsed_aside_refuse_a_bad_line_as_before() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let good = SigningKey::from_bytes(&[3; 32]).verifying_key();
+        let path = dir.path().join("authorized_keys");
+        std::fs::write(
+            &path,
+            format!(
+                "# fleet keys\n{} dev-1\n",
+                flotilla_protocol::hex::encode(good.as_bytes())
+            ),
+        )
+        .expect("write");
+        let (keys, _ms) = parse_authorized_keys_aside(Some(path.clone()))
+            .wait()
+            .expect("a good file");
+        assert_eq!(keys.len(), 1);
+        assert_eq!(keys[0].device.as_deref(), Some("dev-1"));
+
+        // A point that is not on the curve: the coordinator does not start, naming file and line.
+        let mut not_a_point = [0u8; 32];
+        not_a_point[0] = 2;
+        std::fs::write(
+            &path,
+            format!(
+                "# fleet keys\n{}\n",
+                flotilla_protocol::hex::encode(&not_a_point)
+            ),
+        )
+        .expect("write");
+        let message = match parse_authorized_keys_aside(Some(path.clone())).wait() {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a key that is no point is refused"),
+        };
+        assert!(
+            message.contains("authorized_keys") && message.contains("line 2"),
+            "{message}"
+        );
+
+        let missing = dir.path().join("missing");
+        assert!(parse_authorized_keys_aside(Some(missing)).wait().is_err());
+        assert!(parse_authorized_keys_aside(None)
+            .wait()
+            .expect("none")
+            .0
+            .is_empty());
+    }
 
     fn free_addr() -> std::net::SocketAddr {
         std::net::TcpListener::bind("127.0.0.1:0")

@@ -16,8 +16,10 @@
 //! per event: a scrape asks for a [`Snapshot`], the service loop builds one as soon as it is done
 //! with the input at hand (a message, a control request, its one-second tick) and hands it over,
 //! and the scrape answers with it, or with the previous one if the loop is stuck on one input
-//! for longer than [`FRESH_WAIT`]. Building one walks every device slot once: about 7 ms for a
-//! 100k-device rollout (release build), once per scrape. Nothing the HTTP side does ever waits on, or
+//! for longer than [`FRESH_WAIT`]. Counting the devices walks every device slot and every
+//! accepted device once (about 7 ms for a 100k-device rollout's slots, release build), so it is
+//! done at most every [`COUNTS_EVERY`]; a snapshot in between has those counts as last made and
+//! everything else fresh. Nothing the HTTP side does ever waits on, or
 //! blocks, the service loop; the loop only swaps an `Arc` under a lock nobody holds for long.
 //!
 //! How connections are bounded (timeouts, a cap, idle connections making room for a scrape) is
@@ -49,6 +51,13 @@ use crate::service::tokens::AttemptCounts;
 /// How long a scrape waits for the service loop's fresh snapshot before it answers with the
 /// previous one.
 pub const FRESH_WAIT: Duration = Duration::from_secs(2);
+
+/// The per-device counts of a snapshot (every rollout's slots by phase, the accepted devices
+/// without a state) are made at most this often: each is a pass over the fleet, tens of
+/// milliseconds of the service loop at 100k devices. A scrape in between gets them as last
+/// counted, with every other figure fresh; so a client that scrapes in a loop cannot hold up
+/// the loop (a benchmark polling twice every 50 ms doubled a restart's registry time).
+pub const COUNTS_EVERY: Duration = Duration::from_secs(1);
 
 /// Seconds: 100 µs to 10 s, for how long one input takes the service loop.
 const DECISION_BUCKETS: [f64; 15] = [
@@ -212,6 +221,9 @@ pub struct Metrics {
     malformed: Vec<Counter>,
     refused: Family<[(&'static str, &'static str); 1], Counter>,
     block_bytes: Counter,
+    /// Artifact bytes the coordinator's own HTTP origin sent (`GET /artifacts/{sha256}`),
+    /// counted by the HTTP server through the [`Endpoint`].
+    http_bytes: Counter,
     block_replies: Family<[(&'static str, &'static str); 1], Counter>,
     device_bytes: Family<[(&'static str, &'static str); 1], Counter>,
     connects: Counter,
@@ -242,9 +254,15 @@ impl Drop for InputTimer {
 }
 
 /// What the engine and the service hold, as a scrape shows it.
-#[derive(Debug, Default)]
+///
+/// The default is what a scrape shows before the service loop hands over its first snapshot:
+/// no rollouts, nothing counted, and the registry still loading, since no retained state has
+/// been read yet (a coordinator reading its store, or one whose loop is still busy with the
+/// retained burst).
+#[derive(Debug)]
 pub struct Snapshot {
-    pub rollouts: Vec<RolloutRow>,
+    /// Counted at most every [`COUNTS_EVERY`]; shared with the snapshots in between.
+    pub rollouts: Arc<Vec<RolloutRow>>,
     pub ignored: BTreeMap<Ignored, u64>,
     pub unpublishable: u64,
     pub desired_repairs: u64,
@@ -252,6 +270,21 @@ pub struct Snapshot {
     pub device_actions_held_back: u64,
     pub store_failing: bool,
     pub registry_loading: bool,
+}
+
+impl Default for Snapshot {
+    fn default() -> Self {
+        Snapshot {
+            rollouts: Arc::default(),
+            ignored: BTreeMap::new(),
+            unpublishable: 0,
+            desired_repairs: 0,
+            store_write_failures: 0,
+            device_actions_held_back: 0,
+            store_failing: false,
+            registry_loading: true,
+        }
+    }
 }
 
 /// One rollout in a [`Snapshot`].
@@ -286,6 +319,8 @@ struct Shared {
     inbox: Mutex<Option<InboxStats>>,
     /// A service loop answers requests for fresh snapshots.
     attached: AtomicBool,
+    /// When the last snapshot counted the devices ([`COUNTS_EVERY`]).
+    counted_at: Mutex<Option<Instant>>,
 }
 
 impl Shared {
@@ -348,6 +383,12 @@ impl Metrics {
             "flotilla_artifact_block_bytes_served",
             "Artifact bytes sent to devices in block replies",
             block_bytes.clone(),
+        );
+        let http_bytes = Counter::default();
+        registry.register(
+            "flotilla_artifact_http_bytes_served",
+            "Artifact bytes sent by the coordinator's HTTP origin (GET /artifacts/{sha256})",
+            http_bytes.clone(),
         );
         let block_replies = Family::default();
         registry.register(
@@ -423,6 +464,7 @@ impl Metrics {
             shared,
             refused,
             block_bytes,
+            http_bytes,
             block_replies,
             device_bytes,
             connects,
@@ -448,6 +490,7 @@ impl Metrics {
         Endpoint {
             registry: self.registry.clone(),
             shared: self.shared.clone(),
+            http_bytes: self.http_bytes.clone(),
         }
     }
 
@@ -571,10 +614,40 @@ impl Metrics {
         self.shared.wanted.load(Ordering::Acquire)
     }
 
+    /// Whether the snapshot made now counts the devices again: none was counted in the last
+    /// [`COUNTS_EVERY`]. When it says yes, the counting is taken as done at `now`.
+    pub fn counts_due(&self, now: Instant) -> bool {
+        let mut at = self
+            .shared
+            .counted_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *at {
+            Some(then) if now.saturating_duration_since(then) < COUNTS_EVERY => false,
+            _ => {
+                *at = Some(now);
+                true
+            }
+        }
+    }
+
     /// Hands a fresh snapshot of the engine and the service's totals to the waiting scrapes.
-    pub fn refresh(&self, engine: &Engine, ignored: &BTreeMap<Ignored, u64>, totals: Totals) {
+    /// With `count` false the rollouts' device counts are the last snapshot's
+    /// ([`Metrics::counts_due`]).
+    pub fn refresh(
+        &self,
+        engine: &Engine,
+        ignored: &BTreeMap<Ignored, u64>,
+        totals: Totals,
+        count: bool,
+    ) {
         self.shared.wanted.store(false, Ordering::Release);
-        let snapshot = Arc::new(snapshot(engine, ignored, totals));
+        let rollouts = if count {
+            Arc::new(rollout_rows(engine))
+        } else {
+            self.shared.snapshot().rollouts.clone()
+        };
+        let snapshot = Arc::new(snapshot(rollouts, ignored, totals));
         *self
             .shared
             .snapshot
@@ -585,9 +658,9 @@ impl Metrics {
 }
 
 /// Counts every rollout's devices by group and phase; a pass over the slots, done only when a
-/// scrape asks.
-fn snapshot(engine: &Engine, ignored: &BTreeMap<Ignored, u64>, totals: Totals) -> Snapshot {
-    let rollouts = engine
+/// scrape asks, at most every [`COUNTS_EVERY`].
+fn rollout_rows(engine: &Engine) -> Vec<RolloutRow> {
+    engine
         .rollouts()
         .map(|r| RolloutRow {
             name: r.name.clone(),
@@ -612,7 +685,14 @@ fn snapshot(engine: &Engine, ignored: &BTreeMap<Ignored, u64>, totals: Totals) -
                 })
                 .collect(),
         })
-        .collect();
+        .collect()
+}
+
+fn snapshot(
+    rollouts: Arc<Vec<RolloutRow>>,
+    ignored: &BTreeMap<Ignored, u64>,
+    totals: Totals,
+) -> Snapshot {
     Snapshot {
         rollouts,
         ignored: ignored.clone(),
@@ -650,7 +730,7 @@ impl Collector for SnapshotCollector {
         let gauge = ConstGauge::new(0i64).metric_type();
 
         let mut by_state: BTreeMap<&str, i64> = ROLLOUT_STATES.iter().map(|s| (*s, 0)).collect();
-        for r in &snap.rollouts {
+        for r in snap.rollouts.iter() {
             *by_state.entry(r.state.as_str()).or_default() += 1;
         }
         let mut metric = encoder.encode_descriptor(
@@ -669,7 +749,7 @@ impl Collector for SnapshotCollector {
             None,
             gauge,
         )?;
-        for r in &snap.rollouts {
+        for r in snap.rollouts.iter() {
             let labels = [
                 ("rollout", r.name.as_str()),
                 ("release", r.release.as_str()),
@@ -685,7 +765,7 @@ impl Collector for SnapshotCollector {
             None,
             gauge,
         )?;
-        for r in &snap.rollouts {
+        for r in snap.rollouts.iter() {
             for (group, phases) in &r.groups {
                 for (phase, n) in phases {
                     let labels = [
@@ -792,9 +872,15 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 pub struct Endpoint {
     registry: Arc<Registry>,
     shared: Arc<Shared>,
+    http_bytes: Counter,
 }
 
 impl Endpoint {
+    /// Counts `n` artifact bytes sent by the HTTP origin.
+    pub fn http_artifact_bytes(&self, n: u64) {
+        self.http_bytes.inc_by(n);
+    }
+
     /// The metrics as OpenMetrics text, with a snapshot taken after this call when the loop
     /// answers within [`FRESH_WAIT`].
     pub async fn render(&self) -> String {
@@ -865,5 +951,63 @@ mod tests {
             "not_allowed"
         );
         assert_eq!(refusal_kind("something new"), "other");
+    }
+
+    fn loading_gauge(text: &str) -> &str {
+        text.lines()
+            .find_map(|l| l.strip_prefix("flotilla_registry_loading "))
+            .expect("the gauge is always shown")
+    }
+
+    #[tokio::test]
+    async fn a_scrape_before_the_first_snapshot_says_the_registry_is_loading() {
+        // A dashboard polling flotilla_registry_loading during a restart must not see 0 (done)
+        // before the coordinator has read a single retained state.
+        let metrics = Metrics::new();
+        let endpoint = metrics.endpoint();
+        assert_eq!(loading_gauge(&endpoint.render().await), "1");
+
+        let engine = Engine::new(flotilla_rollout::zoneinfo::SystemZones);
+        let totals = |registry_loading| Totals {
+            unpublishable: 0,
+            desired_repairs: 0,
+            store_write_failures: 0,
+            device_actions_held_back: 0,
+            store_failing: false,
+            registry_loading,
+        };
+        metrics.refresh(&engine, &BTreeMap::new(), totals(true), true);
+        assert_eq!(loading_gauge(&endpoint.render().await), "1");
+        // Between two countings of the devices the flag is still fresh.
+        metrics.refresh(&engine, &BTreeMap::new(), totals(false), false);
+        assert_eq!(
+            loading_gauge(&endpoint.render().await),
+            "0",
+            "the marker came back"
+        );
+    }
+
+    #[test]
+    fn the_devices_are_counted_at_most_once_a_second_however_often_scrapes_ask() {
+        let metrics = Metrics::new();
+        let start = Instant::now();
+        assert!(metrics.counts_due(start), "the first snapshot counts");
+        for ms in [1, 50, 500, 999] {
+            assert!(
+                !metrics.counts_due(start + Duration::from_millis(ms)),
+                "a scrape {ms} ms later gets the last counts"
+            );
+        }
+        assert!(metrics.counts_due(start + COUNTS_EVERY));
+        assert!(!metrics.counts_due(start + COUNTS_EVERY + Duration::from_millis(10)));
+    }
+
+    #[tokio::test]
+    async fn a_standby_says_it_loads_nothing() {
+        // What `standby.rs` hands over before its first scrape: an empty engine, no totals.
+        let metrics = Metrics::new();
+        let nothing = Engine::new(flotilla_rollout::zoneinfo::SystemZones);
+        metrics.refresh(&nothing, &BTreeMap::new(), Totals::default(), true);
+        assert_eq!(loading_gauge(&metrics.endpoint().render().await), "0");
     }
 }

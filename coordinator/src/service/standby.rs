@@ -82,6 +82,8 @@ pub(super) async fn standby(
     // A scrape waits for a snapshot of the engine; a standby has none to give, so it answers
     // with an empty one at once.
     let nothing = Engine::new(SystemZones);
+    // Its `/metrics` says nothing is loading: a standby holds no registry.
+    metrics.refresh(&nothing, &Default::default(), Default::default(), true);
     let mut scrapes = tokio::time::interval(Duration::from_millis(100));
     // The API answers 503 and names this standby: clients ask the leader.
     let unavailable =
@@ -131,7 +133,7 @@ pub(super) async fn standby(
             }
             _ = scrapes.tick() => {
                 if metrics.wanted() {
-                    metrics.refresh(&nothing, &Default::default(), Default::default());
+                    metrics.refresh(&nothing, &Default::default(), Default::default(), true);
                 }
                 continue;
             }

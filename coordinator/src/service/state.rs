@@ -175,10 +175,14 @@ impl Service {
                 store_failing: self.health.is_failing(),
                 registry_loading: self.loading.is_loading(),
             };
+            // The passes over the fleet at most every COUNTS_EVERY, however often scrapes ask.
+            let count = self.metrics.counts_due(std::time::Instant::now());
             self.metrics
-                .refresh(&self.engine, &self.ignored.total, totals);
-            let (accepted, with_state) = self.coverage_counts();
-            self.coverage.set_without_state(accepted - with_state);
+                .refresh(&self.engine, &self.ignored.total, totals, count);
+            if count {
+                let (accepted, with_state) = self.coverage_counts();
+                self.coverage.set_without_state(accepted - with_state);
+            }
         }
     }
 

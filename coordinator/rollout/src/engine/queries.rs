@@ -233,12 +233,16 @@ impl Engine {
 
     /// Per release: how many known devices run it, and the rollouts that roll it out.
     pub fn release_usage(&self) -> BTreeMap<String, (u64, Vec<String>)> {
-        let mut usage: BTreeMap<String, (u64, Vec<String>)> = BTreeMap::new();
-        for d in self.devices.values() {
-            if let Some(release) = &d.installed {
-                usage.entry(release.to_string()).or_default().0 += 1;
-            }
+        // Counted under the borrowed names first: a pass over every device (`list_releases`
+        // asks for it) that allocates nothing per device.
+        let mut installed: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+        for release in self.devices.values().filter_map(|d| d.installed.as_deref()) {
+            *installed.entry(release).or_default() += 1;
         }
+        let mut usage: BTreeMap<String, (u64, Vec<String>)> = installed
+            .into_iter()
+            .map(|(release, n)| (release.to_owned(), (n, Vec::new())))
+            .collect();
         for e in self.rollouts.values() {
             let entry = usage.entry(e.rollout.release.name.clone()).or_default();
             entry.1.push(e.rollout.name.clone());

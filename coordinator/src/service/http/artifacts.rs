@@ -162,21 +162,29 @@ async fn artifact(
             format!("cannot read artifact {name}\n"),
         );
     }
-    let stream = futures_util::stream::unfold((file, length), |(mut file, left)| async move {
-        if left == 0 {
-            return None;
-        }
-        let mut buf = vec![0; (left as usize).min(CHUNK)];
-        match file.read(&mut buf).await {
-            Ok(0) => Some((
-                Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
-                (file, 0),
-            )),
-            Ok(n) => {
-                buf.truncate(n);
-                Some((Ok(Bytes::from(buf)), (file, left - n as u64)))
+    // Counted as each chunk is handed to the server (`flotilla_artifact_http_bytes_served`).
+    let counter = api.metrics.clone();
+    let stream = futures_util::stream::unfold((file, length), move |(mut file, left)| {
+        let counter = counter.clone();
+        async move {
+            if left == 0 {
+                return None;
             }
-            Err(e) => Some((Err(e), (file, 0))),
+            let mut buf = vec![0; (left as usize).min(CHUNK)];
+            match file.read(&mut buf).await {
+                Ok(0) => Some((
+                    Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+                    (file, 0),
+                )),
+                Ok(n) => {
+                    buf.truncate(n);
+                    if let Some(metrics) = &counter {
+                        metrics.http_artifact_bytes(n as u64);
+                    }
+                    Some((Ok(Bytes::from(buf)), (file, left - n as u64)))
+                }
+                Err(e) => Some((Err(e), (file, 0))),
+            }
         }
     });
     response.body(Body::from_stream(stream)).unwrap_or_default()
@@ -236,9 +244,10 @@ mod tests {
         let name = "ab".repeat(32);
         std::fs::write(store.join(&name), &data).expect("write");
         std::fs::write(dir.path().join("secret.key"), b"secret").expect("write");
+        let metrics = crate::service::metrics::Metrics::new().endpoint();
         let state = Api {
             artifacts: Some(store),
-            ..Api::metrics_only(None)
+            ..Api::metrics_only(Some(metrics.clone()))
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -272,6 +281,12 @@ mod tests {
         let (head, body) = split(&get(addr, &format!("/artifacts/{name}"), None).await);
         assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         assert_eq!(body, data, "the whole file without a range");
+
+        let scraped = metrics.render().await;
+        assert!(
+            scraped.contains("flotilla_artifact_http_bytes_served_total 265536"),
+            "the range and the whole file are counted: {scraped}"
+        );
 
         let (head, _) =
             split(&get(addr, &format!("/artifacts/{name}"), Some("bytes=200000-")).await);

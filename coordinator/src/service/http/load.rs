@@ -123,7 +123,10 @@ enum Outcome {
 async fn open_stream(
     addr: SocketAddr,
     cookie: String,
-) -> (Result<Outcome, String>, Option<TcpStream>) {
+) -> (
+    Result<Outcome, String>,
+    Option<(TcpStream, std::time::Instant)>,
+) {
     let mut stream = match TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) => return (Err(format!("connect: {e}")), None),
@@ -158,7 +161,10 @@ async fn open_stream(
                 let text = String::from_utf8_lossy(&got);
                 if text.starts_with("HTTP/1.1 200") && text.contains("\r\n\r\n") {
                     if text.contains("text/event-stream") {
-                        return (Ok(Outcome::Stream), Some(stream));
+                        return (
+                            Ok(Outcome::Stream),
+                            Some((stream, std::time::Instant::now())),
+                        );
                     }
                     return (Err(format!("200 without a stream: {text}")), None);
                 }
@@ -242,11 +248,20 @@ async fn wave(
         held.len()
     );
     storm.cancel();
-    // Every stream answered is still open: none was cut off after its answer began.
-    assert_eq!(
-        api.streams.load(Ordering::SeqCst),
-        held.len(),
-        "the streams answered 200 are the streams open"
+    // Every stream answered is still open, none cut off after its answer began, unless its
+    // connection has reached the server's lifetime (HEAD_TIMEOUT + WRITE_TIMEOUT, after which
+    // the browser reconnects): on a loaded machine a wave can outlast it. Streams answered
+    // within the last 20 s are well inside it.
+    let open = api.streams.load(Ordering::SeqCst);
+    let recent = held
+        .iter()
+        .filter(|(_, answered)| answered.elapsed() < Duration::from_secs(20))
+        .count();
+    assert!(
+        (recent..=held.len()).contains(&open),
+        "{open} streams open on the server: the {recent} answered in the last 20 s must be, and \
+         no more than the {} answered 200",
+        held.len()
     );
     let answered = controls.await.expect("the control task");
     drop(held);

@@ -157,7 +157,7 @@ function show(section) {
 
 async function drawList() {
   const { status, reply } = await api("GET", "/api/v1/rollouts?limit=200");
-  if (status === 401) return needLogin();
+  if (status === 401) return needLogin(reply && reply.error);
   const rows = $("rollout-rows");
   rows.replaceChildren();
   for (const r of (reply && reply.result && reply.result.items) || []) {
@@ -185,7 +185,7 @@ function actionButton(label, command, errorId) {
 
 async function drawRollout(name) {
   const { status, reply } = await api("GET", "/api/v1/rollouts/" + encodeURIComponent(name) + "?limit=200");
-  if (status === 401) return needLogin();
+  if (status === 401) return needLogin(reply && reply.error);
   if (status !== 200) {
     $("rollout-name").textContent = name;
     $("rollout-summary").textContent = (reply && reply.error) || "not found";
@@ -263,6 +263,8 @@ function soon() {
 
 // ---- login, routing, live events -----------------------------------------------------------
 
+// The login form, saying why when a session ended (`reason`: the coordinator's 401 answer,
+// whichever request of the page met it first); none when the operator logged out.
 function needLogin(reason) {
   me = null;
   // A stream of a session that ended would only reconnect to be refused.
@@ -346,7 +348,7 @@ function route() {
   let m;
   if ((m = path.match(/^\/rollouts\/(.+)$/))) view = { name: "rollout", rollout: decodeURIComponent(m[1]) };
   else if ((m = path.match(/^\/devices\/(.+)$/))) view = { name: "device", device: decodeURIComponent(m[1]) };
-  else if (path === "/devices") view = { name: "devices", query: params };
+  else if (path === "/devices") { view = { name: "devices", query: params }; fillFilters(params); }
   else if (path === "/queues") view = { name: "queues" };
   else if (path === "/releases") view = { name: "releases", query: params };
   else view = { name: "list" };

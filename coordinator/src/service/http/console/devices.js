@@ -34,6 +34,8 @@ function lastSeen(d) {
   return cell;
 }
 
+// Filled when the route changes, never by a redraw: a live event that redraws the list must not
+// wipe what the operator is typing.
 function fillFilters(params) {
   for (const k of DEVICE_FILTERS) $("filter-" + k).value = params.get(k) || "";
 }
@@ -46,9 +48,8 @@ function applyFilters(event) {
 }
 
 async function drawDevices(params) {
-  fillFilters(params);
   const { status, reply } = await api("GET", "/api/v1/devices?" + deviceQuery(params));
-  if (status === 401) return needLogin();
+  if (status === 401) return needLogin(reply && reply.error);
   $("devices-error").textContent = status === 200 ? "" : (reply && reply.error) || "the coordinator answered " + status;
   const rows = $("devices-rows");
   rows.replaceChildren();
@@ -96,7 +97,7 @@ function bytesText(b) {
 
 async function drawDevice(id) {
   const { status, reply } = await api("GET", "/api/v1/devices/" + encodeURIComponent(id));
-  if (status === 401) return needLogin();
+  if (status === 401) return needLogin(reply && reply.error);
   $("device-name").textContent = id;
   const facts = $("device-facts");
   facts.replaceChildren();

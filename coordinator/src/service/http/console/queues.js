@@ -9,7 +9,8 @@ async function drawQueues() {
     api("GET", "/api/v1/enrollment?limit=" + QUEUE_PAGE),
     api("GET", "/api/v1/approvals?phase=pending&limit=" + QUEUE_PAGE),
   ]);
-  if (devices.status === 401 || approvals.status === 401) return needLogin();
+  const ended = [devices, approvals].find((a) => a.status === 401);
+  if (ended) return needLogin(ended.reply && ended.reply.error);
   $("queues-error").textContent = [devices, approvals]
     .filter((r) => r.status !== 200).map((r) => (r.reply && r.reply.error) || "the coordinator answered " + r.status).join("; ");
   const waiting = (devices.status === 200 && devices.reply.result.items) || [];

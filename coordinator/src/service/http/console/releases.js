@@ -21,7 +21,7 @@ async function drawReleases(params) {
   const q = new URLSearchParams({ limit: RELEASE_PAGE });
   if (params.get("after")) q.set("after", params.get("after"));
   const { status, reply } = await api("GET", "/api/v1/releases?" + q);
-  if (status === 401) return needLogin();
+  if (status === 401) return needLogin(reply && reply.error);
   $("releases-error").textContent = status === 200 ? "" : (reply && reply.error) || "the coordinator answered " + status;
   const list = $("release-list");
   list.replaceChildren();
