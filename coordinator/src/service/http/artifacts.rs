@@ -42,10 +42,14 @@ fn text(status: StatusCode, body: String) -> Response {
         .into_response()
 }
 
+/// A `Range` that starts past the end of the file: answered `416 Range Not Satisfiable`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Unsatisfiable;
+
 /// The byte range a `Range` header asks for within `size` bytes: `Ok(None)` for the whole
 /// file (no header, or one this server does not take, such as several ranges, which it may
-/// ignore), `Err(())` when the range starts past the end (416).
-pub fn parse_range(value: Option<&str>, size: u64) -> Result<Option<(u64, u64)>, ()> {
+/// ignore), `Err(Unsatisfiable)` when the range starts past the end (416).
+pub fn parse_range(value: Option<&str>, size: u64) -> Result<Option<(u64, u64)>, Unsatisfiable> {
     let Some(spec) = value.and_then(|v| v.trim().strip_prefix("bytes=")) else {
         return Ok(None);
     };
@@ -62,7 +66,7 @@ pub fn parse_range(value: Option<&str>, size: u64) -> Result<Option<(u64, u64)>,
             return Ok(None);
         };
         if n == 0 || size == 0 {
-            return Err(());
+            return Err(Unsatisfiable);
         }
         (size.saturating_sub(n), size - 1)
     } else {
@@ -78,7 +82,7 @@ pub fn parse_range(value: Option<&str>, size: u64) -> Result<Option<(u64, u64)>,
             }
         };
         if start >= size {
-            return Err(());
+            return Err(Unsatisfiable);
         }
         (start, end)
     };
@@ -133,7 +137,7 @@ async fn artifact(
     let (status, start, end) = match parse_range(range.as_deref(), size) {
         Ok(Some((a, b))) => (StatusCode::PARTIAL_CONTENT, a, b),
         Ok(None) => (StatusCode::OK, 0, size.saturating_sub(1)),
-        Err(()) => {
+        Err(Unsatisfiable) => {
             return (
                 StatusCode::RANGE_NOT_SATISFIABLE,
                 [(header::CONTENT_RANGE, format!("bytes */{size}"))],
@@ -201,7 +205,7 @@ mod tests {
         assert_eq!(parse_range(Some("bytes=90-"), 100), Ok(Some((90, 99))));
         assert_eq!(parse_range(Some("bytes=90-200"), 100), Ok(Some((90, 99))));
         assert_eq!(parse_range(Some("bytes=-10"), 100), Ok(Some((90, 99))));
-        assert_eq!(parse_range(Some("bytes=100-"), 100), Err(()));
+        assert_eq!(parse_range(Some("bytes=100-"), 100), Err(Unsatisfiable));
         // Several ranges, or nonsense: the whole file, which a server may answer instead.
         assert_eq!(parse_range(Some("bytes=0-1,5-6"), 100), Ok(None));
         assert_eq!(parse_range(Some("bytes=x-y"), 100), Ok(None));

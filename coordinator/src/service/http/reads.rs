@@ -64,6 +64,9 @@ fn cookie_token(headers: &HeaderMap) -> Option<&str> {
 }
 
 /// The session the request's cookie names, or the `401` that says why there is none.
+// The error is the answer itself, returned to the client as it is, once a request: boxing it
+// would only add an allocation.
+#[allow(clippy::result_large_err)]
 fn session(api: &Api, headers: &HeaderMap) -> Result<Session, Response> {
     match cookie_token(headers).map(|token| api.sessions.lookup(token)) {
         Some(Lookup::Open(session)) => Ok(session),
