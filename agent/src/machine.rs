@@ -1400,7 +1400,10 @@ mod tests {
         let mut f = fixture(None, vec![]);
         let dest = f.dir.path().join("app.bin");
         let bytes = b"forced later".to_vec();
-        let at = trust::system_now() + 1;
+        // Whole seconds on the wall clock: `now + 1` is as little as a millisecond away (at
+        // x.999 s), and a loaded machine reached its check after it and never waited. Three
+        // leave two whole seconds to reach the check.
+        let at = trust::system_now() + 3;
         let rec = tokio::time::timeout(
             Duration::from_secs(30),
             drive(
