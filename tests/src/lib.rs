@@ -32,6 +32,7 @@ pub mod postgres;
 pub mod rauc;
 pub mod secure;
 pub mod site;
+mod site_waits;
 pub mod swu;
 pub mod tcp_proxy;
 pub mod webdriver;

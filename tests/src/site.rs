@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_coordinator::cli::client::ControlClient;
 use flotilla_coordinator::service::broker::EmbeddedBroker;
-use flotilla_protocol::control::{Command as Control, DeviceSummary, PageQuery, RolloutStatus};
+use flotilla_protocol::control::{Command as Control, PageQuery, RolloutStatus};
 use flotilla_protocol::operator::Role;
 use flotilla_protocol::SigningKey;
 
@@ -755,63 +755,6 @@ max_bytes_per_sec = {rate}
         )
         .await
         .expect("connect control client")
-    }
-
-    /// Waits until the coordinator knows `n` online devices.
-    pub async fn wait_devices(&self, n: usize) -> Vec<DeviceSummary> {
-        self.wait_for_devices(&format!("{n} online devices"), |devices| {
-            (devices.iter().filter(|d| d.online).count() >= n).then(|| devices.to_vec())
-        })
-        .await
-    }
-
-    /// Waits until the coordinator reports `id` as online (or offline, after its last will).
-    pub async fn wait_online(&self, id: &str, online: bool) -> DeviceSummary {
-        self.wait_for_devices(&format!("{id} online={online}"), |devices| {
-            devices
-                .iter()
-                .find(|d| d.id == id && d.online == online)
-                .cloned()
-        })
-        .await
-    }
-
-    /// Waits until the coordinator lists device `id` with enrollment status `status`.
-    pub async fn wait_for_enrollment(&self, id: &str, status: &str) {
-        self.wait_for_devices(&format!("{id} {status}"), |devices| {
-            devices
-                .iter()
-                .any(|d| d.id == id && d.enrollment.as_deref() == Some(status))
-                .then_some(())
-        })
-        .await
-    }
-
-    /// Polls the coordinator's device list until `found` returns something; panics after
-    /// [`WAIT`] naming `what`.
-    async fn wait_for_devices<T>(
-        &self,
-        what: &str,
-        found: impl Fn(&[DeviceSummary]) -> Option<T>,
-    ) -> T {
-        let client = self.client().await;
-        let deadline = Instant::now() + WAIT;
-        loop {
-            // Page by page, as `flotilla devices` does.
-            if let Ok(devices) = client
-                .list_devices(PageQuery::default(), None, Duration::from_secs(5))
-                .await
-            {
-                if let Some(result) = found(&devices) {
-                    return result;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "coordinator did not see {what} within {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
     }
 
     /// Creates a rollout from spec text through the control topic and starts it.
