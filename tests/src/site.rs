@@ -844,9 +844,33 @@ max_bytes_per_sec = {rate}
         logs.extend(self.named.values().map(|p| p.log.as_path()));
         for log in logs {
             if let Ok(text) = fs::read_to_string(log) {
-                let tail: Vec<&str> = text.lines().rev().take(40).collect();
-                eprintln!("---- {} (last {} lines)", log.display(), tail.len());
-                for line in tail.iter().rev() {
+                let lines: Vec<&str> = text.lines().collect();
+                let tail_from = lines.len().saturating_sub(40);
+                // Warnings from before the tail: a log busy with requests at info can push
+                // what went wrong out of the last lines.
+                let earlier: Vec<&str> = lines[..tail_from]
+                    .iter()
+                    .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+                    .copied()
+                    .collect();
+                if !earlier.is_empty() {
+                    let shown = &earlier[earlier.len().saturating_sub(20)..];
+                    eprintln!(
+                        "---- {} (warnings and errors before its last lines: the last {} of {})",
+                        log.display(),
+                        shown.len(),
+                        earlier.len()
+                    );
+                    for line in shown {
+                        eprintln!("{line}");
+                    }
+                }
+                eprintln!(
+                    "---- {} (last {} lines)",
+                    log.display(),
+                    lines.len() - tail_from
+                );
+                for line in &lines[tail_from..] {
                     eprintln!("{line}");
                 }
             }
