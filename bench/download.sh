@@ -165,10 +165,10 @@ agent_pid=$!
 pids+=("$agent_pid")
 cli() { "$flotilla" --broker "127.0.0.1:$port" --operator-key "$dir/keys/admin.key" "$@"; }
 for _ in $(seq 600); do
-  cli devices 2>/dev/null | grep -q "$device" && break
+  cli devices 2>/dev/null | grep "$device" >/dev/null && break
   sleep 0.1
 done
-cli devices 2>/dev/null | grep -q "$device" || die "the coordinator never saw $device: $(tail -3 "$dir/agent/agent.log")"
+cli devices 2>/dev/null | grep "$device" >/dev/null || die "the coordinator never saw $device: $(tail -3 "$dir/agent/agent.log")"
 
 served() {
   curl -s "http://127.0.0.1:$metrics_port/metrics" 2>/dev/null |

@@ -93,14 +93,14 @@ dpkg -i "$agent_deb" "$coord_deb" | tee "$work/dpkg-i.log"
   fail "the packaged bash completion is not what flotilla completions bash prints"
 [ -s /usr/share/zsh/vendor-completions/_flotilla ] && [ -s /usr/share/fish/vendor_completions.d/flotilla.fish ] ||
   fail "no zsh or fish completion in the package"
-zcat /usr/share/man/man1/flotilla.1.gz | grep -q '^\.TH flotilla 1' || fail "no flotilla(1) man page"
+zcat /usr/share/man/man1/flotilla.1.gz | grep '^\.TH flotilla 1' >/dev/null || fail "no flotilla(1) man page"
 bash -c 'source /usr/share/bash-completion/completions/flotilla && complete -p flotilla' >/dev/null ||
   fail "the bash completion does not register for flotilla"
 getent passwd flotilla >/dev/null || fail "postinst made no system user flotilla"
 [ "$(stat -c %U:%G /var/lib/flotilla)" = flotilla:flotilla ] || fail "/var/lib/flotilla is not flotilla's"
 [ "$(stat -c %U:%a /var/lib/flotilla/keys/coordinator.key)" = flotilla:600 ] ||
   fail "the coordinator's key is not the flotilla user's alone"
-dpkg-query -W -f='${Conffiles}\n' flotilla-agent flotilla | grep -q /etc/flotilla/coordinator.toml ||
+dpkg-query -W -f='${Conffiles}\n' flotilla-agent flotilla | grep /etc/flotilla/coordinator.toml >/dev/null ||
   fail "coordinator.toml is not a conffile"
 # The agent's unit stays disabled until the operator has configured the agent (an agent on the
 # default config would start at every boot and fail); postinst says what to do. The
@@ -246,7 +246,7 @@ bad_version="${old_version%-*}-3"
 cat >"$selfup/not-bad.sh" <<EOF
 #!/bin/sh
 [ "\$(dpkg-query -W -f '\${Status} \${Version}' flotilla-agent)" != "install ok installed $bad_version" ] ||
-  readlink /proc/\$PPID/exe | grep -q deleted
+  readlink /proc/\$PPID/exe | grep deleted >/dev/null
 EOF
 cat >>"$agent_conf" <<EOF
 [[target]]
@@ -345,7 +345,7 @@ installs: $(cat "$units"/*.log 2>/dev/null | tail -n 20)"
 [ "$(count "$selfup/restarts")" = 1 ] ||
   fail "the agent was restarted $(count "$selfup/restarts") times, not once: $(cat "$selfup/restarts")"
 # Mid-action: the restarted agent found the action in its soak and went on from there.
-sed 's/\x1b\[[0-9;]*m//g' "$selfup/agent.log" | grep -q 'resuming.*state=Confirming' ||
+sed 's/\x1b\[[0-9;]*m//g' "$selfup/agent.log" | grep 'resuming.*state=Confirming' >/dev/null ||
   fail "the restarted agent did not resume the action in its soak: $(grep -E 'resuming|action finished' "$selfup/agent.log")"
 [ "$(count "$units/scheduled")" = 1 ] && [ "$(count "$units/installs")" = 1 ] ||
   fail "the install ran more than once: scheduled $(cat "$units/scheduled"); installed $(cat "$units/installs")"
@@ -400,7 +400,7 @@ for arch in arm64 armhf; do
     arm64) triple=aarch64-unknown-linux-gnu ;;
     armhf) triple=armv7-unknown-linux-gnueabihf ;;
   esac
-  if ! rustup target list --installed 2>/dev/null | grep -qx "$triple" ||
+  if ! rustup target list --installed 2>/dev/null | grep -x "$triple" >/dev/null ||
     ! command -v "$(sed -n "/\[target.$triple\]/{n;s/linker = \"\(.*\)\"/\1/p}" .cargo/config.toml)" >/dev/null; then
     [ "${ARM:-0}" = 1 ] && fail "no $triple toolchain for the $arch packages"
     echo "deb: SKIPPING $arch: no $triple toolchain (.ci/run installs it)" >&2
