@@ -8,9 +8,10 @@
 #   armhf:        flotilla-agent_VERSION_armhf.deb (the coordinator is not built for 32-bit ARM)
 #
 # --arch defaults to the host's (dpkg --print-architecture); --out to target/deb. The binaries
-# are `cargo build --release` ones (the release profile strips them), for another --arch
-# cross-compiled with the linkers of .cargo/config.toml (Debian's gcc-aarch64-linux-gnu,
-# gcc-arm-linux-gnueabihf; `rustup target add` the Rust targets), as .ci/run builds them.
+# are `cargo build --release --target TRIPLE` ones, in target/TRIPLE/release (the release
+# profile strips them); another --arch than the host's is cross-compiled with the linkers of
+# .cargo/config.toml (Debian's gcc-aarch64-linux-gnu, gcc-arm-linux-gnueabihf; `rustup target
+# add` the Rust targets), as .ci/run builds them.
 # --no-build packages what is already built. --only builds one of the packages. --deb-version
 # replaces the Debian version (default: the workspace's version, "-1"): deploy/deb/ci-check.sh
 # packages the same agent binary again as a newer version, for the agent to upgrade itself to.
@@ -76,15 +77,14 @@ maintainer=${DEB_MAINTAINER:-"flotilla maintainers <flotilla@lists.flotilla.dev>
 # .ci/run's cross builds of the agent, made without it, would be built again here.
 epoch=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
 
-# The host's triple builds into target/release (shared with plain `cargo build --release`).
+# Every architecture, the host's included, builds with an explicit --target, into
+# target/TRIPLE/release: one `cargo build --release --target A --target B` then builds several
+# architectures at once, their single-threaded link-time optimisation side by side, and this
+# script finds them built (.ci/run does that before the deb check).
 host_triple=$(rustc -vV | sed -n 's/^host: //p')
+bin_dir="$target_dir/$triple/release"
 if [ "$triple" = "$host_triple" ]; then
-  bin_dir="$target_dir/release"
-  target_arg=
   command -v "${tools}strip" >/dev/null || tools=
-else
-  bin_dir="$target_dir/$triple/release"
-  target_arg="--target $triple"
 fi
 if [ "$build" = 1 ]; then
   for p in $packages; do
@@ -92,8 +92,7 @@ if [ "$build" = 1 ]; then
       flotilla-agent) set -- -p flotilla-agent --bin flotilla-agent ;;
       flotilla) set -- -p flotilla-coordinator --bin flotilla ;;
     esac
-    # shellcheck disable=SC2086 # target_arg is empty or two words
-    cargo build --release $target_arg "$@"
+    cargo build --release --target "$triple" "$@"
   done
 fi
 
@@ -191,9 +190,9 @@ for pkg in $packages; do
       # Shell completions and the man page, which `flotilla completions` and `flotilla man`
       # make from the command line's definition. They are the same on every architecture, so
       # the host's build makes them: no ARM binary has to run here.
-      host_flotilla="$target_dir/release/flotilla"
+      host_flotilla="$target_dir/$host_triple/release/flotilla"
       if [ "$triple" != "$host_triple" ] && [ "$build" = 1 ]; then
-        cargo build --release -p flotilla-coordinator --bin flotilla
+        cargo build --release --target "$host_triple" -p flotilla-coordinator --bin flotilla
       fi
       [ -x "$host_flotilla" ] || {
         echo "$0: $host_flotilla is missing: the completions and the man page are made with the host's build" >&2

@@ -423,15 +423,17 @@ step "8. one agent however it is built: the package's agent against a build besi
 # crates the agent does not call is known and accepted; a feature that pulls code into the
 # agent only in the workspace build (as tracing-subscriber's `init` once did, +156 KB) is not.
 # `--bin flotilla-agent` builds only the agent, with the features both packages ask for (the
-# coordinator's own binary is not linked again). Last step: it rebuilds
-# target/release/flotilla-agent, which no step above may use after it.
+# coordinator's own binary is not linked again). With --target of the host, as build.sh builds,
+# so the coordinator's dependencies built for its package are used again. Last step: it rebuilds
+# target/TRIPLE/release/flotilla-agent, which no step above may use after it.
 gap_limit=${AGENT_BUILD_GAP:-32768}
 dpkg-deb --fsys-tarfile "$agent_deb" | tar -xO ./usr/bin/flotilla-agent >"$work/agent-alone"
 alone=$(stat -c %s "$work/agent-alone")
 together_start=$SECONDS
-cargo build --release -p flotilla-agent -p flotilla-coordinator --bin flotilla-agent
+host_triple=$(rustc -vV | sed -n 's/^host: //p')
+cargo build --release --target "$host_triple" -p flotilla-agent -p flotilla-coordinator --bin flotilla-agent
 # Stripped as build.sh strips the packaged one (.comment and .note out too).
-cp "$target_dir/release/flotilla-agent" "$work/agent-together"
+cp "$target_dir/$host_triple/release/flotilla-agent" "$work/agent-together"
 strip --remove-section=.comment --remove-section=.note "$work/agent-together"
 together=$(stat -c %s "$work/agent-together")
 gap=$((together - alone))
