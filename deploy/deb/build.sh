@@ -78,9 +78,9 @@ maintainer=${DEB_MAINTAINER:-"flotilla maintainers <flotilla@lists.flotilla.dev>
 epoch=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || date +%s)}
 
 # Every architecture, the host's included, builds with an explicit --target, into
-# target/TRIPLE/release: one `cargo build --release --target A --target B` then builds several
-# architectures at once, their single-threaded link-time optimisation side by side, and this
-# script finds them built (.ci/run does that before the deb check).
+# target/TRIPLE/release, so one `cargo build --release --target A --target B` can build the
+# coordinator for several architectures at once, their single-threaded link-time optimisations
+# side by side, and this script finds them built (.ci/run does that before the deb check).
 host_triple=$(rustc -vV | sed -n 's/^host: //p')
 bin_dir="$target_dir/$triple/release"
 if [ "$triple" = "$host_triple" ]; then
