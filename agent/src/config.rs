@@ -77,6 +77,10 @@ pub struct BrokerConfig {
     pub alternates: Vec<(String, u16)>,
     pub topic_root: String,
     pub keep_alive: Duration,
+    /// How often the agent sends its state again unprompted (`state_refresh`, 15 minutes by
+    /// default; `None` is "0s", never): a state a broker lost or garbled is back within it
+    /// (decision 0072). Each device stretches it by a factor of its own (`refresh.rs`).
+    pub state_refresh: Option<Duration>,
     /// Username (the device id, for the shipped ACL) and the password read at load time.
     pub credentials: Option<Credentials>,
     /// TLS; `None` is plain TCP.
@@ -270,6 +274,8 @@ struct RawBroker {
     topic_root: String,
     #[serde(default = "default_keep_alive")]
     keep_alive: String,
+    #[serde(default = "default_state_refresh")]
+    state_refresh: String,
     username: Option<String>,
     password_file: Option<PathBuf>,
     password_env: Option<String>,
@@ -284,6 +290,9 @@ fn default_root() -> String {
 }
 fn default_keep_alive() -> String {
     "30s".to_owned()
+}
+fn default_state_refresh() -> String {
+    "15m".to_owned()
 }
 
 #[derive(Debug, Deserialize)]
@@ -547,6 +556,11 @@ impl TryFrom<RawConfig> for Config {
             alternates,
             topic_root: raw.broker.topic_root.clone(),
             keep_alive: parse_duration("broker.keep_alive", &raw.broker.keep_alive)?,
+            state_refresh: Some(parse_duration(
+                "broker.state_refresh",
+                &raw.broker.state_refresh,
+            )?)
+            .filter(|every| !every.is_zero()),
             credentials: connection.credentials,
             tls: connection.tls,
         };
@@ -554,6 +568,18 @@ impl TryFrom<RawConfig> for Config {
             return Err(invalid(
                 "broker.keep_alive",
                 format!("{:?}: must be at least 1s", raw.broker.keep_alive),
+            ));
+        }
+        if broker
+            .state_refresh
+            .is_some_and(|every| every < Duration::from_secs(1))
+        {
+            return Err(invalid(
+                "broker.state_refresh",
+                format!(
+                    "{:?}: must be at least 1s, or \"0s\" to never send the state unprompted",
+                    raw.broker.state_refresh
+                ),
             ));
         }
 
@@ -928,6 +954,24 @@ mod tests {
             })
         );
         assert_eq!(c.labels, vec![("env".to_owned(), "prod".to_owned())]);
+    }
+
+    #[test]
+    fn the_state_is_sent_again_every_fifteen_minutes_unless_set_and_zero_turns_it_off() {
+        let c = Config::from_toml(DEFAULT_CONFIG).expect("default config parses");
+        assert_eq!(c.broker.state_refresh, Some(Duration::from_secs(15 * 60)));
+        let keep = "state_refresh = \"15m\"\n";
+        let c = with(keep, "state_refresh = \"2m\"\n").expect("2m");
+        assert_eq!(c.broker.state_refresh, Some(Duration::from_secs(120)));
+        let c = with(keep, "state_refresh = \"0s\"\n").expect("off");
+        assert_eq!(c.broker.state_refresh, None);
+        let e = err(keep, "state_refresh = \"500ms\"\n");
+        assert!(
+            e.starts_with("broker.state_refresh") && e.contains("at least 1s"),
+            "{e}"
+        );
+        let e = err(keep, "state_refresh = \"often\"\n");
+        assert!(e.starts_with("broker.state_refresh"), "{e}");
     }
 
     #[test]

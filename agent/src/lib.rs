@@ -148,6 +148,7 @@ pub mod machine;
 pub mod notify;
 pub mod peer_serve;
 pub mod record;
+pub mod refresh;
 pub mod resume;
 pub mod status;
 pub mod store;

@@ -75,6 +75,9 @@ pub struct AgentOptions {
     pub extra_config: Option<String>,
     /// Broker ports on 127.0.0.1 written as `[broker] hosts`, instead of the site's one broker.
     pub broker_ports: Option<Vec<u16>>,
+    /// `[broker] state_refresh`: how often it sends its state unprompted (the agent's default,
+    /// 15 minutes, when `None`).
+    pub state_refresh: Option<&'static str>,
 }
 
 impl Default for AgentOptions {
@@ -90,6 +93,7 @@ impl Default for AgentOptions {
             app_target: None,
             extra_config: None,
             broker_ports: None,
+            state_refresh: None,
         }
     }
 }
@@ -153,7 +157,7 @@ pub struct Site {
     coordinator: Option<Process>,
     /// Coordinators started by name, beside or instead of `coordinator` (`coordinators.rs`).
     pub(crate) named: BTreeMap<String, Process>,
-    agents: BTreeMap<String, Process>,
+    pub(crate) agents: BTreeMap<String, Process>,
     agent_options: BTreeMap<String, AgentOptions>,
     /// Operators in the coordinator's config: name and role. `admin` (role admin) always.
     operators: Vec<(String, Role)>,
@@ -663,6 +667,10 @@ impl Site {
                 format!("hosts = {hosts:?}")
             }
             None => format!("host = \"127.0.0.1\"\nport = {port}"),
+        };
+        let brokers = match options.state_refresh {
+            Some(every) => format!("{brokers}\nstate_refresh = {every:?}"),
+            None => brokers,
         };
         let mut text = format!(
             r#"device_id = "{id}"

@@ -56,22 +56,54 @@ impl Site {
         let deadline = Instant::now() + patience;
         loop {
             // Page by page, as `flotilla devices` does.
-            let last = match client
+            let (last, listed) = match client
                 .list_devices(PageQuery::default(), None, Duration::from_secs(5))
                 .await
             {
                 Ok(devices) => match found(&devices) {
                     Some(result) => return result,
-                    None => describe_devices(&devices),
+                    None => (describe_devices(&devices), devices),
                 },
-                Err(e) => format!("the last request failed: {e}"),
+                Err(e) => (format!("the last request failed: {e}"), Vec::new()),
             };
             assert!(
                 Instant::now() < deadline,
-                "coordinator did not see {what} within {patience:?}; {last}"
+                "coordinator did not see {what} within {patience:?}; {last}{}",
+                self.describe_unlisted(&listed)
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+impl Site {
+    /// For a failed wait: the end of the log of each agent this site started that the last
+    /// list did not show online, so a CI log says whether it was connected, and to what.
+    fn describe_unlisted(&self, listed: &[DeviceSummary]) -> String {
+        let mut out = String::new();
+        for id in self.agents.keys() {
+            if listed.iter().any(|d| &d.id == id && d.online) {
+                continue;
+            }
+            let log = std::fs::read_to_string(self.path(&format!("agents/{id}/agent.log")))
+                .unwrap_or_else(|e| format!("(no log: {e})"));
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(25)..].join("\n");
+            out.push_str(&format!(
+                "\n--- {id}, not listed online; the end of its log:\n{tail}"
+            ));
+            let coordinator =
+                std::fs::read_to_string(self.path("coordinator.log")).unwrap_or_default();
+            let about: Vec<&str> = coordinator
+                .lines()
+                .filter(|l| l.contains(id.as_str()))
+                .collect();
+            let about = about[about.len().saturating_sub(10)..].join("\n");
+            out.push_str(&format!(
+                "\n--- what the coordinator's log says of {id}:\n{about}"
+            ));
+        }
+        out
     }
 }
 

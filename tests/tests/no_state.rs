@@ -6,6 +6,10 @@
 //! it cannot know its labels; the device is still accepted and running. A rollout created then
 //! names it as excluded, and why, in the reply and the trace (it once left it out without a
 //! word), and a spec with `unknown_devices = "refuse"` is refused naming it.
+//!
+//! A device sends its state again every `[broker] state_refresh` (decision 0072): cleared the
+//! same way, a device with a short refresh is back by itself and planned, beside one on the
+//! default (15 minutes) that is still missing.
 
 use std::time::Duration;
 
@@ -95,4 +99,51 @@ async fn a_device_whose_state_was_cleared_is_named_as_excluded_when_a_rollout_is
         .rollout_status("ring-2", Default::default(), Duration::from_secs(10))
         .await;
     assert!(missing.is_err(), "ring-2 was created: {missing:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_whose_state_was_cleared_is_back_within_its_state_refresh() {
+    let mut site = Site::new(BrokerKind::Mosquitto);
+    site.release("fw-2", 2, b"firmware two\n");
+    site.start_coordinator();
+    site.add_agent("dev-default", &[("ring", "x")], AgentOptions::default());
+    let refreshing = AgentOptions {
+        state_refresh: Some("2s"),
+        ..AgentOptions::default()
+    };
+    site.add_agent("dev-refresh", &[("ring", "x")], refreshing);
+    site.wait_devices(2).await;
+
+    // Both retained states are cleared, as a broker restarted without persistence would lose
+    // them, and the coordinator restarts: it has the enrollments, no state of either.
+    for id in ["dev-default", "dev-refresh"] {
+        let topic = Topics::default().state(&DeviceId::new(id).expect("id"));
+        site.publish(&topic, Vec::new(), true).await;
+    }
+    site.kill_coordinator();
+    site.start_coordinator();
+
+    // The refreshing device sends its state again by itself, and a rollout plans it; the other
+    // stays unknown until its next change, reconnect or refresh.
+    let back = site.wait_online("dev-refresh", true).await;
+    assert_eq!(
+        back.labels.get("ring").map(String::as_str),
+        Some("x"),
+        "its labels are known again: {back:?}"
+    );
+    let client = site.client().await;
+    let reply = client
+        .request(
+            Command::CreateRollout { spec: SPEC.into() },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("created");
+    let status: RolloutStatus = serde_json::from_value(reply).expect("rollout status");
+    assert_eq!(
+        status.groups[0].total, 1,
+        "dev-refresh is planned: {status:#?}"
+    );
+    let excluded: Vec<&str> = status.excluded.iter().map(|e| e.device.as_str()).collect();
+    assert_eq!(excluded, ["dev-default"], "{status:#?}");
 }
