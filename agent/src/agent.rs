@@ -7,8 +7,8 @@
 //! publishes the retained device state and re-sends the outbox; the retained desired action
 //! then arrives and is reconciled (a known action id only re-reports its phase). It sends the
 //! state again every `[broker] state_refresh` ([`crate::refresh`]), so one the broker lost is
-//! back within that. An action
-//! found unfinished in the store goes on only once it verifies again ([`crate::resume`]).
+//! back within that. An action found unfinished in the store goes on only once it verifies
+//! again ([`crate::resume`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -162,22 +162,24 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
     }
 
     notifier.ready();
+    // The state goes out again every `refresh` (never when it is off; the timer then never fires).
     let refresh = env
         .config
         .broker
         .state_refresh
         .map(|every| crate::refresh::period(env.config.device_id.as_str(), every));
-    let far = std::time::Duration::from_secs(365 * 24 * 3600);
-    let next_refresh = tokio::time::sleep(refresh.unwrap_or(far));
+    let refresh_on = refresh.is_some();
+    let refresh = refresh.unwrap_or(std::time::Duration::from_secs(365 * 24 * 3600));
+    let next_refresh = tokio::time::sleep(refresh);
     tokio::pin!(next_refresh);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = watchdog.tick() => notifier.watchdog(),
-            _ = &mut next_refresh, if refresh.is_some() => {
+            _ = &mut next_refresh, if refresh_on => {
                 tracing::debug!("sending the state again (state_refresh)");
                 env.link.send(Outgoing::State(env.device_state(true))).await;
-                next_refresh.as_mut().reset(tokio::time::Instant::now() + refresh.unwrap_or(far));
+                next_refresh.as_mut().reset(tokio::time::Instant::now() + refresh);
             }
             Some(record) = done_rx.recv() => {
                 if running.as_ref().is_some_and(|r| r.action_id == record.action_id) {
@@ -196,9 +198,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Agen
                 Some(LinkEvent::Connected) => {
                     env.link.send(Outgoing::Subscribe).await;
                     env.link.send(Outgoing::State(env.device_state(true))).await;
-                    if let Some(period) = refresh {
-                        next_refresh.as_mut().reset(tokio::time::Instant::now() + period);
-                    }
+                    // The state just went out: the next refresh is a whole period away.
+                    next_refresh.as_mut().reset(tokio::time::Instant::now() + refresh);
                     for report in env.store.outbox() {
                         env.link.send(env.outgoing_report(report)).await;
                     }

@@ -79,8 +79,9 @@ fn main() -> ExitCode {
         // it: the filter decides alone.
         .with_max_level(tracing_subscriber::filter::LevelFilter::TRACE)
         .with_writer(std::io::stderr)
-        // Colour codes only for a person at a terminal, not in journald or log files.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // No colour codes: the agent logs to journald or a file, and its release build leaves
+        // out tracing-subscriber's `ansi` feature (size; the workspace's Cargo.toml).
+        .with_ansi(false)
         .finish()
         .with(filter);
     // Not `.init()`: where tracing-subscriber's `tracing-log` feature is on (a build together
