@@ -16,13 +16,11 @@
 use std::time::Duration;
 
 /// The period for device `device_id` when the configured one is `every`: `every` times a
-/// factor in [0.75, 1.25) picked by the device id (FNV-1a), the same at every start.
+/// factor in [0.75, 1.25) picked by the device id (the FNV-1a spread that also picks its first
+/// broker, [`flotilla_mqtt::spread`]), the same at every start.
 pub fn period(device_id: &str, every: Duration) -> Duration {
-    let hash = device_id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
     // In thousandths: 750..1250.
-    let factor = 750 + u32::try_from(hash % 500).unwrap_or(0);
+    let factor = 750 + u32::try_from(flotilla_mqtt::spread(device_id, 500)).unwrap_or(0);
     every * factor / 1000
 }
 

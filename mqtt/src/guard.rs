@@ -398,9 +398,10 @@ async fn relay(client: UnixStream, target: Target, limit: usize, shared: Arc<Sha
     }
 }
 
-/// The broker of `count` a client id starts with: its FNV-1a hash, so a fleet spreads evenly and
-/// each device comes back to the same broker.
-fn spread(client_id: &str, count: usize) -> usize {
+/// Where client id `client_id` falls among `count` (0-based): its FNV-1a hash modulo `count`,
+/// the same on every start. The broker of a list it starts with, so a fleet spreads evenly and
+/// each device comes back to the same broker; the agent also spreads its state refreshes by it.
+pub fn spread(client_id: &str, count: usize) -> usize {
     if count <= 1 {
         return 0;
     }

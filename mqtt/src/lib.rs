@@ -32,7 +32,8 @@ pub mod https;
 mod oversize;
 
 pub use guard::{
-    remove_own_dirs as remove_own_guard_dirs, Guard, GuardError, Link, LinkSetup, DIAL_TIMEOUT,
+    remove_own_dirs as remove_own_guard_dirs, spread, Guard, GuardError, Link, LinkSetup,
+    DIAL_TIMEOUT,
 };
 pub use oversize::{dropped, Dropped, DROPPED_TOPIC};
 

@@ -417,10 +417,7 @@ impl Cluster {
 /// (flotilla-mqtt's FNV-1a spread, decision 0057), so a test can order each device's list to
 /// start it on the node it wants.
 pub fn first_of(id: &str, count: usize) -> usize {
-    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    (hash % count as u64) as usize
+    flotilla_mqtt::spread(id, count)
 }
 
 impl Site {

@@ -81,6 +81,7 @@ impl Site {
     /// list did not show online, so a CI log says whether it was connected, and to what.
     fn describe_unlisted(&self, listed: &[DeviceSummary]) -> String {
         let mut out = String::new();
+        let coordinator = std::fs::read_to_string(self.path("coordinator.log")).unwrap_or_default();
         for id in self.agents.keys() {
             if listed.iter().any(|d| &d.id == id && d.online) {
                 continue;
@@ -92,8 +93,6 @@ impl Site {
             out.push_str(&format!(
                 "\n--- {id}, not listed online; the end of its log:\n{tail}"
             ));
-            let coordinator =
-                std::fs::read_to_string(self.path("coordinator.log")).unwrap_or_default();
             let about: Vec<&str> = coordinator
                 .lines()
                 .filter(|l| l.contains(id.as_str()))

@@ -20,6 +20,18 @@ use flotilla_tests::{AgentOptions, BrokerKind, Site};
 const SPEC: &str =
     "name = \"ring\"\nrelease = \"fw-2\"\nselect = \"ring=x\"\n[groups]\ncount = 1\n";
 
+/// Creates the rollout of [`SPEC`]; the status the reply carries.
+async fn create(client: &flotilla_coordinator::cli::client::ControlClient) -> RolloutStatus {
+    let reply = client
+        .request(
+            Command::CreateRollout { spec: SPEC.into() },
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("created");
+    serde_json::from_value(reply).expect("rollout status")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_whose_state_was_cleared_is_named_as_excluded_when_a_rollout_is_created() {
     let mut site = Site::new(BrokerKind::Mosquitto);
@@ -37,14 +49,7 @@ async fn a_device_whose_state_was_cleared_is_named_as_excluded_when_a_rollout_is
     site.wait_online("dev-kept", true).await;
 
     let client = site.client().await;
-    let reply = client
-        .request(
-            Command::CreateRollout { spec: SPEC.into() },
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("created");
-    let status: RolloutStatus = serde_json::from_value(reply).expect("rollout status");
+    let status = create(&client).await;
     let devices: Vec<&String> = status
         .groups
         .iter()
@@ -132,14 +137,7 @@ async fn a_device_whose_state_was_cleared_is_back_within_its_state_refresh() {
         "its labels are known again: {back:?}"
     );
     let client = site.client().await;
-    let reply = client
-        .request(
-            Command::CreateRollout { spec: SPEC.into() },
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("created");
-    let status: RolloutStatus = serde_json::from_value(reply).expect("rollout status");
+    let status = create(&client).await;
     assert_eq!(
         status.groups[0].total, 1,
         "dev-refresh is planned: {status:#?}"
